@@ -1,0 +1,291 @@
+"""Schema of the ``policy`` section: model, parallelism, optimisation and generation settings."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from nemo_rl.config.base import ConfigModel
+
+Precision = Literal["float32", "bfloat16", "float16"]
+
+
+class TokenizerConfig(ConfigModel):
+    """Which tokenizer to load and how to format chats with it."""
+
+    name: str | None = None
+    """Hub name or local path of the tokenizer; ``None`` uses ``policy.model_name``."""
+
+    chat_template: str | None = None
+    """Jinja chat template overriding the tokenizer's own; ``None`` keeps the tokenizer's template.
+    The special value ``"default"`` renders messages as plain ``role: content`` lines."""
+
+
+class DTensorConfig(ConfigModel):
+    """The DTensor (FSDP2 + tensor parallel) policy backend."""
+
+    enabled: bool = True
+    """Use the DTensor backend for the policy workers."""
+
+    cpu_offload: bool = False
+    """Offload parameters and optimizer state to host memory (FSDP2 CPUOffloadPolicy; CUDA only)."""
+
+    sequence_parallel: bool = False
+    """Shard activations along the sequence dim between tensor-parallel regions (needs TP > 1)."""
+
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass to save memory."""
+
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    """Tensor-parallel degree; the data-parallel degree is the worker count divided by it."""
+
+    context_parallel_size: int = Field(default=1, ge=1, le=1)
+    """Context-parallel degree (only 1 is supported)."""
+
+    custom_parallel_plan: str | None = None
+    """Import path of a function ``(model, tp_mesh, sequence_parallel) -> None`` applying a custom TP plan."""
+
+
+class MegatronConfig(ConfigModel):
+    """The Megatron-core policy backend (needs the ``mcore`` extra)."""
+
+    enabled: bool = False
+    """Use the Megatron-core backend for the policy workers."""
+
+    tensor_model_parallel_size: int = Field(default=1, ge=1)
+    """Megatron tensor-parallel degree."""
+
+    pipeline_model_parallel_size: int = Field(default=1, ge=1)
+    """Megatron pipeline-parallel degree."""
+
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs TP > 1)."""
+
+    activation_checkpointing: bool = False
+    """Recompute activations of every transformer layer in the backward pass."""
+
+
+class OptimizerConfig(ConfigModel):
+    """A torch optimizer given by class path and keyword arguments."""
+
+    name: str = "torch.optim.AdamW"
+    """Import path of the optimizer class."""
+
+    kwargs: dict[str, Any] = Field(default_factory=lambda: {"lr": 5.0e-6, "weight_decay": 0.01})
+    """Keyword arguments passed to the optimizer class (``lr``, ``betas``, ``weight_decay``...)."""
+
+
+class SchedulerEntry(ConfigModel):
+    """One learning-rate scheduler in a chain, given by class path and keyword arguments."""
+
+    name: str
+    """Import path of the scheduler class, e.g. ``torch.optim.lr_scheduler.LinearLR``."""
+
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the scheduler (the optimizer is passed by the worker)."""
+
+
+class SchedulerMilestones(ConfigModel):
+    """Step milestones at which a chain of schedulers hands over to the next one (``SequentialLR``)."""
+
+    milestones: list[int]
+    """Optimizer steps at which to switch to the next scheduler of the list."""
+
+
+class DynamicBatchingConfig(ConfigModel):
+    """Group sequences of similar length into micro-batches bounded by a token budget."""
+
+    enabled: bool = False
+    """Use token-budget micro-batches instead of a fixed micro-batch size."""
+
+    train_mb_tokens: int = Field(default=4096, ge=1)
+    """Token budget of one training micro-batch."""
+
+    logprob_mb_tokens: int = Field(default=8192, ge=1)
+    """Token budget of one log-prob micro-batch."""
+
+    sequence_length_round: int = Field(default=64, ge=1)
+    """Padded sequence lengths are rounded up to a multiple of this."""
+
+
+class ColocatedResources(ConfigModel):
+    """Resources for generation workers when they do not share the policy's bundles."""
+
+    gpus_per_node: int | None = None
+    """Worker slots per node reserved for generation; ``None`` is only valid when colocated."""
+
+    num_nodes: int | None = None
+    """Nodes reserved for generation; ``None`` means one node."""
+
+
+class ColocatedConfig(ConfigModel):
+    """Whether generation shares the policy's bundles (taking turns) or runs on its own."""
+
+    enabled: bool = True
+    """Share the policy's bundles; ``False`` gives generation its own bundles from ``resources``."""
+
+    resources: ColocatedResources = Field(default_factory=ColocatedResources)
+    """Bundles for generation in non-colocated mode."""
+
+
+class VllmConfig(ConfigModel):
+    """Settings of the vLLM generation backend (GPU only, ``vllm`` extra)."""
+
+    precision: Precision = "bfloat16"
+    """Dtype vLLM holds the weights in."""
+
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    """vLLM tensor-parallel degree."""
+
+    pipeline_parallel_size: int = Field(default=1, ge=1)
+    """vLLM pipeline-parallel degree."""
+
+    gpu_memory_utilization: float = Field(default=0.6, gt=0.0, le=1.0)
+    """Fraction of GPU memory vLLM may use for weights and KV cache."""
+
+    max_model_len: int | None = None
+    """Longest sequence vLLM accepts; ``None`` uses ``policy.max_total_sequence_length``."""
+
+    enforce_eager: bool = False
+    """Disable CUDA graphs."""
+
+    async_engine: bool = False
+    """Use vLLM's async engine."""
+
+
+class EmbeddedEngineConfig(ConfigModel):
+    """Settings of the embedded pure-torch generation engine (the default backend; CPU or GPU)."""
+
+    precision: Precision = "float32"
+    """Dtype the engine holds the weights in; refit casts to it on the sender."""
+
+    data_parallel_size: int | None = None
+    """Number of engine replicas; ``None`` uses one replica per generation bundle."""
+
+
+class GenerationConfig(ConfigModel):
+    """Sampling settings and the generation backend."""
+
+    backend: Literal["embedded", "vllm"] = "embedded"
+    """Which generation backend to run: the embedded torch engine or vLLM."""
+
+    max_new_tokens: int | None = None
+    """Most tokens sampled per response; ``None`` uses ``policy.max_total_sequence_length``."""
+
+    temperature: float = Field(default=1.0, gt=0.0)
+    """Sampling temperature (greedy decoding is asked for per call, not with a zero temperature)."""
+
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches ``top_p``."""
+
+    top_k: int | None = Field(default=None, ge=1)
+    """Keep only the ``top_k`` most likely tokens; ``None`` disables the filter."""
+
+    stop_token_ids: list[int] | None = None
+    """Token ids that end a response (the tokenizer's EOS token always does)."""
+
+    stop_strings: list[str] | None = None
+    """Strings that end a response when they appear in the generated text."""
+
+    colocated: ColocatedConfig = Field(default_factory=ColocatedConfig)
+    """Placement of generation workers relative to the policy workers."""
+
+    embedded_cfg: EmbeddedEngineConfig = Field(default_factory=EmbeddedEngineConfig)
+    """Settings of the embedded engine backend."""
+
+    vllm_cfg: VllmConfig = Field(default_factory=VllmConfig)
+    """Settings of the vLLM backend."""
+
+
+class PolicyConfig(ConfigModel):
+    """The trained model, how it is parallelised and optimised, and how it samples."""
+
+    model_name: str
+    """Hub name or local path of a Hugging Face causal LM."""
+
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    """Tokenizer settings."""
+
+    trust_remote_code: bool = False
+    """Allow the model and tokenizer repositories to run their own code."""
+
+    train_global_batch_size: int = Field(default=32, ge=1)
+    """Sequences per optimizer step, summed over all data-parallel ranks."""
+
+    train_micro_batch_size: int = Field(default=4, ge=1)
+    """Sequences per forward/backward pass on one rank (gradients accumulate over micro-batches)."""
+
+    logprob_batch_size: int | None = Field(default=None, ge=1)
+    """Sequences per forward pass when computing log-probs; ``None`` uses ``train_micro_batch_size``."""
+
+    generation_batch_size: int | None = Field(default=None, ge=1)
+    """Sequences per generation call on one engine replica; ``None`` generates the whole shard at once."""
+
+    max_total_sequence_length: int = Field(default=512, ge=2)
+    """Longest prompt + response, in tokens."""
+
+    precision: Precision = "float32"
+    """Dtype of the training weights and activations (``float32`` on CPU; ``bfloat16`` on GPU)."""
+
+    max_grad_norm: float | None = Field(default=1.0, gt=0.0)
+    """Clip the global gradient norm to this value; ``None`` disables clipping."""
+
+    make_sequence_length_divisible_by: int = Field(default=1, ge=1)
+    """Pad batches so the sequence length is a multiple of this (e.g. the TP size with sequence parallel)."""
+
+    refit_buffer_size_mb: int = Field(default=256, ge=1)
+    """Size of one refit bucket in MiB; a parameter larger than a bucket is sent alone."""
+
+    dtensor_cfg: DTensorConfig = Field(default_factory=DTensorConfig)
+    """DTensor backend settings."""
+
+    megatron_cfg: MegatronConfig = Field(default_factory=MegatronConfig)
+    """Megatron-core backend settings."""
+
+    dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig)
+    """Token-budget micro-batching."""
+
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    """Optimizer class and arguments."""
+
+    scheduler: list[SchedulerEntry | SchedulerMilestones] = Field(default_factory=list)
+    """Learning-rate schedulers, chained with ``SequentialLR`` when a ``milestones`` entry is given.
+    Empty means a constant learning rate."""
+
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    """Sampling settings and backend (used by GRPO, distillation and evaluation)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> PolicyConfig:
+        if self.dtensor_cfg.enabled == self.megatron_cfg.enabled:
+            raise ValueError(
+                "exactly one of policy.dtensor_cfg.enabled and policy.megatron_cfg.enabled must be true"
+            )
+        if self.train_global_batch_size % self.train_micro_batch_size != 0 and not self.dynamic_batching.enabled:
+            raise ValueError(
+                f"policy.train_global_batch_size ({self.train_global_batch_size}) must be a multiple of "
+                f"policy.train_micro_batch_size ({self.train_micro_batch_size})"
+            )
+        entries = [s for s in self.scheduler if isinstance(s, SchedulerEntry)]
+        milestones = [s for s in self.scheduler if isinstance(s, SchedulerMilestones)]
+        if len(milestones) > 1:
+            raise ValueError("policy.scheduler may hold at most one `milestones` entry")
+        if milestones and len(milestones[0].milestones) != len(entries) - 1:
+            raise ValueError(
+                f"policy.scheduler has {len(entries)} schedulers, so its `milestones` needs "
+                f"{len(entries) - 1} steps, got {milestones[0].milestones}"
+            )
+        if len(entries) > 1 and not milestones:
+            raise ValueError("policy.scheduler chains several schedulers: add a `milestones: [...]` entry")
+        return self
+
+    @property
+    def tokenizer_name(self) -> str:
+        """The tokenizer to load: ``tokenizer.name`` or else the model itself."""
+        return self.tokenizer.name or self.model_name
+
+    @property
+    def max_new_tokens(self) -> int:
+        """Most tokens sampled per response."""
+        return self.generation.max_new_tokens or self.max_total_sequence_length
