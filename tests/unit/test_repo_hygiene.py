@@ -1,0 +1,28 @@
+"""Repository-level invariants: CI runs exactly the README's test command."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _readme_quick_start_commands() -> list[str]:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Quick start", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", section, re.S)
+    assert block, "README's quick start has no bash block"
+    return [line.strip() for line in block.group(1).splitlines() if line.strip()]
+
+
+def test_quick_start_is_two_commands() -> None:
+    commands = _readme_quick_start_commands()
+    assert len(commands) == 2, commands
+    assert "examples/run_grpo_math.py" in commands[0]
+
+
+def test_ci_runs_the_readme_test_command_verbatim() -> None:
+    test_command = _readme_quick_start_commands()[1]
+    ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert test_command in ci_lines, f"`.ci/run` must run the README's test command `{test_command}`"
