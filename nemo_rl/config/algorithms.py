@@ -34,6 +34,10 @@ class SFTConfig(ConfigModel):
     seed: int = 42
     """Seed of data shuffling and model initialisation."""
 
+    export_dir: str | None = None
+    """Where the final weights are exported as a Hugging Face folder (safetensors, config, tokenizer);
+    ``None`` uses ``<checkpointing.checkpoint_dir>/hf_final``."""
+
 
 class GRPOConfig(ConfigModel):
     """The GRPO loop: sampling, scoring, advantage estimation and policy updates."""

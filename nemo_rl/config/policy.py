@@ -198,6 +198,17 @@ class GenerationConfig(ConfigModel):
     """Settings of the vLLM backend."""
 
 
+class RefitConfig(ConfigModel):
+    """How weights move from the policy workers to the generation workers ("refit")."""
+
+    transport: Literal["auto", "shared_memory", "collective"] = "auto"
+    """``auto`` uses shared memory when generation is colocated with the policy (same nodes) and a
+    collective broadcast otherwise; the other values force a transport."""
+
+    timeout_s: float = Field(default=600.0, gt=0.0)
+    """Seconds a refit may take before it fails, naming the workers it was waiting for."""
+
+
 class PolicyConfig(ConfigModel):
     """The trained model, how it is parallelised and optimised, and how it samples."""
 
@@ -237,6 +248,9 @@ class PolicyConfig(ConfigModel):
     refit_buffer_size_mb: int = Field(default=256, ge=1)
     """Size of one refit bucket in MiB; a parameter larger than a bucket is sent alone."""
 
+    refit: RefitConfig = Field(default_factory=RefitConfig)
+    """Weight transfer from the policy to the generation workers."""
+
     dtensor_cfg: DTensorConfig = Field(default_factory=DTensorConfig)
     """DTensor backend settings."""
 
@@ -262,7 +276,10 @@ class PolicyConfig(ConfigModel):
             raise ValueError(
                 "exactly one of policy.dtensor_cfg.enabled and policy.megatron_cfg.enabled must be true"
             )
-        if self.train_global_batch_size % self.train_micro_batch_size != 0 and not self.dynamic_batching.enabled:
+        if (
+            self.train_global_batch_size % self.train_micro_batch_size != 0
+            and not self.dynamic_batching.enabled
+        ):
             raise ValueError(
                 f"policy.train_global_batch_size ({self.train_global_batch_size}) must be a multiple of "
                 f"policy.train_micro_batch_size ({self.train_micro_batch_size})"
