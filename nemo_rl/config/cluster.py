@@ -1,0 +1,26 @@
+"""Schema of the ``cluster`` section: how many worker slots the run reserves, and how long it waits for them."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from nemo_rl.config.base import ConfigModel
+
+
+class ClusterConfig(ConfigModel):
+    """The worker slots of a run: ``num_nodes`` x ``gpus_per_node`` Ray placement-group bundles."""
+
+    gpus_per_node: int = Field(default=1, ge=1)
+    """Worker slots per node. With CUDA each slot is one GPU (plus one CPU); on a machine without CUDA
+    each slot is one CPU worker process, so the same recipe runs on a laptop."""
+
+    num_nodes: int = Field(default=1, ge=1)
+    """Nodes to reserve; each gets one placement group of ``gpus_per_node`` bundles packed on one node."""
+
+    placement_timeout_s: float = Field(default=180.0, gt=0.0)
+    """Seconds to wait for the placement groups before failing with a message naming the missing resources."""
+
+    @property
+    def world_size(self) -> int:
+        """Total worker slots: ``num_nodes * gpus_per_node``."""
+        return self.num_nodes * self.gpus_per_node

@@ -1,0 +1,343 @@
+"""A group of Ray actors, one per bundle of a :class:`RayVirtualCluster`, driven as one SPMD program.
+
+Ranks follow the order of ``bundle_indices``. The ranks form a (dp, tp) mesh laid out row-major: rank ``r`` is
+in data-parallel group ``r // tp_size`` with tensor-parallel rank ``r % tp_size``, where
+``tp_size = world_size // dp_size``. Every actor gets, through its runtime environment:
+
+- ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``
+  (so :func:`nemo_rl.distributed.device.init_process_group_from_env` works as is);
+- ``NEMO_RL_WORKER_GROUP`` (the group name), ``NEMO_RL_DP_RANK``, ``NEMO_RL_DP_SIZE``, ``NEMO_RL_TP_RANK``,
+  ``NEMO_RL_TP_SIZE`` and ``NEMO_RL_BUNDLE_INDEX``.
+
+``CUDA_VISIBLE_DEVICES`` is left to Ray, which assigns each actor the GPU of its bundle.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ray
+from ray.actor import ActorClass, ActorHandle
+from ray.exceptions import RayActorError, RayTaskError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
+
+logger = logging.getLogger(__name__)
+
+# Seconds the graceful ``shutdown`` method of the workers may take before they are killed.
+GRACEFUL_SHUTDOWN_TIMEOUT_S = 30.0
+
+# Bound on the remembered (ref -> rank, method) entries of results nobody fetched.
+_MAX_TRACKED_REFS = 100_000
+
+_RESERVED_ENV_VARS = frozenset(
+    {
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "NEMO_RL_WORKER_GROUP",
+        "NEMO_RL_DP_RANK",
+        "NEMO_RL_DP_SIZE",
+        "NEMO_RL_TP_RANK",
+        "NEMO_RL_TP_SIZE",
+        "NEMO_RL_BUNDLE_INDEX",
+    }
+)
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker actor of a :class:`RayWorkerGroup` died (crashed, was killed, or failed in ``__init__``)."""
+
+    def __init__(self, group_name: str, rank: int | None, cause: str) -> None:
+        self.group_name = group_name
+        self.rank = rank
+        self.cause = cause
+        who = f"rank {rank}" if rank is not None else "a worker"
+        super().__init__(f"{who} of worker group {group_name!r} died. Ray reported: {cause}")
+
+
+class RayWorkerGroup:
+    """One actor of ``worker_cls`` per bundle of ``cluster``, run as ranks of one program.
+
+    ``worker_cls`` is a plain class; it is wrapped with ``ray.remote`` and each actor is scheduled onto its
+    bundle, taking ``1 / cluster.max_colocated_worker_groups`` of the bundle so that several groups can share
+    the bundles (colocated mode). ``bundle_indices`` picks the bundles (global indices of ``cluster``, one
+    worker each, ranks in that order; default: all of them), so disjoint lists give non-colocated groups.
+    ``dp_size`` (default: ``world_size``, i.e. no tensor parallelism) sets the (dp, tp) mesh.
+
+    Construction does not wait for the actors; :meth:`wait_until_ready` does, and any method call surfaces a
+    failed ``__init__`` as :class:`WorkerDiedError`.
+    """
+
+    def __init__(
+        self,
+        cluster: RayVirtualCluster,
+        worker_cls: type,
+        *,
+        name: str,
+        init_args: Sequence[Any] = (),
+        init_kwargs: Mapping[str, Any] | None = None,
+        bundle_indices: Sequence[int] | None = None,
+        dp_size: int | None = None,
+        env_vars: Mapping[str, str] | None = None,
+    ) -> None:
+        if isinstance(worker_cls, ActorClass):
+            raise TypeError(
+                f"RayWorkerGroup {name!r}: pass the plain worker class, not one decorated with @ray.remote; "
+                "the group sets the actor options itself"
+            )
+        bundles = (
+            list(range(cluster.world_size)) if bundle_indices is None else [int(b) for b in bundle_indices]
+        )
+        if not bundles:
+            raise ValueError(f"RayWorkerGroup {name!r}: bundle_indices is empty")
+        if len(set(bundles)) != len(bundles):
+            raise ValueError(f"RayWorkerGroup {name!r}: bundle_indices {bundles} repeats a bundle")
+        world_size = len(bundles)
+        dp = world_size if dp_size is None else dp_size
+        if dp < 1 or world_size % dp != 0:
+            raise ValueError(
+                f"RayWorkerGroup {name!r}: dp_size={dp_size} must be >= 1 and divide the {world_size} workers"
+            )
+        reserved = sorted(_RESERVED_ENV_VARS.intersection(env_vars or {}))
+        if reserved:
+            raise ValueError(
+                f"RayWorkerGroup {name!r}: env_vars may not set {reserved}; the group sets them per rank"
+            )
+
+        self.name = name
+        self.cluster = cluster
+        self.bundle_indices = bundles
+        self._worker_cls = worker_cls
+        self._world_size = world_size
+        self._dp_size = dp
+        self._tp_size = world_size // dp
+        self._ref_owners: dict[str, tuple[int, str]] = {}
+        self._shut_down = False
+
+        cluster.reserve_bundles(bundles, name)
+        try:
+            self._workers, self._actor_ranks = self._start_workers(
+                init_args, dict(init_kwargs or {}), dict(env_vars or {})
+            )
+        except BaseException:
+            cluster.release_bundles(bundles, name)
+            raise
+
+    def _start_workers(
+        self, init_args: Sequence[Any], init_kwargs: dict[str, Any], env_vars: dict[str, str]
+    ) -> tuple[list[ActorHandle], dict[str, int]]:
+        locations = self.cluster.bundle_locations()
+        master_addr, master_port = self.cluster.get_master_address_and_port(self.bundle_indices[0])
+        node_of_rank = [locations[b].node_id for b in self.bundle_indices]
+        actor_cls: Any = ray.remote(self._worker_cls)
+        resources = self.cluster.actor_resources()
+        workers: list[ActorHandle] = []
+        actor_ranks: dict[str, int] = {}
+        for rank, bundle in enumerate(self.bundle_indices):
+            location = locations[bundle]
+            same_node = [r for r, node in enumerate(node_of_rank) if node == location.node_id]
+            rank_env = {
+                **env_vars,
+                "RANK": str(rank),
+                "WORLD_SIZE": str(self._world_size),
+                "LOCAL_RANK": str(same_node.index(rank)),
+                "LOCAL_WORLD_SIZE": str(len(same_node)),
+                "MASTER_ADDR": master_addr,
+                "MASTER_PORT": str(master_port),
+                "NEMO_RL_WORKER_GROUP": self.name,
+                "NEMO_RL_DP_RANK": str(rank // self._tp_size),
+                "NEMO_RL_DP_SIZE": str(self._dp_size),
+                "NEMO_RL_TP_RANK": str(rank % self._tp_size),
+                "NEMO_RL_TP_SIZE": str(self._tp_size),
+                "NEMO_RL_BUNDLE_INDEX": str(bundle),
+            }
+            worker: ActorHandle = actor_cls.options(
+                num_cpus=resources["num_cpus"],
+                num_gpus=resources["num_gpus"],
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=location.placement_group,
+                    placement_group_bundle_index=location.pg_bundle_index,
+                ),
+                runtime_env={"env_vars": rank_env},
+            ).remote(*init_args, **init_kwargs)
+            workers.append(worker)
+            actor_ranks[worker._actor_id.hex()] = rank
+        return workers, actor_ranks
+
+    @property
+    def workers(self) -> list[ActorHandle]:
+        """The actor handles, in rank order."""
+        return list(self._workers)
+
+    @property
+    def world_size(self) -> int:
+        """Number of workers."""
+        return self._world_size
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel groups."""
+        return self._dp_size
+
+    @property
+    def tp_size(self) -> int:
+        """Workers per data-parallel group (``world_size // dp_size``)."""
+        return self._tp_size
+
+    def dp_rank(self, rank: int) -> int:
+        """Data-parallel group of worker ``rank``."""
+        return rank // self._tp_size
+
+    @property
+    def dp_leader_ranks(self) -> list[int]:
+        """The first rank of each data-parallel group, in dp order."""
+        return list(range(0, self._world_size, self._tp_size))
+
+    def run_all_workers_single_data(self, method: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
+        """Call ``method(*args, **kwargs)`` on every worker; one result ref per worker, in rank order."""
+        return [self._call(rank, method, args, kwargs) for rank in range(self._world_size)]
+
+    def run_all_workers_sharded_data(
+        self, method: str, data_shards: Sequence[Any], *args: Any, **kwargs: Any
+    ) -> list[ray.ObjectRef]:
+        """Call ``method(data_shards[dp_rank], *args, **kwargs)`` on every worker, in rank order.
+
+        ``data_shards`` holds one entry per data-parallel group; every rank of group ``i`` (its tensor-parallel
+        peers) receives ``data_shards[i]``, stored once in the object store.
+        """
+        if len(data_shards) != self._dp_size:
+            raise ValueError(
+                f"worker group {self.name!r}: got {len(data_shards)} data shards for dp_size={self._dp_size}; "
+                "shard the data with BatchedDataDict.shard_by_batch_size(group.dp_size, ...)"
+            )
+        shard_refs = [ray.put(shard) for shard in data_shards]
+        return [
+            self._call(rank, method, (shard_refs[self.dp_rank(rank)], *args), kwargs)
+            for rank in range(self._world_size)
+        ]
+
+    def run_single_worker(self, method: str, rank: int, *args: Any, **kwargs: Any) -> ray.ObjectRef:
+        """Call ``method(*args, **kwargs)`` on worker ``rank`` only."""
+        if not 0 <= rank < self._world_size:
+            raise IndexError(f"worker group {self.name!r} has no rank {rank} (world size {self._world_size})")
+        return self._call(rank, method, args, kwargs)
+
+    def get_all_worker_results(self, refs: Sequence[ray.ObjectRef], timeout_s: float) -> list[Any]:
+        """Results of ``refs`` in order, waiting at most ``timeout_s`` in all.
+
+        The first failure is raised as soon as it arrives: a dead worker as :class:`WorkerDiedError`, an
+        exception raised by a method as itself (Ray's ``RayTaskError`` subclassing the original type) with a note
+        naming the worker. Raises ``TimeoutError`` naming the workers still running after ``timeout_s``.
+        """
+        ref_list = list(refs)
+        position = {ref.hex(): i for i, ref in enumerate(ref_list)}
+        if len(position) != len(ref_list):
+            raise ValueError(f"worker group {self.name!r}: get_all_worker_results got the same ref twice")
+        results: list[Any] = [None] * len(ref_list)
+        pending = ref_list
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"worker group {self.name!r}: {self._describe(pending)} did not finish within {timeout_s:g} s"
+                )
+            ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+            for ref in ready:
+                results[position[ref.hex()]] = self._fetch(ref)
+        return results
+
+    def get_dp_leader_results(self, refs: Sequence[ray.ObjectRef], timeout_s: float) -> list[Any]:
+        """Wait for every worker's result, then return those of the dp leaders (first rank of each dp group).
+
+        ``refs`` must hold one ref per worker in rank order, as the ``run_all_workers_*`` methods return.
+        """
+        if len(refs) != self._world_size:
+            raise ValueError(
+                f"worker group {self.name!r}: get_dp_leader_results needs one ref per worker ({self._world_size}), "
+                f"got {len(refs)}"
+            )
+        results = self.get_all_worker_results(refs, timeout_s)
+        return [results[rank] for rank in self.dp_leader_ranks]
+
+    def wait_until_ready(self, timeout_s: float) -> None:
+        """Block until every actor has finished ``__init__``; a failed one raises :class:`WorkerDiedError`."""
+        refs: list[ray.ObjectRef] = [worker.__ray_ready__.remote() for worker in self._workers]
+        for rank, ref in enumerate(refs):
+            self._remember(ref, rank, "__init__")
+        self.get_all_worker_results(refs, timeout_s)
+
+    def shutdown(self, graceful_timeout_s: float = GRACEFUL_SHUTDOWN_TIMEOUT_S) -> None:
+        """Stop the workers: call their ``shutdown`` method if the class defines one, then kill the actors.
+
+        A worker that fails or hangs in its ``shutdown`` is logged and killed anyway. Safe to call twice.
+        """
+        if self._shut_down:
+            return
+        self._shut_down = True
+        if callable(getattr(self._worker_cls, "shutdown", None)):
+            refs: list[ray.ObjectRef] = [worker.shutdown.remote() for worker in self._workers]
+            done, hung = ray.wait(refs, num_returns=len(refs), timeout=graceful_timeout_s)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except (RayActorError, RayTaskError) as error:
+                    logger.warning("worker group %r: graceful shutdown failed: %s", self.name, error)
+            if hung:
+                logger.warning(
+                    "worker group %r: %d workers did not finish shutdown() within %g s; killing them",
+                    self.name,
+                    len(hung),
+                    graceful_timeout_s,
+                )
+        for worker in self._workers:
+            ray.kill(worker, no_restart=True)
+        self.cluster.release_bundles(self.bundle_indices, self.name)
+        self._ref_owners.clear()
+
+    def __enter__(self) -> RayWorkerGroup:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    def _call(self, rank: int, method: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> ray.ObjectRef:
+        if self._shut_down:
+            raise RuntimeError(f"worker group {self.name!r} was shut down")
+        if not callable(getattr(self._worker_cls, method, None)):
+            raise AttributeError(f"worker class {self._worker_cls.__name__} has no method {method!r}")
+        ref = getattr(self._workers[rank], method).remote(*args, **kwargs)
+        self._remember(ref, rank, method)
+        return ref
+
+    def _remember(self, ref: ray.ObjectRef, rank: int, method: str) -> None:
+        # Keyed by hex, not by the ref: holding refs would keep their results alive in the object store.
+        if len(self._ref_owners) >= _MAX_TRACKED_REFS:
+            self._ref_owners.pop(next(iter(self._ref_owners)))
+        self._ref_owners[ref.hex()] = (rank, method)
+
+    def _describe(self, refs: Sequence[ray.ObjectRef]) -> str:
+        owners = [self._ref_owners.get(ref.hex()) for ref in refs]
+        known = [f"rank {owner[0]} ({owner[1]})" for owner in owners if owner is not None]
+        unknown = len(owners) - len(known)
+        return ", ".join(known + ([f"{unknown} refs not started by this group"] if unknown else []))
+
+    def _fetch(self, ref: ray.ObjectRef) -> Any:
+        owner = self._ref_owners.pop(ref.hex(), None)
+        try:
+            return ray.get(ref)
+        except RayActorError as error:
+            rank = self._actor_ranks.get(error.actor_id or "", owner[0] if owner else None)
+            raise WorkerDiedError(self.name, rank, str(error)) from error
+        except RayTaskError as error:
+            where = f"rank {owner[0]}, method {owner[1]!r}" if owner else "a worker"
+            error.add_note(f"raised in {where} of worker group {self.name!r}")
+            raise

@@ -1,0 +1,44 @@
+"""Shared pytest fixtures.
+
+``ray_cluster`` (session scope): one local Ray instance for the whole test session, started on first use with
+``RAY_CLUSTER_NUM_CPUS`` (8) logical CPUs and the machine's GPUs (none on CI, where every
+``cluster.gpus_per_node`` up to 7 fits as CPU worker slots, leaving room for driver-side actors), and shut down
+when the session ends. Request it in any test (or fixture) that creates actors,
+a ``RayVirtualCluster`` or a ``RayWorkerGroup``; tests must release what they reserve (``shutdown()`` worker
+groups and clusters, ideally in a ``finally`` or a fixture) so later tests find the slots free. It ignores
+``RAY_ADDRESS``: tests never attach to a real cluster. Worker processes see the driver's test directories on
+their ``PYTHONPATH``, so worker classes defined in test modules unpickle in the actors. The fixture yields the
+``ray.cluster_resources()`` dict it started with.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import ray
+
+from nemo_rl.distributed.virtual_cluster import default_ray_temp_dir, worker_pythonpath
+
+RAY_CLUSTER_NUM_CPUS = 8
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[dict[str, float]]:
+    """A local Ray shared by the whole session (see the module docstring)."""
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(
+        address="local",
+        num_cpus=RAY_CLUSTER_NUM_CPUS,
+        include_dashboard=False,
+        _temp_dir=os.environ.get("NEMO_RL_RAY_TEMP_DIR") or default_ray_temp_dir(),
+        # One thread per worker process: the test machine's cores are shared by all workers.
+        runtime_env={"env_vars": {"PYTHONPATH": worker_pythonpath(), "OMP_NUM_THREADS": "1"}},
+        log_to_driver=True,
+    )
+    try:
+        yield ray.cluster_resources()
+    finally:
+        ray.shutdown()
