@@ -75,6 +75,9 @@ class GRPOConfig(ConfigModel):
     val_batch_size: int = Field(default=256, ge=1)
     """Validation prompts per generation call."""
 
+    val_greedy: bool = False
+    """Decode validation responses greedily instead of sampling with ``policy.generation`` settings."""
+
     seed: int = 42
     """Seed of prompt shuffling, sampling and initialisation."""
 

@@ -1,0 +1,415 @@
+"""GRPO: group relative policy optimisation with verifiable rewards.
+
+Each step (see DESIGN.md, "One GRPO step"):
+
+1. take ``grpo.num_prompts_per_step`` prompts and repeat each ``num_generations_per_prompt`` times;
+2. refit the generation workers if the policy changed since they were last updated;
+3. roll out: sample responses, let the environments score them (several turns if configured);
+4. advantages: each response's reward minus its prompt group's baseline (optionally over the group std);
+5. the policy scores the responses under the current (previous-step) and reference weights;
+6. one or more optimizer steps with the clipped policy-gradient loss; generation weights become stale;
+7. log, validate and checkpoint when due.
+
+``setup`` builds every piece from a :class:`GRPOMasterConfig` (resuming from the latest checkpoint when
+there is one) and ``grpo_train`` runs the loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from nemo_rl.algorithms.advantages import compute_advantages
+from nemo_rl.algorithms.loss_functions import ClippedPGLossFn
+from nemo_rl.config.errors import UserError
+from nemo_rl.config.loader import save_config
+from nemo_rl.config.master import GRPOMasterConfig
+from nemo_rl.data.collate_fn import rl_collate_fn
+from nemo_rl.data.dataloader import StatefulDataLoader
+from nemo_rl.data.datasets import ProcessedDataset
+from nemo_rl.data.llm_message_utils import message_logs_to_batch
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.distributed.virtual_cluster import RayVirtualCluster, init_ray
+from nemo_rl.environments.registry import create_env
+from nemo_rl.experience.rollouts import run_multi_turn_rollout
+from nemo_rl.models.generation.factory import create_generation
+from nemo_rl.models.generation.interfaces import GenerationInterface
+from nemo_rl.models.policy.lm_policy import Policy
+from nemo_rl.utils.checkpoint import CheckpointManager
+from nemo_rl.utils.logger import Logger
+from nemo_rl.utils.timer import Timer
+from nemo_rl.weight_sync.factory import create_refit_transport
+from nemo_rl.weight_sync.interfaces import RefitTransport
+from nemo_rl.weight_sync.refit import refit
+
+_TRAIN_ROLES = ("assistant",)
+
+
+@dataclasses.dataclass
+class GRPOState:
+    """What a checkpoint records about the loop's progress."""
+
+    step: int = 0
+    """GRPO steps taken."""
+
+    total_valid_tokens: float = 0.0
+    """Tokens trained on so far."""
+
+    val_accuracy: float | None = None
+    """Latest validation accuracy."""
+
+
+@dataclasses.dataclass
+class GRPOSetup:
+    """Everything ``grpo_train`` needs, built by ``setup``."""
+
+    config: GRPOMasterConfig
+    tokenizer: PreTrainedTokenizerBase
+    cluster: RayVirtualCluster
+    policy: Policy
+    generation: GenerationInterface
+    refit_transport: RefitTransport
+    train_loader: StatefulDataLoader[Any, BatchedDataDict[Any]]
+    val_dataset: ProcessedDataset | None
+    loss_fn: ClippedPGLossFn
+    task_to_env: dict[str, Any]
+    logger: Logger
+    checkpointer: CheckpointManager
+    state: GRPOState
+    generation_stale: bool = True
+
+    def shutdown(self) -> None:
+        """Stop every worker and actor, flush the loggers, release the placement groups."""
+        self.logger.close()
+        self.generation.shutdown()
+        self.policy.shutdown()
+        for env in self.task_to_env.values():
+            ray.kill(env)
+        self.cluster.shutdown()
+
+
+def _placement(config: GRPOMasterConfig) -> tuple[list[int], list[int]]:
+    """Bundle indices of the policy and the generation workers.
+
+    Colocated: both use every bundle and take turns. Otherwise the last
+    ``policy.generation.colocated.resources.gpus_per_node`` bundles of each node go to generation.
+    """
+    total = config.cluster.gpus_per_node * config.cluster.num_nodes
+    if config.policy.generation.colocated.enabled:
+        return list(range(total)), list(range(total))
+    gen_per_node = config.policy.generation.colocated.resources.gpus_per_node
+    assert gen_per_node is not None  # checked by GRPOMasterConfig
+    if gen_per_node >= config.cluster.gpus_per_node:
+        raise UserError(
+            f"non-colocated generation takes policy.generation.colocated.resources.gpus_per_node="
+            f"{gen_per_node} of cluster.gpus_per_node={config.cluster.gpus_per_node} slots per node, leaving "
+            "none for the policy: raise cluster.gpus_per_node or lower the generation slots"
+        )
+    policy_bundles: list[int] = []
+    generation_bundles: list[int] = []
+    for node in range(config.cluster.num_nodes):
+        first = node * config.cluster.gpus_per_node
+        split = first + config.cluster.gpus_per_node - gen_per_node
+        policy_bundles += range(first, split)
+        generation_bundles += range(split, first + config.cluster.gpus_per_node)
+    return policy_bundles, generation_bundles
+
+
+def _check_batch_sizes(config: GRPOMasterConfig) -> None:
+    samples = config.grpo.num_prompts_per_step * config.grpo.num_generations_per_prompt
+    if samples % config.policy.train_global_batch_size != 0:
+        raise UserError(
+            f"grpo.num_prompts_per_step x grpo.num_generations_per_prompt = {samples} responses per step must "
+            f"be a multiple of policy.train_global_batch_size={config.policy.train_global_batch_size}"
+        )
+
+
+def setup(
+    config: GRPOMasterConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    train_dataset: ProcessedDataset,
+    val_dataset: ProcessedDataset | None,
+) -> GRPOSetup:
+    """Start Ray, the policy, generation and environment workers; restore the latest checkpoint if any."""
+    _check_batch_sizes(config)
+    checkpointer = CheckpointManager(config.checkpointing)
+    last_checkpoint = checkpointer.get_latest_checkpoint_path() if config.checkpointing.enabled else None
+    state = GRPOState()
+    if last_checkpoint is not None:
+        info = CheckpointManager.load_training_info(last_checkpoint)
+        state = GRPOState(
+            step=info["step"],
+            total_valid_tokens=info["total_valid_tokens"],
+            val_accuracy=info.get("val_accuracy"),
+        )
+        print(f"Resuming GRPO from {last_checkpoint} (step {state.step})", flush=True)
+
+    train_loader: StatefulDataLoader[Any, BatchedDataDict[Any]] = StatefulDataLoader(
+        train_dataset,
+        batch_size=config.grpo.num_prompts_per_step,
+        shuffle=config.data.shuffle,
+        seed=config.grpo.seed,
+        drop_last=True,
+        collate_fn=rl_collate_fn,
+    )
+    if last_checkpoint is not None:
+        train_loader.load_state_dict(torch.load(last_checkpoint / "train_dataloader.pt", weights_only=True))
+
+    init_ray(config.cluster)
+    cluster = RayVirtualCluster(config.cluster, name="grpo", max_colocated_worker_groups=2)
+    policy_bundles, generation_bundles = _placement(config)
+    policy = Policy(
+        cluster,
+        config.policy,
+        bundle_indices=policy_bundles,
+        init_reference_model=config.loss_fn.reference_policy_kl_penalty > 0,
+        weights_path=str(last_checkpoint / "policy" / "weights") if last_checkpoint else None,
+        optimizer_path=str(last_checkpoint / "policy" / "optimizer") if last_checkpoint else None,
+    )
+    generation = create_generation(cluster, config.policy, tokenizer, bundle_indices=generation_bundles)
+    locations = cluster.bundle_locations()
+    refit_transport = create_refit_transport(
+        config.policy,
+        config.policy.refit,
+        policy_node_ids=[locations[b].node_id for b in policy_bundles],
+        generation_node_ids=[locations[b].node_id for b in generation_bundles],
+    )
+    task_to_env = {"math": create_env("math", config.env)}
+    logger = Logger(config.logger)
+    logger.log_hyperparams(config.model_dump(mode="json"))
+    save_config(config, config.logger.log_dir)
+    return GRPOSetup(
+        config=config,
+        tokenizer=tokenizer,
+        cluster=cluster,
+        policy=policy,
+        generation=generation,
+        refit_transport=refit_transport,
+        train_loader=train_loader,
+        val_dataset=val_dataset,
+        loss_fn=ClippedPGLossFn(config.loss_fn),
+        task_to_env=task_to_env,
+        logger=logger,
+        checkpointer=checkpointer,
+        state=state,
+    )
+
+
+def refit_generation(s: GRPOSetup) -> dict[str, float]:
+    """Copy the policy's current weights into the generation workers."""
+    s.policy.offload_before_refit()
+    metrics = refit(
+        s.policy.workers,
+        s.generation.workers,
+        s.refit_transport,
+        timeout_s=s.config.policy.refit.timeout_s,
+    )
+    s.policy.offload_after_refit()
+    s.generation_stale = False
+    return metrics
+
+
+def build_train_batch(
+    rollout: BatchedDataDict[Any], advantages_B: torch.Tensor, pad_token_id: int, overlong_filtering: bool
+) -> BatchedDataDict[Any]:
+    """Flatten the rolled-out conversations into the policy's training batch.
+
+    Adds to the flattened ``input_ids`` / ``input_lengths`` / ``token_mask`` (assistant tokens): per-token
+    ``advantages`` and ``generation_logprobs``, and ``sample_mask`` (prompts cut for length, and truncated
+    responses when ``overlong_filtering`` is on, are masked out).
+    """
+    logs = rollout["message_log"]
+    batch = message_logs_to_batch(logs, pad_token_id=pad_token_id, train_roles=_TRAIN_ROLES)
+    generation_logprobs_BT = torch.zeros_like(batch["token_mask"])
+    for b, log in enumerate(logs):
+        position = 0
+        for message in log:
+            n = int(message["token_ids"].numel())
+            if message["role"] in _TRAIN_ROLES:
+                generation_logprobs_BT[b, position : position + n] = message["generation_logprobs"]
+            position += n
+    sample_mask_B = rollout["loss_multiplier"].float().clone()
+    if overlong_filtering:
+        sample_mask_B *= (~rollout["truncated"]).float()
+    batch["advantages"] = advantages_B[:, None].expand_as(batch["token_mask"]).contiguous()
+    batch["generation_logprobs"] = generation_logprobs_BT
+    batch["sample_mask"] = sample_mask_B
+    return batch
+
+
+def _val_batches(s: GRPOSetup) -> list[BatchedDataDict[Any]]:
+    assert s.val_dataset is not None
+    cfg = s.config.grpo
+    num_samples = min(cfg.max_val_samples, len(s.val_dataset))
+    return [
+        rl_collate_fn([s.val_dataset[i] for i in range(start, min(start + cfg.val_batch_size, num_samples))])
+        for start in range(0, num_samples, cfg.val_batch_size)
+    ]
+
+
+def validate(s: GRPOSetup, step: int) -> dict[str, float]:
+    """Accuracy on up to ``grpo.max_val_samples`` held-out prompts (one response each); logged at ``step``."""
+    if s.val_dataset is None or len(s.val_dataset) == 0:
+        return {}
+    if s.generation_stale:
+        refit_generation(s)
+    start_s = time.perf_counter()
+    rewards: list[torch.Tensor] = []
+    lengths: list[float] = []
+    samples: list[str] = []
+    s.generation.prepare_for_generation()
+    for batch in _val_batches(s):
+        rollout, rollout_metrics = run_multi_turn_rollout(
+            s.generation,
+            batch,
+            s.tokenizer,
+            s.task_to_env,
+            max_seq_len=s.config.policy.max_total_sequence_length,
+            max_rollout_turns=s.config.grpo.max_rollout_turns,
+            greedy=s.config.grpo.val_greedy,
+        )
+        rewards.append(rollout["total_reward"])
+        lengths.append(rollout_metrics["mean_gen_tokens_per_sample"] * rollout["total_reward"].numel())
+        samples += [
+            "".join(m["content"] for m in log) + f"\n[reward {float(r):.1f}]"
+            for log, r in zip(rollout["message_log"], rollout["total_reward"], strict=True)
+        ]
+    s.generation.finish_generation()
+    all_rewards = torch.cat(rewards)
+    metrics = {
+        "accuracy": float((all_rewards > 0).float().mean()),
+        "mean_reward": float(all_rewards.mean()),
+        "mean_gen_tokens_per_sample": sum(lengths) / all_rewards.numel(),
+        "num_samples": float(all_rewards.numel()),
+        "time_s": time.perf_counter() - start_s,
+    }
+    s.logger.print_samples(samples, step)
+    s.logger.log_metrics(metrics, step, prefix="validation")
+    s.state.val_accuracy = metrics["accuracy"]
+    return metrics
+
+
+def save_checkpoint(s: GRPOSetup) -> Path:
+    """Write the policy, optimizer, scheduler, loader position and loop state as ``step_<N>`` (atomically)."""
+    info: dict[str, Any] = dataclasses.asdict(s.state)
+    metric_name = s.config.checkpointing.metric_name
+    if metric_name is not None and metric_name not in info and s.state.val_accuracy is not None:
+        info[metric_name] = s.state.val_accuracy
+    tmp = s.checkpointer.init_tmp_checkpoint(s.state.step, info, s.config)
+    s.policy.save_checkpoint(str(tmp / "policy" / "weights"), str(tmp / "policy" / "optimizer"))
+    torch.save(s.train_loader.state_dict(), tmp / "train_dataloader.pt")
+    return s.checkpointer.finalize_checkpoint(tmp)
+
+
+def _step_metrics(
+    rollout: BatchedDataDict[Any],
+    rollout_metrics: dict[str, float],
+    advantages_B: torch.Tensor,
+    train_result: dict[str, Any],
+) -> dict[str, float]:
+    metrics = {
+        "loss": float(train_result["loss"].mean()),
+        "reward": float(rollout["total_reward"].mean()),
+        "grad_norm": float(train_result["grad_norm"][-1]),
+        "lr": float(train_result["lr"][-1]),
+        "advantages/mean": float(advantages_B.mean()),
+        "advantages/min": float(advantages_B.min()),
+        "advantages/max": float(advantages_B.max()),
+        "num_valid_tokens": float(train_result["global_valid_toks"].sum()),
+        **rollout_metrics,
+    }
+    for name, values in train_result["metrics"].items():
+        if name.endswith("_min"):
+            metrics.setdefault(name, min(values))
+        elif name.endswith("_max"):
+            metrics.setdefault(name, max(values))
+        else:
+            metrics.setdefault(name, sum(values) / len(values))
+    return metrics
+
+
+def grpo_step(s: GRPOSetup, batch: BatchedDataDict[Any], timer: Timer) -> dict[str, float]:
+    """One GRPO step on a batch of prompts; returns its ``train/`` metrics."""
+    cfg = s.config
+    repeated = batch.repeat_interleave(cfg.grpo.num_generations_per_prompt)
+    if s.generation_stale:
+        with timer.time("refit"):
+            refit_metrics = refit_generation(s)
+        s.logger.log_metrics(refit_metrics, s.state.step + 1)
+    s.generation.prepare_for_generation()
+    rollout, rollout_metrics = run_multi_turn_rollout(
+        s.generation,
+        repeated,
+        s.tokenizer,
+        s.task_to_env,
+        max_seq_len=cfg.policy.max_total_sequence_length,
+        max_rollout_turns=cfg.grpo.max_rollout_turns,
+        timer=timer,
+    )
+    s.generation.finish_generation()
+
+    advantages_B = compute_advantages(
+        rollout["total_reward"],
+        group_size=cfg.grpo.num_generations_per_prompt,
+        use_leave_one_out_baseline=cfg.grpo.use_leave_one_out_baseline,
+        normalize_rewards=cfg.grpo.normalize_rewards,
+    )
+    pad_token_id = int(s.tokenizer.pad_token_id)
+    train_data = build_train_batch(rollout, advantages_B, pad_token_id, cfg.grpo.overlong_filtering)
+
+    with timer.time("logprobs"):
+        s.policy.prepare_for_lp_inference()
+        train_data["prev_logprobs"] = s.policy.get_logprobs(train_data)["logprobs"]
+        if cfg.loss_fn.reference_policy_kl_penalty > 0:
+            reference = s.policy.get_reference_policy_logprobs(train_data)["reference_logprobs"]
+        else:
+            reference = train_data["prev_logprobs"]
+        train_data["reference_policy_logprobs"] = reference
+    with timer.time("policy_training"):
+        s.policy.prepare_for_training()
+        train_result = s.policy.train(train_data, s.loss_fn)
+    s.generation_stale = True
+    s.state.total_valid_tokens += float(train_result["global_valid_toks"].sum())
+    return _step_metrics(rollout, rollout_metrics, advantages_B, dict(train_result))
+
+
+def grpo_train(s: GRPOSetup) -> dict[str, float]:
+    """Run GRPO to ``grpo.max_num_steps`` (or ``max_num_epochs``); returns the last step's metrics."""
+    cfg = s.config
+    total_steps = min(cfg.grpo.max_num_steps, cfg.grpo.max_num_epochs * len(s.train_loader))
+    if s.state.step == 0 and cfg.grpo.val_at_start:
+        validate(s, step=0)
+    timer = Timer()
+    metrics: dict[str, float] = {}
+    progress = s.logger.progress_bar(total=total_steps, initial=s.state.step, desc="grpo")
+    while s.state.step < total_steps:
+        for batch in s.train_loader:
+            if s.state.step >= total_steps:
+                break
+            with timer.time("total_step_time"):
+                metrics = grpo_step(s, batch, timer)
+                s.state.step += 1
+                step = s.state.step
+                if cfg.grpo.val_period and step % cfg.grpo.val_period == 0:
+                    with timer.time("validation"):
+                        validate(s, step)
+                if cfg.checkpointing.enabled and (s.checkpointer.should_save(step) or step == total_steps):
+                    with timer.time("checkpointing"):
+                        save_checkpoint(s)
+            timing = timer.get_timing_metrics("sum")
+            num_tokens = metrics["mean_conversation_tokens"] * batch.size * cfg.grpo.num_generations_per_prompt
+            s.logger.log_metrics(metrics, step, prefix="train")
+            s.logger.log_metrics(timing, step, prefix="timing/train")
+            s.logger.log_metrics(
+                {"tokens_per_sec": num_tokens / timing["total_step_time"]}, step, prefix="performance"
+            )
+            timer.reset()
+            progress.update(1)
+    progress.close()
+    return metrics

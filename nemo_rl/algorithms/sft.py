@@ -1,0 +1,216 @@
+"""Supervised fine-tuning: next-token NLL on the assistant turns of conversations.
+
+``setup`` builds the pieces (cluster, policy workers, data loaders, logger, checkpointer), resuming from the
+latest complete checkpoint when there is one. ``sft_train`` runs the loop: one optimizer step per global
+batch, validation loss every ``sft.val_period`` steps, a checkpoint every ``checkpointing.save_period``
+steps (weights, optimizer, scheduler and data-loader position), and a Hugging Face export at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from nemo_rl.algorithms.loss_functions import NLLLoss
+from nemo_rl.config.loader import save_config
+from nemo_rl.config.master import SFTMasterConfig
+from nemo_rl.data.collate_fn import make_sft_collate_fn
+from nemo_rl.data.dataloader import StatefulDataLoader
+from nemo_rl.data.datasets import ProcessedDataset
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.distributed.virtual_cluster import RayVirtualCluster, init_ray
+from nemo_rl.models.policy.lm_policy import Policy
+from nemo_rl.utils.checkpoint import CheckpointManager
+from nemo_rl.utils.logger import Logger
+from nemo_rl.utils.timer import Timer
+
+
+@dataclasses.dataclass
+class SFTState:
+    """What a checkpoint records about the loop's progress."""
+
+    step: int = 0
+    """Optimizer steps taken."""
+
+    epoch: int = 0
+    """Epochs begun."""
+
+    val_loss: float | None = None
+    """Latest validation loss."""
+
+
+@dataclasses.dataclass
+class SFTSetup:
+    """Everything ``sft_train`` needs, built by ``setup``."""
+
+    config: SFTMasterConfig
+    tokenizer: PreTrainedTokenizerBase
+    cluster: RayVirtualCluster
+    policy: Policy
+    train_loader: StatefulDataLoader[Any, BatchedDataDict[Any]]
+    val_loader: StatefulDataLoader[Any, BatchedDataDict[Any]] | None
+    loss_fn: NLLLoss
+    logger: Logger
+    checkpointer: CheckpointManager
+    state: SFTState
+
+
+def _max_seq_len(cfg: SFTMasterConfig) -> int:
+    return cfg.data.max_input_seq_length or cfg.policy.max_total_sequence_length
+
+
+def setup(
+    config: SFTMasterConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    train_dataset: ProcessedDataset,
+    val_dataset: ProcessedDataset | None,
+) -> SFTSetup:
+    """Start Ray and the policy workers, build the loaders, and restore the latest checkpoint if any."""
+    checkpointer = CheckpointManager(config.checkpointing)
+    last_checkpoint = checkpointer.get_latest_checkpoint_path() if config.checkpointing.enabled else None
+    state = SFTState()
+    if last_checkpoint is not None:
+        info = CheckpointManager.load_training_info(last_checkpoint)
+        state = SFTState(step=info["step"], epoch=info["epoch"], val_loss=info.get("val_loss"))
+        print(f"Resuming SFT from {last_checkpoint} (step {state.step})", flush=True)
+
+    collate = make_sft_collate_fn(tokenizer, _max_seq_len(config))
+    train_loader: StatefulDataLoader[Any, BatchedDataDict[Any]] = StatefulDataLoader(
+        train_dataset,
+        batch_size=config.policy.train_global_batch_size,
+        shuffle=config.data.shuffle,
+        seed=config.sft.seed,
+        drop_last=True,
+        collate_fn=collate,
+    )
+    val_loader = None
+    if val_dataset is not None and len(val_dataset) > 0:
+        val_loader = StatefulDataLoader(
+            val_dataset,
+            batch_size=config.sft.val_global_batch_size,
+            shuffle=False,
+            seed=config.sft.seed,
+            drop_last=False,
+            collate_fn=collate,
+        )
+    if last_checkpoint is not None:
+        train_loader.load_state_dict(torch.load(last_checkpoint / "train_dataloader.pt", weights_only=True))
+
+    init_ray(config.cluster)
+    cluster = RayVirtualCluster(config.cluster, name="sft")
+    policy = Policy(
+        cluster,
+        config.policy,
+        init_reference_model=False,
+        weights_path=str(last_checkpoint / "policy" / "weights") if last_checkpoint else None,
+        optimizer_path=str(last_checkpoint / "policy" / "optimizer") if last_checkpoint else None,
+    )
+    logger = Logger(config.logger)
+    logger.log_hyperparams(config.model_dump(mode="json"))
+    save_config(config, config.logger.log_dir)
+    return SFTSetup(
+        config=config,
+        tokenizer=tokenizer,
+        cluster=cluster,
+        policy=policy,
+        train_loader=train_loader,
+        val_loader=val_loader,
+        loss_fn=NLLLoss(),
+        logger=logger,
+        checkpointer=checkpointer,
+        state=state,
+    )
+
+
+def validate(s: SFTSetup, step: int) -> float | None:
+    """Mean validation loss over ``sft.val_batches`` batches (all of them when 0); logged at ``step``."""
+    if s.val_loader is None:
+        return None
+    cfg = s.config.sft
+    total_loss = 0.0
+    total_tokens = 0.0
+    # Every validation run reads the same batches from the start of the (unshuffled) validation set.
+    s.val_loader.load_state_dict(s.val_loader.state_dict() | {"epoch": 0, "batch_index": 0})
+    for batch_index, batch in enumerate(s.val_loader):
+        if cfg.val_batches and batch_index >= cfg.val_batches:
+            break
+        result = s.policy.train(
+            batch, s.loss_fn, eval_mode=True, gbs=batch.size, mbs=min(cfg.val_micro_batch_size, batch.size)
+        )
+        # Each batch's loss is a token mean; weight batches by their token counts for the overall mean.
+        tokens = float(result["global_valid_toks"].sum())
+        total_loss += float(result["loss"].sum()) * tokens
+        total_tokens += tokens
+    val_loss = total_loss / max(total_tokens, 1.0)
+    s.logger.log_metrics({"val_loss": val_loss, "num_valid_tokens": total_tokens}, step, prefix="validation")
+    return val_loss
+
+
+def save_checkpoint(s: SFTSetup) -> Path:
+    """Write the policy, optimizer, scheduler and loader position as ``step_<N>`` (atomically)."""
+    info: dict[str, Any] = dataclasses.asdict(s.state)
+    if s.config.checkpointing.metric_name is not None and s.config.checkpointing.metric_name not in info:
+        info[s.config.checkpointing.metric_name] = s.state.val_loss
+    tmp = s.checkpointer.init_tmp_checkpoint(s.state.step, info, s.config)
+    s.policy.save_checkpoint(str(tmp / "policy" / "weights"), str(tmp / "policy" / "optimizer"))
+    torch.save(s.train_loader.state_dict(), tmp / "train_dataloader.pt")
+    return s.checkpointer.finalize_checkpoint(tmp)
+
+
+def _train_metrics(result: dict[str, Any]) -> dict[str, float]:
+    metrics = {
+        "loss": float(result["loss"][-1]),
+        "grad_norm": float(result["grad_norm"][-1]),
+        "lr": float(result["lr"][-1]),
+        "num_valid_tokens": float(result["global_valid_toks"][-1]),
+    }
+    for name, values in result["metrics"].items():
+        metrics.setdefault(name, float(values[-1]))
+    return metrics
+
+
+def sft_train(s: SFTSetup) -> dict[str, float]:
+    """Run SFT to ``sft.max_num_steps`` (or ``max_num_epochs``); returns the last step's metrics."""
+    cfg = s.config
+    timer = Timer()
+    last_metrics: dict[str, float] = {}
+    steps_per_epoch = len(s.train_loader)
+    total_steps = min(cfg.sft.max_num_steps, cfg.sft.max_num_epochs * steps_per_epoch)
+    if s.state.step == 0 and cfg.sft.val_at_start:
+        s.state.val_loss = validate(s, step=0)
+
+    progress = s.logger.progress_bar(total=total_steps, initial=s.state.step, desc="sft")
+    while s.state.step < total_steps:
+        s.state.epoch = s.train_loader.epoch
+        for batch in s.train_loader:
+            if s.state.step >= total_steps:
+                break
+            with timer.time("total_step_time"):
+                with timer.time("policy_training"):
+                    result = s.policy.train(batch, s.loss_fn)
+                s.state.step += 1
+                last_metrics = _train_metrics(dict(result))
+                if cfg.sft.val_period and s.state.step % cfg.sft.val_period == 0:
+                    with timer.time("validation"):
+                        s.state.val_loss = validate(s, s.state.step)
+                if s.checkpointer.should_save(s.state.step) or s.state.step == total_steps:
+                    with timer.time("checkpointing"):
+                        if cfg.checkpointing.enabled:
+                            save_checkpoint(s)
+            s.logger.log_metrics(last_metrics, s.state.step, prefix="train")
+            s.logger.log_metrics(timer.get_timing_metrics("sum"), s.state.step, prefix="timing/train")
+            timer.reset()
+            progress.update(1)
+    progress.close()
+
+    export_dir = cfg.sft.export_dir or str(Path(cfg.checkpointing.checkpoint_dir) / "hf_final")
+    s.policy.export_hf(export_dir)
+    print(f"Exported the final model to {export_dir}", flush=True)
+    if s.state.val_loss is not None and not math.isnan(s.state.val_loss):
+        last_metrics["val_loss"] = s.state.val_loss
+    return last_metrics
