@@ -1,0 +1,135 @@
+"""Schema of the ``loss_fn`` section (the clipped policy-gradient loss of GRPO) and of the DPO loss terms."""
+
+from __future__ import annotations
+
+from typing import Literal, Self
+
+from pydantic import Field, model_validator
+
+from nemo_rl.config.base import ConfigModel
+
+
+class ClippedPGLossConfig(ConfigModel):
+    """The clipped policy-gradient loss: PPO/GRPO clipping, optional dual clip, KL to the reference policy,
+    and off-policy corrections. Key names and defaults follow NeMo RL's ``loss_fn`` section."""
+
+    reference_policy_kl_penalty: float = Field(default=0.01, ge=0.0)
+    """Weight of the KL(policy || reference) term added to the loss; 0 disables it (and the reference
+    log-probs are then not read)."""
+
+    reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token KL estimator (Schulman): ``k1`` = -log r, ``k2`` = (log r)^2 / 2, ``k3`` = r - 1 - log r,
+    with r = pi_ref / pi on the sampled token."""
+
+    kl_input_clamp_value: float | None = Field(default=20.0, gt=0.0)
+    """Clamp log r to [-v, v] before the KL estimator (keeps exp finite); ``None`` disables."""
+
+    kl_output_clamp_value: float | None = Field(default=10.0, gt=0.0)
+    """Clamp each token's KL estimate to [-v, v]; ``None`` disables."""
+
+    ratio_clip_min: float = Field(default=0.2, ge=0.0, le=1.0)
+    """Lower clip of the importance ratio: it is clamped to at least ``1 - ratio_clip_min``."""
+
+    ratio_clip_max: float = Field(default=0.2, ge=0.0)
+    """Upper clip of the importance ratio: it is clamped to at most ``1 + ratio_clip_max`` (DAPO's
+    clip-higher uses a larger value than ``ratio_clip_min``)."""
+
+    ratio_clip_c: float | None = Field(default=None, gt=1.0)
+    """Dual-clip constant c (> 1, typically 3): for negative advantages the per-token loss is capped at
+    ``-c * A``; ``None`` disables dual clipping."""
+
+    use_on_policy_kl_approximation: bool = False
+    """Weight each token's KL by pi_curr / pi_gen (detached) so the sampled estimate targets the KL under
+    the current policy rather than under the generating policy."""
+
+    use_importance_sampling_correction: bool = False
+    """Multiply each token's loss by pi_prev / pi_gen (training vs generation backend mismatch; needed for
+    off-policy / async rollouts)."""
+
+    truncated_importance_sampling_ratio: float | None = Field(default=None, gt=0.0)
+    """Upper bound of the importance-sampling weights (truncated IS); ``None`` leaves them unbounded.
+    Needs ``use_importance_sampling_correction``."""
+
+    truncated_importance_sampling_ratio_min: float | None = Field(default=None, ge=0.0)
+    """Lower bound used by the ``icepop`` and ``seq-mask-tis`` filters."""
+
+    truncated_importance_sampling_type: Literal["tis", "icepop", "seq-mask-tis"] | None = None
+    """How the bound applies: ``tis`` (also what ``None`` means) clamps weights to the upper bound;
+    ``icepop`` zeroes tokens whose weight is outside [min, max]; ``seq-mask-tis`` drops whole sequences
+    whose geometric-mean weight is outside [min, max] and keeps raw token weights for the others."""
+
+    token_level_loss: bool = True
+    """Average the loss over all valid tokens of the batch (``True``), or per sequence first and then over
+    sequences (``False``, needed for sequence-level ratios)."""
+
+    sequence_level_importance_ratios: bool = False
+    """GSPO: one ratio per sequence, exp(mean over its tokens of log pi_curr - log pi_prev), clipped as a
+    whole; the importance-sampling weight becomes exp(sum of log pi_prev - log pi_gen). Needs
+    ``token_level_loss: false``."""
+
+    disable_ppo_ratio: bool = False
+    """Plain REINFORCE: the per-token loss is ``-A * log pi_curr`` with no ratio and no clipping."""
+
+    force_on_policy_ratio: bool = False
+    """Force the ratio to exactly 1 (still differentiable), for one optimizer step per rollout."""
+
+    use_kl_in_reward: Literal[False] = False
+    """Accepted for NeMo RL recipes; only ``false`` (the KL term lives in the loss) is supported."""
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> Self:
+        if self.sequence_level_importance_ratios and self.token_level_loss:
+            raise ValueError(
+                "loss_fn.sequence_level_importance_ratios (GSPO) averages per sequence: "
+                "set loss_fn.token_level_loss=false as well."
+            )
+        if self.disable_ppo_ratio and (self.ratio_clip_c is not None or self.force_on_policy_ratio):
+            raise ValueError(
+                "loss_fn.disable_ppo_ratio has no importance ratio to clip or force: "
+                "set loss_fn.ratio_clip_c=null and loss_fn.force_on_policy_ratio=false."
+            )
+        if self.disable_ppo_ratio and self.sequence_level_importance_ratios:
+            raise ValueError(
+                "loss_fn.disable_ppo_ratio and loss_fn.sequence_level_importance_ratios exclude each "
+                "other: pick REINFORCE or GSPO."
+            )
+        if self.truncated_importance_sampling_ratio is not None:
+            if not self.use_importance_sampling_correction:
+                raise ValueError(
+                    "loss_fn.truncated_importance_sampling_ratio bounds the importance-sampling weights: "
+                    "set loss_fn.use_importance_sampling_correction=true or the ratio to null."
+                )
+            needs_min = self.truncated_importance_sampling_type in ("icepop", "seq-mask-tis")
+            if needs_min and self.truncated_importance_sampling_ratio_min is None:
+                raise ValueError(
+                    f"loss_fn.truncated_importance_sampling_type={self.truncated_importance_sampling_type!r} "
+                    "filters by [min, max]: set loss_fn.truncated_importance_sampling_ratio_min."
+                )
+            if (
+                self.truncated_importance_sampling_type == "seq-mask-tis"
+                and self.sequence_level_importance_ratios
+            ):
+                raise ValueError(
+                    "loss_fn.truncated_importance_sampling_type='seq-mask-tis' masks sequences but keeps "
+                    "token-level weights: it cannot be combined with sequence_level_importance_ratios."
+                )
+        return self
+
+
+class DPOLossConfig(ConfigModel):
+    """The terms of the DPO loss (NeMo RL's ``dpo`` section names)."""
+
+    reference_policy_kl_penalty: float = Field(default=0.05, gt=0.0)
+    """beta: scale of the implicit reward, beta * (log pi - log pi_ref) summed (or averaged) over tokens."""
+
+    preference_loss_weight: float = Field(default=1.0, ge=0.0)
+    """Weight of the preference (sigmoid) term."""
+
+    sft_loss_weight: float = Field(default=0.0, ge=0.0)
+    """Weight of an auxiliary negative log-likelihood on the chosen responses; 0 disables it."""
+
+    preference_average_log_probs: bool = False
+    """Average (instead of sum) the per-token log-ratio over the response when forming the reward."""
+
+    sft_average_log_probs: bool = False
+    """Average (instead of sum) the chosen response's token log-likelihoods in the SFT term."""
