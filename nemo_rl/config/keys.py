@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 from pydantic_core import to_jsonable_python
 
 INDEX = "<index>"
@@ -23,6 +24,9 @@ INDEX = "<index>"
 
 NAME = "<name>"
 """Placeholder for a free dict key in a schema path."""
+
+_SIMILARITY_MARGIN = 0.05
+"""Suggestions scoring this much below the best :mod:`difflib` ratio are dropped."""
 
 _OPEN = "open"
 """Marker: the position accepts any key below it (an ``Any``-typed value)."""
@@ -147,6 +151,21 @@ def annotation_at(schema: type[BaseModel], parts: Sequence[str]) -> Any | None:
     return functools.reduce(lambda a, b: a | b, current)
 
 
+def _field_default(field: FieldInfo) -> Any | None:
+    """A field's default value (calling its factory), or ``None`` if it is required or needs other fields."""
+    if field.is_required() or field.default_factory_takes_validated_data:
+        return None
+    return field.get_default(call_default_factory=True)
+
+
+def _dict_value_type(annotation: Any) -> Any:
+    for member in _members(annotation):
+        args = get_args(member)
+        if get_origin(member) in (dict, Mapping) and len(args) == 2:
+            return args[1]
+    return Any
+
+
 def container_default(schema: type[BaseModel], parts: Sequence[str]) -> dict[str, Any] | list[Any] | None:
     """Schema default of the dict- or list-valued field at ``parts`` (as plain data), else ``None``.
 
@@ -168,11 +187,10 @@ def container_default(schema: type[BaseModel], parts: Sequence[str]) -> dict[str
     for member in (m for a in current for m in _members(a)):
         if not _is_model(member) or parts[-1] not in member.model_fields:
             continue
-        field = member.model_fields[parts[-1]]
-        if field.is_required():
+        default = _field_default(member.model_fields[parts[-1]])
+        if isinstance(default, BaseModel) or not isinstance(default, dict | list) or not default:
             return None
-        default = to_jsonable_python(field.get_default(call_default_factory=True))
-        return default if isinstance(default, dict | list) and default else None
+        return to_jsonable_python(default)
     return None
 
 
@@ -203,6 +221,13 @@ def _walk(
                 path = (*prefix, name)
                 out.setdefault(path, SchemaKey(path, field.annotation))
                 _walk(field.annotation, path, (*stack, member), out)
+                # Keys of a dict default (``optimizer.kwargs.lr``) are known keys too, for hints and shorthand.
+                default = _field_default(field)
+                if isinstance(default, dict):
+                    value_type = _dict_value_type(field.annotation)
+                    for entry in default:
+                        entry_path = (*path, str(entry))
+                        out.setdefault(entry_path, SchemaKey(entry_path, value_type))
             continue
         origin = get_origin(member)
         args = get_args(member)
@@ -216,12 +241,21 @@ def _walk(
             _walk(args[1], (*prefix, NAME), stack, out)
 
 
-def _instantiate(key: SchemaKey, user_parts: Sequence[str]) -> str:
-    """Write a schema key with its placeholders filled from the user's key where the positions line up."""
+def _instantiate(key: SchemaKey, user_parts: Sequence[str]) -> str | None:
+    """Fill a schema key's placeholders from the user's key; ``None`` where the user's key does not supply one.
+
+    A placeholder is filled only when everything before it equals the user's key, so ``env.<name>.x`` becomes
+    ``env.math.x`` for ``env.math.y`` but not for ``policy.math.y``.
+    """
     parts = list(key.parts)
     for i, part in enumerate(parts):
-        if i < len(user_parts) and (part == NAME or (part == INDEX and user_parts[i].isdigit())):
-            parts[i] = user_parts[i]
+        if part not in (NAME, INDEX):
+            continue
+        if i >= len(user_parts) or parts[:i] != list(user_parts[:i]):
+            return None
+        if part == INDEX and not user_parts[i].isdigit():
+            return None
+        parts[i] = user_parts[i]
     return ".".join(parts)
 
 
@@ -233,24 +267,28 @@ def closest_keys(schema: type[BaseModel], key: str, max_results: int = 3) -> lis
     close, the keys under the deepest valid prefix of ``key`` are ranked instead, so there is always a hint.
     """
     user_parts = key.split(".")
-    candidates = list(dict.fromkeys(_instantiate(k, user_parts) for k in _cached_schema_keys(schema)))
-    candidates = [c for c in candidates if c != key]
+    filled = (_instantiate(k, user_parts) for k in _cached_schema_keys(schema))
+    candidates = [c for c in dict.fromkeys(filled) if c is not None and c != key]
 
     def similarity(candidate: str) -> float:
         return difflib.SequenceMatcher(None, key, candidate).ratio()
 
+    # An ancestor of the key (``policy.generation`` for ``policy.generation.top_kk``) is no useful hint.
+    candidates = [c for c in candidates if not key.startswith(c + ".")]
     same_leaf = sorted(
         (c for c in candidates if c.split(".")[-1] == user_parts[-1]), key=similarity, reverse=True
     )
     close = difflib.get_close_matches(key, candidates, n=max_results, cutoff=0.6)
+    if close:
+        # Keep only matches about as good as the best one, so a clear typo gets a single answer.
+        best = similarity(close[0])
+        close = [c for c in close if similarity(c) >= best - _SIMILARITY_MARGIN]
     found = list(dict.fromkeys([*same_leaf, *close]))
     if not found:
         bad = check_key(schema, user_parts)
         prefix = ".".join(user_parts[:bad]) if bad else ""
         siblings = [
-            c
-            for c in candidates
-            if (not prefix or c.startswith(prefix + ".")) and c.count(".") == (bad or 0) and "<" not in c
+            c for c in candidates if (not prefix or c.startswith(prefix + ".")) and c.count(".") == (bad or 0)
         ]
         found = sorted(siblings, key=similarity, reverse=True)
     return found[:max_results]

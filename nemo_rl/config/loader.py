@@ -261,5 +261,17 @@ def save_config(cfg: BaseModel | DictConfig | Mapping[str, Any], directory: str 
     out_dir = Path(directory)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / CONFIG_FILENAME
-    path.write_text(format_config(cfg))
+    text = yaml.safe_dump(_escape_interpolations(to_dict(cfg)), sort_keys=False, default_flow_style=False)
+    path.write_text(text)
     return path
+
+
+def _escape_interpolations(value: Any) -> Any:
+    # A resolved string may still contain `${` (e.g. a prompt template); escaped, it reloads verbatim.
+    if isinstance(value, str):
+        return value.replace("${", "\\${")
+    if isinstance(value, dict):
+        return {k: _escape_interpolations(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_escape_interpolations(v) for v in value]
+    return value
