@@ -1,0 +1,113 @@
+"""Schema of the ``data`` section: which dataset to load, how to split it and how to format its prompts."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from nemo_rl.config.base import ConfigModel
+
+DatasetName = Literal["tiny_math", "OpenMathInstruct-2", "squad", "openai_format", "response"]
+"""The dataset formats nemo_rl reads.
+
+- ``tiny_math``: arithmetic problems generated on the fly (no files); OpenMathInstruct-2's schema.
+- ``OpenMathInstruct-2``: ``problem``, ``generated_solution``, ``expected_answer`` (hub nvidia/OpenMathInstruct-2).
+- ``squad``: ``context``, ``question``, ``answers`` (hub rajpurkar/squad).
+- ``openai_format``: chat data, a list of ``{"role", "content"}`` messages under ``data.chat_key``.
+- ``response``: one input column and one output column (``data.input_key``, ``data.output_key``).
+"""
+
+
+class DataConfig(ConfigModel):
+    """Where the training and validation data come from and how each row becomes a prompt."""
+
+    dataset_name: DatasetName = "tiny_math"
+    """Schema of the data: ``tiny_math``, ``OpenMathInstruct-2``, ``squad``, ``openai_format`` or
+    ``response``. With no ``train_data_path`` the first three load from the hub (``tiny_math`` is generated)."""
+
+    train_data_path: str | None = None
+    """Local training file (``.jsonl``, ``.json`` with one object per line, or ``.parquet``) in the schema of
+    ``dataset_name``, or a hub dataset name. ``None`` loads the dataset's hub default (not for
+    ``openai_format`` / ``response``, which need a path)."""
+
+    val_data_path: str | None = None
+    """Local validation file or hub dataset name in the same schema; ``None`` uses the dataset's validation
+    split, or else carves one out of the training data with ``val_fraction``."""
+
+    split: str | None = None
+    """Hub split used as training data; ``None`` uses the dataset's usual one (``train_1M`` for
+    OpenMathInstruct-2, ``train`` otherwise). Ignored for local files."""
+
+    val_fraction: float = Field(default=0.05, ge=0.0, lt=1.0)
+    """Share of the training rows held out (seeded) for validation when the source has no validation split;
+    0 means no validation set."""
+
+    input_key: str = "input"
+    """Column holding the prompt for ``dataset_name: response``."""
+
+    output_key: str = "output"
+    """Column holding the target response (and the RL ground truth) for ``dataset_name: response``."""
+
+    chat_key: str = "messages"
+    """Column holding the OpenAI-format message list for ``dataset_name: openai_format``."""
+
+    prompt_file: str | None = None
+    """Text file with a prompt template for user turns: ``{}`` marks where the problem goes (write literal
+    braces as ``{{`` and ``}}``, e.g. ``\\boxed{{}}``); ``None`` uses the problem as is."""
+
+    system_prompt_file: str | None = None
+    """Text file whose content becomes a system message at the start of each conversation that has none."""
+
+    max_input_seq_length: int | None = Field(default=None, ge=1)
+    """Longest prompt (RL) or conversation (SFT) in tokens; ``None`` uses ``policy.max_total_sequence_length``.
+    Longer RL prompts are cut and given ``loss_multiplier`` 0; longer SFT conversations are truncated."""
+
+    shuffle: bool = True
+    """Shuffle the training data, with a new seeded order every epoch."""
+
+    seed: int = 42
+    """Seed of the shuffling, the train/validation split and the ``tiny_math`` generator."""
+
+    add_bos: bool = True
+    """Start every conversation with the tokenizer's BOS token when its chat template does not."""
+
+    add_eos: bool = True
+    """End every training conversation (SFT) with the tokenizer's EOS token when the template does not."""
+
+    add_generation_prompt: bool = True
+    """In training conversations (SFT), count the assistant header that follows a user turn as part of that
+    user turn, so no loss is put on it. RL prompts always end with the generation prompt."""
+
+    num_train_samples: int = Field(default=1024, ge=1)
+    """Training problems generated for ``dataset_name: tiny_math``."""
+
+    num_val_samples: int = Field(default=64, ge=0)
+    """Validation problems generated for ``dataset_name: tiny_math`` (disjoint from the training problems)."""
+
+    tiny_math_max_operand: int = Field(default=50, ge=1)
+    """Largest operand of a ``tiny_math`` problem (operands are drawn from 0 to this value)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> DataConfig:
+        if self.dataset_name in ("openai_format", "response") and self.train_data_path is None:
+            raise ValueError(
+                f"data.dataset_name={self.dataset_name} has no default source: set data.train_data_path to a "
+                "local .jsonl/.parquet file or a hub dataset name"
+            )
+        if self.dataset_name == "tiny_math" and (self.train_data_path or self.val_data_path):
+            raise ValueError(
+                "data.dataset_name=tiny_math is generated on the fly and reads no files: unset "
+                "data.train_data_path/data.val_data_path, or set data.dataset_name=OpenMathInstruct-2 to read "
+                "files in the same schema"
+            )
+        if self.dataset_name == "tiny_math":
+            num_problems = 2 * (self.tiny_math_max_operand + 1) ** 2
+            if self.num_train_samples + self.num_val_samples > num_problems:
+                raise ValueError(
+                    f"data.num_train_samples + data.num_val_samples = "
+                    f"{self.num_train_samples + self.num_val_samples} exceeds the {num_problems} distinct "
+                    f"tiny_math problems with data.tiny_math_max_operand={self.tiny_math_max_operand}: "
+                    "ask for fewer samples or raise the operand range"
+                )
+        return self

@@ -1,0 +1,70 @@
+"""Collate functions: a list of :class:`DatumSpec` samples -> one :class:`BatchedDataDict`.
+
+Legend: B = samples in the batch, T = padded sequence length.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from nemo_rl.data.interfaces import DatumSpec
+from nemo_rl.data.llm_message_utils import message_logs_to_batch, truncate_message_log
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+
+SFT_TRAIN_ROLES = ("assistant",)
+"""Roles whose tokens SFT puts loss on."""
+
+
+def rl_collate_fn(batch: Sequence[DatumSpec]) -> BatchedDataDict[Any]:
+    """Batch RL prompts, keeping their message logs (generation and environments extend them).
+
+    Keys: ``message_log``, ``extra_env_info``, ``task_name`` (lists), ``idx`` [B] long, ``length`` [B] long,
+    ``loss_multiplier`` [B] float.
+    """
+    if not batch:
+        raise ValueError("cannot collate an empty batch")
+    return BatchedDataDict(
+        message_log=[d["message_log"] for d in batch],
+        extra_env_info=[d["extra_env_info"] for d in batch],
+        task_name=[d["task_name"] for d in batch],
+        idx=torch.tensor([d["idx"] for d in batch], dtype=torch.long),
+        length=torch.tensor([d["length"] for d in batch], dtype=torch.long),
+        loss_multiplier=torch.tensor([d["loss_multiplier"] for d in batch], dtype=torch.float32),
+    )
+
+
+def sft_collate_fn(
+    batch: Sequence[DatumSpec], *, pad_token_id: int, max_seq_length: int
+) -> BatchedDataDict[Any]:
+    """Batch SFT conversations into training tensors, truncating each to ``max_seq_length`` tokens.
+
+    Keys: ``input_ids`` [B, T] long (right-padded with ``pad_token_id``), ``input_lengths`` [B] long,
+    ``token_mask`` [B, T] float (1 on assistant tokens), ``sample_mask`` [B] float (the sample's
+    ``loss_multiplier``, or 0 when truncation left it no assistant token), ``idx`` [B] long.
+    """
+    if not batch:
+        raise ValueError("cannot collate an empty batch")
+    message_logs = [truncate_message_log(d["message_log"], max_seq_length) for d in batch]
+    data = message_logs_to_batch(message_logs, pad_token_id=pad_token_id, train_roles=SFT_TRAIN_ROLES)
+    has_target_B = (data["token_mask"].sum(dim=1) > 0).to(torch.float32)
+    data["sample_mask"] = (
+        torch.tensor([d["loss_multiplier"] for d in batch], dtype=torch.float32) * has_target_B
+    )
+    data["idx"] = torch.tensor([d["idx"] for d in batch], dtype=torch.long)
+    return data
+
+
+def make_sft_collate_fn(
+    tokenizer: PreTrainedTokenizerBase, max_seq_length: int
+) -> Callable[[Sequence[DatumSpec]], BatchedDataDict[Any]]:
+    """:func:`sft_collate_fn` bound to the tokenizer's pad token and a length limit, for a dataloader."""
+    if tokenizer.pad_token_id is None:
+        raise ValueError("the tokenizer has no pad token: load it with nemo_rl.data.tokenizer.get_tokenizer")
+    return functools.partial(
+        sft_collate_fn, pad_token_id=tokenizer.pad_token_id, max_seq_length=max_seq_length
+    )

@@ -1,0 +1,130 @@
+"""Datasets: raw rows (hub or local file) -> canonical records -> processed samples (message logs).
+
+Typical use by an algorithm's ``setup``::
+
+    tokenizer = get_policy_tokenizer(master.policy)
+    train_ds, val_ds = setup_rl_data(master.data, tokenizer, max_total_sequence_length=...)
+    loader = StatefulDataLoader(train_ds, batch_size=..., shuffle=master.data.shuffle, seed=master.data.seed,
+                                drop_last=True, collate_fn=rl_collate_fn)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import overload
+
+from transformers import PreTrainedTokenizerBase
+
+from nemo_rl.config.data import DataConfig
+from nemo_rl.data.datasets.formats import MalformedRowError, RowConverter, converter_for
+from nemo_rl.data.datasets.loading import (
+    DatasetSplits,
+    RecordDataset,
+    load_dataset_splits,
+    load_hub_rows,
+    read_local_rows,
+)
+from nemo_rl.data.interfaces import DatumSpec, Processor, Record, TaskDataSpec
+from nemo_rl.data.processors import math_processor, sft_processor
+
+__all__ = [
+    "DatasetSplits",
+    "MalformedRowError",
+    "ProcessedDataset",
+    "RecordDataset",
+    "RowConverter",
+    "converter_for",
+    "load_dataset_splits",
+    "load_hub_rows",
+    "read_local_rows",
+    "setup_data",
+    "setup_rl_data",
+    "setup_sft_data",
+]
+
+
+class ProcessedDataset(Sequence[DatumSpec]):
+    """Records turned into samples by a processor, on access (each sample is tokenized when read)."""
+
+    def __init__(
+        self,
+        records: Sequence[Record],
+        processor: Processor,
+        spec: TaskDataSpec,
+        tokenizer: PreTrainedTokenizerBase,
+        max_seq_length: int,
+    ) -> None:
+        self.records = records
+        self.processor = processor
+        self.spec = spec
+        self.tokenizer = tokenizer
+        self.max_seq_length = max_seq_length
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    @overload
+    def __getitem__(self, i: int) -> DatumSpec: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[DatumSpec]: ...
+
+    def __getitem__(self, i: int | slice) -> DatumSpec | Sequence[DatumSpec]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sample {i} out of range for a dataset of {len(self)}")
+        i %= len(self)
+        return self.processor(self.records[i], self.spec, self.tokenizer, self.max_seq_length, i)
+
+    def __iter__(self) -> Iterator[DatumSpec]:
+        for i in range(len(self)):
+            yield self[i]
+
+
+def setup_data(
+    cfg: DataConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    processor: Processor,
+    task_name: str,
+    max_seq_length: int,
+) -> tuple[ProcessedDataset, ProcessedDataset | None]:
+    """Training and validation datasets of the ``data`` section, processed by ``processor``."""
+    splits = load_dataset_splits(cfg)
+    spec = TaskDataSpec.from_config(cfg, task_name=task_name)
+    train = ProcessedDataset(splits.train, processor, spec, tokenizer, max_seq_length)
+    validation = (
+        None
+        if splits.validation is None
+        else ProcessedDataset(splits.validation, processor, spec, tokenizer, max_seq_length)
+    )
+    return train, validation
+
+
+def setup_rl_data(
+    cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, *, max_total_sequence_length: int
+) -> tuple[ProcessedDataset, ProcessedDataset | None]:
+    """Math prompts for RL (task ``"math"``), cut at ``data.max_input_seq_length`` (or the policy's
+    ``max_total_sequence_length`` when unset)."""
+    return setup_data(
+        cfg,
+        tokenizer,
+        processor=math_processor,
+        task_name="math",
+        max_seq_length=cfg.max_input_seq_length or max_total_sequence_length,
+    )
+
+
+def setup_sft_data(
+    cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, *, max_total_sequence_length: int
+) -> tuple[ProcessedDataset, ProcessedDataset | None]:
+    """Whole conversations for SFT (task ``"sft"``); the collate function truncates them to
+    ``data.max_input_seq_length`` (or ``max_total_sequence_length``)."""
+    return setup_data(
+        cfg,
+        tokenizer,
+        processor=sft_processor,
+        task_name="sft",
+        max_seq_length=cfg.max_input_seq_length or max_total_sequence_length,
+    )

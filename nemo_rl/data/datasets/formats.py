@@ -1,0 +1,154 @@
+"""Row schemas of the supported datasets and their conversion to canonical :class:`Record` s.
+
+Every converter takes one raw row (a mapping, as read from JSONL / Parquet / the hub) and its index, and
+either returns a record or raises :class:`MalformedRowError` saying which row and what is missing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, NoReturn
+
+from nemo_rl.config.data import DataConfig
+from nemo_rl.data.interfaces import ChatMessage, Record
+
+RowConverter = Callable[[Mapping[str, Any], int], Record]
+
+
+class MalformedRowError(ValueError):
+    """A dataset row does not have the fields its dataset's schema needs."""
+
+    def __init__(self, source: str, index: int, problem: str, schema: str) -> None:
+        super().__init__(f"{source}: row {index} (0-based) {problem}. Rows of this dataset need {schema}.")
+        self.source = source
+        self.index = index
+
+
+class _RowReader:
+    """Field access on one row that turns every defect into a :class:`MalformedRowError`."""
+
+    def __init__(self, row: Mapping[str, Any], index: int, source: str, schema: str) -> None:
+        self.row, self.index, self.source, self.schema = row, index, source, schema
+        if not isinstance(row, Mapping):
+            self.fail(f"is a {type(row).__name__}, not an object with named fields")
+
+    def fail(self, problem: str) -> NoReturn:
+        raise MalformedRowError(self.source, self.index, problem, self.schema)
+
+    def has(self, key: str) -> bool:
+        return self.row.get(key) is not None
+
+    def text(self, key: str) -> str:
+        """Field ``key`` as a string; numbers are accepted (answers are often stored as numbers)."""
+        if key not in self.row or self.row[key] is None:
+            self.fail(f"is missing {key!r} (it has {sorted(self.row)})")
+        value = self.row[key]
+        if isinstance(value, bool) or not isinstance(value, str | int | float):
+            self.fail(f"has {key!r} of type {type(value).__name__}, expected a string")
+        return str(value)
+
+
+def math_converter(source: str) -> RowConverter:
+    """OpenMathInstruct-2's schema (also ``tiny_math``): ``problem`` and ``generated_solution`` and/or
+    ``expected_answer``. The solution becomes the assistant reply; the answer, the RL ground truth."""
+    schema = "'problem' (string) and 'generated_solution' (SFT) and/or 'expected_answer' (RL)"
+
+    def convert(row: Mapping[str, Any], index: int) -> Record:
+        reader = _RowReader(row, index, source, schema)
+        messages = [ChatMessage(role="user", content=reader.text("problem"))]
+        if not reader.has("generated_solution") and not reader.has("expected_answer"):
+            reader.fail(f"has neither 'generated_solution' nor 'expected_answer' (it has {sorted(row)})")
+        if reader.has("generated_solution"):
+            messages.append(ChatMessage(role="assistant", content=reader.text("generated_solution")))
+        record = Record(messages=messages)
+        if reader.has("expected_answer"):
+            record["expected_answer"] = reader.text("expected_answer")
+        return record
+
+    return convert
+
+
+def squad_converter(source: str) -> RowConverter:
+    """SQuAD's schema: ``context`` becomes the system message, ``question`` the user turn and the first of
+    ``answers`` (``{"text": [...]}``, a list of strings or a string) the assistant reply."""
+    schema = "'context', 'question' (strings) and 'answers' ({'text': [...]} or a list of strings)"
+
+    def convert(row: Mapping[str, Any], index: int) -> Record:
+        reader = _RowReader(row, index, source, schema)
+        context, question = reader.text("context"), reader.text("question")
+        answers = row.get("answers")
+        if isinstance(answers, Mapping):
+            answers = answers.get("text")
+        if isinstance(answers, str):
+            answers = [answers]
+        if not isinstance(answers, list) or not answers or not isinstance(answers[0], str):
+            reader.fail(f"has no answer text in 'answers' (got {row.get('answers')!r})")
+        answer: str = answers[0]
+        return Record(
+            messages=[
+                ChatMessage(role="system", content=context),
+                ChatMessage(role="user", content=question),
+                ChatMessage(role="assistant", content=answer),
+            ],
+            expected_answer=answer,
+        )
+
+    return convert
+
+
+def openai_converter(source: str, chat_key: str) -> RowConverter:
+    """Chat data: a list of ``{"role", "content"}`` messages under ``chat_key`` (and optionally an
+    ``expected_answer`` field for RL)."""
+    schema = f"{chat_key!r}: a non-empty list of {{'role': ..., 'content': ...}} messages"
+
+    def convert(row: Mapping[str, Any], index: int) -> Record:
+        reader = _RowReader(row, index, source, schema)
+        raw = row.get(chat_key)
+        if not isinstance(raw, list) or not raw:
+            reader.fail(f"has no message list under {chat_key!r} (it has {sorted(row)})")
+        messages = []
+        for i, message in enumerate(raw):
+            if not isinstance(message, Mapping):
+                reader.fail(f"has message {i} of type {type(message).__name__}, expected an object")
+            role, content = message.get("role"), message.get("content")
+            if not isinstance(role, str) or not isinstance(content, str):
+                reader.fail(f"has message {i} without a string 'role' and 'content' (got {dict(message)!r})")
+            messages.append(ChatMessage(role=role, content=content))
+        record = Record(messages=messages)
+        if reader.has("expected_answer"):
+            record["expected_answer"] = reader.text("expected_answer")
+        return record
+
+    return convert
+
+
+def response_converter(source: str, input_key: str, output_key: str) -> RowConverter:
+    """Input/output columns: ``input_key`` becomes the user turn, ``output_key`` the assistant reply and
+    the RL ground truth."""
+    schema = f"{input_key!r} and {output_key!r} (strings; set data.input_key / data.output_key)"
+
+    def convert(row: Mapping[str, Any], index: int) -> Record:
+        reader = _RowReader(row, index, source, schema)
+        output = reader.text(output_key)
+        return Record(
+            messages=[
+                ChatMessage(role="user", content=reader.text(input_key)),
+                ChatMessage(role="assistant", content=output),
+            ],
+            expected_answer=output,
+        )
+
+    return convert
+
+
+def converter_for(cfg: DataConfig, source: str) -> RowConverter:
+    """The row converter of ``cfg.dataset_name``; ``source`` names the data in error messages."""
+    match cfg.dataset_name:
+        case "tiny_math" | "OpenMathInstruct-2":
+            return math_converter(source)
+        case "squad":
+            return squad_converter(source)
+        case "openai_format":
+            return openai_converter(source, cfg.chat_key)
+        case "response":
+            return response_converter(source, cfg.input_key, cfg.output_key)

@@ -1,0 +1,181 @@
+"""Reading raw rows from local files or the hub, and the train/validation split of the ``data`` section."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, overload
+
+import numpy as np
+
+from nemo_rl.config.data import DataConfig
+from nemo_rl.data.datasets.formats import RowConverter, converter_for
+from nemo_rl.data.interfaces import Record
+from nemo_rl.data.tiny import tiny_math_splits
+
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+# Hub source of the datasets that have one: (hub name, default training split, validation split or None).
+HUB_DEFAULTS: dict[str, tuple[str, str, str | None]] = {
+    "OpenMathInstruct-2": ("nvidia/OpenMathInstruct-2", "train_1M", None),
+    "squad": ("rajpurkar/squad", "train", "validation"),
+}
+
+
+class RecordDataset(Sequence[Record]):
+    """Raw rows seen as canonical records, converted on access (so hub datasets stay lazy).
+
+    ``indices`` selects and orders the rows; a malformed row raises with its index in the source.
+    """
+
+    def __init__(
+        self,
+        rows: Sequence[Mapping[str, Any]],
+        converter: RowConverter,
+        source: str,
+        indices: Sequence[int] | None = None,
+    ) -> None:
+        self.rows = rows
+        self.converter = converter
+        self.source = source
+        self.indices = list(range(len(rows))) if indices is None else list(indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    @overload
+    def __getitem__(self, i: int) -> Record: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[Record]: ...
+
+    def __getitem__(self, i: int | slice) -> Record | Sequence[Record]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        row_index = self.indices[i]
+        return self.converter(self.rows[row_index], row_index)
+
+    def __iter__(self) -> Iterator[Record]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def validate(self) -> None:
+        """Convert every row once, raising on the first malformed one."""
+        for _ in self:
+            pass
+
+    def split(self, val_fraction: float, seed: int) -> tuple[RecordDataset, RecordDataset]:
+        """A seeded random split into (train, validation), the validation part holding ``val_fraction`` of
+        the rows (at least one), both keeping the source order."""
+        num_val = max(1, math.floor(len(self) * val_fraction))
+        if num_val >= len(self):
+            raise ValueError(
+                f"{self.source} has {len(self)} rows, too few to hold out {num_val} for validation: give "
+                "data.val_data_path, lower data.val_fraction, or set it to 0 for no validation"
+            )
+        order = np.random.default_rng(seed).permutation(len(self))
+        val_positions = set(order[:num_val].tolist())
+        train = [r for p, r in enumerate(self.indices) if p not in val_positions]
+        val = [r for p, r in enumerate(self.indices) if p in val_positions]
+        return self._with_indices(train), self._with_indices(val)
+
+    def _with_indices(self, indices: Sequence[int]) -> RecordDataset:
+        return RecordDataset(self.rows, self.converter, self.source, indices)
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetSplits:
+    """Training and (optional) validation records of a dataset."""
+
+    train: RecordDataset
+    validation: RecordDataset | None
+
+
+def read_local_rows(path: str | pathlib.Path) -> list[dict[str, Any]]:
+    """Rows of a local ``.jsonl`` / ``.json`` (JSON Lines, or one JSON array) or ``.parquet`` file."""
+    file = pathlib.Path(path)
+    if file.suffix not in LOCAL_SUFFIXES:
+        raise ValueError(f"{file}: unsupported data file type {file.suffix!r}; use one of {LOCAL_SUFFIXES}")
+    if not file.is_file():
+        raise FileNotFoundError(f"data file {file} does not exist")
+    if file.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        rows: list[dict[str, Any]] = pq.read_table(file).to_pylist()
+        return rows
+    text = file.read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        loaded = json.loads(text)
+        return list(loaded)
+    rows = []
+    for line_number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{file}: line {line_number} is not valid JSON ({err})") from err
+    return rows
+
+
+def load_hub_rows(name: str, split: str) -> Sequence[Mapping[str, Any]]:
+    """Split ``split`` of the hub dataset ``name`` (downloads it, so this needs network access or a cache)."""
+    import datasets
+
+    dataset = datasets.load_dataset(name, split=split)
+    if not isinstance(dataset, datasets.Dataset):
+        raise TypeError(f"hub dataset {name} split {split} loaded as {type(dataset).__name__}, not a Dataset")
+    return dataset
+
+
+def _is_local(path: str) -> bool:
+    return pathlib.Path(path).exists() or path.endswith(LOCAL_SUFFIXES)
+
+
+def _load_source(cfg: DataConfig, path_or_name: str, *, hub_split: str) -> RecordDataset:
+    if _is_local(path_or_name):
+        dataset = RecordDataset(
+            read_local_rows(path_or_name), converter_for(cfg, source=path_or_name), path_or_name
+        )
+        # Local files are small enough to check whole: a bad row fails now, not mid-training.
+        dataset.validate()
+        return dataset
+    source = f"{path_or_name} (hub split {hub_split})"
+    return RecordDataset(load_hub_rows(path_or_name, hub_split), converter_for(cfg, source=source), source)
+
+
+def load_dataset_splits(cfg: DataConfig) -> DatasetSplits:
+    """The training and validation records described by the ``data`` section.
+
+    Validation comes from ``data.val_data_path``, else the dataset's own validation split, else a seeded
+    ``data.val_fraction`` hold-out of the training data (none when the fraction is 0).
+    """
+    if cfg.dataset_name == "tiny_math":
+        train_rows, val_rows = tiny_math_splits(
+            cfg.num_train_samples, cfg.num_val_samples, seed=cfg.seed, max_operand=cfg.tiny_math_max_operand
+        )
+        converter = converter_for(cfg, source="tiny_math")
+        return DatasetSplits(
+            train=RecordDataset(train_rows, converter, "tiny_math (train)"),
+            validation=RecordDataset(val_rows, converter, "tiny_math (validation)") if val_rows else None,
+        )
+
+    hub_val_split: str | None = "validation"
+    if cfg.train_data_path is not None:
+        train = _load_source(cfg, cfg.train_data_path, hub_split=cfg.split or "train")
+    else:
+        hub_name, default_split, hub_val_split = HUB_DEFAULTS[cfg.dataset_name]
+        train = _load_source(cfg, hub_name, hub_split=cfg.split or default_split)
+
+    if cfg.val_data_path is not None:
+        validation: RecordDataset | None = _load_source(cfg, cfg.val_data_path, hub_split="validation")
+    elif cfg.train_data_path is None and hub_val_split is not None:
+        validation = _load_source(cfg, HUB_DEFAULTS[cfg.dataset_name][0], hub_split=hub_val_split)
+    elif cfg.val_fraction > 0:
+        train, validation = train.split(cfg.val_fraction, seed=cfg.seed)
+    else:
+        validation = None
+    return DatasetSplits(train=train, validation=validation)

@@ -1,0 +1,164 @@
+"""Types shared by datasets, processors, collate functions and rollouts.
+
+A *record* is one dataset row in the canonical form every source is converted to: a conversation in OpenAI
+format plus, for verifiable tasks, the expected answer. A *message log* is that conversation tokenized turn
+by turn: each message carries the token ids of its span of the chat-template rendering, so concatenating
+them gives exactly the rendering's tokens. A *datum* is what a processor makes of a record: the message log
+plus bookkeeping for training (length, loss multiplier, environment info).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import string
+from typing import Any, NotRequired, Protocol, TypedDict
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from nemo_rl.config.data import DataConfig
+
+
+class ChatMessage(TypedDict):
+    """One turn of a conversation in OpenAI format."""
+
+    role: str
+    content: str
+
+
+class Record(TypedDict):
+    """A dataset row in canonical form."""
+
+    messages: list[ChatMessage]
+    """The conversation; for SFT it ends with the assistant reply to learn."""
+
+    expected_answer: NotRequired[str]
+    """Ground truth checked by a verifier (math answer); RL falls back to the last assistant message."""
+
+
+class LLMMessage(TypedDict):
+    """One tokenized turn of a message log.
+
+    ``content`` is the text of the turn's span of the chat-template rendering (role headers included), so
+    ``tokenizer.decode(token_ids)`` gives it back.
+    """
+
+    role: str
+    content: str
+    token_ids: torch.Tensor
+    """1-D long tensor."""
+
+
+MessageLog = list[LLMMessage]
+
+
+class DatumSpec(TypedDict):
+    """One processed sample, as produced by a processor and consumed by a collate function."""
+
+    message_log: MessageLog
+    length: int
+    """Total number of tokens in ``message_log``."""
+
+    extra_env_info: dict[str, Any] | None
+    """What the environment needs to score a response (``{"ground_truth": ...}`` for math); ``None`` for SFT."""
+
+    loss_multiplier: float
+    """0 for samples that must not be trained on (e.g. prompts cut to fit ``max_input_seq_length``)."""
+
+    idx: int
+    """Index of the sample in its dataset."""
+
+    task_name: str
+    """Which environment / task the sample belongs to (``"math"`` for RL math problems)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskDataSpec:
+    """How the records of one task are turned into prompts.
+
+    Build it from the ``data`` section with :meth:`from_config`, which reads the prompt files.
+    """
+
+    task_name: str
+    """Task of the samples (the environment that scores them in RL)."""
+
+    prompt: str | None
+    """Template for user turns with one ``{}`` for the original content; ``None`` keeps the content."""
+
+    system_prompt: str | None
+    """System message put first in every conversation that has none; ``None`` adds nothing."""
+
+    add_bos: bool
+    """Start each conversation with BOS when the chat template does not."""
+
+    add_eos: bool
+    """End each training conversation with EOS when the chat template does not."""
+
+    add_generation_prompt: bool
+    """In training conversations, count the assistant header after a user turn as part of that turn."""
+
+    def __post_init__(self) -> None:
+        if self.prompt is not None:
+            check_prompt_template(self.prompt, source="the prompt template")
+
+    @classmethod
+    def from_config(cls, cfg: DataConfig, *, task_name: str) -> TaskDataSpec:
+        """The spec described by the ``data`` section, with ``prompt_file`` and ``system_prompt_file`` read."""
+        prompt = None
+        if cfg.prompt_file is not None:
+            prompt = _read_text_file(cfg.prompt_file, key="data.prompt_file")
+            check_prompt_template(prompt, source=f"data.prompt_file={cfg.prompt_file}")
+        system_prompt = None
+        if cfg.system_prompt_file is not None:
+            system_prompt = _read_text_file(cfg.system_prompt_file, key="data.system_prompt_file")
+        return cls(
+            task_name=task_name,
+            prompt=prompt,
+            system_prompt=system_prompt,
+            add_bos=cfg.add_bos,
+            add_eos=cfg.add_eos,
+            add_generation_prompt=cfg.add_generation_prompt,
+        )
+
+    def apply_prompt(self, content: str) -> str:
+        """``content`` placed in the prompt template (unchanged when there is none)."""
+        return content if self.prompt is None else self.prompt.format(content)
+
+
+def check_prompt_template(template: str, *, source: str) -> None:
+    """Raise a clear error unless ``template`` has exactly one ``{}`` field and no other fields."""
+    try:
+        fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+    except ValueError as err:
+        raise ValueError(
+            f"{source} is not a valid template ({err}): write literal braces as '{{{{' and '}}}}'"
+        ) from err
+    if fields != [""]:
+        raise ValueError(
+            f"{source} must contain exactly one '{{}}' where the problem goes and no other fields, found "
+            f"{[('{' + f + '}') for f in fields]}; write literal braces as '{{{{' and '}}}}' (e.g. \\boxed{{{{}}}})"
+        )
+
+
+def _read_text_file(path: str, *, key: str) -> str:
+    file = pathlib.Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"{key}={path} does not exist: give the path of a text file")
+    # A trailing newline is an artefact of the editor, not part of the prompt.
+    return file.read_text(encoding="utf-8").removesuffix("\n")
+
+
+class Processor(Protocol):
+    """Turns a record into a datum: ``processor(record, spec, tokenizer, max_seq_length, idx)``."""
+
+    def __call__(
+        self,
+        record: Record,
+        spec: TaskDataSpec,
+        tokenizer: PreTrainedTokenizerBase,
+        max_seq_length: int,
+        idx: int,
+    ) -> DatumSpec:
+        """Return the processed sample for ``record`` (the ``idx``-th row of its dataset)."""
+        ...

@@ -1,0 +1,112 @@
+"""Processors: one canonical record -> one :class:`DatumSpec` (a message log plus training bookkeeping).
+
+- :func:`sft_processor`: the whole conversation, for supervised fine-tuning (loss on assistant turns).
+- :func:`math_processor`: the prompt only, ending with the generation prompt, plus the ground truth the math
+  environment checks the response against.
+
+Both follow the :class:`~nemo_rl.data.interfaces.Processor` protocol, so a dataset can use either, or a
+user's own.
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+from nemo_rl.data.interfaces import ChatMessage, DatumSpec, Record, TaskDataSpec
+from nemo_rl.data.llm_message_utils import format_message_log, message_log_length, truncate_message_log
+
+
+def apply_task_spec(messages: list[ChatMessage], spec: TaskDataSpec) -> list[ChatMessage]:
+    """The conversation with the spec's prompt template applied to every user turn and its system prompt
+    put first when the conversation has no system message."""
+    formatted = [
+        ChatMessage(
+            role=m["role"], content=spec.apply_prompt(m["content"]) if m["role"] == "user" else m["content"]
+        )
+        for m in messages
+    ]
+    if spec.system_prompt is not None and not any(m["role"] == "system" for m in formatted):
+        formatted.insert(0, ChatMessage(role="system", content=spec.system_prompt))
+    return formatted
+
+
+def sft_processor(
+    record: Record,
+    spec: TaskDataSpec,
+    tokenizer: PreTrainedTokenizerBase,
+    max_seq_length: int,
+    idx: int,
+) -> DatumSpec:
+    """The full conversation as a message log, for SFT.
+
+    Conversations longer than ``max_seq_length`` are kept whole here; the SFT collate function truncates
+    them (see :func:`nemo_rl.data.collate_fn.sft_collate_fn`).
+    """
+    if not any(m["role"] == "assistant" for m in record["messages"]):
+        raise ValueError(f"sample {idx} has no assistant message, so SFT has nothing to learn from it")
+    message_log = format_message_log(
+        apply_task_spec(record["messages"], spec),
+        tokenizer,
+        add_bos=spec.add_bos,
+        add_eos=spec.add_eos,
+        add_generation_prompt=spec.add_generation_prompt,
+    )
+    return DatumSpec(
+        message_log=message_log,
+        length=message_log_length(message_log),
+        extra_env_info=None,
+        loss_multiplier=1.0,
+        idx=idx,
+        task_name=spec.task_name,
+    )
+
+
+def math_processor(
+    record: Record,
+    spec: TaskDataSpec,
+    tokenizer: PreTrainedTokenizerBase,
+    max_seq_length: int,
+    idx: int,
+) -> DatumSpec:
+    """The prompt of a verifiable problem, for RL: every turn up to the last user turn, then the
+    generation prompt; ``extra_env_info`` holds ``{"ground_truth": expected_answer}``.
+
+    The ground truth is ``record["expected_answer"]``, or else the content of the assistant message that
+    follows the last user turn. A prompt longer than ``max_seq_length`` is cut to half of it (so the response
+    still has room) and gets ``loss_multiplier`` 0: it still flows through generation without crashing, but
+    is never trained on.
+    """
+    messages = record["messages"]
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
+    if last_user is None:
+        raise ValueError(f"sample {idx} has no user message to use as the prompt")
+    if "expected_answer" in record:
+        ground_truth = record["expected_answer"]
+    elif last_user + 1 < len(messages) and messages[last_user + 1]["role"] == "assistant":
+        ground_truth = messages[last_user + 1]["content"]
+    else:
+        raise ValueError(
+            f"sample {idx} has no ground truth: give it an 'expected_answer' or an assistant reply after "
+            "the last user message"
+        )
+    message_log = format_message_log(
+        apply_task_spec(list(messages[: last_user + 1]), spec),
+        tokenizer,
+        add_bos=spec.add_bos,
+        add_eos=False,
+        add_generation_prompt=True,
+    )
+    length = message_log_length(message_log)
+    loss_multiplier = 1.0
+    if length > max_seq_length:
+        message_log = truncate_message_log(message_log, max(1, max_seq_length // 2))
+        length = message_log_length(message_log)
+        loss_multiplier = 0.0
+    return DatumSpec(
+        message_log=message_log,
+        length=length,
+        extra_env_info={"ground_truth": ground_truth},
+        loss_multiplier=loss_multiplier,
+        idx=idx,
+        task_name=spec.task_name,
+    )

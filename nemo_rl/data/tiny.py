@@ -1,0 +1,208 @@
+"""Tiny, self-made assets so every test and CPU example runs without a hub: a character-level tokenizer,
+a random ~1M-parameter Qwen2 model and a deterministic arithmetic dataset.
+
+The tokenizer maps each printable ASCII character (plus tab and newline) to one token, so any text made of
+those characters survives ``encode`` -> ``decode`` unchanged. Its chat template renders::
+
+    <|bos|><|system|>...<|user|>What is 12+7?<|assistant|>12+7=\\boxed{19}<|eos|>
+
+(``<|eos|>`` ends an assistant turn; the generation prompt is ``<|assistant|>``.) Arithmetic solutions are
+~15 characters, short enough for the tiny model to generate on CPU.
+
+Build everything at once with ``python -m nemo_rl.data.tiny OUT_DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+PAD_TOKEN = "<|pad|>"
+BOS_TOKEN = "<|bos|>"
+EOS_TOKEN = "<|eos|>"
+USER_TOKEN = "<|user|>"
+ASSISTANT_TOKEN = "<|assistant|>"
+SYSTEM_TOKEN = "<|system|>"
+UNK_TOKEN = "<|unk|>"
+SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, USER_TOKEN, ASSISTANT_TOKEN, SYSTEM_TOKEN, UNK_TOKEN)
+
+# Printable ASCII (space to '~') plus tab and newline: 97 symbols, 104 tokens with the specials.
+CHARACTERS = (*(chr(c) for c in range(32, 127)), "\t", "\n")
+
+# Tool and environment turns are rendered as user turns: the tiny model knows only three roles.
+TINY_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}" + SYSTEM_TOKEN + "{{ message['content'] }}"
+    "{% elif message['role'] in ('user', 'tool', 'environment') %}" + USER_TOKEN + "{{ message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}"
+    + ASSISTANT_TOKEN
+    + "{{ message['content'] }}"
+    + EOS_TOKEN
+    + ""
+    "{% else %}{{ raise_exception('the tiny chat template has no role ' + message['role']) }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}" + ASSISTANT_TOKEN + "{% endif %}"
+)
+
+TINY_HIDDEN_SIZE = 128
+TINY_NUM_LAYERS = 4
+TINY_NUM_HEADS = 4
+TINY_NUM_KV_HEADS = 2
+TINY_INTERMEDIATE_SIZE = 384
+TINY_MAX_POSITION_EMBEDDINGS = 256
+
+
+def build_tiny_tokenizer(path: str | pathlib.Path) -> PreTrainedTokenizerFast:
+    """Build the character-level tokenizer, save it in Hugging Face format under ``path`` and return it.
+
+    Load it back with :func:`nemo_rl.data.tokenizer.get_tokenizer` (``AutoTokenizer`` would rebuild it as a
+    Qwen2 tokenizer once it sits next to a Qwen2 model and lose its whitespace handling).
+    """
+    vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *CHARACTERS))}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token=UNK_TOKEN))
+    # Every character is its own word; `[\s\S]` (unlike `.`) also matches the newline.
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    # Fuse concatenates the pieces; the default decoder would join characters with spaces.
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token=PAD_TOKEN,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        unk_token=UNK_TOKEN,
+        additional_special_tokens=[USER_TOKEN, ASSISTANT_TOKEN, SYSTEM_TOKEN],
+        model_max_length=TINY_MAX_POSITION_EMBEDDINGS,
+        chat_template=TINY_CHAT_TEMPLATE,
+    )
+    tokenizer.save_pretrained(str(path))
+    return tokenizer
+
+
+def build_tiny_model(
+    path: str | pathlib.Path, tokenizer_path: str | pathlib.Path, seed: int
+) -> Qwen2ForCausalLM:
+    """Build a randomly initialised ~0.8M-parameter ``Qwen2ForCausalLM`` for the tokenizer at
+    ``tokenizer_path``, save it (safetensors) together with the tokenizer under ``path`` and return it.
+
+    The same ``seed`` gives the same weights; the global torch RNG is left untouched.
+    """
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(tokenizer_path))
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=TINY_HIDDEN_SIZE,
+        num_hidden_layers=TINY_NUM_LAYERS,
+        num_attention_heads=TINY_NUM_HEADS,
+        num_key_value_heads=TINY_NUM_KV_HEADS,
+        intermediate_size=TINY_INTERMEDIATE_SIZE,
+        max_position_embeddings=TINY_MAX_POSITION_EMBEDDINGS,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))
+    return model
+
+
+def num_arithmetic_problems(max_operand: int) -> int:
+    """How many distinct problems :func:`generate_arithmetic_problems` can draw from."""
+    return 2 * (max_operand + 1) ** 2
+
+
+def generate_arithmetic_problems(num: int, seed: int, max_operand: int = 50) -> list[dict[str, str]]:
+    """``num`` distinct addition/subtraction problems in OpenMathInstruct-2's schema, the same for a seed.
+
+    Each row has ``problem`` ("What is 12+7?"), ``generated_solution`` ("12+7=\\boxed{19}") and
+    ``expected_answer`` ("19"); operands are drawn from 0 to ``max_operand`` and answers may be negative.
+    """
+    space = num_arithmetic_problems(max_operand)
+    if not 0 <= num <= space:
+        raise ValueError(
+            f"cannot draw {num} distinct problems with max_operand={max_operand} (only {space} exist): "
+            "ask for fewer or raise max_operand"
+        )
+    rows = []
+    for code in random.Random(seed).sample(range(space), num):
+        code, op_index = divmod(code, 2)
+        b, a = divmod(code, max_operand + 1)
+        op = "+-"[op_index]
+        answer = str(a + b if op == "+" else a - b)
+        rows.append(
+            {
+                "problem": f"What is {a}{op}{b}?",
+                "generated_solution": f"{a}{op}{b}=\\boxed{{{answer}}}",
+                "expected_answer": answer,
+            }
+        )
+    return rows
+
+
+def tiny_math_splits(
+    num_train: int, num_val: int, seed: int, max_operand: int
+) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    """Disjoint training and validation problems: one draw of ``num_train + num_val``, split in order."""
+    rows = generate_arithmetic_problems(num_train + num_val, seed=seed, max_operand=max_operand)
+    return rows[:num_train], rows[num_train:]
+
+
+def write_jsonl(rows: Sequence[dict[str, Any]], path: str | pathlib.Path) -> pathlib.Path:
+    """Write ``rows`` as JSON Lines to ``path`` (parent directories are created)."""
+    out = pathlib.Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return out
+
+
+def write_tiny_math_jsonl(
+    directory: str | pathlib.Path, *, num_train: int, num_val: int, seed: int, max_operand: int
+) -> tuple[pathlib.Path, pathlib.Path]:
+    """Write ``train.jsonl`` and ``validation.jsonl`` of :func:`tiny_math_splits` under ``directory``."""
+    train, val = tiny_math_splits(num_train, num_val, seed=seed, max_operand=max_operand)
+    directory = pathlib.Path(directory)
+    return write_jsonl(train, directory / "train.jsonl"), write_jsonl(val, directory / "validation.jsonl")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Build ``OUT/tokenizer``, ``OUT/model`` and ``OUT/data/{train,validation}.jsonl``."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir", type=pathlib.Path)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-train", type=int, default=1024)
+    parser.add_argument("--num-val", type=int, default=64)
+    parser.add_argument("--max-operand", type=int, default=50)
+    args = parser.parse_args(argv)
+    build_tiny_tokenizer(args.out_dir / "tokenizer")
+    model = build_tiny_model(args.out_dir / "model", args.out_dir / "tokenizer", seed=args.seed)
+    train, val = write_tiny_math_jsonl(
+        args.out_dir / "data",
+        num_train=args.num_train,
+        num_val=args.num_val,
+        seed=args.seed,
+        max_operand=args.max_operand,
+    )
+    print(f"model ({model.num_parameters()} parameters): {args.out_dir / 'model'}; data: {train}, {val}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""Loading the tokenizer of a policy, with its chat template and a pad token.
+
+transformers 5's ``AutoTokenizer`` picks the tokenizer class from the *model* type for some families (for a
+``qwen2`` checkpoint it always builds ``Qwen2Tokenizer``), which rebuilds the tokenizer with that family's
+pre-tokenizer and silently changes how a custom tokenizer splits text (the tiny character-level tokenizer
+loses its spaces). When the checkpoint saved a plain ``tokenizers`` backend (``tokenizer_class`` is
+``TokenizersBackend`` / ``PreTrainedTokenizerFast``), its ``tokenizer.json`` is the complete definition, so
+:func:`get_tokenizer` loads it with that class directly. Any other class is left to ``AutoTokenizer``, which
+knows the hub checkpoints whose saved class is wrong.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers.models.auto.tokenization_auto import get_tokenizer_config
+
+from nemo_rl.config.policy import PolicyConfig, TokenizerConfig
+
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+"""What ``chat_template: default`` means: one plain ``role: content`` line per message."""
+
+# Class names under which transformers saves a tokenizer fully described by its tokenizer.json.
+_GENERIC_FAST_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+
+
+def get_tokenizer(
+    cfg: TokenizerConfig, *, model_name: str | None, trust_remote_code: bool
+) -> PreTrainedTokenizerBase:
+    """Load the tokenizer named by ``cfg.name`` (or ``model_name``), apply the chat-template override and
+    make sure it has a pad token (the EOS token when the checkpoint defines none).
+
+    Args:
+        cfg: The ``policy.tokenizer`` section.
+        model_name: Fallback when ``cfg.name`` is ``None`` (normally ``policy.model_name``).
+        trust_remote_code: Allow the tokenizer's repository to run its own code.
+    """
+    name = cfg.name or model_name
+    if name is None:
+        raise ValueError("no tokenizer to load: set policy.tokenizer.name or policy.model_name")
+    tokenizer = _load(name, trust_remote_code=trust_remote_code)
+    if cfg.chat_template is not None:
+        tokenizer.chat_template = resolve_chat_template(cfg.chat_template)
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(
+                f"tokenizer {name} defines neither a pad token nor an EOS token: add one to its "
+                'tokenizer_config.json (e.g. "pad_token": "<pad>")'
+            )
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def get_policy_tokenizer(policy: PolicyConfig) -> PreTrainedTokenizerBase:
+    """The tokenizer of a ``policy`` section (:func:`get_tokenizer` with the policy's model and trust flag)."""
+    return get_tokenizer(
+        policy.tokenizer, model_name=policy.model_name, trust_remote_code=policy.trust_remote_code
+    )
+
+
+def resolve_chat_template(chat_template: str) -> str:
+    """The Jinja text of a ``chat_template`` setting: ``"default"``, a path to a ``.jinja`` file, or Jinja."""
+    if chat_template == "default":
+        return DEFAULT_CHAT_TEMPLATE
+    if chat_template.endswith(".jinja"):
+        path = pathlib.Path(chat_template)
+        if not path.is_file():
+            raise FileNotFoundError(f"policy.tokenizer.chat_template={chat_template} does not exist")
+        return path.read_text(encoding="utf-8")
+    return chat_template
+
+
+def _load(name: str, *, trust_remote_code: bool) -> PreTrainedTokenizerBase:
+    tokenizer_config = get_tokenizer_config(name)
+    saved_class = tokenizer_config.get("tokenizer_class")
+    # Remote code decides its own class; only a plain tokenizers backend is loaded around AutoTokenizer.
+    if saved_class in _GENERIC_FAST_CLASSES and "auto_map" not in tokenizer_config:
+        tokenizer: PreTrainedTokenizerBase = PreTrainedTokenizerFast.from_pretrained(name)
+        return tokenizer
+    tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+    return tokenizer
