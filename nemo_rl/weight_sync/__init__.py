@@ -1,0 +1,57 @@
+"""Refit (weight sync): moving and resharding weights from the policy workers to the generation workers.
+
+Driver::
+
+    transport = create_refit_transport(policy_cfg, refit_cfg, policy_node_ids=..., generation_node_ids=...)
+    metrics = refit(policy_group.workers, generation_group.workers, transport, timeout_s=refit_cfg.timeout_s)
+
+Workers (one thin method each)::
+
+    def refit_send(self, sender: WeightSender) -> TransferStats:          # policy worker
+        return sender.send(self.iter_hf_weights(sender.dtype))
+
+    def refit_receive(self, receiver: WeightReceiver) -> TransferStats:   # generation worker
+        return receiver.receive(self.load_hf_weights, self.expected_weights_manifest())
+"""
+
+from nemo_rl.weight_sync.collective import CollectiveTransport, close_refit_groups
+from nemo_rl.weight_sync.config import RefitConfig
+from nemo_rl.weight_sync.errors import RefitError, RefitIntegrityError
+from nemo_rl.weight_sync.factory import create_refit_transport, generation_dtype
+from nemo_rl.weight_sync.interfaces import (
+    LoadFn,
+    RefitTransport,
+    ShardFn,
+    TransferStats,
+    WeightReceiver,
+    WeightSender,
+)
+from nemo_rl.weight_sync.manifest import TensorSpec, WeightManifest
+from nemo_rl.weight_sync.refit import refit
+from nemo_rl.weight_sync.resharding import iter_full_tensors, tp_shard_fn
+from nemo_rl.weight_sync.shm import SharedMemoryTransport, sweep_segments
+from nemo_rl.weight_sync.store import close_store_clients
+
+__all__ = [
+    "CollectiveTransport",
+    "LoadFn",
+    "RefitConfig",
+    "RefitError",
+    "RefitIntegrityError",
+    "RefitTransport",
+    "ShardFn",
+    "SharedMemoryTransport",
+    "TensorSpec",
+    "TransferStats",
+    "WeightManifest",
+    "WeightReceiver",
+    "WeightSender",
+    "close_refit_groups",
+    "close_store_clients",
+    "create_refit_transport",
+    "generation_dtype",
+    "iter_full_tensors",
+    "refit",
+    "sweep_segments",
+    "tp_shard_fn",
+]

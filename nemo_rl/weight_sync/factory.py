@@ -1,0 +1,73 @@
+"""Choosing a refit transport from the config and the workers' placement."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import ray
+import torch
+
+from nemo_rl.config.policy import PolicyConfig
+from nemo_rl.weight_sync.collective import CollectiveTransport
+from nemo_rl.weight_sync.config import RefitConfig
+from nemo_rl.weight_sync.interfaces import RefitTransport
+from nemo_rl.weight_sync.manifest import dtype_from_name
+from nemo_rl.weight_sync.shm import SharedMemoryTransport
+
+_MIB = 1024 * 1024
+
+
+def generation_dtype(policy_cfg: PolicyConfig) -> torch.dtype:
+    """The dtype the generation backend holds its weights in (refit casts to it on the sender)."""
+    generation = policy_cfg.generation
+    if generation.backend == "vllm":
+        return dtype_from_name(generation.vllm_cfg.precision)
+    return dtype_from_name(generation.embedded_cfg.precision)
+
+
+def refit_store_host() -> str:
+    """The address workers reach the driver's refit store on: this node's Ray IP, or loopback without Ray."""
+    if ray.is_initialized():
+        return str(ray.util.get_node_ip_address())
+    return "127.0.0.1"
+
+
+def create_refit_transport(
+    policy_cfg: PolicyConfig,
+    refit_cfg: RefitConfig,
+    *,
+    policy_node_ids: Sequence[str],
+    generation_node_ids: Sequence[str],
+) -> RefitTransport:
+    """The transport for moving weights from these policy workers to these generation workers.
+
+    ``policy_node_ids[r]`` / ``generation_node_ids[j]`` are the (Ray) node ids of policy worker ``r`` and
+    generation worker ``j``. With ``refit_cfg.transport == "auto"``: shared memory when generation is
+    colocated (``policy.generation.colocated.enabled``) and every generation node hosts a policy worker, a
+    collective broadcast otherwise.
+    """
+    if not policy_node_ids or not generation_node_ids:
+        raise ValueError("a refit needs at least one policy worker and one generation worker")
+    kind = refit_cfg.transport
+    if kind == "auto":
+        same_nodes = set(generation_node_ids) <= set(policy_node_ids)
+        kind = "shared_memory" if policy_cfg.generation.colocated.enabled and same_nodes else "collective"
+    dtype = generation_dtype(policy_cfg)
+    bucket_size_bytes = policy_cfg.refit_buffer_size_mb * _MIB
+    if kind == "shared_memory":
+        return SharedMemoryTransport(
+            policy_node_ids=policy_node_ids,
+            generation_node_ids=generation_node_ids,
+            dtype=dtype,
+            bucket_size_bytes=bucket_size_bytes,
+            timeout_s=refit_cfg.timeout_s,
+            store_host=refit_store_host(),
+        )
+    return CollectiveTransport(
+        num_policy_workers=len(policy_node_ids),
+        num_generation_workers=len(generation_node_ids),
+        dtype=dtype,
+        bucket_size_bytes=bucket_size_bytes,
+        timeout_s=refit_cfg.timeout_s,
+        store_host=refit_store_host(),
+    )

@@ -1,0 +1,146 @@
+"""The refit contract: a sender streams ``(hf_name, full tensor)`` pairs, a receiver loads them.
+
+Refit moves the policy's weights into the generation workers. Every transport (shared memory, collective
+broadcast) implements the same three small pieces:
+
+- :class:`WeightSender`, run inside each policy worker. Every policy rank calls ``send`` with the same
+  stream of full (gathered) tensors, because gathering a sharded parameter is a collective over the policy's
+  own process group; only the ranks the transport designates put bytes on the wire.
+- :class:`WeightReceiver`, run inside each generation worker: ``receive`` checks every bucket against the
+  worker's :class:`~nemo_rl.weight_sync.manifest.WeightManifest`, optionally keeps a slice of each tensor
+  (``shard_fn``) and hands a stream of ``(hf_name, tensor)`` to the worker's own loader.
+- :class:`RefitTransport`, held by the driver: it hands out one picklable sender per policy worker and one
+  receiver per generation worker for each refit, and cleans up after a failed one.
+
+Senders and receivers are plain picklable values: the driver ships them to the workers with each refit call,
+and they connect lazily (and once per process) to what they need, so a worker needs only one thin method::
+
+    def refit_send(self, sender: WeightSender) -> TransferStats:
+        return sender.send(self.iter_hf_weights(sender.dtype))
+
+    def refit_receive(self, receiver: WeightReceiver) -> TransferStats:
+        return receiver.receive(self.load_hf_weights, self.expected_weights_manifest())
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+
+from nemo_rl.weight_sync.errors import RefitError
+from nemo_rl.weight_sync.manifest import WeightManifest
+
+__all__ = [
+    "LoadFn",
+    "NamedTensors",
+    "RefitError",
+    "RefitTransport",
+    "ShardFn",
+    "TransferStats",
+    "TransportKind",
+    "WeightReceiver",
+    "WeightSender",
+]
+
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+"""A stream of ``(hf_name, tensor)`` pairs. Tensors may be DTensors; the sender gathers them."""
+
+LoadFn = Callable[[Iterable[tuple[str, torch.Tensor]]], None]
+"""A generation worker's loader: consumes the whole stream and copies each tensor into its weights.
+The tensors it sees are views into transfer buffers, valid only until it takes the next pair: copy them."""
+
+ShardFn = Callable[[str, torch.Tensor], torch.Tensor]
+"""``shard_fn(hf_name, full_tensor) -> local tensor``: the slice a tensor-parallel receiver keeps."""
+
+TransportKind = Literal["shared_memory", "collective"]
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    """What one worker moved during one refit."""
+
+    role: Literal["sender", "receiver"]
+    """Which side of the refit this worker was."""
+
+    wire_bytes: int
+    """Payload bytes this worker put on (sender) or took off (receiver) the wire; 0 for a policy rank that
+    only helped gather the weights."""
+
+    num_buckets: int
+    """Buckets this worker sent or received."""
+
+    num_tensors: int
+    """Tensors this worker sent or received."""
+
+    time_s: float
+    """Seconds this worker spent in the refit."""
+
+
+class WeightSender(Protocol):
+    """The policy-worker side of one refit."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The generation dtype: tensors are cast to it before they go on the wire."""
+        ...
+
+    def send(self, weights: NamedTensors) -> TransferStats:
+        """Stream ``weights`` (HF names, full or DTensor-sharded tensors) to the receivers.
+
+        Every policy rank must call this with the same names in the same order.
+        """
+        ...
+
+
+class WeightReceiver(Protocol):
+    """The generation-worker side of one refit."""
+
+    def receive(
+        self, load_fn: LoadFn, manifest: WeightManifest, shard_fn: ShardFn | None = None
+    ) -> TransferStats:
+        """Receive every bucket, check it against ``manifest`` and feed its tensors to ``load_fn``.
+
+        ``shard_fn`` (for tensor-parallel receivers) maps each full tensor to the slice this worker keeps.
+        Raises :class:`RefitError` naming the parameters when a bucket is corrupt or missing, or when a
+        name is missing, duplicated, unexpected or has the wrong shape or dtype; the stream is drained first
+        so the senders and the other receivers are not left waiting.
+        """
+        ...
+
+
+class RefitTransport(Protocol):
+    """The driver side of a transport: hands out endpoints and cleans up after refits."""
+
+    @property
+    def kind(self) -> TransportKind:
+        """Which transport this is."""
+        ...
+
+    @property
+    def num_senders(self) -> int:
+        """Policy workers taking part (all of them: they gather the weights together)."""
+        ...
+
+    @property
+    def num_receivers(self) -> int:
+        """Generation workers receiving the weights."""
+        ...
+
+    def endpoints(self, refit_id: str) -> tuple[list[WeightSender], list[WeightReceiver]]:
+        """One sender per policy worker (by rank) and one receiver per generation worker for a refit."""
+        ...
+
+    def abort(self, refit_id: str) -> None:
+        """Tell every endpoint of ``refit_id`` still running to give up (after a worker died)."""
+        ...
+
+    def cleanup(self, refit_id: str) -> None:
+        """Release what ``refit_id`` may have left behind (shared-memory segments on every node)."""
+        ...
+
+    def shutdown(self) -> None:
+        """Release everything the transport holds; it cannot be used afterwards."""
+        ...

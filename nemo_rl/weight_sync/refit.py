@@ -1,0 +1,127 @@
+"""The driver's refit call: run one refit across the policy and generation workers and report metrics.
+
+Policy workers expose ``refit_send(sender) -> TransferStats`` and generation workers
+``refit_receive(receiver) -> TransferStats`` (see :mod:`nemo_rl.weight_sync.interfaces`); :func:`refit`
+calls them all at once, waits with the transport's timeout, and on any failure aborts the other workers,
+sweeps what the refit left behind and raises :class:`RefitError` naming the worker that failed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from nemo_rl.weight_sync.errors import RefitError
+from nemo_rl.weight_sync.interfaces import RefitTransport, TransferStats
+
+SEND_METHOD = "refit_send"
+"""Policy-worker method taking a :class:`WeightSender` and returning :class:`TransferStats`."""
+
+RECEIVE_METHOD = "refit_receive"
+"""Generation-worker method taking a :class:`WeightReceiver` and returning :class:`TransferStats`."""
+
+# After a failure, how long surviving workers get to notice the abort and release their segments before
+# the driver sweeps: they wake at once from the store queue they wait on.
+_ABORT_GRACE_S = 10.0
+# The driver waits a little longer than the workers so their own (more precise) timeout error wins.
+_DRIVER_TIMEOUT_MARGIN_S = 5.0
+
+_refit_counter = itertools.count()
+
+
+def new_refit_id() -> str:
+    """A refit id unique to this driver process (letters, digits and dashes)."""
+    return f"r{next(_refit_counter)}-{uuid.uuid4().hex[:8]}"
+
+
+def refit(
+    policy_workers: Sequence[Any],
+    generation_workers: Sequence[Any],
+    transport: RefitTransport,
+    *,
+    timeout_s: float,
+    send_method: str = SEND_METHOD,
+    receive_method: str = RECEIVE_METHOD,
+) -> dict[str, float]:
+    """Move the policy's weights into the generation workers; returns ``refit/*`` metrics.
+
+    ``policy_workers`` / ``generation_workers`` are Ray actor handles in rank order (e.g. a
+    ``RayWorkerGroup``'s ``workers``), matching the transport's placement. ``timeout_s`` bounds the whole
+    refit (pass the ``RefitConfig.timeout_s`` the transport was built with). Metrics: ``refit/bytes``
+    (payload bytes of one copy of the weights, in the generation dtype), ``refit/time_s`` (wall time seen by
+    the driver), ``refit/gbps`` (``refit/bytes`` per second, in GB/s of 1e9 bytes), ``refit/num_buckets``
+    and ``refit/bytes_received`` (summed over generation workers).
+    """
+    if len(policy_workers) != transport.num_senders or len(generation_workers) != transport.num_receivers:
+        raise ValueError(
+            f"the transport was built for {transport.num_senders} policy and {transport.num_receivers} "
+            f"generation workers, got {len(policy_workers)} and {len(generation_workers)}"
+        )
+    refit_id = new_refit_id()
+    senders, receivers = transport.endpoints(refit_id)
+    start_s = time.perf_counter()
+    labels: dict[ray.ObjectRef, str] = {}
+    for rank, (worker, sender) in enumerate(zip(policy_workers, senders, strict=True)):
+        labels[getattr(worker, send_method).remote(sender)] = f"policy worker {rank}"
+    for index, (worker, receiver) in enumerate(zip(generation_workers, receivers, strict=True)):
+        labels[getattr(worker, receive_method).remote(receiver)] = f"generation worker {index}"
+    failed = True
+    try:
+        results = _wait_all(labels, refit_id, time.monotonic() + timeout_s + _DRIVER_TIMEOUT_MARGIN_S)
+        failed = False
+    except BaseException:
+        transport.abort(refit_id)
+        _wait_quietly(list(labels), _ABORT_GRACE_S)
+        raise
+    finally:
+        if failed:
+            transport.cleanup(refit_id)
+    time_s = time.perf_counter() - start_s
+    sent = [stats for stats in results[: len(senders)] if isinstance(stats, TransferStats)]
+    received = [stats for stats in results[len(senders) :] if isinstance(stats, TransferStats)]
+    if len(sent) != len(senders) or len(received) != len(receivers):
+        raise RefitError(
+            f"refit {refit_id}: the workers' refit methods must return TransferStats "
+            f"(check {send_method!r} and {receive_method!r})"
+        )
+    wire_bytes = max(stats.wire_bytes for stats in sent)
+    return {
+        "refit/bytes": float(wire_bytes),
+        "refit/time_s": time_s,
+        "refit/gbps": wire_bytes / time_s / 1e9,
+        "refit/num_buckets": float(max(stats.num_buckets for stats in sent)),
+        "refit/bytes_received": float(sum(stats.wire_bytes for stats in received)),
+    }
+
+
+def _wait_all(labels: dict[ray.ObjectRef, str], refit_id: str, deadline: float) -> list[Any]:
+    """Results of every ref in order; raises :class:`RefitError` naming the first worker that failed."""
+    pending = list(labels)
+    results: dict[ray.ObjectRef, Any] = {}
+    while pending:
+        remaining_s = deadline - time.monotonic()
+        if remaining_s <= 0:
+            waiting = ", ".join(labels[ref] for ref in pending)
+            raise RefitError(f"refit {refit_id} timed out waiting for {waiting}")
+        ready, pending = ray.wait(pending, num_returns=1, timeout=remaining_s)
+        for ref in ready:
+            try:
+                results[ref] = ray.get(ref, timeout=remaining_s)
+            except RayActorError as err:
+                raise RefitError(f"{labels[ref]} died during refit {refit_id}: {err}") from err
+            except GetTimeoutError as err:
+                raise RefitError(f"refit {refit_id} timed out waiting for {labels[ref]}") from err
+            except Exception as err:
+                raise RefitError(f"{labels[ref]} failed during refit {refit_id}: {err}") from err
+    return [results[ref] for ref in labels]
+
+
+def _wait_quietly(refs: list[ray.ObjectRef], timeout_s: float) -> None:
+    """Give the surviving workers ``timeout_s`` to finish after an abort; their errors are consequences."""
+    ray.wait(refs, num_returns=len(refs), timeout=timeout_s)

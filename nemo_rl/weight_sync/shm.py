@@ -1,0 +1,457 @@
+"""Shared-memory refit, for generation workers on the same node as a policy worker (colocated mode).
+
+On each node one policy rank, the *writer*, packs buckets into two shared-memory segments (files under
+``/dev/shm``) in turn and announces each bucket (segment name + header) on the refit store's queue of every
+generation worker of its node. A receiver maps the segment, checks the bucket, hands the tensors to its loader
+(which copies them out) and acknowledges; the writer reuses a segment once every reader has acknowledged the
+bucket it held. So the writer packs bucket ``i + 1`` while the readers load bucket ``i`` (double buffering).
+The other policy ranks only take part in gathering the weights.
+
+Cleanup: every segment name starts with a prefix unique to the transport and the refit
+(:func:`segment_prefix`). The writer unlinks its segments in a ``finally`` block; when a worker dies the
+driver sweeps the refit's prefix on every node (:meth:`SharedMemoryTransport.cleanup`), and
+:meth:`SharedMemoryTransport.shutdown` sweeps the transport's prefix.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import tempfile
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from nemo_rl.weight_sync.buckets import (
+    BucketHeader,
+    BucketReader,
+    StreamAbort,
+    StreamEnd,
+    align_up,
+    decode_message,
+    encode_message,
+    feed_loader,
+    gather_full,
+    pack_buckets,
+)
+from nemo_rl.weight_sync.errors import RefitError
+from nemo_rl.weight_sync.interfaces import (
+    LoadFn,
+    NamedTensors,
+    ShardFn,
+    TransferStats,
+    TransportKind,
+    WeightReceiver,
+    WeightSender,
+)
+from nemo_rl.weight_sync.manifest import WeightManifest, format_names
+from nemo_rl.weight_sync.store import StoreAddress, StoreServer, connect_store, pop_message
+
+SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+"""Where segments live: the RAM-backed ``/dev/shm`` on Linux, the temp directory elsewhere."""
+
+SEGMENT_NAME_PREFIX = "nemo_rl_refit_"
+_REFIT_ID_PATTERN = re.compile(r"^[A-Za-z0-9-]{1,64}$")
+_ABORT = b"abort"
+# Pre-fault a new mapping's pages in one go instead of one page fault per 4 KiB page (Linux only).
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+
+
+def segment_prefix(transport_uid: str, refit_id: str) -> str:
+    """The name prefix of every segment of one refit of one transport."""
+    return f"{SEGMENT_NAME_PREFIX}{transport_uid}_{refit_id}_"
+
+
+def sweep_segments(prefix: str) -> list[str]:
+    """Unlink every segment on this node whose name starts with ``prefix``; returns the names removed."""
+    if not prefix.startswith(SEGMENT_NAME_PREFIX):
+        raise ValueError(
+            f"refusing to sweep {prefix!r}: refit segment prefixes start with {SEGMENT_NAME_PREFIX!r}"
+        )
+    removed = []
+    for path in SHM_DIR.glob(f"{prefix}*"):
+        path.unlink(missing_ok=True)
+        removed.append(path.name)
+    return removed
+
+
+class Segment:
+    """A named shared-memory segment mapped into this process as a flat uint8 tensor.
+
+    The mapping lives as long as :attr:`tensor` or any view of it, even after the file is unlinked, so a
+    loader that keeps a view never reads unmapped memory.
+    """
+
+    def __init__(self, path: Path, tensor: torch.Tensor) -> None:
+        self.path = path
+        self.tensor = tensor
+
+    @property
+    def name(self) -> str:
+        """The segment's file name."""
+        return self.path.name
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the segment."""
+        return self.tensor.numel()
+
+    @classmethod
+    def create(cls, name: str, nbytes: int) -> Segment:
+        """Create a new segment of ``nbytes`` (fails if the name exists: names are unique per refit)."""
+        path = SHM_DIR / name
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            mapping = mmap.mmap(fd, nbytes, flags=_MAP_FLAGS)
+        except BaseException:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        return cls(path, torch.frombuffer(mapping, dtype=torch.uint8))
+
+    @classmethod
+    def attach(cls, name: str) -> Segment:
+        """Map an existing segment (raises ``FileNotFoundError`` when it is gone)."""
+        path = SHM_DIR / name
+        fd = os.open(path, os.O_RDWR)
+        try:
+            nbytes = os.fstat(fd).st_size
+            mapping = mmap.mmap(fd, nbytes, flags=_MAP_FLAGS)
+        finally:
+            os.close(fd)
+        return cls(path, torch.frombuffer(mapping, dtype=torch.uint8))
+
+    def unlink(self) -> None:
+        """Remove the segment's name; memory is freed once every mapping is gone."""
+        self.path.unlink(missing_ok=True)
+
+
+def _reader_queue(refit_id: str, reader: int) -> str:
+    return f"{refit_id}/shm/to_reader/{reader}"
+
+
+def _writer_queue(refit_id: str, writer: int) -> str:
+    return f"{refit_id}/shm/to_writer/{writer}"
+
+
+@dataclass(frozen=True)
+class ShmSender:
+    """One policy worker's side of a shared-memory refit (a writer, or a helper that only gathers)."""
+
+    dtype: torch.dtype
+    bucket_size_bytes: int
+    timeout_s: float
+    store: StoreAddress
+    refit_id: str
+    segment_prefix: str
+    writer: int | None
+    """Index of the node this rank writes for, or ``None`` when another rank writes for its node."""
+    readers: tuple[int, ...]
+    """Generation workers (by index) reading this writer's segments."""
+
+    def send(self, weights: NamedTensors) -> TransferStats:
+        """Pack and announce every bucket; return once every reader has acknowledged every bucket."""
+        start_s = time.perf_counter()
+        if self.writer is None:
+            # Another rank writes for this node; this one still has to take part in every gather.
+            num_tensors = 0
+            for _, tensor in weights:
+                gather_full(tensor)
+                num_tensors += 1
+            return TransferStats("sender", 0, 0, num_tensors, time.perf_counter() - start_s)
+        return _ShmWriter(self, self.writer).run(weights, start_s)
+
+
+class _ShmWriter:
+    """The state of one writer during one refit."""
+
+    def __init__(self, spec: ShmSender, writer: int) -> None:
+        self.spec = spec
+        self.writer = writer
+        self.store = connect_store(spec.store, spec.timeout_s)
+        self.deadline = time.monotonic() + spec.timeout_s
+        self.capacity = align_up(spec.bucket_size_bytes)
+        self.slots: list[Segment | None] = [None, None]
+        self.bucket_in_slot: list[int | None] = [None, None]
+        self.segment_of: dict[int, Segment] = {}
+        self.acks: Counter[int] = Counter()
+
+    def run(self, weights: NamedTensors, start_s: float) -> TransferStats:
+        num_buckets = num_tensors = wire_bytes = 0
+        try:
+            for header, _payload in pack_buckets(
+                weights,
+                dtype=self.spec.dtype,
+                bucket_size_bytes=self.spec.bucket_size_bytes,
+                acquire=self._acquire,
+                send_oversized_in_place=False,
+                wire_device=torch.device("cpu"),
+            ):
+                self._announce(self.segment_of[header.index].name, encode_message(header))
+                num_buckets += 1
+                num_tensors += len(header.entries)
+                wire_bytes += header.nbytes
+            self._announce("", encode_message(StreamEnd(num_buckets, wire_bytes)))
+            for index in self.bucket_in_slot:
+                if index is not None:
+                    self._wait_consumed(index)
+        except BaseException as err:
+            self._announce(
+                "",
+                encode_message(
+                    StreamAbort(f"the policy worker writing for node {self.writer} failed: {err!r}")
+                ),
+            )
+            raise
+        finally:
+            for segment in [*self.slots, *self.segment_of.values()]:
+                if segment is not None:
+                    segment.unlink()
+        return TransferStats("sender", wire_bytes, num_buckets, num_tensors, time.perf_counter() - start_s)
+
+    def _announce(self, segment_name: str, message: bytes) -> None:
+        for reader in self.spec.readers:
+            self.store.queue_push(
+                _reader_queue(self.spec.refit_id, reader), segment_name.encode() + b"\n" + message
+            )
+
+    def _acquire(self, index: int, nbytes: int) -> torch.Tensor:
+        slot = index % 2
+        previous = self.bucket_in_slot[slot]
+        if previous is not None:
+            self._wait_consumed(previous)
+        self.bucket_in_slot[slot] = index
+        if nbytes > self.capacity:
+            # A tensor larger than a bucket gets a segment of its own, unlinked once it has been read.
+            segment = Segment.create(f"{self.spec.segment_prefix}w{self.writer}_b{index}", nbytes)
+        else:
+            segment = self.slots[slot] or Segment.create(
+                f"{self.spec.segment_prefix}w{self.writer}_slot{slot}", self.capacity
+            )
+            self.slots[slot] = segment
+        self.segment_of[index] = segment
+        return segment.tensor
+
+    def _wait_consumed(self, index: int) -> None:
+        """Block until every reader acknowledged bucket ``index``, then release its segment."""
+        while self.acks[index] < len(self.spec.readers):
+            message = pop_message(
+                self.store,
+                _writer_queue(self.spec.refit_id, self.writer),
+                self.deadline,
+                f"generation workers {list(self.spec.readers)} to read bucket {index}",
+            )
+            if message == _ABORT:
+                raise RefitError(
+                    f"refit {self.spec.refit_id} was aborted by the driver (another worker failed)"
+                )
+            self.acks[int(message.decode().rpartition(":")[2])] += 1
+        segment = self.segment_of.pop(index)
+        if segment not in self.slots:
+            segment.unlink()
+
+
+@dataclass(frozen=True)
+class ShmReceiver:
+    """One generation worker's side of a shared-memory refit."""
+
+    timeout_s: float
+    store: StoreAddress
+    refit_id: str
+    segment_prefix: str
+    reader: int
+    """This generation worker's index."""
+    writer: int
+    """Index of the node writer whose segments this worker reads."""
+
+    def receive(
+        self, load_fn: LoadFn, manifest: WeightManifest, shard_fn: ShardFn | None = None
+    ) -> TransferStats:
+        """Read, check and load every bucket the node's writer announces."""
+        start_s = time.perf_counter()
+        reader = BucketReader(manifest, shard_fn)
+        feed_loader(load_fn, self._stream(reader))
+        reader.raise_if_failed(f"generation worker {self.reader} (shared memory, refit {self.refit_id})")
+        return TransferStats(
+            "receiver",
+            reader.wire_bytes,
+            reader.num_buckets,
+            reader.num_tensors,
+            time.perf_counter() - start_s,
+        )
+
+    def _stream(self, reader: BucketReader) -> Iterator[tuple[str, torch.Tensor]]:
+        store = connect_store(self.store, self.timeout_s)
+        deadline = time.monotonic() + self.timeout_s
+        attached: dict[str, Segment] = {}
+        while True:
+            raw = pop_message(
+                store,
+                _reader_queue(self.refit_id, self.reader),
+                deadline,
+                f"bucket {reader.num_buckets} from the policy worker writing for node {self.writer}",
+            )
+            segment_name, _, body = raw.partition(b"\n")
+            message = decode_message(body)
+            if not isinstance(message, BucketHeader):
+                reader.end(message)
+                return
+            segment = self._attach(segment_name.decode(), message, attached, reader)
+            available = min(segment.nbytes, message.nbytes) if segment is not None else 0
+            if reader.admit(message, available) and segment is not None:
+                yield from reader.unpack(message, segment.tensor[: message.nbytes])
+            # Reached only once the loader asked for the next tensor, i.e. it is done with this bucket.
+            if "_slot" not in segment_name.decode():
+                attached.pop(segment_name.decode(), None)
+            store.queue_push(
+                _writer_queue(self.refit_id, self.writer), f"{self.reader}:{message.index}".encode()
+            )
+
+    def _attach(
+        self, name: str, header: BucketHeader, attached: dict[str, Segment], reader: BucketReader
+    ) -> Segment | None:
+        if not name.startswith(self.segment_prefix) or "/" in name:
+            reader.fail(f"bucket {header.index} names segment {name!r}, which is not one of this refit's")
+            return None
+        if name not in attached:
+            try:
+                attached[name] = Segment.attach(name)
+            except FileNotFoundError:
+                reader.fail(
+                    f"the shared-memory segment {name!r} of bucket {header.index} is gone "
+                    f"(it held {format_names(header.names)})"
+                )
+                return None
+        return attached[name]
+
+
+@ray.remote(num_cpus=0)
+def _sweep_segments_task(prefix: str) -> list[str]:
+    return sweep_segments(prefix)
+
+
+class SharedMemoryTransport:
+    """Driver side of the shared-memory transport: one writer per node, readers on the same node.
+
+    ``policy_node_ids[r]`` / ``generation_node_ids[j]`` name the node of policy worker ``r`` / generation
+    worker ``j`` (Ray node ids, or any labels in single-process use); every generation worker's node must
+    host a policy worker.
+    """
+
+    kind: TransportKind = "shared_memory"
+
+    def __init__(
+        self,
+        *,
+        policy_node_ids: Sequence[str],
+        generation_node_ids: Sequence[str],
+        dtype: torch.dtype,
+        bucket_size_bytes: int,
+        timeout_s: float,
+        store_host: str,
+    ) -> None:
+        if not policy_node_ids or not generation_node_ids:
+            raise ValueError("a refit needs at least one policy worker and one generation worker")
+        writer_rank_of_node: dict[str, int] = {}
+        for rank, node in enumerate(policy_node_ids):
+            writer_rank_of_node.setdefault(node, rank)
+        orphans = sorted({node for node in generation_node_ids if node not in writer_rank_of_node})
+        if orphans:
+            raise ValueError(
+                f"shared-memory refit needs a policy worker on every generation node, but nodes {orphans} "
+                "host only generation workers: use the collective transport (refit transport=collective)"
+            )
+        self._nodes = list(writer_rank_of_node)
+        self._writer_rank = [writer_rank_of_node[node] for node in self._nodes]
+        self._policy_node_ids = list(policy_node_ids)
+        self._generation_node_ids = list(generation_node_ids)
+        self._dtype = dtype
+        self._bucket_size_bytes = bucket_size_bytes
+        self._timeout_s = timeout_s
+        self._server = StoreServer(store_host, timeout_s)
+        self._uid = uuid.uuid4().hex[:10]
+
+    @property
+    def num_senders(self) -> int:
+        """Policy workers taking part."""
+        return len(self._policy_node_ids)
+
+    @property
+    def num_receivers(self) -> int:
+        """Generation workers receiving."""
+        return len(self._generation_node_ids)
+
+    def endpoints(self, refit_id: str) -> tuple[list[WeightSender], list[WeightReceiver]]:
+        """One :class:`ShmSender` per policy worker and one :class:`ShmReceiver` per generation worker."""
+        if not _REFIT_ID_PATTERN.match(refit_id):
+            raise ValueError(f"refit id {refit_id!r} must be 1-64 letters, digits or dashes")
+        prefix = segment_prefix(self._uid, refit_id)
+        senders: list[WeightSender] = []
+        for rank, node in enumerate(self._policy_node_ids):
+            writer = self._nodes.index(node)
+            is_writer = self._writer_rank[writer] == rank
+            readers = tuple(j for j, n in enumerate(self._generation_node_ids) if n == node)
+            senders.append(
+                ShmSender(
+                    self._dtype,
+                    self._bucket_size_bytes,
+                    self._timeout_s,
+                    self._server.address,
+                    refit_id,
+                    prefix,
+                    writer if is_writer else None,
+                    readers if is_writer else (),
+                )
+            )
+        receivers: list[WeightReceiver] = [
+            ShmReceiver(self._timeout_s, self._server.address, refit_id, prefix, j, self._nodes.index(node))
+            for j, node in enumerate(self._generation_node_ids)
+        ]
+        return senders, receivers
+
+    def abort(self, refit_id: str) -> None:
+        """Wake every writer and reader of ``refit_id`` still waiting, so they stop and unlink."""
+        store = self._server.store
+        for writer in range(len(self._nodes)):
+            store.queue_push(_writer_queue(refit_id, writer), _ABORT)
+        reason = encode_message(StreamAbort("the driver aborted the refit because another worker failed"))
+        for reader in range(self.num_receivers):
+            store.queue_push(_reader_queue(refit_id, reader), b"\n" + reason)
+
+    def cleanup(self, refit_id: str) -> None:
+        """Sweep ``refit_id``'s segments on every node and drop its queues from the store."""
+        self._sweep_everywhere(segment_prefix(self._uid, refit_id))
+        store = self._server.store
+        for writer in range(len(self._nodes)):
+            store.delete_key(_writer_queue(refit_id, writer))
+        for reader in range(self.num_receivers):
+            store.delete_key(_reader_queue(refit_id, reader))
+
+    def shutdown(self) -> None:
+        """Sweep every segment this transport may have left on any node."""
+        self._sweep_everywhere(f"{SEGMENT_NAME_PREFIX}{self._uid}_")
+
+    def _sweep_everywhere(self, prefix: str) -> None:
+        sweep_segments(prefix)
+        if not ray.is_initialized():
+            return
+        here = ray.get_runtime_context().get_node_id()
+        alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+        remote = [n for n in self._nodes if n != here and n in alive]
+        refs = [
+            _sweep_segments_task.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+            ).remote(prefix)
+            for node in remote
+        ]
+        ray.get(refs, timeout=self._timeout_s)
