@@ -110,7 +110,7 @@ def group_baseline_and_std(
     return baseline_N.to(out_dtype), std_N.to(out_dtype), count_N.to(out_dtype)
 
 
-def compute_group_advantages(
+def compute_advantages(
     rewards_N: torch.Tensor,
     *,
     use_leave_one_out_baseline: bool,
