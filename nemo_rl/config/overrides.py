@@ -272,9 +272,19 @@ def apply_overrides(
     and shorthand keys are expanded. Interpolations are left unresolved so they see the new values.
 
     Raises:
-        ConfigError: for unparsable overrides, unknown keys, ``+`` on an existing key, ``~`` on a missing one.
+        ConfigError: for unparsable overrides, unknown keys, ``+`` on an existing key, ``~`` on a missing one;
+            every failing override of the command line is listed, not just the first.
     """
     out = copy.deepcopy(cfg)
+    problems: list[str] = []
     for override in parse_overrides(overrides):
-        apply_override(out, override, schema_cls)
+        # Keep going so that one run of the script reports every mistyped override at once.
+        try:
+            apply_override(out, override, schema_cls)
+        except ConfigError as err:
+            problems.append(str(err))
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError(f"{len(problems)} overrides cannot be applied:", problems)
     return out

@@ -300,3 +300,14 @@ def test_keys_of_dict_defaults_count_for_hints_and_shorthand(capsys: pytest.Capt
     out = apply("weight_decay=0.0")
     assert out["policy"]["optimizer_kwargs"] == {"lr": 1e-5, "weight_decay": 0.0}
     assert "'policy.optimizer_kwargs.weight_decay=0.0'" in capsys.readouterr().err
+
+
+def test_every_failing_override_is_reported() -> None:
+    with pytest.raises(ConfigError) as info:
+        apply("policy.model_nam=x", "policy.generation.temperature=0.1", "+policy.model_name=y", "~nope")
+    assert str(info.value).splitlines()[0] == "3 overrides cannot be applied:"
+    assert [p.split(" ", 2)[:2] for p in info.value.problems] == [
+        ["cannot", "set"],
+        ["cannot", "add"],
+        ["cannot", "delete"],
+    ]
