@@ -201,7 +201,7 @@ def load_and_resolve(
     source = f"config {path}" + (f" with overrides {' '.join(overrides)}" if overrides else "")
     resolved = resolve_config(cfg)
     model = validate_dict(resolved, schema_cls, source)
-    return model, OmegaConf.create(resolved)
+    return model, OmegaConf.create(_escape_interpolations(resolved))
 
 
 def load_and_validate(path: str | Path, schema_cls: type[ModelT], overrides: Sequence[str] = ()) -> ModelT:

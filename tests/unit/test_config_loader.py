@@ -288,3 +288,11 @@ def test_parse_hydra_overrides_without_schema() -> None:
     assert cfg.a.b == 1
     with pytest.raises(ConfigError, match="unknown key"):
         parse_hydra_overrides(cfg, ["a.x=2"])
+
+
+def test_escaped_interpolation_stays_literal_in_resolved_config(tmp_path: Path) -> None:
+    path = write(tmp_path / "c.yaml", "train:\n  model_name: m\n  prompt: 'keep \\${this}'\n")
+    cfg, resolved = load_and_resolve(path, Root)
+    assert cfg.train.prompt == "keep ${this}"
+    assert resolved.train.prompt == "keep ${this}"
+    assert load_and_validate(save_config(resolved, tmp_path / "out"), Root) == cfg
