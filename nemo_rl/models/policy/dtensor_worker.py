@@ -1,0 +1,446 @@
+"""The DTensor policy worker: one rank of an FSDP2 (+ tensor/sequence parallel) Hugging Face causal LM.
+
+Each worker is one process of a (dp, tp) device mesh laid out row-major (``rank = dp_rank * tp + tp_rank``),
+started by ``RayWorkerGroup`` with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set. Every public method is
+a collective: all ranks must call it, with the same data on the ranks of one dp group.
+
+Normalisation: a global batch of ``gbs`` sequences is split over the dp ranks and, on each rank, into
+micro-batches. The valid sequence and token counts of the whole global batch are all-reduced first and
+given to the loss, which returns each micro-batch's share of the global loss; gradients accumulate over
+micro-batches and are SUMMED over dp ranks (FSDP's averaging is switched off in ``parallelize.apply_fsdp``).
+So the loss and gradients of a step do not depend on the dp size or the micro-batch size.
+
+Temperature: like NeMo RL, logits are divided by ``policy.generation.temperature`` before log-probs, top-k
+and losses, so the policy scores the same distribution the sampler drew from (a no-op at 1.0).
+
+Tensor legend: B = sequences, T = tokens, V = vocabulary, K = top-k.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from nemo_rl.algorithms.interfaces import LossFunction
+from nemo_rl.config.policy import PolicyConfig
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.distributed.device import (
+    configure_worker_threads,
+    cuda_available,
+    get_device,
+    init_process_group_from_env,
+)
+from nemo_rl.models.policy.hf_io import export_hf_checkpoint, load_sharded_model
+from nemo_rl.models.policy.interfaces import TrainResult
+from nemo_rl.models.policy.optim import build_optimizer, build_scheduler, clip_grad_norm_
+from nemo_rl.models.policy.parallelize import reshard_all
+from nemo_rl.models.policy.utils import (
+    PRECISION_DTYPES,
+    global_valid_counts,
+    micro_batches,
+    pad_sequence_dim,
+    reduce_metric_dicts,
+    token_logprobs,
+    topk_logits,
+)
+from nemo_rl.weight_sync.interfaces import TransferStats, WeightSender
+from nemo_rl.weight_sync.manifest import dtype_name
+
+logger = logging.getLogger(__name__)
+
+SCHEDULER_STATE_FILE = "scheduler.pt"
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a (possibly DTensor) tensor, sharing its storage."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A host copy of ``tensor`` (pinned when CUDA is used, so copies back are fast)."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=cuda_available())
+    host.copy_(tensor.detach())
+    return host
+
+
+class DTensorPolicyWorker:
+    """One rank of the DTensor policy; run as a Ray actor by ``RayWorkerGroup``."""
+
+    def __init__(
+        self,
+        cfg: PolicyConfig,
+        tokenizer_path: str | None = None,
+        weights_path: str | None = None,
+        optimizer_path: str | None = None,
+        init_reference_model: bool = True,
+    ) -> None:
+        """Join the process group, load and shard ``cfg.model_name``, build the optimizer and scheduler.
+
+        ``tokenizer_path`` is the tokenizer written next to exported checkpoints (default: the tokenizer
+        ``cfg`` names). ``weights_path`` / ``optimizer_path`` resume from :meth:`save_checkpoint` output; the
+        reference policy is always the initial ``cfg.model_name`` weights.
+        """
+        configure_worker_threads()
+        init_process_group_from_env()
+        dtensor_cfg = cfg.dtensor_cfg
+        if dtensor_cfg.cpu_offload and not cuda_available():
+            raise ValueError(
+                "policy.dtensor_cfg.cpu_offload=true needs CUDA (FSDP2's CPUOffloadPolicy does not run on a "
+                "CPU-only machine); set policy.dtensor_cfg.cpu_offload=false"
+            )
+        if optimizer_path is not None and weights_path is None:
+            raise ValueError(
+                "optimizer_path was given without weights_path: resume needs both from one checkpoint"
+            )
+        self.cfg = cfg
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        tp_size = dtensor_cfg.tensor_parallel_size
+        if self.world_size % tp_size != 0:
+            raise ValueError(
+                f"the policy has {self.world_size} workers, not a multiple of "
+                f"policy.dtensor_cfg.tensor_parallel_size={tp_size}"
+            )
+        self.dp_size = self.world_size // tp_size
+        self.device = get_device()
+        self.mesh = init_device_mesh(self.device.type, (self.dp_size, tp_size), mesh_dim_names=("dp", "tp"))
+        self.dp_group = self.mesh.get_group("dp")
+        self.dp_rank = self.mesh.get_local_rank("dp")
+        sp_multiple = tp_size if dtensor_cfg.sequence_parallel else 1
+        self.seq_multiple = math.lcm(cfg.make_sequence_length_divisible_by, sp_multiple)
+        self.tokenizer_source = tokenizer_path if tokenizer_path is not None else cfg.tokenizer_name
+
+        self.model = load_sharded_model(cfg, self.mesh, self.device)
+        self.optimizer = build_optimizer(self.model.parameters(), cfg.optimizer)
+        self.scheduler = build_scheduler(self.optimizer, cfg.scheduler)
+        # The reference policy is a host copy of this rank's initial shards, swapped in only while scoring.
+        self.reference_shards: dict[str, torch.Tensor] | None = (
+            self._snapshot_local_shards() if init_reference_model else None
+        )
+        if weights_path is not None:
+            self.load_checkpoint(weights_path, optimizer_path)
+
+    # ----------------------------------------------------------------------------------------- forward
+    def _logits(self, mb: BatchedDataDict[Any]) -> torch.Tensor:
+        """[B, T, V] float32 full-vocab logits (divided by the sampling temperature)."""
+        output = self.model(input_ids=mb["input_ids"], use_cache=False)
+        logits_BTV = output.logits
+        if isinstance(logits_BTV, DTensor):  # a custom TP plan may leave the LM head's output sharded
+            logits_BTV = logits_BTV.full_tensor()
+        logits_BTV = logits_BTV.float()
+        temperature = self.cfg.generation.temperature
+        return logits_BTV / temperature if temperature != 1.0 else logits_BTV
+
+    @torch.no_grad()
+    def _score(
+        self,
+        data: BatchedDataDict[Any],
+        fn: Callable[[torch.Tensor, BatchedDataDict[Any]], dict[str, torch.Tensor]],
+        micro_batch_size: int | None,
+    ) -> BatchedDataDict[Any]:
+        """Run ``fn(logits, micro_batch)`` over ``data`` in inference mode and concatenate its [B, T, ...] outputs."""
+        if data.size == 0:
+            raise ValueError("every data-parallel rank needs at least one sequence to score")
+        mbs = micro_batch_size or self.cfg.logprob_batch_size or self.cfg.train_micro_batch_size
+        seq_len = int(data["input_ids"].shape[1])
+        batch = pad_sequence_dim(data, self.seq_multiple)
+        self.model.eval()
+        outputs: list[dict[str, torch.Tensor]] = []
+        for mb in micro_batches(batch, mbs):
+            mb = mb.to(self.device)
+            outputs.append({k: v[:, :seq_len].cpu() for k, v in fn(self._logits(mb), mb).items()})
+        reshard_all(self.model)
+        return BatchedDataDict({k: torch.cat([o[k] for o in outputs]) for k in outputs[0]})
+
+    def get_logprobs(
+        self, data: BatchedDataDict[Any], micro_batch_size: int | None = None
+    ) -> BatchedDataDict[Any]:
+        """``{"logprobs": [B, T]}`` of ``data["input_ids"]`` (aligned with the tokens, 0 at position 0 / padding)."""
+        return self._score(
+            data,
+            lambda logits, mb: {"logprobs": token_logprobs(logits, mb["input_ids"], mb["input_lengths"])},
+            micro_batch_size,
+        )
+
+    def get_reference_policy_logprobs(
+        self, data: BatchedDataDict[Any], micro_batch_size: int | None = None
+    ) -> BatchedDataDict[Any]:
+        """``{"reference_logprobs": [B, T]}`` under the initial weights."""
+        with self._reference_weights():
+            out = self.get_logprobs(data, micro_batch_size)
+        return BatchedDataDict({"reference_logprobs": out["logprobs"]})
+
+    def get_topk_logits(
+        self, data: BatchedDataDict[Any], k: int, micro_batch_size: int | None = None
+    ) -> BatchedDataDict[Any]:
+        """``{"topk_logits", "topk_indices"}``, each [B, T, K]; see ``PolicyInterface.get_topk_logits``."""
+
+        def fn(logits: torch.Tensor, mb: BatchedDataDict[Any]) -> dict[str, torch.Tensor]:
+            values, indices = topk_logits(logits, mb["input_lengths"], k)
+            return {"topk_logits": values, "topk_indices": indices}
+
+        return self._score(data, fn, micro_batch_size)
+
+    # ---------------------------------------------------------------------------------------- training
+    def train(
+        self,
+        data: BatchedDataDict[Any],
+        loss_fn: LossFunction,
+        eval_mode: bool = False,
+        gbs: int | None = None,
+        mbs: int | None = None,
+    ) -> TrainResult:
+        """Take one optimizer step per global batch in this rank's shard ``data``; see the module docstring.
+
+        ``data`` holds ``gbs // dp`` rows per step, in step order (``shard_by_batch_size(dp, batch_size=gbs)``
+        on the driver). ``eval_mode`` computes the loss without gradients or updates.
+        """
+        global_batch_size = gbs if gbs is not None else self.cfg.train_global_batch_size
+        micro_batch_size = mbs if mbs is not None else self.cfg.train_micro_batch_size
+        if global_batch_size % self.dp_size != 0:
+            raise ValueError(
+                f"the global batch size ({global_batch_size}) must be a multiple of the data-parallel size "
+                f"({self.dp_size})"
+            )
+        local_batch_size = global_batch_size // self.dp_size
+        if data.size == 0 or data.size % local_batch_size != 0:
+            raise ValueError(
+                f"this rank got {data.size} sequences, not a positive multiple of its share of a global batch "
+                f"({global_batch_size} / {self.dp_size} ranks = {local_batch_size}); pass whole global batches"
+            )
+        num_steps = data.size // local_batch_size
+        self.model.train(not eval_mode)
+        losses: list[float] = []
+        grad_norms: list[float] = []
+        lrs: list[float] = []
+        valid_seqs: list[float] = []
+        valid_toks: list[float] = []
+        step_metrics: list[dict[str, float]] = []
+        for step in range(num_steps):
+            batch = data.slice(step * local_batch_size, (step + 1) * local_batch_size)
+            batch = pad_sequence_dim(batch, self.seq_multiple)
+            counts = torch.stack(global_valid_counts(batch)).to(self.device)
+            dist.all_reduce(counts, group=self.dp_group)
+            global_valid_seqs, global_valid_toks = counts.float().unbind()
+            if not eval_mode:
+                self.optimizer.zero_grad(set_to_none=True)
+            step_loss = torch.zeros((), dtype=torch.float64, device=self.device)
+            mb_metrics: list[dict[str, float]] = []
+            for mb in micro_batches(batch, micro_batch_size):
+                mb = mb.to(self.device)
+                with torch.set_grad_enabled(not eval_mode):
+                    loss, metrics = loss_fn(self._logits(mb), mb, global_valid_seqs, global_valid_toks)
+                    if not eval_mode:
+                        loss.backward()
+                step_loss += loss.detach().double()
+                mb_metrics.append(metrics)
+            if not eval_mode:
+                grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+                lrs.append(float(self.optimizer.param_groups[0]["lr"]))
+                grad_norms.append(grad_norm)
+                if math.isfinite(grad_norm):
+                    self.optimizer.step()
+                else:
+                    logger.warning("skipping the optimizer step: the gradient norm is %s", grad_norm)
+                self.scheduler.step()
+            else:
+                reshard_all(self.model)
+            dist.all_reduce(step_loss, group=self.dp_group)
+            losses.append(float(step_loss))
+            valid_seqs.append(float(global_valid_seqs))
+            valid_toks.append(float(global_valid_toks))
+            step_metrics.append(self._all_reduce_metrics(reduce_metric_dicts(mb_metrics)))
+        result: TrainResult = {
+            "loss": torch.tensor(losses),
+            "global_valid_seqs": torch.tensor(valid_seqs),
+            "global_valid_toks": torch.tensor(valid_toks),
+            "metrics": {name: [m[name] for m in step_metrics] for name in step_metrics[0]},
+        }
+        if not eval_mode:
+            result["grad_norm"] = torch.tensor(grad_norms)
+            result["lr"] = torch.tensor(lrs)
+        return result
+
+    def _all_reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Combine one step's metric shares over the dp ranks (sum, or min / max for ``*_min`` / ``*_max``)."""
+        out: dict[str, float] = {}
+        names = sorted(metrics)
+        for op, selected in (
+            (dist.ReduceOp.MIN, [n for n in names if n.endswith("_min")]),
+            (dist.ReduceOp.MAX, [n for n in names if n.endswith("_max")]),
+            (dist.ReduceOp.SUM, [n for n in names if not n.endswith(("_min", "_max"))]),
+        ):
+            if not selected:
+                continue
+            values = torch.tensor([metrics[n] for n in selected], dtype=torch.float64, device=self.device)
+            dist.all_reduce(values, op=op, group=self.dp_group)
+            out.update(zip(selected, values.tolist(), strict=True))
+        return out
+
+    # ------------------------------------------------------------------------------ reference weights
+    @torch.no_grad()
+    def _snapshot_local_shards(self) -> dict[str, torch.Tensor]:
+        reshard_all(self.model)
+        return {name: _to_host(_local(p)) for name, p in self.model.named_parameters()}
+
+    @contextmanager
+    def _reference_weights(self) -> Iterator[None]:
+        """Swap the reference weights into the model's shards for the duration of the block."""
+        if self.reference_shards is None:
+            raise RuntimeError(
+                "this policy was built with init_reference_model=False, so it has no reference weights"
+            )
+        current = self._snapshot_local_shards()
+        self._copy_into_local_shards(self.reference_shards)
+        try:
+            yield
+        finally:
+            reshard_all(self.model)
+            self._copy_into_local_shards(current)
+
+    @torch.no_grad()
+    def _copy_into_local_shards(self, shards: dict[str, torch.Tensor]) -> None:
+        for name, p in self.model.named_parameters():
+            _local(p).copy_(shards[name], non_blocking=True)
+        if cuda_available():
+            torch.cuda.synchronize()
+
+    # -------------------------------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
+        """Save this rank's shards with torch.distributed.checkpoint (any later layout can load them).
+
+        ``optimizer_path`` also saves the optimizer state (sharded) and the scheduler state (rank 0).
+        """
+        reshard_all(self.model)
+        dcp.save(get_model_state_dict(self.model), checkpoint_id=weights_path)
+        if optimizer_path is not None:
+            optim_state = get_optimizer_state_dict(self.model, self.optimizer)
+            dcp.save({"optim": optim_state}, checkpoint_id=optimizer_path)
+            if self.rank == 0:
+                torch.save(self.scheduler.state_dict(), os.path.join(optimizer_path, SCHEDULER_STATE_FILE))
+        dist.barrier()
+
+    def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
+        """Load what :meth:`save_checkpoint` wrote (optimizer and scheduler only with ``optimizer_path``)."""
+        reshard_all(self.model)
+        model_state = get_model_state_dict(self.model)
+        dcp.load(model_state, checkpoint_id=weights_path)
+        set_model_state_dict(self.model, model_state)
+        if optimizer_path is not None:
+            optim_state = {"optim": get_optimizer_state_dict(self.model, self.optimizer)}
+            dcp.load(optim_state, checkpoint_id=optimizer_path)
+            set_optimizer_state_dict(self.model, self.optimizer, optim_state["optim"])
+            scheduler_file = os.path.join(optimizer_path, SCHEDULER_STATE_FILE)
+            self.scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+        dist.barrier()
+
+    def export_hf(self, path: str) -> None:
+        """Write a Hugging Face checkpoint in ``policy.precision`` (rank 0 writes; all ranks must call)."""
+        reshard_all(self.model)
+        export_hf_checkpoint(
+            self.model,
+            path,
+            PRECISION_DTYPES[self.cfg.precision],
+            self.tokenizer_source,
+            self.cfg.trust_remote_code,
+        )
+
+    # -------------------------------------------------------------------------------- refit (sender)
+    def _persistent_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for module_name, module in self.model.named_modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None and name not in module._non_persistent_buffers_set:
+                    yield (f"{module_name}.{name}" if module_name else name), buffer
+
+    @torch.no_grad()
+    def iter_hf_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every weight under its Hugging Face name as a FULL tensor cast to ``dtype`` (floating point only).
+
+        A collective: every rank must iterate to the end in lockstep, because gathering each sharded
+        parameter (``DTensor.full_tensor()``) all-gathers over the dp and tp axes. Afterwards every rank
+        holds the full tensor. Tied weights appear once (under the input embedding's name); persistent
+        buffers follow the parameters.
+        """
+        reshard_all(self.model)
+        for name, p in self.model.named_parameters():
+            full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+            yield name, full.to(dtype)
+        for name, buffer in self._persistent_buffers():
+            yield name, buffer.to(dtype) if buffer.is_floating_point() else buffer
+
+    def weights_manifest(self, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], str]]:
+        """``{hf_name: (full shape, dtype name)}`` of what :meth:`iter_hf_weights` yields; no communication."""
+        manifest: dict[str, tuple[tuple[int, ...], str]] = {
+            name: (tuple(p.shape), dtype_name(dtype)) for name, p in self.model.named_parameters()
+        }
+        for name, buffer in self._persistent_buffers():
+            out_dtype = dtype if buffer.is_floating_point() else buffer.dtype
+            manifest[name] = (tuple(buffer.shape), dtype_name(out_dtype))
+        return manifest
+
+    def refit_send(self, sender: WeightSender) -> TransferStats:
+        """Stream this policy's weights through ``sender`` (every rank calls it with its own sender)."""
+        return sender.send(self.iter_hf_weights(sender.dtype))
+
+    # --------------------------------------------------------------------------- memory / placement
+    def _move_optimizer_state(self, device: torch.device | str) -> None:
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                # Adam's step counters stay where the optimizer created them (host scalars).
+                if isinstance(value, torch.Tensor) and key != "step":
+                    state[key] = value.to(device)
+
+    def _move_model(self, device: torch.device | str) -> None:
+        if not self.cfg.dtensor_cfg.cpu_offload:  # with CPU offload, FSDP owns where the shards live
+            reshard_all(self.model)
+            self.model.to(device)
+
+    def _release_device_memory(self) -> None:
+        if cuda_available():
+            torch.cuda.empty_cache()
+
+    def prepare_for_training(self) -> None:
+        """Weights and optimizer state onto the device; training mode."""
+        self._move_model(self.device)
+        self._move_optimizer_state(self.device)
+        self.model.train()
+
+    def prepare_for_lp_inference(self) -> None:
+        """Weights onto the device, optimizer state to the host; inference mode."""
+        self._move_model(self.device)
+        self.model.eval()
+        self.offload_before_refit()
+
+    def offload_before_refit(self) -> None:
+        """Optimizer state to the host, so the refit's gather buffers fit on the device."""
+        self._move_optimizer_state("cpu")
+        self._release_device_memory()
+
+    def offload_after_refit(self) -> None:
+        """Weights and optimizer state to the host, leaving the device to colocated generation."""
+        self._move_model("cpu")
+        self._move_optimizer_state("cpu")
+        self._release_device_memory()
+
+    def shutdown(self) -> None:
+        """Drop the model, optimizer and reference weights (the process group goes with the process)."""
+        reshard_all(self.model)
+        del self.model, self.optimizer, self.scheduler
+        self.reference_shards = None
+        self._release_device_memory()

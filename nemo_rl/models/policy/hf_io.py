@@ -1,0 +1,136 @@
+"""Loading a Hugging Face causal LM straight into its sharded layout, and exporting it back.
+
+Loading never materialises the full model on more than one rank: rank 0 reads the checkpoint on the CPU,
+every rank builds the model skeleton on the meta device, shards it (TP, then FSDP2), allocates only its own
+shards and receives them from rank 0 (``broadcast_from_rank0``). Non-persistent buffers (rotary
+``inv_freq``...) are not in the state dict and would be garbage after allocating meta tensors, so they are
+copied from rank 0's loaded model and broadcast as well.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from huggingface_hub import save_torch_state_dict
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from nemo_rl.config.policy import PolicyConfig
+from nemo_rl.models.policy.parallelize import apply_fsdp, apply_tensor_parallel
+from nemo_rl.models.policy.utils import PRECISION_DTYPES
+
+logger = logging.getLogger(__name__)
+
+
+def _non_persistent_buffers(model: nn.Module) -> list[tuple[str, str, nn.Module]]:
+    """``(module path, buffer name, module)`` of every non-persistent buffer, in a stable order."""
+    found = []
+    for module_name, module in model.named_modules():
+        for buffer_name in sorted(module._non_persistent_buffers_set):
+            if module._buffers.get(buffer_name) is not None:
+                found.append((module_name, buffer_name, module))
+    return found
+
+
+@torch.no_grad()
+def _sync_non_persistent_buffers(model: nn.Module, source: nn.Module | None) -> None:
+    """Copy non-persistent buffers from rank 0's fully loaded ``source`` into ``model`` on every rank."""
+    for module_name, buffer_name, module in _non_persistent_buffers(model):
+        buffer = module._buffers[buffer_name]
+        assert buffer is not None
+        if source is not None:
+            buffer.copy_(source.get_submodule(module_name)._buffers[buffer_name])  # type: ignore[arg-type]
+        dist.broadcast(buffer, src=0)
+
+
+def load_sharded_model(cfg: PolicyConfig, mesh: DeviceMesh, device: torch.device) -> nn.Module:
+    """Load ``cfg.model_name`` (local path or hub name), sharded over ``mesh`` (axes ``dp``, ``tp``).
+
+    Master weights are float32 whatever ``cfg.precision`` is; FSDP computes in ``cfg.precision``.
+    """
+    trust = cfg.trust_remote_code
+    hf_config = AutoConfig.from_pretrained(cfg.model_name, trust_remote_code=trust)
+    full_model: nn.Module | None = None
+    if dist.get_rank() == 0:
+        full_model = AutoModelForCausalLM.from_pretrained(
+            cfg.model_name, config=hf_config, dtype=torch.float32, trust_remote_code=trust
+        )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, trust_remote_code=trust)
+    dtensor_cfg = cfg.dtensor_cfg
+    if dtensor_cfg.activation_checkpointing:
+        # Non-reentrant checkpointing composes with FSDP2's per-layer all-gathers.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    apply_tensor_parallel(model, mesh["tp"], dtensor_cfg.sequence_parallel, dtensor_cfg.custom_parallel_plan)
+    apply_fsdp(model, mesh["dp"], PRECISION_DTYPES[cfg.precision], dtensor_cfg.cpu_offload)
+    # With CPU offload FSDP keeps the sharded parameters on the host; only buffers go to the device.
+    model.to_empty(device="cpu" if dtensor_cfg.cpu_offload else device)
+    if dtensor_cfg.cpu_offload:
+        for module in model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = buffer.to(device)
+    full_state = full_model.state_dict() if full_model is not None else {}
+    set_model_state_dict(
+        model,
+        full_state,
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+    )
+    _sync_non_persistent_buffers(model, full_model)
+    del full_model, full_state
+    return model
+
+
+def _hf_weight_names(model: nn.Module) -> set[str]:
+    """Names a HF checkpoint stores: parameters (tied duplicates removed) and persistent buffers."""
+    names = {name for name, _ in model.named_parameters()}
+    non_persistent = {f"{m}.{b}" if m else b for m, b, _ in _non_persistent_buffers(model)}
+    names |= {name for name, _ in model.named_buffers() if name not in non_persistent}
+    return names
+
+
+def export_hf_checkpoint(
+    model: nn.Module,
+    path: str,
+    dtype: torch.dtype,
+    tokenizer_source: str | None,
+    trust_remote_code: bool,
+) -> None:
+    """Write ``model`` as a HF checkpoint at ``path``; a collective, rank 0 writes.
+
+    The full state dict is gathered to rank 0's CPU, cast to ``dtype`` and saved as (sharded) safetensors
+    with the model's config and generation config, and the tokenizer from ``tokenizer_source`` if given.
+    """
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        keep = _hf_weight_names(model)
+        tensors: dict[str, torch.Tensor] = {}
+        for name, value in state.items():
+            if name in keep:
+                assert isinstance(value, torch.Tensor), f"{name} is a {type(value).__name__}, not a tensor"
+                tensors[name] = value.to(dtype) if value.is_floating_point() else value
+        os.makedirs(path, exist_ok=True)
+        save_torch_state_dict(tensors, path, metadata={"format": "pt"})
+        hf_config: Any = copy.deepcopy(model.config)
+        hf_config.dtype = dtype
+        hf_config.save_pretrained(path)
+        generation_config = getattr(model, "generation_config", None)
+        if generation_config is not None:
+            generation_config.save_pretrained(path)
+        if tokenizer_source is not None:
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, trust_remote_code=trust_remote_code)
+            tokenizer.save_pretrained(path)
+        logger.info("exported a Hugging Face checkpoint with %d tensors to %s", len(tensors), path)
+    del state
+    dist.barrier()

@@ -1,0 +1,101 @@
+"""Optimizer, learning-rate schedule and gradient clipping for DTensor-sharded parameters."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+from torch.optim.lr_scheduler import ConstantLR, LRScheduler, SequentialLR
+
+from nemo_rl.config.policy import OptimizerConfig, SchedulerEntry, SchedulerMilestones
+from nemo_rl.models.policy.parallelize import import_by_path
+
+
+def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """Instantiate ``cfg.name`` (an optimizer class import path) over ``params`` with ``cfg.kwargs``."""
+    optimizer_cls = import_by_path(cfg.name)
+    if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
+        raise ValueError(f"policy.optimizer.name={cfg.name!r} is not a torch.optim.Optimizer subclass")
+    optimizer: torch.optim.Optimizer = optimizer_cls(list(params), **cfg.kwargs)
+    return optimizer
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, entries: list[SchedulerEntry | SchedulerMilestones]
+) -> LRScheduler:
+    """The learning-rate schedule of ``policy.scheduler``, stepped once per optimizer step.
+
+    No entry: a constant learning rate. One scheduler: that scheduler. Several: a ``SequentialLR`` switching
+    at the ``milestones`` entry's steps (e.g. linear warm-up, then constant). The schema has already checked
+    that the milestone count matches.
+    """
+    schedulers: list[LRScheduler] = []
+    milestones: list[int] = []
+    for entry in entries:
+        if isinstance(entry, SchedulerMilestones):
+            milestones = list(entry.milestones)
+            continue
+        scheduler_cls = import_by_path(entry.name)
+        if not (isinstance(scheduler_cls, type) and issubclass(scheduler_cls, LRScheduler)):
+            raise ValueError(f"policy.scheduler name {entry.name!r} is not a torch LRScheduler subclass")
+        schedulers.append(scheduler_cls(optimizer, **entry.kwargs))
+    if not schedulers:
+        return ConstantLR(optimizer, factor=1.0, total_iters=0)
+    if len(schedulers) == 1:
+        return schedulers[0]
+    return SequentialLR(optimizer, schedulers=schedulers, milestones=milestones)
+
+
+def _shard_mesh_dims(tensor: DTensor) -> list[int]:
+    """Mesh dims along which ``tensor`` is split (its local pieces must be summed over them)."""
+    return [i for i, p in enumerate(tensor.placements) if isinstance(p, Shard)]
+
+
+def total_grad_norm(params: Iterable[torch.nn.Parameter]) -> float:
+    """The global L2 norm of all gradients, whatever mix of FSDP / TP DTensor layouts they have.
+
+    ``torch.nn.utils.clip_grad_norm_`` cannot stack norms of DTensors living on different meshes (FSDP-only
+    params sit on the 1-D dp mesh, TP params on the 2-D mesh). Instead each rank sums the squares of its
+    local pieces, grouped by (mesh, sharded mesh dims), and all-reduces each group over exactly the mesh
+    dims it is sharded on; replicated dims are not summed, so nothing is counted twice.
+    """
+    groups: dict[tuple[Any, tuple[int, ...]], torch.Tensor] = {}
+    plain_sq: torch.Tensor | None = None
+    for p in params:
+        grad = p.grad
+        if grad is None:
+            continue
+        if isinstance(grad, DTensor):
+            key = (grad.device_mesh, tuple(_shard_mesh_dims(grad)))
+            sq = grad.to_local().detach().float().pow(2).sum()
+            groups[key] = groups[key] + sq if key in groups else sq
+        else:
+            sq = grad.detach().float().pow(2).sum()
+            plain_sq = sq if plain_sq is None else plain_sq + sq
+    total = 0.0 if plain_sq is None else float(plain_sq)
+    for (mesh, dims), sq in groups.items():
+        for dim in dims:
+            dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=mesh.get_group(dim))
+        total += float(sq)
+    return math.sqrt(total)
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float | None) -> float:
+    """Scale gradients so their global norm is at most ``max_norm``; return the norm *before* clipping.
+
+    ``max_norm=None`` only measures. Every rank must call this (the norm needs collectives).
+    """
+    params = list(params)
+    norm = total_grad_norm(params)
+    if max_norm is not None and math.isfinite(norm):
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+    return norm

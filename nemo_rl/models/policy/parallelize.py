@@ -1,0 +1,201 @@
+"""Parallelisation plans applied to Hugging Face causal LMs from outside the model code.
+
+Two independent steps, applied in this order to a model (usually still on the meta device):
+
+1. :func:`apply_tensor_parallel` shards the linear layers of each decoder layer over the ``tp`` mesh axis
+   (Megatron-style: column-parallel q/k/v/gate/up, row-parallel o/down), shards the embedding and the LM head
+   over the vocabulary, and, with sequence parallelism, shards the activations between those regions (the
+   RMSNorms) along the sequence dim. The LM head's output is all-gathered, so callers always see full-vocab
+   logits as a plain tensor.
+2. :func:`apply_fsdp` wraps every decoder layer and then the root with FSDP2 ``fully_shard`` over the ``dp``
+   mesh axis and makes gradient reduction a plain SUM (see the function for why).
+
+Tensor legend: B = batch, T = sequence, H = hidden, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+# Model families whose decoder layers use the Llama module names (self_attn.{q,k,v,o}_proj,
+# mlp.{gate,up,down}_proj, input_layernorm / post_attention_layernorm, model.norm, lm_head).
+LLAMA_LIKE_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
+
+CustomPlanFn = Callable[[nn.Module, DeviceMesh, bool], None]
+
+
+def _llama_like_plan(model_type: str, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """The TP (and optionally SP) plan of a Llama-like model, keyed by module path pattern."""
+    layer = "model.layers.*"
+    plan: dict[str, ParallelStyle] = {
+        f"{layer}.self_attn.q_proj": ColwiseParallel(),
+        f"{layer}.self_attn.k_proj": ColwiseParallel(),
+        f"{layer}.self_attn.v_proj": ColwiseParallel(),
+        f"{layer}.mlp.gate_proj": ColwiseParallel(),
+        f"{layer}.mlp.up_proj": ColwiseParallel(),
+    }
+    if model_type == "qwen3":
+        # Qwen3 normalises q and k per head after the projection, on [B, T, heads, head_dim] views whose
+        # heads dim is sharded here. Each TP rank sees different heads, so the norm weights' gradients are
+        # partial sums: treating the heads dim as a sharded "sequence" dim makes DTensor all-reduce them.
+        plan[f"{layer}.self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan[f"{layer}.self_attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    if not sequence_parallel:
+        plan.update(
+            {
+                "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+                f"{layer}.self_attn.o_proj": RowwiseParallel(),
+                f"{layer}.mlp.down_proj": RowwiseParallel(),
+                "lm_head": ColwiseParallel(output_layouts=Replicate(), use_local_output=True),
+            }
+        )
+        return plan
+    # Sequence parallel: the residual stream stays a DTensor sharded on the sequence dim (Shard(1)) from the
+    # embedding to the final norm, so the HF model code's residual additions see two DTensors of the same
+    # layout. Attention and MLP inputs are all-gathered to full sequences, their outputs reduce-scattered.
+    plan.update(
+        {
+            "model.embed_tokens": RowwiseParallel(
+                input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+            ),
+            f"{layer}.input_layernorm": SequenceParallel(),
+            f"{layer}.post_attention_layernorm": SequenceParallel(),
+            f"{layer}.self_attn": PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": Shard(1)},
+                desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                use_local_output=True,
+            ),
+            f"{layer}.mlp": PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+            ),
+            f"{layer}.self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            f"{layer}.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            "model.norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(
+                input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=True
+            ),
+        }
+    )
+    return plan
+
+
+def _check_divisible(config: Any, tp_size: int) -> None:
+    """Raise when the model's heads or KV heads cannot be split evenly over ``tp_size`` ranks."""
+    num_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    for what, count in (("num_attention_heads", num_heads), ("num_key_value_heads", num_kv_heads)):
+        if count % tp_size != 0:
+            raise ValueError(
+                f"the model's {what} ({count}) is not divisible by "
+                f"policy.dtensor_cfg.tensor_parallel_size ({tp_size}); choose a TP size that divides it"
+            )
+
+
+def import_by_path(path: str) -> Any:
+    """Import ``package.module.attr`` and return ``attr``; the error names the path when it fails."""
+    module_name, _, attr = path.rpartition(".")
+    if not module_name:
+        raise ValueError(f"expected an import path like `package.module.name`, got {path!r}")
+    module = importlib.import_module(module_name)
+    if not hasattr(module, attr):
+        raise ValueError(f"module {module_name!r} has no attribute {attr!r} (from import path {path!r})")
+    return getattr(module, attr)
+
+
+def apply_tensor_parallel(
+    model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, custom_parallel_plan: str | None
+) -> None:
+    """Shard ``model`` in place over ``tp_mesh`` (a 1-D mesh); a no-op when the mesh has one rank.
+
+    Uses ``custom_parallel_plan`` (import path of a ``(model, tp_mesh, sequence_parallel) -> None`` function)
+    when given, else the built-in plan of the model's family. Tied input/output embeddings stay tied: both
+    modules shard the same ``[V, H]`` weight along V.
+    """
+    if tp_mesh.size() == 1:
+        if sequence_parallel:
+            raise ValueError(
+                "policy.dtensor_cfg.sequence_parallel needs tensor_parallel_size > 1; disable it or raise TP"
+            )
+        return
+    config: Any = model.config
+    _check_divisible(config, tp_mesh.size())
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    if custom_parallel_plan is not None:
+        plan_fn: CustomPlanFn = import_by_path(custom_parallel_plan)
+        plan_fn(model, tp_mesh, sequence_parallel)
+    else:
+        model_type = config.model_type
+        if model_type not in LLAMA_LIKE_MODEL_TYPES:
+            raise ValueError(
+                f"no built-in tensor-parallel plan for model type {model_type!r} (known: "
+                f"{sorted(LLAMA_LIKE_MODEL_TYPES)}); set policy.dtensor_cfg.custom_parallel_plan to the import "
+                "path of a function (model, tp_mesh, sequence_parallel) -> None, or use tensor_parallel_size=1"
+            )
+        parallelize_module(model, tp_mesh, _llama_like_plan(model_type, sequence_parallel))
+    if tied:
+        # parallelize_module registers a new Parameter on each module, which unties them; both are Shard(0)
+        # DTensors of the same global weight, so sharing the embedding's parameter restores the tie exactly.
+        output_embeddings = model.get_output_embeddings()  # type: ignore[operator]
+        output_embeddings.weight = model.get_input_embeddings().weight  # type: ignore[operator]
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks: modules whose class HF lists in ``_no_split_modules``."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(
+            f"cannot find the decoder layers of {type(model).__name__}: it declares no `_no_split_modules`"
+        )
+    return layers
+
+
+def apply_fsdp(
+    model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype, cpu_offload: bool
+) -> FSDPModule:
+    """Wrap every decoder layer, then the root, with FSDP2 over ``dp_mesh``; returns the root.
+
+    Parameters stay in float32 (the master copy the optimizer updates); ``param_dtype`` is the dtype they
+    are all-gathered in for forward and backward. Gradients are reduced in float32.
+
+    FSDP averages gradients over the dp ranks by default. Our losses are already normalised by the
+    *global* token/sequence counts (each rank returns its share of the global loss), so the step's gradient
+    is the SUM of the ranks' gradients; the reduction is set to a plain sum with no division.
+    """
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    offload_policy = CPUOffloadPolicy() if cpu_offload else None
+    kwargs: dict[str, Any] = {"mesh": dp_mesh, "mp_policy": mp_policy}
+    if offload_policy is not None:
+        kwargs["offload_policy"] = offload_policy
+    for layer in decoder_layers(model):
+        fully_shard(layer, reshard_after_forward=True, **kwargs)
+    root = fully_shard(model, **kwargs)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            # Pre/post-scaling by 1 with SUM collectives: PREMUL_SUM is NCCL-only, this works on gloo too.
+            module.set_force_sum_reduction_for_comms(True)
+    return root
+
+
+def reshard_all(model: nn.Module) -> None:
+    """Return every FSDP unit to its sharded state (the root stays unsharded after a forward otherwise)."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

@@ -1,0 +1,119 @@
+"""Pure tensor helpers shared by the policy workers (no process groups, no models).
+
+Tensor legend: B = sequences, T = padded tokens, V = vocabulary, K = top-k.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+
+PRECISION_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def valid_token_mask(input_lengths_B: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[B, T] bool: position ``t`` holds a real (non-padding) token of its sequence."""
+    positions = torch.arange(seq_len, device=input_lengths_B.device)
+    return positions[None, :] < input_lengths_B[:, None]
+
+
+def token_logprobs(
+    logits_BTV: torch.Tensor, input_ids_BT: torch.Tensor, input_lengths_B: torch.Tensor
+) -> torch.Tensor:
+    """[B, T] float32 log-probs aligned with the tokens: ``lp[:, t] = log p(ids[t] | ids[:t])``.
+
+    Position 0 (no context) and padding positions are 0. Computed as ``logit - logsumexp`` in float32, which
+    never materialises the [B, T, V] log-softmax.
+    """
+    next_logits_BTV = logits_BTV[:, :-1].float()
+    targets_BT = input_ids_BT[:, 1:]
+    picked_BT = next_logits_BTV.gather(-1, targets_BT.unsqueeze(-1)).squeeze(-1)
+    logprobs_BT = torch.zeros(input_ids_BT.shape, dtype=torch.float32, device=logits_BTV.device)
+    logprobs_BT[:, 1:] = picked_BT - torch.logsumexp(next_logits_BTV, dim=-1)
+    return logprobs_BT * valid_token_mask(input_lengths_B.to(logits_BTV.device), input_ids_BT.shape[1])
+
+
+def topk_logits(
+    logits_BTV: torch.Tensor, input_lengths_B: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` largest logits at every position ([B, T, K] float32) and their token ids ([B, T, K] long).
+
+    Not shifted: position ``t`` is the distribution of the token after ``t``. Padding positions are 0.
+    """
+    if not 1 <= k <= logits_BTV.shape[-1]:
+        raise ValueError(f"k must be between 1 and the vocabulary size ({logits_BTV.shape[-1]}), got {k}")
+    values_BTK, indices_BTK = torch.topk(logits_BTV.float(), k, dim=-1)
+    valid_BT1 = valid_token_mask(input_lengths_B.to(logits_BTV.device), logits_BTV.shape[1]).unsqueeze(-1)
+    return values_BTK * valid_BT1, indices_BTK * valid_BT1
+
+
+def global_valid_counts(batch: BatchedDataDict[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's (valid sequences, valid tokens) in ``batch``, as float64 scalars, for loss normalisation.
+
+    Tokens are counted as the losses train on them: ``token_mask[:, 1:] * sample_mask[:, None]``.
+    """
+    for key in ("token_mask", "sample_mask"):
+        if key not in batch:
+            raise KeyError(
+                f"a training batch needs {key!r} (see nemo_rl/algorithms/interfaces.py); it has "
+                f"{sorted(batch.keys())}"
+            )
+    sample_mask_B = batch["sample_mask"].double()
+    token_mask_BT = batch["token_mask"].double()
+    num_seqs = sample_mask_B.sum()
+    num_toks = (token_mask_BT[:, 1:] * sample_mask_B[:, None]).sum()
+    return num_seqs, num_toks
+
+
+def pad_sequence_dim(batch: BatchedDataDict[Any], multiple: int) -> BatchedDataDict[Any]:
+    """Right-pad every per-token tensor of ``batch`` with zeros so T is a multiple of ``multiple``.
+
+    Per-token tensors are those with ``shape[1] == T`` (T = ``input_ids.shape[1]``), e.g. masks and
+    log-probs; padding is masked out by ``input_lengths`` / ``token_mask``, so zeros are safe.
+    """
+    seq_len = int(batch["input_ids"].shape[1])
+    padded_len = math.ceil(seq_len / multiple) * multiple
+    if padded_len == seq_len:
+        return batch
+    out: BatchedDataDict[Any] = BatchedDataDict()
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.ndim >= 2 and value.shape[1] == seq_len:
+            pad = value.new_zeros((value.shape[0], padded_len - seq_len, *value.shape[2:]))
+            value = torch.cat([value, pad], dim=1)
+        out[key] = value
+    return out
+
+
+def micro_batches(batch: BatchedDataDict[Any], micro_batch_size: int) -> list[BatchedDataDict[Any]]:
+    """Consecutive micro-batches of ``micro_batch_size`` rows (the last may be smaller)."""
+    if micro_batch_size < 1:
+        raise ValueError(f"micro-batch size must be >= 1, got {micro_batch_size}")
+    return [
+        batch.slice(start, min(start + micro_batch_size, batch.size))
+        for start in range(0, batch.size, micro_batch_size)
+    ]
+
+
+def reduce_metric_dicts(metrics: list[dict[str, float]]) -> dict[str, float]:
+    """Combine per-micro-batch metric shares: sum, except ``*_min`` / ``*_max`` names (min / max)."""
+    out: dict[str, float] = {}
+    for m in metrics:
+        for name, value in m.items():
+            value = float(value)
+            if name not in out:
+                out[name] = value
+            elif name.endswith("_min"):
+                out[name] = min(out[name], value)
+            elif name.endswith("_max"):
+                out[name] = max(out[name], value)
+            else:
+                out[name] += value
+    return out

@@ -1,0 +1,358 @@
+"""DTensorPolicyWorker parity over gloo: FSDP2 (dp=2) and TP (tp=2, with and without sequence parallel)
+against a plain single-process Hugging Face training loop on the same batches.
+
+One pair of spawned processes runs every scenario in turn (each builds a fresh worker on a new device mesh)
+and writes its results to disk; the tests then compare them with the reference computed here. Spawning once
+keeps the module well under a minute on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from nemo_rl.algorithms.interfaces import LossType
+from nemo_rl.config.policy import PolicyConfig
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+
+WORLD_SIZE = 2
+VOCAB = 128
+SEQ_LEN = 11  # odd on purpose: sequence parallel must pad it to a multiple of tp
+GLOBAL_BATCH = 8
+NUM_STEPS = 3
+LR = 1e-3
+SPAWN_TIMEOUT_S = 240.0
+
+
+# ------------------------------------------------------------------------------------------ test assets
+def build_tiny_model(path: Path, tie_word_embeddings: bool = False) -> None:
+    """A random ~0.1M-parameter Qwen2 (4 heads, 2 KV heads: divisible by TP=2) and a character tokenizer."""
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tie_word_embeddings,
+    )
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<eos>": 1} | {chr(32 + i): i + 2 for i in range(VOCAB - 2)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>").save_pretrained(path)
+
+
+def make_batch(seed: int, num_rows: int) -> BatchedDataDict[Any]:
+    """Right-padded random sequences with prompt tokens masked out and one sample masked out per 8."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(4, SEQ_LEN + 1, (num_rows,), generator=g)
+    prompt = torch.randint(1, 3, (num_rows,), generator=g)
+    ids = torch.randint(2, VOCAB, (num_rows, SEQ_LEN), generator=g)
+    positions = torch.arange(SEQ_LEN)[None, :]
+    ids = ids * (positions < lengths[:, None])
+    token_mask = ((positions >= prompt[:, None]) & (positions < lengths[:, None])).float()
+    sample_mask = torch.ones(num_rows)
+    sample_mask[3::8] = 0.0
+    return BatchedDataDict(
+        {"input_ids": ids, "input_lengths": lengths, "token_mask": token_mask, "sample_mask": sample_mask}
+    )
+
+
+class TinyNLLLoss:
+    """Token-level NLL following nemo_rl/algorithms/interfaces.py (share of the global loss)."""
+
+    loss_type = LossType.TOKEN_LEVEL
+
+    def __call__(
+        self,
+        next_token_logits_BTV: torch.Tensor,
+        data: BatchedDataDict[Any],
+        global_valid_seqs: torch.Tensor,
+        global_valid_toks: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        logprobs_BT = torch.log_softmax(next_token_logits_BTV[:, :-1].float(), dim=-1)
+        logprobs_BT = logprobs_BT.gather(-1, data["input_ids"][:, 1:, None]).squeeze(-1)
+        mask_BT = data["token_mask"][:, 1:] * data["sample_mask"][:, None]
+        loss = -(logprobs_BT * mask_BT).sum() / global_valid_toks
+        return loss, {
+            "loss": float(loss.detach()),
+            "num_valid_tokens": float(mask_BT.sum()),
+            "token_logprob_min": float(logprobs_BT.detach().masked_fill(mask_BT == 0, float("inf")).min()),
+        }
+
+
+def policy_cfg(model_dir: Path, **dtensor: Any) -> PolicyConfig:
+    return PolicyConfig.model_validate(
+        {
+            "model_name": str(model_dir),
+            "train_global_batch_size": GLOBAL_BATCH,
+            "train_micro_batch_size": 2,
+            "logprob_batch_size": 3,
+            "max_grad_norm": 0.05,  # small enough that clipping is active
+            "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": LR, "weight_decay": 0.01}},
+            "scheduler": [
+                {
+                    "name": "torch.optim.lr_scheduler.LinearLR",
+                    "kwargs": {"start_factor": 0.5, "total_iters": 2},
+                },
+                {"name": "torch.optim.lr_scheduler.ConstantLR", "kwargs": {"factor": 1.0, "total_iters": 1}},
+                {"milestones": [2]},
+            ],
+            "dtensor_cfg": dtensor,
+        }
+    )
+
+
+def train_data() -> BatchedDataDict[Any]:
+    return make_batch(seed=1, num_rows=GLOBAL_BATCH * NUM_STEPS)
+
+
+# -------------------------------------------------------------------------------- spawned scenarios
+def _shard(data: BatchedDataDict[Any], dp_rank: int, dp_size: int) -> BatchedDataDict[Any]:
+    return data.shard_by_batch_size(dp_size, batch_size=GLOBAL_BATCH)[dp_rank]
+
+
+def _scenarios(rank: int, model_dir: Path, out_dir: Path) -> None:
+    from nemo_rl.models.policy.dtensor_worker import DTensorPolicyWorker
+
+    def save(name: str, value: Any) -> None:
+        torch.save(value, out_dir / f"{name}.rank{rank}.pt")
+
+    data = train_data()
+    score_data = make_batch(seed=2, num_rows=6)
+    loss_fn = TinyNLLLoss()
+
+    # FSDP over 2 dp ranks, two micro-batch sizes.
+    for mbs in (1, 4):
+        worker = DTensorPolicyWorker(policy_cfg(model_dir), weights_path=None)
+        shard = _shard(data, worker.dp_rank, worker.dp_size)
+        save(f"dp2_mbs{mbs}_train", worker.train(shard, loss_fn, mbs=mbs))
+        worker.shutdown()
+
+    # Tensor parallel (dp=1): scoring before/after training, reference logprobs, export and refit stream.
+    worker = DTensorPolicyWorker(policy_cfg(model_dir, tensor_parallel_size=2))
+    save("tp2_logprobs_init", worker.get_logprobs(score_data))
+    save("tp2_train", worker.train(_shard(data, worker.dp_rank, worker.dp_size), loss_fn))
+    save("tp2_logprobs_trained", worker.get_logprobs(score_data))
+    save("tp2_ref_logprobs", worker.get_reference_policy_logprobs(score_data))
+    save("tp2_topk", worker.get_topk_logits(score_data, k=3))
+    worker.export_hf(str(out_dir / "export"))
+    weights = {name: t.clone() for name, t in worker.iter_hf_weights(torch.bfloat16)}
+    save("tp2_refit", {"weights": weights, "manifest": worker.weights_manifest(torch.bfloat16)})
+    worker.shutdown()
+
+    # Sequence parallel + activation checkpointing, on padded (odd) sequences.
+    worker = DTensorPolicyWorker(
+        policy_cfg(model_dir, tensor_parallel_size=2, sequence_parallel=True, activation_checkpointing=True)
+    )
+    save("sp2_logprobs_init", worker.get_logprobs(score_data))
+    save("sp2_train", worker.train(_shard(data, worker.dp_rank, worker.dp_size), loss_fn, mbs=4))
+    worker.shutdown()
+
+    # Resume: dp=2 trains two steps, saves, a fresh tp=2 worker loads and takes step three.
+    first_two = data.slice(0, 2 * GLOBAL_BATCH)
+    worker = DTensorPolicyWorker(policy_cfg(model_dir))
+    worker.train(_shard(first_two, worker.dp_rank, worker.dp_size), loss_fn)
+    worker.save_checkpoint(str(out_dir / "ckpt_weights"), str(out_dir / "ckpt_optim"))
+    worker.shutdown()
+    worker = DTensorPolicyWorker(
+        policy_cfg(model_dir, tensor_parallel_size=2),
+        weights_path=str(out_dir / "ckpt_weights"),
+        optimizer_path=str(out_dir / "ckpt_optim"),
+    )
+    last = data.slice(2 * GLOBAL_BATCH, 3 * GLOBAL_BATCH)
+    save("resumed_train", worker.train(_shard(last, worker.dp_rank, worker.dp_size), loss_fn))
+    worker.shutdown()
+
+
+def _spawn_entry(rank: int, port: int, model_dir: str, out_dir: str) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(WORLD_SIZE),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        NEMO_RL_TORCH_THREADS="1",
+    )
+    try:
+        _scenarios(rank, Path(model_dir), Path(out_dir))
+    except BaseException:
+        (Path(out_dir) / f"error.rank{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tiny_qwen2")
+    build_tiny_model(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def results(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out_dir = tmp_path_factory.mktemp("dtensor_results")
+    context = mp.start_processes(
+        _spawn_entry,
+        args=(_free_port(), str(model_dir), str(out_dir)),
+        nprocs=WORLD_SIZE,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    try:
+        while not context.join(timeout=5.0):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the DTensor scenarios did not finish within {SPAWN_TIMEOUT_S} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+    return out_dir
+
+
+def load(out_dir: Path, name: str, rank: int = 0) -> Any:
+    return torch.load(out_dir / f"{name}.rank{rank}.pt", weights_only=False)
+
+
+# --------------------------------------------------------------------------- single-process reference
+def reference_logprobs(model: torch.nn.Module, data: BatchedDataDict[Any]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(input_ids=data["input_ids"]).logits.float()
+    lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, data["input_ids"][:, 1:, None]).squeeze(-1)
+    out = torch.zeros(data["input_ids"].shape)
+    out[:, 1:] = lp
+    return out * (torch.arange(SEQ_LEN)[None, :] < data["input_lengths"][:, None])
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> dict[str, Any]:
+    """Plain HF model + AdamW + the same schedule and clipping, one process, whole global batches."""
+    # Built directly (not from_pretrained) so the rotary buffers are computed, not loaded.
+    model = Qwen2ForCausalLM(Qwen2Config.from_pretrained(model_dir))
+    model.load_state_dict(AutoModelForCausalLM.from_pretrained(model_dir).state_dict())
+    score_data = make_batch(seed=2, num_rows=6)
+    init_lp = reference_logprobs(model, score_data)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.SequentialLR(
+        optimizer,
+        [
+            torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.5, total_iters=2),
+            torch.optim.lr_scheduler.ConstantLR(optimizer, factor=1.0, total_iters=1),
+        ],
+        milestones=[2],
+    )
+    loss_fn = TinyNLLLoss()
+    data = train_data()
+    losses, grad_norms, lrs = [], [], []
+    for step in range(NUM_STEPS):
+        batch = data.slice(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)
+        mask = batch["token_mask"][:, 1:] * batch["sample_mask"][:, None]
+        optimizer.zero_grad()
+        loss, _ = loss_fn(model(input_ids=batch["input_ids"]).logits, batch, torch.tensor(0.0), mask.sum())
+        loss.backward()
+        grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+        lrs.append(optimizer.param_groups[0]["lr"])
+        losses.append(float(loss.detach()))
+        optimizer.step()
+        scheduler.step()
+    return {
+        "loss": torch.tensor(losses),
+        "grad_norm": torch.tensor(grad_norms),
+        "lr": torch.tensor(lrs),
+        "init_logprobs": init_lp,
+        "trained_logprobs": reference_logprobs(model, score_data),
+        "trained_model": model,
+    }
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-5) -> None:
+    torch.testing.assert_close(actual.double(), expected.double(), rtol=rtol, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------ tests
+@pytest.mark.parametrize("scenario", ["dp2_mbs1", "dp2_mbs4", "tp2", "sp2"])
+def test_training_matches_single_process(results: Path, reference: dict[str, Any], scenario: str) -> None:
+    for rank in range(WORLD_SIZE):
+        out = load(results, f"{scenario}_train", rank)
+        assert_close(out["loss"], reference["loss"])
+        assert_close(out["grad_norm"], reference["grad_norm"])
+        assert_close(out["lr"], reference["lr"])
+        assert out["grad_norm"][0] > 0.05, "clipping should be active in this test"
+        # Metrics are shares summed over micro-batches and dp ranks: token counts are whole global batches.
+        assert out["metrics"]["num_valid_tokens"] == out["global_valid_toks"].tolist()
+        assert_close(torch.tensor(out["metrics"]["loss"]), reference["loss"])
+
+
+def test_metric_min_is_reduced_with_min(results: Path) -> None:
+    dp = load(results, "dp2_mbs1_train")
+    tp = load(results, "tp2_train")  # one dp rank sees the whole global batch
+    assert dp["metrics"]["token_logprob_min"] == pytest.approx(tp["metrics"]["token_logprob_min"], rel=1e-5)
+
+
+def test_logprobs_match_hf_forward(results: Path, reference: dict[str, Any]) -> None:
+    for name in ("tp2_logprobs_init", "sp2_logprobs_init"):
+        assert_close(load(results, name)["logprobs"], reference["init_logprobs"])
+    assert_close(load(results, "tp2_logprobs_trained")["logprobs"], reference["trained_logprobs"], rtol=1e-4)
+
+
+def test_reference_logprobs_are_the_initial_model(results: Path, reference: dict[str, Any]) -> None:
+    assert_close(load(results, "tp2_ref_logprobs")["reference_logprobs"], reference["init_logprobs"])
+
+
+def test_resume_continues_like_an_uninterrupted_run(results: Path, reference: dict[str, Any]) -> None:
+    resumed = load(results, "resumed_train")
+    assert_close(resumed["loss"], reference["loss"][2:])
+    assert_close(resumed["grad_norm"], reference["grad_norm"][2:])
+    assert_close(resumed["lr"], reference["lr"][2:])
+
+
+def test_export_loads_in_transformers(results: Path, reference: dict[str, Any]) -> None:
+    export_dir = results / "export"
+    exported = AutoModelForCausalLM.from_pretrained(export_dir)
+    score_data = make_batch(seed=2, num_rows=6)
+    assert_close(reference_logprobs(exported, score_data), load(results, "tp2_logprobs_trained")["logprobs"])
+    # Greedy next tokens and their logits equal the worker's top-1.
+    topk = load(results, "tp2_topk")
+    with torch.no_grad():
+        logits = exported(input_ids=score_data["input_ids"]).logits
+    valid = torch.arange(SEQ_LEN)[None, :] < score_data["input_lengths"][:, None]
+    assert torch.equal(logits.argmax(-1)[valid], topk["topk_indices"][..., 0][valid])
+    assert_close(logits.topk(3, dim=-1).values[valid], topk["topk_logits"][valid])
+    config = json.loads((export_dir / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"]
+    assert (export_dir / "tokenizer.json").exists()
+
+
+def test_refit_stream_is_full_hf_weights(results: Path) -> None:
+    refit = load(results, "tp2_refit")
+    exported = AutoModelForCausalLM.from_pretrained(results / "export").state_dict()
+    assert set(refit["weights"]) == set(exported)
+    for name, tensor in refit["weights"].items():
+        assert tensor.dtype == torch.bfloat16
+        assert refit["manifest"][name] == (tuple(exported[name].shape), "bfloat16")
+        torch.testing.assert_close(tensor, exported[name].to(torch.bfloat16))
+    # Both tp ranks hold the full tensors.
+    other = load(results, "tp2_refit", rank=1)
+    for name, tensor in refit["weights"].items():
+        assert torch.equal(tensor, other["weights"][name])
