@@ -112,43 +112,49 @@ def _children(annotation: Any, segment: str) -> list[Any] | str:
     return out
 
 
-def check_key(schema: type[BaseModel], parts: Sequence[str]) -> int | None:
-    """Return ``None`` if the dotted key ``parts`` is valid for ``schema``, else the index of the first bad part.
+@dataclass(frozen=True)
+class _Reach:
+    """Where following a dotted key through a schema ends up."""
 
-    A list position accepts a non-negative integer part; a ``dict[str, X]`` accepts any part.
-    """
+    types: list[Any]
+    """Declared types the key can denote (several below a union); empty when the key is invalid."""
+
+    is_open: bool
+    """The key passed through an ``Any``-typed field, below which every key is valid."""
+
+    bad_index: int | None
+    """Index of the first part that matches nothing, or ``None``."""
+
+
+def _reach(schema: type[BaseModel], parts: Sequence[str]) -> _Reach:
     current: list[Any] = [schema]
     for i, part in enumerate(parts):
         nxt: list[Any] = []
         for annotation in current:
             reached = _children(annotation, part)
-            if reached == _OPEN:
-                return None
-            assert isinstance(reached, list)
+            if isinstance(reached, str):
+                return _Reach([Any], True, None)
             nxt.extend(reached)
         if not nxt:
-            return i
+            return _Reach([], False, i)
         current = nxt
-    return None
+    return _Reach(current, False, None)
+
+
+def check_key(schema: type[BaseModel], parts: Sequence[str]) -> int | None:
+    """Return ``None`` if the dotted key ``parts`` is valid for ``schema``, else the index of the first bad part.
+
+    A list position accepts a non-negative integer part; a ``dict[str, X]`` accepts any part.
+    """
+    return _reach(schema, parts).bad_index
 
 
 def annotation_at(schema: type[BaseModel], parts: Sequence[str]) -> Any | None:
     """Declared type at a valid dotted key (``Any`` below an open field), or ``None`` if the key is invalid."""
-    current: list[Any] = [schema]
-    for part in parts:
-        nxt: list[Any] = []
-        for annotation in current:
-            reached = _children(annotation, part)
-            if reached == _OPEN:
-                return Any
-            assert isinstance(reached, list)
-            nxt.extend(reached)
-        if not nxt:
-            return None
-        current = nxt
-    if len(current) == 1:
-        return current[0]
-    return functools.reduce(lambda a, b: a | b, current)
+    types = _reach(schema, parts).types
+    if not types:
+        return None
+    return functools.reduce(lambda a, b: a | b, types)
 
 
 def _field_default(field: FieldInfo) -> Any | None:
@@ -175,16 +181,8 @@ def container_default(schema: type[BaseModel], parts: Sequence[str]) -> dict[str
     """
     if not parts:
         return None
-    current: list[Any] = [schema]
-    for part in parts[:-1]:
-        nxt: list[Any] = []
-        for annotation in current:
-            reached = _children(annotation, part)
-            if isinstance(reached, str):
-                return None
-            nxt.extend(reached)
-        current = nxt
-    for member in (m for a in current for m in _members(a)):
+    parent = _reach(schema, parts[:-1])
+    for member in (m for a in parent.types for m in _members(a)):
         if not _is_model(member) or parts[-1] not in member.model_fields:
             continue
         default = _field_default(member.model_fields[parts[-1]])
