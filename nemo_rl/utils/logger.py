@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 from tqdm import tqdm
 
 from nemo_rl.config.logger import LoggerConfig
-from nemo_rl.utils.loggers.base import LoggerBackend, prefixed
+from nemo_rl.utils.loggers.base import LoggerBackend, prefixed, require_package
 from nemo_rl.utils.loggers.console import ConsoleBackend
 from nemo_rl.utils.loggers.jsonl import METRICS_FILE, JsonlBackend
 from nemo_rl.utils.plotting import load_metrics_jsonl, plot_training_curves
@@ -60,27 +60,45 @@ def _jsonable(value: Any) -> Any:
     return tolist() if callable(tolist) else value
 
 
+# Per enabled flag: the module its backend imports and the command that installs it.
+_BACKEND_PACKAGES = {
+    "tensorboard_enabled": ("tensorboard", "uv sync"),
+    "wandb_enabled": ("wandb", "uv sync"),
+    "swanlab_enabled": ("swanlab", "uv sync"),
+    "mlflow_enabled": ("mlflow", "uv sync --extra mlflow"),
+}
+
+
 def _build_backends(cfg: LoggerConfig, log_dir: Path) -> list[LoggerBackend]:
-    """The enabled backends. Optional libraries are imported here, so a missing one fails at start-up."""
+    """The enabled backends, after checking every needed package so a missing one fails before any starts."""
+    for flag, (module, install_hint) in _BACKEND_PACKAGES.items():
+        if getattr(cfg, flag):
+            require_package(module, f"logger.{flag}", install_hint)
     backends: list[LoggerBackend] = []
-    if cfg.jsonl_enabled:
-        backends.append(JsonlBackend(log_dir))
-    if cfg.tensorboard_enabled:
-        from nemo_rl.utils.loggers.tensorboard_backend import TensorboardBackend
+    try:
+        if cfg.jsonl_enabled:
+            backends.append(JsonlBackend(log_dir))
+        if cfg.tensorboard_enabled:
+            from nemo_rl.utils.loggers.tensorboard_backend import TensorboardBackend
 
-        backends.append(TensorboardBackend(cfg.tensorboard, log_dir))
-    if cfg.wandb_enabled:
-        from nemo_rl.utils.loggers.wandb_backend import WandbBackend
+            backends.append(TensorboardBackend(cfg.tensorboard, log_dir))
+        if cfg.wandb_enabled:
+            from nemo_rl.utils.loggers.wandb_backend import WandbBackend
 
-        backends.append(WandbBackend(cfg.wandb, log_dir))
-    if cfg.swanlab_enabled:
-        from nemo_rl.utils.loggers.swanlab_backend import SwanlabBackend
+            backends.append(WandbBackend(cfg.wandb, log_dir))
+        if cfg.swanlab_enabled:
+            from nemo_rl.utils.loggers.swanlab_backend import SwanlabBackend
 
-        backends.append(SwanlabBackend(cfg.swanlab, log_dir))
-    if cfg.mlflow_enabled:
-        from nemo_rl.utils.loggers.mlflow_backend import MlflowBackend
+            backends.append(SwanlabBackend(cfg.swanlab, log_dir))
+        if cfg.mlflow_enabled:
+            from nemo_rl.utils.loggers.mlflow_backend import MlflowBackend
 
-        backends.append(MlflowBackend(cfg.mlflow, log_dir))
+            backends.append(MlflowBackend(cfg.mlflow, log_dir))
+    except BaseException:
+        # Finish the runs already started (e.g. a W&B run) so a failed start-up leaves no dangling run.
+        for backend in backends:
+            backend.close()
+        raise
     return backends
 
 

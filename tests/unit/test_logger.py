@@ -233,7 +233,9 @@ def test_missing_backend_package_names_install_command(
         lambda name: None if name == "mlflow" else real_find_spec(name),
     )
     with pytest.raises(ImportError, match=r"logger.mlflow_enabled=true.*`uv sync --extra mlflow`"):
-        Logger(_cfg(tmp_path, mlflow_enabled=True))
+        Logger(_cfg(tmp_path, mlflow_enabled=True, tensorboard_enabled=True))
+    # Checked before any backend starts: no event file or metrics file was created.
+    assert not (tmp_path / "logs").exists()
 
 
 def test_config_rejects_bad_values() -> None:
