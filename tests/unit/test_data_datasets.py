@@ -1,0 +1,221 @@
+"""Datasets from local files in every supported schema, splits, malformed rows and the data config."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from pydantic import ValidationError
+from transformers import PreTrainedTokenizerBase
+
+from nemo_rl.config.data import DataConfig
+from nemo_rl.config.policy import TokenizerConfig
+from nemo_rl.data.datasets import (
+    MalformedRowError,
+    load_dataset_splits,
+    read_local_rows,
+    setup_rl_data,
+    setup_sft_data,
+)
+from nemo_rl.data.llm_message_utils import message_log_token_ids
+from nemo_rl.data.tiny import build_tiny_tokenizer, generate_arithmetic_problems
+from nemo_rl.data.tokenizer import get_tokenizer
+
+MATH_ROWS = generate_arithmetic_problems(20, seed=1)
+SQUAD_ROWS = [
+    {"context": f"Doc {i}.", "question": f"Q{i}?", "answers": {"text": [f"A{i}"], "answer_start": [0]}}
+    for i in range(10)
+]
+CHAT_ROWS = [
+    {"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": f"yo {i}"}]}
+    for i in range(10)
+]
+RESPONSE_ROWS = [{"prompt": f"p{i}", "completion": f"c{i}"} for i in range(10)]
+
+
+def _write_jsonl(path: pathlib.Path, rows: list[dict[str, Any]]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _write_parquet(path: pathlib.Path, rows: list[dict[str, Any]]) -> str:
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> PreTrainedTokenizerBase:
+    path = tmp_path_factory.mktemp("tok")
+    build_tiny_tokenizer(path)
+    return get_tokenizer(TokenizerConfig(name=str(path)), model_name=None, trust_remote_code=False)
+
+
+@pytest.mark.parametrize("writer", [_write_jsonl, _write_parquet])
+def test_openmathinstruct_local_files(tmp_path: pathlib.Path, writer: Any) -> None:
+    suffix = ".jsonl" if writer is _write_jsonl else ".parquet"
+    train = writer(tmp_path / f"train{suffix}", MATH_ROWS[:15])
+    val = writer(tmp_path / f"val{suffix}", MATH_ROWS[15:])
+    splits = load_dataset_splits(
+        DataConfig(dataset_name="OpenMathInstruct-2", train_data_path=train, val_data_path=val)
+    )
+    assert len(splits.train) == 15 and splits.validation is not None and len(splits.validation) == 5
+    record = splits.train[0]
+    assert record["messages"] == [
+        {"role": "user", "content": MATH_ROWS[0]["problem"]},
+        {"role": "assistant", "content": MATH_ROWS[0]["generated_solution"]},
+    ]
+    assert record["expected_answer"] == MATH_ROWS[0]["expected_answer"]
+    assert splits.validation[4]["expected_answer"] == MATH_ROWS[19]["expected_answer"]
+
+
+def test_squad_local_file(tmp_path: pathlib.Path) -> None:
+    rows = [*SQUAD_ROWS[:9], {**SQUAD_ROWS[9], "answers": ["plain list answer"]}]
+    path = _write_jsonl(tmp_path / "squad.jsonl", rows)
+    splits = load_dataset_splits(DataConfig(dataset_name="squad", train_data_path=path, val_fraction=0.0))
+    assert splits.validation is None and len(splits.train) == 10
+    assert [m["role"] for m in splits.train[0]["messages"]] == ["system", "user", "assistant"]
+    assert [m["content"] for m in splits.train[3]["messages"]] == ["Doc 3.", "Q3?", "A3"]
+    assert splits.train[9]["expected_answer"] == "plain list answer"
+
+
+def test_openai_format_and_json_array(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "chat.json"
+    path.write_text(json.dumps([{"conversation": r["messages"]} for r in CHAT_ROWS]))
+    cfg = DataConfig(dataset_name="openai_format", train_data_path=str(path), chat_key="conversation")
+    splits = load_dataset_splits(cfg)
+    assert splits.validation is not None
+    assert len(splits.train) + len(splits.validation) == 10
+    assert splits.train[0]["messages"][1]["role"] == "assistant"
+    assert "expected_answer" not in splits.train[0]
+
+
+def test_response_columns(tmp_path: pathlib.Path) -> None:
+    path = _write_parquet(tmp_path / "r.parquet", RESPONSE_ROWS)
+    cfg = DataConfig(
+        dataset_name="response",
+        train_data_path=path,
+        input_key="prompt",
+        output_key="completion",
+        val_fraction=0,
+    )
+    record = load_dataset_splits(cfg).train[2]
+    assert record["messages"] == [{"role": "user", "content": "p2"}, {"role": "assistant", "content": "c2"}]
+    assert record["expected_answer"] == "c2"
+
+
+def test_tiny_math_is_generated_deterministically() -> None:
+    cfg = DataConfig(dataset_name="tiny_math", num_train_samples=30, num_val_samples=5, seed=3)
+    splits = load_dataset_splits(cfg)
+    assert len(splits.train) == 30 and splits.validation is not None and len(splits.validation) == 5
+    assert list(splits.train) == list(load_dataset_splits(cfg).train)
+    train_problems = {r["messages"][0]["content"] for r in splits.train}
+    assert not train_problems & {r["messages"][0]["content"] for r in splits.validation}
+    no_val = load_dataset_splits(DataConfig(num_train_samples=4, num_val_samples=0))
+    assert no_val.validation is None
+
+
+def test_val_fraction_split_is_seeded_and_disjoint(tmp_path: pathlib.Path) -> None:
+    path = _write_jsonl(tmp_path / "m.jsonl", MATH_ROWS)
+    cfg = DataConfig(dataset_name="OpenMathInstruct-2", train_data_path=path, val_fraction=0.25, seed=5)
+    splits = load_dataset_splits(cfg)
+    assert splits.validation is not None
+    assert len(splits.train) == 15 and len(splits.validation) == 5
+    problems = lambda ds: [r["messages"][0]["content"] for r in ds]  # noqa: E731
+    assert sorted(problems(splits.train) + problems(splits.validation)) == sorted(
+        r["problem"] for r in MATH_ROWS
+    )
+    again = load_dataset_splits(cfg)
+    assert again.validation is not None and problems(again.validation) == problems(splits.validation)
+    other = load_dataset_splits(cfg.model_copy(update={"seed": 6}))
+    assert other.validation is not None and problems(other.validation) != problems(splits.validation)
+
+
+@pytest.mark.parametrize(
+    ("dataset_name", "row", "expected"),
+    [
+        ("OpenMathInstruct-2", {"generated_solution": "x"}, "row 2 .* is missing 'problem'"),
+        (
+            "OpenMathInstruct-2",
+            {"problem": "x"},
+            "row 2 .* neither 'generated_solution' nor 'expected_answer'",
+        ),
+        ("OpenMathInstruct-2", {"problem": ["x"], "expected_answer": "1"}, "row 2 .* 'problem' of type list"),
+        ("squad", {"context": "c", "question": "q", "answers": {"text": []}}, "row 2 .* no answer text"),
+        ("openai_format", {"messages": [{"role": "user"}]}, "row 2 .* message 0 without a string 'role'"),
+        ("openai_format", {"text": "x"}, "row 2 .* no message list under 'messages'"),
+        ("response", {"input": "x"}, "row 2 .* is missing 'output'"),
+    ],
+)
+def test_malformed_row_names_its_index(
+    tmp_path: pathlib.Path, dataset_name: str, row: dict, expected: str
+) -> None:
+    good = {
+        "OpenMathInstruct-2": MATH_ROWS[0],
+        "squad": SQUAD_ROWS[0],
+        "openai_format": CHAT_ROWS[0],
+        "response": {"input": "a", "output": "b"},
+    }[dataset_name]
+    path = _write_jsonl(tmp_path / "bad.jsonl", [good, good, row, good])
+    with pytest.raises(MalformedRowError, match=expected) as info:
+        load_dataset_splits(DataConfig(dataset_name=dataset_name, train_data_path=path))  # type: ignore[arg-type]
+    assert info.value.index == 2
+    assert "Rows of this dataset need" in str(info.value)
+
+
+def test_file_errors(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"missing\.jsonl"):
+        read_local_rows(tmp_path / "missing.jsonl")
+    (tmp_path / "data.csv").write_text("a,b\n")
+    with pytest.raises(ValueError, match=r"unsupported data file type '\.csv'"):
+        read_local_rows(tmp_path / "data.csv")
+    (tmp_path / "broken.jsonl").write_text('{"problem": "x"}\n{oops\n')
+    with pytest.raises(ValueError, match="line 2 is not valid JSON"):
+        read_local_rows(tmp_path / "broken.jsonl")
+    (tmp_path / "tiny.jsonl").write_text(json.dumps(MATH_ROWS[0]) + "\n")
+    with pytest.raises(ValueError, match="too few to hold out"):
+        load_dataset_splits(
+            DataConfig(dataset_name="OpenMathInstruct-2", train_data_path=str(tmp_path / "tiny.jsonl"))
+        )
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValidationError, match="has no default source"):
+        DataConfig(dataset_name="openai_format")
+    with pytest.raises(ValidationError, match="reads no files"):
+        DataConfig(dataset_name="tiny_math", train_data_path="x.jsonl")
+    with pytest.raises(ValidationError, match="exceeds the 18 distinct"):
+        DataConfig(num_train_samples=10, num_val_samples=9, tiny_math_max_operand=2)
+    with pytest.raises(ValidationError, match="extra"):
+        DataConfig(datset_name="squad")  # type: ignore[call-arg]
+    with pytest.raises(ValidationError, match="dataset_name"):
+        DataConfig(dataset_name="imagenet")  # type: ignore[arg-type]
+    for name, field in DataConfig.model_fields.items():
+        assert field.description, f"data.{name} has no docstring"
+
+
+def test_setup_rl_and_sft_data(tokenizer: PreTrainedTokenizerBase, tmp_path: pathlib.Path) -> None:
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("Solve {}")
+    cfg = DataConfig(num_train_samples=8, num_val_samples=2, prompt_file=str(prompt), max_input_seq_length=64)
+    rl_train, rl_val = setup_rl_data(cfg, tokenizer, max_total_sequence_length=128)
+    assert len(rl_train) == 8 and rl_val is not None and len(rl_val) == 2
+    assert rl_train.max_seq_length == 64
+    datum = rl_train[3]
+    problem = rl_train.records[3]["messages"][0]["content"]
+    assert datum["idx"] == 3 and datum["task_name"] == "math"
+    assert datum["extra_env_info"] == {"ground_truth": rl_train.records[3]["expected_answer"]}
+    text = tokenizer.decode(message_log_token_ids(datum["message_log"]).tolist())
+    assert text == f"<|bos|><|user|>Solve {problem}<|assistant|>"
+    sft_train, _ = setup_sft_data(
+        cfg.model_copy(update={"max_input_seq_length": None}), tokenizer, max_total_sequence_length=128
+    )
+    assert sft_train.max_seq_length == 128
+    assert sft_train[3]["task_name"] == "sft"
+    assert sft_train[3]["message_log"][-1]["content"].endswith("<|eos|>")
+    assert len(list(sft_train)) == 8 and len(sft_train[2:5]) == 3
+    with pytest.raises(IndexError):
+        sft_train[8]
