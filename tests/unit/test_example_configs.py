@@ -1,0 +1,56 @@
+"""Every YAML under examples/configs loads, inherits and validates against its algorithm's schema."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nemo_rl.config.loader import load_and_validate
+from nemo_rl.config.master import GRPOMasterConfig, SFTMasterConfig
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "examples" / "configs"
+ALL_CONFIGS = sorted(p for p in CONFIG_DIR.rglob("*.yaml"))
+
+
+def _schema_for(path: Path) -> type[SFTMasterConfig] | type[GRPOMasterConfig]:
+    name = path.name
+    if "grpo" in name:
+        return GRPOMasterConfig
+    if "sft" in name:
+        return SFTMasterConfig
+    raise AssertionError(f"no schema known for {path}: name it after its algorithm (grpo*, sft*)")
+
+
+def test_there_are_configs() -> None:
+    assert {p.name for p in ALL_CONFIGS} >= {
+        "sft.yaml",
+        "sft_tiny_math.yaml",
+        "grpo_math_1B.yaml",
+        "grpo_math_tiny.yaml",
+    }
+
+
+@pytest.mark.parametrize("path", ALL_CONFIGS, ids=lambda p: str(p.relative_to(CONFIG_DIR)))
+def test_config_validates(path: Path) -> None:
+    config = load_and_validate(path, _schema_for(path))
+    assert config.policy.model_name
+
+
+def test_public_grpo_recipe_defaults() -> None:
+    config = load_and_validate(CONFIG_DIR / "grpo_math_1B.yaml", GRPOMasterConfig)
+    assert config.policy.model_name == "Qwen/Qwen2.5-1.5B"
+    assert config.policy.generation.backend == "vllm"
+    assert config.data.dataset_name == "OpenMathInstruct-2"
+    assert config.data.prompt_file == "examples/prompts/cot.txt"
+    # Interpolations resolve against the final config.
+    assert config.policy.generation.max_new_tokens == config.policy.max_total_sequence_length
+
+
+def test_tiny_recipes_run_on_cpu_defaults() -> None:
+    grpo = load_and_validate(CONFIG_DIR / "grpo_math_tiny.yaml", GRPOMasterConfig)
+    sft = load_and_validate(CONFIG_DIR / "sft_tiny_math.yaml", SFTMasterConfig)
+    assert grpo.policy.generation.backend == "embedded"
+    assert grpo.policy.precision == sft.policy.precision == "float32"
+    assert grpo.data.dataset_name == sft.data.dataset_name == "tiny_math"
+    assert Path(grpo.policy.model_name).name == "tiny_math_sft"
