@@ -14,8 +14,8 @@ Workers (one thin method each)::
         return receiver.receive(self.load_hf_weights, self.expected_weights_manifest())
 """
 
+from nemo_rl.config.policy import RefitConfig
 from nemo_rl.weight_sync.collective import CollectiveTransport, close_refit_groups
-from nemo_rl.weight_sync.config import RefitConfig
 from nemo_rl.weight_sync.errors import RefitError, RefitIntegrityError
 from nemo_rl.weight_sync.factory import create_refit_transport, generation_dtype
 from nemo_rl.weight_sync.interfaces import (
@@ -26,7 +26,7 @@ from nemo_rl.weight_sync.interfaces import (
     WeightReceiver,
     WeightSender,
 )
-from nemo_rl.weight_sync.manifest import TensorSpec, WeightManifest
+from nemo_rl.weight_sync.manifest import ManifestLike, TensorSpec, WeightManifest
 from nemo_rl.weight_sync.refit import refit
 from nemo_rl.weight_sync.resharding import iter_full_tensors, tp_shard_fn
 from nemo_rl.weight_sync.shm import SharedMemoryTransport, sweep_segments
@@ -35,6 +35,7 @@ from nemo_rl.weight_sync.store import close_store_clients
 __all__ = [
     "CollectiveTransport",
     "LoadFn",
+    "ManifestLike",
     "RefitConfig",
     "RefitError",
     "RefitIntegrityError",

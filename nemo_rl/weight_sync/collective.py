@@ -45,7 +45,7 @@ from nemo_rl.weight_sync.interfaces import (
     WeightReceiver,
     WeightSender,
 )
-from nemo_rl.weight_sync.manifest import WeightManifest
+from nemo_rl.weight_sync.manifest import ManifestLike, WeightManifest
 from nemo_rl.weight_sync.store import StoreAddress, StoreServer, connect_store
 
 
@@ -221,11 +221,11 @@ class CollectiveReceiver:
     """This generation worker's index (its group rank is ``1 + index``)."""
 
     def receive(
-        self, load_fn: LoadFn, manifest: WeightManifest, shard_fn: ShardFn | None = None
+        self, load_fn: LoadFn, manifest: ManifestLike, shard_fn: ShardFn | None = None
     ) -> TransferStats:
         """Receive, check and load every bucket policy rank 0 broadcasts."""
         start_s = time.perf_counter()
-        reader = BucketReader(manifest, shard_fn)
+        reader = BucketReader(WeightManifest.coerce(manifest), shard_fn)
         feed_loader(load_fn, self._stream(reader))
         reader.raise_if_failed(f"generation worker {self.index} (collective)")
         return TransferStats(

@@ -7,9 +7,8 @@ from collections.abc import Sequence
 import ray
 import torch
 
-from nemo_rl.config.policy import PolicyConfig
+from nemo_rl.config.policy import PolicyConfig, RefitConfig
 from nemo_rl.weight_sync.collective import CollectiveTransport
-from nemo_rl.weight_sync.config import RefitConfig
 from nemo_rl.weight_sync.interfaces import RefitTransport
 from nemo_rl.weight_sync.manifest import dtype_from_name
 from nemo_rl.weight_sync.shm import SharedMemoryTransport

@@ -31,7 +31,7 @@ from typing import Literal, Protocol
 import torch
 
 from nemo_rl.weight_sync.errors import RefitError
-from nemo_rl.weight_sync.manifest import WeightManifest
+from nemo_rl.weight_sync.manifest import ManifestLike
 
 __all__ = [
     "LoadFn",
@@ -99,9 +99,12 @@ class WeightReceiver(Protocol):
     """The generation-worker side of one refit."""
 
     def receive(
-        self, load_fn: LoadFn, manifest: WeightManifest, shard_fn: ShardFn | None = None
+        self, load_fn: LoadFn, manifest: ManifestLike, shard_fn: ShardFn | None = None
     ) -> TransferStats:
         """Receive every bucket, check it against ``manifest`` and feed its tensors to ``load_fn``.
+
+        ``manifest`` lists the full (unsharded) weights in the generation dtype: a :class:`WeightManifest`
+        or a ``{hf_name: (shape, dtype or dtype name)}`` dict.
 
         ``shard_fn`` (for tensor-parallel receivers) maps each full tensor to the slice this worker keeps.
         Raises :class:`RefitError` naming the parameters when a bucket is corrupt or missing, or when a

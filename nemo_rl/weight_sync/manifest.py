@@ -59,11 +59,31 @@ class TensorSpec:
         return f"{dtype_name(self.dtype)}{list(self.shape)}"
 
 
+SpecLike = TensorSpec | tuple[Sequence[int], torch.dtype | str]
+"""A :class:`TensorSpec` or a ``(shape, dtype or dtype name)`` pair, as workers report their weights."""
+
+
+def _to_spec(name: str, spec: SpecLike) -> TensorSpec:
+    if isinstance(spec, TensorSpec):
+        return spec
+    shape, dtype = spec
+    if isinstance(dtype, str):
+        dtype = dtype_from_name(dtype)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"manifest entry {name!r}: expected (shape, dtype), got {spec!r}")
+    return TensorSpec(tuple(int(size) for size in shape), dtype)
+
+
 class WeightManifest(Mapping[str, TensorSpec]):
     """An immutable mapping ``hf_name -> TensorSpec`` of the weights a refit moves."""
 
-    def __init__(self, specs: Mapping[str, TensorSpec]) -> None:
-        self._specs = dict(specs)
+    def __init__(self, specs: Mapping[str, SpecLike]) -> None:
+        self._specs = {name: _to_spec(name, spec) for name, spec in specs.items()}
+
+    @classmethod
+    def coerce(cls, manifest: ManifestLike) -> WeightManifest:
+        """``manifest`` itself, or a manifest built from a ``{name: (shape, dtype or dtype name)}`` dict."""
+        return manifest if isinstance(manifest, WeightManifest) else cls(manifest)
 
     @classmethod
     def from_named_tensors(
@@ -116,17 +136,21 @@ class WeightManifest(Mapping[str, TensorSpec]):
             problems.append(f"wrong shape or dtype: {format_names(mismatched)}")
         return problems
 
-    def check_matches(self, offered: WeightManifest, what: str) -> None:
+    def check_matches(self, offered: ManifestLike, what: str) -> None:
         """Raise :class:`RefitIntegrityError` unless ``offered`` (described by ``what``) equals this one.
 
         The driver calls this once at setup with the sender's manifest, so a mismatch between the policy and
         the generation model is reported before any byte moves.
         """
-        problems = self.differences(offered)
+        problems = self.differences(WeightManifest.coerce(offered))
         if problems:
             raise RefitIntegrityError(
                 f"{what} does not match the weights the generation workers expect: " + "; ".join(problems)
             )
+
+
+ManifestLike = WeightManifest | Mapping[str, SpecLike]
+"""What the refit API accepts as a manifest: a :class:`WeightManifest` or a plain dict of specs."""
 
 
 class ManifestCheck:

@@ -52,7 +52,7 @@ from nemo_rl.weight_sync.interfaces import (
     WeightReceiver,
     WeightSender,
 )
-from nemo_rl.weight_sync.manifest import WeightManifest, format_names
+from nemo_rl.weight_sync.manifest import ManifestLike, WeightManifest, format_names
 from nemo_rl.weight_sync.store import StoreAddress, StoreServer, connect_store, pop_message
 
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
@@ -275,11 +275,11 @@ class ShmReceiver:
     """Index of the node writer whose segments this worker reads."""
 
     def receive(
-        self, load_fn: LoadFn, manifest: WeightManifest, shard_fn: ShardFn | None = None
+        self, load_fn: LoadFn, manifest: ManifestLike, shard_fn: ShardFn | None = None
     ) -> TransferStats:
         """Read, check and load every bucket the node's writer announces."""
         start_s = time.perf_counter()
-        reader = BucketReader(manifest, shard_fn)
+        reader = BucketReader(WeightManifest.coerce(manifest), shard_fn)
         feed_loader(load_fn, self._stream(reader))
         reader.raise_if_failed(f"generation worker {self.reader} (shared memory, refit {self.refit_id})")
         return TransferStats(

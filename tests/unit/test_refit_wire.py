@@ -233,3 +233,13 @@ def test_loader_that_stops_early_is_an_error() -> None:
 
     with pytest.raises(RefitError, match="2 tensors of the stream were not loaded"):
         feed_loader(lazy_loader, iter([("a", torch.zeros(1)), ("b", torch.zeros(1)), ("c", torch.zeros(1))]))
+
+
+def test_manifest_accepts_the_workers_plain_dicts() -> None:
+    from_names = WeightManifest({"a": ((2, 3), "bfloat16"), "b": ([4], torch.float32)})
+    assert from_names["a"] == TensorSpec((2, 3), torch.bfloat16)
+    assert from_names["b"] == TensorSpec((4,), torch.float32)
+    assert WeightManifest.coerce(from_names) is from_names
+    assert WeightManifest.coerce({"a": ((2, 3), torch.bfloat16)})["a"] == from_names["a"]
+    with pytest.raises(TypeError, match="expected \\(shape, dtype\\)"):
+        WeightManifest({"a": ((2,), 7)})  # type: ignore[dict-item]
