@@ -245,8 +245,7 @@ def reference_logprobs(model: torch.nn.Module, data: BatchedDataDict[Any]) -> to
     return out * (torch.arange(SEQ_LEN)[None, :] < data["input_lengths"][:, None])
 
 
-@pytest.fixture(scope="module")
-def reference(model_dir: Path) -> dict[str, Any]:
+def single_process_reference(model_dir: Path) -> dict[str, Any]:
     """Plain HF model + AdamW + the same schedule and clipping, one process, whole global batches."""
     # Built directly (not from_pretrained) so the rotary buffers are computed, not loaded.
     model = Qwen2ForCausalLM(Qwen2Config.from_pretrained(model_dir))
@@ -284,6 +283,11 @@ def reference(model_dir: Path) -> dict[str, Any]:
         "trained_logprobs": reference_logprobs(model, score_data),
         "trained_model": model,
     }
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> dict[str, Any]:
+    return single_process_reference(model_dir)
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-5) -> None:

@@ -1,0 +1,205 @@
+"""The driver-side policy: one object that runs a sharded language model on a group of Ray workers.
+
+``Policy`` picks the worker backend from the config (DTensor or Megatron), starts one worker per bundle and
+implements :class:`~nemo_rl.models.policy.interfaces.PolicyInterface` by sharding batches over the
+data-parallel groups, calling every worker (the calls are collectives) and merging the dp leaders' results.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from ray.actor import ActorHandle
+
+from nemo_rl.algorithms.interfaces import LossFunction
+from nemo_rl.config.policy import PolicyConfig
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
+from nemo_rl.distributed.worker_groups import RayWorkerGroup
+from nemo_rl.models.policy.dtensor_worker import DTensorPolicyWorker
+from nemo_rl.models.policy.interfaces import TrainResult
+
+# How long one collective call on the workers may take before the driver reports the workers still running
+# instead of waiting forever (loading or training a large model legitimately takes hours, a hang forever).
+WORKER_CALL_TIMEOUT_S = 6 * 3600.0
+
+MEGATRON_WORKER_MODULE = "nemo_rl.models.policy.megatron_worker"
+
+# Batches are dealt to the dp ranks by this per-sequence length so that their token counts are similar.
+LENGTH_KEY = "input_lengths"
+
+
+def _worker_backend(cfg: PolicyConfig) -> tuple[type, int]:
+    """The worker class the config selects and its model-parallel size (ranks sharing one data shard)."""
+    if cfg.dtensor_cfg.enabled:
+        return DTensorPolicyWorker, cfg.dtensor_cfg.tensor_parallel_size
+    if importlib.util.find_spec(MEGATRON_WORKER_MODULE) is None:
+        raise ValueError(
+            f"policy.megatron_cfg.enabled=true but the Megatron backend ({MEGATRON_WORKER_MODULE}) is not part "
+            "of this installation; use policy.dtensor_cfg.enabled=true and policy.megatron_cfg.enabled=false"
+        )
+    worker_cls: type = importlib.import_module(MEGATRON_WORKER_MODULE).MegatronPolicyWorker
+    megatron = cfg.megatron_cfg
+    return worker_cls, megatron.tensor_model_parallel_size * megatron.pipeline_model_parallel_size
+
+
+class Policy:
+    """A policy model sharded over ``cluster``'s bundles (or ``bundle_indices`` of them)."""
+
+    def __init__(
+        self,
+        cluster: RayVirtualCluster,
+        cfg: PolicyConfig,
+        tokenizer_path: str | None = None,
+        name_prefix: str = "policy",
+        bundle_indices: Sequence[int] | None = None,
+        init_reference_model: bool = True,
+        weights_path: str | None = None,
+        optimizer_path: str | None = None,
+    ) -> None:
+        """Start the workers and wait until every one has loaded its shard of the model.
+
+        ``tokenizer_path`` is saved next to exported checkpoints (default: the tokenizer ``cfg`` names).
+        ``weights_path`` / ``optimizer_path`` resume from a :meth:`save_checkpoint`; ``init_reference_model``
+        keeps the initial weights for :meth:`get_reference_policy_logprobs`.
+        """
+        worker_cls, model_parallel_size = _worker_backend(cfg)
+        world_size = cluster.world_size if bundle_indices is None else len(bundle_indices)
+        if world_size % model_parallel_size != 0:
+            raise ValueError(
+                f"the policy runs on {world_size} workers, which is not a multiple of its model-parallel size "
+                f"({model_parallel_size}); change cluster.gpus_per_node / num_nodes or the parallel sizes"
+            )
+        self.cfg = cfg
+        self.worker_group = RayWorkerGroup(
+            cluster,
+            worker_cls,
+            name=name_prefix,
+            init_kwargs={
+                "cfg": cfg,
+                "tokenizer_path": tokenizer_path,
+                "weights_path": weights_path,
+                "optimizer_path": optimizer_path,
+                "init_reference_model": init_reference_model,
+            },
+            bundle_indices=bundle_indices,
+            dp_size=world_size // model_parallel_size,
+        )
+        try:
+            self.worker_group.wait_until_ready(WORKER_CALL_TIMEOUT_S)
+        except BaseException:
+            self.worker_group.shutdown()
+            raise
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel groups (each holds a different shard of every batch)."""
+        return self.worker_group.dp_size
+
+    @property
+    def workers(self) -> list[ActorHandle]:
+        """The worker actors in rank order (what ``nemo_rl.weight_sync.refit`` sends from)."""
+        return self.worker_group.workers
+
+    # ------------------------------------------------------------------------------------------ calls
+    def _on_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        refs = self.worker_group.run_all_workers_single_data(method, *args, **kwargs)
+        return self.worker_group.get_all_worker_results(refs, WORKER_CALL_TIMEOUT_S)
+
+    def _score(self, method: str, data: BatchedDataDict[Any], *args: Any) -> BatchedDataDict[Any]:
+        """Shard ``data`` over the dp groups, run ``method`` and put the rows back in their original order.
+
+        Every dp group must see the same number of rows (the workers' forward passes are collectives over
+        the dp axis), so the batch is padded by repeating its last row and the padding dropped afterwards.
+        """
+        num_rows = data.size
+        if num_rows == 0:
+            raise ValueError(f"{method} got an empty batch")
+        num_padded = -num_rows % self.dp_size
+        padded = data.select_indices(list(range(num_rows)) + [num_rows - 1] * num_padded)
+        length_key = LENGTH_KEY if LENGTH_KEY in padded else None
+        indices = padded.shard_indices(self.dp_size, balance_by_length_key=length_key)
+        shards = [padded.select_indices(rows) for rows in indices]
+        refs = self.worker_group.run_all_workers_sharded_data(method, shards, *args)
+        results = self.worker_group.get_dp_leader_results(refs, WORKER_CALL_TIMEOUT_S)
+        return BatchedDataDict.from_shards(results, indices).slice(0, num_rows)
+
+    # ------------------------------------------------------------------------------ PolicyInterface
+    def get_logprobs(self, data: BatchedDataDict[Any]) -> BatchedDataDict[Any]:
+        """``{"logprobs": [B, T]}``, aligned with ``data["input_ids"]`` (0 at position 0 and padding)."""
+        return self._score("get_logprobs", data)
+
+    def get_reference_policy_logprobs(self, data: BatchedDataDict[Any]) -> BatchedDataDict[Any]:
+        """``{"reference_logprobs": [B, T]}`` under the initial weights."""
+        return self._score("get_reference_policy_logprobs", data)
+
+    def get_topk_logits(self, data: BatchedDataDict[Any], k: int) -> BatchedDataDict[Any]:
+        """``{"topk_logits", "topk_indices"}`` [B, T, k]: the ``k`` largest next-token logits per position."""
+        return self._score("get_topk_logits", data, k)
+
+    def train(
+        self,
+        data: BatchedDataDict[Any],
+        loss_fn: LossFunction,
+        eval_mode: bool = False,
+        gbs: int | None = None,
+        mbs: int | None = None,
+    ) -> TrainResult:
+        """One optimizer step per global batch of ``gbs`` rows of ``data`` (in order); see ``PolicyInterface``."""
+        global_batch_size = gbs if gbs is not None else self.cfg.train_global_batch_size
+        length_key = LENGTH_KEY if LENGTH_KEY in data else None
+        # Dealing rows within each global batch leaves every step's batch, hence its loss, unchanged.
+        shards = data.shard_by_batch_size(
+            self.dp_size, batch_size=global_batch_size, balance_by_length_key=length_key
+        )
+        refs = self.worker_group.run_all_workers_sharded_data(
+            "train", shards, loss_fn=loss_fn, eval_mode=eval_mode, gbs=global_batch_size, mbs=mbs
+        )
+        # The workers all-reduce losses and metrics over dp, so every leader returns the same result.
+        result: TrainResult = self.worker_group.get_dp_leader_results(refs, WORKER_CALL_TIMEOUT_S)[0]
+        return result
+
+    def save_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
+        """Save sharded weights (and optimizer + scheduler state) with torch.distributed.checkpoint."""
+        self._on_all("save_checkpoint", weights_path, optimizer_path)
+
+    def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
+        """Load what :meth:`save_checkpoint` wrote."""
+        self._on_all("load_checkpoint", weights_path, optimizer_path)
+
+    def export_hf(self, path: str) -> None:
+        """Write a Hugging Face checkpoint that ``AutoModelForCausalLM.from_pretrained(path)`` loads."""
+        self._on_all("export_hf", path)
+
+    def prepare_for_training(self) -> None:
+        """Weights and optimizer state onto the devices; training mode."""
+        self._on_all("prepare_for_training")
+
+    def prepare_for_lp_inference(self) -> None:
+        """Weights onto the devices, optimizer state to the host; inference mode."""
+        self._on_all("prepare_for_lp_inference")
+
+    def offload_before_refit(self) -> None:
+        """Optimizer state to the host before the weights are sent to generation."""
+        self._on_all("offload_before_refit")
+
+    def offload_after_refit(self) -> None:
+        """Weights and optimizer state to the host after a refit (colocated generation gets the devices)."""
+        self._on_all("offload_after_refit")
+
+    # ------------------------------------------------------------------------------- refit (sender)
+    def weights_manifest(self, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], str]]:
+        """``{hf_name: (full shape, dtype name)}`` of the weights a refit sends (from rank 0)."""
+        ref = self.worker_group.run_single_worker("weights_manifest", 0, dtype)
+        manifest: dict[str, tuple[tuple[int, ...], str]] = self.worker_group.get_all_worker_results(
+            [ref], WORKER_CALL_TIMEOUT_S
+        )[0]
+        return manifest
+
+    def shutdown(self) -> None:
+        """Stop the workers and release their bundles."""
+        self.worker_group.shutdown()
