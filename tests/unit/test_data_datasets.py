@@ -153,12 +153,13 @@ def test_val_fraction_split_is_seeded_and_disjoint(tmp_path: pathlib.Path) -> No
 def test_malformed_row_names_its_index(
     tmp_path: pathlib.Path, dataset_name: str, row: dict, expected: str
 ) -> None:
-    good = {
+    good_rows: dict[str, dict[str, Any]] = {
         "OpenMathInstruct-2": MATH_ROWS[0],
         "squad": SQUAD_ROWS[0],
         "openai_format": CHAT_ROWS[0],
         "response": {"input": "a", "output": "b"},
-    }[dataset_name]
+    }
+    good = good_rows[dataset_name]
     path = _write_jsonl(tmp_path / "bad.jsonl", [good, good, row, good])
     with pytest.raises(MalformedRowError, match=expected) as info:
         load_dataset_splits(DataConfig(dataset_name=dataset_name, train_data_path=path))  # type: ignore[arg-type]

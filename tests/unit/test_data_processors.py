@@ -64,7 +64,10 @@ def test_message_log_concatenates_to_the_rendered_conversation(
     log = format_message_log(
         CONVERSATION, tokenizer, add_bos=True, add_eos=True, add_generation_prompt=add_generation_prompt
     )
-    full_text = tokenizer.apply_chat_template(CONVERSATION, tokenize=False)
+    full_text = tokenizer.apply_chat_template(
+        [{"role": m["role"], "content": m["content"]} for m in CONVERSATION], tokenize=False
+    )
+    assert isinstance(full_text, str)
     assert message_log_token_ids(log).tolist() == _ids(tokenizer, full_text)
     assert [m["role"] for m in log] == [m["role"] for m in CONVERSATION]
     for message in log:

@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from nemo_rl.config.policy import TokenizerConfig
 from nemo_rl.data.tiny import (
@@ -35,7 +35,7 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     return root
 
 
-def _load(path: pathlib.Path):  # type: ignore[no-untyped-def]
+def _load(path: pathlib.Path) -> PreTrainedTokenizerBase:
     return get_tokenizer(TokenizerConfig(name=str(path)), model_name=None, trust_remote_code=False)
 
 
@@ -99,7 +99,7 @@ def test_model_is_about_a_million_parameters_and_loads(tiny_dir: pathlib.Path) -
     assert config.vocab_size == 104
     num_params = sum(p.numel() for p in model.parameters())
     assert 500_000 <= num_params <= 1_200_000
-    assert model.get_input_embeddings().weight.data_ptr() == model.get_output_embeddings().weight.data_ptr()
+    assert model.model.embed_tokens.weight.data_ptr() == model.lm_head.weight.data_ptr()
     assert (tiny_dir / "model" / "model.safetensors").is_file()
     tokenizer = _load(tiny_dir / "model")
     ids = torch.tensor([tokenizer("What is 1+2?", add_special_tokens=False)["input_ids"]])
