@@ -1,0 +1,386 @@
+"""Batched sampling with a preallocated KV cache over :class:`~.model.DecoderLM`.
+
+One :meth:`EmbeddedEngine.generate` call runs the right-padded prompts through one prefill, then decodes one
+token per step for every unfinished sequence. Rows whose sequences finished keep their slot until a
+quarter of the rows are finished, then the cache and the step state are compacted so finished sequences
+stop costing compute (compacting at every finish would copy the cache more often than it saves).
+
+Log-probabilities. For every sampled token the engine returns ``log_softmax(logits / temperature)`` at that
+token: the *unfiltered* distribution at the sampling temperature, without the top-k/top-p renormalisation
+(the convention of vLLM's "processed logprobs", which NeMo RL's vLLM backend returns). A policy scoring the
+same tokens at temperature 1 therefore matches these log-probs only when ``temperature == 1``; the policy
+has to divide its logits by the same temperature to compare them otherwise. In greedy mode the temperature
+plays no role and the log-probs are those of the raw model (``log_softmax(logits)``).
+
+Tensor legend: B = sequences, T = tokens, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from nemo_rl.config.policy import PolicyConfig
+from nemo_rl.models.generation.embedded.model import DecoderLM, KVCache
+
+# Compact the active rows once this fraction of them has finished.
+_COMPACT_FRACTION = 0.25
+# Extra tokens decoded in front of the newest one when looking for a stop string: tokens that decode to
+# nothing (special tokens) or to partial characters could otherwise hide the start of a match.
+_STOP_STRING_SLACK_TOKENS = 4
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one batch; build it from the policy config with :meth:`from_policy_config`."""
+
+    temperature: float
+    """Logits are divided by this before sampling (and before computing the returned log-probs)."""
+    top_p: float
+    """Nucleus filter: keep the smallest set of most likely tokens whose probability reaches it (1 = off)."""
+    top_k: int | None
+    """Keep only this many most likely tokens (``None`` = off)."""
+    max_new_tokens: int
+    """Most tokens sampled per sequence."""
+    stop_token_ids: frozenset[int]
+    """Tokens that end a sequence (kept in the output), EOS included."""
+    stop_strings: tuple[str, ...]
+    """Strings that end a sequence when the generated text contains them (the completing token is kept)."""
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise ValueError(
+                f"temperature must be > 0, got {self.temperature}; ask for greedy decoding instead"
+            )
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1 or None, got {self.top_k}")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+
+    @classmethod
+    def from_policy_config(cls, cfg: PolicyConfig, eos_token_ids: Sequence[int]) -> SamplingParams:
+        """Sampling settings of ``cfg.generation``; ``eos_token_ids`` (from the tokenizer) always stop."""
+        gen = cfg.generation
+        return cls(
+            temperature=gen.temperature,
+            top_p=gen.top_p,
+            top_k=gen.top_k,
+            max_new_tokens=cfg.max_new_tokens,
+            stop_token_ids=frozenset([*eos_token_ids, *(gen.stop_token_ids or [])]),
+            stop_strings=tuple(gen.stop_strings or ()),
+        )
+
+
+@dataclass
+class EngineOutput:
+    """Result of one :meth:`EmbeddedEngine.generate` call, in the layout of the generation contract.
+
+    ``output_ids[b]`` is the prompt (its first ``input_lengths[b]`` tokens), then the ``generation_lengths[b]``
+    generated tokens, then pad; the width is the input width plus the longest generation.
+    """
+
+    output_ids: torch.Tensor
+    """``[B, T_in + max generation length]`` long, prompt + response, right-padded with the pad id."""
+    logprobs: torch.Tensor
+    """``[B, T_in + max generation length]`` float32, sampled tokens' log-probs, 0 at prompt and pad."""
+    generation_lengths: torch.Tensor
+    """``[B]`` long, tokens generated per sequence (a stop token counts)."""
+    unpadded_sequence_lengths: torch.Tensor
+    """``[B]`` long, prompt length + generation length."""
+    truncated: torch.Tensor
+    """``[B]`` bool, the sequence ran out of budget (max_new_tokens or max sequence length) without a stop."""
+
+
+def filter_top_k_top_p(logits_BV: torch.Tensor, top_k: int | None, top_p: float) -> torch.Tensor:
+    """Set the logits of tokens outside the top-k and then outside the top-p nucleus to ``-inf``.
+
+    Top-k keeps the ``top_k`` largest logits (ties broken by position). Top-p then works on the distribution
+    renormalised after top-k and keeps the smallest prefix of the descending order whose probability mass
+    reaches ``top_p``; the most likely token is always kept.
+    """
+    num_vocab = logits_BV.shape[-1]
+    use_top_k = top_k is not None and top_k < num_vocab
+    if not use_top_k and top_p >= 1.0:
+        return logits_BV
+    sorted_logits, order = torch.sort(logits_BV, dim=-1, descending=True, stable=True)
+    if use_top_k:
+        sorted_logits[:, top_k:] = float("-inf")
+    if top_p < 1.0:
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        drop = mass_before >= top_p
+        drop[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits_BV).scatter_(-1, order, sorted_logits)
+
+
+def sample_tokens(
+    logits_BV: torch.Tensor,
+    params: SamplingParams,
+    *,
+    greedy: bool,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick the next token of each row; return it ``[B]`` and its log-prob ``[B]`` (see the module docstring)."""
+    logits_BV = logits_BV.float()
+    if greedy:
+        tokens_B = logits_BV.argmax(dim=-1)
+        logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
+    else:
+        scaled_BV = logits_BV / params.temperature if params.temperature != 1.0 else logits_BV
+        logprobs_BV = torch.log_softmax(scaled_BV, dim=-1)
+        filtered_BV = filter_top_k_top_p(scaled_BV, params.top_k, params.top_p)
+        probs_BV = logprobs_BV.exp() if filtered_BV is scaled_BV else torch.softmax(filtered_BV, dim=-1)
+        tokens_B = torch.multinomial(probs_BV, 1, generator=generator).squeeze(1)
+    return tokens_B, logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)
+
+
+class EmbeddedEngine:
+    """Samples continuations of right-padded prompts with a :class:`DecoderLM`.
+
+    Args:
+        model: the decoder (its device and dtype are the engine's).
+        pad_token_id: id written into padding positions of the outputs.
+        max_sequence_length: longest prompt + response; a sequence reaching it stops as truncated.
+        decode_fn: token ids -> text, needed only when stop strings are used (e.g. ``tokenizer.decode``).
+    """
+
+    def __init__(
+        self,
+        model: DecoderLM,
+        *,
+        pad_token_id: int,
+        max_sequence_length: int,
+        decode_fn: Callable[[list[int]], str] | None,
+    ):
+        self.model = model
+        self.pad_token_id = pad_token_id
+        self.max_sequence_length = max_sequence_length
+        self.decode_fn = decode_fn
+        self._cache: KVCache | None = None
+
+    def release_cache(self) -> None:
+        """Drop the preallocated KV cache (it is reallocated by the next call)."""
+        self._cache = None
+
+    def _cache_for(self, num_rows: int, num_positions: int) -> KVCache:
+        """The retained cache if it is large enough, else a new one at least as large as both."""
+        old = self._cache
+        if old is not None and old.num_rows >= num_rows and old.num_positions >= num_positions:
+            return old
+        if old is not None:
+            num_rows, num_positions = max(num_rows, old.num_rows), max(num_positions, old.num_positions)
+        self._cache = None  # free the old buffer before allocating the new one
+        self._cache = KVCache(self.model.arch, num_rows, num_positions, self.model.dtype, self.model.device)
+        return self._cache
+
+    def _check_inputs(self, input_ids_BT: torch.Tensor, input_lengths_B: torch.Tensor) -> None:
+        if input_ids_BT.dim() != 2 or input_ids_BT.dtype not in (torch.int64, torch.int32):
+            raise ValueError(
+                f"input_ids must be an integer [B, T] tensor, got {input_ids_BT.dtype} {tuple(input_ids_BT.shape)}"
+            )
+        if input_lengths_B.shape != input_ids_BT.shape[:1]:
+            raise ValueError(
+                f"input_lengths has shape {tuple(input_lengths_B.shape)}, expected [{input_ids_BT.shape[0]}] (one per row)"
+            )
+        if input_ids_BT.shape[0] and (
+            int(input_lengths_B.min()) < 1 or int(input_lengths_B.max()) > input_ids_BT.shape[1]
+        ):
+            raise ValueError(
+                f"input_lengths must be in [1, {input_ids_BT.shape[1]}] (prompts are non-empty and right-padded), "
+                f"got values in [{int(input_lengths_B.min())}, {int(input_lengths_B.max())}]"
+            )
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        input_ids_BT: torch.Tensor,
+        input_lengths_B: torch.Tensor,
+        params: SamplingParams,
+        *,
+        greedy: bool,
+        seed: int,
+        stop_strings: Sequence[Sequence[str] | None] | None = None,
+    ) -> EngineOutput:
+        """Sample a response for every right-padded prompt.
+
+        Args:
+            input_ids_BT: prompts, right-padded.
+            input_lengths_B: prompt lengths (>= 1).
+            params: sampling settings.
+            greedy: take the most likely token at every step (deterministic; ``seed`` unused).
+            seed: seeds this call's random generator, so equal inputs and seeds give equal samples.
+            stop_strings: optional per-sequence stop strings, added to ``params.stop_strings``.
+        """
+        self._check_inputs(input_ids_BT, input_lengths_B)
+        device, pad = self.model.device, self.pad_token_id
+        num_seqs = input_ids_BT.shape[0]
+        lengths_B = input_lengths_B.to(device=device, dtype=torch.long)
+        budget_B = (self.max_sequence_length - lengths_B).clamp(min=0, max=params.max_new_tokens)
+        row_stops = self._row_stop_strings(params, stop_strings, num_seqs)
+
+        max_budget = int(budget_B.max()) if num_seqs else 0
+        # One spare column at the end collects writes from finished rows that are still in the batch.
+        gen_tokens = torch.full((num_seqs, max_budget + 1), pad, dtype=torch.long, device=device)
+        gen_logprobs = torch.zeros((num_seqs, max_budget + 1), dtype=torch.float32, device=device)
+        gen_lengths_B = torch.zeros(num_seqs, dtype=torch.long, device=device)
+        truncated_B = budget_B == 0
+        if max_budget > 0:
+            self._decode_loop(
+                input_ids_BT.to(device), lengths_B, budget_B, params, greedy, seed, row_stops,
+                gen_tokens, gen_logprobs, gen_lengths_B, truncated_B,
+            )  # fmt: skip
+        return self._assemble(
+            input_ids_BT.to(device), lengths_B, gen_tokens, gen_logprobs, gen_lengths_B, truncated_B
+        )
+
+    def _row_stop_strings(
+        self, params: SamplingParams, stop_strings: Sequence[Sequence[str] | None] | None, num_seqs: int
+    ) -> list[tuple[str, ...]]:
+        if stop_strings is not None and len(stop_strings) != num_seqs:
+            raise ValueError(f"stop_strings has {len(stop_strings)} entries for {num_seqs} sequences")
+        rows = [
+            tuple(dict.fromkeys([*params.stop_strings, *((stop_strings[i] or ()) if stop_strings else ())]))
+            for i in range(num_seqs)
+        ]
+        if any(rows) and self.decode_fn is None:
+            raise ValueError(
+                "stop strings need a decode_fn (the tokenizer's decode) to be given to the engine"
+            )
+        if any(s == "" for row in rows for s in row):
+            raise ValueError("stop strings must be non-empty")
+        return rows
+
+    def _decode_loop(
+        self,
+        input_ids_BT: torch.Tensor,
+        lengths_B: torch.Tensor,
+        budget_B: torch.Tensor,
+        params: SamplingParams,
+        greedy: bool,
+        seed: int,
+        row_stops: list[tuple[str, ...]],
+        gen_tokens: torch.Tensor,
+        gen_logprobs: torch.Tensor,
+        gen_lengths_B: torch.Tensor,
+        truncated_B: torch.Tensor,
+    ) -> None:
+        """Prefill, then sample step by step into ``gen_*`` (indexed by original row) until every row stops."""
+        model, device = self.model, self.model.device
+        num_seqs = input_ids_BT.shape[0]
+        trash_col = gen_tokens.shape[1] - 1
+        max_prompt = int(lengths_B.max())
+        num_positions = int((lengths_B + budget_B).max())
+        cache = self._cache_for(num_seqs, max(num_positions, max_prompt))
+        model.ensure_positions(num_positions)
+        generator = None
+        if not greedy:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(seed)
+        stop_ids = torch.tensor(sorted(params.stop_token_ids), dtype=torch.long, device=device)
+        any_stop_strings = any(row_stops)
+        max_stop_chars = max((len(s) for row in row_stops for s in row), default=0)
+
+        logits_BV = model.prefill(input_ids_BT[:, :max_prompt], lengths_B, cache)
+        # Step state, one entry per cache row; `orig` maps a cache row to its sequence.
+        orig_B = torch.arange(num_seqs, device=device)
+        alive_B = budget_B > 0
+        positions_B = lengths_B.clone()  # where the token sampled at this step will sit
+        row_budget_B = budget_B.clone()
+        stops_of_row = list(row_stops)
+        max_position = max_prompt  # >= every row's position
+        step = 0
+        while True:
+            tokens_B, logprobs_B = sample_tokens(logits_BV, params, greedy=greedy, generator=generator)
+            col_B = torch.where(alive_B, step, trash_col)
+            gen_tokens[orig_B, col_B] = tokens_B
+            gen_logprobs[orig_B, col_B] = logprobs_B
+            stopped_B = alive_B & torch.isin(tokens_B, stop_ids)
+            if any_stop_strings:
+                stopped_B |= self._stop_string_hits(
+                    alive_B, orig_B, stops_of_row, gen_tokens, step, max_stop_chars
+                )
+            exhausted_B = alive_B & ~stopped_B & (row_budget_B <= step + 1)
+            finished_B = stopped_B | exhausted_B
+            gen_lengths_B[orig_B[finished_B]] = step + 1
+            truncated_B[orig_B[exhausted_B]] = True
+            alive_B = alive_B & ~finished_B
+            num_alive = int(alive_B.sum())
+            if num_alive == 0:
+                break
+            num_rows = alive_B.shape[0]
+            if num_rows - num_alive >= max(1, int(num_rows * _COMPACT_FRACTION)):
+                keep = alive_B.nonzero().squeeze(1)
+                cache.compact(keep, max_position + 1)
+                orig_B, positions_B, row_budget_B, tokens_B = (
+                    orig_B[keep],
+                    positions_B[keep],
+                    row_budget_B[keep],
+                    tokens_B[keep],
+                )
+                stops_of_row = [stops_of_row[i] for i in keep.tolist()]
+                alive_B = torch.ones(num_alive, dtype=torch.bool, device=device)
+                max_position = int(positions_B.max())
+            logits_BV = model.decode(tokens_B, positions_B, cache, max_position + 1)
+            # Finished rows still in the batch advance too; clamping keeps them inside the cache.
+            positions_B = (positions_B + 1).clamp_(max=cache.num_positions - 1)
+            max_position = min(max_position + 1, cache.num_positions - 1)
+            step += 1
+
+    def _stop_string_hits(
+        self,
+        alive_B: torch.Tensor,
+        orig_B: torch.Tensor,
+        stops_of_row: list[tuple[str, ...]],
+        gen_tokens: torch.Tensor,
+        step: int,
+        max_stop_chars: int,
+    ) -> torch.Tensor:
+        """Rows whose generated text now contains one of their stop strings (ending in the newest token)."""
+        assert self.decode_fn is not None
+        hits = torch.zeros_like(alive_B)
+        start = max(0, step + 1 - max_stop_chars - _STOP_STRING_SLACK_TOKENS)
+        alive = alive_B.tolist()
+        rows = [r for r, stops in enumerate(stops_of_row) if stops and alive[r]]
+        if not rows:
+            return hits
+        tails = gen_tokens[orig_B[rows], start : step + 1].tolist()
+        for r, tail in zip(rows, tails, strict=True):
+            text = self.decode_fn(tail)
+            if any(s in text for s in stops_of_row[r]):
+                hits[r] = True
+        return hits
+
+    def _assemble(
+        self,
+        input_ids_BT: torch.Tensor,
+        lengths_B: torch.Tensor,
+        gen_tokens: torch.Tensor,
+        gen_logprobs: torch.Tensor,
+        gen_lengths_B: torch.Tensor,
+        truncated_B: torch.Tensor,
+    ) -> EngineOutput:
+        """Lay prompt and response side by side per row (response right after the prompt's last token)."""
+        num_seqs, input_width = input_ids_BT.shape
+        device = input_ids_BT.device
+        max_gen = int(gen_lengths_B.max()) if num_seqs else 0
+        width = input_width + max_gen
+        in_prompt = torch.arange(input_width, device=device)[None, :] < lengths_B[:, None]
+        output_ids = torch.full((num_seqs, width + 1), self.pad_token_id, dtype=torch.long, device=device)
+        output_ids[:, :input_width] = torch.where(in_prompt, input_ids_BT.long(), self.pad_token_id)
+        logprobs = torch.zeros((num_seqs, width + 1), dtype=torch.float32, device=device)
+        offsets = torch.arange(max_gen, device=device)[None, :]
+        cols = torch.where(offsets < gen_lengths_B[:, None], lengths_B[:, None] + offsets, width)
+        output_ids.scatter_(1, cols, gen_tokens[:, :max_gen])
+        logprobs.scatter_(1, cols, gen_logprobs[:, :max_gen])
+        return EngineOutput(
+            output_ids=output_ids[:, :width].cpu(),
+            logprobs=logprobs[:, :width].cpu(),
+            generation_lengths=gen_lengths_B.cpu(),
+            unpadded_sequence_lengths=(lengths_B + gen_lengths_B).cpu(),
+            truncated=truncated_B.cpu(),
+        )

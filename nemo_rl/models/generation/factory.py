@@ -1,0 +1,56 @@
+"""Choosing the generation backend from ``policy.generation.backend``."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+
+from transformers import PreTrainedTokenizerBase
+
+from nemo_rl.config.policy import PolicyConfig
+from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
+from nemo_rl.models.generation.interfaces import GenerationInterface
+
+
+def check_backend_available(cfg: PolicyConfig, cluster_has_gpus: bool) -> None:
+    """Raise a ``ValueError`` naming the fix when the configured backend cannot run on this cluster."""
+    backend = cfg.generation.backend
+    if backend != "vllm":
+        return
+    if not cluster_has_gpus:
+        raise ValueError(
+            "policy.generation.backend=vllm needs CUDA GPUs, and this Ray cluster has none; run with "
+            "policy.generation.backend=embedded (the pure-torch engine, which runs on CPU and GPU)"
+        )
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError(
+            "policy.generation.backend=vllm but vLLM is not installed; install the `vllm` extra "
+            "(uv sync --extra vllm) or run with policy.generation.backend=embedded"
+        )
+
+
+def create_generation(
+    cluster: RayVirtualCluster,
+    cfg: PolicyConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    seed: int,
+    bundle_indices: Sequence[int] | None = None,
+    model_path: str | None = None,
+) -> GenerationInterface:
+    """Start the generation backend ``cfg.generation.backend`` on ``cluster`` (or its ``bundle_indices``).
+
+    ``seed`` seeds the sampling; ``model_path`` loads a local checkpoint folder instead of ``cfg.model_name``.
+    """
+    check_backend_available(cfg, cluster.use_gpus)
+    if cfg.generation.backend == "vllm":
+        from nemo_rl.models.generation.vllm.generation import VllmGeneration
+
+        return VllmGeneration(
+            cluster, cfg, tokenizer, seed=seed, bundle_indices=bundle_indices, model_path=model_path
+        )
+    from nemo_rl.models.generation.embedded.generation import EmbeddedGeneration
+
+    return EmbeddedGeneration(
+        cluster, cfg, tokenizer, seed=seed, bundle_indices=bundle_indices, model_path=model_path
+    )

@@ -1,0 +1,169 @@
+"""The contract every generation backend (the embedded engine, vLLM) implements.
+
+Data in (:class:`GenerationDatumSpec`): ``input_ids`` ``[B, T]`` right-padded prompts, ``input_lengths``
+``[B]``, and optionally ``stop_strings``, a length-``B`` list of per-sample stop strings (or ``None``) added to
+the configured ``policy.generation.stop_strings``.
+
+Data out (:class:`GenerationOutputSpec`), one row per input row, in the input order:
+
+- ``output_ids`` ``[B, T']`` long: the prompt (its first ``input_lengths[b]`` tokens), then the generated tokens
+  starting right at position ``input_lengths[b]``, then the tokenizer's pad id. ``T'`` is at least
+  ``T + max(generation_lengths)`` (results gathered from several replicas are padded to a common width).
+- ``logprobs`` ``[B, T']`` float32, aligned with ``output_ids``: the log-prob of each generated token under
+  the sampling distribution, ``log_softmax(logits / temperature)`` *without* top-k/top-p renormalisation
+  (vLLM's "processed logprobs"); the raw model's ``log_softmax(logits)`` for greedy calls. 0 at prompt and
+  pad positions. Compare them with a policy's logprobs only when it scores at the same temperature.
+- ``generation_lengths`` ``[B]`` long: generated tokens, the stop token included.
+- ``unpadded_sequence_lengths`` ``[B]`` long: ``input_lengths + generation_lengths``.
+- ``truncated`` ``[B]`` bool: the response hit ``max_new_tokens`` or ``policy.max_total_sequence_length``
+  without a stop token or stop string.
+
+Refit (receiver side). On the wire weights carry their Hugging Face names. A backend exposes its workers as
+Ray actors with a ``refit_receive(receiver) -> TransferStats`` method (the generation-worker side of
+:func:`nemo_rl.weight_sync.refit.refit`), the Ray node of each worker (for
+:func:`nemo_rl.weight_sync.factory.create_refit_transport`), and the manifest of the weights it expects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, NotRequired, Protocol, TypedDict, runtime_checkable
+
+import torch
+from ray.actor import ActorHandle
+
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+
+WeightManifestDict = dict[str, tuple[tuple[int, ...], str]]
+"""``{hf_name: (full shape, dtype name)}``: every weight a generation backend needs, each exactly once,
+in the generation dtype (the format of ``Policy.weights_manifest``)."""
+
+
+class GenerationDatumSpec(TypedDict):
+    """Keys of a batch handed to :meth:`GenerationInterface.generate`."""
+
+    input_ids: torch.Tensor
+    """``[B, T]`` long, prompts right-padded."""
+    input_lengths: torch.Tensor
+    """``[B]`` long, prompt lengths (>= 1)."""
+    stop_strings: NotRequired[list[list[str] | None]]
+    """Per-sample stop strings (or ``None``), added to ``policy.generation.stop_strings``."""
+
+
+class GenerationOutputSpec(TypedDict):
+    """Keys of the batch :meth:`GenerationInterface.generate` returns (see the module docstring)."""
+
+    output_ids: torch.Tensor
+    """``[B, T']`` long, prompt then response, right-padded with the pad id."""
+    logprobs: torch.Tensor
+    """``[B, T']`` float32, generated tokens' log-probs at the sampling temperature; 0 elsewhere."""
+    generation_lengths: torch.Tensor
+    """``[B]`` long, tokens generated."""
+    unpadded_sequence_lengths: torch.Tensor
+    """``[B]`` long, prompt + response length."""
+    truncated: torch.Tensor
+    """``[B]`` bool, stopped by the length budget rather than a stop token/string."""
+
+
+GENERATION_OUTPUT_KEYS = tuple(GenerationOutputSpec.__annotations__)
+
+
+def check_generation_input(data: BatchedDataDict[Any]) -> None:
+    """Raise a ``ValueError`` saying what is wrong when ``data`` does not follow :class:`GenerationDatumSpec`."""
+    missing = [key for key in ("input_ids", "input_lengths") if key not in data]
+    if missing:
+        raise ValueError(f"generation input lacks {missing}; it needs input_ids [B, T] and input_lengths [B]")
+    input_ids, input_lengths = data["input_ids"], data["input_lengths"]
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError("generation input_ids must be a [B, T] tensor of right-padded token ids")
+    if not isinstance(input_lengths, torch.Tensor) or input_lengths.shape != input_ids.shape[:1]:
+        raise ValueError(f"generation input_lengths must be a [B] tensor with B = {input_ids.shape[0]}")
+    if input_ids.shape[0] == 0:
+        raise ValueError("generation got an empty batch")
+    if int(input_lengths.min()) < 1 or int(input_lengths.max()) > input_ids.shape[1]:
+        raise ValueError(
+            f"generation input_lengths must lie in [1, {input_ids.shape[1]}] (non-empty, right-padded prompts)"
+        )
+    stop_strings = data.get("stop_strings")
+    if stop_strings is not None and (
+        not isinstance(stop_strings, Sequence) or len(stop_strings) != input_ids.shape[0]
+    ):
+        raise ValueError(
+            "generation stop_strings must be a list with one entry (list of strings or None) per sample"
+        )
+
+
+@runtime_checkable
+class GenerationInterface(Protocol):
+    """A generation backend: samples responses and receives refitted weights."""
+
+    def generate(self, data: BatchedDataDict[Any], greedy: bool = False) -> BatchedDataDict[Any]:
+        """Sample one response per row of ``data`` (:class:`GenerationDatumSpec`).
+
+        Returns a batch of :class:`GenerationOutputSpec`, rows in the input order. ``greedy`` takes the most
+        likely token at every step (deterministic, for evaluation).
+        """
+        ...
+
+    def prepare_for_generation(self) -> None:
+        """Bring weights (and cache memory) back onto the devices before generating (colocated mode)."""
+        ...
+
+    def finish_generation(self) -> None:
+        """Release memory after generating so colocated training gets the devices (drop KV caches, offload)."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop the workers and release their bundles."""
+        ...
+
+    # --- refit, receiver side ---------------------------------------------------------------------------
+    @property
+    def workers(self) -> list[ActorHandle]:
+        """The generation actors in rank order; each has ``refit_receive(receiver) -> TransferStats``."""
+        ...
+
+    @property
+    def worker_node_ids(self) -> list[str]:
+        """Ray node id of each worker, in rank order (for choosing the refit transport)."""
+        ...
+
+    def expected_weights_manifest(self) -> WeightManifestDict:
+        """The weights a refit must deliver: full shapes, in the generation dtype."""
+        ...
+
+    def prepare_refit_info(self, manifest: WeightManifestDict) -> None:
+        """Check a sender's manifest against :meth:`expected_weights_manifest` before the first refit.
+
+        Raises ``ValueError`` naming the missing, unexpected and mis-shaped weights, and the dtype when the
+        sender does not cast to the generation dtype.
+        """
+        ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load full weights held by the driver into every worker (small models, tests, checkpoints).
+
+        Every expected weight must be given exactly once; large models should refit through
+        :func:`nemo_rl.weight_sync.refit.refit` instead.
+        """
+        ...
+
+
+def compare_manifests(expected: WeightManifestDict, sent: WeightManifestDict) -> list[str]:
+    """Human-readable differences between what a receiver expects and what a sender sends (empty if equal)."""
+    problems = []
+    missing = sorted(set(expected) - set(sent))
+    unexpected = sorted(set(sent) - set(expected))
+    if missing:
+        problems.append(f"the sender does not send {len(missing)} expected weights: {missing[:10]}")
+    if unexpected:
+        problems.append(
+            f"the sender sends {len(unexpected)} weights the generation model lacks: {unexpected[:10]}"
+        )
+    for name in sorted(set(expected) & set(sent)):
+        (want_shape, want_dtype), (got_shape, got_dtype) = expected[name], sent[name]
+        if tuple(want_shape) != tuple(got_shape):
+            problems.append(f"{name}: shape {tuple(got_shape)} sent, {tuple(want_shape)} expected")
+        if str(want_dtype).removeprefix("torch.") != str(got_dtype).removeprefix("torch."):
+            problems.append(f"{name}: dtype {got_dtype} sent, {want_dtype} expected (the generation dtype)")
+    return problems
