@@ -15,6 +15,7 @@ in data-parallel group ``r // tp_size`` with tensor-parallel rank ``r % tp_size`
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -33,6 +34,9 @@ GRACEFUL_SHUTDOWN_TIMEOUT_S = 30.0
 
 # Bound on the remembered (ref -> rank, method) entries of results nobody fetched.
 _MAX_TRACKED_REFS = 100_000
+
+# Ray colours parts of its error messages; they are noise in an exception text.
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 
 _RESERVED_ENV_VARS = frozenset(
     {
@@ -286,11 +290,17 @@ class RayWorkerGroup:
         if callable(getattr(self._worker_cls, "shutdown", None)):
             refs: list[ray.ObjectRef] = [worker.shutdown.remote() for worker in self._workers]
             done, hung = ray.wait(refs, num_returns=len(refs), timeout=graceful_timeout_s)
-            for ref in done:
+            for rank, ref in enumerate(refs):
+                if ref not in done:
+                    continue
                 try:
                     ray.get(ref)
-                except (RayActorError, RayTaskError) as error:
-                    logger.warning("worker group %r: graceful shutdown failed: %s", self.name, error)
+                except RayActorError:
+                    logger.info("worker group %r: rank %d was already dead at shutdown", self.name, rank)
+                except RayTaskError as error:
+                    logger.warning(
+                        "worker group %r: rank %d failed in shutdown(): %s", self.name, rank, error
+                    )
             if hung:
                 logger.warning(
                     "worker group %r: %d workers did not finish shutdown() within %g s; killing them",
@@ -336,7 +346,7 @@ class RayWorkerGroup:
             return ray.get(ref)
         except RayActorError as error:
             rank = self._actor_ranks.get(error.actor_id or "", owner[0] if owner else None)
-            raise WorkerDiedError(self.name, rank, str(error)) from error
+            raise WorkerDiedError(self.name, rank, _ANSI_ESCAPE.sub("", str(error))) from error
         except RayTaskError as error:
             where = f"rank {owner[0]}, method {owner[1]!r}" if owner else "a worker"
             error.add_note(f"raised in {where} of worker group {self.name!r}")
