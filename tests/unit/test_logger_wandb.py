@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 import zlib
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,8 @@ def _read_wandb_records(path: Path) -> list[Any]:
         if kind == 0:  # zero padding at the end of a block
             offset += room
             continue
+        if offset + _HEADER_BYTES + length > len(data):  # the writer is mid-record
+            break
         payload = data[offset + _HEADER_BYTES : offset + _HEADER_BYTES + length]
         assert zlib.crc32(payload, zlib.crc32(bytes([kind]))) & 0xFFFFFFFF == checksum
         offset += _HEADER_BYTES + length
@@ -73,7 +76,13 @@ def test_wandb_offline_run_holds_history_and_config(tmp_path: Path, monkeypatch:
     run_dirs = list((tmp_path / "logs" / "wandb").glob("offline-run-*"))
     assert len(run_dirs) == 1, f"expected one offline run under log_dir, found {run_dirs}"
     (run_file,) = run_dirs[0].glob("run-*.wandb")
+    # W&B's writer runs in its own service process and may still be flushing when finish() returns;
+    # the run is complete once its "exit" record is on disk.
+    deadline = time.monotonic() + 60
     records = _read_wandb_records(run_file)
+    while not any(r.WhichOneof("record_type") == "exit" for r in records) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        records = _read_wandb_records(run_file)
 
     history = []
     for record in records:
