@@ -51,7 +51,7 @@ def init_ray(cluster_cfg: ClusterConfig | None = None) -> None:
     address = os.environ.get("RAY_ADDRESS")
     if address:
         logger.info("attaching to the Ray cluster at %s", address)
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address, runtime_env={"env_vars": {"PYTHONPATH": worker_pythonpath()}})
         return
     slots = cluster_cfg.world_size if cluster_cfg is not None else 0
     num_cpus = max(os.cpu_count() or 1, slots + DRIVER_SIDE_CPUS)

@@ -56,6 +56,11 @@ _RESERVED_ENV_VARS = frozenset(
 )
 
 
+def _put_once(value: Any) -> Any:
+    """``value`` in the object store (refs are passed as they are: Ray resolves top-level refs in the actor)."""
+    return value if isinstance(value, ray.ObjectRef) else ray.put(value)
+
+
 class WorkerDiedError(RuntimeError):
     """A worker actor of a :class:`RayWorkerGroup` died (crashed, was killed, or failed in ``__init__``)."""
 
@@ -143,37 +148,45 @@ class RayWorkerGroup:
         node_of_rank = [locations[b].node_id for b in self.bundle_indices]
         actor_cls: Any = ray.remote(self._worker_cls)
         resources = self.cluster.actor_resources()
+        # Stored once and resolved by Ray in each actor, instead of serialised once per actor.
+        shared_args = [_put_once(arg) for arg in init_args]
+        shared_kwargs = {key: _put_once(value) for key, value in init_kwargs.items()}
         workers: list[ActorHandle] = []
         actor_ranks: dict[str, int] = {}
-        for rank, bundle in enumerate(self.bundle_indices):
-            location = locations[bundle]
-            same_node = [r for r, node in enumerate(node_of_rank) if node == location.node_id]
-            rank_env = {
-                **env_vars,
-                "RANK": str(rank),
-                "WORLD_SIZE": str(self._world_size),
-                "LOCAL_RANK": str(same_node.index(rank)),
-                "LOCAL_WORLD_SIZE": str(len(same_node)),
-                "MASTER_ADDR": master_addr,
-                "MASTER_PORT": str(master_port),
-                "NEMO_RL_WORKER_GROUP": self.name,
-                "NEMO_RL_DP_RANK": str(rank // self._tp_size),
-                "NEMO_RL_DP_SIZE": str(self._dp_size),
-                "NEMO_RL_TP_RANK": str(rank % self._tp_size),
-                "NEMO_RL_TP_SIZE": str(self._tp_size),
-                "NEMO_RL_BUNDLE_INDEX": str(bundle),
-            }
-            worker: ActorHandle = actor_cls.options(
-                num_cpus=resources["num_cpus"],
-                num_gpus=resources["num_gpus"],
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=location.placement_group,
-                    placement_group_bundle_index=location.pg_bundle_index,
-                ),
-                runtime_env={"env_vars": rank_env},
-            ).remote(*init_args, **init_kwargs)
-            workers.append(worker)
-            actor_ranks[worker._actor_id.hex()] = rank
+        try:
+            for rank, bundle in enumerate(self.bundle_indices):
+                location = locations[bundle]
+                same_node = [r for r, node in enumerate(node_of_rank) if node == location.node_id]
+                rank_env = {
+                    **env_vars,
+                    "RANK": str(rank),
+                    "WORLD_SIZE": str(self._world_size),
+                    "LOCAL_RANK": str(same_node.index(rank)),
+                    "LOCAL_WORLD_SIZE": str(len(same_node)),
+                    "MASTER_ADDR": master_addr,
+                    "MASTER_PORT": str(master_port),
+                    "NEMO_RL_WORKER_GROUP": self.name,
+                    "NEMO_RL_DP_RANK": str(rank // self._tp_size),
+                    "NEMO_RL_DP_SIZE": str(self._dp_size),
+                    "NEMO_RL_TP_RANK": str(rank % self._tp_size),
+                    "NEMO_RL_TP_SIZE": str(self._tp_size),
+                    "NEMO_RL_BUNDLE_INDEX": str(bundle),
+                }
+                worker: ActorHandle = actor_cls.options(
+                    num_cpus=resources["num_cpus"],
+                    num_gpus=resources["num_gpus"],
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=location.placement_group,
+                        placement_group_bundle_index=location.pg_bundle_index,
+                    ),
+                    runtime_env={"env_vars": rank_env},
+                ).remote(*shared_args, **shared_kwargs)
+                workers.append(worker)
+                actor_ranks[worker._actor_id.hex()] = rank
+        except BaseException:
+            for started in workers:
+                ray.kill(started, no_restart=True)
+            raise
         return workers, actor_ranks
 
     @property
