@@ -38,7 +38,7 @@ def format_message_log(
         messages: The conversation, in OpenAI format.
         tokenizer: A tokenizer with a chat template.
         add_bos: Put the BOS token first when the rendering does not start with it.
-        add_eos: Put the EOS token last when the rendering does not end with it.
+        add_eos: Put the EOS token last when the last turn has none (the template did not close it).
         add_generation_prompt: Render the assistant header after every user turn, as part of that turn
             (for a conversation ending with a user turn: the prompt to generate from).
     """
@@ -80,7 +80,8 @@ def format_message_log(
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     if add_bos and bos is not None and full_ids[:1] != [bos]:
         chunks[0] = [bos, *chunks[0]]
-    if add_eos and eos is not None and full_ids[-1:] != [eos]:
+    # A template that closes the turn with EOS and then a newline (ChatML) has already ended it.
+    if add_eos and eos is not None and eos not in chunks[-1]:
         chunks[-1] = [*chunks[-1], eos]
 
     message_log: MessageLog = []

@@ -220,3 +220,42 @@ def test_setup_rl_and_sft_data(tokenizer: PreTrainedTokenizerBase, tmp_path: pat
     assert len(list(sft_train)) == 8 and len(sft_train[2:5]) == 3
     with pytest.raises(IndexError):
         sft_train[8]
+
+
+def test_hub_sources_are_loaded_lazily_with_default_splits(monkeypatch: pytest.MonkeyPatch) -> None:
+    # No network in tests: stand in for the hub with in-memory datasets, recording what was asked for.
+    import datasets
+
+    requests: list[tuple[str, str]] = []
+    hub = {
+        ("rajpurkar/squad", "train"): SQUAD_ROWS[:8],
+        ("rajpurkar/squad", "validation"): SQUAD_ROWS[8:],
+        ("nvidia/OpenMathInstruct-2", "train_1M"): [
+            *MATH_ROWS[:9],
+            {"problem": "no answer"},
+            *MATH_ROWS[10:],
+        ],
+        ("someone/chat", "train"): CHAT_ROWS,
+    }
+
+    def fake_load_dataset(name: str, split: str) -> datasets.Dataset:
+        requests.append((name, split))
+        return datasets.Dataset.from_list(hub[(name, split)])
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+
+    squad = load_dataset_splits(DataConfig(dataset_name="squad"))
+    assert requests == [("rajpurkar/squad", "train"), ("rajpurkar/squad", "validation")]
+    assert len(squad.train) == 8 and squad.validation is not None and len(squad.validation) == 2
+    assert squad.validation[0]["expected_answer"] == "A8"
+
+    math = load_dataset_splits(DataConfig(dataset_name="OpenMathInstruct-2", val_fraction=0.1))
+    assert requests[-1] == ("nvidia/OpenMathInstruct-2", "train_1M")
+    assert math.validation is not None and len(math.train) + len(math.validation) == 20
+    # Hub rows are converted on access, so the malformed one fails when it is read, naming its row.
+    with pytest.raises(MalformedRowError, match=r"hub split train_1M\): row 9 "):
+        list(math.train) + list(math.validation)
+
+    chat = load_dataset_splits(DataConfig(dataset_name="openai_format", train_data_path="someone/chat"))
+    assert requests[-1] == ("someone/chat", "train")
+    assert chat.validation is not None and len(chat.train) + len(chat.validation) == 10

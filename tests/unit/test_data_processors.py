@@ -6,7 +6,8 @@ import pathlib
 
 import pytest
 import torch
-from transformers import PreTrainedTokenizerBase
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from nemo_rl.config.data import DataConfig
 from nemo_rl.config.policy import TokenizerConfig
@@ -21,7 +22,7 @@ from nemo_rl.data.llm_message_utils import (
 )
 from nemo_rl.data.processors import math_processor, sft_processor
 from nemo_rl.data.tiny import build_tiny_tokenizer
-from nemo_rl.data.tokenizer import get_tokenizer
+from nemo_rl.data.tokenizer import get_tokenizer, resolve_chat_template
 
 CONVERSATION = [
     ChatMessage(role="system", content="Be brief."),
@@ -216,3 +217,64 @@ def test_shipped_cot_prompt() -> None:
     cfg = DataConfig(prompt_file=str(root / "examples" / "prompts" / "cot.txt"))
     prompt = TaskDataSpec.from_config(cfg, task_name="math").apply_prompt("What is 1+2?")
     assert "What is 1+2?" in prompt and "\\boxed{}" in prompt
+
+
+@pytest.fixture(scope="module")
+def bpe_tokenizer() -> PreTrainedTokenizerFast:
+    """A small byte-level BPE tokenizer whose merges cross turn boundaries, unlike the character-level one."""
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|im_start|>", "<|im_end|>", "<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    corpus = ["user\nWhat is 12+7?\n", "assistant\nThe answer is 19.\n", "system\nYou are helpful.\n"] * 20
+    backend.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Renders a turn differently once another follows it (as templates that drop past reasoning do), and
+# has no separator tokens, so BPE merges run across turn boundaries.
+REWRITING = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{% if not loop.last %} (earlier){% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+@pytest.mark.parametrize("template", [CHATML, REWRITING, "default"])
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_message_log_matches_whole_rendering_with_bpe(
+    bpe_tokenizer: PreTrainedTokenizerFast, template: str, add_generation_prompt: bool
+) -> None:
+    original = bpe_tokenizer.chat_template
+    bpe_tokenizer.chat_template = resolve_chat_template(template)
+    conversation = [{"role": m["role"], "content": m["content"]} for m in CONVERSATION]
+    try:
+        full_text = bpe_tokenizer.apply_chat_template(conversation, tokenize=False)
+        assert isinstance(full_text, str)
+        full_ids = _ids(bpe_tokenizer, full_text)
+        for add_eos in (False, True):
+            log = format_message_log(
+                CONVERSATION,
+                bpe_tokenizer,
+                add_bos=True,
+                add_eos=add_eos,
+                add_generation_prompt=add_generation_prompt,
+            )
+            ids = message_log_token_ids(log).tolist()
+            assert all(m["token_ids"].numel() > 0 for m in log)
+            # ChatML closes every turn with EOS then a newline: add_eos must not add a second one.
+            if add_eos and template != CHATML:
+                assert ids == [*full_ids, bpe_tokenizer.eos_token_id]
+            else:
+                assert ids == full_ids
+    finally:
+        bpe_tokenizer.chat_template = original
