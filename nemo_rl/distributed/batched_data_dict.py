@@ -17,6 +17,7 @@ per-shard results back in the original order::
 from __future__ import annotations
 
 import copy as copy_module
+import heapq
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -67,12 +68,14 @@ def _balanced_parts(indices: Sequence[int], lengths: Sequence[int], counts: Sequ
     """
     order = sorted(indices, key=lambda i: (-lengths[i], i))
     parts: list[list[int]] = [[] for _ in counts]
-    tokens = [0] * len(counts)
+    # Open parts keyed by (tokens so far, samples so far, part index); a full part leaves the heap.
+    open_parts = [(0, 0, p) for p, count in enumerate(counts) if count > 0]
+    heapq.heapify(open_parts)
     for i in order:
-        open_parts = [p for p in range(len(counts)) if len(parts[p]) < counts[p]]
-        target = min(open_parts, key=lambda p: (tokens[p], len(parts[p]), p))
-        parts[target].append(i)
-        tokens[target] += lengths[i]
+        tokens, taken, p = heapq.heappop(open_parts)
+        parts[p].append(i)
+        if taken + 1 < counts[p]:
+            heapq.heappush(open_parts, (tokens + lengths[i], taken + 1, p))
     return [sorted(part) for part in parts]
 
 
