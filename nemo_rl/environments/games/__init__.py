@@ -1,0 +1,1 @@
+"""Small multi-turn game environments (used to exercise multi-turn rollouts)."""

@@ -1,0 +1,122 @@
+"""The math environment: reward 1 when the last ``\\boxed{}`` answer matches the ground truth, else 0.
+
+Single turn: every response is final (``terminated``). Answers are checked by math-verify in a pool of
+verifier processes (``env.math.num_workers``), each answer within ``env.math.verify_timeout_s``; an answer
+that takes longer scores 0 and cannot stall the step (see :mod:`nemo_rl.environments.verifier_pool`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ray
+import torch
+
+from nemo_rl.config.env import MathEnvConfig
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.environments.interfaces import EnvironmentInterface, EnvironmentReturn, Message
+from nemo_rl.environments.math_verifier import extract_last_boxed, verify_math_answer
+from nemo_rl.environments.metrics import (
+    assistant_text,
+    batch_rewards,
+    group_ids,
+    last_assistant_text,
+    pass_at_samples,
+)
+from nemo_rl.environments.verifier_pool import VerifierPool
+
+MathMetadata = dict[str, Any]
+"""Per-sample state: ``ground_truth`` (from the dataset); each step adds ``extracted_answer`` and
+``verify_timed_out``."""
+
+
+@ray.remote
+class MathEnvironment(EnvironmentInterface[MathMetadata]):
+    """Scores math responses with math-verify (a Ray actor: ``MathEnvironment.remote(cfg)`` or ``create_env``).
+
+    Args:
+        cfg: The ``env.math`` section (a plain dict in NeMo RL's shape is accepted too).
+    """
+
+    def __init__(self, cfg: MathEnvConfig | Mapping[str, Any]) -> None:
+        self.cfg = cfg if isinstance(cfg, MathEnvConfig) else MathEnvConfig.model_validate(dict(cfg))
+        self._pool = VerifierPool(
+            verify_math_answer, num_workers=self.cfg.num_workers, timeout_s=self.cfg.verify_timeout_s
+        )
+
+    def step(
+        self, message_log_batch: Sequence[Sequence[Message]], metadata: Sequence[MathMetadata]
+    ) -> EnvironmentReturn[MathMetadata]:
+        """Score the last assistant message of each conversation against its ``ground_truth``."""
+        if len(message_log_batch) != len(metadata):
+            raise ValueError(f"{len(message_log_batch)} conversations but {len(metadata)} metadata entries")
+        missing = [i for i, m in enumerate(metadata) if m is None or "ground_truth" not in m]
+        if missing:
+            raise KeyError(
+                f"math samples {missing[:8]} have no 'ground_truth' in their metadata (extra_env_info); "
+                "the math data processor puts the expected answer there"
+            )
+        responses = [last_assistant_text(log) for log in message_log_batch]
+        outcomes = self._pool.verify(responses, [str(m["ground_truth"]) for m in metadata])
+        answers = [extract_last_boxed(r) for r in responses]
+        rewards = [o.score for o in outcomes]
+        return EnvironmentReturn(
+            observations=[
+                {"role": "environment", "content": f"Environment: {'correct' if r > 0 else 'incorrect'}"}
+                for r in rewards
+            ],
+            metadata=[
+                {**m, "extracted_answer": a, "verify_timed_out": o.timed_out}
+                for m, a, o in zip(metadata, answers, outcomes, strict=True)
+            ],
+            next_stop_strings=[self.cfg.stop_strings] * len(responses),
+            rewards=torch.tensor(rewards, dtype=torch.float32),
+            terminateds=torch.ones(len(responses), dtype=torch.bool),
+            answers=answers,
+        )
+
+    def global_post_process_and_metrics(
+        self, batch: BatchedDataDict[Any]
+    ) -> tuple[BatchedDataDict[Any], dict[str, float]]:
+        """Accuracy, pass@(samples per prompt), response lengths and verifier timeouts of a finished batch.
+
+        Reads ``total_reward`` (or ``rewards``), ``idx`` or ``message_log`` (to group samples by prompt) and,
+        when present, ``message_log``, ``truncated`` and ``extra_env_info``. The batch is returned unchanged.
+        """
+        rewards_B = batch_rewards(batch)
+        correct_B = rewards_B >= 1.0
+        groups = group_ids(batch)
+        metrics: dict[str, float] = {
+            "accuracy": rewards_B.mean().item() if rewards_B.numel() else 0.0,
+            "pass@samples_per_prompt": pass_at_samples(rewards_B, groups, threshold=1.0),
+            "num_problems_in_batch": float(len(set(groups))),
+            "num_samples": float(rewards_B.numel()),
+        }
+        if "message_log" in batch:
+            lengths_B = torch.tensor(
+                [len(assistant_text(log)) for log in batch["message_log"]], dtype=torch.float32
+            )
+            metrics["mean_response_length_chars"] = lengths_B.mean().item() if lengths_B.numel() else 0.0
+            metrics["correct_response_length_chars"] = (
+                lengths_B[correct_B].mean().item() if correct_B.any() else 0.0
+            )
+        if "truncated" in batch:
+            metrics["fraction_of_samples_properly_ended"] = (
+                1.0 - torch.as_tensor(batch["truncated"]).float().mean().item()
+            )
+        if "extra_env_info" in batch:
+            infos = [info for info in batch["extra_env_info"] if isinstance(info, Mapping)]
+            if infos:
+                metrics["verify_timeout_fraction"] = sum(
+                    bool(i.get("verify_timed_out")) for i in infos
+                ) / len(infos)
+        return batch, metrics
+
+    def verifier_stats(self) -> dict[str, int]:
+        """Answers that timed out and verifier processes replaced since the environment started."""
+        return {"num_timeouts": self._pool.num_timeouts, "num_restarts": self._pool.num_restarts}
+
+    def shutdown(self) -> None:
+        """Stop the verifier processes."""
+        self._pool.close()

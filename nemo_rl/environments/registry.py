@@ -1,0 +1,119 @@
+"""Environment registry: task / environment names to environment classes, and starting them as Ray actors.
+
+Built in: ``math`` (:class:`~nemo_rl.environments.math_environment.MathEnvironment`) and ``number_guessing``
+(:class:`~nemo_rl.environments.games.number_guessing.NumberGuessingEnvironment`). Add your own with
+:func:`register_env`::
+
+    class MyEnv(EnvironmentInterface[dict]):
+        def __init__(self, cfg: MyEnvConfig) -> None: ...
+        def step(self, message_log_batch, metadata) -> EnvironmentReturn[dict]: ...
+        def global_post_process_and_metrics(self, batch): ...
+
+    register_env("my_task", MyEnv)
+    task_to_env = {"my_task": create_env("my_task", MyEnvConfig())}
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from typing import Any, cast
+
+import ray
+from ray.actor import ActorClass, ActorHandle
+
+from nemo_rl.config.env import EnvConfig
+from nemo_rl.environments.interfaces import EnvironmentInterface
+
+EnvClass = type[EnvironmentInterface[Any]] | ActorClass[Any]
+"""A plain environment class (started with ``ray.remote``), or one already decorated with ``ray.remote``."""
+
+# Built-ins are import paths so that importing the registry stays cheap (math-verify pulls in sympy).
+_BUILTIN_ENVS: dict[str, str] = {
+    "math": "nemo_rl.environments.math_environment:MathEnvironment",
+    "number_guessing": "nemo_rl.environments.games.number_guessing:NumberGuessingEnvironment",
+}
+_REGISTRY: dict[str, EnvClass | str] = dict(_BUILTIN_ENVS)
+
+
+def register_env(name: str, env_cls: EnvClass | str, *, overwrite: bool = False) -> None:
+    """Make ``create_env(name, ...)`` start ``env_cls``.
+
+    Args:
+        name: Task / environment name (the ``task_name`` of the samples it scores).
+        env_cls: An :class:`EnvironmentInterface` subclass, the same wrapped with ``ray.remote``, or its
+            import path ``"package.module:ClassName"``.
+        overwrite: Replace an existing registration instead of raising.
+    """
+    if not name:
+        raise ValueError("an environment needs a non-empty name")
+    if name in _REGISTRY and not overwrite:
+        raise ValueError(
+            f"an environment is already registered as {name!r}; pass overwrite=True to replace it"
+        )
+    if not isinstance(env_cls, str | ActorClass) and not (
+        isinstance(env_cls, type) and issubclass(env_cls, EnvironmentInterface)
+    ):
+        raise TypeError(
+            f"register_env({name!r}, ...) needs an EnvironmentInterface subclass (optionally wrapped with "
+            f"ray.remote) or an import path 'module:Class'; got {env_cls!r}"
+        )
+    _REGISTRY[name] = env_cls
+
+
+def registered_envs() -> list[str]:
+    """Names :func:`create_env` accepts."""
+    return sorted(_REGISTRY)
+
+
+def get_env_class(name: str) -> EnvClass:
+    """The class registered as ``name`` (imported on first use for import paths)."""
+    if name not in _REGISTRY:
+        raise KeyError(
+            f"no environment registered as {name!r}; registered: {registered_envs()}. "
+            "Register yours with nemo_rl.environments.registry.register_env(name, cls)."
+        )
+    entry = _REGISTRY[name]
+    if isinstance(entry, str):
+        module_name, _, attr = entry.partition(":")
+        try:
+            entry = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as err:
+            raise ImportError(
+                f"environment {name!r} is registered as {entry!r}, which does not import: {err}"
+            ) from err
+        _REGISTRY[name] = entry
+    assert not isinstance(entry, str)
+    return entry
+
+
+def _section(name: str, cfg: Any) -> Any:
+    """The config the environment's constructor takes: ``env.<name>`` when given the whole ``env`` section."""
+    if not isinstance(cfg, EnvConfig):
+        return cfg
+    if name not in EnvConfig.model_fields:
+        raise ValueError(
+            f"the env section has no {name!r} subsection (it has {sorted(EnvConfig.model_fields)}); pass "
+            f"environment {name!r} its own config object instead of the whole env section"
+        )
+    return getattr(cfg, name)
+
+
+def create_env(
+    name: str,
+    cfg: Any,
+    *,
+    actor_options: Mapping[str, Any] | None = None,
+) -> ActorHandle[Any]:
+    """Start the environment registered as ``name`` as a Ray actor and return its handle.
+
+    Args:
+        name: A registered name (see :func:`registered_envs`).
+        cfg: The whole ``env`` section (its ``name`` subsection is passed on), or the environment's own
+            config, handed to its constructor as is.
+        actor_options: Extra ``ray.remote`` options for the actor (``num_cpus``, ``runtime_env``...).
+    """
+    env_cls = get_env_class(name)
+    actor_cls = env_cls if isinstance(env_cls, ActorClass) else ray.remote(env_cls)
+    handle = actor_cls.options(**dict(actor_options or {})).remote(_section(name, cfg))
+    return cast(ActorHandle[Any], handle)
