@@ -8,7 +8,9 @@ from pydantic import Field, model_validator
 
 from nemo_rl.config.base import ConfigModel
 
-DatasetName = Literal["tiny_math", "OpenMathInstruct-2", "squad", "openai_format", "response"]
+DatasetName = Literal[
+    "tiny_math", "OpenMathInstruct-2", "squad", "openai_format", "response", "binary_preference"
+]
 """The dataset formats nemo_rl reads.
 
 - ``tiny_math``: arithmetic problems generated on the fly (no files); OpenMathInstruct-2's schema.
@@ -16,6 +18,8 @@ DatasetName = Literal["tiny_math", "OpenMathInstruct-2", "squad", "openai_format
 - ``squad``: ``context``, ``question``, ``answers`` (hub rajpurkar/squad).
 - ``openai_format``: chat data, a list of ``{"role", "content"}`` messages under ``data.chat_key``.
 - ``response``: one input column and one output column (``data.input_key``, ``data.output_key``).
+- ``binary_preference``: a prompt with a chosen and a rejected response (``data.prompt_key``,
+  ``data.chosen_key``, ``data.rejected_key``), for DPO and reward models.
 """
 
 
@@ -29,7 +33,7 @@ class DataConfig(ConfigModel):
     train_data_path: str | None = None
     """Local training file (``.jsonl``, ``.json`` with one object per line, or ``.parquet``) in the schema of
     ``dataset_name``, or a hub dataset name. ``None`` loads the dataset's hub default (not for
-    ``openai_format`` / ``response``, which need a path)."""
+    ``openai_format`` / ``response`` / ``binary_preference``, which need a path)."""
 
     val_data_path: str | None = None
     """Local validation file or hub dataset name in the same schema; ``None`` uses the dataset's validation
@@ -51,6 +55,18 @@ class DataConfig(ConfigModel):
 
     chat_key: str = "messages"
     """Column holding the OpenAI-format message list for ``dataset_name: openai_format``."""
+
+    prompt_key: str = "prompt"
+    """Column holding the prompt (a string for one user turn, or a message list) for
+    ``dataset_name: binary_preference``."""
+
+    chosen_key: str = "chosen"
+    """Column holding the preferred response (a string for one assistant turn, or a message list) for
+    ``dataset_name: binary_preference``."""
+
+    rejected_key: str = "rejected"
+    """Column holding the dispreferred response (a string or a message list) for
+    ``dataset_name: binary_preference``."""
 
     prompt_file: str | None = None
     """Text file with a prompt template for user turns: ``{}`` marks where the problem goes (write literal
@@ -90,7 +106,10 @@ class DataConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
-        if self.dataset_name in ("openai_format", "response") and self.train_data_path is None:
+        if (
+            self.dataset_name in ("openai_format", "response", "binary_preference")
+            and self.train_data_path is None
+        ):
             raise ValueError(
                 f"data.dataset_name={self.dataset_name} has no default source: set data.train_data_path to a "
                 "local .jsonl/.parquet file or a hub dataset name"

@@ -68,3 +68,42 @@ def make_sft_collate_fn(
     return functools.partial(
         sft_collate_fn, pad_token_id=tokenizer.pad_token_id, max_seq_length=max_seq_length
     )
+
+
+def preference_collate_fn(
+    batch: Sequence[DatumSpec], *, pad_token_id: int, max_seq_length: int
+) -> BatchedDataDict[Any]:
+    """Batch preference pairs as interleaved rows: row ``2i`` is pair ``i`` with the chosen response, row
+    ``2i + 1`` with the rejected one (the layout of :class:`nemo_rl.algorithms.loss_functions.DPOLossFn`).
+
+    Keys as in :func:`sft_collate_fn` over the ``2 * len(batch)`` rows; ``idx`` repeats each pair's index.
+    A pair one of whose halves has no assistant token left after truncation gets ``sample_mask`` 0 on both
+    rows, so pairs stay whole.
+    """
+    if not batch:
+        raise ValueError("cannot collate an empty batch")
+    message_logs = []
+    for datum in batch:
+        if "rejected_message_log" not in datum:
+            raise ValueError(
+                f"sample {datum['idx']} has no rejected response: build the dataset with preference_processor"
+            )
+        message_logs.append(truncate_message_log(datum["message_log"], max_seq_length))
+        message_logs.append(truncate_message_log(datum["rejected_message_log"], max_seq_length))
+    data = message_logs_to_batch(message_logs, pad_token_id=pad_token_id, train_roles=SFT_TRAIN_ROLES)
+    has_target_P = (data["token_mask"].sum(dim=1) > 0).reshape(-1, 2).all(dim=1).to(torch.float32)
+    loss_multiplier_P = torch.tensor([d["loss_multiplier"] for d in batch], dtype=torch.float32)
+    data["sample_mask"] = (loss_multiplier_P * has_target_P).repeat_interleave(2)
+    data["idx"] = torch.tensor([d["idx"] for d in batch], dtype=torch.long).repeat_interleave(2)
+    return data
+
+
+def make_preference_collate_fn(
+    tokenizer: PreTrainedTokenizerBase, max_seq_length: int
+) -> Callable[[Sequence[DatumSpec]], BatchedDataDict[Any]]:
+    """:func:`preference_collate_fn` bound to the tokenizer's pad token and a length limit."""
+    if tokenizer.pad_token_id is None:
+        raise ValueError("the tokenizer has no pad token: load it with nemo_rl.data.tokenizer.get_tokenizer")
+    return functools.partial(
+        preference_collate_fn, pad_token_id=tokenizer.pad_token_id, max_seq_length=max_seq_length
+    )

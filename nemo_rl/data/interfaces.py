@@ -36,6 +36,10 @@ class Record(TypedDict):
     expected_answer: NotRequired[str]
     """Ground truth checked by a verifier (math answer); RL falls back to the last assistant message."""
 
+    rejected_messages: NotRequired[list[ChatMessage]]
+    """Preference data only: the same prompt followed by the dispreferred response (``messages`` holds the
+    preferred one)."""
+
 
 class LLMMessage(TypedDict):
     """One tokenized turn of a message log.
@@ -71,6 +75,10 @@ class DatumSpec(TypedDict):
 
     task_name: str
     """Which environment / task the sample belongs to (``"math"`` for RL math problems)."""
+
+    rejected_message_log: NotRequired[MessageLog]
+    """Preference data only: the conversation with the dispreferred response (``message_log`` holds the
+    preferred one)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,6 +3,8 @@
 - :func:`sft_processor`: the whole conversation, for supervised fine-tuning (loss on assistant turns).
 - :func:`math_processor`: the prompt only, ending with the generation prompt, plus the ground truth the math
   environment checks the response against.
+- :func:`preference_processor`: the conversations with the chosen and the rejected response, for DPO and
+  reward models.
 
 Both follow the :class:`~nemo_rl.data.interfaces.Processor` protocol, so a dataset can use either, or a
 user's own.
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
-from nemo_rl.data.interfaces import ChatMessage, DatumSpec, Record, TaskDataSpec
+from nemo_rl.data.interfaces import ChatMessage, DatumSpec, MessageLog, Record, TaskDataSpec
 from nemo_rl.data.llm_message_utils import format_message_log, message_log_length, truncate_message_log
 
 
@@ -107,6 +109,49 @@ def math_processor(
         length=length,
         extra_env_info={"ground_truth": ground_truth},
         loss_multiplier=loss_multiplier,
+        idx=idx,
+        task_name=spec.task_name,
+    )
+
+
+def preference_processor(
+    record: Record,
+    spec: TaskDataSpec,
+    tokenizer: PreTrainedTokenizerBase,
+    max_seq_length: int,
+    idx: int,
+) -> DatumSpec:
+    """Both conversations of a preference pair: ``message_log`` with the chosen response and
+    ``rejected_message_log`` with the rejected one; ``length`` is the longer of the two.
+
+    Like SFT conversations, pairs longer than ``max_seq_length`` are truncated by the collate function
+    (see :func:`nemo_rl.data.collate_fn.preference_collate_fn`).
+    """
+    if "rejected_messages" not in record:
+        raise ValueError(
+            f"sample {idx} has no rejected response: preference training needs "
+            "data.dataset_name=binary_preference (prompt, chosen and rejected columns)"
+        )
+
+    def format_conversation(messages: list[ChatMessage]) -> MessageLog:
+        if not any(m["role"] == "assistant" for m in messages):
+            raise ValueError(f"sample {idx} has a response without an assistant message")
+        return format_message_log(
+            apply_task_spec(messages, spec),
+            tokenizer,
+            add_bos=spec.add_bos,
+            add_eos=spec.add_eos,
+            add_generation_prompt=spec.add_generation_prompt,
+        )
+
+    chosen = format_conversation(record["messages"])
+    rejected = format_conversation(record["rejected_messages"])
+    return DatumSpec(
+        message_log=chosen,
+        rejected_message_log=rejected,
+        length=max(message_log_length(chosen), message_log_length(rejected)),
+        extra_env_info=None,
+        loss_multiplier=1.0,
         idx=idx,
         task_name=spec.task_name,
     )

@@ -7,10 +7,16 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.config.policy import TokenizerConfig
-from nemo_rl.data.collate_fn import make_sft_collate_fn, rl_collate_fn, sft_collate_fn
+from nemo_rl.data.collate_fn import (
+    make_preference_collate_fn,
+    make_sft_collate_fn,
+    preference_collate_fn,
+    rl_collate_fn,
+    sft_collate_fn,
+)
 from nemo_rl.data.interfaces import ChatMessage, DatumSpec, Record, TaskDataSpec
 from nemo_rl.data.llm_message_utils import message_log_token_ids
-from nemo_rl.data.processors import math_processor, sft_processor
+from nemo_rl.data.processors import math_processor, preference_processor, sft_processor
 from nemo_rl.data.tiny import build_tiny_tokenizer, generate_arithmetic_problems
 from nemo_rl.data.tokenizer import get_tokenizer
 
@@ -95,3 +101,44 @@ def test_sft_collate_truncates(tokenizer: PreTrainedTokenizerBase) -> None:
     short = sft_collate_fn(batch_in, pad_token_id=tokenizer.pad_token_id, max_seq_length=20)
     assert short["sample_mask"].tolist() == [0.0, 1.0]
     assert short["token_mask"][0].sum().item() == 0
+
+
+def _pair(chosen: str, rejected: str) -> Record:
+    prompt = [ChatMessage(role="user", content="What is 1+2?")]
+    return Record(
+        messages=[*prompt, ChatMessage(role="assistant", content=chosen)],
+        rejected_messages=[*prompt, ChatMessage(role="assistant", content=rejected)],
+    )
+
+
+def test_preference_collate_interleaves_pairs(tokenizer: PreTrainedTokenizerBase) -> None:
+    pairs = [_pair("3", "four"), _pair("1+2=3", "2")]
+    batch_in = [preference_processor(r, SPEC, tokenizer, 64, i + 10) for i, r in enumerate(pairs)]
+    batch = make_preference_collate_fn(tokenizer, max_seq_length=64)(batch_in)
+    assert batch["input_ids"].shape[0] == 4
+    assert batch["idx"].tolist() == [10, 10, 11, 11]
+    assert batch["sample_mask"].tolist() == [1.0] * 4
+    responses = [
+        tokenizer.decode(batch["input_ids"][row][batch["token_mask"][row].bool()].tolist())
+        for row in range(4)
+    ]
+    assert responses == ["3<|eos|>", "four<|eos|>", "1+2=3<|eos|>", "2<|eos|>"]
+    lengths = batch["input_lengths"].tolist()
+    assert lengths[0] == batch_in[0]["length"] - 3 and lengths[1] == batch_in[0]["length"]
+    with pytest.raises(ValueError, match="no rejected response"):
+        preference_collate_fn(
+            [sft_processor(_records(1)[0], SPEC, tokenizer, 64, 0)], pad_token_id=0, max_seq_length=64
+        )
+    with pytest.raises(ValueError, match="binary_preference"):
+        preference_processor(_records(1)[0], SPEC, tokenizer, 64, 0)
+
+
+def test_preference_collate_masks_whole_pairs(tokenizer: PreTrainedTokenizerBase) -> None:
+    # The prompt is 1 + 1 + 12 + 1 tokens: at 16 the chosen "3" survives, the longer rejected too;
+    # at 15 neither keeps an assistant token and the pair is masked as a whole.
+    pairs = [_pair("3", "a much longer answer"), _pair("3", "4")]
+    batch_in = [preference_processor(r, SPEC, tokenizer, 64, i) for i, r in enumerate(pairs)]
+    kept = preference_collate_fn(batch_in, pad_token_id=tokenizer.pad_token_id, max_seq_length=16)
+    assert kept["sample_mask"].tolist() == [1.0] * 4 and kept["input_ids"].shape[1] == 16
+    cut = preference_collate_fn(batch_in, pad_token_id=tokenizer.pad_token_id, max_seq_length=15)
+    assert cut["sample_mask"].tolist() == [0.0] * 4

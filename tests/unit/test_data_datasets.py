@@ -18,6 +18,7 @@ from nemo_rl.data.datasets import (
     MalformedRowError,
     load_dataset_splits,
     read_local_rows,
+    setup_preference_data,
     setup_rl_data,
     setup_sft_data,
 )
@@ -40,6 +41,11 @@ RESPONSE_ROWS = [{"prompt": f"p{i}", "completion": f"c{i}"} for i in range(10)]
 def _write_jsonl(path: pathlib.Path, rows: list[dict[str, Any]]) -> str:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
+
+
+def _ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    ids: list[int] = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return ids
 
 
 def _write_parquet(path: pathlib.Path, rows: list[dict[str, Any]]) -> str:
@@ -145,9 +151,18 @@ def test_val_fraction_split_is_seeded_and_disjoint(tmp_path: pathlib.Path) -> No
         ),
         ("OpenMathInstruct-2", {"problem": ["x"], "expected_answer": "1"}, "row 2 .* 'problem' of type list"),
         ("squad", {"context": "c", "question": "q", "answers": {"text": []}}, "row 2 .* no answer text"),
-        ("openai_format", {"messages": [{"role": "user"}]}, "row 2 .* message 0 without a string 'role'"),
+        (
+            "openai_format",
+            {"messages": [{"role": "user"}]},
+            "row 2 .* message 0 of 'messages' without a string 'role'",
+        ),
         ("openai_format", {"text": "x"}, "row 2 .* no message list under 'messages'"),
         ("response", {"input": "x"}, "row 2 .* is missing 'output'"),
+        (
+            "binary_preference",
+            {"prompt": "p", "chosen": "c"},
+            "row 2 .* no 'rejected' string or message list",
+        ),
     ],
 )
 def test_malformed_row_names_its_index(
@@ -158,6 +173,7 @@ def test_malformed_row_names_its_index(
         "squad": SQUAD_ROWS[0],
         "openai_format": CHAT_ROWS[0],
         "response": {"input": "a", "output": "b"},
+        "binary_preference": {"prompt": "p", "chosen": "c", "rejected": "r"},
     }
     good = good_rows[dataset_name]
     path = _write_jsonl(tmp_path / "bad.jsonl", [good, good, row, good])
@@ -259,3 +275,39 @@ def test_hub_sources_are_loaded_lazily_with_default_splits(monkeypatch: pytest.M
     chat = load_dataset_splits(DataConfig(dataset_name="openai_format", train_data_path="someone/chat"))
     assert requests[-1] == ("someone/chat", "train")
     assert chat.validation is not None and len(chat.train) + len(chat.validation) == 10
+
+
+def test_binary_preference_rows(tmp_path: pathlib.Path, tokenizer: PreTrainedTokenizerBase) -> None:
+    rows: list[dict[str, Any]] = [
+        {"question": "What is 1+2?", "good": "3", "bad": "4"},
+        {
+            "question": [{"role": "system", "content": "Be exact."}, {"role": "user", "content": "2+2?"}],
+            "good": [{"role": "assistant", "content": "4"}],
+            "bad": "5",
+        },
+    ]
+    path = _write_jsonl(tmp_path / "pref.jsonl", rows)
+    cfg = DataConfig(
+        dataset_name="binary_preference",
+        train_data_path=path,
+        val_fraction=0,
+        prompt_key="question",
+        chosen_key="good",
+        rejected_key="bad",
+    )
+    records = load_dataset_splits(cfg).train
+    assert records[0]["messages"] == [
+        {"role": "user", "content": "What is 1+2?"},
+        {"role": "assistant", "content": "3"},
+    ]
+    assert records[0]["rejected_messages"][-1] == {"role": "assistant", "content": "4"}
+    assert [m["role"] for m in records[1]["rejected_messages"]] == ["system", "user", "assistant"]
+    train, val = setup_preference_data(cfg, tokenizer, max_total_sequence_length=64)
+    assert val is None and train[1]["task_name"] == "preference"
+    chosen = tokenizer.decode(message_log_token_ids(train[1]["message_log"]).tolist())
+    rejected = tokenizer.decode(message_log_token_ids(train[1]["rejected_message_log"]).tolist())
+    assert chosen == "<|bos|><|system|>Be exact.<|user|>2+2?<|assistant|>4<|eos|>"
+    assert rejected == chosen.replace(">4<", ">5<")
+    assert train[1]["length"] == len(_ids(tokenizer, chosen))
+    with pytest.raises(ValueError, match=r"needs data\.dataset_name=binary_preference"):
+        setup_preference_data(DataConfig(), tokenizer, max_total_sequence_length=64)

@@ -25,7 +25,7 @@ from nemo_rl.data.datasets.loading import (
     read_local_rows,
 )
 from nemo_rl.data.interfaces import DatumSpec, Processor, Record, TaskDataSpec
-from nemo_rl.data.processors import math_processor, sft_processor
+from nemo_rl.data.processors import math_processor, preference_processor, sft_processor
 
 __all__ = [
     "DatasetSplits",
@@ -38,6 +38,7 @@ __all__ = [
     "load_hub_rows",
     "read_local_rows",
     "setup_data",
+    "setup_preference_data",
     "setup_rl_data",
     "setup_sft_data",
 ]
@@ -126,5 +127,23 @@ def setup_sft_data(
         tokenizer,
         processor=sft_processor,
         task_name="sft",
+        max_seq_length=cfg.max_input_seq_length or max_total_sequence_length,
+    )
+
+
+def setup_preference_data(
+    cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, *, max_total_sequence_length: int
+) -> tuple[ProcessedDataset, ProcessedDataset | None]:
+    """Chosen/rejected conversation pairs for DPO and reward models (task ``"preference"``); the collate
+    function truncates them to ``data.max_input_seq_length`` (or ``max_total_sequence_length``)."""
+    if cfg.dataset_name != "binary_preference":
+        raise ValueError(
+            f"preference training needs data.dataset_name=binary_preference, got {cfg.dataset_name}"
+        )
+    return setup_data(
+        cfg,
+        tokenizer,
+        processor=preference_processor,
+        task_name="preference",
         max_seq_length=cfg.max_input_seq_length or max_total_sequence_length,
     )

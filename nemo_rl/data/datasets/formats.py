@@ -96,6 +96,26 @@ def squad_converter(source: str) -> RowConverter:
     return convert
 
 
+def _messages(reader: _RowReader, key: str, *, default_role: str) -> list[ChatMessage]:
+    """Field ``key`` as a message list: a string is one ``default_role`` turn, a list holds messages."""
+    value = reader.row.get(key)
+    if isinstance(value, str):
+        return [ChatMessage(role=default_role, content=value)]
+    if not isinstance(value, list) or not value:
+        reader.fail(f"has no {key!r} string or message list (it has {sorted(reader.row)})")
+    messages = []
+    for i, message in enumerate(value):
+        if not isinstance(message, Mapping):
+            reader.fail(f"has message {i} of {key!r} of type {type(message).__name__}, expected an object")
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not isinstance(content, str):
+            reader.fail(
+                f"has message {i} of {key!r} without a string 'role' and 'content' (got {dict(message)!r})"
+            )
+        messages.append(ChatMessage(role=role, content=content))
+    return messages
+
+
 def openai_converter(source: str, chat_key: str) -> RowConverter:
     """Chat data: a list of ``{"role", "content"}`` messages under ``chat_key`` (and optionally an
     ``expected_answer`` field for RL)."""
@@ -103,18 +123,9 @@ def openai_converter(source: str, chat_key: str) -> RowConverter:
 
     def convert(row: Mapping[str, Any], index: int) -> Record:
         reader = _RowReader(row, index, source, schema)
-        raw = row.get(chat_key)
-        if not isinstance(raw, list) or not raw:
+        if not isinstance(row.get(chat_key), list) or not row[chat_key]:
             reader.fail(f"has no message list under {chat_key!r} (it has {sorted(row)})")
-        messages = []
-        for i, message in enumerate(raw):
-            if not isinstance(message, Mapping):
-                reader.fail(f"has message {i} of type {type(message).__name__}, expected an object")
-            role, content = message.get("role"), message.get("content")
-            if not isinstance(role, str) or not isinstance(content, str):
-                reader.fail(f"has message {i} without a string 'role' and 'content' (got {dict(message)!r})")
-            messages.append(ChatMessage(role=role, content=content))
-        record = Record(messages=messages)
+        record = Record(messages=_messages(reader, chat_key, default_role="user"))
         if reader.has("expected_answer"):
             record["expected_answer"] = reader.text("expected_answer")
         return record
@@ -141,6 +152,25 @@ def response_converter(source: str, input_key: str, output_key: str) -> RowConve
     return convert
 
 
+def preference_converter(source: str, prompt_key: str, chosen_key: str, rejected_key: str) -> RowConverter:
+    """Binary preferences: a prompt (a string for one user turn, or a message list) and two responses
+    (a string for one assistant turn, or a message list). ``messages`` becomes prompt + chosen and
+    ``rejected_messages`` prompt + rejected."""
+    schema = (
+        f"{prompt_key!r} (a string or a message list) and {chosen_key!r}, {rejected_key!r} (strings or "
+        "message lists; set data.prompt_key / data.chosen_key / data.rejected_key)"
+    )
+
+    def convert(row: Mapping[str, Any], index: int) -> Record:
+        reader = _RowReader(row, index, source, schema)
+        prompt = _messages(reader, prompt_key, default_role="user")
+        chosen = _messages(reader, chosen_key, default_role="assistant")
+        rejected = _messages(reader, rejected_key, default_role="assistant")
+        return Record(messages=[*prompt, *chosen], rejected_messages=[*prompt, *rejected])
+
+    return convert
+
+
 def converter_for(cfg: DataConfig, source: str) -> RowConverter:
     """The row converter of ``cfg.dataset_name``; ``source`` names the data in error messages."""
     match cfg.dataset_name:
@@ -152,3 +182,5 @@ def converter_for(cfg: DataConfig, source: str) -> RowConverter:
             return openai_converter(source, cfg.chat_key)
         case "response":
             return response_converter(source, cfg.input_key, cfg.output_key)
+        case "binary_preference":
+            return preference_converter(source, cfg.prompt_key, cfg.chosen_key, cfg.rejected_key)
