@@ -15,9 +15,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from nemo_rl.algorithms.interfaces import LossType
-from nemo_rl.algorithms.loss_functions import ClippedPGLossFn, NLLLoss
-from nemo_rl.config.loss import ClippedPGLossConfig
+from nemo_rl.algorithms.interfaces import LossFunction, LossType
+from nemo_rl.algorithms.loss_functions import ClippedPGLossFn, DPOLossFn, NLLLoss
+from nemo_rl.config.loss import ClippedPGLossConfig, DPOLossConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
 Rows = Sequence[Sequence[float]]
@@ -105,6 +105,16 @@ def run(
 def cfg(**kwargs: Any) -> ClippedPGLossConfig:
     # The KL term is off unless a test turns it on, so each test isolates one option.
     return ClippedPGLossConfig(**{"reference_policy_kl_penalty": 0.0, **kwargs})
+
+
+def test_losses_satisfy_the_protocol() -> None:
+    # Checked by mypy as well: these assignments only type-check if the classes match LossFunction.
+    losses: list[LossFunction] = [
+        ClippedPGLossFn(ClippedPGLossConfig()),
+        NLLLoss(),
+        DPOLossFn(DPOLossConfig()),
+    ]
+    assert all(callable(fn) and isinstance(fn.loss_type, LossType) for fn in losses)
 
 
 def test_defaults_match_nemo_rl() -> None:
@@ -340,6 +350,15 @@ def test_off_policy_metrics() -> None:
     )
     assert metrics["policy_kl_error"] == pytest.approx(
         sum(k3(PREV[b][t], GEN[b][t]) for b, t in positions) / 5, rel=1e-5
+    )
+
+    def js(a: float, b: float) -> float:
+        # JS(p, q) per sampled token from the mixture m = (p + q) / 2, k3 estimator of each KL to m.
+        log_m = math.log((math.exp(a) + math.exp(b)) / 2)
+        return 0.5 * (k3(log_m, a) + k3(log_m, b))
+
+    assert metrics["js_divergence_error"] == pytest.approx(
+        sum(js(PREV[b][t], GEN[b][t]) for b, t in positions) / 5, rel=1e-5
     )
     assert metrics["approx_entropy"] == pytest.approx(
         sum(-math.exp(CURR[b][t] - GEN[b][t]) * CURR[b][t] for b, t in positions) / 5, rel=1e-5
