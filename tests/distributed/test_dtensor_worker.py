@@ -96,7 +96,7 @@ class TinyNLLLoss:
         }
 
 
-def policy_cfg(model_dir: Path, **dtensor: Any) -> PolicyConfig:
+def policy_cfg(model_dir: Path, dtensor: dict[str, Any] | None = None, **overrides: Any) -> PolicyConfig:
     return PolicyConfig.model_validate(
         {
             "model_name": str(model_dir),
@@ -113,8 +113,9 @@ def policy_cfg(model_dir: Path, **dtensor: Any) -> PolicyConfig:
                 {"name": "torch.optim.lr_scheduler.ConstantLR", "kwargs": {"factor": 1.0, "total_iters": 1}},
                 {"milestones": [2]},
             ],
-            "dtensor_cfg": dtensor,
+            "dtensor_cfg": dtensor or {},
         }
+        | overrides
     )
 
 
@@ -144,8 +145,15 @@ def _scenarios(rank: int, model_dir: Path, out_dir: Path) -> None:
         save(f"dp2_mbs{mbs}_train", worker.train(shard, loss_fn, mbs=mbs))
         worker.shutdown()
 
+    # Dynamic batching over 2 dp ranks: token-budget micro-batches, cut to their longest row.
+    dynamic = {"enabled": True, "train_mb_tokens": 24, "logprob_mb_tokens": 20, "sequence_length_round": 4}
+    worker = DTensorPolicyWorker(policy_cfg(model_dir, dynamic_batching=dynamic))
+    save("dynamic_logprobs_init", worker.get_logprobs(score_data))
+    save("dynamic_train", worker.train(_shard(data, worker.dp_rank, worker.dp_size), loss_fn))
+    worker.shutdown()
+
     # Tensor parallel (dp=1): scoring before/after training, reference logprobs, export and refit stream.
-    worker = DTensorPolicyWorker(policy_cfg(model_dir, tensor_parallel_size=2))
+    worker = DTensorPolicyWorker(policy_cfg(model_dir, {"tensor_parallel_size": 2}))
     save("tp2_logprobs_init", worker.get_logprobs(score_data))
     save("tp2_train", worker.train(_shard(data, worker.dp_rank, worker.dp_size), loss_fn))
     save("tp2_logprobs_trained", worker.get_logprobs(score_data))
@@ -157,9 +165,8 @@ def _scenarios(rank: int, model_dir: Path, out_dir: Path) -> None:
     worker.shutdown()
 
     # Sequence parallel + activation checkpointing, on padded (odd) sequences.
-    worker = DTensorPolicyWorker(
-        policy_cfg(model_dir, tensor_parallel_size=2, sequence_parallel=True, activation_checkpointing=True)
-    )
+    sp = {"tensor_parallel_size": 2, "sequence_parallel": True, "activation_checkpointing": True}
+    worker = DTensorPolicyWorker(policy_cfg(model_dir, sp))
     save("sp2_logprobs_init", worker.get_logprobs(score_data))
     save("sp2_train", worker.train(_shard(data, worker.dp_rank, worker.dp_size), loss_fn, mbs=4))
     worker.shutdown()
@@ -171,7 +178,7 @@ def _scenarios(rank: int, model_dir: Path, out_dir: Path) -> None:
     worker.save_checkpoint(str(out_dir / "ckpt_weights"), str(out_dir / "ckpt_optim"))
     worker.shutdown()
     worker = DTensorPolicyWorker(
-        policy_cfg(model_dir, tensor_parallel_size=2),
+        policy_cfg(model_dir, {"tensor_parallel_size": 2}),
         weights_path=str(out_dir / "ckpt_weights"),
         optimizer_path=str(out_dir / "ckpt_optim"),
     )
@@ -205,7 +212,8 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tiny_qwen2")
-    build_tiny_model(path)
+    # Tied embeddings, as in most small models: TP must keep the LM head and the embedding one weight.
+    build_tiny_model(path, tie_word_embeddings=True)
     return path
 
 
@@ -295,7 +303,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-
 
 
 # ------------------------------------------------------------------------------------------------ tests
-@pytest.mark.parametrize("scenario", ["dp2_mbs1", "dp2_mbs4", "tp2", "sp2"])
+@pytest.mark.parametrize("scenario", ["dp2_mbs1", "dp2_mbs4", "dynamic", "tp2", "sp2"])
 def test_training_matches_single_process(results: Path, reference: dict[str, Any], scenario: str) -> None:
     for rank in range(WORLD_SIZE):
         out = load(results, f"{scenario}_train", rank)
@@ -315,7 +323,7 @@ def test_metric_min_is_reduced_with_min(results: Path) -> None:
 
 
 def test_logprobs_match_hf_forward(results: Path, reference: dict[str, Any]) -> None:
-    for name in ("tp2_logprobs_init", "sp2_logprobs_init"):
+    for name in ("tp2_logprobs_init", "sp2_logprobs_init", "dynamic_logprobs_init"):
         assert_close(load(results, name)["logprobs"], reference["init_logprobs"])
     assert_close(load(results, "tp2_logprobs_trained")["logprobs"], reference["trained_logprobs"], rtol=1e-4)
 
@@ -350,8 +358,11 @@ def test_export_loads_in_transformers(results: Path, reference: dict[str, Any]) 
 
 def test_refit_stream_is_full_hf_weights(results: Path) -> None:
     refit = load(results, "tp2_refit")
-    exported = AutoModelForCausalLM.from_pretrained(results / "export").state_dict()
-    assert set(refit["weights"]) == set(exported)
+    model = AutoModelForCausalLM.from_pretrained(results / "export")
+    exported = model.state_dict()
+    # Every parameter once: the tied LM head is not sent again.
+    assert set(refit["weights"]) == {name for name, _ in model.named_parameters()}
+    assert "lm_head.weight" not in refit["weights"]
     for name, tensor in refit["weights"].items():
         assert tensor.dtype == torch.bfloat16
         assert refit["manifest"][name] == (tuple(exported[name].shape), "bfloat16")

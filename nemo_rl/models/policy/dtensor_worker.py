@@ -52,12 +52,16 @@ from nemo_rl.models.policy.optim import build_optimizer, build_scheduler, clip_g
 from nemo_rl.models.policy.parallelize import reshard_all
 from nemo_rl.models.policy.utils import (
     PRECISION_DTYPES,
+    fixed_size_parts,
     global_valid_counts,
-    micro_batches,
     pad_sequence_dim,
     reduce_metric_dicts,
+    round_up,
+    split_parts,
+    token_budget_parts,
     token_logprobs,
     topk_logits,
+    trim_sequence_dim,
 )
 from nemo_rl.weight_sync.interfaces import TransferStats, WeightSender
 from nemo_rl.weight_sync.manifest import dtype_name
@@ -96,8 +100,6 @@ class DTensorPolicyWorker:
         ``cfg`` names). ``weights_path`` / ``optimizer_path`` resume from :meth:`save_checkpoint` output; the
         reference policy is always the initial ``cfg.model_name`` weights.
         """
-        configure_worker_threads()
-        init_process_group_from_env()
         dtensor_cfg = cfg.dtensor_cfg
         if dtensor_cfg.cpu_offload and not cuda_available():
             raise ValueError(
@@ -108,6 +110,8 @@ class DTensorPolicyWorker:
             raise ValueError(
                 "optimizer_path was given without weights_path: resume needs both from one checkpoint"
             )
+        configure_worker_threads()
+        init_process_group_from_env()
         self.cfg = cfg
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -161,12 +165,42 @@ class DTensorPolicyWorker:
         seq_len = int(data["input_ids"].shape[1])
         batch = pad_sequence_dim(data, self.seq_multiple)
         self.model.eval()
-        outputs: list[dict[str, torch.Tensor]] = []
-        for mb in micro_batches(batch, mbs):
-            mb = mb.to(self.device)
-            outputs.append({k: v[:, :seq_len].cpu() for k, v in fn(self._logits(mb), mb).items()})
+        merged: dict[str, torch.Tensor] = {}
+        for rows, mb in self._micro_batches(batch, mbs, self.cfg.dynamic_batching.logprob_mb_tokens):
+            for key, value in fn(self._logits(mb), mb).items():
+                value = value.cpu()
+                if key not in merged:
+                    merged[key] = value.new_zeros((data.size, seq_len, *value.shape[2:]))
+                # A micro-batch may be trimmed (dynamic batching) or padded (sequence parallel) along T.
+                length = min(seq_len, value.shape[1])
+                merged[key][rows, :length] = value[:, :length]
         reshard_all(self.model)
-        return BatchedDataDict({k: torch.cat([o[k] for o in outputs]) for k in outputs[0]})
+        return BatchedDataDict(merged)
+
+    def _micro_batches(
+        self, batch: BatchedDataDict[Any], micro_batch_size: int, max_tokens: int
+    ) -> Iterator[tuple[list[int], BatchedDataDict[Any]]]:
+        """``(row indices, micro-batch on the device)`` pairs covering ``batch``.
+
+        Fixed-size micro-batches, or with ``policy.dynamic_batching`` micro-batches bounded by ``max_tokens``
+        padded tokens and cut to their longest row. Every dp rank runs the same number of micro-batches
+        (forward passes are collectives over dp), so the count is agreed on first.
+        """
+        dynamic = self.cfg.dynamic_batching
+        if not dynamic.enabled:
+            for rows in fixed_size_parts(batch.size, micro_batch_size):
+                yield rows, batch.select_indices(rows).to(self.device)
+            return
+        seq_len = int(batch["input_ids"].shape[1])
+        round_to = math.lcm(dynamic.sequence_length_round, self.seq_multiple)
+        lengths = [int(n) for n in batch["input_lengths"].tolist()]
+        parts = token_budget_parts(lengths, max_tokens, round_to)
+        count = torch.tensor(len(parts), device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.dp_group)
+        for rows in split_parts(parts, int(count)):
+            longest = max(lengths[row] for row in rows)
+            mb = trim_sequence_dim(batch.select_indices(rows), min(round_up(longest, round_to), seq_len))
+            yield rows, mb.to(self.device)
 
     def get_logprobs(
         self, data: BatchedDataDict[Any], micro_batch_size: int | None = None
@@ -242,8 +276,8 @@ class DTensorPolicyWorker:
                 self.optimizer.zero_grad(set_to_none=True)
             step_loss = torch.zeros((), dtype=torch.float64, device=self.device)
             mb_metrics: list[dict[str, float]] = []
-            for mb in micro_batches(batch, micro_batch_size):
-                mb = mb.to(self.device)
+            max_tokens = self.cfg.dynamic_batching.train_mb_tokens
+            for _, mb in self._micro_batches(batch, micro_batch_size, max_tokens):
                 with torch.set_grad_enabled(not eval_mode):
                     loss, metrics = loss_fn(self._logits(mb), mb, global_valid_seqs, global_valid_toks)
                     if not eval_mode:

@@ -92,14 +92,66 @@ def pad_sequence_dim(batch: BatchedDataDict[Any], multiple: int) -> BatchedDataD
     return out
 
 
-def micro_batches(batch: BatchedDataDict[Any], micro_batch_size: int) -> list[BatchedDataDict[Any]]:
-    """Consecutive micro-batches of ``micro_batch_size`` rows (the last may be smaller)."""
+def round_up(value: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that is >= ``value``."""
+    return -(-value // multiple) * multiple
+
+
+def fixed_size_parts(num_rows: int, micro_batch_size: int) -> list[list[int]]:
+    """Row indices of consecutive micro-batches of ``micro_batch_size`` rows (the last may be smaller)."""
     if micro_batch_size < 1:
         raise ValueError(f"micro-batch size must be >= 1, got {micro_batch_size}")
     return [
-        batch.slice(start, min(start + micro_batch_size, batch.size))
-        for start in range(0, batch.size, micro_batch_size)
+        list(range(start, min(start + micro_batch_size, num_rows)))
+        for start in range(0, num_rows, micro_batch_size)
     ]
+
+
+def token_budget_parts(lengths: list[int], max_tokens: int, round_to: int) -> list[list[int]]:
+    """Row indices of micro-batches holding at most ``max_tokens`` padded tokens each (dynamic batching).
+
+    Rows are taken longest first, so each micro-batch holds rows of similar length; a micro-batch costs
+    ``rows * round_up(longest row, round_to)`` tokens. A row longer than the budget gets a micro-batch alone.
+    """
+    parts: list[list[int]] = []
+    current: list[int] = []
+    current_len = 0
+    for row in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        padded_len = round_up(max(lengths[row], 1), round_to)
+        if current and (len(current) + 1) * max(current_len, padded_len) > max_tokens:
+            parts.append(current)
+            current, current_len = [], 0
+        current.append(row)
+        current_len = max(current_len, padded_len)
+    if current:
+        parts.append(current)
+    return parts
+
+
+def split_parts(parts: list[list[int]], count: int) -> list[list[int]]:
+    """Halve the largest micro-batches until there are ``count`` (ranks must run equally many passes)."""
+    parts = [list(p) for p in parts]
+    while len(parts) < count:
+        largest = max(range(len(parts)), key=lambda j: len(parts[j]))
+        rows = parts.pop(largest)
+        if len(rows) < 2:
+            raise ValueError(f"cannot split {sum(map(len, parts)) + 1} rows into {count} micro-batches")
+        half = len(rows) // 2
+        parts[largest:largest] = [rows[:half], rows[half:]]
+    return parts
+
+
+def trim_sequence_dim(batch: BatchedDataDict[Any], length: int) -> BatchedDataDict[Any]:
+    """Cut every per-token tensor (``shape[1] == T``, as in :func:`pad_sequence_dim`) to ``length`` tokens."""
+    seq_len = int(batch["input_ids"].shape[1])
+    if length >= seq_len:
+        return batch
+    out: BatchedDataDict[Any] = BatchedDataDict()
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.ndim >= 2 and value.shape[1] == seq_len:
+            value = value[:, :length]
+        out[key] = value
+    return out
 
 
 def reduce_metric_dicts(metrics: list[dict[str, float]]) -> dict[str, float]:

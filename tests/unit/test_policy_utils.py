@@ -1,0 +1,191 @@
+"""Single-process pieces of the policy backend: log-prob alignment, micro-batching, optimizer and schedule."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import pytest
+import torch
+
+from nemo_rl.config.policy import OptimizerConfig, PolicyConfig, SchedulerEntry, SchedulerMilestones
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.models.policy import lm_policy
+from nemo_rl.models.policy.dtensor_worker import DTensorPolicyWorker
+from nemo_rl.models.policy.optim import build_optimizer, build_scheduler, clip_grad_norm_
+from nemo_rl.models.policy.parallelize import apply_tensor_parallel, import_by_path
+from nemo_rl.models.policy.utils import (
+    fixed_size_parts,
+    global_valid_counts,
+    pad_sequence_dim,
+    reduce_metric_dicts,
+    split_parts,
+    token_budget_parts,
+    token_logprobs,
+    topk_logits,
+    trim_sequence_dim,
+)
+
+
+def test_token_logprobs_are_aligned_with_tokens() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 7)
+    ids = torch.randint(0, 7, (2, 5))
+    lengths = torch.tensor([5, 3])
+    lp = token_logprobs(logits, ids, lengths)
+    log_softmax = torch.log_softmax(logits, dim=-1)
+    for b in range(2):
+        assert lp[b, 0] == 0.0
+        for t in range(1, 5):
+            expected = log_softmax[b, t - 1, ids[b, t]] if t < lengths[b] else torch.tensor(0.0)
+            torch.testing.assert_close(lp[b, t], expected)
+
+
+def test_topk_logits_mask_padding_and_check_k() -> None:
+    logits = torch.arange(2 * 3 * 4, dtype=torch.float32).reshape(2, 3, 4)
+    values, indices = topk_logits(logits, torch.tensor([3, 1]), k=2)
+    assert values.shape == indices.shape == (2, 3, 2)
+    assert indices[0, 0].tolist() == [3, 2]
+    assert values[0, 2].tolist() == [11.0, 10.0]
+    assert values[1, 1:].abs().sum() == 0 and indices[1, 1:].abs().sum() == 0
+    with pytest.raises(ValueError, match="k must be between 1"):
+        topk_logits(logits, torch.tensor([3, 3]), k=5)
+
+
+def _batch() -> BatchedDataDict[Any]:
+    return BatchedDataDict(
+        {
+            "input_ids": torch.ones(3, 5, dtype=torch.long),
+            "input_lengths": torch.tensor([5, 2, 4]),
+            "token_mask": torch.ones(3, 5),
+            "sample_mask": torch.tensor([1.0, 0.0, 1.0]),
+            "topk": torch.ones(3, 5, 2),
+            "names": ["a", "b", "c"],
+        }
+    )
+
+
+def test_pad_and_trim_touch_only_per_token_tensors() -> None:
+    padded = pad_sequence_dim(_batch(), 4)
+    assert padded["input_ids"].shape == (3, 8) and padded["topk"].shape == (3, 8, 2)
+    assert padded["token_mask"][:, 5:].sum() == 0
+    assert padded["input_lengths"].shape == (3,) and padded["names"] == ["a", "b", "c"]
+    assert pad_sequence_dim(_batch(), 5)["input_ids"].shape == (3, 5)
+    trimmed = trim_sequence_dim(padded, 4)
+    assert trimmed["token_mask"].shape == (3, 4) and trimmed["topk"].shape == (3, 4, 2)
+    assert trimmed["sample_mask"].shape == (3,)
+
+
+def test_global_valid_counts_follow_the_loss_convention() -> None:
+    num_seqs, num_toks = global_valid_counts(_batch())
+    assert float(num_seqs) == 2.0
+    assert float(num_toks) == 8.0  # positions 1..4 of the two unmasked rows
+    batch = _batch()
+    del batch["token_mask"]
+    with pytest.raises(KeyError, match="token_mask"):
+        global_valid_counts(batch)
+
+
+def test_token_budget_parts_respect_the_budget_and_cover_every_row() -> None:
+    lengths = [9, 3, 17, 5, 5, 12, 1, 30]
+    parts = token_budget_parts(lengths, max_tokens=32, round_to=4)
+    assert sorted(row for part in parts for row in part) == list(range(len(lengths)))
+    for part in parts:
+        longest = max(-(-lengths[r] // 4) * 4 for r in part)
+        assert len(part) * longest <= 32 or len(part) == 1
+    assert parts[0] == [7]  # 30 tokens -> 32 padded: alone
+    split = split_parts(parts, len(parts) + 2)
+    assert len(split) == len(parts) + 2
+    assert sorted(row for part in split for row in part) == list(range(len(lengths)))
+    with pytest.raises(ValueError, match="cannot split"):
+        split_parts([[0], [1]], 3)
+    assert fixed_size_parts(5, 2) == [[0, 1], [2, 3], [4]]
+
+
+def test_metric_shares_sum_and_extremes_reduce() -> None:
+    out = reduce_metric_dicts(
+        [{"loss": 1.0, "lp_min": -3.0, "lp_max": 1.0}, {"loss": 2.0, "lp_min": -5.0, "lp_max": 0.5}]
+    )
+    assert out == {"loss": 3.0, "lp_min": -5.0, "lp_max": 1.0}
+
+
+def test_warmup_then_constant_schedule() -> None:
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = build_optimizer([param], OptimizerConfig(name="torch.optim.SGD", kwargs={"lr": 1.0}))
+    scheduler = build_scheduler(
+        optimizer,
+        [
+            SchedulerEntry(
+                name="torch.optim.lr_scheduler.LinearLR",
+                kwargs={"start_factor": 0.25, "end_factor": 1.0, "total_iters": 3},
+            ),
+            SchedulerEntry(
+                name="torch.optim.lr_scheduler.ConstantLR", kwargs={"factor": 1.0, "total_iters": 1}
+            ),
+            SchedulerMilestones(milestones=[3]),
+        ],
+    )
+    lrs = []
+    for _ in range(6):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert lrs == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0, 1.0])
+    constant = build_scheduler(optimizer, [])
+    optimizer.step()
+    constant.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1.0)
+
+
+def test_bad_class_paths_are_clear_errors() -> None:
+    param = torch.nn.Parameter(torch.zeros(1))
+    with pytest.raises(ValueError, match=r"not a torch\.optim\.Optimizer"):
+        build_optimizer([param], OptimizerConfig(name="torch.nn.Linear"))
+    with pytest.raises(ValueError, match="has no attribute"):
+        import_by_path("torch.optim.NoSuchOptimizer")
+    optimizer = torch.optim.SGD([param], lr=1.0)
+    with pytest.raises(ValueError, match="not a torch LRScheduler"):
+        build_scheduler(optimizer, [SchedulerEntry(name="torch.optim.SGD")])
+
+
+def test_clip_grad_norm_matches_torch_and_reports_the_norm_before_clipping() -> None:
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5))]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for p, q in zip(params, twins, strict=True):
+        p.grad = torch.randn_like(p)
+        q.grad = p.grad.clone()
+    norm = clip_grad_norm_(params, max_norm=0.5)
+    expected = torch.nn.utils.clip_grad_norm_(twins, max_norm=0.5)
+    assert norm == pytest.approx(float(expected), rel=1e-6)
+    for p, q in zip(params, twins, strict=True):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+class _OneRankMesh:
+    def size(self) -> int:
+        return 1
+
+
+def test_sequence_parallel_without_tp_is_rejected() -> None:
+    with pytest.raises(ValueError, match="sequence_parallel needs tensor_parallel_size > 1"):
+        apply_tensor_parallel(torch.nn.Linear(2, 2), _OneRankMesh(), True, None)  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+def test_cpu_offload_without_cuda_is_rejected() -> None:
+    cfg = PolicyConfig(model_name="unused", dtensor_cfg={"cpu_offload": True})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="cpu_offload=false"):
+        DTensorPolicyWorker(cfg)
+
+
+def test_megatron_backend_needs_its_worker_module() -> None:
+    if importlib.util.find_spec(lm_policy.MEGATRON_WORKER_MODULE) is not None:
+        pytest.skip("the Megatron worker is installed")
+    cfg = PolicyConfig(
+        model_name="unused",
+        dtensor_cfg={"enabled": False},  # type: ignore[arg-type]
+        megatron_cfg={"enabled": True},  # type: ignore[arg-type]
+    )
+    with pytest.raises(ValueError, match="Megatron backend"):
+        lm_policy._worker_backend(cfg)
