@@ -165,3 +165,22 @@ def test_command_line_builds_everything(tmp_path: pathlib.Path) -> None:
     assert (tmp_path / "model" / "config.json").is_file()
     assert (tmp_path / "tokenizer" / "tokenizer.json").is_file()
     assert len((tmp_path / "data" / "train.jsonl").read_text().splitlines()) == 4
+
+
+CHECKED_IN = sorted(
+    p.parent
+    for p in (pathlib.Path(__file__).resolve().parents[2] / "examples" / "assets").glob("*/tokenizer.json")
+)
+
+
+@pytest.mark.parametrize("checkpoint", CHECKED_IN, ids=[p.name for p in CHECKED_IN])
+def test_checked_in_tiny_checkpoints_load_losslessly(checkpoint: pathlib.Path) -> None:
+    tokenizer = _load(checkpoint)
+    text = ALL_CHARACTERS + " What is 12+7?\n"
+    assert tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"]) == text
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 1+2?"}], tokenize=False, add_generation_prompt=True
+    )
+    assert prompt == "<|bos|><|user|>What is 1+2?<|assistant|>"
+    config = json.loads((checkpoint / "config.json").read_text())
+    assert config["vocab_size"] == len(tokenizer)
