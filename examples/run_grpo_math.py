@@ -26,9 +26,11 @@ def main() -> None:
     from nemo_rl.algorithms.grpo import grpo_train, setup
     from nemo_rl.data.datasets import setup_rl_data
     from nemo_rl.data.tokenizer import get_policy_tokenizer
+    from nemo_rl.distributed.device import cuda_available
     from nemo_rl.models.generation.factory import check_backend_available
 
-    check_backend_available(config.policy)
+    # Fail before starting any worker when the backend cannot run here (vLLM without a GPU).
+    check_backend_available(config.policy, cluster_has_gpus=cuda_available())
     tokenizer = get_policy_tokenizer(config.policy)
     train_dataset, val_dataset = setup_rl_data(
         config.data, tokenizer, max_total_sequence_length=config.policy.max_total_sequence_length

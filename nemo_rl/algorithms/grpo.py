@@ -172,7 +172,9 @@ def setup(
         weights_path=str(last_checkpoint / "policy" / "weights") if last_checkpoint else None,
         optimizer_path=str(last_checkpoint / "policy" / "optimizer") if last_checkpoint else None,
     )
-    generation = create_generation(cluster, config.policy, tokenizer, bundle_indices=generation_bundles)
+    generation = create_generation(
+        cluster, config.policy, tokenizer, seed=config.grpo.seed, bundle_indices=generation_bundles
+    )
     locations = cluster.bundle_locations()
     refit_transport = create_refit_transport(
         config.policy,
@@ -403,7 +405,9 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
                     with timer.time("checkpointing"):
                         save_checkpoint(s)
             timing = timer.get_timing_metrics("sum")
-            num_tokens = metrics["mean_conversation_tokens"] * batch.size * cfg.grpo.num_generations_per_prompt
+            num_tokens = (
+                metrics["mean_conversation_tokens"] * batch.size * cfg.grpo.num_generations_per_prompt
+            )
             s.logger.log_metrics(metrics, step, prefix="train")
             s.logger.log_metrics(timing, step, prefix="timing/train")
             s.logger.log_metrics(

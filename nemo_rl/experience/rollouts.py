@@ -131,7 +131,9 @@ def run_multi_turn_rollout(
         The input batch plus ``message_log`` (with the new turns), ``total_reward`` [B], ``truncated`` [B]
         bool, ``num_turns`` [B], ``extra_env_info`` (as updated by the environments); and metrics.
     """
-    pad_token_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
+    pad_token_id = int(
+        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    )
     logs: list[MessageLog] = input_batch["message_log"]
     states = [_SampleState(log=copy.copy(log)) for log in logs]
     task_names: list[str] = list(input_batch["task_name"])
@@ -160,7 +162,7 @@ def run_multi_turn_rollout(
             ids = output["output_ids"][j, prompt_len : prompt_len + keep].clone()
             logprobs = output["logprobs"][j, prompt_len : prompt_len + keep].clone().float()
             message = LLMMessage(
-                role="assistant", content=tokenizer.decode(ids, skip_special_tokens=False), token_ids=ids
+                role="assistant", content=str(tokenizer.decode(ids, skip_special_tokens=False)), token_ids=ids
             )
             message["generation_logprobs"] = logprobs  # type: ignore[typeddict-unknown-key]
             state.log.append(message)

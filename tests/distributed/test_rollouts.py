@@ -1,0 +1,197 @@
+"""Rollouts through real environment actors, with a scripted generation backend standing in for the model.
+
+The multi-turn test plays the number-guessing game with a binary-search agent that reads the conversation
+(its earlier guesses and the environment's "higher"/"lower" replies), so the conversation grows turn by turn
+exactly as it does under GRPO.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import torch
+
+from nemo_rl.config.env import EnvConfig, MathEnvConfig, NumberGuessingEnvConfig
+from nemo_rl.config.policy import PolicyConfig
+from nemo_rl.data.llm_message_utils import format_message_log, message_log_token_ids, message_logs_to_batch
+from nemo_rl.data.tokenizer import get_policy_tokenizer
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.environments.games.number_guessing import game_prompt, new_game
+from nemo_rl.environments.registry import create_env
+from nemo_rl.experience.rollouts import run_multi_turn_rollout
+
+TINY_MODEL = Path(__file__).resolve().parents[2] / "examples" / "assets" / "tiny_qwen2_init"
+GAME = NumberGuessingEnvConfig(low=1, high=16, max_guesses=6)
+SAMPLER_LOGPROB = -0.25
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return get_policy_tokenizer(PolicyConfig(model_name=str(TINY_MODEL)))
+
+
+class ScriptedGeneration:
+    """A generation backend whose replies come from ``reply_fn(prompt_text)`` (ends each reply with EOS)."""
+
+    def __init__(self, tokenizer: Any, reply_fn: Callable[[str], str]) -> None:
+        self.tokenizer = tokenizer
+        self.reply_fn = reply_fn
+        self.calls = 0
+
+    def generate(self, data: BatchedDataDict[Any], greedy: bool = False) -> BatchedDataDict[Any]:
+        self.calls += 1
+        rows = []
+        for ids, length in zip(data["input_ids"], data["input_lengths"], strict=True):
+            prompt = ids[: int(length)]
+            reply = self.reply_fn(self.tokenizer.decode(prompt))
+            reply_ids = torch.tensor(
+                [*self.tokenizer.encode(reply, add_special_tokens=False), self.tokenizer.eos_token_id]
+            )
+            rows.append((prompt, reply_ids))
+        width = max(len(p) + len(r) for p, r in rows)
+        out = BatchedDataDict[Any](
+            output_ids=torch.full((len(rows), width), self.tokenizer.pad_token_id, dtype=torch.long),
+            logprobs=torch.zeros(len(rows), width),
+            generation_lengths=torch.tensor([len(r) for _, r in rows]),
+            unpadded_sequence_lengths=torch.tensor([len(p) + len(r) for p, r in rows]),
+            truncated=torch.zeros(len(rows), dtype=torch.bool),
+        )
+        for b, (prompt, reply_ids) in enumerate(rows):
+            out["output_ids"][b, : len(prompt) + len(reply_ids)] = torch.cat([prompt, reply_ids])
+            out["logprobs"][b, len(prompt) : len(prompt) + len(reply_ids)] = SAMPLER_LOGPROB
+        return out
+
+
+def binary_search_agent(conversation: str) -> str:
+    """Next guess from the conversation so far: bisect the range left by earlier higher/lower answers."""
+    low, high = GAME.low, GAME.high
+    guesses = [int(g) for g in re.findall(r"<\|assistant\|>(\d+)", conversation)]
+    answers = re.findall(r"\b(higher|lower)\b", conversation.split("You have", 1)[1])
+    for guess, answer in zip(guesses, answers, strict=False):
+        if answer == "higher":
+            low = guess + 1
+        else:
+            high = guess - 1
+    return str((low + high) // 2)
+
+
+def _game_batch(tokenizer: Any, targets: list[int]) -> BatchedDataDict[Any]:
+    prompt_log = format_message_log(
+        [{"role": "user", "content": game_prompt(GAME)}],
+        tokenizer,
+        add_bos=True,
+        add_eos=False,
+        add_generation_prompt=True,
+    )
+    return BatchedDataDict[Any](
+        message_log=[list(prompt_log) for _ in targets],
+        extra_env_info=[new_game(t) for t in targets],
+        task_name=["number_guessing"] * len(targets),
+        loss_multiplier=torch.ones(len(targets)),
+    )
+
+
+def test_multi_turn_number_guessing(ray_cluster: Any, tokenizer: Any) -> None:
+    env = create_env("number_guessing", EnvConfig(number_guessing=GAME))
+    targets = [8, 1, 13, 16]
+    # Bisection over 1..16 needs 1 guess for 8, and 4 or 5 for the others.
+    generation = ScriptedGeneration(tokenizer, binary_search_agent)
+    batch, metrics = run_multi_turn_rollout(
+        generation,  # type: ignore[arg-type]
+        _game_batch(tokenizer, targets),
+        tokenizer,
+        {"number_guessing": env},
+        max_seq_len=1024,
+        max_rollout_turns=GAME.max_guesses,
+        env_timeout_s=60,
+    )
+    assert batch["total_reward"].tolist() == [1.0, 1.0, 1.0, 1.0]
+    turns = batch["num_turns"].tolist()
+    assert turns[0] == 1 and all(t > 1 for t in turns[1:]), turns
+    assert generation.calls == max(turns)
+    assert metrics["mean_turns_per_sample"] == pytest.approx(sum(turns) / len(turns))
+    assert not batch["truncated"].any()
+
+    for log, target, num_turns in zip(batch["message_log"], targets, turns, strict=True):
+        roles = [m["role"] for m in log]
+        # prompt, then assistant guesses interleaved with the environment's answers as user turns
+        assert roles == ["user"] + ["assistant", "user"] * (num_turns - 1) + ["assistant"]
+        assert log[-1]["content"].startswith(str(target))
+        for message in log[1:]:
+            if message["role"] == "user":
+                assert re.search(r"higher|lower", message["content"]), message["content"]
+                # The observation is a full user turn that ends by handing the turn back to the assistant.
+                assert message["content"].endswith("<|assistant|>")
+            else:
+                assert torch.all(message["generation_logprobs"] == SAMPLER_LOGPROB)
+
+    # Flattened for training, only the assistant's tokens are trained on.
+    flat = message_logs_to_batch(
+        batch["message_log"], pad_token_id=tokenizer.pad_token_id, train_roles=("assistant",)
+    )
+    for b, log in enumerate(batch["message_log"]):
+        assert torch.equal(flat["input_ids"][b, : flat["input_lengths"][b]], message_log_token_ids(log))
+        assistant_tokens = sum(m["token_ids"].numel() for m in log if m["role"] == "assistant")
+        assert int(flat["token_mask"][b].sum()) == assistant_tokens
+    ray.kill(env)
+
+
+def test_token_budget_truncates_and_stops(ray_cluster: Any, tokenizer: Any) -> None:
+    env = create_env("number_guessing", EnvConfig(number_guessing=GAME))
+    batch_in = _game_batch(tokenizer, [13])
+    prompt_len = int(message_log_token_ids(batch_in["message_log"][0]).numel())
+    batch, metrics = run_multi_turn_rollout(
+        ScriptedGeneration(tokenizer, lambda _: "12345678"),  # type: ignore[arg-type]
+        batch_in,
+        tokenizer,
+        {"number_guessing": env},
+        max_seq_len=prompt_len + 4,
+        max_rollout_turns=GAME.max_guesses,
+        env_timeout_s=60,
+    )
+    log = batch["message_log"][0]
+    assert batch["truncated"].tolist() == [True]
+    assert batch["num_turns"].tolist() == [1]
+    assert log[-1]["token_ids"].numel() == 4  # cut to the budget
+    assert metrics["truncation_rate"] == 1.0
+    ray.kill(env)
+
+
+def test_single_turn_math_rewards(ray_cluster: Any, tokenizer: Any) -> None:
+    env = create_env("math", EnvConfig(math=MathEnvConfig(num_workers=1)))
+    problems = [("What is 2+3?", "5"), ("What is 9-4?", "5"), ("What is 7+7?", "14")]
+    logs = [
+        format_message_log(
+            [{"role": "user", "content": q}],
+            tokenizer,
+            add_bos=True,
+            add_eos=False,
+            add_generation_prompt=True,
+        )
+        for q, _ in problems
+    ]
+    batch_in = BatchedDataDict[Any](
+        message_log=logs,
+        extra_env_info=[{"ground_truth": a} for _, a in problems],
+        task_name=["math"] * 3,
+        loss_multiplier=torch.ones(3),
+    )
+    batch, metrics = run_multi_turn_rollout(
+        ScriptedGeneration(tokenizer, lambda _: "\\boxed{5}"),  # type: ignore[arg-type]
+        batch_in,
+        tokenizer,
+        {"math": env},
+        max_seq_len=128,
+        max_rollout_turns=1,
+        env_timeout_s=60,
+    )
+    assert batch["total_reward"].tolist() == [1.0, 1.0, 0.0]
+    assert batch["num_turns"].tolist() == [1, 1, 1]
+    assert metrics["mean_total_reward"] == pytest.approx(2 / 3)
+    ray.get(env.shutdown.remote(), timeout=60)
+    ray.kill(env)
