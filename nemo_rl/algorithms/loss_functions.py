@@ -1,5 +1,5 @@
 """Loss functions the policy workers train with: clipped policy gradient (GRPO/PPO/GSPO/REINFORCE),
-negative log-likelihood (SFT) and DPO / pairwise preference losses.
+negative log-likelihood (SFT), DPO / pairwise preference losses and top-k distillation.
 
 Every loss follows :mod:`nemo_rl.algorithms.interfaces`: per-token tensors are aligned with ``input_ids``
 (position 0 is never trained on, so they are sliced ``[:, 1:]`` against ``next_token_logits[:, :-1]``),
@@ -28,7 +28,7 @@ from nemo_rl.algorithms.utils import (
     next_token_logprobs,
     token_entropy,
 )
-from nemo_rl.config.loss import ClippedPGLossConfig, DPOLossConfig
+from nemo_rl.config.loss import ClippedPGLossConfig, DistillationLossConfig, DPOLossConfig
 
 if TYPE_CHECKING:
     from nemo_rl.distributed.batched_data_dict import BatchedDataDict
@@ -38,6 +38,8 @@ __all__ = [
     "ClippedPGLossFn",
     "DPOLossConfig",
     "DPOLossFn",
+    "DistillationLossConfig",
+    "DistillationLossFn",
     "NLLLoss",
     "PreferenceLoss",
 ]
@@ -491,4 +493,88 @@ class DPOLossFn:
         metrics = {name: value.item() for name, value in terms.items()}
         metrics["sft_loss"] = sft_loss.item()
         metrics["loss"] = loss.item()
+        return loss, metrics
+
+
+# log-probability given to the teacher outside its top-k when ``zero_outside_topk`` (log 0 would be -inf).
+_LOG_TEACHER_OUTSIDE_TOPK = -100.0
+
+
+class DistillationLossFn:
+    """KL between the teacher's and the student's next-token distributions on the teacher's top-k tokens.
+
+    Needs ``teacher_topk_logits`` and ``teacher_topk_indices`` [B, T, K], unshifted like the logits (row
+    ``t`` is the distribution of token ``t + 1``, see ``PolicyInterface.get_topk_logits``). Per trained
+    position, with p = teacher and q = student over the K tokens::
+
+        forward = sum_k p_k (log p_k - log q_k)      reverse = sum_k q_k (log q_k - log p_k)
+
+    Both are renormalised over the K tokens unless ``zero_outside_topk``: then q keeps its full-vocabulary
+    probabilities and the reverse KL adds the student mass outside the top-k, where the teacher's
+    log-probability is taken as -100. The loss averages over the valid tokens of the global batch.
+    """
+
+    loss_type = LossType.TOKEN_LEVEL
+
+    def __init__(self, cfg: DistillationLossConfig) -> None:
+        self.cfg = cfg
+
+    def __call__(
+        self,
+        next_token_logits_BTV: torch.Tensor,
+        data: BatchedDataDict[Any],
+        global_valid_seqs: torch.Tensor,
+        global_valid_toks: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """This micro-batch's share of the distillation KL, and its metrics."""
+        _require_keys(
+            data,
+            ("input_ids", "token_mask", "sample_mask", "teacher_topk_logits", "teacher_topk_indices"),
+            "DistillationLossFn",
+        )
+        cfg = self.cfg
+        logits_BSV = next_token_logits_BTV[:, :-1]
+        logits_BSV = logits_BSV.to(torch.promote_types(logits_BSV.dtype, torch.float32))
+        indices_BSK = data["teacher_topk_indices"][:, :-1].to(logits_BSV.device).long()
+        if indices_BSK.shape[-1] < 1:
+            raise ValueError(
+                "teacher_topk_indices has k = 0: ask the teacher for at least one logit per position"
+            )
+        teacher_BSK = torch.log_softmax(data["teacher_topk_logits"][:, :-1].to(logits_BSV), dim=-1)
+        _, sample_mask_B, mask_BS = _masks(data, logits_BSV[..., 0])
+
+        if cfg.zero_outside_topk:
+            student_logp_BSV = torch.log_softmax(logits_BSV, dim=-1)
+            student_BSK = student_logp_BSV.gather(-1, indices_BSK)
+        else:
+            student_BSK = torch.log_softmax(logits_BSV.gather(-1, indices_BSK), dim=-1)
+
+        forward_BS = (teacher_BSK.exp() * (teacher_BSK - student_BSK)).sum(-1)
+        reverse_BS = (student_BSK.exp() * (student_BSK - teacher_BSK)).sum(-1)
+        if cfg.zero_outside_topk and cfg.kl_type != "forward":
+            # Student mass outside the top-k: sum over those tokens of q (log q - log p_outside).
+            neg_entropy_all_BS = (student_logp_BSV.exp() * student_logp_BSV).sum(-1)
+            neg_entropy_rest_BS = neg_entropy_all_BS - (student_BSK.exp() * student_BSK).sum(-1)
+            mass_rest_BS = 1.0 - student_BSK.exp().sum(-1)
+            reverse_BS = reverse_BS + neg_entropy_rest_BS - _LOG_TEACHER_OUTSIDE_TOPK * mass_rest_BS
+
+        if cfg.kl_type == "forward":
+            kl_BS = forward_BS
+        elif cfg.kl_type == "reverse":
+            kl_BS = reverse_BS
+        else:
+            kl_BS = cfg.mixed_kl_weight * forward_BS + (1.0 - cfg.mixed_kl_weight) * reverse_BS
+        loss = masked_mean(kl_BS, mask_BS, global_normalization_factor=global_valid_toks)
+        with torch.no_grad():
+            metrics = {
+                "loss": loss.item(),
+                "forward_kl": masked_mean(
+                    forward_BS, mask_BS, global_normalization_factor=global_valid_toks
+                ).item(),
+                "reverse_kl": masked_mean(
+                    reverse_BS, mask_BS, global_normalization_factor=global_valid_toks
+                ).item(),
+                "num_valid_samples": sample_mask_B.sum().item(),
+                "num_valid_tokens": mask_BS.sum().item(),
+            }
         return loss, metrics

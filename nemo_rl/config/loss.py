@@ -1,4 +1,4 @@
-"""Schema of the ``loss_fn`` section (the clipped policy-gradient loss of GRPO) and of the DPO loss terms."""
+"""Loss schemas: ``loss_fn`` of GRPO (clipped policy gradient) and of distillation, and the DPO loss terms."""
 
 from __future__ import annotations
 
@@ -133,3 +133,20 @@ class DPOLossConfig(ConfigModel):
 
     sft_average_log_probs: bool = False
     """Average (instead of sum) the chosen response's token log-likelihoods in the SFT term."""
+
+
+class DistillationLossConfig(ConfigModel):
+    """The KL between a teacher's and the student's next-token distributions on the teacher's top-k tokens
+    (NeMo RL's ``loss_fn`` section of on-policy distillation)."""
+
+    kl_type: Literal["forward", "reverse", "mixed"] = "mixed"
+    """``forward`` = KL(teacher || student) (mode covering), ``reverse`` = KL(student || teacher) (mode
+    seeking), ``mixed`` = ``mixed_kl_weight`` * forward + (1 - ``mixed_kl_weight``) * reverse."""
+
+    mixed_kl_weight: float = Field(default=0.5, ge=0.0, le=1.0)
+    """Weight of the forward KL in ``mixed``."""
+
+    zero_outside_topk: bool = False
+    """``False``: renormalise both distributions over the teacher's top-k tokens. ``True``: the teacher has
+    (almost) zero probability outside its top-k, and the student keeps its full-vocabulary probabilities, so
+    the student is also pushed to move mass into the teacher's top-k."""

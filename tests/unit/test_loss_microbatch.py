@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import torch
 
-from nemo_rl.algorithms.loss_functions import ClippedPGLossFn, DPOLossFn, NLLLoss
-from nemo_rl.config.loss import ClippedPGLossConfig, DPOLossConfig
+from nemo_rl.algorithms.loss_functions import ClippedPGLossFn, DistillationLossFn, DPOLossFn, NLLLoss
+from nemo_rl.config.loss import ClippedPGLossConfig, DistillationLossConfig, DPOLossConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
 NUM_SEQS, SEQ_LEN, VOCAB = 6, 7, 5
@@ -128,6 +128,23 @@ def test_dpo_shares_add_up() -> None:
     seqs, toks = global_counts(data)
     whole, whole_metrics = loss_fn(logits, data, seqs, toks)
     summed, summed_metrics = run_in_microbatches(loss_fn, logits, data, 2)
+    assert summed == pytest.approx(whole.item(), rel=1e-9)
+    for metric, value in whole_metrics.items():
+        assert summed_metrics[metric] == pytest.approx(value, rel=1e-6, abs=1e-9), metric
+
+
+@pytest.mark.parametrize("zero_outside_topk", [False, True])
+def test_distillation_shares_add_up(zero_outside_topk: bool) -> None:
+    loss_fn = DistillationLossFn(DistillationLossConfig(zero_outside_topk=zero_outside_topk))
+    logits, data = random_batch(seed=11)
+    gen = torch.Generator().manual_seed(12)
+    data["teacher_topk_logits"] = torch.randn(NUM_SEQS, SEQ_LEN, 3, generator=gen, dtype=torch.float64)
+    data["teacher_topk_indices"] = torch.stack(
+        [torch.randperm(VOCAB, generator=gen)[:3] for _ in range(NUM_SEQS * SEQ_LEN)]
+    ).reshape(NUM_SEQS, SEQ_LEN, 3)
+    seqs, toks = global_counts(data)
+    whole, whole_metrics = loss_fn(logits, data, seqs, toks)
+    summed, summed_metrics = run_in_microbatches(loss_fn, logits, data, 4)
     assert summed == pytest.approx(whole.item(), rel=1e-9)
     for metric, value in whole_metrics.items():
         assert summed_metrics[metric] == pytest.approx(value, rel=1e-6, abs=1e-9), metric
