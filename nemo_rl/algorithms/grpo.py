@@ -26,6 +26,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.algorithms.advantages import compute_advantages
+from nemo_rl.algorithms.loop_utils import batches_until
 from nemo_rl.algorithms.loss_functions import ClippedPGLossFn
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.loader import save_config
@@ -43,7 +44,7 @@ from nemo_rl.models.generation.interfaces import GenerationInterface
 from nemo_rl.models.policy.lm_policy import Policy
 from nemo_rl.utils.checkpoint import CheckpointManager
 from nemo_rl.utils.logger import Logger
-from nemo_rl.utils.timer import Timer
+from nemo_rl.utils.timer import TimeoutChecker, Timer
 from nemo_rl.weight_sync.factory import create_refit_transport
 from nemo_rl.weight_sync.interfaces import RefitTransport
 from nemo_rl.weight_sync.refit import refit
@@ -389,31 +390,35 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
         validate(s, step=0)
     timer = Timer()
     metrics: dict[str, float] = {}
+    deadline = TimeoutChecker(cfg.checkpointing.checkpoint_must_save_by, fit_last_save_time=True)
+    deadline.start_iterations()
     progress = s.logger.progress_bar(total=total_steps, initial=s.state.step, desc="grpo")
-    while s.state.step < total_steps:
-        for batch in s.train_loader:
-            if s.state.step >= total_steps:
-                break
-            with timer.time("total_step_time"):
-                metrics = grpo_step(s, batch, timer)
-                s.state.step += 1
-                step = s.state.step
-                if cfg.grpo.val_period and step % cfg.grpo.val_period == 0:
-                    with timer.time("validation"):
-                        validate(s, step)
-                if cfg.checkpointing.enabled and (s.checkpointer.should_save(step) or step == total_steps):
-                    with timer.time("checkpointing"):
-                        save_checkpoint(s)
-            timing = timer.get_timing_metrics("sum")
-            num_tokens = (
-                metrics["mean_conversation_tokens"] * batch.size * cfg.grpo.num_generations_per_prompt
-            )
-            s.logger.log_metrics(metrics, step, prefix="train")
-            s.logger.log_metrics(timing, step, prefix="timing/train")
-            s.logger.log_metrics(
-                {"tokens_per_sec": num_tokens / timing["total_step_time"]}, step, prefix="performance"
-            )
-            timer.reset()
-            progress.update(1)
+    for batch in batches_until(s.train_loader, lambda: s.state.step, total_steps):
+        with timer.time("total_step_time"):
+            metrics = grpo_step(s, batch, timer)
+            s.state.step += 1
+            step = s.state.step
+            if cfg.grpo.val_period and step % cfg.grpo.val_period == 0:
+                with timer.time("validation"):
+                    validate(s, step)
+            deadline.mark_iteration()
+            out_of_time = deadline.check_save()
+            if cfg.checkpointing.enabled and (
+                s.checkpointer.should_save(step) or step == total_steps or out_of_time
+            ):
+                with timer.time("checkpointing"):
+                    save_checkpoint(s)
+        timing = timer.get_timing_metrics("sum")
+        num_tokens = metrics["mean_conversation_tokens"] * batch.size * cfg.grpo.num_generations_per_prompt
+        s.logger.log_metrics(metrics, step, prefix="train")
+        s.logger.log_metrics(timing, step, prefix="timing/train")
+        s.logger.log_metrics(
+            {"tokens_per_sec": num_tokens / timing["total_step_time"]}, step, prefix="performance"
+        )
+        timer.reset()
+        progress.update(1)
+        if out_of_time:
+            print(f"checkpointing.checkpoint_must_save_by reached: stopping after step {step}", flush=True)
+            break
     progress.close()
     return metrics

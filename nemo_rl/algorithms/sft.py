@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from nemo_rl.algorithms.loop_utils import batches_until
 from nemo_rl.algorithms.loss_functions import NLLLoss
 from nemo_rl.config.loader import save_config
 from nemo_rl.config.master import SFTMasterConfig
@@ -27,7 +28,7 @@ from nemo_rl.distributed.virtual_cluster import RayVirtualCluster, init_ray
 from nemo_rl.models.policy.lm_policy import Policy
 from nemo_rl.utils.checkpoint import CheckpointManager
 from nemo_rl.utils.logger import Logger
-from nemo_rl.utils.timer import Timer
+from nemo_rl.utils.timer import TimeoutChecker, Timer
 
 
 @dataclasses.dataclass
@@ -184,28 +185,36 @@ def sft_train(s: SFTSetup) -> dict[str, float]:
     if s.state.step == 0 and cfg.sft.val_at_start:
         s.state.val_loss = validate(s, step=0)
 
+    deadline = TimeoutChecker(cfg.checkpointing.checkpoint_must_save_by, fit_last_save_time=True)
+    deadline.start_iterations()
     progress = s.logger.progress_bar(total=total_steps, initial=s.state.step, desc="sft")
-    while s.state.step < total_steps:
+    for batch in batches_until(s.train_loader, lambda: s.state.step, total_steps):
         s.state.epoch = s.train_loader.epoch
-        for batch in s.train_loader:
-            if s.state.step >= total_steps:
-                break
-            with timer.time("total_step_time"):
-                with timer.time("policy_training"):
-                    result = s.policy.train(batch, s.loss_fn)
-                s.state.step += 1
-                last_metrics = _train_metrics(dict(result))
-                if cfg.sft.val_period and s.state.step % cfg.sft.val_period == 0:
-                    with timer.time("validation"):
-                        s.state.val_loss = validate(s, s.state.step)
-                if s.checkpointer.should_save(s.state.step) or s.state.step == total_steps:
-                    with timer.time("checkpointing"):
-                        if cfg.checkpointing.enabled:
-                            save_checkpoint(s)
-            s.logger.log_metrics(last_metrics, s.state.step, prefix="train")
-            s.logger.log_metrics(timer.get_timing_metrics("sum"), s.state.step, prefix="timing/train")
-            timer.reset()
-            progress.update(1)
+        with timer.time("total_step_time"):
+            with timer.time("policy_training"):
+                result = s.policy.train(batch, s.loss_fn)
+            s.state.step += 1
+            last_metrics = _train_metrics(dict(result))
+            if cfg.sft.val_period and s.state.step % cfg.sft.val_period == 0:
+                with timer.time("validation"):
+                    s.state.val_loss = validate(s, s.state.step)
+            deadline.mark_iteration()
+            out_of_time = deadline.check_save()
+            if cfg.checkpointing.enabled and (
+                s.checkpointer.should_save(s.state.step) or s.state.step == total_steps or out_of_time
+            ):
+                with timer.time("checkpointing"):
+                    save_checkpoint(s)
+        s.logger.log_metrics(last_metrics, s.state.step, prefix="train")
+        s.logger.log_metrics(timer.get_timing_metrics("sum"), s.state.step, prefix="timing/train")
+        timer.reset()
+        progress.update(1)
+        if out_of_time:
+            print(
+                f"checkpointing.checkpoint_must_save_by reached: stopping after step {s.state.step}",
+                flush=True,
+            )
+            break
     progress.close()
 
     export_dir = cfg.sft.export_dir or str(Path(cfg.checkpointing.checkpoint_dir) / "hf_final")
