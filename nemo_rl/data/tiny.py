@@ -25,6 +25,8 @@ import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from nemo_rl.config.data import DataConfig
+
 PAD_TOKEN = "<|pad|>"
 BOS_TOKEN = "<|bos|>"
 EOS_TOKEN = "<|eos|>"
@@ -187,10 +189,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Build ``OUT/tokenizer``, ``OUT/model`` and ``OUT/data/{train,validation}.jsonl``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", type=pathlib.Path)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num-train", type=int, default=1024)
-    parser.add_argument("--num-val", type=int, default=64)
-    parser.add_argument("--max-operand", type=int, default=50)
+    # The data schema owns the defaults; the command line mirrors them.
+    defaults = DataConfig()
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model weights and the problems")
+    parser.add_argument("--num-train", type=int, default=defaults.num_train_samples)
+    parser.add_argument("--num-val", type=int, default=defaults.num_val_samples)
+    parser.add_argument("--max-operand", type=int, default=defaults.tiny_math_max_operand)
     args = parser.parse_args(argv)
     build_tiny_tokenizer(args.out_dir / "tokenizer")
     model = build_tiny_model(args.out_dir / "model", args.out_dir / "tokenizer", seed=args.seed)
