@@ -19,7 +19,13 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from nemo_rl.algorithms.interfaces import LossType
 from nemo_rl.config.policy import PolicyConfig
@@ -256,7 +262,7 @@ def reference_logprobs(model: torch.nn.Module, data: BatchedDataDict[Any]) -> to
 def single_process_reference(model_dir: Path) -> dict[str, Any]:
     """Plain HF model + AdamW + the same schedule and clipping, one process, whole global batches."""
     # Built directly (not from_pretrained) so the rotary buffers are computed, not loaded.
-    model = Qwen2ForCausalLM(Qwen2Config.from_pretrained(model_dir))
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
     model.load_state_dict(AutoModelForCausalLM.from_pretrained(model_dir).state_dict())
     score_data = make_batch(seed=2, num_rows=6)
     init_lp = reference_logprobs(model, score_data)

@@ -12,6 +12,7 @@ from nemo_rl.config.policy import OptimizerConfig, PolicyConfig, SchedulerEntry,
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.models.policy import lm_policy
 from nemo_rl.models.policy.dtensor_worker import DTensorPolicyWorker
+from nemo_rl.models.policy.interfaces import PolicyInterface
 from nemo_rl.models.policy.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from nemo_rl.models.policy.parallelize import apply_tensor_parallel, import_by_path
 from nemo_rl.models.policy.utils import (
@@ -189,3 +190,12 @@ def test_megatron_backend_needs_its_worker_module() -> None:
     )
     with pytest.raises(ValueError, match="Megatron backend"):
         lm_policy._worker_backend(cfg)
+
+
+def test_policy_implements_the_interface() -> None:
+    # mypy checks this assignment structurally; the loop checks the methods exist at run time.
+    policy_cls: type[PolicyInterface] = lm_policy.Policy
+    for name in dir(PolicyInterface):
+        if not name.startswith("_"):
+            assert callable(getattr(policy_cls, name)), name
+            assert callable(getattr(DTensorPolicyWorker, name)), name

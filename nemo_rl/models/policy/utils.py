@@ -38,7 +38,8 @@ def token_logprobs(
     picked_BT = next_logits_BTV.gather(-1, targets_BT.unsqueeze(-1)).squeeze(-1)
     logprobs_BT = torch.zeros(input_ids_BT.shape, dtype=torch.float32, device=logits_BTV.device)
     logprobs_BT[:, 1:] = picked_BT - torch.logsumexp(next_logits_BTV, dim=-1)
-    return logprobs_BT * valid_token_mask(input_lengths_B.to(logits_BTV.device), input_ids_BT.shape[1])
+    valid_BT = valid_token_mask(input_lengths_B.to(logits_BTV.device), input_ids_BT.shape[1])
+    return torch.where(valid_BT, logprobs_BT, 0.0)
 
 
 def topk_logits(
@@ -52,7 +53,7 @@ def topk_logits(
         raise ValueError(f"k must be between 1 and the vocabulary size ({logits_BTV.shape[-1]}), got {k}")
     values_BTK, indices_BTK = torch.topk(logits_BTV.float(), k, dim=-1)
     valid_BT1 = valid_token_mask(input_lengths_B.to(logits_BTV.device), logits_BTV.shape[1]).unsqueeze(-1)
-    return values_BTK * valid_BT1, indices_BTK * valid_BT1
+    return torch.where(valid_BT1, values_BTK, 0.0), torch.where(valid_BT1, indices_BTK, 0)
 
 
 def global_valid_counts(batch: BatchedDataDict[Any]) -> tuple[torch.Tensor, torch.Tensor]:
