@@ -12,7 +12,13 @@ from pydantic import ValidationError
 
 from nemo_rl.config.env import EnvConfig, NumberGuessingEnvConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.environments.games.number_guessing import game_prompt, new_game, parse_guess, play_turn
+from nemo_rl.environments.games.number_guessing import (
+    game_prompt,
+    game_records,
+    new_game,
+    parse_guess,
+    play_turn,
+)
 from nemo_rl.environments.interfaces import EnvironmentInterface, EnvironmentReturn, Message
 from nemo_rl.environments.registry import create_env, get_env_class, register_env, registered_envs
 
@@ -59,6 +65,18 @@ def test_out_of_guesses_and_invalid_replies() -> None:
     assert turn.observation.startswith("invalid guess") and not turn.terminated
     turn = play_turn("5", turn.state, CFG)
     assert (turn.observation, turn.reward, turn.terminated) == ("lower", 0.0, True)
+
+
+def test_games_from_the_generic_rl_data_path() -> None:
+    records = game_records(20, CFG, seed=0)
+    assert records == game_records(20, CFG, seed=0)  # reproducible
+    targets = {int(r["expected_answer"]) for r in records}
+    assert targets <= set(range(1, 11)) and len(targets) > 1
+    assert records[0]["messages"] == [{"role": "user", "content": game_prompt(CFG)}]
+    # The processor turns expected_answer into {"ground_truth": ...}: a game that has not started.
+    turn = play_turn("4", {"ground_truth": "4"}, CFG)
+    assert (turn.observation, turn.reward, turn.terminated) == ("correct", 1.0, True)
+    assert turn.state["target"] == 4 and turn.state["guesses"] == 1
 
 
 def test_targets_outside_the_range_are_rejected() -> None:

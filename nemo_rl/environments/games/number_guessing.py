@@ -5,11 +5,14 @@ The assistant guesses a hidden whole number in ``[low, high]``; after each guess
 guesses (unparsable replies count) the game ends with reward 0.
 
 A game's state is its metadata: ``{"target": 7, "guesses": 0}`` (make it with :func:`new_game`, put it in a
-sample's ``extra_env_info``, and use :func:`game_prompt` as the user's first message).
+sample's ``extra_env_info``, and use :func:`game_prompt` as the user's first message). The generic RL data
+path works too: :func:`game_records` makes dataset rows whose ``expected_answer`` is the hidden number, and
+the processor's ``{"ground_truth": "7"}`` is read as a game that has not started.
 """
 
 from __future__ import annotations
 
+import random
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -19,6 +22,7 @@ import ray
 import torch
 
 from nemo_rl.config.env import NumberGuessingEnvConfig
+from nemo_rl.data.interfaces import ChatMessage, Record
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.environments.interfaces import EnvironmentInterface, EnvironmentReturn, Message
 from nemo_rl.environments.metrics import batch_rewards, last_assistant_text
@@ -33,6 +37,18 @@ _INTEGER = re.compile(r"-?\d+")
 def new_game(target: int) -> GameState:
     """The state of a game that has not started, hiding ``target``."""
     return {"target": int(target), "guesses": 0}
+
+
+def game_records(num_games: int, cfg: NumberGuessingEnvConfig, *, seed: int) -> list[Record]:
+    """Dataset rows for ``num_games`` games with targets drawn uniformly from ``[cfg.low, cfg.high]``."""
+    rng = random.Random(seed)
+    return [
+        Record(
+            messages=[ChatMessage(role="user", content=game_prompt(cfg))],
+            expected_answer=str(rng.randint(cfg.low, cfg.high)),
+        )
+        for _ in range(num_games)
+    ]
 
 
 def game_prompt(cfg: NumberGuessingEnvConfig) -> str:
@@ -64,7 +80,8 @@ class Turn:
 
 def play_turn(reply: str, state: Mapping[str, Any], cfg: NumberGuessingEnvConfig) -> Turn:
     """Apply the assistant's ``reply`` to a game ``state``."""
-    target = int(state["target"])
+    # Games made by the generic RL processor carry only {"ground_truth": "<target>"}.
+    target = int(state["target"]) if "target" in state else int(state["ground_truth"])
     if not cfg.low <= target <= cfg.high:
         raise ValueError(
             f"game target {target} is outside env.number_guessing's range [{cfg.low}, {cfg.high}]: make the "
@@ -72,7 +89,7 @@ def play_turn(reply: str, state: Mapping[str, Any], cfg: NumberGuessingEnvConfig
         )
     if state.get("solved"):
         return Turn("correct", 0.0, True, dict(state))
-    guesses = int(state["guesses"]) + 1
+    guesses = int(state.get("guesses", 0)) + 1
     guess = parse_guess(reply)
     if guess is None or not cfg.low <= guess <= cfg.high:
         observation, reward = (
@@ -86,7 +103,7 @@ def play_turn(reply: str, state: Mapping[str, Any], cfg: NumberGuessingEnvConfig
     else:
         observation, reward = "lower", 0.0
     solved = reward > 0
-    new_state = {**state, "guesses": guesses, "last_guess": guess, "solved": solved}
+    new_state = {**state, "target": target, "guesses": guesses, "last_guess": guess, "solved": solved}
     return Turn(observation, reward, solved or guesses >= cfg.max_guesses, new_state)
 
 
@@ -130,7 +147,7 @@ class NumberGuessingEnvironment(EnvironmentInterface[GameState]):
         rewards_B = batch_rewards(batch)
         metrics = {"success_rate": (rewards_B >= 1.0).float().mean().item() if rewards_B.numel() else 0.0}
         if "extra_env_info" in batch:
-            guesses = [int(s["guesses"]) for s in batch["extra_env_info"] if isinstance(s, Mapping)]
+            guesses = [int(s.get("guesses", 0)) for s in batch["extra_env_info"] if isinstance(s, Mapping)]
             if guesses:
                 metrics["mean_guesses"] = sum(guesses) / len(guesses)
         return batch, metrics
