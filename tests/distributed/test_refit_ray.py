@@ -292,9 +292,9 @@ def test_mismatched_manifest_fails_naming_the_weight(senders: list[Any], receive
     assert not _segments()
 
 
-def test_killed_sender_leaves_no_shared_memory_behind(ray_cluster: dict[str, float]) -> None:
+def test_killed_sender_leaves_no_shared_memory_behind(receivers: list[Any]) -> None:
     sender = _start_senders(world_size=1, seed=3)[0]
-    receiver = ray.remote(num_cpus=0.5)(GenerationReceiver).remote()
+    receiver = receivers[0]
     ray.get([receiver.configure.remote(torch.float32, None), sender.set_delay.remote(0.3)], timeout=TIMEOUT_S)
     transport = _transport("shared_memory", 1, 1, torch.float32)
     prefix = f"{SEGMENT_NAME_PREFIX}{transport._uid}_"  # this transport's segments only
@@ -321,4 +321,3 @@ def test_killed_sender_leaves_no_shared_memory_behind(ray_cluster: dict[str, flo
     # The receiver was woken by the abort (not left waiting for the dead sender) and is usable again.
     assert ray.get(receiver.state.remote(), timeout=10)
     transport.shutdown()
-    ray.kill(receiver)

@@ -6,6 +6,7 @@ tests/distributed/test_refit_*.py; these tests pin the protocol itself quickly.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
@@ -18,6 +19,7 @@ import nemo_rl.weight_sync.shm as shm_module
 from nemo_rl.weight_sync import (
     CollectiveTransport,
     RefitConfig,
+    RefitError,
     RefitIntegrityError,
     SharedMemoryTransport,
     TransferStats,
@@ -320,3 +322,30 @@ def test_factory_picks_the_transport_from_placement_and_config() -> None:
         )
     for transport in (shm, spread, forced):
         transport.shutdown()
+
+
+def test_driver_abort_wakes_waiting_shm_endpoints_and_unlinks(workers: Workers) -> None:
+    """A dead peer never acknowledges or announces: the driver's abort must wake the survivors."""
+    weights = _weights()
+    transport = _make_transport("shared_memory", num_senders=1, num_receivers=2, dtype=torch.float32)
+    manifest = WeightManifest.from_named_tensors(weights.items(), torch.float32)
+    senders, receivers = transport.endpoints("r0")
+    prefix = senders[0].segment_prefix  # type: ignore[attr-defined]
+    # Receiver 1 stands for a dead generation worker: it never reads, so the writer blocks on its acks.
+    futures = [
+        workers._pools[0].submit(senders[0].send, iter(weights.items())),
+        workers._pools[1].submit(receivers[0].receive, Sink(), manifest),
+    ]
+    deadline = time.monotonic() + TIMEOUT_S
+    while not list(SHM_DIR.glob(f"{prefix}*")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # let the writer fill both buffers and block waiting for the missing reader
+    assert not futures[0].done()
+    transport.abort("r0")
+    with pytest.raises(RefitError, match="aborted by the driver"):
+        futures[0].result(timeout=TIMEOUT_S)
+    with pytest.raises(RefitIntegrityError, match="aborted the refit"):
+        futures[1].result(timeout=TIMEOUT_S)
+    assert not list(SHM_DIR.glob(f"{prefix}*"))  # the writer unlinked its segments on the way out
+    transport.cleanup("r0")
+    transport.shutdown()
