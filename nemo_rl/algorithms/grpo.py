@@ -50,6 +50,8 @@ from nemo_rl.weight_sync.interfaces import RefitTransport
 from nemo_rl.weight_sync.refit import refit
 
 _TRAIN_ROLES = ("assistant",)
+# Longest wait for an environment actor's metrics or shutdown.
+_ENV_TIMEOUT_S = 600.0
 
 
 @dataclasses.dataclass
@@ -91,6 +93,7 @@ class GRPOSetup:
         self.generation.shutdown()
         self.policy.shutdown()
         for env in self.task_to_env.values():
+            ray.get(env.shutdown.remote(), timeout=_ENV_TIMEOUT_S)
             ray.kill(env)
         self.cluster.shutdown()
 
@@ -246,6 +249,22 @@ def build_train_batch(
     return batch
 
 
+def environment_metrics(s: GRPOSetup, rollout: BatchedDataDict[Any]) -> dict[str, float]:
+    """Each environment's own metrics (accuracy, pass@k...) over its samples, as ``<task>/<metric>``."""
+    metrics: dict[str, float] = {}
+    task_names = list(rollout["task_name"])
+    for task, env in s.task_to_env.items():
+        indices = [i for i, name in enumerate(task_names) if name == task]
+        if not indices:
+            continue
+        _, task_metrics = ray.get(
+            env.global_post_process_and_metrics.remote(rollout.select_indices(indices)),
+            timeout=_ENV_TIMEOUT_S,
+        )
+        metrics.update({f"{task}/{name}": value for name, value in task_metrics.items()})
+    return metrics
+
+
 def _val_batches(s: GRPOSetup) -> list[BatchedDataDict[Any]]:
     assert s.val_dataset is not None
     cfg = s.config.grpo
@@ -266,6 +285,7 @@ def validate(s: GRPOSetup, step: int) -> dict[str, float]:
     rewards: list[torch.Tensor] = []
     lengths: list[float] = []
     samples: list[str] = []
+    rollouts: list[BatchedDataDict[Any]] = []
     s.generation.prepare_for_generation()
     for batch in _val_batches(s):
         rollout, rollout_metrics = run_multi_turn_rollout(
@@ -278,6 +298,7 @@ def validate(s: GRPOSetup, step: int) -> dict[str, float]:
             greedy=s.config.grpo.val_greedy,
         )
         rewards.append(rollout["total_reward"])
+        rollouts.append(rollout)
         lengths.append(rollout_metrics["mean_gen_tokens_per_sample"] * rollout["total_reward"].numel())
         samples += [
             "".join(m["content"] for m in log) + f"\n[reward {float(r):.1f}]"
@@ -291,6 +312,7 @@ def validate(s: GRPOSetup, step: int) -> dict[str, float]:
         "mean_gen_tokens_per_sample": sum(lengths) / all_rewards.numel(),
         "num_samples": float(all_rewards.numel()),
         "time_s": time.perf_counter() - start_s,
+        **environment_metrics(s, BatchedDataDict.from_batches(rollouts)),
     }
     s.logger.print_samples(samples, step)
     s.logger.log_metrics(metrics, step, prefix="validation")
@@ -356,6 +378,7 @@ def grpo_step(s: GRPOSetup, batch: BatchedDataDict[Any], timer: Timer) -> dict[s
         timer=timer,
     )
     s.generation.finish_generation()
+    rollout_metrics.update(environment_metrics(s, rollout))
 
     advantages_B = compute_advantages(
         rollout["total_reward"],
