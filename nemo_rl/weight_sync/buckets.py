@@ -177,7 +177,7 @@ def pack_buckets(
     send_oversized_in_place: bool,
     wire_device: torch.device,
 ) -> Iterator[tuple[BucketHeader, torch.Tensor]]:
-    """Pack a weight stream into buckets of at most ``bucket_size_bytes``, cast to ``dtype``.
+    """Pack a weight stream into buckets of at most ``bucket_size_bytes``, floating-point tensors cast to ``dtype``.
 
     Yields ``(header, payload)`` as soon as a bucket is full, so the caller can put it on the wire while the
     next one is packed into another buffer (double buffering). Each tensor is copied into the bucket as it
@@ -201,17 +201,19 @@ def pack_buckets(
 
     for name, tensor in weights:
         full = gather_full(tensor)
-        nbytes = full.numel() * dtype.itemsize
+        # Only floating-point weights take the generation dtype; integer buffers keep theirs.
+        wire_dtype = dtype if full.is_floating_point() else full.dtype
+        nbytes = full.numel() * wire_dtype.itemsize
         if nbytes > capacity:
             if entries:
                 assert buffer is not None
                 yield finish(buffer[:used])
-            entries.append(WireEntry(name, dtype, tuple(full.shape), 0, nbytes))
+            entries.append(WireEntry(name, wire_dtype, tuple(full.shape), 0, nbytes))
             if send_oversized_in_place:
-                yield finish(_wire_bytes(full, dtype, wire_device))
+                yield finish(_wire_bytes(full, wire_dtype, wire_device))
             else:
                 buffer = acquire(index, align_up(nbytes))
-                _copy_into(buffer, 0, full, dtype)
+                _copy_into(buffer, 0, full, wire_dtype)
                 yield finish(buffer[: align_up(nbytes)])
             continue
         if used + nbytes > capacity:
@@ -219,8 +221,8 @@ def pack_buckets(
             yield finish(buffer[:used])
         if buffer is None:
             buffer = acquire(index, capacity)
-        _copy_into(buffer, used, full, dtype)
-        entries.append(WireEntry(name, dtype, tuple(full.shape), used, nbytes))
+        _copy_into(buffer, used, full, wire_dtype)
+        entries.append(WireEntry(name, wire_dtype, tuple(full.shape), used, nbytes))
         used = align_up(used + nbytes)
     if entries:
         assert buffer is not None

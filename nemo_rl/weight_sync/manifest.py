@@ -89,7 +89,10 @@ class WeightManifest(Mapping[str, TensorSpec]):
     def from_named_tensors(
         cls, named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | None
     ) -> WeightManifest:
-        """Manifest of ``(name, tensor)`` pairs, with every dtype replaced by ``dtype`` unless it is ``None``.
+        """Manifest of ``(name, tensor)`` pairs; ``dtype`` (unless ``None``) replaces floating-point dtypes.
+
+        This mirrors refit's cast: floating-point weights travel in the generation dtype, integer buffers in
+        their own.
 
         DTensors contribute their global shape, so a sharded policy and a replicated engine agree.
         Raises ``ValueError`` when a name appears twice.
@@ -98,7 +101,10 @@ class WeightManifest(Mapping[str, TensorSpec]):
         for name, tensor in named_tensors:
             if name in specs:
                 raise ValueError(f"weight {name!r} appears twice; a refit moves each weight once")
-            specs[name] = TensorSpec(tuple(tensor.shape), dtype if dtype is not None else tensor.dtype)
+            cast = dtype is not None and tensor.is_floating_point()
+            specs[name] = TensorSpec(
+                tuple(tensor.shape), dtype if cast and dtype is not None else tensor.dtype
+            )
         return cls(specs)
 
     def __getitem__(self, name: str) -> TensorSpec:
