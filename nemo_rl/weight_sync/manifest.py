@@ -101,10 +101,8 @@ class WeightManifest(Mapping[str, TensorSpec]):
         for name, tensor in named_tensors:
             if name in specs:
                 raise ValueError(f"weight {name!r} appears twice; a refit moves each weight once")
-            cast = dtype is not None and tensor.is_floating_point()
-            specs[name] = TensorSpec(
-                tuple(tensor.shape), dtype if cast and dtype is not None else tensor.dtype
-            )
+            spec_dtype = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+            specs[name] = TensorSpec(tuple(tensor.shape), spec_dtype)
         return cls(specs)
 
     def __getitem__(self, name: str) -> TensorSpec:
