@@ -95,11 +95,10 @@ class TinyNLLLoss:
         logprobs_BT = logprobs_BT.gather(-1, data["input_ids"][:, 1:, None]).squeeze(-1)
         mask_BT = data["token_mask"][:, 1:] * data["sample_mask"][:, None]
         loss = -(logprobs_BT * mask_BT).sum() / global_valid_toks
-        return loss, {
-            "loss": float(loss.detach()),
-            "num_valid_tokens": float(mask_BT.sum()),
-            "token_logprob_min": float(logprobs_BT.detach().masked_fill(mask_BT == 0, float("inf")).min()),
-        }
+        metrics = {"loss": float(loss.detach()), "num_valid_tokens": float(mask_BT.sum())}
+        if mask_BT.any():  # absent for a micro-batch without trained tokens: the worker must cope
+            metrics["token_logprob_min"] = float(logprobs_BT.detach()[mask_BT > 0].min())
+        return loss, metrics
 
 
 def policy_cfg(model_dir: Path, dtensor: dict[str, Any] | None = None, **overrides: Any) -> PolicyConfig:

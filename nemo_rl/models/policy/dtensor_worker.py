@@ -304,7 +304,10 @@ class DTensorPolicyWorker:
             "loss": torch.tensor(losses),
             "global_valid_seqs": torch.tensor(valid_seqs),
             "global_valid_toks": torch.tensor(valid_toks),
-            "metrics": {name: [m[name] for m in step_metrics] for name in step_metrics[0]},
+            "metrics": {
+                name: [m.get(name, math.nan) for m in step_metrics]
+                for name in sorted({name for m in step_metrics for name in m})
+            },
         }
         if not eval_mode:
             result["grad_norm"] = torch.tensor(grad_norms)
@@ -313,8 +316,13 @@ class DTensorPolicyWorker:
 
     def _all_reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         """Combine one step's metric shares over the dp ranks (sum, or min / max for ``*_min`` / ``*_max``)."""
+        # A rank whose micro-batches lacked a metric (e.g. a min over no valid tokens) must still join every
+        # collective, so the ranks agree on the names first; a missing share is 0 (sum) or neutral (min/max).
+        gathered: list[list[str] | None] = [None] * dist.get_world_size(self.dp_group)
+        dist.all_gather_object(gathered, sorted(metrics), group=self.dp_group)
+        names = sorted({name for rank_names in gathered for name in rank_names or ()})
+        neutral = {dist.ReduceOp.MIN: math.inf, dist.ReduceOp.MAX: -math.inf, dist.ReduceOp.SUM: 0.0}
         out: dict[str, float] = {}
-        names = sorted(metrics)
         for op, selected in (
             (dist.ReduceOp.MIN, [n for n in names if n.endswith("_min")]),
             (dist.ReduceOp.MAX, [n for n in names if n.endswith("_max")]),
@@ -322,7 +330,9 @@ class DTensorPolicyWorker:
         ):
             if not selected:
                 continue
-            values = torch.tensor([metrics[n] for n in selected], dtype=torch.float64, device=self.device)
+            values = torch.tensor(
+                [metrics.get(n, neutral[op]) for n in selected], dtype=torch.float64, device=self.device
+            )
             dist.all_reduce(values, op=op, group=self.dp_group)
             out.update(zip(selected, values.tolist(), strict=True))
         return out
