@@ -399,8 +399,9 @@ class SharedMemoryTransport:
         senders: list[WeightSender] = []
         for rank, node in enumerate(self._policy_node_ids):
             writer = self._nodes.index(node)
-            is_writer = self._writer_rank[writer] == rank
             readers = tuple(j for j, n in enumerate(self._generation_node_ids) if n == node)
+            # One rank per node writes, and only where a generation worker reads.
+            is_writer = self._writer_rank[writer] == rank and bool(readers)
             senders.append(
                 ShmSender(
                     self._dtype,

@@ -349,3 +349,39 @@ def test_driver_abort_wakes_waiting_shm_endpoints_and_unlinks(workers: Workers) 
     assert not list(SHM_DIR.glob(f"{prefix}*"))  # the writer unlinked its segments on the way out
     transport.cleanup("r0")
     transport.shutdown()
+
+
+def test_shm_assigns_one_writer_per_node_with_readers() -> None:
+    transport = SharedMemoryTransport(
+        policy_node_ids=["a", "a", "b", "b", "c"],
+        generation_node_ids=["b", "a", "b"],
+        dtype=torch.float32,
+        bucket_size_bytes=BUCKET_BYTES,
+        timeout_s=TIMEOUT_S,
+        store_host="127.0.0.1",
+    )
+    senders, receivers = transport.endpoints("r0")
+    roles = [(s.writer, s.readers) for s in senders]  # type: ignore[attr-defined]
+    assert roles == [(0, (1,)), (None, ()), (1, (0, 2)), (None, ()), (None, ())]
+    assert [r.writer for r in receivers] == [1, 0, 1]  # type: ignore[attr-defined]
+    transport.shutdown()
+
+
+def test_shm_two_nodes_each_reader_follows_its_own_writer(workers: Workers) -> None:
+    weights = _weights()
+    transport = SharedMemoryTransport(
+        policy_node_ids=["a", "b"],
+        generation_node_ids=["b", "a"],
+        dtype=torch.bfloat16,
+        bucket_size_bytes=BUCKET_BYTES,
+        timeout_s=TIMEOUT_S,
+        store_host="127.0.0.1",
+    )
+    manifest = WeightManifest.from_named_tensors(weights.items(), torch.bfloat16)
+    sinks = [Sink(), Sink()]
+    sent_a, sent_b, *_ = _refit(workers, transport, weights, manifest, sinks)
+    assert sent_a.wire_bytes == sent_b.wire_bytes > 0  # both nodes' writers sent everything
+    for sink in sinks:
+        assert all(torch.equal(sink.tensors[n], t.to(torch.bfloat16)) for n, t in weights.items())
+    transport.shutdown()
+    assert not _segments_left()
