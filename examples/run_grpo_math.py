@@ -25,9 +25,9 @@ def main() -> None:
     # Heavy imports only after the config is known to be valid, so config mistakes fail within seconds.
     from nemo_rl.algorithms.grpo import grpo_train, setup
     from nemo_rl.data.datasets import setup_rl_data
-    from nemo_rl.data.tokenizer import get_policy_tokenizer
     from nemo_rl.distributed.device import cuda_available
     from nemo_rl.models.generation.factory import check_backend_available
+    from nemo_rl.models.tokenizer import get_policy_tokenizer
 
     # Fail before starting any worker when the backend cannot run here (vLLM without a GPU).
     check_backend_available(config.policy, cluster_has_gpus=cuda_available())

@@ -24,7 +24,7 @@ def main() -> None:
     # Heavy imports only after the config is known to be valid, so config mistakes fail within seconds.
     from nemo_rl.algorithms.sft import setup, sft_train
     from nemo_rl.data.datasets import setup_sft_data
-    from nemo_rl.data.tokenizer import get_policy_tokenizer
+    from nemo_rl.models.tokenizer import get_policy_tokenizer
 
     tokenizer = get_policy_tokenizer(config.policy)
     train_dataset, val_dataset = setup_sft_data(

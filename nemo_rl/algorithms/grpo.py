@@ -92,6 +92,7 @@ class GRPOSetup:
         self.logger.close()
         self.generation.shutdown()
         self.policy.shutdown()
+        self.refit_transport.shutdown()
         for env in self.task_to_env.values():
             ray.get(env.shutdown.remote(), timeout=_ENV_TIMEOUT_S)
             ray.kill(env)

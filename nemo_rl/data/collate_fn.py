@@ -64,7 +64,9 @@ def make_sft_collate_fn(
 ) -> Callable[[Sequence[DatumSpec]], BatchedDataDict[Any]]:
     """:func:`sft_collate_fn` bound to the tokenizer's pad token and a length limit, for a dataloader."""
     if tokenizer.pad_token_id is None:
-        raise ValueError("the tokenizer has no pad token: load it with nemo_rl.data.tokenizer.get_tokenizer")
+        raise ValueError(
+            "the tokenizer has no pad token: load it with nemo_rl.models.tokenizer.get_tokenizer"
+        )
     return functools.partial(
         sft_collate_fn, pad_token_id=tokenizer.pad_token_id, max_seq_length=max_seq_length
     )
@@ -103,7 +105,9 @@ def make_preference_collate_fn(
 ) -> Callable[[Sequence[DatumSpec]], BatchedDataDict[Any]]:
     """:func:`preference_collate_fn` bound to the tokenizer's pad token and a length limit."""
     if tokenizer.pad_token_id is None:
-        raise ValueError("the tokenizer has no pad token: load it with nemo_rl.data.tokenizer.get_tokenizer")
+        raise ValueError(
+            "the tokenizer has no pad token: load it with nemo_rl.models.tokenizer.get_tokenizer"
+        )
     return functools.partial(
         preference_collate_fn, pad_token_id=tokenizer.pad_token_id, max_seq_length=max_seq_length
     )

@@ -67,7 +67,7 @@ TINY_MAX_POSITION_EMBEDDINGS = 256
 def build_tiny_tokenizer(path: str | pathlib.Path) -> PreTrainedTokenizerFast:
     """Build the character-level tokenizer, save it in Hugging Face format under ``path`` and return it.
 
-    Load it back with :func:`nemo_rl.data.tokenizer.get_tokenizer` (``AutoTokenizer`` would rebuild it as a
+    Load it back with :func:`nemo_rl.models.tokenizer.get_tokenizer` (``AutoTokenizer`` would rebuild it as a
     Qwen2 tokenizer once it sits next to a Qwen2 model and lose its whitespace handling).
     """
     vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *CHARACTERS))}

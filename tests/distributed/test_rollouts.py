@@ -19,11 +19,11 @@ import torch
 from nemo_rl.config.env import EnvConfig, MathEnvConfig, NumberGuessingEnvConfig
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.data.llm_message_utils import format_message_log, message_log_token_ids, message_logs_to_batch
-from nemo_rl.data.tokenizer import get_policy_tokenizer
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.environments.games.number_guessing import game_prompt, new_game
 from nemo_rl.environments.registry import create_env
 from nemo_rl.experience.rollouts import run_multi_turn_rollout
+from nemo_rl.models.tokenizer import get_policy_tokenizer
 
 TINY_MODEL = Path(__file__).resolve().parents[2] / "examples" / "assets" / "tiny_qwen2_init"
 GAME = NumberGuessingEnvConfig(low=1, high=16, max_guesses=6)

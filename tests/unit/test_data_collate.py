@@ -18,7 +18,7 @@ from nemo_rl.data.interfaces import ChatMessage, DatumSpec, Record, TaskDataSpec
 from nemo_rl.data.llm_message_utils import message_log_token_ids
 from nemo_rl.data.processors import math_processor, preference_processor, sft_processor
 from nemo_rl.data.tiny import build_tiny_tokenizer, generate_arithmetic_problems
-from nemo_rl.data.tokenizer import get_tokenizer
+from nemo_rl.models.tokenizer import get_tokenizer
 
 SPEC = TaskDataSpec(
     task_name="math", prompt=None, system_prompt=None, add_bos=True, add_eos=True, add_generation_prompt=True

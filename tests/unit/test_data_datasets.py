@@ -24,7 +24,7 @@ from nemo_rl.data.datasets import (
 )
 from nemo_rl.data.llm_message_utils import message_log_token_ids
 from nemo_rl.data.tiny import build_tiny_tokenizer, generate_arithmetic_problems
-from nemo_rl.data.tokenizer import get_tokenizer
+from nemo_rl.models.tokenizer import get_tokenizer
 
 MATH_ROWS = generate_arithmetic_problems(20, seed=1)
 SQUAD_ROWS = [

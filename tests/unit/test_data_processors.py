@@ -22,7 +22,7 @@ from nemo_rl.data.llm_message_utils import (
 )
 from nemo_rl.data.processors import math_processor, sft_processor
 from nemo_rl.data.tiny import build_tiny_tokenizer
-from nemo_rl.data.tokenizer import get_tokenizer, resolve_chat_template
+from nemo_rl.models.tokenizer import get_tokenizer, resolve_chat_template
 
 CONVERSATION = [
     ChatMessage(role="system", content="Be brief."),

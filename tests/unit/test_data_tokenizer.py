@@ -10,7 +10,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config
 
 from nemo_rl.config.policy import PolicyConfig, TokenizerConfig
 from nemo_rl.data.tiny import build_tiny_tokenizer
-from nemo_rl.data.tokenizer import DEFAULT_CHAT_TEMPLATE, get_policy_tokenizer, get_tokenizer
+from nemo_rl.models.tokenizer import DEFAULT_CHAT_TEMPLATE, get_policy_tokenizer, get_tokenizer
 
 TEXT = "What is 12 + 7?\n  \\boxed{19}\tok"
 

@@ -22,7 +22,7 @@ from nemo_rl.data.tiny import (
     tiny_math_splits,
     write_tiny_math_jsonl,
 )
-from nemo_rl.data.tokenizer import get_tokenizer
+from nemo_rl.models.tokenizer import get_tokenizer
 
 ALL_CHARACTERS = "".join(CHARACTERS)
 

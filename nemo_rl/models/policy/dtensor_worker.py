@@ -38,7 +38,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from nemo_rl.algorithms.interfaces import LossFunction
-from nemo_rl.config.policy import PolicyConfig
+from nemo_rl.config.policy import PolicyConfig, TokenizerConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.device import (
     configure_worker_threads,
@@ -401,7 +401,7 @@ class DTensorPolicyWorker:
             self.model,
             path,
             PRECISION_DTYPES[self.cfg.precision],
-            self.tokenizer_source,
+            TokenizerConfig(name=self.tokenizer_source, chat_template=self.cfg.tokenizer.chat_template),
             self.cfg.trust_remote_code,
         )
 

@@ -24,11 +24,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from nemo_rl.config.policy import PolicyConfig
+from nemo_rl.config.policy import PolicyConfig, TokenizerConfig
 from nemo_rl.models.policy.parallelize import apply_fsdp, apply_tensor_parallel
 from nemo_rl.models.policy.utils import PRECISION_DTYPES
+from nemo_rl.models.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -104,13 +105,14 @@ def export_hf_checkpoint(
     model: nn.Module,
     path: str,
     dtype: torch.dtype,
-    tokenizer_source: str | None,
+    tokenizer_cfg: TokenizerConfig | None,
     trust_remote_code: bool,
 ) -> None:
     """Write ``model`` as a HF checkpoint at ``path``; a collective, rank 0 writes.
 
     The full state dict is gathered to rank 0's CPU, cast to ``dtype`` and saved as (sharded) safetensors
-    with the model's config and generation config, and the tokenizer from ``tokenizer_source`` if given.
+    with the model's config and generation config, and the tokenizer ``tokenizer_cfg`` names (with its chat
+    template override) if given.
     """
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
@@ -128,8 +130,10 @@ def export_hf_checkpoint(
         generation_config = getattr(model, "generation_config", None)
         if generation_config is not None:
             generation_config.save_pretrained(path)
-        if tokenizer_source is not None:
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer_source, trust_remote_code=trust_remote_code)
+        if tokenizer_cfg is not None:
+            # Through get_tokenizer, not AutoTokenizer: AutoTokenizer swaps in the model family's tokenizer
+            # class (e.g. Qwen2Tokenizer for qwen2 checkpoints), which silently mangles custom tokenizers.
+            tokenizer = get_tokenizer(tokenizer_cfg, model_name=None, trust_remote_code=trust_remote_code)
             tokenizer.save_pretrained(path)
         logger.info("exported a Hugging Face checkpoint with %d tensors to %s", len(tensors), path)
     del state

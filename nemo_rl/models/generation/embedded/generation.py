@@ -65,7 +65,7 @@ class EmbeddedGeneration:
             )
         if tokenizer.pad_token_id is None:
             raise ValueError(
-                "the tokenizer has no pad token; load it with nemo_rl.data.tokenizer.get_tokenizer"
+                "the tokenizer has no pad token; load it with nemo_rl.models.tokenizer.get_tokenizer"
             )
         self.cfg = cfg
         self.pad_token_id = int(tokenizer.pad_token_id)

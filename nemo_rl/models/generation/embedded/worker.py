@@ -68,7 +68,7 @@ class EmbeddedGenerationWorker:
         configure_worker_threads()
         if tokenizer.pad_token_id is None:
             raise ValueError(
-                "the tokenizer has no pad token; load it with nemo_rl.data.tokenizer.get_tokenizer"
+                "the tokenizer has no pad token; load it with nemo_rl.models.tokenizer.get_tokenizer"
             )
         self.cfg = cfg
         self.tokenizer = tokenizer
