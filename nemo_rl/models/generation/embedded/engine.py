@@ -95,27 +95,42 @@ class EngineOutput:
     """``[B]`` bool, the sequence ran out of budget (max_new_tokens or max sequence length) without a stop."""
 
 
+def _candidates(
+    logits_BV: torch.Tensor, top_k: int | None, top_p: float
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Tokens surviving top-k then top-p: ``(logits [B, C], token ids [B, C])`` in descending order, dropped
+    ones at ``-inf``; ``None`` when neither filter is active.
+
+    With top-k only the ``top_k`` best are ranked (a partial selection, cheap on large vocabularies).
+    """
+    use_top_k = top_k is not None and top_k < logits_BV.shape[-1]
+    if not use_top_k and top_p >= 1.0:
+        return None
+    if use_top_k:
+        values_BC, tokens_BC = torch.topk(logits_BV, top_k, dim=-1)  # type: ignore[arg-type]
+    else:
+        values_BC, tokens_BC = torch.sort(logits_BV, dim=-1, descending=True)
+    if top_p < 1.0:
+        probs_BC = torch.softmax(values_BC, dim=-1)
+        mass_before_BC = torch.cumsum(probs_BC, dim=-1) - probs_BC
+        drop_BC = mass_before_BC >= top_p
+        drop_BC[:, 0] = False
+        values_BC = values_BC.masked_fill(drop_BC, float("-inf"))
+    return values_BC, tokens_BC
+
+
 def filter_top_k_top_p(logits_BV: torch.Tensor, top_k: int | None, top_p: float) -> torch.Tensor:
     """Set the logits of tokens outside the top-k and then outside the top-p nucleus to ``-inf``.
 
-    Top-k keeps the ``top_k`` largest logits (ties broken by position). Top-p then works on the distribution
+    Top-k keeps the ``top_k`` largest logits (ties broken arbitrarily). Top-p then works on the distribution
     renormalised after top-k and keeps the smallest prefix of the descending order whose probability mass
     reaches ``top_p``; the most likely token is always kept.
     """
-    num_vocab = logits_BV.shape[-1]
-    use_top_k = top_k is not None and top_k < num_vocab
-    if not use_top_k and top_p >= 1.0:
+    candidates = _candidates(logits_BV, top_k, top_p)
+    if candidates is None:
         return logits_BV
-    sorted_logits, order = torch.sort(logits_BV, dim=-1, descending=True, stable=True)
-    if use_top_k:
-        sorted_logits[:, top_k:] = float("-inf")
-    if top_p < 1.0:
-        probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = torch.cumsum(probs, dim=-1) - probs
-        drop = mass_before >= top_p
-        drop[:, 0] = False
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits_BV).scatter_(-1, order, sorted_logits)
+    values_BC, tokens_BC = candidates
+    return torch.full_like(logits_BV, float("-inf")).scatter_(-1, tokens_BC, values_BC)
 
 
 def sample_tokens(
@@ -125,7 +140,11 @@ def sample_tokens(
     greedy: bool,
     generator: torch.Generator | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick the next token of each row; return it ``[B]`` and its log-prob ``[B]`` (see the module docstring)."""
+    """Pick the next token of each row; return it ``[B]`` and its log-prob ``[B]`` (see the module docstring).
+
+    Sampling draws from the top-k/top-p filtered distribution, renormalised; the returned log-prob is that
+    of the unfiltered distribution at the sampling temperature.
+    """
     logits_BV = logits_BV.float()
     if greedy:
         tokens_B = logits_BV.argmax(dim=-1)
@@ -133,9 +152,13 @@ def sample_tokens(
     else:
         scaled_BV = logits_BV / params.temperature if params.temperature != 1.0 else logits_BV
         logprobs_BV = torch.log_softmax(scaled_BV, dim=-1)
-        filtered_BV = filter_top_k_top_p(scaled_BV, params.top_k, params.top_p)
-        probs_BV = logprobs_BV.exp() if filtered_BV is scaled_BV else torch.softmax(filtered_BV, dim=-1)
-        tokens_B = torch.multinomial(probs_BV, 1, generator=generator).squeeze(1)
+        candidates = _candidates(scaled_BV, params.top_k, params.top_p)
+        if candidates is None:
+            tokens_B = torch.multinomial(logprobs_BV.exp(), 1, generator=generator).squeeze(1)
+        else:
+            values_BC, tokens_BC = candidates
+            picked_B1 = torch.multinomial(torch.softmax(values_BC, dim=-1), 1, generator=generator)
+            tokens_B = tokens_BC.gather(1, picked_B1).squeeze(1)
     return tokens_B, logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)
 
 

@@ -190,13 +190,11 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding in the half-split layout; ``cos``/``sin`` hold ``D / 2`` frequencies and broadcast.
+    """Rotary embedding in the half-split layout, with full-width tables ``cos = [c, c]``, ``sin = [-s, s]``.
 
-    Equal, operation for operation, to Hugging Face's ``x * cos + rotate_half(x) * sin``.
+    Equal, bit for bit, to Hugging Face's ``x * cos + rotate_half(x) * sin`` (negation is exact), in four ops.
     """
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin
 
 
 class KVCache:
@@ -421,12 +419,14 @@ class DecoderLM:
     # Forward passes.
 
     def _build_rope_table(self, num_positions: int) -> None:
-        """cos/sin ``[P, D / 2]`` for positions ``0..P-1``, computed in fp32 as Hugging Face does, then cast."""
+        """Tables ``[P, D]`` for positions ``0..P-1``: ``[cos, cos]`` and ``[-sin, sin]`` (see :func:`_rotate`),
+        computed in fp32 as Hugging Face does, then cast."""
         inv_freq, scaling = self.arch.rope_inv_freq()
         inv_freq = inv_freq.to(self.device)
         freqs = torch.arange(num_positions, device=self.device).float()[:, None] * inv_freq[None, :]
-        self._rope_cos = (freqs.cos() * scaling).to(self.dtype)
-        self._rope_sin = (freqs.sin() * scaling).to(self.dtype)
+        cos, sin = (freqs.cos() * scaling).to(self.dtype), (freqs.sin() * scaling).to(self.dtype)
+        self._rope_cos = torch.cat((cos, cos), dim=-1)
+        self._rope_sin = torch.cat((-sin, sin), dim=-1)
 
     def ensure_positions(self, num_positions: int) -> None:
         """Make the rotary table cover positions ``0..num_positions-1``."""
@@ -458,7 +458,7 @@ class DecoderLM:
         a = self.arch
         num_rows, num_tokens = input_ids_BT.shape
         self.ensure_positions(num_tokens)
-        cos = self._rope_cos[:num_tokens, None, :]  # [T, 1, D/2] broadcasting over heads
+        cos = self._rope_cos[:num_tokens, None, :]  # [T, 1, D] broadcasting over heads
         sin = self._rope_sin[:num_tokens, None, :]
         x = F.embedding(input_ids_BT, self._embed)
         for layer, w in enumerate(self._layers):
@@ -506,7 +506,7 @@ class DecoderLM:
         a = self.arch
         num_rows = tokens_B.shape[0]
         rows = torch.arange(num_rows, device=tokens_B.device)
-        cos = self._rope_cos[positions_B][:, None, :]  # [B, 1, D/2]
+        cos = self._rope_cos[positions_B][:, None, :]  # [B, 1, D]
         sin = self._rope_sin[positions_B][:, None, :]
         # Boolean mask [B, 1, 1, P]: a row attends to its own positions 0..positions_B[b].
         span = torch.arange(num_positions, device=tokens_B.device)
