@@ -117,6 +117,19 @@ def test_replicas_return_rows_in_input_order(
     assert out["output_ids"].shape[1] >= data["input_ids"].shape[1] + int(out["generation_lengths"].max())
 
 
+def test_fewer_rows_than_replicas(
+    generation: GenerationInterface, assets: tuple[Path, PreTrainedTokenizerBase]
+) -> None:
+    _, tokenizer = assets
+    single = prompt_batch(tokenizer, TEXTS[2:3])
+    out = generation.generate(single, greedy=True)
+    assert out.size == 1
+    full = generation.generate(prompt_batch(tokenizer, TEXTS), greedy=True)
+    end = int(out["unpadded_sequence_lengths"][0])
+    assert end == int(full["unpadded_sequence_lengths"][2])
+    assert torch.equal(out["output_ids"][0, :end], full["output_ids"][2, :end])
+
+
 def test_sampling_logprobs_match_hf_and_calls_draw_fresh_samples(
     generation: GenerationInterface, assets: tuple[Path, PreTrainedTokenizerBase]
 ) -> None:
