@@ -299,7 +299,8 @@ class EmbeddedEngine:
         max_prompt = int(lengths_B.max())
         num_positions = int((lengths_B + budget_B).max())
         cache = self._cache_for(num_seqs, max(num_positions, max_prompt))
-        model.ensure_positions(num_positions)
+        # Finished rows still in the batch keep advancing up to the cache's last position.
+        model.ensure_positions(cache.num_positions)
         generator = None
         if not greedy:
             generator = torch.Generator(device=device)

@@ -1,0 +1,322 @@
+"""Pure conversions between nemo_rl's generation contract and vLLM's objects.
+
+Nothing here imports vLLM: the worker hands in vLLM's ``SamplingParams`` class and the ``CompletionOutput``
+objects vLLM returns, so every conversion runs (and is tested) on a machine without vLLM or a GPU.
+
+Legend: ``B`` rows of a batch, ``T`` input width, ``T'`` output width.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from nemo_rl.config.policy import GenerationConfig, PolicyConfig
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.models.generation.interfaces import WeightManifestDict
+from nemo_rl.weight_sync.manifest import dtype_name
+
+WORKER_EXTENSION_CLS = "nemo_rl.models.generation.vllm.worker_extension.VllmWorkerExtension"
+"""Import path vLLM resolves in its worker process to add nemo_rl's refit methods to its GPU worker."""
+
+LOAD_WEIGHTS_RPC = "nemo_rl_load_hf_weights"
+"""The :class:`~nemo_rl.models.generation.vllm.worker_extension.VllmWorkerExtension` method refit calls."""
+
+LOGPROBS_MODE = "processed_logprobs"
+"""vLLM returns log-probs after temperature (and top-k/top-p masking), not of the raw logits, so sampled
+tokens' log-probs match what the policy computes at the sampling temperature."""
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+
+# Per-request seeds stay below 2**31: vLLM keeps them in fixed-width integer tensors.
+_SEED_MODULUS = 2**31
+# Mixes (call seed, dp rank, row) into one request seed; a large odd multiplier keeps them apart.
+_SEED_MIX = 1_000_003
+
+
+def check_vllm_config(cfg: PolicyConfig) -> None:
+    """Raise a ``ValueError`` naming the fix for ``policy.generation.vllm_cfg`` settings this backend lacks."""
+    vllm_cfg = cfg.generation.vllm_cfg
+    if vllm_cfg.pipeline_parallel_size != 1:
+        raise ValueError(
+            f"policy.generation.vllm_cfg.pipeline_parallel_size={vllm_cfg.pipeline_parallel_size}: nemo_rl "
+            "runs vLLM ranks as SPMD workers, which vLLM supports with tensor parallelism only; set it to 1 "
+            "and use policy.generation.vllm_cfg.tensor_parallel_size"
+        )
+    if vllm_cfg.async_engine:
+        raise ValueError(
+            "policy.generation.vllm_cfg.async_engine=true is not supported by nemo_rl's vLLM backend "
+            "(it drives vLLM's synchronous LLM engine); set it to false"
+        )
+    if vllm_cfg.max_model_len is not None and vllm_cfg.max_model_len < 2:
+        raise ValueError(
+            f"policy.generation.vllm_cfg.max_model_len={vllm_cfg.max_model_len} leaves no room for a prompt "
+            "and a response; raise it or leave it unset (null) to use policy.max_total_sequence_length"
+        )
+
+
+def max_sequence_length(cfg: PolicyConfig) -> int:
+    """Longest prompt + response a vLLM worker produces: ``policy.max_total_sequence_length``, capped by
+    ``vllm_cfg.max_model_len`` when that is set lower."""
+    max_model_len = cfg.generation.vllm_cfg.max_model_len
+    if max_model_len is None:
+        return cfg.max_total_sequence_length
+    return min(cfg.max_total_sequence_length, max_model_len)
+
+
+def engine_kwargs(cfg: PolicyConfig, *, model: str, tokenizer: str, seed: int) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.LLM`` for the ``policy`` section ``cfg``.
+
+    ``model`` / ``tokenizer`` are hub names or local folders; ``seed`` must be the same on every rank of a
+    tensor-parallel group (each rank samples the same tokens independently).
+    """
+    vllm_cfg = cfg.generation.vllm_cfg
+    kwargs: dict[str, Any] = {
+        "model": model,
+        "tokenizer": tokenizer,
+        "trust_remote_code": cfg.trust_remote_code,
+        "dtype": vllm_cfg.precision,
+        "tensor_parallel_size": vllm_cfg.tensor_parallel_size,
+        "pipeline_parallel_size": vllm_cfg.pipeline_parallel_size,
+        "gpu_memory_utilization": vllm_cfg.gpu_memory_utilization,
+        "max_model_len": vllm_cfg.max_model_len or cfg.max_total_sequence_length,
+        "enforce_eager": vllm_cfg.enforce_eager,
+        "seed": seed,
+        "worker_extension_cls": WORKER_EXTENSION_CLS,
+        "logprobs_mode": LOGPROBS_MODE,
+        # Sleep mode allocates weights and KV cache from vLLM's own pool so that `sleep` can hand the GPU to
+        # the colocated policy; a non-colocated engine never sleeps.
+        "enable_sleep_mode": cfg.generation.colocated.enabled,
+    }
+    if vllm_cfg.tensor_parallel_size > 1:
+        # Every rank is its own Ray actor (one per bundle), joined by torch.distributed from the worker
+        # group's RANK / WORLD_SIZE: vLLM's torchrun-style SPMD mode. Ray shows each actor only its own GPU,
+        # and the custom all-reduce kernel needs to open its peers' GPUs, so TP all-reduces use NCCL.
+        kwargs["distributed_executor_backend"] = "external_launcher"
+        kwargs["disable_custom_all_reduce"] = True
+    return kwargs
+
+
+def prompt_token_ids(input_ids_BT: torch.Tensor, input_lengths_B: torch.Tensor) -> list[list[int]]:
+    """The prompts of a right-padded batch as token id lists (padding dropped)."""
+    return [row[:length].tolist() for row, length in zip(input_ids_BT, input_lengths_B.tolist(), strict=True)]
+
+
+def generation_budgets(input_lengths_B: torch.Tensor, max_new_tokens: int, max_sequence_length: int) -> list[int]:
+    """Most tokens each row may generate: ``max_new_tokens``, less when the sequence limit is closer (>= 0)."""
+    return [max(0, min(max_new_tokens, max_sequence_length - length)) for length in input_lengths_B.tolist()]
+
+
+def request_seeds(seed: int, dp_rank: int, num_rows: int) -> list[int]:
+    """One sampling seed per row, from the driver's per-call ``seed``, the replica and the row."""
+    return [((seed * _SEED_MIX + dp_rank) * _SEED_MIX + row) % _SEED_MODULUS for row in range(num_rows)]
+
+
+def row_stop_strings(
+    configured: Sequence[str] | None, per_row: Sequence[Sequence[str] | None] | None, num_rows: int
+) -> list[list[str]]:
+    """Each row's stop strings: the configured ones then the row's own, without repeats."""
+    if per_row is not None and len(per_row) != num_rows:
+        raise ValueError(f"stop_strings has {len(per_row)} entries for {num_rows} rows")
+    rows = [
+        list(dict.fromkeys([*(configured or ()), *((per_row[b] or ()) if per_row is not None else ())]))
+        for b in range(num_rows)
+    ]
+    if any(stop == "" for row in rows for stop in row):
+        raise ValueError("stop strings must be non-empty")
+    return rows
+
+
+def sampling_params_for_rows(
+    sampling_params_cls: Any,
+    gen_cfg: GenerationConfig,
+    *,
+    budgets: Sequence[int],
+    stop_strings: Sequence[Sequence[str] | None] | None,
+    stop_token_ids: Sequence[int],
+    greedy: bool,
+    seeds: Sequence[int],
+) -> list[Any | None]:
+    """One ``sampling_params_cls`` (``vllm.SamplingParams``) per row; ``None`` for rows with no budget.
+
+    Greedy rows take temperature 0 (vLLM's greedy decoding) with no top-k/top-p and no seed. Sampled rows
+    use ``policy.generation``'s temperature, top-p and top-k (``-1`` = off) with their own seed, so a call
+    replays exactly whatever else vLLM batches with it. Every row asks for ``logprobs=0``: only the sampled
+    token's log-prob. Stop tokens and stop strings stay in the output (the contract counts them).
+    """
+    if len(budgets) != len(seeds):
+        raise ValueError(f"got {len(budgets)} budgets for {len(seeds)} seeds")
+    stops = row_stop_strings(gen_cfg.stop_strings, stop_strings, len(budgets))
+    params: list[Any | None] = []
+    for budget, row_stops, seed in zip(budgets, stops, seeds, strict=True):
+        if budget <= 0:
+            params.append(None)
+            continue
+        params.append(
+            sampling_params_cls(
+                n=1,
+                max_tokens=budget,
+                temperature=0.0 if greedy else gen_cfg.temperature,
+                top_p=1.0 if greedy else gen_cfg.top_p,
+                top_k=-1 if greedy or gen_cfg.top_k is None else gen_cfg.top_k,
+                seed=None if greedy else seed,
+                stop_token_ids=list(stop_token_ids),
+                stop=row_stops or None,
+                include_stop_str_in_output=True,
+                logprobs=0,
+            )
+        )
+    return params
+
+
+class _LogprobLike(Protocol):
+    logprob: float
+
+
+class CompletionLike(Protocol):
+    """What :func:`assemble_outputs` reads of a vLLM ``CompletionOutput``."""
+
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+
+    @property
+    def logprobs(self) -> Sequence[Mapping[int, _LogprobLike]] | None: ...
+
+    @property
+    def finish_reason(self) -> str | None: ...
+
+
+def _sampled_logprobs(row: int, completion: CompletionLike, token_ids: list[int]) -> list[float]:
+    """The sampled tokens' log-probs of one completion (vLLM's ``list[dict]`` or ``FlatLogprobs``)."""
+    positions = completion.logprobs
+    if positions is None:
+        raise RuntimeError(f"vLLM returned no logprobs for row {row}; the request must set logprobs=0")
+    if len(positions) != len(token_ids):
+        raise RuntimeError(
+            f"vLLM returned {len(positions)} logprob positions for the {len(token_ids)} tokens of row {row}"
+        )
+    values = []
+    for step, token in enumerate(token_ids):
+        candidates = positions[step]
+        if token not in candidates:
+            raise RuntimeError(f"vLLM's logprobs for row {row}, step {step} lack the sampled token {token}")
+        values.append(float(candidates[token].logprob))
+    return values
+
+
+def assemble_outputs(
+    input_ids_BT: torch.Tensor,
+    input_lengths_B: torch.Tensor,
+    completions: Sequence[CompletionLike | None],
+    pad_token_id: int,
+) -> BatchedDataDict[Any]:
+    """The generation contract's output batch from one vLLM completion per row (``None``: no budget).
+
+    ``output_ids[b]`` holds the prompt, the generated tokens right after it, then ``pad_token_id``;
+    ``logprobs`` the sampled tokens' log-probs at the same positions (0 elsewhere). A row without a
+    completion generated nothing and counts as truncated (its prompt already fills the sequence limit);
+    a completion that finished for ``"length"`` ran out of budget.
+    """
+    num_rows, input_width = input_ids_BT.shape
+    if len(completions) != num_rows:
+        raise ValueError(f"got {len(completions)} completions for {num_rows} rows")
+    tokens: list[list[int]] = []
+    logprobs: list[list[float]] = []
+    truncated: list[bool] = []
+    for row, completion in enumerate(completions):
+        if completion is None:
+            tokens.append([])
+            logprobs.append([])
+            truncated.append(True)
+            continue
+        if completion.finish_reason not in (FINISH_STOP, FINISH_LENGTH):
+            raise RuntimeError(
+                f"vLLM finished row {row} with reason {completion.finish_reason!r}; expected "
+                f"{FINISH_STOP!r} or {FINISH_LENGTH!r} (was the request aborted?)"
+            )
+        row_tokens = [int(t) for t in completion.token_ids]
+        tokens.append(row_tokens)
+        logprobs.append(_sampled_logprobs(row, completion, row_tokens))
+        truncated.append(completion.finish_reason == FINISH_LENGTH)
+
+    generation_lengths_B = torch.tensor([len(t) for t in tokens], dtype=torch.long)
+    lengths_B = input_lengths_B.to(dtype=torch.long, device="cpu")
+    width = input_width + (int(generation_lengths_B.max()) if num_rows else 0)
+    output_ids_BT = torch.full((num_rows, width), pad_token_id, dtype=torch.long)
+    logprobs_BT = torch.zeros((num_rows, width), dtype=torch.float32)
+    for row in range(num_rows):
+        start = int(lengths_B[row])
+        end = start + len(tokens[row])
+        output_ids_BT[row, :start] = input_ids_BT[row, :start].to(torch.long)
+        output_ids_BT[row, start:end] = torch.tensor(tokens[row], dtype=torch.long)
+        logprobs_BT[row, start:end] = torch.tensor(logprobs[row], dtype=torch.float32)
+    return BatchedDataDict(
+        output_ids=output_ids_BT,
+        logprobs=logprobs_BT,
+        generation_lengths=generation_lengths_B,
+        unpadded_sequence_lengths=lengths_B + generation_lengths_B,
+        truncated=torch.tensor(truncated, dtype=torch.bool),
+    )
+
+
+def empty_output(input_width: int) -> BatchedDataDict[Any]:
+    """The output batch of a shard with no rows (a replica that got no data)."""
+    return BatchedDataDict(
+        output_ids=torch.zeros((0, input_width), dtype=torch.long),
+        logprobs=torch.zeros((0, input_width), dtype=torch.float32),
+        generation_lengths=torch.zeros(0, dtype=torch.long),
+        unpadded_sequence_lengths=torch.zeros(0, dtype=torch.long),
+        truncated=torch.zeros(0, dtype=torch.bool),
+    )
+
+
+def hf_weights_manifest(
+    config: PretrainedConfig, dtype: torch.dtype, *, trust_remote_code: bool
+) -> WeightManifestDict:
+    """``{hf_name: (full shape, dtype name)}`` of the weights a policy sends for the model of ``config``.
+
+    The model is built on the meta device (no memory, no weights): its parameters (a tied output
+    embedding appears once, under the input embedding's name) and persistent buffers, exactly what a
+    policy's Hugging Face state streams. Floating-point weights travel in ``dtype`` (the generation dtype).
+    """
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    manifest: WeightManifestDict = {
+        name: (tuple(param.shape), dtype_name(dtype)) for name, param in model.named_parameters()
+    }
+    for module_name, module in model.named_modules():
+        for name, buffer in module._buffers.items():
+            if buffer is None or name in module._non_persistent_buffers_set:
+                continue
+            full_name = f"{module_name}.{name}" if module_name else name
+            wire_dtype = dtype if buffer.is_floating_point() else buffer.dtype
+            manifest[full_name] = (tuple(buffer.shape), dtype_name(wire_dtype))
+    return manifest
+
+
+def check_named_tensors(
+    manifest: WeightManifestDict, named_tensors: Sequence[tuple[str, torch.Tensor]]
+) -> list[str]:
+    """Problems (empty when none) of a full weight update against ``manifest``: every expected weight once,
+    nothing else, each with its full shape. Dtypes are not checked: loading casts to the engine's dtype."""
+    problems = []
+    counts = Counter(name for name, _ in named_tensors)
+    names = set(counts)
+    repeated = sorted(name for name, count in counts.items() if count > 1)
+    missing = sorted(set(manifest) - names)
+    unexpected = sorted(names - set(manifest))
+    if repeated:
+        problems.append(f"weights given more than once: {repeated[:10]}")
+    if missing:
+        problems.append(f"{len(missing)} expected weights are missing: {missing[:10]}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} weights are not part of the generation model: {unexpected[:10]}")
+    for name, tensor in named_tensors:
+        if name in manifest and tuple(tensor.shape) != tuple(manifest[name][0]):
+            problems.append(f"{name}: shape {tuple(tensor.shape)} given, {tuple(manifest[name][0])} expected")
+    return problems
