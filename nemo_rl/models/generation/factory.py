@@ -44,9 +44,10 @@ def create_generation(
     """
     check_backend_available(cfg, cluster.use_gpus)
     if cfg.generation.backend == "vllm":
-        raise NotImplementedError(
-            "policy.generation.backend=vllm: the vLLM generation backend is not part of this release yet; "
-            "run with policy.generation.backend=embedded (the pure-torch engine, on CPU or GPU)"
+        from nemo_rl.models.generation.vllm.generation import VllmGeneration
+
+        return VllmGeneration(
+            cluster, cfg, tokenizer, seed=seed, bundle_indices=bundle_indices, model_path=model_path
         )
     from nemo_rl.models.generation.embedded.generation import EmbeddedGeneration
 
