@@ -107,7 +107,9 @@ def prompt_token_ids(input_ids_BT: torch.Tensor, input_lengths_B: torch.Tensor) 
     return [row[:length].tolist() for row, length in zip(input_ids_BT, input_lengths_B.tolist(), strict=True)]
 
 
-def generation_budgets(input_lengths_B: torch.Tensor, max_new_tokens: int, max_sequence_length: int) -> list[int]:
+def generation_budgets(
+    input_lengths_B: torch.Tensor, max_new_tokens: int, max_sequence_length: int
+) -> list[int]:
     """Most tokens each row may generate: ``max_new_tokens``, less when the sequence limit is closer (>= 0)."""
     return [max(0, min(max_new_tokens, max_sequence_length - length)) for length in input_lengths_B.tolist()]
 

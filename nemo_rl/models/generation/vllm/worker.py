@@ -1,0 +1,217 @@
+"""One vLLM rank, run as a Ray actor by :class:`~nemo_rl.distributed.worker_groups.RayWorkerGroup`.
+
+Each actor owns the GPU of its bundle and builds a ``vllm.LLM`` in its own process (vLLM's engine core and
+GPU worker included: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). With ``vllm_cfg.tensor_parallel_size > 1`` the
+actors of one data-parallel group are the ranks of one tensor-parallel engine: they join a torch.distributed
+world from the worker group's ``RANK`` / ``WORLD_SIZE`` (laid out (dp, tp) row-major, as vLLM's external
+launcher expects), receive the same prompts and seeds, and sample the same tokens.
+
+vLLM is imported in the constructor only, so this module imports on machines without vLLM.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, PreTrainedTokenizerBase
+
+from nemo_rl.config.policy import PolicyConfig
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.distributed.device import (
+    configure_worker_threads,
+    cuda_available,
+    get_device,
+    init_process_group_from_env,
+)
+from nemo_rl.models.generation.embedded.worker import eos_token_ids
+from nemo_rl.models.generation.interfaces import WeightManifestDict, check_generation_input
+from nemo_rl.models.generation.vllm.convert import (
+    LOAD_WEIGHTS_RPC,
+    assemble_outputs,
+    check_named_tensors,
+    check_vllm_config,
+    empty_output,
+    engine_kwargs,
+    generation_budgets,
+    hf_weights_manifest,
+    max_sequence_length,
+    prompt_token_ids,
+    request_seeds,
+    sampling_params_for_rows,
+)
+from nemo_rl.weight_sync.interfaces import TransferStats, WeightReceiver
+from nemo_rl.weight_sync.manifest import dtype_from_name
+
+logger = logging.getLogger(__name__)
+
+# vLLM's memory pools, as named by `LLM.sleep` / `LLM.wake_up(tags=...)`.
+WEIGHTS_TAG = "weights"
+KV_CACHE_TAG = "kv_cache"
+
+
+class VllmGenerationWorker:
+    """A Ray actor holding one rank of a vLLM engine.
+
+    Args:
+        cfg: the ``policy`` section (model, sampling settings, ``generation.vllm_cfg``, sequence limits).
+        tokenizer: the policy's tokenizer, for the pad and EOS ids.
+        seed: the engine seed, equal on every rank (tensor-parallel ranks must sample alike).
+        model_path: a local Hugging Face checkpoint folder overriding ``cfg.model_name``.
+    """
+
+    def __init__(
+        self,
+        cfg: PolicyConfig,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        seed: int,
+        model_path: str | None = None,
+    ) -> None:
+        configure_worker_threads()
+        check_vllm_config(cfg)
+        if tokenizer.pad_token_id is None:
+            raise ValueError(
+                "the tokenizer has no pad token; load it with nemo_rl.models.tokenizer.get_tokenizer"
+            )
+        self.cfg = cfg
+        self.pad_token_id = int(tokenizer.pad_token_id)
+        self.dp_rank = int(os.environ.get("NEMO_RL_DP_RANK", "0"))
+        self.colocated = cfg.generation.colocated.enabled
+        self.max_sequence_length = max_sequence_length(cfg)
+        self.model_source = model_path or cfg.model_name
+        local_dir = Path(self.model_source).expanduser()
+        self.stop_token_ids = sorted(
+            {
+                *eos_token_ids(tokenizer, local_dir if local_dir.is_dir() else None),
+                *(cfg.generation.stop_token_ids or []),
+            }
+        )
+        hf_config = AutoConfig.from_pretrained(self.model_source, trust_remote_code=cfg.trust_remote_code)
+        self._manifest = hf_weights_manifest(
+            hf_config,
+            dtype_from_name(cfg.generation.vllm_cfg.precision),
+            trust_remote_code=cfg.trust_remote_code,
+        )
+        # Pools (vLLM sleep-mode tags) currently released; the engine starts awake.
+        self._asleep: set[str] = set()
+        self._sampling_params_cls: Any = None
+        self.llm: Any = self._start_engine(seed)
+        logger.info(
+            "vLLM generation rank %s (dp rank %d): %s in %s, tensor parallel %d",
+            os.environ.get("RANK", "0"),
+            self.dp_rank,
+            self.model_source,
+            cfg.generation.vllm_cfg.precision,
+            cfg.generation.vllm_cfg.tensor_parallel_size,
+        )
+
+    def _start_engine(self, seed: int) -> Any:
+        """Build the ``vllm.LLM`` (and remember vLLM's ``SamplingParams`` class)."""
+        # In-process engine: collective_rpc then hands the refit stream to vLLM's worker without pickling.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if self.cfg.generation.vllm_cfg.tensor_parallel_size > 1:
+            if not cuda_available():
+                raise RuntimeError("vLLM tensor parallelism needs a CUDA GPU in every generation worker")
+            # vLLM's external launcher picks its GPU by LOCAL_RANK; Ray shows this actor only its own GPU.
+            os.environ["LOCAL_RANK"] = str(get_device().index)
+            init_process_group_from_env()
+        import vllm
+
+        self._sampling_params_cls = vllm.SamplingParams
+        tokenizer_source = self.cfg.tokenizer.name or self.model_source
+        return vllm.LLM(
+            **engine_kwargs(self.cfg, model=self.model_source, tokenizer=tokenizer_source, seed=seed)
+        )
+
+    # ---------------------------------------------------------------------------------------- generate
+    def generate(self, data: BatchedDataDict[Any], greedy: bool, seed: int) -> BatchedDataDict[Any]:
+        """Generate for this replica's shard (see ``GenerationInterface.generate``); ``seed`` is the driver's
+        per-call seed. vLLM batches the whole shard itself (``policy.generation_batch_size`` does not apply)."""
+        if data.size == 0:
+            return empty_output(data["input_ids"].shape[1] if "input_ids" in data else 0)
+        check_generation_input(data)
+        input_ids, input_lengths = data["input_ids"], data["input_lengths"]
+        params = sampling_params_for_rows(
+            self._sampling_params_cls,
+            self.cfg.generation,
+            budgets=generation_budgets(input_lengths, self.cfg.max_new_tokens, self.max_sequence_length),
+            stop_strings=data.get("stop_strings"),
+            stop_token_ids=self.stop_token_ids,
+            greedy=greedy,
+            seeds=request_seeds(seed, self.dp_rank, data.size),
+        )
+        prompts = prompt_token_ids(input_ids, input_lengths)
+        # Rows whose prompt already fills the sequence limit get no request (vLLM needs max_tokens >= 1).
+        rows = [row for row, row_params in enumerate(params) if row_params is not None]
+        completions: list[Any] = [None] * data.size
+        if rows:
+            outputs = self.llm.generate(
+                [{"prompt_token_ids": prompts[row]} for row in rows],
+                [params[row] for row in rows],
+                use_tqdm=False,
+            )
+            if len(outputs) != len(rows):
+                raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(rows)} prompts")
+            for row, output in zip(rows, outputs, strict=True):
+                completions[row] = output.outputs[0]
+        return assemble_outputs(input_ids, input_lengths, completions, self.pad_token_id)
+
+    def _wake(self, tags: set[str]) -> None:
+        """Bring back the released pools among ``tags`` (vLLM warns and does nothing for awake ones)."""
+        sleeping = sorted(self._asleep & tags)
+        if sleeping:
+            self.llm.wake_up(tags=sleeping)
+            self._asleep.difference_update(sleeping)
+
+    def prepare_for_generation(self) -> None:
+        """Bring the weights and the KV cache back onto the GPU after :meth:`finish_generation`."""
+        self._wake({WEIGHTS_TAG, KV_CACHE_TAG})
+
+    def finish_generation(self) -> None:
+        """Colocated: hand the GPU to the policy (weights offloaded to host memory, KV cache dropped).
+        A non-colocated engine keeps its GPU."""
+        if self.colocated and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = {WEIGHTS_TAG, KV_CACHE_TAG}
+
+    # ------------------------------------------------------------------------------- refit receiver
+    def expected_weights_manifest(self) -> WeightManifestDict:
+        """``{hf_name: (full shape, dtype name)}`` of every weight a refit must deliver."""
+        return dict(self._manifest)
+
+    def load_hf_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load a stream of Hugging Face-named full tensors into the engine (the refit ``LoadFn``)."""
+        self._load(named_tensors)
+
+    def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        # Loading writes into the weight pool, so it must be mapped; the KV cache may stay released.
+        self._wake({WEIGHTS_TAG})
+        num_bytes = sum(self.llm.collective_rpc(LOAD_WEIGHTS_RPC, args=(iter(named_tensors),)))
+        # Cached prefixes hold keys and values computed with the old weights.
+        self.llm.reset_prefix_cache()
+        return int(num_bytes)
+
+    def load_weights_from_stream(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load a full set of weights (each expected weight exactly once); return the bytes loaded."""
+        tensors = list(named_tensors)
+        problems = check_named_tensors(self._manifest, tensors)
+        if problems:
+            raise ValueError("the weight update does not fit the vLLM model:\n  " + "\n  ".join(problems))
+        return self._load(tensors)
+
+    def refit_receive(self, receiver: WeightReceiver) -> TransferStats:
+        """The generation side of a refit: receive, check and load the weights (``nemo_rl.weight_sync``)."""
+        return receiver.receive(self.load_hf_weights, self._manifest)
+
+    def shutdown(self) -> None:
+        """Drop the engine and free its GPU memory."""
+        del self.llm
+        gc.collect()
+        if cuda_available():
+            torch.cuda.empty_cache()
