@@ -23,6 +23,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM
 
 import nemo_rl.models.generation.vllm.worker as worker_module
+from nemo_rl.config.errors import UserError
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.data.tiny import build_tiny_tokenizer
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
@@ -104,7 +105,7 @@ def test_engine_kwargs_tensor_parallel_and_not_colocated() -> None:
     ],
 )
 def test_unsupported_vllm_settings_fail_clearly(vllm_cfg: dict[str, Any], message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(UserError, match=message):
         check_vllm_config(policy_cfg(vllm_cfg=vllm_cfg))
 
 

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from nemo_rl.config.errors import UserError
 from nemo_rl.config.policy import GenerationConfig, PolicyConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.models.generation.interfaces import WeightManifestDict
@@ -40,21 +41,21 @@ _SEED_MIX = 1_000_003
 
 
 def check_vllm_config(cfg: PolicyConfig) -> None:
-    """Raise a ``ValueError`` naming the fix for ``policy.generation.vllm_cfg`` settings this backend lacks."""
+    """Raise a :class:`UserError` naming the fix for ``policy.generation.vllm_cfg`` settings this backend lacks."""
     vllm_cfg = cfg.generation.vllm_cfg
     if vllm_cfg.pipeline_parallel_size != 1:
-        raise ValueError(
+        raise UserError(
             f"policy.generation.vllm_cfg.pipeline_parallel_size={vllm_cfg.pipeline_parallel_size}: nemo_rl "
             "runs vLLM ranks as SPMD workers, which vLLM supports with tensor parallelism only; set it to 1 "
             "and use policy.generation.vllm_cfg.tensor_parallel_size"
         )
     if vllm_cfg.async_engine:
-        raise ValueError(
+        raise UserError(
             "policy.generation.vllm_cfg.async_engine=true is not supported by nemo_rl's vLLM backend "
             "(it drives vLLM's synchronous LLM engine); set it to false"
         )
     if vllm_cfg.max_model_len is not None and vllm_cfg.max_model_len < 2:
-        raise ValueError(
+        raise UserError(
             f"policy.generation.vllm_cfg.max_model_len={vllm_cfg.max_model_len} leaves no room for a prompt "
             "and a response; raise it or leave it unset (null) to use policy.max_total_sequence_length"
         )

@@ -11,6 +11,7 @@ import torch
 from ray.actor import ActorHandle
 from transformers import PreTrainedTokenizerBase
 
+from nemo_rl.config.errors import UserError
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
@@ -66,7 +67,7 @@ class VllmGeneration:
     ) -> None:
         check_vllm_config(cfg)
         if not cluster.use_gpus:
-            raise ValueError(
+            raise UserError(
                 "policy.generation.backend=vllm needs CUDA GPUs, and this Ray cluster has none; run with "
                 "policy.generation.backend=embedded"
             )
@@ -77,7 +78,7 @@ class VllmGeneration:
         bundles = list(range(cluster.world_size)) if bundle_indices is None else list(bundle_indices)
         tp_size = cfg.generation.vllm_cfg.tensor_parallel_size
         if not bundles or len(bundles) % tp_size != 0:
-            raise ValueError(
+            raise UserError(
                 f"policy.generation.vllm_cfg.tensor_parallel_size={tp_size} must divide the {len(bundles)} "
                 "bundles generation runs on; change it or the number of GPUs (cluster.gpus_per_node, "
                 "policy.generation.colocated.resources)"
