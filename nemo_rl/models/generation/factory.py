@@ -7,23 +7,25 @@ from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
+from nemo_rl.config.errors import UserError
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.models.generation.interfaces import GenerationInterface
 
 
 def check_backend_available(cfg: PolicyConfig, cluster_has_gpus: bool) -> None:
-    """Raise a ``ValueError`` naming the fix when the configured backend cannot run on this cluster."""
+    """Raise a :class:`UserError` naming the fix when the configured backend cannot run on this cluster."""
     backend = cfg.generation.backend
     if backend != "vllm":
         return
     if not cluster_has_gpus:
-        raise ValueError(
-            "policy.generation.backend=vllm needs CUDA GPUs, and this Ray cluster has none; run with "
-            "policy.generation.backend=embedded (the pure-torch engine, which runs on CPU and GPU)"
+        raise UserError(
+            "policy.generation.backend=vllm needs CUDA GPUs, and this machine has none. Override "
+            "policy.generation.backend=embedded (the pure-torch engine, which runs on CPU and GPU), or run the "
+            "CPU recipe: --config examples/configs/grpo_math_tiny.yaml"
         )
     if importlib.util.find_spec("vllm") is None:
-        raise ValueError(
+        raise UserError(
             "policy.generation.backend=vllm but vLLM is not installed; install the `vllm` extra "
             "(uv sync --extra vllm) or run with policy.generation.backend=embedded"
         )

@@ -1,0 +1,151 @@
+"""examples/run_grpo_math.py end to end on the tiny checkpoint, on CPU worker slots.
+
+Small batches and few steps: these check that the pieces work together (placement, refit transports,
+metrics, checkpoints and resume), not that the model learns; the README's main-job command shows learning.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "examples" / "run_grpo_math.py"
+CONFIG = ROOT / "examples" / "configs" / "grpo_math_tiny.yaml"
+TINY_SFT = ROOT / "examples" / "assets" / "tiny_math_sft"
+TIMEOUT_S = 900
+
+NEMO_RL_STEP_METRICS = [
+    "train/loss",
+    "train/reward",
+    "train/grad_norm",
+    "train/lr",
+    "train/advantages/mean",
+    "train/advantages/min",
+    "train/advantages/max",
+    "train/mean_gen_tokens_per_sample",
+    "train/truncation_rate",
+    "train/gen_kl_error",
+    "train/token_mult_prob_error",
+    "timing/train/total_step_time",
+    "timing/train/generation",
+    "timing/train/refit",
+    "timing/train/logprobs",
+    "timing/train/policy_training",
+    "timing/train/reward",
+    "performance/tokens_per_sec",
+]
+
+
+def _command(tmp: Path, name: str, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        str(SCRIPT),
+        "--config",
+        str(CONFIG),
+        "grpo.num_prompts_per_step=4",
+        "grpo.num_generations_per_prompt=4",
+        "grpo.max_val_samples=16",
+        "grpo.val_batch_size=16",
+        "grpo.val_period=2",
+        "policy.train_global_batch_size=16",
+        "policy.train_micro_batch_size=8",
+        "policy.logprob_batch_size=8",
+        "checkpointing.save_period=2",
+        f"checkpointing.checkpoint_dir={tmp / name / 'ckpt'}",
+        f"logger.log_dir={tmp / name / 'logs'}",
+        "logger.progress_bar=false",
+        "logger.console_enabled=false",
+        *extra,
+    ]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S, env=_env())
+    assert result.returncode == 0, f"{cmd} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    return result
+
+
+def _metrics(log_dir: Path) -> dict[int, dict[str, Any]]:
+    """All metrics logged at each step, merged."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for line in (log_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        by_step.setdefault(record["step"], {}).update(record)
+    return by_step
+
+
+@pytest.mark.slow
+def test_colocated_dp2_resumes_after_kill(tmp_path: Path) -> None:
+    cmd = _command(tmp_path, "dp2", "grpo.max_num_steps=3", "cluster.gpus_per_node=2")
+    ckpt = tmp_path / "dp2" / "ckpt" / "step_2"
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env())
+    deadline = time.monotonic() + TIMEOUT_S
+    while not ckpt.exists():
+        if proc.poll() is not None:
+            output = proc.stdout.read().decode() if proc.stdout else ""
+            pytest.fail(f"run ended before its step-2 checkpoint:\n{output[-6000:]}")
+        assert time.monotonic() < deadline, "no checkpoint within the time limit"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+
+    first = _metrics(tmp_path / "dp2" / "logs")
+    for name in NEMO_RL_STEP_METRICS:
+        assert name in first[2], f"{name} missing at step 2; logged: {sorted(first[2])}"
+    assert "validation/accuracy" in first[0] and "validation/accuracy" in first[2]
+    # Step 1 samples with the weights the policy scores with: the two agree on log-probs.
+    assert first[1]["train/gen_kl_error"] == pytest.approx(0.0, abs=1e-4)
+    assert first[1]["train/token_mult_prob_error"] == pytest.approx(1.0, abs=1e-3)
+    assert first[2]["refit/bytes"] > 0
+
+    resumed = _run(cmd)
+    assert "Resuming GRPO from" in resumed.stdout and "(step 2)" in resumed.stdout, resumed.stdout[-3000:]
+    after = _metrics(tmp_path / "dp2" / "logs")
+    assert "train/loss" in after[3]
+    assert (tmp_path / "dp2" / "ckpt" / "step_3" / "training_info.json").exists()
+
+
+@pytest.mark.slow
+def test_non_colocated_local_model_path_with_swanlab(tmp_path: Path) -> None:
+    # Generation gets its own slot; weights move over the collective transport.
+    _run(
+        _command(
+            tmp_path,
+            "noncoloc",
+            "grpo.max_num_steps=2",
+            "grpo.val_at_start=false",
+            "cluster.gpus_per_node=2",
+            "policy.generation.colocated.enabled=false",
+            "policy.generation.colocated.resources.gpus_per_node=1",
+            f"policy.model_name={TINY_SFT}",
+            "swanlab_enabled=True",
+        )
+    )
+    metrics = _metrics(tmp_path / "noncoloc" / "logs")
+    assert metrics[1]["train/gen_kl_error"] == pytest.approx(0.0, abs=1e-4)
+    assert metrics[2]["refit/bytes"] > 0 and "validation/accuracy" in metrics[2]
+    swanlab_files = [p for p in (tmp_path / "noncoloc" / "logs" / "swanlab").rglob("*") if p.is_file()]
+    assert swanlab_files, "SwanLab (offline) wrote no run files under <log_dir>/swanlab"
+
+
+def test_vllm_recipe_on_cpu_fails_with_the_fix() -> None:
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT)], cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env()
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "policy.generation.backend=embedded" in result.stderr
+    assert "grpo_math_tiny.yaml" in result.stderr
+    assert "Traceback" not in result.stderr
