@@ -131,10 +131,11 @@ def num_arithmetic_problems(max_operand: int) -> int:
 
 
 def generate_arithmetic_problems(num: int, seed: int, max_operand: int = 50) -> list[dict[str, str]]:
-    """``num`` distinct addition/subtraction problems in OpenMathInstruct-2's schema, the same for a seed.
+    """The first ``num`` problems of the seed's fixed order of all addition/subtraction problems.
 
     Each row has ``problem`` ("What is 12+7?"), ``generated_solution`` ("12+7=\\boxed{19}") and
     ``expected_answer`` ("19"); operands are drawn from 0 to ``max_operand`` and answers may be negative.
+    The order does not depend on ``num``, so a larger ``num`` extends a smaller one.
     """
     space = num_arithmetic_problems(max_operand)
     if not 0 <= num <= space:
@@ -142,28 +143,34 @@ def generate_arithmetic_problems(num: int, seed: int, max_operand: int = 50) -> 
             f"cannot draw {num} distinct problems with max_operand={max_operand} (only {space} exist): "
             "ask for fewer or raise max_operand"
         )
-    rows = []
-    for code in random.Random(seed).sample(range(space), num):
-        code, op_index = divmod(code, 2)
-        b, a = divmod(code, max_operand + 1)
-        op = "+-"[op_index]
-        answer = str(a + b if op == "+" else a - b)
-        rows.append(
-            {
-                "problem": f"What is {a}{op}{b}?",
-                "generated_solution": f"{a}{op}{b}=\\boxed{{{answer}}}",
-                "expected_answer": answer,
-            }
-        )
-    return rows
+    order = list(range(space))
+    random.Random(seed).shuffle(order)
+    return [_problem(code, max_operand) for code in order[:num]]
+
+
+def _problem(code: int, max_operand: int) -> dict[str, str]:
+    code, op_index = divmod(code, 2)
+    b, a = divmod(code, max_operand + 1)
+    op = "+-"[op_index]
+    answer = str(a + b if op == "+" else a - b)
+    return {
+        "problem": f"What is {a}{op}{b}?",
+        "generated_solution": f"{a}{op}{b}=\\boxed{{{answer}}}",
+        "expected_answer": answer,
+    }
 
 
 def tiny_math_splits(
     num_train: int, num_val: int, seed: int, max_operand: int
 ) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
-    """Disjoint training and validation problems: one draw of ``num_train + num_val``, split in order."""
-    rows = generate_arithmetic_problems(num_train + num_val, seed=seed, max_operand=max_operand)
-    return rows[:num_train], rows[num_train:]
+    """Disjoint training and validation problems: validation is the first ``num_val`` of the seed's order,
+    training the next ``num_train``.
+
+    Validation first keeps it the same whatever ``num_train`` is, so recipes that train on different
+    amounts of data (SFT, then GRPO) are scored on the same held-out problems, never trained on by either.
+    """
+    rows = generate_arithmetic_problems(num_val + num_train, seed=seed, max_operand=max_operand)
+    return rows[num_val:], rows[:num_val]
 
 
 def write_jsonl(rows: Sequence[dict[str, Any]], path: str | pathlib.Path) -> pathlib.Path:

@@ -184,3 +184,12 @@ def test_checked_in_tiny_checkpoints_load_losslessly(checkpoint: pathlib.Path) -
     assert prompt == "<|bos|><|user|>What is 1+2?<|assistant|>"
     config = json.loads((checkpoint / "config.json").read_text())
     assert config["vocab_size"] == len(tokenizer)
+
+
+def test_validation_split_does_not_depend_on_training_size() -> None:
+    # SFT and GRPO recipes train on different amounts of data but must share one held-out set.
+    small_train, small_val = tiny_math_splits(100, 32, seed=42, max_operand=50)
+    large_train, large_val = tiny_math_splits(4000, 32, seed=42, max_operand=50)
+    assert small_val == large_val
+    assert large_train[:100] == small_train
+    assert not {r["problem"] for r in large_val} & {r["problem"] for r in large_train}
