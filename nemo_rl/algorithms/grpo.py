@@ -26,7 +26,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.algorithms.advantages import compute_advantages
-from nemo_rl.algorithms.loop_utils import batches_until
+from nemo_rl.algorithms.loop_utils import batches_until, find_resume, save_training_checkpoint
 from nemo_rl.algorithms.loss_functions import ClippedPGLossFn
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.loader import save_config
@@ -144,16 +144,17 @@ def setup(
     """Start Ray, the policy, generation and environment workers; restore the latest checkpoint if any."""
     _check_batch_sizes(config)
     checkpointer = CheckpointManager(config.checkpointing)
-    last_checkpoint = checkpointer.get_latest_checkpoint_path() if config.checkpointing.enabled else None
-    state = GRPOState()
-    if last_checkpoint is not None:
-        info = CheckpointManager.load_training_info(last_checkpoint)
-        state = GRPOState(
+    resume = find_resume(checkpointer, config.checkpointing.enabled, "GRPO")
+    info = resume.training_info
+    state = (
+        GRPOState(
             step=info["step"],
             total_valid_tokens=info["total_valid_tokens"],
             val_accuracy=info.get("val_accuracy"),
         )
-        print(f"Resuming GRPO from {last_checkpoint} (step {state.step})", flush=True)
+        if info
+        else GRPOState()
+    )
 
     train_loader: StatefulDataLoader[Any, BatchedDataDict[Any]] = StatefulDataLoader(
         train_dataset,
@@ -163,8 +164,7 @@ def setup(
         drop_last=True,
         collate_fn=rl_collate_fn,
     )
-    if last_checkpoint is not None:
-        train_loader.load_state_dict(torch.load(last_checkpoint / "train_dataloader.pt", weights_only=True))
+    resume.restore_loader(train_loader)
 
     init_ray(config.cluster)
     cluster = RayVirtualCluster(config.cluster, name="grpo", max_colocated_worker_groups=2)
@@ -174,8 +174,8 @@ def setup(
         config.policy,
         bundle_indices=policy_bundles,
         init_reference_model=config.loss_fn.reference_policy_kl_penalty > 0,
-        weights_path=str(last_checkpoint / "policy" / "weights") if last_checkpoint else None,
-        optimizer_path=str(last_checkpoint / "policy" / "optimizer") if last_checkpoint else None,
+        weights_path=resume.weights_path,
+        optimizer_path=resume.optimizer_path,
     )
     generation = create_generation(
         cluster, config.policy, tokenizer, seed=config.grpo.seed, bundle_indices=generation_bundles
@@ -327,10 +327,14 @@ def save_checkpoint(s: GRPOSetup) -> Path:
     metric_name = s.config.checkpointing.metric_name
     if metric_name is not None and metric_name not in info and s.state.val_accuracy is not None:
         info[metric_name] = s.state.val_accuracy
-    tmp = s.checkpointer.init_tmp_checkpoint(s.state.step, info, s.config)
-    s.policy.save_checkpoint(str(tmp / "policy" / "weights"), str(tmp / "policy" / "optimizer"))
-    torch.save(s.train_loader.state_dict(), tmp / "train_dataloader.pt")
-    return s.checkpointer.finalize_checkpoint(tmp)
+    return save_training_checkpoint(
+        s.checkpointer,
+        step=s.state.step,
+        training_info=info,
+        run_config=s.config,
+        policy=s.policy,
+        train_loader=s.train_loader,
+    )
 
 
 def _step_metrics(

@@ -13,10 +13,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-import torch
 from transformers import PreTrainedTokenizerBase
 
-from nemo_rl.algorithms.loop_utils import batches_until
+from nemo_rl.algorithms.loop_utils import batches_until, find_resume, save_training_checkpoint
 from nemo_rl.algorithms.loss_functions import NLLLoss
 from nemo_rl.config.loader import save_config
 from nemo_rl.config.master import SFTMasterConfig
@@ -73,12 +72,13 @@ def setup(
 ) -> SFTSetup:
     """Start Ray and the policy workers, build the loaders, and restore the latest checkpoint if any."""
     checkpointer = CheckpointManager(config.checkpointing)
-    last_checkpoint = checkpointer.get_latest_checkpoint_path() if config.checkpointing.enabled else None
-    state = SFTState()
-    if last_checkpoint is not None:
-        info = CheckpointManager.load_training_info(last_checkpoint)
-        state = SFTState(step=info["step"], epoch=info["epoch"], val_loss=info.get("val_loss"))
-        print(f"Resuming SFT from {last_checkpoint} (step {state.step})", flush=True)
+    resume = find_resume(checkpointer, config.checkpointing.enabled, "SFT")
+    info = resume.training_info
+    state = (
+        SFTState(step=info["step"], epoch=info["epoch"], val_loss=info.get("val_loss"))
+        if info
+        else SFTState()
+    )
 
     collate = make_sft_collate_fn(tokenizer, _max_seq_len(config))
     train_loader: StatefulDataLoader[Any, BatchedDataDict[Any]] = StatefulDataLoader(
@@ -99,8 +99,7 @@ def setup(
             drop_last=False,
             collate_fn=collate,
         )
-    if last_checkpoint is not None:
-        train_loader.load_state_dict(torch.load(last_checkpoint / "train_dataloader.pt", weights_only=True))
+    resume.restore_loader(train_loader)
 
     init_ray(config.cluster)
     cluster = RayVirtualCluster(config.cluster, name="sft")
@@ -108,8 +107,8 @@ def setup(
         cluster,
         config.policy,
         init_reference_model=False,
-        weights_path=str(last_checkpoint / "policy" / "weights") if last_checkpoint else None,
-        optimizer_path=str(last_checkpoint / "policy" / "optimizer") if last_checkpoint else None,
+        weights_path=resume.weights_path,
+        optimizer_path=resume.optimizer_path,
     )
     logger = Logger(config.logger)
     logger.log_hyperparams(config.model_dump(mode="json"))
@@ -157,10 +156,14 @@ def save_checkpoint(s: SFTSetup) -> Path:
     info: dict[str, Any] = dataclasses.asdict(s.state)
     if s.config.checkpointing.metric_name is not None and s.config.checkpointing.metric_name not in info:
         info[s.config.checkpointing.metric_name] = s.state.val_loss
-    tmp = s.checkpointer.init_tmp_checkpoint(s.state.step, info, s.config)
-    s.policy.save_checkpoint(str(tmp / "policy" / "weights"), str(tmp / "policy" / "optimizer"))
-    torch.save(s.train_loader.state_dict(), tmp / "train_dataloader.pt")
-    return s.checkpointer.finalize_checkpoint(tmp)
+    return save_training_checkpoint(
+        s.checkpointer,
+        step=s.state.step,
+        training_info=info,
+        run_config=s.config,
+        policy=s.policy,
+        train_loader=s.train_loader,
+    )
 
 
 def _train_metrics(result: dict[str, Any]) -> dict[str, float]:
