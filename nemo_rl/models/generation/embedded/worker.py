@@ -149,6 +149,10 @@ class EmbeddedGenerationWorker:
             for name, (shape, dtype) in self.model.weights_manifest().items()
         }
 
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """Host copies of the held weights under their Hugging Face names (for checks and debugging)."""
+        return {name: tensor.detach().to("cpu", copy=True) for name, tensor in self.model.named_weights()}
+
     def load_hf_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy a stream of Hugging Face-named full tensors into the model (the refit ``LoadFn``)."""
         self.model.load_weights(named_tensors)

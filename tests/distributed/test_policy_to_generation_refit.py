@@ -1,0 +1,170 @@
+"""Refit from the real DTensor policy (FSDP2 dp=2, or TP=2) into the embedded generation engine.
+
+For both transports: every generation weight equals the policy's full weight bit for bit; a training step
+changes the policy, the refit carries the change, and greedy generation afterwards equals greedy generation
+from the exported policy checkpoint. The engine's sampled-token log-probs match the policy's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from nemo_rl.algorithms.loss_functions import NLLLoss
+from nemo_rl.config.cluster import ClusterConfig
+from nemo_rl.config.policy import PolicyConfig, RefitConfig
+from nemo_rl.data.llm_message_utils import message_logs_to_batch
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
+from nemo_rl.models.generation.embedded.generation import EmbeddedGeneration
+from nemo_rl.models.generation.factory import create_generation
+from nemo_rl.models.policy.lm_policy import Policy
+from nemo_rl.models.tokenizer import get_policy_tokenizer
+from nemo_rl.weight_sync.factory import create_refit_transport
+from nemo_rl.weight_sync.refit import refit
+
+TINY_MODEL = Path(__file__).resolve().parents[2] / "examples" / "assets" / "tiny_math_sft"
+TIMEOUT_S = 300.0
+PROMPTS = ["What is 12+7?", "What is 40-3?", "What is 8+33?", "What is 25-30?"]
+
+
+def _policy_cfg(tp_size: int, model_name: str = str(TINY_MODEL)) -> PolicyConfig:
+    return PolicyConfig.model_validate(
+        {
+            "model_name": model_name,
+            "train_global_batch_size": 4,
+            "train_micro_batch_size": 2,
+            "max_total_sequence_length": 48,
+            "precision": "float32",
+            "dtensor_cfg": {"tensor_parallel_size": tp_size},
+            "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2}},
+            "generation": {"max_new_tokens": 16, "embedded_cfg": {"precision": "float32"}},
+        }
+    )
+
+
+def _prompt_batch(tokenizer: Any) -> BatchedDataDict[Any]:
+    logs: list[Any] = []
+    for prompt in PROMPTS:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+        logs.append([{"role": "user", "content": text, "token_ids": torch.tensor(tokenizer.encode(text))}])
+    return message_logs_to_batch(logs, pad_token_id=tokenizer.pad_token_id, train_roles=())
+
+
+def _sft_batch(tokenizer: Any) -> BatchedDataDict[Any]:
+    logs: list[Any] = []
+    for prompt, answer in zip(PROMPTS, ["1", "2", "3", "4"], strict=True):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}, {"role": "assistant", "content": f"\\boxed{{{answer}}}"}],
+            tokenize=False,
+        )
+        logs.append(
+            [{"role": "assistant", "content": text, "token_ids": torch.tensor(tokenizer.encode(text))}]
+        )
+    batch = message_logs_to_batch(logs, pad_token_id=tokenizer.pad_token_id, train_roles=("assistant",))
+    batch["sample_mask"] = torch.ones(len(logs))
+    return batch
+
+
+def _generation_weights(generation: EmbeddedGeneration) -> dict[str, torch.Tensor]:
+    import ray
+
+    return cast(
+        dict[str, torch.Tensor], ray.get(generation.workers[0].named_weights.remote(), timeout=TIMEOUT_S)
+    )
+
+
+def _policy_weights(policy: Policy, path: Path) -> dict[str, torch.Tensor]:
+    policy.export_hf(str(path))
+    weights: dict[str, torch.Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        weights.update(load_file(file))
+    return weights
+
+
+def _assert_bit_equal(
+    generation_weights: dict[str, torch.Tensor], policy_weights: dict[str, torch.Tensor]
+) -> None:
+    assert set(generation_weights) == set(policy_weights)
+    for name, tensor in generation_weights.items():
+        expected = policy_weights[name]
+        assert tensor.dtype == expected.dtype, name
+        assert torch.equal(tensor, expected), f"{name} differs after refit"
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["fsdp_dp2", "tp2"])
+def stack(request: pytest.FixtureRequest, ray_cluster: Any) -> Iterator[tuple[Any, ...]]:
+    tp_size = request.param
+    cfg = _policy_cfg(tp_size)
+    tokenizer = get_policy_tokenizer(cfg)
+    cluster = RayVirtualCluster(
+        ClusterConfig(gpus_per_node=2, placement_timeout_s=120), name=f"refit_tp{tp_size}"
+    )
+    policy = Policy(cluster, cfg, name_prefix=f"refit_policy_tp{tp_size}", init_reference_model=False)
+    generation = create_generation(cluster, cfg, tokenizer, seed=0, bundle_indices=[0])
+    assert isinstance(generation, EmbeddedGeneration)
+    try:
+        yield policy, generation, tokenizer, cluster
+    finally:
+        generation.shutdown()
+        policy.shutdown()
+        cluster.shutdown()
+
+
+@pytest.mark.parametrize("transport_kind", ["shared_memory", "collective"])
+def test_refit_carries_a_training_step(
+    stack: tuple[Policy, EmbeddedGeneration, Any, RayVirtualCluster], transport_kind: str, tmp_path: Path
+) -> None:
+    policy, generation, tokenizer, cluster = stack
+    cfg = _policy_cfg(policy.cfg.dtensor_cfg.tensor_parallel_size)
+    locations = cluster.bundle_locations()
+    transport = create_refit_transport(
+        cfg,
+        RefitConfig.model_validate({"transport": transport_kind, "timeout_s": TIMEOUT_S}),
+        policy_node_ids=[locations[b].node_id for b in range(2)],
+        generation_node_ids=generation.worker_node_ids,
+    )
+    try:
+        before = _generation_weights(generation)
+        policy.train(_sft_batch(tokenizer), NLLLoss())
+        metrics = refit(policy.workers, generation.workers, transport, timeout_s=TIMEOUT_S)
+        after = _generation_weights(generation)
+    finally:
+        transport.shutdown()
+
+    assert metrics["refit/bytes"] == sum(t.numel() * t.element_size() for t in after.values())
+    assert metrics["refit/time_s"] > 0 and metrics["refit/gbps"] > 0
+    assert any(not torch.equal(before[n], after[n]) for n in after), "the training step changed nothing"
+    export = tmp_path / "export"
+    _assert_bit_equal(after, _policy_weights(policy, export))
+
+    # Greedy generation after the refit equals greedy generation from the exported checkpoint.
+    prompts = _prompt_batch(tokenizer)
+    refitted = generation.generate(prompts, greedy=True)
+    from_export = create_generation(
+        cluster, _policy_cfg(1, str(export)), tokenizer, seed=0, bundle_indices=[1]
+    )
+    try:
+        exported = from_export.generate(prompts, greedy=True)
+    finally:
+        from_export.shutdown()
+    assert torch.equal(refitted["output_ids"], exported["output_ids"])
+
+    # The engine's log-probs of what it sampled match the policy's for the same weights and tokens.
+    sampled = generation.generate(prompts, greedy=False)
+    scored = BatchedDataDict[Any](
+        input_ids=sampled["output_ids"], input_lengths=sampled["unpadded_sequence_lengths"]
+    )
+    policy_logprobs = policy.get_logprobs(scored)["logprobs"]
+    for row in range(len(PROMPTS)):
+        start = int(prompts["input_lengths"][row])
+        end = int(sampled["unpadded_sequence_lengths"][row])
+        diff = (sampled["logprobs"][row, start:end] - policy_logprobs[row, start:end]).abs().max()
+        assert diff <= 1e-4, f"row {row}: engine and policy log-probs differ by {diff}"
