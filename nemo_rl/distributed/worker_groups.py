@@ -364,3 +364,38 @@ class RayWorkerGroup:
             where = f"rank {owner[0]}, method {owner[1]!r}" if owner else "a worker"
             error.add_note(f"raised in {where} of worker group {self.name!r}")
             raise
+
+
+def start_worker_group(
+    cluster: RayVirtualCluster,
+    worker_cls: type,
+    *,
+    name: str,
+    ready_timeout_s: float,
+    init_kwargs: Mapping[str, Any] | None = None,
+    bundle_indices: Sequence[int] | None = None,
+    dp_size: int | None = None,
+    env_vars: Mapping[str, str] | None = None,
+) -> RayWorkerGroup:
+    """A :class:`RayWorkerGroup` whose actors have all finished ``__init__`` within ``ready_timeout_s``.
+
+    The driver-side facades (policy, generation) start their workers this way: when an actor fails to start
+    or the wait times out, the group is shut down (its bundles released) before the error propagates, so a
+    failed start leaves no half-started actors holding the cluster. The other arguments are
+    :class:`RayWorkerGroup`'s.
+    """
+    group = RayWorkerGroup(
+        cluster,
+        worker_cls,
+        name=name,
+        init_kwargs=init_kwargs,
+        bundle_indices=bundle_indices,
+        dp_size=dp_size,
+        env_vars=env_vars,
+    )
+    try:
+        group.wait_until_ready(ready_timeout_s)
+    except BaseException:
+        group.shutdown()
+        raise
+    return group

@@ -19,7 +19,7 @@ from nemo_rl.algorithms.interfaces import LossFunction
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
-from nemo_rl.distributed.worker_groups import RayWorkerGroup
+from nemo_rl.distributed.worker_groups import start_worker_group
 from nemo_rl.models.policy.dtensor_worker import DTensorPolicyWorker
 from nemo_rl.models.policy.interfaces import TrainResult
 
@@ -75,10 +75,11 @@ class Policy:
                 f"({model_parallel_size}); change cluster.gpus_per_node / num_nodes or the parallel sizes"
             )
         self.cfg = cfg
-        self.worker_group = RayWorkerGroup(
+        self.worker_group = start_worker_group(
             cluster,
             worker_cls,
             name=name_prefix,
+            ready_timeout_s=WORKER_CALL_TIMEOUT_S,
             init_kwargs={
                 "cfg": cfg,
                 "tokenizer_path": tokenizer_path,
@@ -89,11 +90,6 @@ class Policy:
             bundle_indices=bundle_indices,
             dp_size=world_size // model_parallel_size,
         )
-        try:
-            self.worker_group.wait_until_ready(WORKER_CALL_TIMEOUT_S)
-        except BaseException:
-            self.worker_group.shutdown()
-            raise
 
     @property
     def dp_size(self) -> int:

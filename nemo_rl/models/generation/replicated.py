@@ -1,0 +1,171 @@
+"""The driver side shared by the generation backends: data-parallel replicas of one model on a worker group.
+
+A backend's facade (:class:`~nemo_rl.models.generation.embedded.generation.EmbeddedGeneration`,
+:class:`~nemo_rl.models.generation.vllm.generation.VllmGeneration`) checks its own configuration, picks its
+worker class and layout, and hands them to :class:`ReplicatedGeneration`, which implements
+:class:`~nemo_rl.models.generation.interfaces.GenerationInterface` on top of them: rows dealt to the
+replicas by prompt length and gathered back in input order, the colocation hooks, and the refit receiver.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, ClassVar
+
+import ray
+import torch
+from ray.actor import ActorHandle
+from transformers import PreTrainedTokenizerBase
+
+from nemo_rl.config.policy import PolicyConfig
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
+from nemo_rl.distributed.worker_groups import start_worker_group
+from nemo_rl.models.generation.interfaces import (
+    WeightManifestDict,
+    check_generation_input,
+    compare_manifests,
+)
+
+# How long one call on the generation workers may take before the driver names the workers still running
+# (loading a large model, starting vLLM (which compiles and captures CUDA graphs) or generating a large batch
+# takes long; a hang should not last forever).
+WORKER_CALL_TIMEOUT_S = 6 * 3600.0
+
+# Rows are dealt to the replicas by prompt length so every replica gets a similar amount of work.
+LENGTH_KEY = "input_lengths"
+
+
+def tokenizer_pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The pad id generation right-pads ``output_ids`` with; a tokenizer without one is a user error."""
+    if tokenizer.pad_token_id is None:
+        raise ValueError(
+            "the tokenizer has no pad token; load it with nemo_rl.models.tokenizer.get_tokenizer"
+        )
+    return int(tokenizer.pad_token_id)
+
+
+class ReplicatedGeneration:
+    """Replicas of one generation model on ``bundles`` of ``cluster``; one ``worker_cls`` actor per bundle.
+
+    ``dp_size`` replicas (default one per bundle) each span ``len(bundles) // dp_size`` consecutive workers,
+    the ranks of one model-parallel engine; all of them receive every replica's rows and refitted weights.
+    Subclasses set :attr:`backend_name` and :attr:`precision_key` (named in refit errors) and validate their
+    configuration before calling this constructor.
+
+    Args:
+        cluster: the cluster whose bundles the workers run on.
+        cfg: the ``policy`` section.
+        worker_cls: the backend's worker class (one replica rank as a Ray actor).
+        bundles: the bundles the workers run on, in rank order.
+        pad_token_id: what ``output_ids`` are right-padded with (see :func:`tokenizer_pad_token_id`).
+        seed: call ``k`` of :meth:`generate` samples with a seed derived from ``(seed, k)``, so a run replays
+            when it makes the same calls with the same data.
+        init_kwargs: the worker constructor's keyword arguments.
+        name: the worker group's name.
+        dp_size: the number of replicas (default: one per bundle).
+        env_vars: environment variables set in every worker.
+    """
+
+    backend_name: ClassVar[str]
+    """The backend as error messages name it."""
+    precision_key: ClassVar[str]
+    """The ``policy.generation`` subsection whose ``precision`` the refit must cast to."""
+
+    def __init__(
+        self,
+        cluster: RayVirtualCluster,
+        cfg: PolicyConfig,
+        worker_cls: type,
+        *,
+        bundles: Sequence[int],
+        pad_token_id: int,
+        seed: int,
+        init_kwargs: Mapping[str, Any],
+        name: str,
+        dp_size: int | None = None,
+        env_vars: Mapping[str, str] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.pad_token_id = pad_token_id
+        self._seed = seed
+        self._calls = itertools.count()
+        self._node_ids = [cluster.bundle_locations()[b].node_id for b in bundles]
+        self.worker_group = start_worker_group(
+            cluster,
+            worker_cls,
+            name=name,
+            ready_timeout_s=WORKER_CALL_TIMEOUT_S,
+            init_kwargs=init_kwargs,
+            bundle_indices=bundles,
+            dp_size=dp_size,
+            env_vars=env_vars,
+        )
+
+    @property
+    def dp_size(self) -> int:
+        """Number of replicas."""
+        return self.worker_group.dp_size
+
+    @property
+    def workers(self) -> list[ActorHandle]:
+        """Every worker, in rank order (what ``nemo_rl.weight_sync.refit`` sends to)."""
+        return self.worker_group.workers
+
+    @property
+    def worker_node_ids(self) -> list[str]:
+        """Ray node id of each worker, in rank order."""
+        return list(self._node_ids)
+
+    def _on_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        refs = self.worker_group.run_all_workers_single_data(method, *args, **kwargs)
+        return self.worker_group.get_all_worker_results(refs, WORKER_CALL_TIMEOUT_S)
+
+    def generate(self, data: BatchedDataDict[Any], greedy: bool = False) -> BatchedDataDict[Any]:
+        """Sample a response per row; see :class:`~nemo_rl.models.generation.interfaces.GenerationInterface`."""
+        check_generation_input(data)
+        seed = self._seed * 1_000_003 + next(self._calls)
+        indices = data.shard_indices(self.dp_size, allow_uneven_shards=True, balance_by_length_key=LENGTH_KEY)
+        shards = [data.select_indices(rows) for rows in indices]
+        # Every rank of a replica gets its shard: model-parallel ranks run the same requests in lockstep.
+        refs = self.worker_group.run_all_workers_sharded_data("generate", shards, greedy, seed)
+        results = self.worker_group.get_dp_leader_results(refs, WORKER_CALL_TIMEOUT_S)
+        return BatchedDataDict.from_shards(results, indices, pad_value_dict={"output_ids": self.pad_token_id})
+
+    def prepare_for_generation(self) -> None:
+        """Weights (and whatever cache memory the backend freed) back onto the devices."""
+        self._on_all("prepare_for_generation")
+
+    def finish_generation(self) -> None:
+        """Free the devices for colocated training (KV caches dropped, weights offloaded as the backend does)."""
+        self._on_all("finish_generation")
+
+    # ------------------------------------------------------------------------------- refit receiver
+    def expected_weights_manifest(self) -> WeightManifestDict:
+        """``{hf_name: (full shape, dtype name)}`` the workers expect (every worker loads full tensors)."""
+        ref = self.worker_group.run_single_worker("expected_weights_manifest", 0)
+        manifest: WeightManifestDict = self.worker_group.get_all_worker_results([ref], WORKER_CALL_TIMEOUT_S)[
+            0
+        ]
+        return manifest
+
+    def prepare_refit_info(self, manifest: WeightManifestDict) -> None:
+        """Fail early, with every difference named, when a sender's manifest does not fit the workers."""
+        problems = compare_manifests(self.expected_weights_manifest(), manifest)
+        if problems:
+            raise ValueError(
+                f"the policy's weights do not fit the {self.backend_name} generation model (is policy.model_name "
+                f"the same architecture, and does the refit cast to policy.generation.{self.precision_key}"
+                ".precision?):\n  " + "\n  ".join(problems)
+            )
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load full weights from the driver into every worker (each weight exactly once)."""
+        tensors = [(name, tensor.detach().cpu()) for name, tensor in named_tensors]
+        ref = ray.put(tensors)
+        self._on_all("load_weights_from_stream", ref)
+
+    def shutdown(self) -> None:
+        """Stop the workers and release their bundles."""
+        self.worker_group.shutdown()
