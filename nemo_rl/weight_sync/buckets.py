@@ -6,12 +6,14 @@ tensors (HF name, dtype, shape, offset, byte count) and a checksum of the payloa
 bucket travels alone in a bucket of its own size. The stream ends with an ``end`` message carrying the number
 of buckets and bytes sent, so a receiver notices a lost bucket even when its names are unknown to it.
 
-Both transports share this module: :func:`pack_buckets` on the sender, :class:`BucketReader` on the receiver.
+Both transports share this module: :func:`pack_buckets` on the sender, :class:`BucketReader` (driven by
+:func:`receive_stream`) on the receiver.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -19,9 +21,10 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from nemo_rl.weight_sync.errors import RefitError, RefitIntegrityError
-from nemo_rl.weight_sync.interfaces import LoadFn, NamedTensors, ShardFn
+from nemo_rl.weight_sync.interfaces import LoadFn, NamedTensors, ShardFn, TransferStats
 from nemo_rl.weight_sync.manifest import (
     ManifestCheck,
+    ManifestLike,
     WeightManifest,
     dtype_from_name,
     dtype_name,
@@ -161,6 +164,19 @@ def gather_full(tensor: torch.Tensor) -> torch.Tensor:
     if isinstance(tensor, DTensor):
         return tensor.full_tensor()
     return tensor
+
+
+def gather_without_sending(weights: NamedTensors, start_s: float) -> TransferStats:
+    """What a policy rank that puts nothing on the wire does: take part in every gather, send nothing.
+
+    Gathering a sharded parameter is a collective over the policy's own group, so every rank must walk the
+    whole stream even when another rank sends. ``start_s`` is when the refit began (``time.perf_counter``).
+    """
+    num_tensors = 0
+    for _, tensor in weights:
+        gather_full(tensor)
+        num_tensors += 1
+    return TransferStats("sender", 0, 0, num_tensors, time.perf_counter() - start_s)
 
 
 AcquireBuffer = Callable[[int, int], torch.Tensor]
@@ -354,6 +370,31 @@ def _numel(shape: tuple[int, ...]) -> int:
     for size in shape:
         numel *= size
     return numel
+
+
+def receive_stream(
+    load_fn: LoadFn,
+    manifest: ManifestLike,
+    shard_fn: ShardFn | None,
+    stream: Callable[[BucketReader], Iterator[tuple[str, torch.Tensor]]],
+    where: str,
+) -> TransferStats:
+    """A receiver's refit, whatever the transport: check and load what ``stream(reader)`` yields.
+
+    ``stream`` takes the transport's messages off the wire, passes each through the :class:`BucketReader`
+    and yields the tensors to load; ``where`` names this receiver in the error raised when anything failed.
+    """
+    start_s = time.perf_counter()
+    reader = BucketReader(WeightManifest.coerce(manifest), shard_fn)
+    feed_loader(load_fn, stream(reader))
+    reader.raise_if_failed(where)
+    return TransferStats(
+        "receiver",
+        reader.wire_bytes,
+        reader.num_buckets,
+        reader.num_tensors,
+        time.perf_counter() - start_s,
+    )
 
 
 def feed_loader(load_fn: LoadFn, stream: Iterator[tuple[str, torch.Tensor]]) -> None:

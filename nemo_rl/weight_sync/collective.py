@@ -32,9 +32,9 @@ from nemo_rl.weight_sync.buckets import (
     align_up,
     decode_message,
     encode_message,
-    feed_loader,
-    gather_full,
+    gather_without_sending,
     pack_buckets,
+    receive_stream,
 )
 from nemo_rl.weight_sync.interfaces import (
     LoadFn,
@@ -45,7 +45,7 @@ from nemo_rl.weight_sync.interfaces import (
     WeightReceiver,
     WeightSender,
 )
-from nemo_rl.weight_sync.manifest import ManifestLike, WeightManifest
+from nemo_rl.weight_sync.manifest import ManifestLike
 from nemo_rl.weight_sync.store import StoreAddress, StoreServer, connect_store
 
 
@@ -158,11 +158,7 @@ class CollectiveSender:
         """Broadcast every bucket to the generation workers."""
         start_s = time.perf_counter()
         if not self.is_root:
-            num_tensors = 0
-            for _, tensor in weights:
-                gather_full(tensor)  # a collective over the policy's group: every rank takes part
-                num_tensors += 1
-            return TransferStats("sender", 0, 0, num_tensors, time.perf_counter() - start_s)
+            return gather_without_sending(weights, start_s)
         group = connect_group(self.group, 0)
         capacity = align_up(self.bucket_size_bytes)
         # (work, payload) per buffer slot: the payload must stay alive until its broadcast completes.
@@ -224,16 +220,8 @@ class CollectiveReceiver:
         self, load_fn: LoadFn, manifest: ManifestLike, shard_fn: ShardFn | None = None
     ) -> TransferStats:
         """Receive, check and load every bucket policy rank 0 broadcasts."""
-        start_s = time.perf_counter()
-        reader = BucketReader(WeightManifest.coerce(manifest), shard_fn)
-        feed_loader(load_fn, self._stream(reader))
-        reader.raise_if_failed(f"generation worker {self.index} (collective)")
-        return TransferStats(
-            "receiver",
-            reader.wire_bytes,
-            reader.num_buckets,
-            reader.num_tensors,
-            time.perf_counter() - start_s,
+        return receive_stream(
+            load_fn, manifest, shard_fn, self._stream, f"generation worker {self.index} (collective)"
         )
 
     def _stream(self, reader: BucketReader) -> Iterator[tuple[str, torch.Tensor]]:

@@ -38,9 +38,9 @@ from nemo_rl.weight_sync.buckets import (
     align_up,
     decode_message,
     encode_message,
-    feed_loader,
-    gather_full,
+    gather_without_sending,
     pack_buckets,
+    receive_stream,
 )
 from nemo_rl.weight_sync.errors import RefitError
 from nemo_rl.weight_sync.interfaces import (
@@ -52,7 +52,7 @@ from nemo_rl.weight_sync.interfaces import (
     WeightReceiver,
     WeightSender,
 )
-from nemo_rl.weight_sync.manifest import ManifestLike, WeightManifest, format_names
+from nemo_rl.weight_sync.manifest import ManifestLike, format_names
 from nemo_rl.weight_sync.store import StoreAddress, StoreServer, connect_store, pop_message
 
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
@@ -164,11 +164,7 @@ class ShmSender:
         start_s = time.perf_counter()
         if self.writer is None:
             # Another rank writes for this node; this one still has to take part in every gather.
-            num_tensors = 0
-            for _, tensor in weights:
-                gather_full(tensor)
-                num_tensors += 1
-            return TransferStats("sender", 0, 0, num_tensors, time.perf_counter() - start_s)
+            return gather_without_sending(weights, start_s)
         return _ShmWriter(self, self.writer).run(weights, start_s)
 
 
@@ -278,16 +274,12 @@ class ShmReceiver:
         self, load_fn: LoadFn, manifest: ManifestLike, shard_fn: ShardFn | None = None
     ) -> TransferStats:
         """Read, check and load every bucket the node's writer announces."""
-        start_s = time.perf_counter()
-        reader = BucketReader(WeightManifest.coerce(manifest), shard_fn)
-        feed_loader(load_fn, self._stream(reader))
-        reader.raise_if_failed(f"generation worker {self.reader} (shared memory, refit {self.refit_id})")
-        return TransferStats(
-            "receiver",
-            reader.wire_bytes,
-            reader.num_buckets,
-            reader.num_tensors,
-            time.perf_counter() - start_s,
+        return receive_stream(
+            load_fn,
+            manifest,
+            shard_fn,
+            self._stream,
+            f"generation worker {self.reader} (shared memory, refit {self.refit_id})",
         )
 
     def _stream(self, reader: BucketReader) -> Iterator[tuple[str, torch.Tensor]]:
