@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from nemo_rl.algorithms.interfaces import LossType
 from nemo_rl.algorithms.utils import (
+    KLType,
     calculate_kl,
     masked_mean,
     masked_sum,
@@ -45,6 +46,10 @@ __all__ = [
 ]
 
 
+# Every loss on token log-probabilities needs these batch keys (see nemo_rl.algorithms.interfaces).
+_TOKEN_LOSS_KEYS = ("input_ids", "token_mask", "sample_mask")
+
+
 def _require_keys(data: BatchedDataDict[Any], keys: tuple[str, ...], loss_name: str) -> None:
     missing = [k for k in keys if k not in data]
     if missing:
@@ -62,6 +67,41 @@ def _masks(data: BatchedDataDict[Any], like: torch.Tensor) -> tuple[torch.Tensor
     token_mask_BS = _per_token(data, "token_mask", like)
     sample_mask_B = data["sample_mask"].to(device=like.device, dtype=like.dtype)
     return token_mask_BS, sample_mask_B, token_mask_BS * sample_mask_B.unsqueeze(-1)
+
+
+def _logprobs_and_masks(
+    next_token_logits_BTV: torch.Tensor,
+    data: BatchedDataDict[Any],
+    extra_keys: tuple[str, ...],
+    loss_name: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Check the batch and return (logprobs_BS, token_mask_BS, sample_mask_B, mask_BS) for a token loss.
+
+    The batch must hold ``input_ids``, ``token_mask``, ``sample_mask`` and ``extra_keys``; ``logprobs_BS``
+    are the sampled tokens' log-probabilities under ``next_token_logits_BTV`` (see :func:`_masks`).
+    """
+    _require_keys(data, (*_TOKEN_LOSS_KEYS, *extra_keys), loss_name)
+    logprobs_BS = next_token_logprobs(next_token_logits_BTV, data["input_ids"])
+    return (logprobs_BS, *_masks(data, logprobs_BS))
+
+
+def _token_share(
+    values_BS: torch.Tensor, mask_BS: torch.Tensor, global_valid_toks: torch.Tensor
+) -> torch.Tensor:
+    """This micro-batch's share of the mean of ``values_BS`` over the valid tokens of the global batch."""
+    return masked_mean(values_BS, mask_BS, global_normalization_factor=global_valid_toks)
+
+
+def _unclamped_kl(logprobs_a: torch.Tensor, logprobs_b: torch.Tensor, kl_type: KLType) -> torch.Tensor:
+    """Per-token KL estimate of ``kl_type`` between two log-probability tensors, without clamping (metrics)."""
+    return calculate_kl(
+        logprobs_a, logprobs_b, kl_type=kl_type, input_clamp_value=None, output_clamp_value=None
+    )
+
+
+def _at_least_fp32(values: torch.Tensor) -> torch.Tensor:
+    """``values`` in float32, or kept in its own dtype when that is wider (float64)."""
+    return values.to(torch.promote_types(values.dtype, torch.float32))
 
 
 def _masked_min_max(values: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
@@ -104,8 +144,7 @@ class ClippedPGLossFn:
     ) -> torch.Tensor:
         """This micro-batch's share of the loss-type average of a per-token quantity."""
         if self.loss_type == LossType.TOKEN_LEVEL:
-            mask_BS = token_mask_BS * sample_mask_B.unsqueeze(-1)
-            return masked_mean(values_BS, mask_BS, global_normalization_factor=global_valid_toks)
+            return _token_share(values_BS, token_mask_BS * sample_mask_B.unsqueeze(-1), global_valid_toks)
         per_seq_B = masked_mean(values_BS, token_mask_BS, dim=-1)
         return masked_mean(per_seq_B, sample_mask_B, global_normalization_factor=global_valid_seqs)
 
@@ -139,9 +178,7 @@ class ClippedPGLossFn:
         elif kind == "icepop":
             assert lower is not None  # the config validator requires it
             kept_BS = ((weights >= lower) & (weights <= upper)).float()
-            metrics["is_oob_ratio"] = masked_mean(
-                1.0 - kept_BS, mask_BS, global_normalization_factor=global_valid_toks
-            ).item()
+            metrics["is_oob_ratio"] = _token_share(1.0 - kept_BS, mask_BS, global_valid_toks).item()
             weights = weights * kept_BS
         else:  # seq-mask-tis
             assert lower is not None  # the config validator requires it
@@ -168,26 +205,19 @@ class ClippedPGLossFn:
         """
         cfg = self.cfg
         use_kl = cfg.reference_policy_kl_penalty != 0
-        required = (
-            "input_ids",
-            "token_mask",
-            "sample_mask",
-            "advantages",
-            "prev_logprobs",
-            "generation_logprobs",
+        required = ("advantages", "prev_logprobs", "generation_logprobs")
+        curr_BS, token_mask_BS, sample_mask_B, mask_BS = _logprobs_and_masks(
+            next_token_logits_BTV,
+            data,
+            (*required, "reference_policy_logprobs") if use_kl else required,
+            "ClippedPGLossFn",
         )
-        _require_keys(
-            data, (*required, "reference_policy_logprobs") if use_kl else required, "ClippedPGLossFn"
-        )
-
-        curr_BS = next_token_logprobs(next_token_logits_BTV, data["input_ids"])
-        token_mask_BS, sample_mask_B, mask_BS = _masks(data, curr_BS)
         advantages_BS = _per_token(data, "advantages", curr_BS)
         prev_BS = _per_token(data, "prev_logprobs", curr_BS)
         gen_BS = _per_token(data, "generation_logprobs", curr_BS)
 
         def share_tok(values_BS: torch.Tensor) -> torch.Tensor:
-            return masked_mean(values_BS, mask_BS, global_normalization_factor=global_valid_toks)
+            return _token_share(values_BS, mask_BS, global_valid_toks)
 
         # KL to the reference policy.
         if use_kl:
@@ -300,10 +330,7 @@ class ClippedPGLossFn:
             ).float()
         # Jensen-Shannon divergence between the training and generation distributions on the sampled token.
         log_mix_BS = torch.logaddexp(prev_BS, gen_BS) - math.log(2.0)
-        js_BS = 0.5 * (
-            calculate_kl(log_mix_BS, prev_BS, kl_type="k3", input_clamp_value=None, output_clamp_value=None)
-            + calculate_kl(log_mix_BS, gen_BS, kl_type="k3", input_clamp_value=None, output_clamp_value=None)
-        )
+        js_BS = 0.5 * (_unclamped_kl(log_mix_BS, prev_BS, "k3") + _unclamped_kl(log_mix_BS, gen_BS, "k3"))
         if cfg.sequence_level_importance_ratios:
             # Every token of a sequence carries its sequence's weight; take the first column.
             per_seq_B = is_weights_BS[:, 0] if is_weights_BS.shape[1] > 0 else torch.zeros_like(sample_mask_B)
@@ -324,17 +351,9 @@ class ClippedPGLossFn:
             # NeMo RL's definition: mean over valid tokens of exp(|log pi_prev - log pi_gen|), >= 1.
             "token_mult_prob_error": share_tok(torch.exp((prev_BS - gen_BS).abs() * mask_BS)).item(),
             # KL(pi_gen || pi_prev), estimated on tokens sampled from pi_gen.
-            "gen_kl_error": share_tok(
-                calculate_kl(
-                    gen_BS, prev_BS, kl_type=kl_type, input_clamp_value=None, output_clamp_value=None
-                )
-            ).item(),
+            "gen_kl_error": share_tok(_unclamped_kl(gen_BS, prev_BS, kl_type)).item(),
             # KL(pi_prev || pi_gen), same samples.
-            "policy_kl_error": share_tok(
-                calculate_kl(
-                    prev_BS, gen_BS, kl_type=kl_type, input_clamp_value=None, output_clamp_value=None
-                )
-            ).item(),
+            "policy_kl_error": share_tok(_unclamped_kl(prev_BS, gen_BS, kl_type)).item(),
             "js_divergence_error": share_tok(js_BS).item(),
             "sampling_importance_ratio": sampling_ratio.item(),
             # E_{pi_gen}[-(pi_curr / pi_gen) log pi_curr]: the current policy's entropy from sampled tokens.
@@ -359,10 +378,10 @@ class NLLLoss:
         global_valid_toks: torch.Tensor,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """This micro-batch's share of -mean(log p(token)) over the valid tokens of the global batch."""
-        _require_keys(data, ("input_ids", "token_mask", "sample_mask"), "NLLLoss")
-        logprobs_BS = next_token_logprobs(next_token_logits_BTV, data["input_ids"])
-        _, sample_mask_B, mask_BS = _masks(data, logprobs_BS)
-        loss = -masked_mean(logprobs_BS, mask_BS, global_normalization_factor=global_valid_toks)
+        logprobs_BS, _, sample_mask_B, mask_BS = _logprobs_and_masks(
+            next_token_logits_BTV, data, (), "NLLLoss"
+        )
+        loss = -_token_share(logprobs_BS, mask_BS, global_valid_toks)
         num_tokens = mask_BS.sum().item()
         return loss, {
             "loss": loss.item(),
@@ -382,6 +401,25 @@ def _pair_halves(values_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values_B[0::2], values_B[1::2]
 
 
+def _pair_mask_and_count(
+    sample_mask_B: torch.Tensor, global_valid_seqs: torch.Tensor, like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pair_mask_P, global_pairs): a pair is valid where its chosen row is; ``global_valid_seqs`` / 2 pairs.
+
+    ``global_pairs`` takes ``like``'s dtype and device.
+    """
+    pair_mask_P, _ = _pair_halves(sample_mask_B)
+    global_pairs = torch.as_tensor(global_valid_seqs, dtype=like.dtype, device=like.device) / 2
+    return pair_mask_P, global_pairs
+
+
+def _item_metrics(terms: dict[str, torch.Tensor], loss: torch.Tensor) -> dict[str, float]:
+    """``terms`` as floats, plus ``loss``."""
+    metrics = {name: value.item() for name, value in terms.items()}
+    metrics["loss"] = loss.item()
+    return metrics
+
+
 class PreferenceLoss:
     """Bradley-Terry loss on scalar rewards of interleaved (chosen, rejected) pairs (reward-model training).
 
@@ -399,8 +437,7 @@ class PreferenceLoss:
         beta: float,
     ) -> dict[str, torch.Tensor]:
         chosen_P, rejected_P = _pair_halves(rewards_B)
-        pair_mask_P, _ = _pair_halves(sample_mask_B)
-        global_pairs = torch.as_tensor(global_valid_seqs, dtype=rewards_B.dtype, device=rewards_B.device) / 2
+        pair_mask_P, global_pairs = _pair_mask_and_count(sample_mask_B, global_valid_seqs, rewards_B)
         margin_P = chosen_P - rejected_P
         return {
             "preference_loss": masked_mean(
@@ -426,15 +463,11 @@ class PreferenceLoss:
         global_valid_toks: torch.Tensor,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """This micro-batch's share of the pairwise loss; ``rewards_B`` is the reward head's output [B] or [B, 1]."""
-        rewards_B = rewards_B.to(torch.promote_types(rewards_B.dtype, torch.float32)).reshape(
-            rewards_B.shape[0]
-        )
+        rewards_B = _at_least_fp32(rewards_B).reshape(rewards_B.shape[0])
         sample_mask_B = data["sample_mask"].to(device=rewards_B.device, dtype=rewards_B.dtype)
         terms = self._preference_terms(rewards_B, sample_mask_B, global_valid_seqs, beta=1.0)
         loss = terms["preference_loss"]
-        metrics = {name: value.item() for name, value in terms.items()}
-        metrics["loss"] = loss.item()
-        return loss, metrics
+        return loss, _item_metrics(terms, loss)
 
 
 class DPOLossFn:
@@ -463,12 +496,10 @@ class DPOLossFn:
         global_valid_toks: torch.Tensor,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """This micro-batch's share of the DPO loss, and its metrics."""
-        _require_keys(
-            data, ("input_ids", "token_mask", "sample_mask", "reference_policy_logprobs"), "DPOLossFn"
+        logprobs_BS, _, sample_mask_B, mask_BS = _logprobs_and_masks(
+            next_token_logits_BTV, data, ("reference_policy_logprobs",), "DPOLossFn"
         )
         cfg = self.cfg
-        logprobs_BS = next_token_logprobs(next_token_logits_BTV, data["input_ids"])
-        _, sample_mask_B, mask_BS = _masks(data, logprobs_BS)
         ref_BS = _per_token(data, "reference_policy_logprobs", logprobs_BS)
         num_tokens_B = mask_BS.sum(dim=-1).clamp(min=1)
 
@@ -483,16 +514,12 @@ class DPOLossFn:
         if cfg.sft_average_log_probs:
             sft_nll_B = sft_nll_B / num_tokens_B
         sft_chosen_P, _ = _pair_halves(sft_nll_B)
-        pair_mask_P, _ = _pair_halves(sample_mask_B)
-        global_pairs = (
-            torch.as_tensor(global_valid_seqs, dtype=logprobs_BS.dtype, device=logprobs_BS.device) / 2
-        )
+        pair_mask_P, global_pairs = _pair_mask_and_count(sample_mask_B, global_valid_seqs, logprobs_BS)
         sft_loss = masked_mean(sft_chosen_P, pair_mask_P, global_normalization_factor=global_pairs)
 
         loss = cfg.preference_loss_weight * terms["preference_loss"] + cfg.sft_loss_weight * sft_loss
-        metrics = {name: value.item() for name, value in terms.items()}
+        metrics = _item_metrics(terms, loss)
         metrics["sft_loss"] = sft_loss.item()
-        metrics["loss"] = loss.item()
         return loss, metrics
 
 
@@ -529,12 +556,11 @@ class DistillationLossFn:
         """This micro-batch's share of the distillation KL, and its metrics."""
         _require_keys(
             data,
-            ("input_ids", "token_mask", "sample_mask", "teacher_topk_logits", "teacher_topk_indices"),
+            (*_TOKEN_LOSS_KEYS, "teacher_topk_logits", "teacher_topk_indices"),
             "DistillationLossFn",
         )
         cfg = self.cfg
-        logits_BSV = next_token_logits_BTV[:, :-1]
-        logits_BSV = logits_BSV.to(torch.promote_types(logits_BSV.dtype, torch.float32))
+        logits_BSV = _at_least_fp32(next_token_logits_BTV[:, :-1])
         indices_BSK = data["teacher_topk_indices"][:, :-1].to(logits_BSV.device).long()
         if indices_BSK.shape[-1] < 1:
             raise ValueError(
@@ -564,16 +590,12 @@ class DistillationLossFn:
             kl_BS = reverse_BS
         else:
             kl_BS = cfg.mixed_kl_weight * forward_BS + (1.0 - cfg.mixed_kl_weight) * reverse_BS
-        loss = masked_mean(kl_BS, mask_BS, global_normalization_factor=global_valid_toks)
+        loss = _token_share(kl_BS, mask_BS, global_valid_toks)
         with torch.no_grad():
             metrics = {
                 "loss": loss.item(),
-                "forward_kl": masked_mean(
-                    forward_BS, mask_BS, global_normalization_factor=global_valid_toks
-                ).item(),
-                "reverse_kl": masked_mean(
-                    reverse_BS, mask_BS, global_normalization_factor=global_valid_toks
-                ).item(),
+                "forward_kl": _token_share(forward_BS, mask_BS, global_valid_toks).item(),
+                "reverse_kl": _token_share(reverse_BS, mask_BS, global_valid_toks).item(),
                 "num_valid_samples": sample_mask_B.sum().item(),
                 "num_valid_tokens": mask_BS.sum().item(),
             }
