@@ -10,6 +10,9 @@ in data-parallel group ``r // tp_size`` with tensor-parallel rank ``r % tp_size`
   ``NEMO_RL_TP_SIZE`` and ``NEMO_RL_BUNDLE_INDEX``.
 
 ``CUDA_VISIBLE_DEVICES`` is left to Ray, which assigns each actor the GPU of its bundle.
+
+:class:`WorkerGroupFacade` is the driver side the policy and generation facades build on: it starts a group,
+waits for it, and calls its workers with a timeout.
 """
 
 from __future__ import annotations
@@ -366,36 +369,64 @@ class RayWorkerGroup:
             raise
 
 
-def start_worker_group(
-    cluster: RayVirtualCluster,
-    worker_cls: type,
-    *,
-    name: str,
-    ready_timeout_s: float,
-    init_kwargs: Mapping[str, Any] | None = None,
-    bundle_indices: Sequence[int] | None = None,
-    dp_size: int | None = None,
-    env_vars: Mapping[str, str] | None = None,
-) -> RayWorkerGroup:
-    """A :class:`RayWorkerGroup` whose actors have all finished ``__init__`` within ``ready_timeout_s``.
+class WorkerGroupFacade:
+    """The driver side of a worker group: what the policy and generation facades share.
 
-    The driver-side facades (policy, generation) start their workers this way: when an actor fails to start
-    or the wait times out, the group is shut down (its bundles released) before the error propagates, so a
-    failed start leaves no half-started actors holding the cluster. The other arguments are
+    Starts a :class:`RayWorkerGroup` and waits until every actor has finished ``__init__``; when one fails to
+    start or the wait times out, the group is shut down (its bundles released) before the error propagates,
+    so a failed start leaves no half-started actors holding the cluster. Every later call on the workers
+    waits at most ``call_timeout_s`` and then names the workers still running. The other arguments are
     :class:`RayWorkerGroup`'s.
     """
-    group = RayWorkerGroup(
-        cluster,
-        worker_cls,
-        name=name,
-        init_kwargs=init_kwargs,
-        bundle_indices=bundle_indices,
-        dp_size=dp_size,
-        env_vars=env_vars,
-    )
-    try:
-        group.wait_until_ready(ready_timeout_s)
-    except BaseException:
-        group.shutdown()
-        raise
-    return group
+
+    def __init__(
+        self,
+        cluster: RayVirtualCluster,
+        worker_cls: type,
+        *,
+        name: str,
+        call_timeout_s: float,
+        init_kwargs: Mapping[str, Any] | None = None,
+        bundle_indices: Sequence[int] | None = None,
+        dp_size: int | None = None,
+        env_vars: Mapping[str, str] | None = None,
+    ) -> None:
+        self.call_timeout_s = call_timeout_s
+        self.worker_group = RayWorkerGroup(
+            cluster,
+            worker_cls,
+            name=name,
+            init_kwargs=init_kwargs,
+            bundle_indices=bundle_indices,
+            dp_size=dp_size,
+            env_vars=env_vars,
+        )
+        try:
+            self.worker_group.wait_until_ready(call_timeout_s)
+        except BaseException:
+            self.worker_group.shutdown()
+            raise
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel groups (each gets a different shard of every batch)."""
+        return self.worker_group.dp_size
+
+    @property
+    def workers(self) -> list[ActorHandle]:
+        """The worker actors in rank order (what ``nemo_rl.weight_sync.refit`` sends from or to)."""
+        return self.worker_group.workers
+
+    def _on_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """``method(*args, **kwargs)`` on every worker (a collective call); the results in rank order."""
+        refs = self.worker_group.run_all_workers_single_data(method, *args, **kwargs)
+        return self.worker_group.get_all_worker_results(refs, self.call_timeout_s)
+
+    def _on_rank_0(self, method: str, *args: Any) -> Any:
+        """``method(*args)`` on worker 0 only (a query every worker would answer alike)."""
+        ref = self.worker_group.run_single_worker(method, 0, *args)
+        return self.worker_group.get_all_worker_results([ref], self.call_timeout_s)[0]
+
+    def shutdown(self) -> None:
+        """Stop the workers and release their bundles."""
+        self.worker_group.shutdown()

@@ -15,13 +15,12 @@ from typing import Any, ClassVar
 
 import ray
 import torch
-from ray.actor import ActorHandle
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
-from nemo_rl.distributed.worker_groups import start_worker_group
+from nemo_rl.distributed.worker_groups import WorkerGroupFacade
 from nemo_rl.models.generation.interfaces import (
     WeightManifestDict,
     check_generation_input,
@@ -46,7 +45,7 @@ def tokenizer_pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
     return int(tokenizer.pad_token_id)
 
 
-class ReplicatedGeneration:
+class ReplicatedGeneration(WorkerGroupFacade):
     """Replicas of one generation model on ``bundles`` of ``cluster``; one ``worker_cls`` actor per bundle.
 
     ``dp_size`` replicas (default one per bundle) each span ``len(bundles) // dp_size`` consecutive workers,
@@ -92,11 +91,11 @@ class ReplicatedGeneration:
         self._seed = seed
         self._calls = itertools.count()
         self._node_ids = [cluster.bundle_locations()[b].node_id for b in bundles]
-        self.worker_group = start_worker_group(
+        super().__init__(
             cluster,
             worker_cls,
             name=name,
-            ready_timeout_s=WORKER_CALL_TIMEOUT_S,
+            call_timeout_s=WORKER_CALL_TIMEOUT_S,
             init_kwargs=init_kwargs,
             bundle_indices=bundles,
             dp_size=dp_size,
@@ -104,23 +103,9 @@ class ReplicatedGeneration:
         )
 
     @property
-    def dp_size(self) -> int:
-        """Number of replicas."""
-        return self.worker_group.dp_size
-
-    @property
-    def workers(self) -> list[ActorHandle]:
-        """Every worker, in rank order (what ``nemo_rl.weight_sync.refit`` sends to)."""
-        return self.worker_group.workers
-
-    @property
     def worker_node_ids(self) -> list[str]:
         """Ray node id of each worker, in rank order."""
         return list(self._node_ids)
-
-    def _on_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        refs = self.worker_group.run_all_workers_single_data(method, *args, **kwargs)
-        return self.worker_group.get_all_worker_results(refs, WORKER_CALL_TIMEOUT_S)
 
     def generate(self, data: BatchedDataDict[Any], greedy: bool = False) -> BatchedDataDict[Any]:
         """Sample a response per row; see :class:`~nemo_rl.models.generation.interfaces.GenerationInterface`."""
@@ -130,7 +115,7 @@ class ReplicatedGeneration:
         shards = [data.select_indices(rows) for rows in indices]
         # Every rank of a replica gets its shard: model-parallel ranks run the same requests in lockstep.
         refs = self.worker_group.run_all_workers_sharded_data("generate", shards, greedy, seed)
-        results = self.worker_group.get_dp_leader_results(refs, WORKER_CALL_TIMEOUT_S)
+        results = self.worker_group.get_dp_leader_results(refs, self.call_timeout_s)
         return BatchedDataDict.from_shards(results, indices, pad_value_dict={"output_ids": self.pad_token_id})
 
     def prepare_for_generation(self) -> None:
@@ -144,10 +129,7 @@ class ReplicatedGeneration:
     # ------------------------------------------------------------------------------- refit receiver
     def expected_weights_manifest(self) -> WeightManifestDict:
         """``{hf_name: (full shape, dtype name)}`` the workers expect (every worker loads full tensors)."""
-        ref = self.worker_group.run_single_worker("expected_weights_manifest", 0)
-        manifest: WeightManifestDict = self.worker_group.get_all_worker_results([ref], WORKER_CALL_TIMEOUT_S)[
-            0
-        ]
+        manifest: WeightManifestDict = self._on_rank_0("expected_weights_manifest")
         return manifest
 
     def prepare_refit_info(self, manifest: WeightManifestDict) -> None:
@@ -165,7 +147,3 @@ class ReplicatedGeneration:
         tensors = [(name, tensor.detach().cpu()) for name, tensor in named_tensors]
         ref = ray.put(tensors)
         self._on_all("load_weights_from_stream", ref)
-
-    def shutdown(self) -> None:
-        """Stop the workers and release their bundles."""
-        self.worker_group.shutdown()

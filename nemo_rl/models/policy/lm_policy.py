@@ -13,13 +13,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from ray.actor import ActorHandle
 
 from nemo_rl.algorithms.interfaces import LossFunction
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
-from nemo_rl.distributed.worker_groups import start_worker_group
+from nemo_rl.distributed.worker_groups import WorkerGroupFacade
 from nemo_rl.models.policy.dtensor_worker import DTensorPolicyWorker
 from nemo_rl.models.policy.interfaces import TrainResult
 
@@ -47,7 +46,7 @@ def _worker_backend(cfg: PolicyConfig) -> tuple[type, int]:
     return worker_cls, megatron.tensor_model_parallel_size * megatron.pipeline_model_parallel_size
 
 
-class Policy:
+class Policy(WorkerGroupFacade):
     """A policy model sharded over ``cluster``'s bundles (or ``bundle_indices`` of them)."""
 
     def __init__(
@@ -75,11 +74,11 @@ class Policy:
                 f"({model_parallel_size}); change cluster.gpus_per_node / num_nodes or the parallel sizes"
             )
         self.cfg = cfg
-        self.worker_group = start_worker_group(
+        super().__init__(
             cluster,
             worker_cls,
             name=name_prefix,
-            ready_timeout_s=WORKER_CALL_TIMEOUT_S,
+            call_timeout_s=WORKER_CALL_TIMEOUT_S,
             init_kwargs={
                 "cfg": cfg,
                 "tokenizer_path": tokenizer_path,
@@ -91,21 +90,7 @@ class Policy:
             dp_size=world_size // model_parallel_size,
         )
 
-    @property
-    def dp_size(self) -> int:
-        """Number of data-parallel groups (each holds a different shard of every batch)."""
-        return self.worker_group.dp_size
-
-    @property
-    def workers(self) -> list[ActorHandle]:
-        """The worker actors in rank order (what ``nemo_rl.weight_sync.refit`` sends from)."""
-        return self.worker_group.workers
-
     # ------------------------------------------------------------------------------------------ calls
-    def _on_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        refs = self.worker_group.run_all_workers_single_data(method, *args, **kwargs)
-        return self.worker_group.get_all_worker_results(refs, WORKER_CALL_TIMEOUT_S)
-
     def _score(self, method: str, data: BatchedDataDict[Any], *args: Any) -> BatchedDataDict[Any]:
         """Shard ``data`` over the dp groups, run ``method`` and put the rows back in their original order.
 
@@ -121,7 +106,7 @@ class Policy:
         indices = padded.shard_indices(self.dp_size, balance_by_length_key=length_key)
         shards = [padded.select_indices(rows) for rows in indices]
         refs = self.worker_group.run_all_workers_sharded_data(method, shards, *args)
-        results = self.worker_group.get_dp_leader_results(refs, WORKER_CALL_TIMEOUT_S)
+        results = self.worker_group.get_dp_leader_results(refs, self.call_timeout_s)
         return BatchedDataDict.from_shards(results, indices).slice(0, num_rows)
 
     # ------------------------------------------------------------------------------ PolicyInterface
@@ -156,7 +141,7 @@ class Policy:
             "train", shards, loss_fn=loss_fn, eval_mode=eval_mode, gbs=global_batch_size, mbs=mbs
         )
         # The workers all-reduce losses and metrics over dp, so every leader returns the same result.
-        result: TrainResult = self.worker_group.get_dp_leader_results(refs, WORKER_CALL_TIMEOUT_S)[0]
+        result: TrainResult = self.worker_group.get_dp_leader_results(refs, self.call_timeout_s)[0]
         return result
 
     def save_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
@@ -190,12 +175,5 @@ class Policy:
     # ------------------------------------------------------------------------------- refit (sender)
     def weights_manifest(self, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], str]]:
         """``{hf_name: (full shape, dtype name)}`` of the weights a refit sends (from rank 0)."""
-        ref = self.worker_group.run_single_worker("weights_manifest", 0, dtype)
-        manifest: dict[str, tuple[tuple[int, ...], str]] = self.worker_group.get_all_worker_results(
-            [ref], WORKER_CALL_TIMEOUT_S
-        )[0]
+        manifest: dict[str, tuple[tuple[int, ...], str]] = self._on_rank_0("weights_manifest", dtype)
         return manifest
-
-    def shutdown(self) -> None:
-        """Stop the workers and release their bundles."""
-        self.worker_group.shutdown()
