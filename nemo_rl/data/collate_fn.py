@@ -15,6 +15,7 @@ from transformers import PreTrainedTokenizerBase
 from nemo_rl.data.interfaces import DatumSpec
 from nemo_rl.data.llm_message_utils import message_logs_to_batch, truncate_message_log
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.models.tokenizer import require_pad_token_id
 
 SFT_TRAIN_ROLES = ("assistant",)
 """Roles whose tokens SFT puts loss on."""
@@ -63,12 +64,8 @@ def make_sft_collate_fn(
     tokenizer: PreTrainedTokenizerBase, max_seq_length: int
 ) -> Callable[[Sequence[DatumSpec]], BatchedDataDict[Any]]:
     """:func:`sft_collate_fn` bound to the tokenizer's pad token and a length limit, for a dataloader."""
-    if tokenizer.pad_token_id is None:
-        raise ValueError(
-            "the tokenizer has no pad token: load it with nemo_rl.models.tokenizer.get_tokenizer"
-        )
     return functools.partial(
-        sft_collate_fn, pad_token_id=tokenizer.pad_token_id, max_seq_length=max_seq_length
+        sft_collate_fn, pad_token_id=require_pad_token_id(tokenizer), max_seq_length=max_seq_length
     )
 
 
@@ -104,10 +101,6 @@ def make_preference_collate_fn(
     tokenizer: PreTrainedTokenizerBase, max_seq_length: int
 ) -> Callable[[Sequence[DatumSpec]], BatchedDataDict[Any]]:
     """:func:`preference_collate_fn` bound to the tokenizer's pad token and a length limit."""
-    if tokenizer.pad_token_id is None:
-        raise ValueError(
-            "the tokenizer has no pad token: load it with nemo_rl.models.tokenizer.get_tokenizer"
-        )
     return functools.partial(
-        preference_collate_fn, pad_token_id=tokenizer.pad_token_id, max_seq_length=max_seq_length
+        preference_collate_fn, pad_token_id=require_pad_token_id(tokenizer), max_seq_length=max_seq_length
     )

@@ -62,6 +62,15 @@ def get_policy_tokenizer(policy: PolicyConfig) -> PreTrainedTokenizerBase:
     )
 
 
+def require_pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The id batches are right-padded with; a tokenizer without a pad token is a user error."""
+    if tokenizer.pad_token_id is None:
+        raise ValueError(
+            "the tokenizer has no pad token; load it with nemo_rl.models.tokenizer.get_tokenizer"
+        )
+    return int(tokenizer.pad_token_id)
+
+
 def resolve_chat_template(chat_template: str) -> str:
     """The Jinja text of a ``chat_template`` setting: ``"default"``, a path to a ``.jinja`` file, or Jinja."""
     if chat_template == "default":

@@ -15,7 +15,6 @@ from typing import Any, ClassVar
 
 import ray
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
@@ -36,15 +35,6 @@ WORKER_CALL_TIMEOUT_S = 6 * 3600.0
 LENGTH_KEY = "input_lengths"
 
 
-def tokenizer_pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
-    """The pad id generation right-pads ``output_ids`` with; a tokenizer without one is a user error."""
-    if tokenizer.pad_token_id is None:
-        raise ValueError(
-            "the tokenizer has no pad token; load it with nemo_rl.models.tokenizer.get_tokenizer"
-        )
-    return int(tokenizer.pad_token_id)
-
-
 class ReplicatedGeneration(WorkerGroupFacade):
     """Replicas of one generation model on ``bundles`` of ``cluster``; one ``worker_cls`` actor per bundle.
 
@@ -58,7 +48,7 @@ class ReplicatedGeneration(WorkerGroupFacade):
         cfg: the ``policy`` section.
         worker_cls: the backend's worker class (one replica rank as a Ray actor).
         bundles: the bundles the workers run on, in rank order.
-        pad_token_id: what ``output_ids`` are right-padded with (see :func:`tokenizer_pad_token_id`).
+        pad_token_id: what ``output_ids`` are right-padded with (see :func:`~nemo_rl.models.tokenizer.require_pad_token_id`).
         seed: call ``k`` of :meth:`generate` samples with a seed derived from ``(seed, k)``, so a run replays
             when it makes the same calls with the same data.
         init_kwargs: the worker constructor's keyword arguments.

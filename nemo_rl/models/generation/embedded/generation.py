@@ -9,7 +9,8 @@ from transformers import PreTrainedTokenizerBase
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.models.generation.embedded.worker import EmbeddedGenerationWorker
-from nemo_rl.models.generation.replicated import ReplicatedGeneration, tokenizer_pad_token_id
+from nemo_rl.models.generation.replicated import ReplicatedGeneration
+from nemo_rl.models.tokenizer import require_pad_token_id
 
 
 class EmbeddedGeneration(ReplicatedGeneration):
@@ -56,7 +57,7 @@ class EmbeddedGeneration(ReplicatedGeneration):
             cfg,
             EmbeddedGenerationWorker,
             bundles=bundles[:num_replicas],
-            pad_token_id=tokenizer_pad_token_id(tokenizer),
+            pad_token_id=require_pad_token_id(tokenizer),
             seed=seed,
             init_kwargs={"cfg": cfg, "tokenizer": tokenizer, "model_path": model_path},
             name=name,

@@ -22,6 +22,7 @@ from nemo_rl.distributed.device import configure_worker_threads, cuda_available,
 from nemo_rl.models.generation.embedded.engine import EmbeddedEngine, SamplingParams
 from nemo_rl.models.generation.embedded.model import DecoderLM
 from nemo_rl.models.generation.interfaces import WeightManifestDict, check_generation_input
+from nemo_rl.models.tokenizer import require_pad_token_id
 from nemo_rl.weight_sync.interfaces import TransferStats, WeightReceiver
 from nemo_rl.weight_sync.manifest import dtype_from_name
 
@@ -66,10 +67,7 @@ class EmbeddedGenerationWorker:
 
     def __init__(self, cfg: PolicyConfig, tokenizer: PreTrainedTokenizerBase, model_path: str | None = None):
         configure_worker_threads()
-        if tokenizer.pad_token_id is None:
-            raise ValueError(
-                "the tokenizer has no pad token; load it with nemo_rl.models.tokenizer.get_tokenizer"
-            )
+        pad_token_id = require_pad_token_id(tokenizer)
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.dp_rank = int(os.environ.get("NEMO_RL_DP_RANK", "0"))
@@ -80,7 +78,7 @@ class EmbeddedGenerationWorker:
         self.sampling = SamplingParams.from_policy_config(cfg, eos_token_ids(tokenizer, checkpoint_dir))
         self.engine = EmbeddedEngine(
             self.model,
-            pad_token_id=int(tokenizer.pad_token_id),
+            pad_token_id=pad_token_id,
             max_sequence_length=cfg.max_total_sequence_length,
             decode_fn=self._decode,
         )

@@ -9,9 +9,10 @@ from transformers import PreTrainedTokenizerBase
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
-from nemo_rl.models.generation.replicated import ReplicatedGeneration, tokenizer_pad_token_id
+from nemo_rl.models.generation.replicated import ReplicatedGeneration
 from nemo_rl.models.generation.vllm.convert import check_vllm_config
 from nemo_rl.models.generation.vllm.worker import VllmGenerationWorker
+from nemo_rl.models.tokenizer import require_pad_token_id
 
 # Set in every worker before vLLM is imported: vLLM's engine core then runs inside the actor, so refit can
 # hand it the live weight stream (see `worker_extension`).
@@ -57,7 +58,7 @@ class VllmGeneration(ReplicatedGeneration):
                 "policy.generation.backend=vllm needs CUDA GPUs, and this Ray cluster has none; run with "
                 "policy.generation.backend=embedded"
             )
-        pad_token_id = tokenizer_pad_token_id(tokenizer)
+        pad_token_id = require_pad_token_id(tokenizer)
         bundles = list(range(cluster.world_size)) if bundle_indices is None else list(bundle_indices)
         tp_size = cfg.generation.vllm_cfg.tensor_parallel_size
         if not bundles or len(bundles) % tp_size != 0:

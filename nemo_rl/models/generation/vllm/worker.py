@@ -45,6 +45,7 @@ from nemo_rl.models.generation.vllm.convert import (
     request_seeds,
     sampling_params_for_rows,
 )
+from nemo_rl.models.tokenizer import require_pad_token_id
 from nemo_rl.weight_sync.interfaces import TransferStats, WeightReceiver
 from nemo_rl.weight_sync.manifest import dtype_from_name
 
@@ -75,12 +76,8 @@ class VllmGenerationWorker:
     ) -> None:
         configure_worker_threads()
         check_vllm_config(cfg)
-        if tokenizer.pad_token_id is None:
-            raise ValueError(
-                "the tokenizer has no pad token; load it with nemo_rl.models.tokenizer.get_tokenizer"
-            )
+        self.pad_token_id = require_pad_token_id(tokenizer)
         self.cfg = cfg
-        self.pad_token_id = int(tokenizer.pad_token_id)
         self.dp_rank = int(os.environ.get("NEMO_RL_DP_RANK", "0"))
         self.colocated = cfg.generation.colocated.enabled
         self.max_sequence_length = max_sequence_length(cfg)
