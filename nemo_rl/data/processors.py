@@ -32,6 +32,20 @@ def apply_task_spec(messages: list[ChatMessage], spec: TaskDataSpec) -> list[Cha
     return formatted
 
 
+def format_conversation(
+    messages: list[ChatMessage], spec: TaskDataSpec, tokenizer: PreTrainedTokenizerBase
+) -> MessageLog:
+    """A whole training conversation as a message log, formatted as ``spec`` asks (prompt template, system
+    prompt, BOS/EOS tokens, generation prompt)."""
+    return format_message_log(
+        apply_task_spec(messages, spec),
+        tokenizer,
+        add_bos=spec.add_bos,
+        add_eos=spec.add_eos,
+        add_generation_prompt=spec.add_generation_prompt,
+    )
+
+
 def sft_processor(
     record: Record,
     spec: TaskDataSpec,
@@ -46,13 +60,7 @@ def sft_processor(
     """
     if not any(m["role"] == "assistant" for m in record["messages"]):
         raise ValueError(f"sample {idx} has no assistant message, so SFT has nothing to learn from it")
-    message_log = format_message_log(
-        apply_task_spec(record["messages"], spec),
-        tokenizer,
-        add_bos=spec.add_bos,
-        add_eos=spec.add_eos,
-        add_generation_prompt=spec.add_generation_prompt,
-    )
+    message_log = format_conversation(record["messages"], spec, tokenizer)
     return DatumSpec(
         message_log=message_log,
         length=message_log_length(message_log),
@@ -133,19 +141,13 @@ def preference_processor(
             "data.dataset_name=binary_preference (prompt, chosen and rejected columns)"
         )
 
-    def format_conversation(messages: list[ChatMessage]) -> MessageLog:
+    def format_response(messages: list[ChatMessage]) -> MessageLog:
         if not any(m["role"] == "assistant" for m in messages):
             raise ValueError(f"sample {idx} has a response without an assistant message")
-        return format_message_log(
-            apply_task_spec(messages, spec),
-            tokenizer,
-            add_bos=spec.add_bos,
-            add_eos=spec.add_eos,
-            add_generation_prompt=spec.add_generation_prompt,
-        )
+        return format_conversation(messages, spec, tokenizer)
 
-    chosen = format_conversation(record["messages"])
-    rejected = format_conversation(record["rejected_messages"])
+    chosen = format_response(record["messages"])
+    rejected = format_response(record["rejected_messages"])
     return DatumSpec(
         message_log=chosen,
         rejected_message_log=rejected,
