@@ -68,6 +68,18 @@ class GenerationOutputSpec(TypedDict):
 GENERATION_OUTPUT_KEYS = tuple(GenerationOutputSpec.__annotations__)
 
 
+def empty_generation_output(data: BatchedDataDict[Any]) -> BatchedDataDict[Any]:
+    """The output batch of a shard with no rows (a replica that got no data), as wide as its ``input_ids``."""
+    width = data["input_ids"].shape[1] if "input_ids" in data else 0
+    return BatchedDataDict(
+        output_ids=torch.zeros((0, width), dtype=torch.long),
+        logprobs=torch.zeros((0, width), dtype=torch.float32),
+        generation_lengths=torch.zeros(0, dtype=torch.long),
+        unpadded_sequence_lengths=torch.zeros(0, dtype=torch.long),
+        truncated=torch.zeros(0, dtype=torch.bool),
+    )
+
+
 def check_generation_input(data: BatchedDataDict[Any]) -> None:
     """Raise a ``ValueError`` saying what is wrong when ``data`` does not follow :class:`GenerationDatumSpec`."""
     missing = [key for key in ("input_ids", "input_lengths") if key not in data]

@@ -21,7 +21,11 @@ from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.device import configure_worker_threads, cuda_available, get_device
 from nemo_rl.models.generation.embedded.engine import EmbeddedEngine, SamplingParams
 from nemo_rl.models.generation.embedded.model import DecoderLM
-from nemo_rl.models.generation.interfaces import WeightManifestDict, check_generation_input
+from nemo_rl.models.generation.interfaces import (
+    WeightManifestDict,
+    check_generation_input,
+    empty_generation_output,
+)
 from nemo_rl.models.tokenizer import require_pad_token_id
 from nemo_rl.weight_sync.interfaces import TransferStats, WeightReceiver
 from nemo_rl.weight_sync.manifest import dtype_from_name
@@ -99,7 +103,7 @@ class EmbeddedGenerationWorker:
         """Generate for this replica's shard (see ``GenerationInterface.generate``), in chunks of
         ``policy.generation_batch_size`` rows; ``seed`` is the driver's per-call seed."""
         if data.size == 0:
-            return self._empty_output(data)
+            return empty_generation_output(data)
         check_generation_input(data)
         chunk_size = self.cfg.generation_batch_size or data.size
         outputs = []
@@ -117,16 +121,6 @@ class EmbeddedGenerationWorker:
         if len(outputs) == 1:
             return outputs[0]
         return BatchedDataDict.from_batches(outputs, pad_value_dict={"output_ids": self.engine.pad_token_id})
-
-    def _empty_output(self, data: BatchedDataDict[Any]) -> BatchedDataDict[Any]:
-        width = data["input_ids"].shape[1] if "input_ids" in data else 0
-        return BatchedDataDict(
-            output_ids=torch.zeros((0, width), dtype=torch.long),
-            logprobs=torch.zeros((0, width), dtype=torch.float32),
-            generation_lengths=torch.zeros(0, dtype=torch.long),
-            unpadded_sequence_lengths=torch.zeros(0, dtype=torch.long),
-            truncated=torch.zeros(0, dtype=torch.bool),
-        )
 
     def prepare_for_generation(self) -> None:
         """Move offloaded weights back onto the device."""

@@ -267,17 +267,6 @@ def assemble_outputs(
     )
 
 
-def empty_output(input_width: int) -> BatchedDataDict[Any]:
-    """The output batch of a shard with no rows (a replica that got no data)."""
-    return BatchedDataDict(
-        output_ids=torch.zeros((0, input_width), dtype=torch.long),
-        logprobs=torch.zeros((0, input_width), dtype=torch.float32),
-        generation_lengths=torch.zeros(0, dtype=torch.long),
-        unpadded_sequence_lengths=torch.zeros(0, dtype=torch.long),
-        truncated=torch.zeros(0, dtype=torch.bool),
-    )
-
-
 def hf_weights_manifest(
     config: PretrainedConfig, dtype: torch.dtype, *, trust_remote_code: bool
 ) -> WeightManifestDict:

@@ -30,13 +30,16 @@ from nemo_rl.distributed.device import (
     init_process_group_from_env,
 )
 from nemo_rl.models.generation.embedded.worker import eos_token_ids
-from nemo_rl.models.generation.interfaces import WeightManifestDict, check_generation_input
+from nemo_rl.models.generation.interfaces import (
+    WeightManifestDict,
+    check_generation_input,
+    empty_generation_output,
+)
 from nemo_rl.models.generation.vllm.convert import (
     LOAD_WEIGHTS_RPC,
     assemble_outputs,
     check_named_tensors,
     check_vllm_config,
-    empty_output,
     engine_kwargs,
     generation_budgets,
     hf_weights_manifest,
@@ -131,7 +134,7 @@ class VllmGenerationWorker:
         """Generate for this replica's shard (see ``GenerationInterface.generate``); ``seed`` is the driver's
         per-call seed. vLLM batches the whole shard itself (``policy.generation_batch_size`` does not apply)."""
         if data.size == 0:
-            return empty_output(data["input_ids"].shape[1] if "input_ids" in data else 0)
+            return empty_generation_output(data)
         check_generation_input(data)
         input_ids, input_lengths = data["input_ids"], data["input_lengths"]
         params = sampling_params_for_rows(
