@@ -17,7 +17,7 @@ Workers (one thin method each)::
 from nemo_rl.config.policy import RefitConfig
 from nemo_rl.weight_sync.collective import CollectiveTransport, close_refit_groups
 from nemo_rl.weight_sync.errors import RefitError, RefitIntegrityError
-from nemo_rl.weight_sync.factory import create_refit_transport, generation_dtype
+from nemo_rl.weight_sync.factory import build_refit_transport, create_refit_transport, generation_dtype
 from nemo_rl.weight_sync.interfaces import (
     LoadFn,
     RefitTransport,
@@ -47,6 +47,7 @@ __all__ = [
     "WeightManifest",
     "WeightReceiver",
     "WeightSender",
+    "build_refit_transport",
     "close_refit_groups",
     "close_store_clients",
     "create_refit_transport",

@@ -9,7 +9,7 @@ import torch
 
 from nemo_rl.config.policy import PolicyConfig, RefitConfig
 from nemo_rl.weight_sync.collective import CollectiveTransport
-from nemo_rl.weight_sync.interfaces import RefitTransport
+from nemo_rl.weight_sync.interfaces import RefitTransport, TransportKind
 from nemo_rl.weight_sync.manifest import dtype_from_name
 from nemo_rl.weight_sync.shm import SharedMemoryTransport
 
@@ -51,22 +51,44 @@ def create_refit_transport(
     if kind == "auto":
         same_nodes = set(generation_node_ids) <= set(policy_node_ids)
         kind = "shared_memory" if policy_cfg.generation.colocated.enabled and same_nodes else "collective"
-    dtype = generation_dtype(policy_cfg)
-    bucket_size_bytes = policy_cfg.refit_buffer_size_mb * _MIB
+    return build_refit_transport(
+        kind,
+        policy_node_ids=policy_node_ids,
+        generation_node_ids=generation_node_ids,
+        dtype=generation_dtype(policy_cfg),
+        bucket_size_bytes=policy_cfg.refit_buffer_size_mb * _MIB,
+        timeout_s=refit_cfg.timeout_s,
+        store_host=refit_store_host(),
+    )
+
+
+def build_refit_transport(
+    kind: TransportKind,
+    *,
+    policy_node_ids: Sequence[str],
+    generation_node_ids: Sequence[str],
+    dtype: torch.dtype,
+    bucket_size_bytes: int,
+    timeout_s: float,
+    store_host: str,
+) -> RefitTransport:
+    """The transport ``kind`` between these policy and generation workers (node ids as in
+    :func:`create_refit_transport`), casting to ``dtype`` and streaming buckets of ``bucket_size_bytes``;
+    refits fail after ``timeout_s``; workers reach the refit store on ``store_host``."""
     if kind == "shared_memory":
         return SharedMemoryTransport(
             policy_node_ids=policy_node_ids,
             generation_node_ids=generation_node_ids,
             dtype=dtype,
             bucket_size_bytes=bucket_size_bytes,
-            timeout_s=refit_cfg.timeout_s,
-            store_host=refit_store_host(),
+            timeout_s=timeout_s,
+            store_host=store_host,
         )
     return CollectiveTransport(
         num_policy_workers=len(policy_node_ids),
         num_generation_workers=len(generation_node_ids),
         dtype=dtype,
         bucket_size_bytes=bucket_size_bytes,
-        timeout_s=refit_cfg.timeout_s,
-        store_host=refit_store_host(),
+        timeout_s=timeout_s,
+        store_host=store_host,
     )

@@ -23,17 +23,16 @@ from torch import nn
 
 from nemo_rl.distributed.device import configure_worker_threads
 from nemo_rl.weight_sync import (
-    CollectiveTransport,
     RefitError,
-    SharedMemoryTransport,
     TransferStats,
     WeightManifest,
     WeightReceiver,
     WeightSender,
+    build_refit_transport,
     refit,
     tp_shard_fn,
 )
-from nemo_rl.weight_sync.interfaces import RefitTransport
+from nemo_rl.weight_sync.interfaces import RefitTransport, TransportKind
 from nemo_rl.weight_sync.shm import SEGMENT_NAME_PREFIX, SHM_DIR
 
 TIMEOUT_S = 120.0
@@ -206,20 +205,14 @@ def receivers(ray_cluster: dict[str, float]) -> Iterator[list[Any]]:
         ray.kill(a)
 
 
-def _transport(kind: str, num_senders: int, num_receivers: int, dtype: torch.dtype) -> RefitTransport:
+def _transport(
+    kind: TransportKind, num_senders: int, num_receivers: int, dtype: torch.dtype
+) -> RefitTransport:
     node = ray.get_runtime_context().get_node_id()
-    if kind == "shared_memory":
-        return SharedMemoryTransport(
-            policy_node_ids=[node] * num_senders,
-            generation_node_ids=[node] * num_receivers,
-            dtype=dtype,
-            bucket_size_bytes=BUCKET_BYTES,
-            timeout_s=TIMEOUT_S,
-            store_host="127.0.0.1",
-        )
-    return CollectiveTransport(
-        num_policy_workers=num_senders,
-        num_generation_workers=num_receivers,
+    return build_refit_transport(
+        kind,
+        policy_node_ids=[node] * num_senders,
+        generation_node_ids=[node] * num_receivers,
         dtype=dtype,
         bucket_size_bytes=BUCKET_BYTES,
         timeout_s=TIMEOUT_S,
@@ -232,7 +225,9 @@ def _segments(prefix: str = SEGMENT_NAME_PREFIX) -> list[str]:
 
 
 @pytest.mark.parametrize("kind", ["shared_memory", "collective"])
-def test_refit_from_fsdp_dp2_sender_is_bit_exact(kind: str, senders: list[Any], receivers: list[Any]) -> None:
+def test_refit_from_fsdp_dp2_sender_is_bit_exact(
+    kind: TransportKind, senders: list[Any], receivers: list[Any]
+) -> None:
     receiver = receivers[:1]
     ray.get(receiver[0].configure.remote(torch.float32, None), timeout=TIMEOUT_S)
     transport = _transport(kind, 2, 1, torch.float32)
@@ -259,7 +254,7 @@ def test_refit_from_fsdp_dp2_sender_is_bit_exact(kind: str, senders: list[Any], 
 
 @pytest.mark.parametrize("kind", ["shared_memory", "collective"])
 def test_refit_from_tp2_sender_into_tp2_receivers_with_cast(
-    kind: str, senders: list[Any], receivers: list[Any]
+    kind: TransportKind, senders: list[Any], receivers: list[Any]
 ) -> None:
     ray.get([r.configure.remote(torch.bfloat16, (i, 2)) for i, r in enumerate(receivers)], timeout=TIMEOUT_S)
     transport = _transport(kind, 2, 2, torch.bfloat16)

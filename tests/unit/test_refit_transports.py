@@ -24,13 +24,14 @@ from nemo_rl.weight_sync import (
     SharedMemoryTransport,
     TransferStats,
     WeightManifest,
+    build_refit_transport,
     close_refit_groups,
     create_refit_transport,
     generation_dtype,
     tp_shard_fn,
 )
 from nemo_rl.weight_sync.buckets import pack_buckets
-from nemo_rl.weight_sync.interfaces import RefitTransport
+from nemo_rl.weight_sync.interfaces import RefitTransport, TransportKind
 from nemo_rl.weight_sync.shm import SEGMENT_NAME_PREFIX, SHM_DIR
 
 TIMEOUT_S = 30.0
@@ -85,19 +86,13 @@ class Workers:
             pool.shutdown()
 
 
-def _make_transport(kind: str, num_senders: int, num_receivers: int, dtype: torch.dtype) -> RefitTransport:
-    if kind == "shared_memory":
-        return SharedMemoryTransport(
-            policy_node_ids=["node-a"] * num_senders,
-            generation_node_ids=["node-a"] * num_receivers,
-            dtype=dtype,
-            bucket_size_bytes=BUCKET_BYTES,
-            timeout_s=TIMEOUT_S,
-            store_host="127.0.0.1",
-        )
-    return CollectiveTransport(
-        num_policy_workers=num_senders,
-        num_generation_workers=num_receivers,
+def _make_transport(
+    kind: TransportKind, num_senders: int, num_receivers: int, dtype: torch.dtype
+) -> RefitTransport:
+    return build_refit_transport(
+        kind,
+        policy_node_ids=["node-a"] * num_senders,
+        generation_node_ids=["node-a"] * num_receivers,
         dtype=dtype,
         bucket_size_bytes=BUCKET_BYTES,
         timeout_s=TIMEOUT_S,
@@ -136,7 +131,7 @@ def workers() -> Iterator[Workers]:
 @pytest.mark.parametrize("kind", ["shared_memory", "collective"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_receiver_gets_every_weight_bit_for_bit(
-    workers: Workers, kind: str, dtype: torch.dtype
+    workers: Workers, kind: TransportKind, dtype: torch.dtype
 ) -> None:
     weights = _weights()
     transport = _make_transport(kind, num_senders=2, num_receivers=2, dtype=dtype)
@@ -162,7 +157,7 @@ def test_every_receiver_gets_every_weight_bit_for_bit(
 
 
 @pytest.mark.parametrize("kind", ["shared_memory", "collective"])
-def test_tensor_parallel_receivers_keep_their_slices(workers: Workers, kind: str) -> None:
+def test_tensor_parallel_receivers_keep_their_slices(workers: Workers, kind: TransportKind) -> None:
     weights = _weights()
     transport = _make_transport(kind, num_senders=1, num_receivers=2, dtype=torch.float32)
     manifest = WeightManifest.from_named_tensors(weights.items(), torch.float32)
@@ -205,7 +200,7 @@ def _corrupt_bucket(index: int):
 def test_corrupted_bucket_fails_the_refit_naming_its_weights(
     workers: Workers, module: Any, monkeypatch
 ) -> None:
-    kind = "shared_memory" if module is shm_module else "collective"
+    kind: TransportKind = "shared_memory" if module is shm_module else "collective"
     weights = _weights()
     transport = _make_transport(kind, num_senders=1, num_receivers=2, dtype=torch.float32)
     manifest = WeightManifest.from_named_tensors(weights.items(), torch.float32)
@@ -236,7 +231,7 @@ def test_lost_bucket_fails_naming_the_weights_that_never_arrived(workers: Worker
 
 
 @pytest.mark.parametrize("kind", ["shared_memory", "collective"])
-def test_missing_and_unexpected_weights_fail_by_name(workers: Workers, kind: str) -> None:
+def test_missing_and_unexpected_weights_fail_by_name(workers: Workers, kind: TransportKind) -> None:
     weights = _weights()
     transport = _make_transport(kind, num_senders=1, num_receivers=1, dtype=torch.float32)
     manifest = WeightManifest.from_named_tensors(weights.items(), torch.float32)
@@ -257,7 +252,7 @@ def test_missing_and_unexpected_weights_fail_by_name(workers: Workers, kind: str
 
 
 @pytest.mark.parametrize("kind", ["shared_memory", "collective"])
-def test_sender_failure_reaches_the_receivers(workers: Workers, kind: str) -> None:
+def test_sender_failure_reaches_the_receivers(workers: Workers, kind: TransportKind) -> None:
     weights = _weights()
     transport = _make_transport(kind, num_senders=1, num_receivers=1, dtype=torch.float32)
     manifest = WeightManifest.from_named_tensors(weights.items(), torch.float32)
