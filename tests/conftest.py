@@ -9,15 +9,20 @@ groups and clusters, ideally in a ``finally`` or a fixture) so later tests find 
 ``RAY_ADDRESS``: tests never attach to a real cluster. Worker processes see the driver's test directories on
 their ``PYTHONPATH``, so worker classes defined in test modules unpickle in the actors. The fixture yields the
 ``ray.cluster_resources()`` dict it started with.
+
+``tiny_assets`` (module scope): the tiny character-level tokenizer and the random tiny Qwen2 checkpoint of
+:mod:`nemo_rl.data.tiny` (seed 0), built in a temporary folder; yields ``(model_dir, tokenizer)``.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import ray
+from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.distributed.virtual_cluster import default_ray_temp_dir, worker_pythonpath
 
@@ -42,3 +47,14 @@ def ray_cluster() -> Iterator[dict[str, float]]:
         yield ray.cluster_resources()
     finally:
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, PreTrainedTokenizerBase]:
+    """The tiny tokenizer and tiny Qwen2 checkpoint, built once per test module (see the module docstring)."""
+    from nemo_rl.data.tiny import build_tiny_model, build_tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("tiny")
+    tokenizer = build_tiny_tokenizer(root / "tokenizer")
+    build_tiny_model(root / "model", root / "tokenizer", seed=0)
+    return root / "model", tokenizer

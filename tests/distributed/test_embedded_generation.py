@@ -31,16 +31,6 @@ TIMEOUT_S = 300.0
 MAX_NEW_TOKENS = 8
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, PreTrainedTokenizerBase]:
-    from nemo_rl.data.tiny import build_tiny_model, build_tiny_tokenizer
-
-    root = tmp_path_factory.mktemp("tiny")
-    tokenizer = build_tiny_tokenizer(root / "tokenizer")
-    build_tiny_model(root / "model", root / "tokenizer", seed=0)
-    return root / "model", tokenizer
-
-
 def policy_cfg(model_dir: Path, **generation: Any) -> PolicyConfig:
     return PolicyConfig.model_validate(
         {
@@ -53,9 +43,9 @@ def policy_cfg(model_dir: Path, **generation: Any) -> PolicyConfig:
 
 @pytest.fixture(scope="module")
 def generation(
-    ray_cluster: dict[str, float], assets: tuple[Path, PreTrainedTokenizerBase]
+    ray_cluster: dict[str, float], tiny_assets: tuple[Path, PreTrainedTokenizerBase]
 ) -> Iterator[GenerationInterface]:
-    model_dir, tokenizer = assets
+    model_dir, tokenizer = tiny_assets
     cluster = RayVirtualCluster(ClusterConfig(gpus_per_node=2), name="embedded_gen_test")
     gen = None
     try:
@@ -95,9 +85,9 @@ TEXTS = ["What is 1+1?", "Hi", "What is 12+30? Answer:", "7-3=", "abc"]
 
 
 def test_replicas_return_rows_in_input_order(
-    generation: GenerationInterface, assets: tuple[Path, PreTrainedTokenizerBase]
+    generation: GenerationInterface, tiny_assets: tuple[Path, PreTrainedTokenizerBase]
 ) -> None:
-    model_dir, tokenizer = assets
+    model_dir, tokenizer = tiny_assets
     assert isinstance(generation, EmbeddedGeneration) and generation.dp_size == 2
     data = prompt_batch(tokenizer, TEXTS)
     out = generation.generate(data, greedy=True)
@@ -118,9 +108,9 @@ def test_replicas_return_rows_in_input_order(
 
 
 def test_fewer_rows_than_replicas(
-    generation: GenerationInterface, assets: tuple[Path, PreTrainedTokenizerBase]
+    generation: GenerationInterface, tiny_assets: tuple[Path, PreTrainedTokenizerBase]
 ) -> None:
-    _, tokenizer = assets
+    _, tokenizer = tiny_assets
     single = prompt_batch(tokenizer, TEXTS[2:3])
     out = generation.generate(single, greedy=True)
     assert out.size == 1
@@ -131,9 +121,9 @@ def test_fewer_rows_than_replicas(
 
 
 def test_sampling_logprobs_match_hf_and_calls_draw_fresh_samples(
-    generation: GenerationInterface, assets: tuple[Path, PreTrainedTokenizerBase]
+    generation: GenerationInterface, tiny_assets: tuple[Path, PreTrainedTokenizerBase]
 ) -> None:
-    model_dir, tokenizer = assets
+    model_dir, tokenizer = tiny_assets
     data = prompt_batch(tokenizer, TEXTS * 2)
     first = generation.generate(data, greedy=False)
     second = generation.generate(data, greedy=False)
@@ -149,9 +139,9 @@ def test_sampling_logprobs_match_hf_and_calls_draw_fresh_samples(
 
 
 def test_finish_and_prepare_keep_generation_working(
-    generation: GenerationInterface, assets: tuple[Path, PreTrainedTokenizerBase]
+    generation: GenerationInterface, tiny_assets: tuple[Path, PreTrainedTokenizerBase]
 ) -> None:
-    _, tokenizer = assets
+    _, tokenizer = tiny_assets
     data = prompt_batch(tokenizer, TEXTS[:3])
     before = generation.generate(data, greedy=True)
     generation.finish_generation()
@@ -161,9 +151,9 @@ def test_finish_and_prepare_keep_generation_working(
 
 
 def test_update_weights_and_manifest_checks(
-    generation: GenerationInterface, assets: tuple[Path, PreTrainedTokenizerBase], tmp_path: Path
+    generation: GenerationInterface, tiny_assets: tuple[Path, PreTrainedTokenizerBase], tmp_path: Path
 ) -> None:
-    model_dir, tokenizer = assets
+    model_dir, tokenizer = tiny_assets
     from nemo_rl.data.tiny import build_tiny_model
 
     hf = Qwen2ForCausalLM.from_pretrained(model_dir)
@@ -216,9 +206,9 @@ class HFSender:
 
 
 def test_refit_through_shared_memory_updates_every_replica(
-    generation: GenerationInterface, assets: tuple[Path, PreTrainedTokenizerBase], tmp_path: Path
+    generation: GenerationInterface, tiny_assets: tuple[Path, PreTrainedTokenizerBase], tmp_path: Path
 ) -> None:
-    model_dir, tokenizer = assets
+    model_dir, tokenizer = tiny_assets
     sender_cls: Any = ray.remote(num_cpus=0)(HFSender)
     sender = sender_cls.remote(str(model_dir), 3)
     cfg = policy_cfg(model_dir)

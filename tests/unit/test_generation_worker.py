@@ -10,19 +10,11 @@ import torch
 from transformers import PreTrainedTokenizerBase, Qwen2ForCausalLM
 
 from nemo_rl.config.policy import PolicyConfig
-from nemo_rl.data.tiny import build_tiny_model, build_tiny_tokenizer
+from nemo_rl.data.tiny import build_tiny_model
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.models.generation.embedded.worker import EmbeddedGenerationWorker, eos_token_ids
 
 TEXTS = ["What is 1+1?", "Hi", "What is 12+30? Answer:", "7-3=", "abc"]
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, PreTrainedTokenizerBase]:
-    root = tmp_path_factory.mktemp("tiny")
-    tokenizer = build_tiny_tokenizer(root / "tokenizer")
-    build_tiny_model(root / "model", root / "tokenizer", seed=0)
-    return root / "model", tokenizer
 
 
 def make_worker(
@@ -47,8 +39,8 @@ def batch(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> BatchedDataDi
     return BatchedDataDict(input_ids=ids, input_lengths=torch.tensor([len(r) for r in rows]))
 
 
-def test_chunked_generation_equals_one_pass(assets: tuple[Path, PreTrainedTokenizerBase]) -> None:
-    model_dir, tokenizer = assets
+def test_chunked_generation_equals_one_pass(tiny_assets: tuple[Path, PreTrainedTokenizerBase]) -> None:
+    model_dir, tokenizer = tiny_assets
     whole = make_worker(model_dir, tokenizer).generate(batch(tokenizer, TEXTS), greedy=True, seed=0)
     chunked = make_worker(model_dir, tokenizer, generation_batch_size=2).generate(
         batch(tokenizer, TEXTS), greedy=True, seed=0
@@ -60,16 +52,16 @@ def test_chunked_generation_equals_one_pass(assets: tuple[Path, PreTrainedTokeni
         assert (chunked["output_ids"][b, end:] == tokenizer.pad_token_id).all()
 
 
-def test_empty_shard_gives_empty_outputs(assets: tuple[Path, PreTrainedTokenizerBase]) -> None:
-    model_dir, tokenizer = assets
+def test_empty_shard_gives_empty_outputs(tiny_assets: tuple[Path, PreTrainedTokenizerBase]) -> None:
+    model_dir, tokenizer = tiny_assets
     worker = make_worker(model_dir, tokenizer)
     empty = batch(tokenizer, TEXTS).slice(0, 0)
     out = worker.generate(empty, greedy=False, seed=1)
     assert out.size == 0 and out["output_ids"].shape == (0, empty["input_ids"].shape[1])
 
 
-def test_per_sample_stop_strings_reach_the_engine(assets: tuple[Path, PreTrainedTokenizerBase]) -> None:
-    model_dir, tokenizer = assets
+def test_per_sample_stop_strings_reach_the_engine(tiny_assets: tuple[Path, PreTrainedTokenizerBase]) -> None:
+    model_dir, tokenizer = tiny_assets
     worker = make_worker(model_dir, tokenizer)
     data = batch(tokenizer, TEXTS[:2])
     free = worker.generate(data, greedy=True, seed=0)
@@ -84,9 +76,9 @@ def test_per_sample_stop_strings_reach_the_engine(assets: tuple[Path, PreTrained
 
 
 def test_weights_manifest_and_stream_loading(
-    assets: tuple[Path, PreTrainedTokenizerBase], tmp_path: Path
+    tiny_assets: tuple[Path, PreTrainedTokenizerBase], tmp_path: Path
 ) -> None:
-    model_dir, tokenizer = assets
+    model_dir, tokenizer = tiny_assets
     worker = make_worker(model_dir, tokenizer, generation={"embedded_cfg": {"precision": "bfloat16"}})
     manifest = worker.expected_weights_manifest()
     hf = Qwen2ForCausalLM.from_pretrained(model_dir)
@@ -104,9 +96,9 @@ def test_weights_manifest_and_stream_loading(
 
 
 def test_eos_ids_come_from_tokenizer_and_generation_config(
-    assets: tuple[Path, PreTrainedTokenizerBase], tmp_path: Path
+    tiny_assets: tuple[Path, PreTrainedTokenizerBase], tmp_path: Path
 ) -> None:
-    model_dir, tokenizer = assets
+    model_dir, tokenizer = tiny_assets
     assert eos_token_ids(tokenizer, model_dir) == [tokenizer.eos_token_id]
     (tmp_path / "generation_config.json").write_text('{"eos_token_id": [5, 9]}')
     assert eos_token_ids(tokenizer, tmp_path) == sorted({tokenizer.eos_token_id, 5, 9})
