@@ -19,6 +19,7 @@ B = TypeVar("B")
 # Layout of a training checkpoint directory (besides the manager's training_info.json and config.yaml).
 _POLICY_DIR = "policy"
 _LOADER_FILE = "train_dataloader.pt"
+_CONSOLIDATED_DIR = "consolidated"
 
 
 def batches_until(loader: Iterable[B], steps_done: Callable[[], int], total_steps: int) -> Iterator[B]:
@@ -77,8 +78,11 @@ def save_training_checkpoint(
     train_loader: StatefulDataLoader[Any, Any],
 ) -> Path:
     """Write the policy (weights, optimizer, scheduler), the loader position and ``training_info`` as
-    ``step_<N>``, atomically."""
+    ``step_<N>``, atomically; with ``checkpointing.save_consolidated`` also a Hugging Face export of the
+    weights in ``step_<N>/consolidated``."""
     tmp = checkpointer.init_tmp_checkpoint(step, training_info, run_config)
     policy.save_checkpoint(str(tmp / _POLICY_DIR / "weights"), str(tmp / _POLICY_DIR / "optimizer"))
+    if checkpointer.cfg.save_consolidated:
+        policy.export_hf(str(tmp / _CONSOLIDATED_DIR))
     torch.save(train_loader.state_dict(), tmp / _LOADER_FILE)
     return checkpointer.finalize_checkpoint(tmp)

@@ -70,8 +70,10 @@ def _train_loss(records: list[dict[str, Any]], step: int) -> float:
 @pytest.mark.slow
 def test_sft_learns_resumes_after_kill_and_exports(tmp_path: Path) -> None:
     # Uninterrupted reference run: 4 steps.
-    _run(_command(tmp_path, "full", 4))
+    _run(_command(tmp_path, "full", 4, "checkpointing.save_consolidated=true"))
     full = _metrics(tmp_path / "full" / "logs")
+    # save_consolidated puts a Hugging Face export of the step's weights next to the sharded checkpoint.
+    assert (tmp_path / "full" / "ckpt" / "step_2" / "consolidated" / "config.json").is_file()
     val_losses = [r["validation/val_loss"] for r in full if "validation/val_loss" in r]
     assert val_losses[-1] < val_losses[0], f"validation loss did not fall: {val_losses}"
 
