@@ -429,6 +429,8 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
             if cfg.grpo.val_period and step % cfg.grpo.val_period == 0:
                 with timer.time("validation"):
                     validate(s, step)
+            # Logged before the checkpoint, so a run killed after saving step N has step N's metrics.
+            s.logger.log_metrics(metrics, step, prefix="train")
             deadline.mark_iteration()
             out_of_time = deadline.check_save()
             if cfg.checkpointing.enabled and (
@@ -438,7 +440,6 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
                     save_checkpoint(s)
         timing = timer.get_timing_metrics("sum")
         num_tokens = metrics["mean_conversation_tokens"] * batch.size * cfg.grpo.num_generations_per_prompt
-        s.logger.log_metrics(metrics, step, prefix="train")
         s.logger.log_metrics(timing, step, prefix="timing/train")
         s.logger.log_metrics(
             {"tokens_per_sec": num_tokens / timing["total_step_time"]}, step, prefix="performance"

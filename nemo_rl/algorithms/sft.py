@@ -201,6 +201,8 @@ def sft_train(s: SFTSetup) -> dict[str, float]:
             if cfg.sft.val_period and s.state.step % cfg.sft.val_period == 0:
                 with timer.time("validation"):
                     s.state.val_loss = validate(s, s.state.step)
+            # Logged before the checkpoint, so a run killed after saving step N has step N's metrics.
+            s.logger.log_metrics(last_metrics, s.state.step, prefix="train")
             deadline.mark_iteration()
             out_of_time = deadline.check_save()
             if cfg.checkpointing.enabled and (
@@ -208,7 +210,6 @@ def sft_train(s: SFTSetup) -> dict[str, float]:
             ):
                 with timer.time("checkpointing"):
                     save_checkpoint(s)
-        s.logger.log_metrics(last_metrics, s.state.step, prefix="train")
         s.logger.log_metrics(timer.get_timing_metrics("sum"), s.state.step, prefix="timing/train")
         timer.reset()
         progress.update(1)

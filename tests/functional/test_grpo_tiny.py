@@ -103,8 +103,9 @@ def test_colocated_dp2_resumes_after_kill(tmp_path: Path) -> None:
     proc.wait(timeout=60)
 
     first = _metrics(tmp_path / "dp2" / "logs")
-    for name in NEMO_RL_STEP_METRICS:
-        assert name in first[2], f"{name} missing at step 2; logged: {sorted(first[2])}"
+    # A step's train metrics are logged before its checkpoint, so the kill cannot lose them.
+    for step in (1, 2):
+        assert "train/loss" in first[step] and "train/reward" in first[step], sorted(first[step])
     assert "validation/accuracy" in first[0] and "validation/accuracy" in first[2]
     # Step 1 samples with the weights the policy scores with: the two agree on log-probs.
     assert first[1]["train/gen_kl_error"] == pytest.approx(0.0, abs=1e-4)
@@ -114,7 +115,9 @@ def test_colocated_dp2_resumes_after_kill(tmp_path: Path) -> None:
     resumed = _run(cmd)
     assert "Resuming GRPO from" in resumed.stdout and "(step 2)" in resumed.stdout, resumed.stdout[-3000:]
     after = _metrics(tmp_path / "dp2" / "logs")
-    assert "train/loss" in after[3]
+    # The resumed run starts with stale generation weights, so its first step refits: every metric is there.
+    for name in NEMO_RL_STEP_METRICS:
+        assert name in after[3], f"{name} missing at step 3; logged: {sorted(after[3])}"
     assert (tmp_path / "dp2" / "ckpt" / "step_3" / "training_info.json").exists()
 
 
