@@ -419,6 +419,7 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
     timer = Timer()
     metrics: dict[str, float] = {}
     deadline = TimeoutChecker(cfg.checkpointing.checkpoint_must_save_by, fit_last_save_time=True)
+    deadline.stop_on_signals()
     deadline.start_iterations()
     progress = s.logger.progress_bar(total=total_steps, initial=s.state.step, desc="grpo")
     for batch in batches_until(s.train_loader, lambda: s.state.step, total_steps):
@@ -447,7 +448,8 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
         timer.reset()
         progress.update(1)
         if out_of_time:
-            print(f"checkpointing.checkpoint_must_save_by reached: stopping after step {step}", flush=True)
+            print(f"{deadline.stop_reason}: stopping after step {step}", flush=True)
             break
     progress.close()
+    deadline.close()
     return metrics

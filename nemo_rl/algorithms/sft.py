@@ -189,6 +189,7 @@ def sft_train(s: SFTSetup) -> dict[str, float]:
         s.state.val_loss = validate(s, step=0)
 
     deadline = TimeoutChecker(cfg.checkpointing.checkpoint_must_save_by, fit_last_save_time=True)
+    deadline.stop_on_signals()
     deadline.start_iterations()
     progress = s.logger.progress_bar(total=total_steps, initial=s.state.step, desc="sft")
     for batch in batches_until(s.train_loader, lambda: s.state.step, total_steps):
@@ -214,12 +215,10 @@ def sft_train(s: SFTSetup) -> dict[str, float]:
         timer.reset()
         progress.update(1)
         if out_of_time:
-            print(
-                f"checkpointing.checkpoint_must_save_by reached: stopping after step {s.state.step}",
-                flush=True,
-            )
+            print(f"{deadline.stop_reason}: stopping after step {s.state.step}", flush=True)
             break
     progress.close()
+    deadline.close()
 
     export_dir = cfg.sft.export_dir or str(Path(cfg.checkpointing.checkpoint_dir) / "hf_final")
     s.policy.export_hf(export_dir)

@@ -25,10 +25,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import ray
+from ray.exceptions import AuthenticationError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from nemo_rl.config.cluster import ClusterConfig
+from nemo_rl.config.errors import UserError
 from nemo_rl.distributed.device import cuda_available
 
 logger = logging.getLogger(__name__)
@@ -41,7 +43,9 @@ DRIVER_SIDE_CPUS = 8
 def init_ray(cluster_cfg: ClusterConfig | None = None) -> None:
     """Start or attach to Ray; a no-op when Ray is already initialised in this process.
 
-    With ``RAY_ADDRESS`` set, attach to that cluster (e.g. the one ``ray.sub`` starts on SLURM). Otherwise start
+    With ``RAY_ADDRESS`` set, attach to that cluster (e.g. the one ``ray.sub`` starts on SLURM), presenting the
+    token Ray's ``RAY_AUTH_MODE`` / ``RAY_AUTH_TOKEN(_PATH)`` name; a refused token raises
+    :class:`RayAuthenticationError`, which says how to fix it. Otherwise start
     a local Ray with ``max(os.cpu_count(), slots + DRIVER_SIDE_CPUS)`` logical CPUs, ``slots`` being
     ``cluster_cfg.world_size`` (0 without a config): worker processes use one thread each, so logical CPUs may
     outnumber cores. Ray's session files and logs go to ``$NEMO_RL_RAY_TEMP_DIR`` or a per-user temp dir.
@@ -51,7 +55,10 @@ def init_ray(cluster_cfg: ClusterConfig | None = None) -> None:
     address = os.environ.get("RAY_ADDRESS")
     if address:
         logger.info("attaching to the Ray cluster at %s", address)
-        ray.init(address=address, runtime_env={"env_vars": {"PYTHONPATH": worker_pythonpath()}})
+        try:
+            ray.init(address=address, runtime_env={"env_vars": {"PYTHONPATH": worker_pythonpath()}})
+        except AuthenticationError as err:
+            raise RayAuthenticationError(address) from err
         return
     slots = cluster_cfg.world_size if cluster_cfg is not None else 0
     num_cpus = max(os.cpu_count() or 1, slots + DRIVER_SIDE_CPUS)
@@ -69,6 +76,19 @@ def init_ray(cluster_cfg: ClusterConfig | None = None) -> None:
         _temp_dir=temp_dir,
         runtime_env={"env_vars": {"PYTHONPATH": worker_pythonpath()}},
     )
+
+
+class RayAuthenticationError(UserError):
+    """The Ray cluster at ``RAY_ADDRESS`` asks for an authentication token this process does not present."""
+
+    def __init__(self, address: str) -> None:
+        mode = os.environ.get("RAY_AUTH_MODE", "unset")
+        super().__init__(
+            f"the Ray cluster at {address} refused this driver's authentication token (RAY_AUTH_MODE={mode}): "
+            "export RAY_AUTH_MODE=token and the cluster's token as RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH "
+            "(ray.sub does this for every step of its job; a cluster started with `ray start` on a host uses "
+            "that host's ~/.ray/auth_token), or start the cluster with RAY_AUTH_MODE=disabled"
+        )
 
 
 def default_ray_temp_dir() -> str:

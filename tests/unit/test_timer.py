@@ -97,3 +97,34 @@ def test_timeout_checker_reserves_longest_step(clock: FakeClock) -> None:
     assert plain.check_save()
 
     assert not TimeoutChecker(None, fit_last_save_time=True).check_save()
+
+
+def test_stop_signal_asks_to_save_and_is_handed_back_after_close() -> None:
+    import gc
+    import signal
+
+    seen: list[int] = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+    try:
+        checker = TimeoutChecker(None, fit_last_save_time=True)
+        checker.stop_on_signals([signal.SIGUSR1])
+        assert not checker.check_save()
+        assert checker.stop_reason == "checkpointing.checkpoint_must_save_by reached"
+        signal.raise_signal(signal.SIGUSR1)
+        # Repeats (uv forwarding what SLURM also sent) still mean "save, then stop".
+        signal.raise_signal(signal.SIGUSR1)
+        assert checker.check_save() and checker.stop_reason == "SIGUSR1 received"
+        assert seen == []
+        checker.close()
+        signal.raise_signal(signal.SIGUSR1)
+        assert seen == [signal.SIGUSR1]
+
+        # A checker dropped without close() no longer swallows the signal.
+        dropped = TimeoutChecker(None, fit_last_save_time=True)
+        dropped.stop_on_signals([signal.SIGUSR1])
+        del dropped
+        gc.collect()
+        signal.raise_signal(signal.SIGUSR1)
+        assert seen == [signal.SIGUSR1] * 2
+    finally:
+        signal.signal(signal.SIGUSR1, previous)

@@ -1,0 +1,35 @@
+"""Attaching to a running Ray cluster through RAY_ADDRESS: a refused token is a user error that says the fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from ray.exceptions import AuthenticationError
+
+from nemo_rl.config.errors import UserError
+from nemo_rl.distributed import virtual_cluster
+from nemo_rl.distributed.virtual_cluster import RayAuthenticationError, init_ray
+
+
+def test_refused_token_names_the_variables_to_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[dict[str, Any]] = []
+
+    def refuse(**kwargs: Any) -> None:
+        calls.append(kwargs)
+        raise AuthenticationError("RPC error: InvalidAuthToken: Authentication token is missing or incorrect")
+
+    monkeypatch.setattr(virtual_cluster.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(virtual_cluster.ray, "init", refuse)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:1200")
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    with pytest.raises(RayAuthenticationError) as info:
+        init_ray()
+    assert isinstance(info.value, UserError)
+    message = str(info.value)
+    assert "10.0.0.1:1200" in message and "RAY_AUTH_MODE=unset" in message
+    for fix in ("RAY_AUTH_MODE=token", "RAY_AUTH_TOKEN_PATH", "ray.sub"):
+        assert fix in message
+    assert "\n" not in message
+    # The driver attached to the given address, passing its import path to the workers.
+    assert calls[0]["address"] == "10.0.0.1:1200" and "PYTHONPATH" in calls[0]["runtime_env"]["env_vars"]
