@@ -9,7 +9,15 @@ from pydantic import Field, model_validator
 from nemo_rl.config.base import ConfigModel
 
 DatasetName = Literal[
-    "tiny_math", "OpenMathInstruct-2", "squad", "openai_format", "response", "binary_preference"
+    "tiny_math",
+    "OpenMathInstruct-2",
+    "squad",
+    "openai_format",
+    "response",
+    "binary_preference",
+    "HelpSteer3",
+    "Tulu3Preference",
+    "tiny_math_preference",
 ]
 """The dataset formats nemo_rl reads.
 
@@ -20,15 +28,34 @@ DatasetName = Literal[
 - ``response``: one input column and one output column (``data.input_key``, ``data.output_key``).
 - ``binary_preference``: a prompt with a chosen and a rejected response (``data.prompt_key``,
   ``data.chosen_key``, ``data.rejected_key``), for DPO and reward models.
+- ``HelpSteer3``: ``context``, ``response1``, ``response2``, ``overall_preference`` (hub nvidia/HelpSteer3,
+  subset ``preference``); a negative preference prefers ``response1``, a positive one ``response2``.
+- ``Tulu3Preference``: ``chosen`` and ``rejected`` conversations that share all but their last (assistant)
+  message (hub allenai/llama-3.1-tulu-3-8b-preference-mixture).
+- ``tiny_math_preference``: the ``tiny_math`` problems as preference pairs (the correct boxed answer chosen,
+  a plausible wrong one rejected), generated on the fly.
 """
+
+PREFERENCE_DATASETS: tuple[str, ...] = (
+    "binary_preference",
+    "HelpSteer3",
+    "Tulu3Preference",
+    "tiny_math_preference",
+)
+"""The ``dataset_name`` values holding preference pairs (DPO and reward-model training)."""
+
+GENERATED_DATASETS: tuple[str, ...] = ("tiny_math", "tiny_math_preference")
+"""The ``dataset_name`` values generated on the fly (they read no files)."""
 
 
 class DataConfig(ConfigModel):
     """Where the training and validation data come from and how each row becomes a prompt."""
 
     dataset_name: DatasetName = "tiny_math"
-    """Schema of the data: ``tiny_math``, ``OpenMathInstruct-2``, ``squad``, ``openai_format`` or
-    ``response``. With no ``train_data_path`` the first three load from the hub (``tiny_math`` is generated)."""
+    """Schema of the data: ``tiny_math``, ``OpenMathInstruct-2``, ``squad``, ``openai_format``, ``response``,
+    or the preference sets ``binary_preference``, ``HelpSteer3``, ``Tulu3Preference`` and
+    ``tiny_math_preference``. With no ``train_data_path``, ``OpenMathInstruct-2``, ``squad``, ``HelpSteer3`` and
+    ``Tulu3Preference`` load from the hub; ``tiny_math`` and ``tiny_math_preference`` are generated."""
 
     train_data_path: str | None = None
     """Local training file (``.jsonl``, ``.json`` with one object per line, or ``.parquet``) in the schema of
@@ -42,6 +69,10 @@ class DataConfig(ConfigModel):
     split: str | None = None
     """Hub split used as training data; ``None`` uses the dataset's usual one (``train_1M`` for
     OpenMathInstruct-2, ``train`` otherwise). Ignored for local files."""
+
+    subset: str | None = None
+    """Hub subset (configuration) of ``train_data_path`` / ``val_data_path``; ``None`` uses the dataset's usual
+    one (``preference`` for HelpSteer3, none otherwise). Ignored for local files."""
 
     val_fraction: float = Field(default=0.05, ge=0.0, lt=1.0)
     """Share of the training rows held out (seeded) for validation when the source has no validation split;
@@ -96,10 +127,11 @@ class DataConfig(ConfigModel):
     user turn, so no loss is put on it. RL prompts always end with the generation prompt."""
 
     num_train_samples: int = Field(default=1024, ge=1)
-    """Training problems generated for ``dataset_name: tiny_math``."""
+    """Training problems generated for ``dataset_name: tiny_math`` / ``tiny_math_preference``."""
 
     num_val_samples: int = Field(default=64, ge=0)
-    """Validation problems generated for ``dataset_name: tiny_math`` (disjoint from the training problems)."""
+    """Validation problems generated for ``dataset_name: tiny_math`` / ``tiny_math_preference`` (disjoint from
+    the training problems; the same problems for a given ``seed`` whatever ``num_train_samples`` is)."""
 
     tiny_math_max_operand: int = Field(default=50, ge=1)
     """Largest operand of a ``tiny_math`` problem (operands are drawn from 0 to this value)."""
@@ -114,13 +146,14 @@ class DataConfig(ConfigModel):
                 f"data.dataset_name={self.dataset_name} has no default source: set data.train_data_path to a "
                 "local .jsonl/.parquet file or a hub dataset name"
             )
-        if self.dataset_name == "tiny_math" and (self.train_data_path or self.val_data_path):
+        if self.dataset_name in GENERATED_DATASETS and (self.train_data_path or self.val_data_path):
+            other = "OpenMathInstruct-2" if self.dataset_name == "tiny_math" else "binary_preference"
             raise ValueError(
-                "data.dataset_name=tiny_math is generated on the fly and reads no files: unset "
-                "data.train_data_path/data.val_data_path, or set data.dataset_name=OpenMathInstruct-2 to read "
-                "files in the same schema"
+                f"data.dataset_name={self.dataset_name} is generated on the fly and reads no files: unset "
+                f"data.train_data_path/data.val_data_path, or set data.dataset_name={other} to read files in "
+                "the same schema"
             )
-        if self.dataset_name == "tiny_math":
+        if self.dataset_name in GENERATED_DATASETS:
             num_problems = 2 * (self.tiny_math_max_operand + 1) ** 2
             if self.num_train_samples + self.num_val_samples > num_problems:
                 raise ValueError(

@@ -1,4 +1,5 @@
-"""Schema of the ``env`` section: one subsection per environment (``env.math``, ``env.number_guessing``)."""
+"""Schema of the ``env`` section: one subsection per environment (``env.math``, ``env.number_guessing``,
+``env.reward_model``)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,15 @@ from typing import Literal, Self
 from pydantic import Field, model_validator
 
 from nemo_rl.config.base import ConfigModel
+from nemo_rl.config.cluster import ClusterConfig
+from nemo_rl.config.policy import (
+    DTensorConfig,
+    DynamicBatchingConfig,
+    PolicyConfig,
+    Precision,
+    RewardModelConfig,
+    TokenizerConfig,
+)
 
 
 class MathEnvConfig(ConfigModel):
@@ -48,6 +58,86 @@ class NumberGuessingEnvConfig(ConfigModel):
         return self
 
 
+class RewardModelEnvConfig(ConfigModel):
+    """A trained reward model as the reward of RL: its workers score each finished conversation (NeMo RL's
+    ``env.reward_model``). The model runs on its own Ray workers and placement groups (``resources``),
+    like the policy's, and reads the conversation as the policy's chat template rendered it."""
+
+    enabled: bool = False
+    """Start the reward-model environment; GRPO then scores samples of the task ``reward_model`` with it."""
+
+    model_name: str | None = None
+    """Hub name or local path of a Hugging Face sequence-classification model with one output (e.g. the
+    export of ``examples/run_rm.py``)."""
+
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    """Tokenizer of the reward model (``name: null`` uses ``model_name``)."""
+
+    precision: Precision = "float32"
+    """Dtype the reward model computes in (``bfloat16`` on GPUs)."""
+
+    batch_size: int = Field(default=32, ge=1)
+    """Conversations per forward pass on one reward-model worker."""
+
+    checkpoint_path: str | None = None
+    """Sharded weights of a training checkpoint (``<checkpoint_dir>/step_<N>/policy/weights``) loaded over
+    ``model_name``; ``None`` uses ``model_name``'s own weights."""
+
+    max_model_len: int = Field(default=2048, ge=2)
+    """Longest conversation scored, in tokens of the reward model's tokenizer; longer ones are cut at the
+    end and scored on what is left."""
+
+    resources: ClusterConfig = Field(default_factory=ClusterConfig)
+    """Worker slots of the reward model (GPUs, or CPU slots without CUDA), reserved next to the run's own
+    ``cluster``."""
+
+    dtensor_cfg: DTensorConfig = Field(default_factory=DTensorConfig)
+    """Parallelism of the reward-model workers (tensor parallel size...)."""
+
+    reward_model_cfg: RewardModelConfig = Field(default_factory=lambda: RewardModelConfig(enabled=True))
+    """Kind of reward model; ``enabled`` must stay true."""
+
+    dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig)
+    """Token-budget micro-batches for scoring (``logprob_mb_tokens`` bounds a forward pass)."""
+
+    max_grad_norm: None = None
+    """Accepted for NeMo RL recipes; the environment never trains, so only ``null``."""
+
+    trust_remote_code: bool = False
+    """Allow the reward model's repository to run its own code."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.enabled and self.model_name is None:
+            raise ValueError("env.reward_model.enabled=true needs env.reward_model.model_name")
+        if not self.reward_model_cfg.enabled:
+            raise ValueError(
+                "env.reward_model.reward_model_cfg.enabled must be true: the environment loads a reward model"
+            )
+        return self
+
+    def policy_config(self) -> PolicyConfig:
+        """The reward model's worker config (scoring only: no optimizer steps are ever taken)."""
+        if self.model_name is None:
+            raise ValueError("env.reward_model.model_name is not set")
+        tp = self.dtensor_cfg.tensor_parallel_size
+        return PolicyConfig(
+            model_name=self.model_name,
+            tokenizer=self.tokenizer,
+            trust_remote_code=self.trust_remote_code,
+            train_global_batch_size=self.batch_size,
+            train_micro_batch_size=self.batch_size,
+            logprob_batch_size=self.batch_size,
+            max_total_sequence_length=self.max_model_len,
+            precision=self.precision,
+            max_grad_norm=None,
+            make_sequence_length_divisible_by=tp if self.dtensor_cfg.sequence_parallel else 1,
+            dtensor_cfg=self.dtensor_cfg,
+            reward_model_cfg=self.reward_model_cfg,
+            dynamic_batching=self.dynamic_batching,
+        )
+
+
 class EnvConfig(ConfigModel):
     """Environments that score rollouts; each subsection configures the environment of that name."""
 
@@ -56,3 +146,6 @@ class EnvConfig(ConfigModel):
 
     number_guessing: NumberGuessingEnvConfig = Field(default_factory=NumberGuessingEnvConfig)
     """The number-guessing game (multi-turn)."""
+
+    reward_model: RewardModelEnvConfig = Field(default_factory=RewardModelEnvConfig)
+    """A trained reward model scoring responses."""

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from nemo_rl.config.algorithms import GRPOConfig, SFTConfig
+from nemo_rl.config.algorithms import DPOConfig, GRPOConfig, RMConfig, SFTConfig
 from nemo_rl.config.base import ConfigModel
 from nemo_rl.config.checkpointing import CheckpointingConfig
 from nemo_rl.config.cluster import ClusterConfig
-from nemo_rl.config.data import DataConfig
+from nemo_rl.config.data import PREFERENCE_DATASETS, DataConfig
 from nemo_rl.config.env import EnvConfig
 from nemo_rl.config.logger import LoggerConfig
 from nemo_rl.config.loss import ClippedPGLossConfig
@@ -75,4 +75,81 @@ class GRPOMasterConfig(ConfigModel):
                 )
             if (resources.num_nodes or 1) > 1 and self.cluster.num_nodes == 1:
                 raise ValueError("non-colocated generation on several nodes needs cluster.num_nodes > 1")
+        return self
+
+
+def _check_preference_run(algorithm: str, policy: PolicyConfig, data: DataConfig, reward_model: bool) -> None:
+    """Checks DPO and reward-model training share: preference data, pairs kept whole, the right head."""
+    if data.dataset_name not in PREFERENCE_DATASETS:
+        raise ValueError(
+            f"{algorithm} trains on preference pairs: set data.dataset_name to one of "
+            f"{', '.join(PREFERENCE_DATASETS)} (got {data.dataset_name})"
+        )
+    if policy.dynamic_batching.enabled:
+        raise ValueError(
+            f"{algorithm} keeps each pair's chosen and rejected responses in one micro-batch, which token-budget "
+            "micro-batches would split: set policy.dynamic_batching.enabled=false"
+        )
+    if policy.reward_model_cfg.enabled != reward_model:
+        raise ValueError(
+            f"{algorithm} needs policy.reward_model_cfg.enabled={str(reward_model).lower()}"
+            + (
+                " (it trains a scalar reward head)"
+                if reward_model
+                else " (it trains the language-model head)"
+            )
+        )
+
+
+class DPOMasterConfig(ConfigModel):
+    """Everything ``examples/run_dpo.py`` reads."""
+
+    dpo: DPOConfig = Field(default_factory=DPOConfig)
+    """The DPO loop and its loss."""
+
+    policy: PolicyConfig
+    """The trained model; its batch sizes count preference pairs."""
+
+    data: DataConfig = Field(default_factory=lambda: DataConfig(dataset_name="HelpSteer3"))
+    """Preference pairs for training and validation."""
+
+    logger: LoggerConfig = Field(default_factory=LoggerConfig)
+    """Metric logging backends."""
+
+    checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
+    """Checkpoint saving, retention and resume."""
+
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    """Worker slots (GPUs, or CPU slots without CUDA) and nodes."""
+
+    @model_validator(mode="after")
+    def _check(self) -> DPOMasterConfig:
+        _check_preference_run("DPO", self.policy, self.data, reward_model=False)
+        return self
+
+
+class RMMasterConfig(ConfigModel):
+    """Everything ``examples/run_rm.py`` reads."""
+
+    rm: RMConfig = Field(default_factory=RMConfig)
+    """The reward-model loop."""
+
+    policy: PolicyConfig
+    """The trained reward model (``reward_model_cfg.enabled: true``); its batch sizes count preference pairs."""
+
+    data: DataConfig = Field(default_factory=lambda: DataConfig(dataset_name="HelpSteer3"))
+    """Preference pairs for training and validation."""
+
+    logger: LoggerConfig = Field(default_factory=LoggerConfig)
+    """Metric logging backends."""
+
+    checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
+    """Checkpoint saving, retention and resume."""
+
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    """Worker slots (GPUs, or CPU slots without CUDA) and nodes."""
+
+    @model_validator(mode="after")
+    def _check(self) -> RMMasterConfig:
+        _check_preference_run("Reward-model training", self.policy, self.data, reward_model=True)
         return self

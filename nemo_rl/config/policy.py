@@ -66,6 +66,19 @@ class MegatronConfig(ConfigModel):
     """Recompute activations of every transformer layer in the backward pass."""
 
 
+class RewardModelConfig(ConfigModel):
+    """Load and train the model as a reward model: a scalar head on the last token instead of the LM head
+    (NeMo RL's ``policy.reward_model_cfg``)."""
+
+    enabled: bool = False
+    """Load ``model_name`` with ``AutoModelForSequenceClassification`` and one output (a checkpoint without
+    that head gets a freshly initialised one); the workers then return one reward per sequence."""
+
+    reward_model_type: Literal["bradley_terry"] = "bradley_terry"
+    """Kind of reward model: ``bradley_terry``, a scalar trained on preference pairs with
+    ``-log sigmoid(r_chosen - r_rejected)``."""
+
+
 class OptimizerConfig(ConfigModel):
     """A torch optimizer given by class path and keyword arguments."""
 
@@ -256,6 +269,9 @@ class PolicyConfig(ConfigModel):
 
     megatron_cfg: MegatronConfig = Field(default_factory=MegatronConfig)
     """Megatron-core backend settings."""
+
+    reward_model_cfg: RewardModelConfig = Field(default_factory=RewardModelConfig)
+    """Reward-model head instead of the language-model head (reward-model training and scoring)."""
 
     dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig)
     """Token-budget micro-batching."""

@@ -76,8 +76,9 @@ def preference_collate_fn(
     ``2i + 1`` with the rejected one (the layout of :class:`nemo_rl.algorithms.loss_functions.DPOLossFn`).
 
     Keys as in :func:`sft_collate_fn` over the ``2 * len(batch)`` rows; ``idx`` repeats each pair's index.
-    A pair one of whose halves has no assistant token left after truncation gets ``sample_mask`` 0 on both
-    rows, so pairs stay whole.
+    A pair one of whose halves has no assistant token left after truncation, or whose two conversations are
+    the same tokens (a tie, which says nothing about which is better), gets ``sample_mask`` 0 on both rows,
+    so pairs stay whole.
     """
     if not batch:
         raise ValueError("cannot collate an empty batch")
@@ -91,8 +92,12 @@ def preference_collate_fn(
         message_logs.append(truncate_message_log(datum["rejected_message_log"], max_seq_length))
     data = message_logs_to_batch(message_logs, pad_token_id=pad_token_id, train_roles=SFT_TRAIN_ROLES)
     has_target_P = (data["token_mask"].sum(dim=1) > 0).reshape(-1, 2).all(dim=1).to(torch.float32)
+    ids_P2T = data["input_ids"].reshape(len(batch), 2, -1)
+    lengths_P2 = data["input_lengths"].reshape(len(batch), 2)
+    same_P = (ids_P2T[:, 0] == ids_P2T[:, 1]).all(dim=1) & (lengths_P2[:, 0] == lengths_P2[:, 1])
+    differs_P = (~same_P).to(torch.float32)
     loss_multiplier_P = torch.tensor([d["loss_multiplier"] for d in batch], dtype=torch.float32)
-    data["sample_mask"] = (loss_multiplier_P * has_target_P).repeat_interleave(2)
+    data["sample_mask"] = (loss_multiplier_P * has_target_P * differs_P).repeat_interleave(2)
     data["idx"] = torch.tensor([d["idx"] for d in batch], dtype=torch.long).repeat_interleave(2)
     return data
 

@@ -18,6 +18,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.config.data import DataConfig
+from nemo_rl.data.errors import MissingDataFileError
 
 
 class ChatMessage(TypedDict):
@@ -152,7 +153,7 @@ def check_prompt_template(template: str, *, source: str) -> None:
 def _read_text_file(path: str, *, key: str) -> str:
     file = pathlib.Path(path)
     if not file.is_file():
-        raise FileNotFoundError(f"{key}={path} does not exist: give the path of a text file")
+        raise MissingDataFileError(f"{key}={path} does not exist: give the path of a text file")
     # A trailing newline is an artefact of the editor, not part of the prompt.
     return file.read_text(encoding="utf-8").removesuffix("\n")
 

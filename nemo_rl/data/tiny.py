@@ -130,13 +130,8 @@ def num_arithmetic_problems(max_operand: int) -> int:
     return 2 * (max_operand + 1) ** 2
 
 
-def generate_arithmetic_problems(num: int, seed: int, max_operand: int = 50) -> list[dict[str, str]]:
-    """The first ``num`` problems of the seed's fixed order of all addition/subtraction problems.
-
-    Each row has ``problem`` ("What is 12+7?"), ``generated_solution`` ("12+7=\\boxed{19}") and
-    ``expected_answer`` ("19"); operands are drawn from 0 to ``max_operand`` and answers may be negative.
-    The order does not depend on ``num``, so a larger ``num`` extends a smaller one.
-    """
+def _problem_order(num: int, seed: int, max_operand: int) -> list[int]:
+    """Codes of the first ``num`` problems in the seed's fixed order of all problems."""
     space = num_arithmetic_problems(max_operand)
     if not 0 <= num <= space:
         raise ValueError(
@@ -145,31 +140,93 @@ def generate_arithmetic_problems(num: int, seed: int, max_operand: int = 50) -> 
         )
     order = list(range(space))
     random.Random(seed).shuffle(order)
-    return [_problem(code, max_operand) for code in order[:num]]
+    return order[:num]
+
+
+def generate_arithmetic_problems(num: int, seed: int, max_operand: int = 50) -> list[dict[str, str]]:
+    """The first ``num`` problems of the seed's fixed order of all addition/subtraction problems.
+
+    Each row has ``problem`` ("What is 12+7?"), ``generated_solution`` ("12+7=\\boxed{19}") and
+    ``expected_answer`` ("19"); operands are drawn from 0 to ``max_operand`` and answers may be negative.
+    The order does not depend on ``num``, so a larger ``num`` extends a smaller one.
+    """
+    return [_problem(code, max_operand) for code in _problem_order(num, seed, max_operand)]
+
+
+def _operands(code: int, max_operand: int) -> tuple[int, str, int]:
+    code, op_index = divmod(code, 2)
+    b, a = divmod(code, max_operand + 1)
+    return a, "+-"[op_index], b
+
+
+def _solve(a: int, op: str, b: int) -> int:
+    return a + b if op == "+" else a - b
+
+
+def _solution(a: int, op: str, b: int, answer: int) -> str:
+    return f"{a}{op}{b}=\\boxed{{{answer}}}"
 
 
 def _problem(code: int, max_operand: int) -> dict[str, str]:
-    code, op_index = divmod(code, 2)
-    b, a = divmod(code, max_operand + 1)
-    op = "+-"[op_index]
-    answer = str(a + b if op == "+" else a - b)
+    a, op, b = _operands(code, max_operand)
+    answer = _solve(a, op, b)
     return {
         "problem": f"What is {a}{op}{b}?",
-        "generated_solution": f"{a}{op}{b}=\\boxed{{{answer}}}",
-        "expected_answer": answer,
+        "generated_solution": _solution(a, op, b, answer),
+        "expected_answer": str(answer),
     }
 
 
+def plausible_wrong_answer(a: int, op: str, b: int, rng: random.Random) -> int:
+    """A wrong answer to ``a op b`` of a kind people (and small models) make: off by one or by ten, the
+    other operation, the operands swapped in a subtraction, or the last digit slipped."""
+    answer = _solve(a, op, b)
+    candidates = {
+        answer + 1,
+        answer - 1,
+        answer + 10,
+        answer - 10,
+        _solve(a, "-" if op == "+" else "+", b),
+        b - a if op == "-" else answer + 2,
+        answer - answer % 10 + (answer % 10 + rng.randint(2, 8)) % 10,
+    }
+    candidates.discard(answer)
+    return rng.choice(sorted(candidates))
+
+
+def generate_arithmetic_preferences(num: int, seed: int, max_operand: int = 50) -> list[dict[str, str]]:
+    """Preference pairs over the same problems, in the same order, as :func:`generate_arithmetic_problems`.
+
+    Each row has ``prompt`` ("What is 12+7?"), ``chosen`` ("12+7=\\boxed{19}", the correct solution) and
+    ``rejected`` (the same solution with a :func:`plausible_wrong_answer`), the schema of
+    ``dataset_name: binary_preference``. The wrong answer depends only on ``seed`` and the problem.
+    """
+    rows = []
+    for code in _problem_order(num, seed, max_operand):
+        a, op, b = _operands(code, max_operand)
+        rng = random.Random(f"{seed}:{a}{op}{b}")
+        rows.append(
+            {
+                "prompt": f"What is {a}{op}{b}?",
+                "chosen": _solution(a, op, b, _solve(a, op, b)),
+                "rejected": _solution(a, op, b, plausible_wrong_answer(a, op, b, rng)),
+            }
+        )
+    return rows
+
+
 def tiny_math_splits(
-    num_train: int, num_val: int, seed: int, max_operand: int
+    num_train: int, num_val: int, seed: int, max_operand: int, *, preferences: bool = False
 ) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
-    """Disjoint training and validation problems: validation is the first ``num_val`` of the seed's order,
-    training the next ``num_train``.
+    """Disjoint training and validation rows: validation is the first ``num_val`` problems of the seed's
+    order, training the next ``num_train``; ``preferences`` gives preference pairs instead of problems.
 
     Validation first keeps it the same whatever ``num_train`` is, so recipes that train on different
-    amounts of data (SFT, then GRPO) are scored on the same held-out problems, never trained on by either.
+    amounts of data (SFT, then GRPO, DPO or a reward model) are scored on the same held-out problems, never
+    trained on by any of them.
     """
-    rows = generate_arithmetic_problems(num_val + num_train, seed=seed, max_operand=max_operand)
+    generate = generate_arithmetic_preferences if preferences else generate_arithmetic_problems
+    rows = generate(num_val + num_train, seed=seed, max_operand=max_operand)
     return rows[num_val:], rows[:num_val]
 
 

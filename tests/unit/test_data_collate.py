@@ -142,3 +142,11 @@ def test_preference_collate_masks_whole_pairs(tokenizer: PreTrainedTokenizerBase
     assert kept["sample_mask"].tolist() == [1.0] * 4 and kept["input_ids"].shape[1] == 16
     cut = preference_collate_fn(batch_in, pad_token_id=tokenizer.pad_token_id, max_seq_length=15)
     assert cut["sample_mask"].tolist() == [0.0] * 4
+
+
+def test_preference_collate_masks_ties(tokenizer: PreTrainedTokenizerBase) -> None:
+    # A tie (HelpSteer3's overall_preference 0) pairs a response with itself: it teaches nothing.
+    pairs = [_pair("3", "4"), _pair("same", "same"), _pair("same", "same but longer")]
+    batch_in = [preference_processor(r, SPEC, tokenizer, 64, i) for i, r in enumerate(pairs)]
+    batch = preference_collate_fn(batch_in, pad_token_id=tokenizer.pad_token_id, max_seq_length=64)
+    assert batch["sample_mask"].tolist() == [1.0, 1.0, 0.0, 0.0, 1.0, 1.0]

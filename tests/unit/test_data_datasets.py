@@ -38,6 +38,26 @@ CHAT_ROWS = [
 RESPONSE_ROWS = [{"prompt": f"p{i}", "completion": f"c{i}"} for i in range(10)]
 
 
+HELPSTEER3_ROWS: list[dict[str, Any]] = [
+    {
+        "domain": "general",
+        "context": [{"role": "user", "content": "Say hi."}],
+        "response1": "Hi!",
+        "response2": "Go away.",
+        "overall_preference": -2,
+    },
+    {"context": "Add 1 and 1.", "response1": "3", "response2": "2", "overall_preference": 3},
+    {"context": "Pick one.", "response1": "A", "response2": "B", "overall_preference": 0},
+]
+TULU3_ROWS: list[dict[str, Any]] = [
+    {
+        "prompt": "2+2?",
+        "chosen": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}],
+        "rejected": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "5"}],
+    }
+]
+
+
 def _write_jsonl(path: pathlib.Path, rows: list[dict[str, Any]]) -> str:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
@@ -163,6 +183,25 @@ def test_val_fraction_split_is_seeded_and_disjoint(tmp_path: pathlib.Path) -> No
             {"prompt": "p", "chosen": "c"},
             "row 2 .* no 'rejected' string or message list",
         ),
+        ("HelpSteer3", {"context": "c", "response1": "a"}, "row 2 .* is missing 'response2'"),
+        (
+            "HelpSteer3",
+            {"context": "c", "response1": "a", "response2": "b", "overall_preference": "left"},
+            "row 2 .* 'overall_preference' 'left', expected a number",
+        ),
+        (
+            "Tulu3Preference",
+            {
+                "chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+                "rejected": [{"role": "user", "content": "other"}, {"role": "assistant", "content": "b"}],
+            },
+            "row 2 .* different prompts",
+        ),
+        (
+            "Tulu3Preference",
+            {"chosen": [{"role": "user", "content": "q"}], "rejected": [{"role": "user", "content": "q"}]},
+            "row 2 .* 'chosen' that does not end with an assistant response",
+        ),
     ],
 )
 def test_malformed_row_names_its_index(
@@ -174,6 +213,8 @@ def test_malformed_row_names_its_index(
         "openai_format": CHAT_ROWS[0],
         "response": {"input": "a", "output": "b"},
         "binary_preference": {"prompt": "p", "chosen": "c", "rejected": "r"},
+        "HelpSteer3": HELPSTEER3_ROWS[0],
+        "Tulu3Preference": TULU3_ROWS[0],
     }
     good = good_rows[dataset_name]
     path = _write_jsonl(tmp_path / "bad.jsonl", [good, good, row, good])
@@ -252,10 +293,14 @@ def test_hub_sources_are_loaded_lazily_with_default_splits(monkeypatch: pytest.M
             *MATH_ROWS[10:],
         ],
         ("someone/chat", "train"): CHAT_ROWS,
+        ("nvidia/HelpSteer3", "train"): HELPSTEER3_ROWS[:1] * 3,
+        ("nvidia/HelpSteer3", "validation"): HELPSTEER3_ROWS[:1],
     }
+    subsets: list[str | None] = []
 
-    def fake_load_dataset(name: str, split: str) -> datasets.Dataset:
+    def fake_load_dataset(name: str, subset: str | None, split: str) -> datasets.Dataset:
         requests.append((name, split))
+        subsets.append(subset)
         return datasets.Dataset.from_list(hub[(name, split)])
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
@@ -275,6 +320,14 @@ def test_hub_sources_are_loaded_lazily_with_default_splits(monkeypatch: pytest.M
     chat = load_dataset_splits(DataConfig(dataset_name="openai_format", train_data_path="someone/chat"))
     assert requests[-1] == ("someone/chat", "train")
     assert chat.validation is not None and len(chat.train) + len(chat.validation) == 10
+    assert set(subsets) == {None}
+
+    # HelpSteer3 reads its "preference" subset, training and validation splits.
+    helpsteer = load_dataset_splits(DataConfig(dataset_name="HelpSteer3"))
+    assert requests[-2:] == [("nvidia/HelpSteer3", "train"), ("nvidia/HelpSteer3", "validation")]
+    assert subsets[-2:] == ["preference", "preference"]
+    assert helpsteer.validation is not None and len(helpsteer.train) == 3
+    assert helpsteer.train[2]["rejected_messages"][-1]["content"] == "Go away."
 
 
 def test_binary_preference_rows(tmp_path: pathlib.Path, tokenizer: PreTrainedTokenizerBase) -> None:
@@ -309,5 +362,54 @@ def test_binary_preference_rows(tmp_path: pathlib.Path, tokenizer: PreTrainedTok
     assert chosen == "<|bos|><|system|>Be exact.<|user|>2+2?<|assistant|>4<|eos|>"
     assert rejected == chosen.replace(">4<", ">5<")
     assert train[1]["length"] == len(_ids(tokenizer, chosen))
-    with pytest.raises(ValueError, match=r"needs data\.dataset_name=binary_preference"):
+    with pytest.raises(ValueError, match=r"needs data\.dataset_name to be one of binary_preference"):
         setup_preference_data(DataConfig(), tokenizer, max_total_sequence_length=64)
+
+
+def test_helpsteer3_and_tulu3_preferences(tmp_path: pathlib.Path) -> None:
+    helpsteer = load_dataset_splits(
+        DataConfig(
+            dataset_name="HelpSteer3", train_data_path=_write_jsonl(tmp_path / "hs.jsonl", HELPSTEER3_ROWS)
+        )
+    )
+    rows = list(helpsteer.train) + list(helpsteer.validation or [])
+    by_prompt = {r["messages"][0]["content"]: r for r in rows}
+    # A negative preference prefers response1, a positive one response2; a tie pairs response1 with itself.
+    assert by_prompt["Say hi."]["messages"][-1]["content"] == "Hi!"
+    assert by_prompt["Say hi."]["rejected_messages"][-1]["content"] == "Go away."
+    assert by_prompt["Add 1 and 1."]["messages"] == [
+        {"role": "user", "content": "Add 1 and 1."},
+        {"role": "assistant", "content": "2"},
+    ]
+    assert by_prompt["Pick one."]["messages"] == by_prompt["Pick one."]["rejected_messages"]
+
+    tulu = load_dataset_splits(
+        DataConfig(
+            dataset_name="Tulu3Preference",
+            train_data_path=_write_jsonl(tmp_path / "tulu.jsonl", TULU3_ROWS),
+            val_fraction=0,
+        )
+    )
+    assert tulu.train[0]["messages"] == TULU3_ROWS[0]["chosen"]
+    assert tulu.train[0]["rejected_messages"] == TULU3_ROWS[0]["rejected"]
+
+
+def test_tiny_math_preferences_hold_out_the_tiny_math_validation_problems() -> None:
+    cfg = DataConfig(dataset_name="tiny_math_preference", num_train_samples=300, num_val_samples=40)
+    pairs = load_dataset_splits(cfg)
+    problems = load_dataset_splits(cfg.model_copy(update={"dataset_name": "tiny_math"}))
+    assert pairs.validation is not None and problems.validation is not None
+    # Same held-out problems as tiny_math (so SFT, GRPO, DPO and RM never train on them), whatever the size.
+    for split_pairs, split_problems in (
+        (pairs.train, problems.train),
+        (pairs.validation, problems.validation),
+    ):
+        assert [r["messages"][:2] for r in split_pairs] == [r["messages"][:2] for r in split_problems]
+    smaller = load_dataset_splits(cfg.model_copy(update={"num_train_samples": 10}))
+    assert smaller.validation is not None and list(smaller.validation) == list(pairs.validation)
+    for record in list(pairs.train) + list(pairs.validation):
+        chosen, rejected = record["messages"][-1]["content"], record["rejected_messages"][-1]["content"]
+        question = record["messages"][0]["content"].removeprefix("What is ").removesuffix("?")
+        assert chosen.split("=")[0] == rejected.split("=")[0] == question
+        assert chosen.split("=")[1] == f"\\boxed{{{eval(question)}}}" != rejected.split("=")[1]
+        assert rejected.split("=")[1].startswith("\\boxed{")

@@ -15,7 +15,7 @@ from typing import overload
 
 from transformers import PreTrainedTokenizerBase
 
-from nemo_rl.config.data import DataConfig
+from nemo_rl.config.data import PREFERENCE_DATASETS, DataConfig
 from nemo_rl.data.datasets.formats import MalformedRowError, RowConverter, converter_for
 from nemo_rl.data.datasets.loading import (
     DatasetSplits,
@@ -136,9 +136,10 @@ def setup_preference_data(
 ) -> tuple[ProcessedDataset, ProcessedDataset | None]:
     """Chosen/rejected conversation pairs for DPO and reward models (task ``"preference"``); the collate
     function truncates them to ``data.max_input_seq_length`` (or ``max_total_sequence_length``)."""
-    if cfg.dataset_name != "binary_preference":
+    if cfg.dataset_name not in PREFERENCE_DATASETS:
         raise ValueError(
-            f"preference training needs data.dataset_name=binary_preference, got {cfg.dataset_name}"
+            f"preference training needs data.dataset_name to be one of {', '.join(PREFERENCE_DATASETS)}; got "
+            f"{cfg.dataset_name}"
         )
     return setup_data(
         cfg,

@@ -10,12 +10,13 @@ from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
 from nemo_rl.config.data import DataConfig
+from nemo_rl.data.errors import DataError
 from nemo_rl.data.interfaces import ChatMessage, Record
 
 RowConverter = Callable[[Mapping[str, Any], int], Record]
 
 
-class MalformedRowError(ValueError):
+class MalformedRowError(DataError):
     """A dataset row does not have the fields its dataset's schema needs."""
 
     def __init__(self, source: str, index: int, problem: str, schema: str) -> None:
@@ -171,6 +172,59 @@ def preference_converter(source: str, prompt_key: str, chosen_key: str, rejected
     return convert
 
 
+def helpsteer3_converter(source: str) -> RowConverter:
+    """HelpSteer3's preference schema: ``context`` (a string or a message list), ``response1``,
+    ``response2`` and ``overall_preference`` (-3..3: negative prefers ``response1``, positive
+    ``response2``). A tie (0) becomes a pair of two identical responses, which preference training masks
+    out: it says nothing about which response is better."""
+    schema = (
+        "'context' (a string or a message list), 'response1', 'response2' (strings) and "
+        "'overall_preference' (an integer, negative when response1 is preferred)"
+    )
+
+    def convert(row: Mapping[str, Any], index: int) -> Record:
+        reader = _RowReader(row, index, source, schema)
+        prompt = _messages(reader, "context", default_role="user")
+        first, second = reader.text("response1"), reader.text("response2")
+        preference = row.get("overall_preference")
+        if isinstance(preference, bool) or not isinstance(preference, int | float):
+            reader.fail(f"has 'overall_preference' {preference!r}, expected a number")
+        if preference < 0:
+            chosen, rejected = first, second
+        elif preference > 0:
+            chosen, rejected = second, first
+        else:
+            chosen = rejected = first
+        return Record(
+            messages=[*prompt, ChatMessage(role="assistant", content=chosen)],
+            rejected_messages=[*prompt, ChatMessage(role="assistant", content=rejected)],
+        )
+
+    return convert
+
+
+def tulu3_preference_converter(source: str) -> RowConverter:
+    """Tulu 3's preference mixture: ``chosen`` and ``rejected`` whole conversations that share every message
+    but the last, which is the assistant's response (``prompt`` is not read: it repeats the first turn)."""
+    schema = (
+        "'chosen' and 'rejected' (message lists that agree on all but their last message, an assistant "
+        "response)"
+    )
+
+    def convert(row: Mapping[str, Any], index: int) -> Record:
+        reader = _RowReader(row, index, source, schema)
+        chosen = _messages(reader, "chosen", default_role="assistant")
+        rejected = _messages(reader, "rejected", default_role="assistant")
+        for key, conversation in (("chosen", chosen), ("rejected", rejected)):
+            if len(conversation) < 2 or conversation[-1]["role"] != "assistant":
+                reader.fail(f"has {key!r} that does not end with an assistant response after a prompt")
+        if chosen[:-1] != rejected[:-1]:
+            reader.fail("has 'chosen' and 'rejected' conversations with different prompts")
+        return Record(messages=chosen, rejected_messages=rejected)
+
+    return convert
+
+
 def converter_for(cfg: DataConfig, source: str) -> RowConverter:
     """The row converter of ``cfg.dataset_name``; ``source`` names the data in error messages."""
     match cfg.dataset_name:
@@ -184,3 +238,10 @@ def converter_for(cfg: DataConfig, source: str) -> RowConverter:
             return response_converter(source, cfg.input_key, cfg.output_key)
         case "binary_preference":
             return preference_converter(source, cfg.prompt_key, cfg.chosen_key, cfg.rejected_key)
+        case "tiny_math_preference":
+            # Generated rows always use the default column names, whatever the data.*_key settings say.
+            return preference_converter(source, "prompt", "chosen", "rejected")
+        case "HelpSteer3":
+            return helpsteer3_converter(source)
+        case "Tulu3Preference":
+            return tulu3_preference_converter(source)

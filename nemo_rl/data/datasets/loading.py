@@ -13,16 +13,37 @@ import numpy as np
 
 from nemo_rl.config.data import DataConfig
 from nemo_rl.data.datasets.formats import RowConverter, converter_for
+from nemo_rl.data.errors import DataError, MissingDataFileError
 from nemo_rl.data.interfaces import Record
 from nemo_rl.data.tiny import tiny_math_splits
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 
-# Hub source of the datasets that have one: (hub name, default training split, validation split or None).
-HUB_DEFAULTS: dict[str, tuple[str, str, str | None]] = {
-    "OpenMathInstruct-2": ("nvidia/OpenMathInstruct-2", "train_1M", None),
-    "squad": ("rajpurkar/squad", "train", "validation"),
+
+@dataclasses.dataclass(frozen=True)
+class HubSource:
+    """Where a dataset with a hub default lives."""
+
+    name: str
+    """Hub dataset name."""
+
+    train_split: str
+    """Split used for training unless ``data.split`` names another."""
+
+    val_split: str | None
+    """Split used for validation when no ``data.val_data_path`` is given (``None``: the dataset has none)."""
+
+    subset: str | None = None
+    """Hub subset (configuration) unless ``data.subset`` names another."""
+
+
+HUB_DEFAULTS: dict[str, HubSource] = {
+    "OpenMathInstruct-2": HubSource("nvidia/OpenMathInstruct-2", "train_1M", None),
+    "squad": HubSource("rajpurkar/squad", "train", "validation"),
+    "HelpSteer3": HubSource("nvidia/HelpSteer3", "train", "validation", subset="preference"),
+    "Tulu3Preference": HubSource("allenai/llama-3.1-tulu-3-8b-preference-mixture", "train", None),
 }
+"""Hub source of each dataset that has one."""
 
 
 class RecordDataset(Sequence[Record]):
@@ -72,7 +93,7 @@ class RecordDataset(Sequence[Record]):
         the rows (at least one), both keeping the source order."""
         num_val = max(1, math.floor(len(self) * val_fraction))
         if num_val >= len(self):
-            raise ValueError(
+            raise DataError(
                 f"{self.source} has {len(self)} rows, too few to hold out {num_val} for validation: give "
                 "data.val_data_path, lower data.val_fraction, or set it to 0 for no validation"
             )
@@ -98,9 +119,9 @@ def read_local_rows(path: str | pathlib.Path) -> list[dict[str, Any]]:
     """Rows of a local ``.jsonl`` / ``.json`` (JSON Lines, or one JSON array) or ``.parquet`` file."""
     file = pathlib.Path(path)
     if file.suffix not in LOCAL_SUFFIXES:
-        raise ValueError(f"{file}: unsupported data file type {file.suffix!r}; use one of {LOCAL_SUFFIXES}")
+        raise DataError(f"{file}: unsupported data file type {file.suffix!r}; use one of {LOCAL_SUFFIXES}")
     if not file.is_file():
-        raise FileNotFoundError(f"data file {file} does not exist")
+        raise MissingDataFileError(f"data file {file} does not exist")
     if file.suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -108,7 +129,10 @@ def read_local_rows(path: str | pathlib.Path) -> list[dict[str, Any]]:
         return rows
     text = file.read_text(encoding="utf-8")
     if text.lstrip().startswith("["):
-        loaded = json.loads(text)
+        try:
+            loaded = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{file} is not a valid JSON array ({err})") from err
         return list(loaded)
     rows = []
     for line_number, line in enumerate(text.splitlines(), start=1):
@@ -117,15 +141,16 @@ def read_local_rows(path: str | pathlib.Path) -> list[dict[str, Any]]:
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError as err:
-            raise ValueError(f"{file}: line {line_number} is not valid JSON ({err})") from err
+            raise DataError(f"{file}: line {line_number} is not valid JSON ({err})") from err
     return rows
 
 
-def load_hub_rows(name: str, split: str) -> Sequence[Mapping[str, Any]]:
-    """Split ``split`` of the hub dataset ``name`` (downloads it, so this needs network access or a cache)."""
+def load_hub_rows(name: str, split: str, subset: str | None = None) -> Sequence[Mapping[str, Any]]:
+    """Split ``split`` of the hub dataset ``name`` (subset ``subset``); downloads it, so this needs network
+    access or a cache."""
     import datasets
 
-    dataset = datasets.load_dataset(name, split=split)
+    dataset = datasets.load_dataset(name, subset, split=split)
     if not isinstance(dataset, datasets.Dataset):
         raise TypeError(f"hub dataset {name} split {split} loaded as {type(dataset).__name__}, not a Dataset")
     return dataset
@@ -135,7 +160,9 @@ def _is_local(path: str) -> bool:
     return pathlib.Path(path).exists() or path.endswith(LOCAL_SUFFIXES)
 
 
-def _load_source(cfg: DataConfig, path_or_name: str, *, hub_split: str) -> RecordDataset:
+def _load_source(
+    cfg: DataConfig, path_or_name: str, *, hub_split: str, hub_subset: str | None
+) -> RecordDataset:
     if _is_local(path_or_name):
         dataset = RecordDataset(
             read_local_rows(path_or_name), converter_for(cfg, source=path_or_name), path_or_name
@@ -143,8 +170,10 @@ def _load_source(cfg: DataConfig, path_or_name: str, *, hub_split: str) -> Recor
         # Local files are small enough to check whole: a bad row fails now, not mid-training.
         dataset.validate()
         return dataset
-    source = f"{path_or_name} (hub split {hub_split})"
-    return RecordDataset(load_hub_rows(path_or_name, hub_split), converter_for(cfg, source=source), source)
+    subset = f" subset {hub_subset}" if hub_subset else ""
+    source = f"{path_or_name} (hub{subset} split {hub_split})"
+    rows = load_hub_rows(path_or_name, hub_split, hub_subset)
+    return RecordDataset(rows, converter_for(cfg, source=source), source)
 
 
 def load_dataset_splits(cfg: DataConfig) -> DatasetSplits:
@@ -153,27 +182,35 @@ def load_dataset_splits(cfg: DataConfig) -> DatasetSplits:
     Validation comes from ``data.val_data_path``, else the dataset's own validation split, else a seeded
     ``data.val_fraction`` hold-out of the training data (none when the fraction is 0).
     """
-    if cfg.dataset_name == "tiny_math":
+    name = cfg.dataset_name
+    if name in ("tiny_math", "tiny_math_preference"):
         train_rows, val_rows = tiny_math_splits(
-            cfg.num_train_samples, cfg.num_val_samples, seed=cfg.seed, max_operand=cfg.tiny_math_max_operand
+            cfg.num_train_samples,
+            cfg.num_val_samples,
+            seed=cfg.seed,
+            max_operand=cfg.tiny_math_max_operand,
+            preferences=name == "tiny_math_preference",
         )
-        converter = converter_for(cfg, source="tiny_math")
+        converter = converter_for(cfg, source=name)
         return DatasetSplits(
-            train=RecordDataset(train_rows, converter, "tiny_math (train)"),
-            validation=RecordDataset(val_rows, converter, "tiny_math (validation)") if val_rows else None,
+            train=RecordDataset(train_rows, converter, f"{name} (train)"),
+            validation=RecordDataset(val_rows, converter, f"{name} (validation)") if val_rows else None,
         )
 
-    hub_val_split: str | None = "validation"
+    hub = HUB_DEFAULTS.get(name)
+    subset = cfg.subset or (hub.subset if hub is not None else None)
     if cfg.train_data_path is not None:
-        train = _load_source(cfg, cfg.train_data_path, hub_split=cfg.split or "train")
+        train = _load_source(cfg, cfg.train_data_path, hub_split=cfg.split or "train", hub_subset=subset)
     else:
-        hub_name, default_split, hub_val_split = HUB_DEFAULTS[cfg.dataset_name]
-        train = _load_source(cfg, hub_name, hub_split=cfg.split or default_split)
+        assert hub is not None  # DataConfig requires train_data_path for datasets without a hub default
+        train = _load_source(cfg, hub.name, hub_split=cfg.split or hub.train_split, hub_subset=subset)
 
     if cfg.val_data_path is not None:
-        validation: RecordDataset | None = _load_source(cfg, cfg.val_data_path, hub_split="validation")
-    elif cfg.train_data_path is None and hub_val_split is not None:
-        validation = _load_source(cfg, HUB_DEFAULTS[cfg.dataset_name][0], hub_split=hub_val_split)
+        validation: RecordDataset | None = _load_source(
+            cfg, cfg.val_data_path, hub_split="validation", hub_subset=subset
+        )
+    elif cfg.train_data_path is None and hub is not None and hub.val_split is not None:
+        validation = _load_source(cfg, hub.name, hub_split=hub.val_split, hub_subset=subset)
     elif cfg.val_fraction > 0:
         train, validation = train.split(cfg.val_fraction, seed=cfg.seed)
     else:
