@@ -35,6 +35,11 @@ class LossFunction(Protocol):
 
     loss_type: LossType
 
+    rows_per_group: int
+    """The loss reads the batch in groups of this many consecutive rows (1: rows are independent; 2: a
+    preference pair, chosen then rejected). The policy keeps every group on one data-parallel rank and in one
+    micro-batch, so batch and micro-batch sizes must be multiples of it."""
+
     def __call__(
         self,
         next_token_logits_BTV: torch.Tensor,

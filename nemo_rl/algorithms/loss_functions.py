@@ -133,6 +133,7 @@ class ClippedPGLossFn:
     def __init__(self, cfg: ClippedPGLossConfig) -> None:
         self.cfg = cfg
         self.loss_type = LossType.TOKEN_LEVEL if cfg.token_level_loss else LossType.SEQUENCE_LEVEL
+        self.rows_per_group = 1
 
     def _reduce(
         self,
@@ -369,6 +370,7 @@ class NLLLoss:
     """Token-level negative log-likelihood of the masked tokens (SFT), normalised by the global token count."""
 
     loss_type = LossType.TOKEN_LEVEL
+    rows_per_group = 1
 
     def __call__(
         self,
@@ -401,6 +403,19 @@ def _pair_halves(values_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values_B[0::2], values_B[1::2]
 
 
+def _check_pairs(data: BatchedDataDict[Any]) -> None:
+    """Rows 2i and 2i + 1 must be one example's chosen and rejected responses (same ``idx`` when present)."""
+    if "idx" not in data:
+        return
+    chosen_idx, rejected_idx = _pair_halves(torch.as_tensor(data["idx"]))
+    if not torch.equal(chosen_idx, rejected_idx):
+        raise ValueError(
+            "a preference micro-batch holds rows of different pairs side by side (idx "
+            f"{torch.as_tensor(data['idx']).tolist()[:8]}...): pairs were split between micro-batches or ranks; "
+            "shard preference batches with whole pairs (loss_fn.rows_per_group = 2)"
+        )
+
+
 def _pair_mask_and_count(
     sample_mask_B: torch.Tensor, global_valid_seqs: torch.Tensor, like: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -428,6 +443,7 @@ class PreferenceLoss:
     """
 
     loss_type = LossType.SEQUENCE_LEVEL
+    rows_per_group = 2  # (chosen, rejected) pairs, read together
 
     @staticmethod
     def _preference_terms(
@@ -463,6 +479,7 @@ class PreferenceLoss:
         global_valid_toks: torch.Tensor,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """This micro-batch's share of the pairwise loss; ``rewards_B`` is the reward head's output [B] or [B, 1]."""
+        _check_pairs(data)
         rewards_B = _at_least_fp32(rewards_B).reshape(rewards_B.shape[0])
         sample_mask_B = data["sample_mask"].to(device=rewards_B.device, dtype=rewards_B.dtype)
         terms = self._preference_terms(rewards_B, sample_mask_B, global_valid_seqs, beta=1.0)
@@ -484,6 +501,7 @@ class DPOLossFn:
     """
 
     loss_type = LossType.SEQUENCE_LEVEL
+    rows_per_group = 2  # (chosen, rejected) pairs, read together
 
     def __init__(self, cfg: DPOLossConfig) -> None:
         self.cfg = cfg
@@ -499,6 +517,7 @@ class DPOLossFn:
         logprobs_BS, _, sample_mask_B, mask_BS = _logprobs_and_masks(
             next_token_logits_BTV, data, ("reference_policy_logprobs",), "DPOLossFn"
         )
+        _check_pairs(data)
         cfg = self.cfg
         ref_BS = _per_token(data, "reference_policy_logprobs", logprobs_BS)
         num_tokens_B = mask_BS.sum(dim=-1).clamp(min=1)
@@ -542,6 +561,7 @@ class DistillationLossFn:
     """
 
     loss_type = LossType.TOKEN_LEVEL
+    rows_per_group = 1
 
     def __init__(self, cfg: DistillationLossConfig) -> None:
         self.cfg = cfg

@@ -79,6 +79,50 @@ def _balanced_parts(indices: Sequence[int], lengths: Sequence[int], counts: Sequ
     return [sorted(part) for part in parts]
 
 
+def _shard_positions(
+    total: int,
+    shards: int,
+    batch_size: int | None,
+    allow_uneven_shards: bool,
+    lengths: Sequence[int] | None,
+    unit: str,
+) -> list[list[int]]:
+    """Positions ``0..total-1`` dealt to ``shards`` shards (see :meth:`BatchedDataDict.shard_by_batch_size`)."""
+    if shards < 1:
+        raise ValueError(f"shards must be >= 1, got {shards}")
+    if batch_size is None:
+        groups = [(0, total)]
+    else:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if total % batch_size != 0 and not allow_uneven_shards:
+            raise ValueError(
+                f"cannot split {total} {unit} into global batches of {batch_size}: pass a multiple of "
+                f"{batch_size} {unit} or allow_uneven_shards=True"
+            )
+        groups = [(start, min(start + batch_size, total)) for start in range(0, total, batch_size)]
+    result: list[list[int]] = [[] for _ in range(shards)]
+    for start, end in groups:
+        count = end - start
+        if count % shards != 0 and not allow_uneven_shards:
+            what = "the batch" if batch_size is None else f"each global batch of {batch_size}"
+            raise ValueError(
+                f"cannot split {what} ({count} {unit}) into {shards} equal shards: make it a multiple "
+                f"of {shards} or pass allow_uneven_shards=True"
+            )
+        # As torch.tensor_split: the first `count % shards` shards take one extra sample.
+        counts = [count // shards + (1 if s < count % shards else 0) for s in range(shards)]
+        if lengths is None:
+            offset = start
+            for s, n in enumerate(counts):
+                result[s].extend(range(offset, offset + n))
+                offset += n
+        else:
+            for s, part in enumerate(_balanced_parts(range(start, end), lengths, counts)):
+                result[s].extend(part)
+    return result
+
+
 class BatchedDataDict(dict[str, V], Generic[V]):
     """A ``dict`` whose values are batched: tensors (dim 0 = batch) or lists (one entry per sample).
 
@@ -167,44 +211,35 @@ class BatchedDataDict(dict[str, V], Generic[V]):
         batch_size: int | None = None,
         allow_uneven_shards: bool = False,
         balance_by_length_key: str | None = None,
+        group_size: int = 1,
     ) -> list[list[int]]:
         """The sample indices each shard of :meth:`shard_by_batch_size` holds, in the order it holds them."""
-        if shards < 1:
-            raise ValueError(f"shards must be >= 1, got {shards}")
+        if group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {group_size}")
         total = self.size
-        if batch_size is None:
-            groups = [(0, total)]
-        else:
-            if batch_size < 1:
-                raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-            if total % batch_size != 0 and not allow_uneven_shards:
+        for what, count in (("the batch", total), ("batch_size", batch_size or 0)):
+            if count % group_size != 0:
                 raise ValueError(
-                    f"cannot split {total} samples into global batches of {batch_size}: pass a multiple of "
-                    f"{batch_size} samples or allow_uneven_shards=True"
+                    f"{what} ({count}) is not a multiple of group_size={group_size}: groups of consecutive "
+                    "samples (e.g. preference pairs) must stay whole"
                 )
-            groups = [(start, min(start + batch_size, total)) for start in range(0, total, batch_size)]
         lengths = self._lengths(balance_by_length_key) if balance_by_length_key is not None else None
-
-        result: list[list[int]] = [[] for _ in range(shards)]
-        for start, end in groups:
-            count = end - start
-            if count % shards != 0 and not allow_uneven_shards:
-                what = "the batch" if batch_size is None else f"each global batch of {batch_size}"
-                raise ValueError(
-                    f"cannot split {what} ({count} samples) into {shards} equal shards: make it a multiple "
-                    f"of {shards} or pass allow_uneven_shards=True"
-                )
-            # As torch.tensor_split: the first `count % shards` shards take one extra sample.
-            counts = [count // shards + (1 if s < count % shards else 0) for s in range(shards)]
-            if lengths is None:
-                offset = start
-                for s, n in enumerate(counts):
-                    result[s].extend(range(offset, offset + n))
-                    offset += n
-            else:
-                for s, part in enumerate(_balanced_parts(range(start, end), lengths, counts)):
-                    result[s].extend(part)
-        return result
+        group_lengths = (
+            None
+            if lengths is None
+            else [sum(lengths[g * group_size : (g + 1) * group_size]) for g in range(total // group_size)]
+        )
+        group_shards = _shard_positions(
+            total // group_size,
+            shards,
+            None if batch_size is None else batch_size // group_size,
+            allow_uneven_shards,
+            group_lengths,
+            unit="samples" if group_size == 1 else f"groups of {group_size} samples",
+        )
+        return [
+            [g * group_size + offset for g in shard for offset in range(group_size)] for shard in group_shards
+        ]
 
     def shard_by_batch_size(
         self,
@@ -212,6 +247,7 @@ class BatchedDataDict(dict[str, V], Generic[V]):
         batch_size: int | None = None,
         allow_uneven_shards: bool = False,
         balance_by_length_key: str | None = None,
+        group_size: int = 1,
     ) -> list[BatchedDataDict[V]]:
         """Split the batch into ``shards`` parts, e.g. one per data-parallel rank.
 
@@ -224,10 +260,16 @@ class BatchedDataDict(dict[str, V], Generic[V]):
         each global batch so that shards get similar token counts; the shards then hold permuted samples, and
         :meth:`shard_indices` (same arguments) with :meth:`from_shards` restores the order.
 
+        ``group_size`` deals consecutive groups of that many samples as one unit (kept together and in order,
+        balanced by their summed lengths), e.g. 2 for (chosen, rejected) preference pairs; every count above
+        is then in groups.
+
         Raises ``ValueError`` when a split is uneven and ``allow_uneven_shards`` is false; when it is true, the
         first shards take one extra sample (shards may be empty).
         """
-        indices = self.shard_indices(shards, batch_size, allow_uneven_shards, balance_by_length_key)
+        indices = self.shard_indices(
+            shards, batch_size, allow_uneven_shards, balance_by_length_key, group_size=group_size
+        )
         return [self.select_indices(shard) for shard in indices]
 
     def chunk(self, rank: int, chunks: int) -> BatchedDataDict[V]:

@@ -1,5 +1,6 @@
 """DTensorPolicyWorker parity over gloo: FSDP2 (dp=2) and TP (tp=2, with and without sequence parallel)
-against a plain single-process Hugging Face training loop on the same batches.
+against a plain single-process Hugging Face training loop on the same batches; the same for DPO on
+preference pairs and for a Bradley-Terry reward model (the scalar head on the same worker).
 
 One pair of spawned processes runs every scenario in turn (each builds a fresh worker on a new device mesh)
 and writes its results to disk; the tests then compare them with the reference computed here. Spawning once
@@ -22,12 +23,15 @@ import torch.multiprocessing as mp
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
 )
 
 from nemo_rl.algorithms.interfaces import LossType
+from nemo_rl.algorithms.loss_functions import DPOLossFn, PreferenceLoss
+from nemo_rl.config.loss import DPOLossConfig
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
@@ -83,6 +87,7 @@ class TinyNLLLoss:
     """Token-level NLL following nemo_rl/algorithms/interfaces.py (share of the global loss)."""
 
     loss_type = LossType.TOKEN_LEVEL
+    rows_per_group = 1
 
     def __call__(
         self,
@@ -126,6 +131,31 @@ def policy_cfg(model_dir: Path, dtensor: dict[str, Any] | None = None, **overrid
 
 def train_data() -> BatchedDataDict[Any]:
     return make_batch(seed=1, num_rows=GLOBAL_BATCH * NUM_STEPS)
+
+
+# Preference pairs: GLOBAL_BATCH rows (GLOBAL_BATCH // 2 pairs) per step, (chosen, rejected) interleaved.
+DPO_CFG = DPOLossConfig(reference_policy_kl_penalty=0.5, sft_loss_weight=0.2)
+
+
+def preference_data(num_rows: int = GLOBAL_BATCH * NUM_STEPS) -> BatchedDataDict[Any]:
+    """Pairs sharing a prompt (their first 3 tokens), one pair masked out per step, ``idx`` per pair."""
+    data = make_batch(seed=3, num_rows=num_rows)
+    data["input_ids"][1::2, :3] = data["input_ids"][0::2, :3]
+    data["input_lengths"] = data["input_lengths"].clamp(min=5)
+    positions = torch.arange(SEQ_LEN)[None, :]
+    data["input_ids"] *= positions < data["input_lengths"][:, None]
+    data["token_mask"] = ((positions >= 3) & (positions < data["input_lengths"][:, None])).float()
+    data["sample_mask"] = torch.ones(num_rows)
+    data["sample_mask"][6::GLOBAL_BATCH] = 0.0
+    data["sample_mask"][7::GLOBAL_BATCH] = 0.0
+    data["idx"] = torch.arange(num_rows) // 2
+    return data
+
+
+def with_reference_logprobs(data: BatchedDataDict[Any], reference: torch.Tensor) -> BatchedDataDict[Any]:
+    out = BatchedDataDict(dict(data))
+    out["reference_policy_logprobs"] = reference
+    return out
 
 
 # -------------------------------------------------------------------------------- spawned scenarios
@@ -175,6 +205,35 @@ def _scenarios(rank: int, model_dir: Path, out_dir: Path) -> None:
     save("sp2_logprobs_init", worker.get_logprobs(score_data))
     save("sp2_train", worker.train(_shard(data, worker.dp_rank, worker.dp_size), loss_fn, mbs=4))
     worker.shutdown()
+
+    # DPO on preference pairs (dp=2 deals whole pairs, as Policy does; tp=2), with the reference log-probs of
+    # the initial model computed by the worker itself.
+    pairs = preference_data()
+    for name, dtensor in (("dpo_dp2", {}), ("dpo_tp2", {"tensor_parallel_size": 2})):
+        worker = DTensorPolicyWorker(policy_cfg(model_dir, dtensor))
+        dp_shards = pairs.shard_by_batch_size(worker.dp_size, batch_size=GLOBAL_BATCH, group_size=2)
+        shard = dp_shards[worker.dp_rank]
+        shard["reference_policy_logprobs"] = worker.get_reference_policy_logprobs(shard)["reference_logprobs"]
+        save(f"{name}_train", worker.train(shard, DPOLossFn(DPO_CFG), mbs=2))
+        worker.shutdown()
+
+    # Reward model: the scalar head on the same worker, dp=2, tp=2 and sequence parallel; scores and export.
+    rm = {"reward_model_cfg": {"enabled": True}}
+    for name, dtensor in (
+        ("rm_dp2", {}),
+        ("rm_tp2", {"tensor_parallel_size": 2}),
+        ("rm_sp2", {"tensor_parallel_size": 2, "sequence_parallel": True}),
+    ):
+        worker = DTensorPolicyWorker(policy_cfg(model_dir, dtensor, **rm), init_reference_model=False)
+        shard = pairs.shard_by_batch_size(worker.dp_size, batch_size=GLOBAL_BATCH, group_size=2)[
+            worker.dp_rank
+        ]
+        save(f"{name}_scores_init", worker.score(score_data))
+        save(f"{name}_train", worker.train(shard, PreferenceLoss(), mbs=2))
+        save(f"{name}_scores_trained", worker.score(score_data))
+        if name == "rm_tp2":
+            worker.export_hf(str(out_dir / "rm_export"))
+        worker.shutdown()
 
     # Resume: dp=2 trains two steps, saves, a fresh tp=2 worker loads and takes step three.
     first_two = data.slice(0, 2 * GLOBAL_BATCH)
@@ -303,6 +362,65 @@ def reference(model_dir: Path) -> dict[str, Any]:
     return single_process_reference(model_dir)
 
 
+def _optimizer_and_schedule(model: torch.nn.Module) -> tuple[Any, Any]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.SequentialLR(
+        optimizer,
+        [
+            torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.5, total_iters=2),
+            torch.optim.lr_scheduler.ConstantLR(optimizer, factor=1.0, total_iters=1),
+        ],
+        milestones=[2],
+    )
+    return optimizer, scheduler
+
+
+def reference_rewards(model: torch.nn.Module, data: BatchedDataDict[Any]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=data["input_ids"]).logits.float().reshape(-1)
+
+
+def single_process_preference_reference(model_dir: Path) -> dict[str, Any]:
+    """DPO and reward-model training on the whole global batches in one process (plain HF models)."""
+    pairs = preference_data()
+    out: dict[str, Any] = {}
+    lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    lm.load_state_dict(AutoModelForCausalLM.from_pretrained(model_dir).state_dict())
+    reference_lp = reference_logprobs(lm, pairs)
+    config = AutoConfig.from_pretrained(model_dir, num_labels=1, pad_token_id=0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)  # the worker's seed for a head the checkpoint lacks
+        loaded = AutoModelForSequenceClassification.from_pretrained(model_dir, config=config)
+    rm = AutoModelForSequenceClassification.from_config(config)
+    rm.load_state_dict(loaded.state_dict())
+    score_data = make_batch(seed=2, num_rows=6)
+    out["rm_scores_init"] = reference_rewards(rm, score_data)
+    for name, model, loss_fn in (("dpo", lm, DPOLossFn(DPO_CFG)), ("rm", rm, PreferenceLoss())):
+        optimizer, scheduler = _optimizer_and_schedule(model)
+        losses, grad_norms, metrics = [], [], []
+        for step in range(NUM_STEPS):
+            batch = with_reference_logprobs(pairs, reference_lp).slice(
+                step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH
+            )
+            optimizer.zero_grad()
+            output = model(input_ids=batch["input_ids"]).logits
+            loss, step_metrics = loss_fn(output, batch, batch["sample_mask"].sum(), torch.tensor(0.0))
+            loss.backward()
+            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+            losses.append(float(loss.detach()))
+            metrics.append(step_metrics)
+            optimizer.step()
+            scheduler.step()
+        out[name] = {"loss": torch.tensor(losses), "grad_norm": torch.tensor(grad_norms), "metrics": metrics}
+    out["rm_scores_trained"] = reference_rewards(rm, score_data)
+    return out
+
+
+@pytest.fixture(scope="module")
+def preference_reference(model_dir: Path) -> dict[str, Any]:
+    return single_process_preference_reference(model_dir)
+
+
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-5) -> None:
     torch.testing.assert_close(actual.double(), expected.double(), rtol=rtol, atol=1e-6)
 
@@ -376,3 +494,41 @@ def test_refit_stream_is_full_hf_weights(results: Path) -> None:
     other = load(results, "tp2_refit", rank=1)
     for name, tensor in refit["weights"].items():
         assert torch.equal(tensor, other["weights"][name])
+
+
+@pytest.mark.parametrize("scenario", ["dpo_dp2", "dpo_tp2", "rm_dp2", "rm_tp2", "rm_sp2"])
+def test_preference_training_matches_single_process(
+    results: Path, preference_reference: dict[str, Any], scenario: str
+) -> None:
+    expected = preference_reference[scenario.split("_")[0]]
+    for rank in range(WORLD_SIZE):
+        out = load(results, f"{scenario}_train", rank)
+        assert_close(out["loss"], expected["loss"])
+        assert_close(out["grad_norm"], expected["grad_norm"])
+        # The loss's metrics are whole-batch values once their shares are summed. (DPO's step-0 accuracy is
+        # left out: its margins are exactly 0 on the worker and rounding noise in the reference.)
+        first = 1 if scenario.startswith("dpo") else 0
+        for name in ("accuracy", "rewards_chosen_mean", "rewards_rejected_mean", "num_valid_samples"):
+            actual = torch.tensor(out["metrics"][name])
+            reference = torch.tensor([m[name] for m in expected["metrics"]])
+            start = first if name == "accuracy" else 0
+            assert_close(actual[start:], reference[start:])
+        assert out["metrics"]["num_valid_samples"] == [3.0] * NUM_STEPS  # one of 4 pairs masked per step
+
+
+def test_reward_model_scores_and_export(results: Path, preference_reference: dict[str, Any]) -> None:
+    for name in ("rm_dp2", "rm_tp2", "rm_sp2"):
+        assert_close(load(results, f"{name}_scores_init")["scores"], preference_reference["rm_scores_init"])
+        assert_close(
+            load(results, f"{name}_scores_trained")["scores"],
+            preference_reference["rm_scores_trained"],
+            rtol=1e-4,
+        )
+    # The export is a sequence-classification model with one output that scores exactly as the worker did.
+    exported = AutoModelForSequenceClassification.from_pretrained(results / "rm_export")
+    assert exported.config.num_labels == 1
+    assert json.loads((results / "rm_export" / "config.json").read_text())["architectures"] == [
+        "Qwen2ForSequenceClassification"
+    ]
+    scores = reference_rewards(exported, make_batch(seed=2, num_rows=6))
+    assert_close(scores, load(results, "rm_tp2_scores_trained")["scores"])

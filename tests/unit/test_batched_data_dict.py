@@ -189,3 +189,20 @@ def test_to_and_copy() -> None:
     assert shallow["ids"] is data["ids"]
     shallow["extra"] = [0, 1]
     assert "extra" not in data
+
+
+def test_groups_of_consecutive_samples_stay_whole() -> None:
+    # Four (chosen, rejected) pairs; balancing by length must deal whole pairs and keep each pair in order.
+    data = BatchedDataDict({"x": torch.arange(8), "input_lengths": torch.tensor([9, 1, 2, 2, 8, 8, 1, 1])})
+    indices = data.shard_indices(2, batch_size=8, balance_by_length_key="input_lengths", group_size=2)
+    assert sorted(i for shard in indices for i in shard) == list(range(8))
+    for shard in indices:
+        assert all(shard[k] % 2 == 0 and shard[k + 1] == shard[k] + 1 for k in range(0, len(shard), 2))
+    # Pair lengths 10, 4, 16, 2: the balanced deal puts the longest pair with the shortest.
+    assert sorted(indices) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    shards = data.shard_by_batch_size(2, batch_size=4, group_size=2)
+    assert [s["x"].tolist() for s in shards] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    with pytest.raises(ValueError, match="group_size=2"):
+        data.slice(0, 7).shard_indices(1, group_size=2)
+    with pytest.raises(ValueError, match="groups of 2 samples"):
+        data.shard_indices(3, batch_size=8, group_size=2)

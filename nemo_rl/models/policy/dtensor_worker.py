@@ -13,6 +13,11 @@ So the loss and gradients of a step do not depend on the dp size or the micro-ba
 Temperature: like NeMo RL, logits are divided by ``policy.generation.temperature`` before log-probs, top-k
 and losses, so the policy scores the same distribution the sampler drew from (a no-op at 1.0).
 
+Reward models: with ``policy.reward_model_cfg.enabled`` the same worker holds the model with a scalar head
+(``AutoModelForSequenceClassification``, one output) instead of the LM head. Its losses receive one reward per
+sequence ([B], read at the sequence's last token) instead of logits, ``score`` returns those rewards, and the
+log-prob methods refuse to run. Everything else (sharding, training, checkpoints, export) is shared.
+
 Tensor legend: B = sequences, T = tokens, V = vocabulary, K = top-k.
 """
 
@@ -62,6 +67,7 @@ from nemo_rl.models.policy.utils import (
     token_logprobs,
     topk_logits,
     trim_sequence_dim,
+    valid_token_mask,
 )
 from nemo_rl.weight_sync.interfaces import TransferStats, WeightSender
 from nemo_rl.weight_sync.manifest import dtype_name
@@ -141,6 +147,35 @@ class DTensorPolicyWorker:
             self.load_checkpoint(weights_path, optimizer_path)
 
     # ----------------------------------------------------------------------------------------- forward
+    @property
+    def is_reward_model(self) -> bool:
+        """Whether the model has a scalar reward head (``policy.reward_model_cfg.enabled``)."""
+        return self.cfg.reward_model_cfg.enabled
+
+    def _forward(self, mb: BatchedDataDict[Any]) -> torch.Tensor:
+        """What the loss reads: next-token logits [B, T, V], or a reward model's rewards [B] (float32)."""
+        return self._rewards(mb) if self.is_reward_model else self._logits(mb)
+
+    def _rewards(self, mb: BatchedDataDict[Any]) -> torch.Tensor:
+        """[B] float32 reward of each sequence: the scalar head's output at its last token."""
+        ids_BT = mb["input_ids"]
+        valid_BT = valid_token_mask(mb["input_lengths"].to(ids_BT.device), ids_BT.shape[1])
+        # HF's sequence-classification models score the last token that is not the pad token, so every
+        # position past a sequence's length (collate padding, and the zeros pad_sequence_dim adds) is set to
+        # it: the score is then exactly what the exported model gives AutoModelForSequenceClassification users.
+        ids_BT = torch.where(valid_BT, ids_BT, self.model.config.pad_token_id)
+        scores = self.model(input_ids=ids_BT, use_cache=False).logits
+        if isinstance(scores, DTensor):
+            scores = scores.full_tensor()
+        return scores.float().reshape(ids_BT.shape[0])
+
+    def _require_language_model(self, method: str) -> None:
+        if self.is_reward_model:
+            raise ValueError(
+                f"{method} needs next-token logits, but this policy is a reward model "
+                "(policy.reward_model_cfg.enabled=true); use score() for its rewards"
+            )
+
     def _logits(self, mb: BatchedDataDict[Any]) -> torch.Tensor:
         """[B, T, V] float32 full-vocab logits (divided by the sampling temperature)."""
         output = self.model(input_ids=mb["input_ids"], use_cache=False)
@@ -158,7 +193,11 @@ class DTensorPolicyWorker:
         fn: Callable[[torch.Tensor, BatchedDataDict[Any]], dict[str, torch.Tensor]],
         micro_batch_size: int | None,
     ) -> BatchedDataDict[Any]:
-        """Run ``fn(logits, micro_batch)`` over ``data`` in inference mode and concatenate its [B, T, ...] outputs."""
+        """Run ``fn(model output, micro_batch)`` over ``data`` in inference mode and merge its outputs.
+
+        The model output is what :meth:`_forward` returns; ``fn``'s outputs are per token ([B, T, ...]) or
+        per sequence ([B]).
+        """
         if data.size == 0:
             raise ValueError("every data-parallel rank needs at least one sequence to score")
         mbs = micro_batch_size or self.cfg.logprob_batch_size or self.cfg.train_micro_batch_size
@@ -167,8 +206,11 @@ class DTensorPolicyWorker:
         self.model.eval()
         merged: dict[str, torch.Tensor] = {}
         for rows, mb in self._micro_batches(batch, mbs, self.cfg.dynamic_batching.logprob_mb_tokens):
-            for key, value in fn(self._logits(mb), mb).items():
+            for key, value in fn(self._forward(mb), mb).items():
                 value = value.cpu()
+                if value.ndim == 1:
+                    merged.setdefault(key, value.new_zeros(data.size))[rows] = value
+                    continue
                 if key not in merged:
                     merged[key] = value.new_zeros((data.size, seq_len, *value.shape[2:]))
                 # A micro-batch may be trimmed (dynamic batching) or padded (sequence parallel) along T.
@@ -206,6 +248,7 @@ class DTensorPolicyWorker:
         self, data: BatchedDataDict[Any], micro_batch_size: int | None = None
     ) -> BatchedDataDict[Any]:
         """``{"logprobs": [B, T]}`` of ``data["input_ids"]`` (aligned with the tokens, 0 at position 0 / padding)."""
+        self._require_language_model("get_logprobs")
         return self._score(
             data,
             lambda logits, mb: {"logprobs": token_logprobs(logits, mb["input_ids"], mb["input_lengths"])},
@@ -224,12 +267,22 @@ class DTensorPolicyWorker:
         self, data: BatchedDataDict[Any], k: int, micro_batch_size: int | None = None
     ) -> BatchedDataDict[Any]:
         """``{"topk_logits", "topk_indices"}``, each [B, T, K]; see ``PolicyInterface.get_topk_logits``."""
+        self._require_language_model("get_topk_logits")
 
         def fn(logits: torch.Tensor, mb: BatchedDataDict[Any]) -> dict[str, torch.Tensor]:
             values, indices = topk_logits(logits, mb["input_lengths"], k)
             return {"topk_logits": values, "topk_indices": indices}
 
         return self._score(data, fn, micro_batch_size)
+
+    def score(self, data: BatchedDataDict[Any], micro_batch_size: int | None = None) -> BatchedDataDict[Any]:
+        """``{"scores": [B]}``: a reward model's reward of each sequence of ``data``."""
+        if not self.is_reward_model:
+            raise ValueError(
+                "score() needs a reward model: set policy.reward_model_cfg.enabled=true (this policy is a "
+                "language model; use get_logprobs() for it)"
+            )
+        return self._score(data, lambda rewards_B, mb: {"scores": rewards_B}, micro_batch_size)
 
     # ---------------------------------------------------------------------------------------- training
     def train(
@@ -258,6 +311,18 @@ class DTensorPolicyWorker:
                 f"this rank got {data.size} sequences, not a positive multiple of its share of a global batch "
                 f"({global_batch_size} / {self.dp_size} ranks = {local_batch_size}); pass whole global batches"
             )
+        group = loss_fn.rows_per_group
+        if local_batch_size % group or micro_batch_size % group:
+            raise ValueError(
+                f"the loss reads groups of {group} consecutive rows (preference pairs), but this rank's batch of "
+                f"{local_batch_size} rows or its micro-batches of {micro_batch_size} would split them: make both "
+                f"multiples of {group}"
+            )
+        if group > 1 and self.cfg.dynamic_batching.enabled:
+            raise ValueError(
+                "token-budget micro-batches (policy.dynamic_batching) reorder rows and would split the loss's "
+                "groups of rows (preference pairs): set policy.dynamic_batching.enabled=false"
+            )
         num_steps = data.size // local_batch_size
         self.model.train(not eval_mode)
         losses: list[float] = []
@@ -279,7 +344,7 @@ class DTensorPolicyWorker:
             max_tokens = self.cfg.dynamic_batching.train_mb_tokens
             for _, mb in self._micro_batches(batch, micro_batch_size, max_tokens):
                 with torch.set_grad_enabled(not eval_mode):
-                    loss, metrics = loss_fn(self._logits(mb), mb, global_valid_seqs, global_valid_toks)
+                    loss, metrics = loss_fn(self._forward(mb), mb, global_valid_seqs, global_valid_toks)
                     if not eval_mode:
                         loss.backward()
                 step_loss += loss.detach().double()

@@ -1,4 +1,8 @@
-"""Loading a Hugging Face causal LM straight into its sharded layout, and exporting it back.
+"""Loading a Hugging Face causal LM (or reward model) straight into its sharded layout, and exporting it back.
+
+``policy.reward_model_cfg.enabled`` selects ``AutoModelForSequenceClassification`` with one output instead of
+``AutoModelForCausalLM``: the same body with a scalar ``score`` head on the last token. A causal-LM checkpoint
+loads into it with a freshly initialised head (seeded, so every run starts from the same head).
 
 Loading never materialises the full model on more than one rank: rank 0 reads the checkpoint on the CPU,
 every rank builds the model skeleton on the meta device, shards it (TP, then FSDP2), allocates only its own
@@ -24,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from nemo_rl.config.policy import PolicyConfig, TokenizerConfig
 from nemo_rl.models.policy.parallelize import apply_fsdp, apply_tensor_parallel
@@ -32,6 +36,9 @@ from nemo_rl.models.policy.utils import PRECISION_DTYPES
 from nemo_rl.models.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)
+
+# Seed of a reward head that the checkpoint lacks (HF initialises missing weights from the global RNG).
+_NEW_HEAD_SEED = 0
 
 
 def _non_persistent_buffers(model: nn.Module) -> list[tuple[str, str, nn.Module]]:
@@ -55,20 +62,44 @@ def _sync_non_persistent_buffers(model: nn.Module, source: nn.Module | None) -> 
         dist.broadcast(buffer, src=0)
 
 
+def model_auto_class(cfg: PolicyConfig) -> Any:
+    """``AutoModelForSequenceClassification`` for a reward model, ``AutoModelForCausalLM`` otherwise."""
+    return AutoModelForSequenceClassification if cfg.reward_model_cfg.enabled else AutoModelForCausalLM
+
+
+def load_hf_config(cfg: PolicyConfig) -> Any:
+    """The model's Hugging Face config; for a Bradley-Terry reward model with one output (``num_labels=1``)
+    and a pad token id (HF's sequence-classification head scores the last token that is not padding)."""
+    hf_config = AutoConfig.from_pretrained(cfg.model_name, trust_remote_code=cfg.trust_remote_code)
+    if cfg.reward_model_cfg.enabled:
+        hf_config.num_labels = 1
+        if hf_config.pad_token_id is None:
+            tokenizer = get_tokenizer(
+                cfg.tokenizer, model_name=cfg.model_name, trust_remote_code=cfg.trust_remote_code
+            )
+            hf_config.pad_token_id = tokenizer.pad_token_id
+    return hf_config
+
+
 def load_sharded_model(cfg: PolicyConfig, mesh: DeviceMesh, device: torch.device) -> nn.Module:
     """Load ``cfg.model_name`` (local path or hub name), sharded over ``mesh`` (axes ``dp``, ``tp``).
 
     Master weights are float32 whatever ``cfg.precision`` is; FSDP computes in ``cfg.precision``.
     """
     trust = cfg.trust_remote_code
-    hf_config = AutoConfig.from_pretrained(cfg.model_name, trust_remote_code=trust)
+    hf_config = load_hf_config(cfg)
+    auto_class = model_auto_class(cfg)
     full_model: nn.Module | None = None
     if dist.get_rank() == 0:
-        full_model = AutoModelForCausalLM.from_pretrained(
-            cfg.model_name, config=hf_config, dtype=torch.float32, trust_remote_code=trust
-        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_NEW_HEAD_SEED)
+            full_model = auto_class.from_pretrained(
+                cfg.model_name, config=hf_config, dtype=torch.float32, trust_remote_code=trust
+            )
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, trust_remote_code=trust)
+        model = auto_class.from_config(hf_config, dtype=torch.float32, trust_remote_code=trust)
+    # What HF's own save_pretrained records, so an export names the class it was trained as.
+    model.config.architectures = [type(model).__name__]
     dtensor_cfg = cfg.dtensor_cfg
     if dtensor_cfg.activation_checkpointing:
         # Non-reentrant checkpointing composes with FSDP2's per-layer all-gathers.

@@ -3,7 +3,8 @@
 Batch keys (contract with the data and loss code; tensors are right-padded, B = sequences, T = tokens):
 ``input_ids`` [B, T] long, ``input_lengths`` [B] long, ``token_mask`` [B, T] (1 = train on this token),
 ``sample_mask`` [B] float; GRPO adds ``advantages``, ``prev_logprobs``, ``generation_logprobs`` and
-``reference_policy_logprobs`` [B, T]. Log-probs are aligned with the tokens:
+``reference_policy_logprobs`` [B, T]; DPO adds ``reference_policy_logprobs`` and reward-model training uses
+the keys above alone (a pair's chosen and rejected rows are consecutive). Log-probs are aligned with the tokens:
 ``logprobs[:, t] = log p(input_ids[:, t] | input_ids[:, :t])``, position 0 and padding are 0.
 """
 
@@ -57,6 +58,11 @@ class PolicyInterface(Protocol):
         Position ``t`` holds the ``k`` largest next-token logits after reading ``input_ids[:, : t + 1]``
         (not shifted); padding positions are 0.
         """
+        ...
+
+    def score(self, data: BatchedDataDict[Any]) -> BatchedDataDict[Any]:
+        """``{"scores": [B] float32}``: each sequence's reward, for a reward model
+        (``policy.reward_model_cfg.enabled``: the model's scalar head read at the sequence's last token)."""
         ...
 
     def train(

@@ -122,6 +122,10 @@ class Policy(WorkerGroupFacade):
         """``{"topk_logits", "topk_indices"}`` [B, T, k]: the ``k`` largest next-token logits per position."""
         return self._score("get_topk_logits", data, k)
 
+    def score(self, data: BatchedDataDict[Any]) -> BatchedDataDict[Any]:
+        """``{"scores": [B]}``: each sequence's reward (reward models only)."""
+        return self._score("score", data)
+
     def train(
         self,
         data: BatchedDataDict[Any],
@@ -133,9 +137,13 @@ class Policy(WorkerGroupFacade):
         """One optimizer step per global batch of ``gbs`` rows of ``data`` (in order); see ``PolicyInterface``."""
         global_batch_size = gbs if gbs is not None else self.cfg.train_global_batch_size
         length_key = LENGTH_KEY if LENGTH_KEY in data else None
-        # Dealing rows within each global batch leaves every step's batch, hence its loss, unchanged.
+        # Dealing rows within each global batch leaves every step's batch, hence its loss, unchanged; groups
+        # of rows the loss reads together (preference pairs) are dealt whole.
         shards = data.shard_by_batch_size(
-            self.dp_size, batch_size=global_batch_size, balance_by_length_key=length_key
+            self.dp_size,
+            batch_size=global_batch_size,
+            balance_by_length_key=length_key,
+            group_size=loss_fn.rows_per_group,
         )
         refs = self.worker_group.run_all_workers_sharded_data(
             "train", shards, loss_fn=loss_fn, eval_mode=eval_mode, gbs=global_batch_size, mbs=mbs

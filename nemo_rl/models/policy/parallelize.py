@@ -1,4 +1,5 @@
-"""Parallelisation plans applied to Hugging Face causal LMs from outside the model code.
+"""Parallelisation plans applied to Hugging Face causal LMs (and their reward-model variants, whose scalar
+``score`` head replaces the LM head) from outside the model code.
 
 Two independent steps, applied in this order to a model (usually still on the meta device):
 
@@ -6,7 +7,7 @@ Two independent steps, applied in this order to a model (usually still on the me
    (Megatron-style: column-parallel q/k/v/gate/up, row-parallel o/down), shards the embedding and the LM head
    over the vocabulary, and, with sequence parallelism, shards the activations between those regions (the
    RMSNorms) along the sequence dim. The LM head's output is all-gathered, so callers always see full-vocab
-   logits as a plain tensor.
+   logits as a plain tensor; a reward head is split over its input and its partial scores summed.
 2. :func:`apply_fsdp` wraps every decoder layer and then the root with FSDP2 ``fully_shard`` over the ``dp``
    mesh axis and makes gradient reduction a plain SUM (see the function for why).
 
@@ -40,8 +41,32 @@ LLAMA_LIKE_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
 CustomPlanFn = Callable[[nn.Module, DeviceMesh, bool], None]
 
 
+REWARD_HEAD = "score"
+"""Module name of the scalar head of Hugging Face ``*ForSequenceClassification`` models."""
+
+
+def _head_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """The plan of the model's output head: the LM head of a causal LM, or the scalar reward head.
+
+    The LM head is sharded over the vocabulary and its logits all-gathered. A reward head has one output,
+    which cannot be split, so it is split over its input (the hidden size) and the partial scores are summed.
+    """
+    head_input = Shard(1) if sequence_parallel else Replicate()
+    if isinstance(getattr(model, REWARD_HEAD, None), nn.Linear):
+        return {
+            REWARD_HEAD: RowwiseParallel(
+                input_layouts=head_input, output_layouts=Replicate(), use_local_output=True
+            )
+        }
+    return {
+        "lm_head": ColwiseParallel(
+            input_layouts=head_input, output_layouts=Replicate(), use_local_output=True
+        )
+    }
+
+
 def _llama_like_plan(model_type: str, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """The TP (and optionally SP) plan of a Llama-like model, keyed by module path pattern."""
+    """The TP (and optionally SP) plan of a Llama-like model's body, keyed by module path pattern."""
     layer = "model.layers.*"
     plan: dict[str, ParallelStyle] = {
         f"{layer}.self_attn.q_proj": ColwiseParallel(),
@@ -62,7 +87,6 @@ def _llama_like_plan(model_type: str, sequence_parallel: bool) -> dict[str, Para
                 "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
                 f"{layer}.self_attn.o_proj": RowwiseParallel(),
                 f"{layer}.mlp.down_proj": RowwiseParallel(),
-                "lm_head": ColwiseParallel(output_layouts=Replicate(), use_local_output=True),
             }
         )
         return plan
@@ -87,9 +111,6 @@ def _llama_like_plan(model_type: str, sequence_parallel: bool) -> dict[str, Para
             f"{layer}.self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
             f"{layer}.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
             "model.norm": SequenceParallel(),
-            "lm_head": ColwiseParallel(
-                input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=True
-            ),
         }
     )
     return plan
@@ -147,11 +168,13 @@ def apply_tensor_parallel(
                 f"{sorted(LLAMA_LIKE_MODEL_TYPES)}); set policy.dtensor_cfg.custom_parallel_plan to the import "
                 "path of a function (model, tp_mesh, sequence_parallel) -> None, or use tensor_parallel_size=1"
             )
-        parallelize_module(model, tp_mesh, _llama_like_plan(model_type, sequence_parallel))
-    if tied:
+        plan = _llama_like_plan(model_type, sequence_parallel) | _head_plan(model, sequence_parallel)
+        parallelize_module(model, tp_mesh, plan)
+    output_embeddings = model.get_output_embeddings()  # type: ignore[operator]
+    if tied and output_embeddings is not None:
         # parallelize_module registers a new Parameter on each module, which unties them; both are Shard(0)
         # DTensors of the same global weight, so sharing the embedding's parameter restores the tie exactly.
-        output_embeddings = model.get_output_embeddings()  # type: ignore[operator]
+        # (A reward model has no output embedding: its scalar head replaces the LM head.)
         output_embeddings.weight = model.get_input_embeddings().weight  # type: ignore[operator]
 
 
