@@ -1,7 +1,8 @@
 """Environment registry: task / environment names to environment classes, and starting them as Ray actors.
 
-Built in: ``math`` (:class:`~nemo_rl.environments.math_environment.MathEnvironment`) and ``number_guessing``
-(:class:`~nemo_rl.environments.games.number_guessing.NumberGuessingEnvironment`). Add your own with
+Built in: ``math`` (:class:`~nemo_rl.environments.math_environment.MathEnvironment`), ``number_guessing``
+(:class:`~nemo_rl.environments.games.number_guessing.NumberGuessingEnvironment`) and ``reward_model``
+(:class:`~nemo_rl.environments.reward_model_environment.RewardModelEnvironment`). Add your own with
 :func:`register_env`::
 
     class MyEnv(EnvironmentInterface[dict]):
@@ -32,6 +33,7 @@ EnvClass = type[EnvironmentInterface[Any]] | ActorClass[Any]
 _BUILTIN_ENVS: dict[str, str] = {
     "math": "nemo_rl.environments.math_environment:MathEnvironment",
     "number_guessing": "nemo_rl.environments.games.number_guessing:NumberGuessingEnvironment",
+    "reward_model": "nemo_rl.environments.reward_model_environment:RewardModelEnvironment",
 }
 _REGISTRY: dict[str, EnvClass | str] = dict(_BUILTIN_ENVS)
 

@@ -195,3 +195,64 @@ def test_single_turn_math_rewards(ray_cluster: Any, tokenizer: Any) -> None:
     assert metrics["mean_total_reward"] == pytest.approx(2 / 3)
     ray.get(env.shutdown.remote(), timeout=60)
     ray.kill(env)
+
+
+def test_reward_model_environment_scores_like_transformers(
+    ray_cluster: Any, tokenizer: Any, tmp_path: Path
+) -> None:
+    from transformers import AutoModelForSequenceClassification
+
+    from nemo_rl.config.cluster import ClusterConfig
+    from nemo_rl.config.env import RewardModelEnvConfig
+
+    # A reward model in Hugging Face format: the tiny checkpoint with a (random) scalar head.
+    torch.manual_seed(0)
+    reward_model = AutoModelForSequenceClassification.from_pretrained(TINY_MODEL, num_labels=1)
+    reward_model.save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    cfg = RewardModelEnvConfig(
+        enabled=True,
+        model_name=str(tmp_path / "rm"),
+        batch_size=2,  # 5 conversations over 2 data-parallel workers: uneven shards and micro-batches
+        resources=ClusterConfig(gpus_per_node=2),
+    )
+    env = create_env("reward_model", EnvConfig(reward_model=cfg))
+    questions = ["What is 2+3?", "What is 19-4?", "What is 7+7?", "What is 1+1?", "Hi"]
+    logs = [
+        format_message_log(
+            [{"role": "user", "content": q}],
+            tokenizer,
+            add_bos=True,
+            add_eos=False,
+            add_generation_prompt=True,
+        )
+        for q in questions
+    ]
+    batch_in = BatchedDataDict[Any](
+        message_log=logs,
+        extra_env_info=[None] * len(logs),
+        task_name=["reward_model"] * len(logs),
+        loss_multiplier=torch.ones(len(logs)),
+    )
+    replies = iter(["5", "a much longer reply: 15", "\\boxed{14}", "2", "hello"])
+    batch, _ = run_multi_turn_rollout(
+        ScriptedGeneration(tokenizer, lambda _: next(replies)),  # type: ignore[arg-type]
+        batch_in,
+        tokenizer,
+        {"reward_model": env},
+        max_seq_len=128,
+        max_rollout_turns=1,
+        env_timeout_s=120,
+    )
+    # The reward is the HF model's score of the rendered conversation (prompt, reply and its EOS).
+    expected = []
+    with torch.no_grad():
+        for log in batch["message_log"]:
+            ids = message_log_token_ids(log)[None, :]
+            expected.append(float(reward_model(input_ids=ids).logits))
+    torch.testing.assert_close(batch["total_reward"], torch.tensor(expected), rtol=1e-5, atol=1e-5)
+    _, metrics = ray.get(env.global_post_process_and_metrics.remote(batch), timeout=60)
+    assert metrics["mean_reward"] == pytest.approx(sum(expected) / len(expected), rel=1e-5)
+    assert metrics["max_reward"] == pytest.approx(max(expected), rel=1e-5)
+    ray.get(env.shutdown.remote(), timeout=120)
+    ray.kill(env)
