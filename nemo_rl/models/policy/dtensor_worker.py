@@ -163,7 +163,8 @@ class DTensorPolicyWorker:
         # HF's sequence-classification models score the last token that is not the pad token, so every
         # position past a sequence's length (collate padding, and the zeros pad_sequence_dim adds) is set to
         # it: the score is then exactly what the exported model gives AutoModelForSequenceClassification users.
-        ids_BT = torch.where(valid_BT, ids_BT, self.model.config.pad_token_id)
+        hf_config: Any = self.model.config
+        ids_BT = torch.where(valid_BT, ids_BT, int(hf_config.pad_token_id))
         scores = self.model(input_ids=ids_BT, use_cache=False).logits
         if isinstance(scores, DTensor):
             scores = scores.full_tensor()
