@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from nemo_rl.config.base import ConfigModel
+from nemo_rl.config.megatron import MegatronConfig
 
 Precision = Literal["float32", "bfloat16", "float16"]
 
@@ -45,25 +46,6 @@ class DTensorConfig(ConfigModel):
 
     custom_parallel_plan: str | None = None
     """Import path of a function ``(model, tp_mesh, sequence_parallel) -> None`` applying a custom TP plan."""
-
-
-class MegatronConfig(ConfigModel):
-    """The Megatron-core policy backend (needs the ``mcore`` extra)."""
-
-    enabled: bool = False
-    """Use the Megatron-core backend for the policy workers."""
-
-    tensor_model_parallel_size: int = Field(default=1, ge=1)
-    """Megatron tensor-parallel degree."""
-
-    pipeline_model_parallel_size: int = Field(default=1, ge=1)
-    """Megatron pipeline-parallel degree."""
-
-    sequence_parallel: bool = False
-    """Megatron sequence parallelism (needs TP > 1)."""
-
-    activation_checkpointing: bool = False
-    """Recompute activations of every transformer layer in the backward pass."""
 
 
 class RewardModelConfig(ConfigModel):
@@ -276,12 +258,14 @@ class PolicyConfig(ConfigModel):
     dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig)
     """Token-budget micro-batching."""
 
-    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
-    """Optimizer class and arguments."""
+    optimizer: OptimizerConfig | None = Field(default_factory=OptimizerConfig)
+    """Optimizer class and arguments of the DTensor backend (required with it); the Megatron backend uses
+    ``megatron_cfg.optimizer`` and NeMo RL's Megatron recipes set this to ``null``."""
 
-    scheduler: list[SchedulerEntry | SchedulerMilestones] = Field(default_factory=list)
-    """Learning-rate schedulers, chained with ``SequentialLR`` when a ``milestones`` entry is given.
-    Empty means a constant learning rate."""
+    scheduler: list[SchedulerEntry | SchedulerMilestones] | None = Field(default_factory=list)
+    """Learning-rate schedulers of the DTensor backend, chained with ``SequentialLR`` when a ``milestones``
+    entry is given; empty or ``null`` means a constant learning rate. The Megatron backend uses
+    ``megatron_cfg.scheduler``."""
 
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     """Sampling settings and backend (used by GRPO, distillation and evaluation)."""
@@ -292,6 +276,17 @@ class PolicyConfig(ConfigModel):
             raise ValueError(
                 "exactly one of policy.dtensor_cfg.enabled and policy.megatron_cfg.enabled must be true"
             )
+        if self.dtensor_cfg.enabled and self.optimizer is None:
+            raise ValueError(
+                "policy.optimizer is null but the DTensor backend needs it: set policy.optimizer"
+            )
+        if self.megatron_cfg.enabled:
+            self.megatron_cfg.check_with_policy(self.precision, self.max_grad_norm)
+            if self.reward_model_cfg.enabled:
+                raise ValueError(
+                    "policy.reward_model_cfg.enabled=true needs the DTensor backend (the Megatron backend builds "
+                    "causal LMs only): set policy.dtensor_cfg.enabled=true and policy.megatron_cfg.enabled=false"
+                )
         if (
             self.train_global_batch_size % self.train_micro_batch_size != 0
             and not self.dynamic_batching.enabled
@@ -300,8 +295,8 @@ class PolicyConfig(ConfigModel):
                 f"policy.train_global_batch_size ({self.train_global_batch_size}) must be a multiple of "
                 f"policy.train_micro_batch_size ({self.train_micro_batch_size})"
             )
-        entries = [s for s in self.scheduler if isinstance(s, SchedulerEntry)]
-        milestones = [s for s in self.scheduler if isinstance(s, SchedulerMilestones)]
+        entries = [s for s in self.scheduler or [] if isinstance(s, SchedulerEntry)]
+        milestones = [s for s in self.scheduler or [] if isinstance(s, SchedulerMilestones)]
         if len(milestones) > 1:
             raise ValueError("policy.scheduler may hold at most one `milestones` entry")
         if milestones and len(milestones[0].milestones) != len(entries) - 1:

@@ -15,8 +15,12 @@ from nemo_rl.config.policy import OptimizerConfig, SchedulerEntry, SchedulerMile
 from nemo_rl.models.policy.parallelize import import_by_path
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig) -> torch.optim.Optimizer:
+def build_optimizer(
+    params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig | None
+) -> torch.optim.Optimizer:
     """Instantiate ``cfg.name`` (an optimizer class import path) over ``params`` with ``cfg.kwargs``."""
+    if cfg is None:
+        raise ValueError("policy.optimizer is null: set policy.optimizer (the DTensor backend's optimizer)")
     optimizer_cls = import_by_path(cfg.name)
     if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
         raise ValueError(f"policy.optimizer.name={cfg.name!r} is not a torch.optim.Optimizer subclass")
@@ -25,7 +29,7 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimizerConfig) 
 
 
 def build_scheduler(
-    optimizer: torch.optim.Optimizer, entries: list[SchedulerEntry | SchedulerMilestones]
+    optimizer: torch.optim.Optimizer, entries: list[SchedulerEntry | SchedulerMilestones] | None
 ) -> LRScheduler:
     """The learning-rate schedule of ``policy.scheduler``, stepped once per optimizer step.
 
@@ -35,7 +39,7 @@ def build_scheduler(
     """
     schedulers: list[LRScheduler] = []
     milestones: list[int] = []
-    for entry in entries:
+    for entry in entries or []:
         if isinstance(entry, SchedulerMilestones):
             milestones = list(entry.milestones)
             continue

@@ -26,6 +26,7 @@ from nemo_rl.models.generation.interfaces import (
     check_generation_input,
     empty_generation_output,
 )
+from nemo_rl.models.hf_decoder import resolve_checkpoint_dir
 from nemo_rl.models.tokenizer import require_pad_token_id
 from nemo_rl.weight_sync.interfaces import TransferStats, WeightReceiver
 from nemo_rl.weight_sync.manifest import dtype_from_name
@@ -34,16 +35,6 @@ logger = logging.getLogger(__name__)
 
 # Mixes (call seed, dp rank, chunk) into one generator seed; a large odd multiplier keeps them apart.
 _SEED_MIX = 1_000_003
-
-
-def resolve_checkpoint_dir(model_name: str) -> Path:
-    """A local folder holding ``model_name``'s config and safetensors: the path itself, or a hub snapshot."""
-    path = Path(model_name).expanduser()
-    if path.is_dir():
-        return path
-    from huggingface_hub import snapshot_download
-
-    return Path(snapshot_download(model_name, allow_patterns=["*.json", "*.safetensors"]))
 
 
 def eos_token_ids(tokenizer: PreTrainedTokenizerBase, checkpoint_dir: Path | None) -> list[int]:

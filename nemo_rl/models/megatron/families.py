@@ -1,0 +1,172 @@
+"""Per model family: the Megatron-core ``GPTModel`` settings and the weight rules of a Hugging Face decoder.
+
+A :class:`DecoderFamily` knows, for one Hugging Face ``model_type``, which ``TransformerConfig`` /
+``GPTModel`` options reproduce its architecture (:meth:`~DecoderFamily.model_options`) and which Megatron
+parameter is built from which Hugging Face tensors on a pipeline stage (:meth:`~DecoderFamily.stage_rules`);
+:mod:`nemo_rl.models.megatron.convert` does the tensor work. The families share one decoder layout (RMSNorm,
+SwiGLU, grouped-query attention with rotary embeddings) and differ in their biases and query/key norms:
+
+- ``llama``: ``attention_bias`` adds q/k/v/o biases, ``mlp_bias`` MLP biases;
+- ``qwen2``: q/k/v biases always, no o_proj or MLP bias;
+- ``qwen3``: RMSNorm on each query and key head (``q_norm`` / ``k_norm``) before rotary embeddings.
+
+Megatron names are relative to the unwrapped ``GPTModel``; its decoder layers are numbered per stage (the
+local index), Hugging Face's globally. Transformer Engine's layer spec fuses the pre-attention and pre-MLP
+norms into ``linear_qkv`` / ``linear_fc1`` (``te_norms``), the local spec keeps them as modules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from nemo_rl.models.hf_decoder import DecoderArch
+from nemo_rl.models.megatron.convert import AttentionShape, Kind, WeightRule
+
+
+@dataclass(frozen=True)
+class DecoderFamily:
+    """How one Hugging Face decoder family maps onto megatron-core's ``GPTModel``."""
+
+    model_type: str
+    """Hugging Face ``config.model_type``."""
+
+    architecture: str
+    """Hugging Face causal-LM class of the family (``config.architectures[0]`` of its checkpoints)."""
+
+    def check(self, arch: DecoderArch) -> None:
+        """Raise ``ValueError`` for an architecture variant ``GPTModel`` cannot reproduce."""
+        if arch.o_bias != arch.mlp_bias:
+            raise ValueError(
+                f"this {self.model_type} config has o_proj bias={arch.o_bias} but MLP bias={arch.mlp_bias}; "
+                "Megatron-core biases every linear layer or none (add_bias_linear): use the DTensor backend"
+            )
+        if arch.o_bias and not arch.qkv_bias:
+            raise ValueError(
+                f"this {self.model_type} config has an o_proj bias without q/k/v biases, which Megatron-core "
+                "cannot express: use the DTensor backend"
+            )
+
+    def model_options(self, arch: DecoderArch) -> dict[str, Any]:
+        """``TransformerConfig`` fields that reproduce the architecture (sizes, norms, biases, activation)."""
+        return {
+            "num_layers": arch.num_layers,
+            "hidden_size": arch.hidden_size,
+            "ffn_hidden_size": arch.intermediate_size,
+            "num_attention_heads": arch.num_heads,
+            "num_query_groups": arch.num_kv_heads,
+            "kv_channels": arch.head_dim,
+            "normalization": "RMSNorm",
+            "layernorm_epsilon": arch.rms_norm_eps,
+            "gated_linear_unit": True,
+            "add_qkv_bias": arch.qkv_bias,
+            "add_bias_linear": arch.o_bias,
+            "qk_layernorm": arch.qk_norm,
+        }
+
+    def attention_shape(self, arch: DecoderArch) -> AttentionShape:
+        """The sizes the fused QKV layout depends on."""
+        return AttentionShape(arch.num_heads, arch.num_kv_heads, arch.head_dim)
+
+    def layer_rules(self, arch: DecoderArch, local: int, layer: int, te_norms: bool) -> list[WeightRule]:
+        """Rules of decoder layer ``layer`` (global index), held as local layer ``local`` of its stage."""
+        m = f"decoder.layers.{local}."
+        h = f"model.layers.{layer}."
+        attn_norm = "self_attention.linear_qkv.layer_norm_weight" if te_norms else "input_layernorm.weight"
+        mlp_norm = "mlp.linear_fc1.layer_norm_weight" if te_norms else "pre_mlp_layernorm.weight"
+        qkv = tuple(f"{h}self_attn.{p}_proj" for p in "qkv")
+        rules = [
+            WeightRule(m + attn_norm, (h + "input_layernorm.weight",), Kind.REPLICATED),
+            WeightRule(m + "self_attention.linear_qkv.weight", tuple(n + ".weight" for n in qkv), Kind.QKV),
+            WeightRule(m + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",), Kind.ROW),
+            WeightRule(m + mlp_norm, (h + "post_attention_layernorm.weight",), Kind.REPLICATED),
+            WeightRule(
+                m + "mlp.linear_fc1.weight",
+                (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
+                Kind.GATE_UP,
+            ),
+            WeightRule(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), Kind.ROW),
+        ]
+        if arch.qkv_bias:
+            rules.append(
+                WeightRule(m + "self_attention.linear_qkv.bias", tuple(n + ".bias" for n in qkv), Kind.QKV)
+            )
+        if arch.o_bias:  # with MLP biases too (checked): row-parallel biases are not split
+            rules += [
+                WeightRule(
+                    m + "self_attention.linear_proj.bias", (h + "self_attn.o_proj.bias",), Kind.REPLICATED
+                ),
+                WeightRule(
+                    m + "mlp.linear_fc1.bias",
+                    (h + "mlp.gate_proj.bias", h + "mlp.up_proj.bias"),
+                    Kind.GATE_UP,
+                ),
+                WeightRule(m + "mlp.linear_fc2.bias", (h + "mlp.down_proj.bias",), Kind.REPLICATED),
+            ]
+        if arch.qk_norm:
+            rules += [
+                WeightRule(
+                    m + "self_attention.q_layernorm.weight", (h + "self_attn.q_norm.weight",), Kind.REPLICATED
+                ),
+                WeightRule(
+                    m + "self_attention.k_layernorm.weight", (h + "self_attn.k_norm.weight",), Kind.REPLICATED
+                ),
+            ]
+        return rules
+
+    def stage_rules(
+        self,
+        arch: DecoderArch,
+        layers: Sequence[int],
+        *,
+        first_stage: bool,
+        last_stage: bool,
+        te_norms: bool,
+    ) -> list[WeightRule]:
+        """Rules of one pipeline stage holding global decoder layers ``layers`` (in local order)."""
+        rules: list[WeightRule] = []
+        if first_stage:
+            rules.append(
+                WeightRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), Kind.VOCAB)
+            )
+        for local, layer in enumerate(layers):
+            rules += self.layer_rules(arch, local, layer, te_norms)
+        if last_stage:
+            rules.append(
+                WeightRule("decoder.final_layernorm.weight", ("model.norm.weight",), Kind.REPLICATED)
+            )
+            if not arch.tie_word_embeddings:
+                rules.append(WeightRule("output_layer.weight", ("lm_head.weight",), Kind.VOCAB))
+            elif not first_stage:
+                # With pipeline stages the last one keeps its own copy of the tied embedding (Megatron keeps the
+                # two in step by all-reducing their gradients); Hugging Face stores it once.
+                rules.append(
+                    WeightRule(
+                        "output_layer.weight", ("model.embed_tokens.weight",), Kind.VOCAB, exported=False
+                    )
+                )
+        return rules
+
+
+FAMILIES: dict[str, DecoderFamily] = {
+    family.model_type: family
+    for family in (
+        DecoderFamily("llama", "LlamaForCausalLM"),
+        DecoderFamily("qwen2", "Qwen2ForCausalLM"),
+        DecoderFamily("qwen3", "Qwen3ForCausalLM"),
+    )
+}
+"""The families the Megatron backend converts, by Hugging Face ``model_type``."""
+
+
+def family_for(arch: DecoderArch) -> DecoderFamily:
+    """The family of ``arch`` (checked: raises ``ValueError`` naming what Megatron-core cannot express)."""
+    family = FAMILIES.get(arch.model_type)
+    if family is None:
+        raise ValueError(
+            f"the Megatron backend converts model types {sorted(FAMILIES)}, got {arch.model_type!r}; "
+            "use the DTensor backend (policy.dtensor_cfg.enabled=true) for this model"
+        )
+    family.check(arch)
+    return family
