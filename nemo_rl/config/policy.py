@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from nemo_rl.config.base import ConfigModel
 from nemo_rl.config.megatron import MegatronConfig
 
 Precision = Literal["float32", "bfloat16", "float16"]
+
+VLLM_TEMPERATURE_RANGE = (0.01, 2.0)
+"""Sampling temperatures vLLM honours as given (``vllm.SamplingParams``: above 2 is an error, below 0.01 is
+raised to 0.01)."""
 
 
 class TokenizerConfig(ConfigModel):
@@ -148,6 +152,12 @@ class VllmConfig(ConfigModel):
     async_engine: bool = False
     """Use vLLM's async engine."""
 
+    env_vars: dict[str, str] = Field(default_factory=dict)
+    """Environment variables set in every vLLM worker before vLLM starts. They override the backend's own:
+    with tensor parallelism it turns off vLLM's symmetric-memory and FlashInfer all-reduce (set
+    ``VLLM_ALLREDUCE_USE_SYMM_MEM: "1"`` / ``VLLM_ALLREDUCE_USE_FLASHINFER: "1"`` where every rank sees its
+    peers' GPUs) and gives each engine on a node its own ``VLLM_PORT``."""
+
 
 class EmbeddedEngineConfig(ConfigModel):
     """Settings of the embedded pure-torch generation engine (the default backend; CPU or GPU)."""
@@ -169,13 +179,17 @@ class GenerationConfig(ConfigModel):
     """Most tokens sampled per response; ``None`` uses ``policy.max_total_sequence_length``."""
 
     temperature: float = Field(default=1.0, gt=0.0)
-    """Sampling temperature (greedy decoding is asked for per call, not with a zero temperature)."""
+    """Sampling temperature (greedy decoding is asked for per call, not with a zero temperature); the vLLM
+    backend takes values in [0.01, 2]. The policy divides its logits by it, so its log-probs and the sampler's
+    describe the same distribution."""
 
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    """Nucleus sampling: keep the smallest set of tokens whose probability reaches ``top_p``."""
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches ``top_p`` (after top-k).
+    GRPO needs 1.0: the policy scores the full distribution, not the truncated one the sampler draws from."""
 
     top_k: int | None = Field(default=None, ge=1)
-    """Keep only the ``top_k`` most likely tokens; ``None`` disables the filter."""
+    """Keep only the ``top_k`` most likely tokens; ``None`` disables the filter. GRPO needs ``None`` (see
+    ``top_p``)."""
 
     stop_token_ids: list[int] | None = None
     """Token ids that end a response (the tokenizer's EOS token always does)."""
@@ -191,6 +205,31 @@ class GenerationConfig(ConfigModel):
 
     vllm_cfg: VllmConfig = Field(default_factory=VllmConfig)
     """Settings of the vLLM backend."""
+
+    vllm_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra keyword arguments for ``vllm.LLM`` (any field of vLLM's ``EngineArgs``, e.g.
+    ``enable_prefix_caching``, ``max_num_seqs``, ``kv_cache_dtype``). Arguments the backend derives from other
+    settings (model, dtype, parallel sizes, seed, sleep mode, log-prob mode...) are refused with the setting
+    to use instead."""
+
+    @field_validator("stop_strings")
+    @classmethod
+    def _non_empty_stop_strings(cls, stop_strings: list[str] | None) -> list[str] | None:
+        if stop_strings is not None and any(stop == "" for stop in stop_strings):
+            raise ValueError("policy.generation.stop_strings may not contain an empty string")
+        return stop_strings
+
+    @model_validator(mode="after")
+    def _check_vllm_sampling(self) -> GenerationConfig:
+        low, high = VLLM_TEMPERATURE_RANGE
+        if self.backend == "vllm" and not low <= self.temperature <= high:
+            raise ValueError(
+                f"policy.generation.temperature={self.temperature}: vLLM samples at temperatures in "
+                f"[{low}, {high}] (it rejects higher ones and raises lower ones to {low} without telling the "
+                "policy, which scores at the configured temperature); pick one in that range or use "
+                "policy.generation.backend=embedded"
+            )
+        return self
 
 
 class RefitConfig(ConfigModel):

@@ -81,14 +81,22 @@ def prompts(lengths: list[int], seed: int = 1, low: int = 7) -> tuple[torch.Tens
     return ids, lengths_B
 
 
-def hf_token_logprobs(hf: Qwen2ForCausalLM, out: EngineOutput, temperature: float = 1.0) -> torch.Tensor:
-    """``log_softmax(logits / temperature)`` of each output token under a plain HF forward, [B, T']."""
+def hf_token_logprobs(
+    hf: Qwen2ForCausalLM,
+    out: EngineOutput,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float = 1.0,
+) -> torch.Tensor:
+    """``log_softmax(filter_top_k_top_p(logits / temperature))`` of each output token under a plain HF
+    forward (the log-probability contract), [B, T']."""
     ref = torch.zeros_like(out.logprobs)
     for b in range(out.output_ids.shape[0]):
         n = int(out.unpadded_sequence_lengths[b])
         ids = out.output_ids[b : b + 1, :n]
         with torch.no_grad():
-            logprobs = torch.log_softmax(hf(ids).logits[0].float() / temperature, dim=-1)
+            scaled = hf(ids).logits[0].float() / temperature
+            logprobs = torch.log_softmax(filter_top_k_top_p(scaled, top_k, top_p), dim=-1)
         ref[b, 1:n] = logprobs[:-1].gather(-1, ids[0, 1:, None]).squeeze(-1)
     return ref
 
@@ -101,13 +109,14 @@ def generated_mask(out: EngineOutput, input_lengths: torch.Tensor) -> torch.Tens
 def test_sampled_logprobs_match_a_plain_hf_forward(hf_model: Qwen2ForCausalLM) -> None:
     engine = make_engine(hf_model)
     ids, lengths = prompts([5, 12, 3, 9, 1, 7])
-    # Stop tokens make rows finish at different steps (exercising compaction); top-k/top-p change which
-    # tokens are drawn but not the reported log-probs.
+    # Stop tokens make rows finish at different steps (exercising compaction); the log-probs are those of
+    # the top-k/top-p filtered distribution the tokens were drawn from.
     p = params(max_new_tokens=16, top_k=40, top_p=0.95, stop_token_ids=frozenset(range(7, 12)))
     out = engine.generate(ids, lengths, p, greedy=False, seed=3)
     mask = generated_mask(out, lengths)
     assert int(mask.sum()) == int(out.generation_lengths.sum()) > 0
-    ref = hf_token_logprobs(hf_model, out)
+    ref = hf_token_logprobs(hf_model, out, top_k=40, top_p=0.95)
+    assert (out.logprobs - hf_token_logprobs(hf_model, out))[mask].max().item() > 1e-3  # renormalised
     assert (out.logprobs - ref)[mask].abs().max().item() <= 1e-4
     assert torch.all(out.logprobs[~mask] == 0)
 
@@ -117,8 +126,10 @@ def test_logprobs_are_taken_at_the_sampling_temperature(hf_model: Qwen2ForCausal
     ids, lengths = prompts([6, 10])
     out = engine.generate(ids, lengths, params(temperature=0.6, top_p=0.8), greedy=False, seed=0)
     mask = generated_mask(out, lengths)
-    assert (out.logprobs - hf_token_logprobs(hf_model, out, temperature=0.6))[mask].abs().max() <= 1e-4
-    assert (out.logprobs - hf_token_logprobs(hf_model, out, temperature=1.0))[mask].abs().max() > 1e-2
+    at_temperature = hf_token_logprobs(hf_model, out, temperature=0.6, top_p=0.8)
+    assert (out.logprobs - at_temperature)[mask].abs().max() <= 1e-4
+    at_one = hf_token_logprobs(hf_model, out, temperature=1.0, top_p=0.8)
+    assert (out.logprobs - at_one)[mask].abs().max() > 1e-2
 
 
 def test_greedy_matches_hf_generate_and_is_deterministic(hf_model: Qwen2ForCausalLM) -> None:
@@ -291,8 +302,13 @@ def test_sampling_draws_from_the_filtered_renormalised_distribution() -> None:
     counts = torch.bincount(tokens, minlength=5).float() / tokens.numel()
     assert counts[0] == 0 and counts[2] == 0
     assert torch.allclose(counts[[1, 3, 4]], torch.tensor([0.5, 0.2, 0.15]) / 0.85, atol=0.015)
-    # Reported log-probs are the unfiltered ones.
-    assert torch.allclose(logprobs, torch.log(torch.tensor(probs))[tokens], atol=1e-6)
+    # Reported log-probs are those of the distribution sampled from: renormalised over the kept tokens.
+    assert torch.allclose(logprobs, torch.log(torch.tensor(probs) / 0.85)[tokens], atol=1e-6)
+    # Without a filter they are the plain log-softmax at the sampling temperature.
+    tokens, logprobs = sample_tokens(
+        logits[:50], params(temperature=0.5), greedy=False, generator=torch.Generator().manual_seed(0)
+    )
+    assert torch.allclose(logprobs, torch.log_softmax(logits[0] / 0.5, dim=-1)[tokens], atol=1e-6)
     tokens, _ = sample_tokens(
         logits, params(top_p=0.6), greedy=False, generator=torch.Generator().manual_seed(0)
     )

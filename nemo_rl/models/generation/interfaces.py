@@ -9,14 +9,25 @@ Data out (:class:`GenerationOutputSpec`), one row per input row, in the input or
 - ``output_ids`` ``[B, T']`` long: the prompt (its first ``input_lengths[b]`` tokens), then the generated tokens
   starting right at position ``input_lengths[b]``, then the tokenizer's pad id. ``T'`` is at least
   ``T + max(generation_lengths)`` (results gathered from several replicas are padded to a common width).
-- ``logprobs`` ``[B, T']`` float32, aligned with ``output_ids``: the log-prob of each generated token under
-  the sampling distribution, ``log_softmax(logits / temperature)`` *without* top-k/top-p renormalisation
-  (vLLM's "processed logprobs"); the raw model's ``log_softmax(logits)`` for greedy calls. 0 at prompt and
-  pad positions. Compare them with a policy's logprobs only when it scores at the same temperature.
+- ``logprobs`` ``[B, T']`` float32, aligned with ``output_ids``: each generated token's log-prob under the
+  distribution it was sampled from (see "Log-probabilities" below). 0 at prompt and pad positions.
 - ``generation_lengths`` ``[B]`` long: generated tokens, the stop token included.
 - ``unpadded_sequence_lengths`` ``[B]`` long: ``input_lengths + generation_lengths``.
-- ``truncated`` ``[B]`` bool: the response hit ``max_new_tokens`` or ``policy.max_total_sequence_length``
-  without a stop token or stop string.
+- ``truncated`` ``[B]`` bool: the response did not end with a stop token or stop string: it hit
+  ``max_new_tokens`` or ``policy.max_total_sequence_length`` (or a backend cut it, e.g. vLLM's repetition
+  detection).
+
+Log-probabilities: one contract for every backend and the policy. For a sampled token, its log-prob under
+the distribution it was drawn from: the logits divided by ``policy.generation.temperature``, then top-k,
+then top-p (on the top-k renormalised distribution), and ``log_softmax`` over the tokens kept::
+
+    logprob(token) = log_softmax(filter_top_k_top_p(logits / temperature))[token]
+
+(vLLM's ``logprobs_mode="processed_logprobs"``; the embedded engine's ``sample_tokens``). Greedy calls return
+the raw model's ``log_softmax(logits)``. Policy workers score sequences with ``log_softmax(logits /
+temperature)`` over the full vocabulary, which equals the sampler's log-prob exactly when top-k and top-p are
+off; so algorithms that compare the two (GRPO's importance ratios and ``gen_kl_error``) refuse
+``policy.generation.top_k`` / ``top_p < 1`` at config validation rather than train on biased ratios.
 
 Refit (receiver side). On the wire weights carry their Hugging Face names. A backend exposes its workers as
 Ray actors with a ``refit_receive(receiver) -> TransferStats`` method (the generation-worker side of
@@ -56,13 +67,13 @@ class GenerationOutputSpec(TypedDict):
     output_ids: torch.Tensor
     """``[B, T']`` long, prompt then response, right-padded with the pad id."""
     logprobs: torch.Tensor
-    """``[B, T']`` float32, generated tokens' log-probs at the sampling temperature; 0 elsewhere."""
+    """``[B, T']`` float32, generated tokens' log-probs under the sampling distribution; 0 elsewhere."""
     generation_lengths: torch.Tensor
     """``[B]`` long, tokens generated."""
     unpadded_sequence_lengths: torch.Tensor
     """``[B]`` long, prompt + response length."""
     truncated: torch.Tensor
-    """``[B]`` bool, stopped by the length budget rather than a stop token/string."""
+    """``[B]`` bool, did not end with a stop token/string (length budget, or cut by the backend)."""
 
 
 GENERATION_OUTPUT_KEYS = tuple(GenerationOutputSpec.__annotations__)

@@ -5,12 +5,11 @@ token per step for every unfinished sequence. Rows whose sequences finished keep
 quarter of the rows are finished, then the cache and the step state are compacted so finished sequences
 stop costing compute (compacting at every finish would copy the cache more often than it saves).
 
-Log-probabilities. For every sampled token the engine returns ``log_softmax(logits / temperature)`` at that
-token: the *unfiltered* distribution at the sampling temperature, without the top-k/top-p renormalisation
-(the convention of vLLM's "processed logprobs", which NeMo RL's vLLM backend returns). A policy scoring the
-same tokens at temperature 1 therefore matches these log-probs only when ``temperature == 1``; the policy
-has to divide its logits by the same temperature to compare them otherwise. In greedy mode the temperature
-plays no role and the log-probs are those of the raw model (``log_softmax(logits)``).
+Log-probabilities follow the contract of :mod:`nemo_rl.models.generation.interfaces`: each sampled token's
+log-prob under the distribution it was drawn from, ``log_softmax(filter_top_k_top_p(logits / temperature))``
+(renormalised over the tokens top-k and top-p keep, as vLLM's ``processed_logprobs``). Without top-k/top-p
+that is ``log_softmax(logits / temperature)``, what a policy scoring at the same temperature computes. In
+greedy mode the temperature plays no role and the log-probs are those of the raw model (``log_softmax(logits)``).
 
 Tensor legend: B = sequences, T = tokens, V = vocabulary.
 """
@@ -142,24 +141,23 @@ def sample_tokens(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick the next token of each row; return it ``[B]`` and its log-prob ``[B]`` (see the module docstring).
 
-    Sampling draws from the top-k/top-p filtered distribution, renormalised; the returned log-prob is that
-    of the unfiltered distribution at the sampling temperature.
+    Sampling draws from the top-k/top-p filtered distribution at the sampling temperature, renormalised; the
+    returned log-prob is the sampled token's under that same distribution.
     """
     logits_BV = logits_BV.float()
     if greedy:
         tokens_B = logits_BV.argmax(dim=-1)
-        logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
-    else:
-        scaled_BV = logits_BV / params.temperature if params.temperature != 1.0 else logits_BV
+        return tokens_B, torch.log_softmax(logits_BV, dim=-1).gather(1, tokens_B[:, None]).squeeze(1)
+    scaled_BV = logits_BV / params.temperature if params.temperature != 1.0 else logits_BV
+    candidates = _candidates(scaled_BV, params.top_k, params.top_p)
+    if candidates is None:
         logprobs_BV = torch.log_softmax(scaled_BV, dim=-1)
-        candidates = _candidates(scaled_BV, params.top_k, params.top_p)
-        if candidates is None:
-            tokens_B = torch.multinomial(logprobs_BV.exp(), 1, generator=generator).squeeze(1)
-        else:
-            values_BC, tokens_BC = candidates
-            picked_B1 = torch.multinomial(torch.softmax(values_BC, dim=-1), 1, generator=generator)
-            tokens_B = tokens_BC.gather(1, picked_B1).squeeze(1)
-    return tokens_B, logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)
+        tokens_B = torch.multinomial(logprobs_BV.exp(), 1, generator=generator).squeeze(1)
+        return tokens_B, logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)
+    values_BC, tokens_BC = candidates
+    logprobs_BC = torch.log_softmax(values_BC, dim=-1)
+    picked_B1 = torch.multinomial(logprobs_BC.exp(), 1, generator=generator)
+    return tokens_BC.gather(1, picked_B1).squeeze(1), logprobs_BC.gather(1, picked_B1).squeeze(1)
 
 
 class EmbeddedEngine:

@@ -2,14 +2,15 @@
 
 Nothing here imports vLLM: the worker hands in vLLM's ``SamplingParams`` class and the ``CompletionOutput``
 objects vLLM returns, so every conversion runs (and is tested) on a machine without vLLM or a GPU.
+``tests/unit/test_vllm_contract.py`` checks the same functions against vLLM's real classes.
 
 Legend: ``B`` rows of a batch, ``T`` input width, ``T'`` output width.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Mapping, Sequence
+import difflib
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -22,17 +23,66 @@ from nemo_rl.models.generation.interfaces import WeightManifestDict
 from nemo_rl.weight_sync.manifest import dtype_name
 
 WORKER_EXTENSION_CLS = "nemo_rl.models.generation.vllm.worker_extension.VllmWorkerExtension"
-"""Import path vLLM resolves in its worker process to add nemo_rl's refit methods to its GPU worker."""
+"""Import path vLLM resolves in its worker process to add nemo_rl's refit method to its GPU worker."""
 
-LOAD_WEIGHTS_RPC = "nemo_rl_load_hf_weights"
+RELOAD_WEIGHTS_RPC = "nemo_rl_reload_hf_weights"
 """The :class:`~nemo_rl.models.generation.vllm.worker_extension.VllmWorkerExtension` method refit calls."""
 
 LOGPROBS_MODE = "processed_logprobs"
-"""vLLM returns log-probs after temperature (and top-k/top-p masking), not of the raw logits, so sampled
-tokens' log-probs match what the policy computes at the sampling temperature."""
+"""vLLM returns each sampled token's log-prob under the distribution it was drawn from: after temperature
+and top-k/top-p masking, renormalised over the kept tokens (the contract of
+:mod:`nemo_rl.models.generation.interfaces`). vLLM's default, ``raw_logprobs``, ignores the temperature."""
 
 FINISH_STOP = "stop"
+"""A stop token or stop string ended the response."""
 FINISH_LENGTH = "length"
+"""The response used its whole token budget (``max_tokens``) or reached ``max_model_len``."""
+FINISH_REPETITION = "repetition"
+"""vLLM's repetition detection cut the response (only with ``SamplingParams.repetition_detection``)."""
+TRUNCATING_FINISH_REASONS = (FINISH_LENGTH, FINISH_REPETITION)
+"""Finish reasons of a response that did not end by itself: it counts as ``truncated``."""
+RETRIED_FINISH_REASONS = ("error", "abort")
+"""Finish reasons of a request that produced no usable response: vLLM's retryable request-level error
+(e.g. a failed KV-cache load) and an aborted request. The worker sends such rows again."""
+
+VLLM_PORT_BASE = 7000
+"""``VLLM_PORT`` of the first vLLM engine on a node; further engines on that node start higher."""
+PORTS_PER_ENGINE = 100
+"""Width of each engine's port window (vLLM counts up from ``VLLM_PORT`` when it needs several ports)."""
+
+WORKER_ENV_VARS = {
+    # In-process engine core: collective_rpc then hands the refit stream to vLLM's worker without pickling,
+    # and vLLM's external launcher (tensor parallelism) requires it.
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    # Ray shows every actor only the GPU of its bundle. vLLM 0.32 turns on its symmetric-memory and
+    # FlashInfer all-reduce for tensor parallelism by default, and both open the peers' GPUs.
+    "VLLM_ALLREDUCE_USE_SYMM_MEM": "0",
+    "VLLM_ALLREDUCE_USE_FLASHINFER": "0",
+}
+"""Environment of every vLLM worker (``policy.generation.vllm_cfg.env_vars`` overrides it)."""
+
+OWNED_ENGINE_ARGS: dict[str, str] = {
+    "model": "policy.model_name",
+    "tokenizer": "policy.tokenizer.name",
+    "trust_remote_code": "policy.trust_remote_code",
+    "dtype": "policy.generation.vllm_cfg.precision",
+    "tensor_parallel_size": "policy.generation.vllm_cfg.tensor_parallel_size",
+    "pipeline_parallel_size": "policy.generation.vllm_cfg.pipeline_parallel_size",
+    "data_parallel_size": "more generation GPUs (every group of tensor_parallel_size GPUs is one replica)",
+    "gpu_memory_utilization": "policy.generation.vllm_cfg.gpu_memory_utilization",
+    "max_model_len": "policy.generation.vllm_cfg.max_model_len",
+    "enforce_eager": "policy.generation.vllm_cfg.enforce_eager",
+    "seed": "the run's seed (grpo.seed)",
+    "enable_sleep_mode": "policy.generation.colocated.enabled (colocated engines sleep while the policy trains)",
+    "logprobs_mode": "nothing: the log-probability contract needs processed_logprobs",
+    "distributed_executor_backend": "nothing: every rank is a Ray actor (external_launcher with TP > 1)",
+    "disable_custom_all_reduce": "nothing: Ray hides the peer GPUs vLLM's custom all-reduce opens",
+    "worker_extension_cls": "nothing: refit loads weights through nemo_rl's worker extension",
+    "worker_cls": "nothing: refit needs vLLM's GPU worker",
+    "skip_tokenizer_init": "nothing: stop strings need vLLM's detokenizer",
+}
+"""``vllm.LLM`` arguments nemo_rl sets itself, with what to change instead of passing them in
+``policy.generation.vllm_kwargs``."""
 
 # Per-request seeds stay below 2**31: vLLM keeps them in fixed-width integer tensors.
 _SEED_MODULUS = 2**31
@@ -41,7 +91,7 @@ _SEED_MIX = 1_000_003
 
 
 def check_vllm_config(cfg: PolicyConfig) -> None:
-    """Raise a :class:`UserError` naming the fix for ``policy.generation.vllm_cfg`` settings this backend lacks."""
+    """Raise a :class:`UserError` naming the fix for ``policy.generation`` settings this backend lacks."""
     vllm_cfg = cfg.generation.vllm_cfg
     if vllm_cfg.pipeline_parallel_size != 1:
         raise UserError(
@@ -59,6 +109,25 @@ def check_vllm_config(cfg: PolicyConfig) -> None:
             f"policy.generation.vllm_cfg.max_model_len={vllm_cfg.max_model_len} leaves no room for a prompt "
             "and a response; raise it or leave it unset (null) to use policy.max_total_sequence_length"
         )
+    owned = sorted(set(cfg.generation.vllm_kwargs) & set(OWNED_ENGINE_ARGS))
+    if owned:
+        fixes = "; ".join(f"{key}: set {OWNED_ENGINE_ARGS[key]}" for key in owned)
+        raise UserError(f"policy.generation.vllm_kwargs may not set {owned}, nemo_rl derives them ({fixes})")
+
+
+def check_engine_arg_names(names: Collection[str], known: Collection[str]) -> None:
+    """Raise a :class:`UserError` for ``policy.generation.vllm_kwargs`` keys that are not in ``known``
+    (vLLM's ``EngineArgs`` fields and ``LLM`` arguments), naming the closest valid one."""
+    unknown = sorted(set(names) - set(known))
+    if not unknown:
+        return
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, list(known), n=1)
+        hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise UserError(
+        f"policy.generation.vllm_kwargs has keys vLLM's EngineArgs does not know: {', '.join(hints)}"
+    )
 
 
 def max_sequence_length(cfg: PolicyConfig) -> int:
@@ -71,11 +140,13 @@ def max_sequence_length(cfg: PolicyConfig) -> int:
 
 
 def engine_kwargs(cfg: PolicyConfig, *, model: str, tokenizer: str, seed: int) -> dict[str, Any]:
-    """Keyword arguments of ``vllm.LLM`` for the ``policy`` section ``cfg``.
+    """Keyword arguments of ``vllm.LLM`` for the ``policy`` section ``cfg``: nemo_rl's own, then
+    ``policy.generation.vllm_kwargs`` (which may not override them, see :data:`OWNED_ENGINE_ARGS`).
 
     ``model`` / ``tokenizer`` are hub names or local folders; ``seed`` must be the same on every rank of a
     tensor-parallel group (each rank samples the same tokens independently).
     """
+    check_vllm_config(cfg)
     vllm_cfg = cfg.generation.vllm_cfg
     kwargs: dict[str, Any] = {
         "model": model,
@@ -100,7 +171,31 @@ def engine_kwargs(cfg: PolicyConfig, *, model: str, tokenizer: str, seed: int) -
         # and the custom all-reduce kernel needs to open its peers' GPUs, so TP all-reduces use NCCL.
         kwargs["distributed_executor_backend"] = "external_launcher"
         kwargs["disable_custom_all_reduce"] = True
-    return kwargs
+    return {**kwargs, **cfg.generation.vllm_kwargs}
+
+
+def engine_ports(node_ids: Sequence[str], tp_size: int) -> list[int]:
+    """``VLLM_PORT`` of each generation worker, in rank order (worker ``r`` is a rank of engine ``r // tp_size``).
+
+    The engines with a rank on a node get disjoint windows of :data:`PORTS_PER_ENGINE` ports from
+    :data:`VLLM_PORT_BASE`, numbered in the order their ranks appear there, so no two engines of a node race
+    for the same port while every rank of one engine on a node starts from the same one.
+    """
+    engines_on_node: dict[str, list[int]] = {}
+    ports = []
+    for rank, node in enumerate(node_ids):
+        engine = rank // tp_size
+        engines = engines_on_node.setdefault(node, [])
+        if engine not in engines:
+            engines.append(engine)
+        ports.append(VLLM_PORT_BASE + engines.index(engine) * PORTS_PER_ENGINE)
+    return ports
+
+
+def worker_env(cfg: PolicyConfig, vllm_port: int) -> dict[str, str]:
+    """Variables a vLLM worker sets before importing vLLM: :data:`WORKER_ENV_VARS` and its own ``VLLM_PORT``
+    (see :func:`engine_ports`), overridden by ``policy.generation.vllm_cfg.env_vars``."""
+    return {**WORKER_ENV_VARS, "VLLM_PORT": str(vllm_port), **cfg.generation.vllm_cfg.env_vars}
 
 
 def prompt_token_ids(input_ids_BT: torch.Tensor, input_lengths_B: torch.Tensor) -> list[list[int]]:
@@ -148,7 +243,7 @@ def sampling_params_for_rows(
     """One ``sampling_params_cls`` (``vllm.SamplingParams``) per row; ``None`` for rows with no budget.
 
     Greedy rows take temperature 0 (vLLM's greedy decoding) with no top-k/top-p and no seed. Sampled rows
-    use ``policy.generation``'s temperature, top-p and top-k (``-1`` = off) with their own seed, so a call
+    use ``policy.generation``'s temperature, top-p and top-k (``0`` = off) with their own seed, so a call
     replays exactly whatever else vLLM batches with it. Every row asks for ``logprobs=0``: only the sampled
     token's log-prob. Stop tokens and stop strings stay in the output (the contract counts them).
     """
@@ -166,7 +261,7 @@ def sampling_params_for_rows(
                 max_tokens=budget,
                 temperature=0.0 if greedy else gen_cfg.temperature,
                 top_p=1.0 if greedy else gen_cfg.top_p,
-                top_k=-1 if greedy or gen_cfg.top_k is None else gen_cfg.top_k,
+                top_k=0 if greedy or gen_cfg.top_k is None else gen_cfg.top_k,
                 seed=None if greedy else seed,
                 stop_token_ids=list(stop_token_ids),
                 stop=row_stops or None,
@@ -188,10 +283,17 @@ class CompletionLike(Protocol):
     def token_ids(self) -> Sequence[int]: ...
 
     @property
-    def logprobs(self) -> Sequence[Mapping[int, _LogprobLike]] | None: ...
+    def logprobs(self) -> Sequence[Mapping[int, _LogprobLike] | None] | None: ...
 
     @property
     def finish_reason(self) -> str | None: ...
+
+
+def rows_to_retry(completions: Sequence[CompletionLike]) -> list[int]:
+    """Indices of the completions that finished with one of :data:`RETRIED_FINISH_REASONS`."""
+    return [
+        i for i, completion in enumerate(completions) if completion.finish_reason in RETRIED_FINISH_REASONS
+    ]
 
 
 def _sampled_logprobs(row: int, completion: CompletionLike, token_ids: list[int]) -> list[float]:
@@ -206,7 +308,7 @@ def _sampled_logprobs(row: int, completion: CompletionLike, token_ids: list[int]
     values = []
     for step, token in enumerate(token_ids):
         candidates = positions[step]
-        if token not in candidates:
+        if not candidates or token not in candidates:
             raise RuntimeError(f"vLLM's logprobs for row {row}, step {step} lack the sampled token {token}")
         values.append(float(candidates[token].logprob))
     return values
@@ -222,8 +324,9 @@ def assemble_outputs(
 
     ``output_ids[b]`` holds the prompt, the generated tokens right after it, then ``pad_token_id``;
     ``logprobs`` the sampled tokens' log-probs at the same positions (0 elsewhere). A row without a
-    completion generated nothing and counts as truncated (its prompt already fills the sequence limit);
-    a completion that finished for ``"length"`` ran out of budget.
+    completion generated nothing and counts as truncated (its prompt already fills the sequence limit), as
+    does a completion that finished for one of :data:`TRUNCATING_FINISH_REASONS`. Any finish reason but
+    those and ``"stop"`` (retried rows that failed again, an unfinished request) is an error.
     """
     num_rows, input_width = input_ids_BT.shape
     if len(completions) != num_rows:
@@ -237,15 +340,15 @@ def assemble_outputs(
             logprobs.append([])
             truncated.append(True)
             continue
-        if completion.finish_reason not in (FINISH_STOP, FINISH_LENGTH):
+        if completion.finish_reason not in (FINISH_STOP, *TRUNCATING_FINISH_REASONS):
             raise RuntimeError(
-                f"vLLM finished row {row} with reason {completion.finish_reason!r}; expected "
-                f"{FINISH_STOP!r} or {FINISH_LENGTH!r} (was the request aborted?)"
+                f"vLLM finished row {row} with reason {completion.finish_reason!r}; expected one of "
+                f"{(FINISH_STOP, *TRUNCATING_FINISH_REASONS)}"
             )
         row_tokens = [int(t) for t in completion.token_ids]
         tokens.append(row_tokens)
         logprobs.append(_sampled_logprobs(row, completion, row_tokens))
-        truncated.append(completion.finish_reason == FINISH_LENGTH)
+        truncated.append(completion.finish_reason in TRUNCATING_FINISH_REASONS)
 
     generation_lengths_B = torch.tensor([len(t) for t in tokens], dtype=torch.long)
     lengths_B = input_lengths_B.to(dtype=torch.long, device="cpu")
@@ -289,26 +392,3 @@ def hf_weights_manifest(
             wire_dtype = dtype if buffer.is_floating_point() else buffer.dtype
             manifest[full_name] = (tuple(buffer.shape), dtype_name(wire_dtype))
     return manifest
-
-
-def check_named_tensors(
-    manifest: WeightManifestDict, named_tensors: Sequence[tuple[str, torch.Tensor]]
-) -> list[str]:
-    """Problems (empty when none) of a full weight update against ``manifest``: every expected weight once,
-    nothing else, each with its full shape. Dtypes are not checked: loading casts to the engine's dtype."""
-    problems = []
-    counts = Counter(name for name, _ in named_tensors)
-    names = set(counts)
-    repeated = sorted(name for name, count in counts.items() if count > 1)
-    missing = sorted(set(manifest) - names)
-    unexpected = sorted(names - set(manifest))
-    if repeated:
-        problems.append(f"weights given more than once: {repeated[:10]}")
-    if missing:
-        problems.append(f"{len(missing)} expected weights are missing: {missing[:10]}")
-    if unexpected:
-        problems.append(f"{len(unexpected)} weights are not part of the generation model: {unexpected[:10]}")
-    for name, tensor in named_tensors:
-        if name in manifest and tuple(tensor.shape) != tuple(manifest[name][0]):
-            problems.append(f"{name}: shape {tuple(tensor.shape)} given, {tuple(manifest[name][0])} expected")
-    return problems

@@ -10,13 +10,9 @@ from nemo_rl.config.errors import UserError
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.models.generation.replicated import ReplicatedGeneration
-from nemo_rl.models.generation.vllm.convert import check_vllm_config
+from nemo_rl.models.generation.vllm.convert import WORKER_ENV_VARS, check_vllm_config, engine_ports
 from nemo_rl.models.generation.vllm.worker import VllmGenerationWorker
 from nemo_rl.models.tokenizer import require_pad_token_id
-
-# Set in every worker before vLLM is imported: vLLM's engine core then runs inside the actor, so refit can
-# hand it the live weight stream (see `worker_extension`).
-WORKER_ENV_VARS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 class VllmGeneration(ReplicatedGeneration):
@@ -25,7 +21,12 @@ class VllmGeneration(ReplicatedGeneration):
     Every bundle runs one worker actor; the ``tensor_parallel_size`` consecutive workers of a replica are
     the ranks of one tensor-parallel engine, and all of them receive the refitted weights (each loads full
     tensors and keeps its slice). :meth:`finish_generation` puts the engines to sleep (weights to host
-    memory, KV cache freed) for colocated training; :meth:`prepare_for_generation` wakes them.
+    memory, KV cache freed) for colocated training; :meth:`prepare_for_generation` wakes them. vLLM starts
+    only when ``gpu_memory_utilization`` of the GPU is free, so a colocated run builds the engines before
+    the policy and puts them to sleep (``grpo.setup`` does).
+
+    Every worker gets :data:`~.convert.WORKER_ENV_VARS` (with ``vllm_cfg.env_vars`` on top) in its Ray
+    runtime environment and its engine's ``VLLM_PORT`` (:func:`~.convert.engine_ports`) before vLLM starts.
 
     Args:
         cluster: the cluster whose bundles the workers run on (it must have GPUs).
@@ -67,6 +68,7 @@ class VllmGeneration(ReplicatedGeneration):
                 "bundles generation runs on; change it or the number of GPUs (cluster.gpus_per_node, "
                 "policy.generation.colocated.resources)"
             )
+        locations = cluster.bundle_locations()
         super().__init__(
             cluster,
             cfg,
@@ -74,8 +76,14 @@ class VllmGeneration(ReplicatedGeneration):
             bundles=bundles,
             pad_token_id=pad_token_id,
             seed=seed,
-            init_kwargs={"cfg": cfg, "tokenizer": tokenizer, "seed": seed, "model_path": model_path},
+            init_kwargs={
+                "cfg": cfg,
+                "tokenizer": tokenizer,
+                "seed": seed,
+                "vllm_ports": engine_ports([locations[b].node_id for b in bundles], tp_size),
+                "model_path": model_path,
+            },
             name=name,
             dp_size=len(bundles) // tp_size,
-            env_vars=WORKER_ENV_VARS,
+            env_vars={**WORKER_ENV_VARS, **cfg.generation.vllm_cfg.env_vars},
         )

@@ -11,10 +11,12 @@ vLLM is imported in the constructor only, so this module imports on machines wit
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import inspect
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +38,10 @@ from nemo_rl.models.generation.interfaces import (
     empty_generation_output,
 )
 from nemo_rl.models.generation.vllm.convert import (
-    LOAD_WEIGHTS_RPC,
+    RELOAD_WEIGHTS_RPC,
+    RETRIED_FINISH_REASONS,
     assemble_outputs,
-    check_named_tensors,
+    check_engine_arg_names,
     check_vllm_config,
     engine_kwargs,
     generation_budgets,
@@ -46,17 +49,23 @@ from nemo_rl.models.generation.vllm.convert import (
     max_sequence_length,
     prompt_token_ids,
     request_seeds,
+    rows_to_retry,
     sampling_params_for_rows,
+    worker_env,
 )
 from nemo_rl.models.tokenizer import require_pad_token_id
 from nemo_rl.weight_sync.interfaces import TransferStats, WeightReceiver
-from nemo_rl.weight_sync.manifest import dtype_from_name
+from nemo_rl.weight_sync.manifest import WeightManifest, dtype_from_name
 
 logger = logging.getLogger(__name__)
 
 # vLLM's memory pools, as named by `LLM.sleep` / `LLM.wake_up(tags=...)`.
 WEIGHTS_TAG = "weights"
 KV_CACHE_TAG = "kv_cache"
+
+# How often a row whose request vLLM finished with "error" or "abort" is sent again before the call fails.
+# vLLM documents "error" as retryable (e.g. a failed KV-cache load); a seeded request replays the same tokens.
+MAX_REQUEST_RETRIES = 2
 
 
 class VllmGenerationWorker:
@@ -66,6 +75,7 @@ class VllmGenerationWorker:
         cfg: the ``policy`` section (model, sampling settings, ``generation.vllm_cfg``, sequence limits).
         tokenizer: the policy's tokenizer, for the pad and EOS ids.
         seed: the engine seed, equal on every rank (tensor-parallel ranks must sample alike).
+        vllm_ports: ``VLLM_PORT`` of every worker of the group, by rank (see ``convert.engine_ports``).
         model_path: a local Hugging Face checkpoint folder overriding ``cfg.model_name``.
     """
 
@@ -75,10 +85,13 @@ class VllmGenerationWorker:
         tokenizer: PreTrainedTokenizerBase,
         *,
         seed: int,
+        vllm_ports: Sequence[int],
         model_path: str | None = None,
     ) -> None:
         configure_worker_threads()
         check_vllm_config(cfg)
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.vllm_port = int(vllm_ports[self.rank])
         self.pad_token_id = require_pad_token_id(tokenizer)
         self.cfg = cfg
         self.dp_rank = int(os.environ.get("NEMO_RL_DP_RANK", "0"))
@@ -93,18 +106,15 @@ class VllmGenerationWorker:
             }
         )
         hf_config = AutoConfig.from_pretrained(self.model_source, trust_remote_code=cfg.trust_remote_code)
-        self._manifest = hf_weights_manifest(
-            hf_config,
-            dtype_from_name(cfg.generation.vllm_cfg.precision),
-            trust_remote_code=cfg.trust_remote_code,
-        )
+        self._dtype = dtype_from_name(cfg.generation.vllm_cfg.precision)
+        self._manifest = hf_weights_manifest(hf_config, self._dtype, trust_remote_code=cfg.trust_remote_code)
         # Pools (vLLM sleep-mode tags) currently released; the engine starts awake.
         self._asleep: set[str] = set()
         self._sampling_params_cls: Any = None
         self.llm: Any = self._start_engine(seed)
         logger.info(
-            "vLLM generation rank %s (dp rank %d): %s in %s, tensor parallel %d",
-            os.environ.get("RANK", "0"),
+            "vLLM generation rank %d (dp rank %d): %s in %s, tensor parallel %d",
+            self.rank,
             self.dp_rank,
             self.model_source,
             cfg.generation.vllm_cfg.precision,
@@ -113,8 +123,8 @@ class VllmGenerationWorker:
 
     def _start_engine(self, seed: int) -> Any:
         """Build the ``vllm.LLM`` (and remember vLLM's ``SamplingParams`` class)."""
-        # In-process engine: collective_rpc then hands the refit stream to vLLM's worker without pickling.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # Before vLLM is imported: it reads some of these once.
+        os.environ.update(worker_env(self.cfg, self.vllm_port))
         if self.cfg.generation.vllm_cfg.tensor_parallel_size > 1:
             if not cuda_available():
                 raise RuntimeError("vLLM tensor parallelism needs a CUDA GPU in every generation worker")
@@ -122,8 +132,14 @@ class VllmGenerationWorker:
             os.environ["LOCAL_RANK"] = str(get_device().index)
             init_process_group_from_env()
         import vllm
+        from vllm.engine.arg_utils import EngineArgs
 
         self._sampling_params_cls = vllm.SamplingParams
+        check_engine_arg_names(
+            self.cfg.generation.vllm_kwargs,
+            {field.name for field in dataclasses.fields(EngineArgs)}
+            | set(inspect.signature(vllm.LLM.__init__).parameters),
+        )
         tokenizer_source = self.cfg.tokenizer.name or self.model_source
         return vllm.LLM(
             **engine_kwargs(self.cfg, model=self.model_source, tokenizer=tokenizer_source, seed=seed)
@@ -148,18 +164,31 @@ class VllmGenerationWorker:
         )
         prompts = prompt_token_ids(input_ids, input_lengths)
         # Rows whose prompt already fills the sequence limit get no request (vLLM needs max_tokens >= 1).
-        rows = [row for row, row_params in enumerate(params) if row_params is not None]
+        pending = [row for row, row_params in enumerate(params) if row_params is not None]
         completions: list[Any] = [None] * data.size
-        if rows:
+        for attempt in range(MAX_REQUEST_RETRIES + 1):
+            if not pending:
+                break
+            if attempt:
+                logger.warning(
+                    "vLLM finished %d requests with %s; sending them again (retry %d of %d)",
+                    len(pending),
+                    RETRIED_FINISH_REASONS,
+                    attempt,
+                    MAX_REQUEST_RETRIES,
+                )
             outputs = self.llm.generate(
-                [{"prompt_token_ids": prompts[row]} for row in rows],
-                [params[row] for row in rows],
+                [{"prompt_token_ids": prompts[row]} for row in pending],
+                [params[row] for row in pending],
                 use_tqdm=False,
             )
-            if len(outputs) != len(rows):
-                raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(rows)} prompts")
-            for row, output in zip(rows, outputs, strict=True):
-                completions[row] = output.outputs[0]
+            if len(outputs) != len(pending):
+                raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(pending)} prompts")
+            finished = [output.outputs[0] for output in outputs]
+            for row, completion in zip(pending, finished, strict=True):
+                completions[row] = completion
+            pending = [pending[i] for i in rows_to_retry(finished)]
+        # Rows still failing after the retries make assemble_outputs raise, naming the finish reason.
         return assemble_outputs(input_ids, input_lengths, completions, self.pad_token_id)
 
     def _wake(self, tags: set[str]) -> None:
@@ -192,7 +221,7 @@ class VllmGenerationWorker:
     def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         # Loading writes into the weight pool, so it must be mapped; the KV cache may stay released.
         self._wake({WEIGHTS_TAG})
-        num_bytes = sum(self.llm.collective_rpc(LOAD_WEIGHTS_RPC, args=(iter(named_tensors),)))
+        num_bytes = sum(self.llm.collective_rpc(RELOAD_WEIGHTS_RPC, args=(iter(named_tensors),)))
         # Cached prefixes hold keys and values computed with the old weights.
         self.llm.reset_prefix_cache()
         return int(num_bytes)
@@ -200,9 +229,12 @@ class VllmGenerationWorker:
     def load_weights_from_stream(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load a full set of weights (each expected weight exactly once); return the bytes loaded."""
         tensors = list(named_tensors)
-        problems = check_named_tensors(self._manifest, tensors)
+        # Floating-point tensors are compared in the engine's dtype: loading casts them.
+        problems = WeightManifest.coerce(self._manifest).differences(
+            WeightManifest.from_named_tensors(tensors, dtype=self._dtype)
+        )
         if problems:
-            raise ValueError("the weight update does not fit the vLLM model:\n  " + "\n  ".join(problems))
+            raise ValueError("the weight update does not fit the vLLM model: " + "; ".join(problems))
         return self._load(tensors)
 
     def refit_receive(self, receiver: WeightReceiver) -> TransferStats:

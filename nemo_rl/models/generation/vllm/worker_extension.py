@@ -1,7 +1,7 @@
-"""Methods vLLM adds to its own GPU worker class, for refit.
+"""The refit method vLLM adds to its own GPU worker.
 
 ``vllm.LLM(worker_extension_cls=WORKER_EXTENSION_CLS)`` makes :class:`VllmWorkerExtension` a base class of
-vLLM's worker, so ``LLM.collective_rpc("nemo_rl_load_hf_weights", args=(stream,))`` runs the method below on
+vLLM's worker, so ``LLM.collective_rpc("nemo_rl_reload_hf_weights", args=(stream,))`` runs the method below on
 every vLLM worker of the engine with ``self`` being that worker. nemo_rl's engines run vLLM's worker in the
 actor's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, uni-process or external-launcher executor), so
 the argument is the caller's live iterator, not a pickled copy.
@@ -11,37 +11,105 @@ Method names carry a ``nemo_rl_`` prefix: vLLM refuses an extension whose attrib
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from nemo_rl.weight_sync.errors import RefitIntegrityError
+from nemo_rl.weight_sync.manifest import format_names
+
+logger = logging.getLogger(__name__)
+
+
+@contextmanager
+def reported_loaded_names(model: Any) -> Iterator[list[set[str] | None]]:
+    """While open, record what ``model.load_weights`` (a vLLM model) reports as loaded (vLLM's own reload
+    discards it).
+
+    Yields a one-element list that receives the union of the reported names, or ``None`` when the model's
+    loader reports nothing. The wrapper sits on the instance and is removed on exit.
+    """
+    original: Callable[[Iterable[tuple[str, torch.Tensor]]], Any] = model.load_weights
+    reported: list[set[str] | None] = [set()]
+
+    def load_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
+        names = original(weights)
+        if names is None:
+            reported[0] = None
+        elif reported[0] is not None:
+            reported[0].update(names)
+        return names
+
+    # A plain function is neither a Parameter nor a Module: nn.Module stores it in the instance __dict__,
+    # where it shadows the class method until deleted.
+    model.load_weights = load_weights
+    try:
+        yield reported
+    finally:
+        del model.load_weights
+
+
+def check_all_loaded(expected: set[str], reported: set[str] | None, where: str) -> None:
+    """Raise :class:`RefitIntegrityError` naming the vLLM parameters of ``expected`` that the model's loader
+    did not report as loaded (they would keep stale values); ``reported=None`` (no report) passes."""
+    if reported is None:
+        logger.warning("%s: the model's load_weights reports no names; the loaded set is not checked", where)
+        return
+    not_loaded = expected - reported
+    if not_loaded:
+        raise RefitIntegrityError(
+            f"{where}: vLLM's load_weights did not load {len(not_loaded)} parameters of the model, which keep "
+            f"their old values: {format_names(not_loaded)} (does the refit stream carry every weight under "
+            "its Hugging Face name?)"
+        )
+
 
 class VllmWorkerExtension:
-    """Refit hooks mixed into vLLM's GPU worker (see the module docstring)."""
+    """Refit hook mixed into vLLM's GPU worker (see the module docstring)."""
 
     if TYPE_CHECKING:
         # Set by vLLM's worker, of which this class becomes a base. Declared for the type checker only:
         # vLLM rejects an extension class that defines attributes its worker already has.
         model_runner: Any
+        vllm_config: Any
 
-    def nemo_rl_load_hf_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Load a stream of Hugging Face-named FULL tensors with the model's own ``load_weights``.
+        def reload_weights(self, *args: Any, **kwargs: Any) -> None: ...
 
-        vLLM's loader maps HF names onto its fused parameters (e.g. q/k/v into ``qkv_proj``) and, on a
-        tensor-parallel rank, keeps the slice that rank owns. Returns the bytes received.
+    def nemo_rl_reload_hf_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load a stream of Hugging Face-named FULL tensors through vLLM's in-place weight reload.
+
+        ``Worker.reload_weights`` (vLLM 0.32) runs the model's ``load_weights`` (HF names onto vLLM's fused
+        parameters, each tensor-parallel rank keeping its slice) layer by layer with the model's
+        post-loading processing (quantisation, repacking) and copies the result into the existing
+        parameter storage, so CUDA graphs stay valid. Every parameter the model had before must be reported
+        loaded, else :class:`RefitIntegrityError`; vLLM itself only warns. Returns the bytes received.
         """
-        model = self.model_runner.model
+        model = self.model_runner.get_model()
         device = next(model.parameters()).device
+        lora = self.vllm_config.lora_config is not None
+        # vLLM's own completeness check uses the same names: kernel-format parameters before the reload.
+        expected = {
+            name.replace(".base_layer.", ".") if lora else name for name, _ in model.named_parameters()
+        }
         num_bytes = 0
 
         def on_device() -> Iterator[tuple[str, torch.Tensor]]:
             nonlocal num_bytes
             for name, tensor in named_tensors:
                 num_bytes += tensor.numel() * tensor.element_size()
-                # A copy: refit hands out views into transfer buffers that the next pair reuses, and some
-                # vLLM loaders hold on to a tensor until the weights it is fused with have arrived.
+                # A copy: refit hands out views into transfer buffers that the next pair reuses, and vLLM's
+                # layer-wise reload holds every tensor of a layer until the whole layer has arrived.
                 yield name, tensor.to(device=device, copy=True)
 
-        model.load_weights(weights=on_device())
+        with reported_loaded_names(model) as reported:
+            self.reload_weights(weights_iterator=on_device(), is_checkpoint_format=True)
+        if self.vllm_config.model_config.quantization is None:
+            check_all_loaded(expected, reported[0], "vLLM refit")
+        else:
+            # Quantised kernels hold parameters under other names than the checkpoint (vLLM skips this check
+            # too); the stream was still checked against the Hugging Face manifest.
+            logger.debug("quantised vLLM model: the loaded-name check is skipped")
         return num_bytes
