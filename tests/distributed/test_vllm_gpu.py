@@ -1,0 +1,441 @@
+"""The vLLM backend with real engines on GPUs (marker ``vllm``; skipped without vLLM or a CUDA GPU).
+
+On a tiny Qwen2 built locally (the character-level tokenizer, random weights scaled up for clear argmax
+margins):
+
+- greedy decoding matches Hugging Face token by token, with Hugging Face's log-probs, before and after a
+  weight update through vLLM's in-place reload;
+- seeded sampling replays exactly, and sampled log-probs follow the log-probability contract (temperature,
+  top-k renormalisation) against a Hugging Face forward;
+- stop strings (configured and per row), length budgets and the sequence limit give the right tokens and
+  ``truncated`` flags;
+- bfloat16 with CUDA graphs: updates keep the captured graphs valid (generation follows the new weights);
+- tensor parallelism 2 (two GPUs): parity with Hugging Face before and after an update;
+- refit from the DTensor policy through both transports, colocated (vLLM started first and put to sleep,
+  then the policy, as ``grpo.setup`` does) and not colocated (two GPUs);
+- a few GRPO steps of ``examples/run_grpo_math.py`` on the committed tiny checkpoint with vLLM sampling, where
+  the sampler's and the policy's log-probs agree (``train/gen_kl_error`` ~ 0).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import torch
+from transformers import PreTrainedTokenizerBase, Qwen2ForCausalLM
+
+from nemo_rl.config.cluster import ClusterConfig
+from nemo_rl.config.policy import PolicyConfig, RefitConfig
+from nemo_rl.data.tiny import SPECIAL_TOKENS, build_tiny_model, build_tiny_tokenizer
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
+from nemo_rl.models.generation.embedded.engine import filter_top_k_top_p
+from nemo_rl.models.tokenizer import get_tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 900.0
+MAX_LEN = 48
+
+
+def _skip_reason() -> str | None:
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed (uv sync --extra vllm)"
+    if not torch.cuda.is_available():
+        return "vLLM needs a CUDA GPU"
+    return None
+
+
+# Decided at collection, so that a machine without vLLM or a GPU does not start Ray for skipped tests.
+_SKIP_REASON = _skip_reason()
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")]
+needs_two_gpus = pytest.mark.skipif(
+    _SKIP_REASON is None and torch.cuda.device_count() < 2, reason="needs two GPUs"
+)
+
+
+# ------------------------------------------------------------------------------------ helpers
+def _randomize(hf: Qwen2ForCausalLM, seed: int, scale: float = 0.25) -> Qwen2ForCausalLM:
+    """Larger weights than the default init: clear argmax margins, so greedy tokens agree across kernels."""
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(seed)
+        for param in hf.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * scale)
+    return hf.eval()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Two tiny checkpoints (weights A and B) sharing the tiny tokenizer."""
+    root = tmp_path_factory.mktemp("vllm_gpu")
+    build_tiny_tokenizer(root / "tokenizer")
+    models = {}
+    for name, seed in (("a", 1), ("b", 2)):
+        hf = _randomize(build_tiny_model(root / name, root / "tokenizer", seed=0), seed)
+        hf.save_pretrained(root / name)
+        models[name] = hf
+    tokenizer = get_tokenizer(
+        PolicyConfig.model_validate({"model_name": str(root / "a")}).tokenizer,
+        model_name=str(root / "a"),
+        trust_remote_code=False,
+    )
+    return {"dirs": {name: root / name for name in models}, "hf": models, "tokenizer": tokenizer}
+
+
+def _cfg(model_dir: Path, **generation: Any) -> PolicyConfig:
+    vllm_cfg = {"precision": "float32", "gpu_memory_utilization": 0.25, "enforce_eager": True}
+    vllm_cfg.update(generation.pop("vllm_cfg", {}))
+    return PolicyConfig.model_validate(
+        {
+            "model_name": str(model_dir),
+            "max_total_sequence_length": MAX_LEN,
+            "train_global_batch_size": 4,
+            "train_micro_batch_size": 2,
+            "precision": "float32",
+            "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2}},
+            "generation": {"backend": "vllm", "max_new_tokens": 12, "vllm_cfg": vllm_cfg, **generation},
+        }
+    )
+
+
+def _prompts(tokenizer: PreTrainedTokenizerBase, rows: list[list[int]]) -> BatchedDataDict[Any]:
+    pad = int(tokenizer.pad_token_id)
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), pad)
+    for i, row in enumerate(rows):
+        input_ids[i, : len(row)] = torch.tensor(row)
+    return BatchedDataDict(input_ids=input_ids, input_lengths=torch.tensor([len(r) for r in rows]))
+
+
+PROMPTS = [[8, 17, 30, 42, 9], [60, 13, 22], [11, 12, 13, 14, 15, 16, 17], [40]]
+
+
+def _hf_logprobs(
+    hf: Qwen2ForCausalLM,
+    ids: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """[T, V] next-token log-probs of one sequence under the log-probability contract."""
+    model = hf if dtype == torch.float32 else copy.deepcopy(hf).to(dtype=dtype)
+    with torch.no_grad():
+        logits = model(ids[None]).logits[0].float() / temperature
+    return torch.log_softmax(filter_top_k_top_p(logits, top_k, 1.0), dim=-1)
+
+
+def _check_greedy_parity(
+    hf: Qwen2ForCausalLM,
+    out: BatchedDataDict[Any],
+    lengths: torch.Tensor,
+    tolerance: float = 1e-2,
+    dtype: torch.dtype = torch.float32,
+) -> None:
+    """Every generated token is HF's argmax given the sequence so far, with HF's log-prob."""
+    for row in range(out.size):
+        start, end = int(lengths[row]), int(out["unpadded_sequence_lengths"][row])
+        assert end > start
+        ids = out["output_ids"][row, :end]
+        logprobs_TV = _hf_logprobs(hf, ids, dtype=dtype)
+        for position in range(start, end):
+            step, token = logprobs_TV[position - 1], int(ids[position])
+            # Argmax up to float noise (a near-tie may go either way in different kernels).
+            assert step[token] >= step.max() - tolerance, (row, position, token, int(step.argmax()))
+            assert abs(float(out["logprobs"][row, position]) - float(step[token])) < tolerance
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_cluster: dict[str, float]) -> Iterator[RayVirtualCluster]:
+    gpus = min(2, torch.cuda.device_count())
+    cluster = RayVirtualCluster(ClusterConfig(gpus_per_node=gpus, placement_timeout_s=300), name="vllm_gpu")
+    try:
+        yield cluster
+    finally:
+        cluster.shutdown()
+
+
+@pytest.fixture(scope="class")
+def engine(tiny: dict[str, Any], cluster: RayVirtualCluster) -> Iterator[Any]:
+    """One fp32 engine (eager) on bundle 0, sampling at temperature 0.7 with top-k 8; freed after the class
+    (a bundle holds at most two worker groups)."""
+    from nemo_rl.models.generation.vllm.generation import VllmGeneration
+
+    cfg = _cfg(tiny["dirs"]["a"], temperature=0.7, top_k=8)
+    generation = VllmGeneration(cluster, cfg, tiny["tokenizer"], seed=5, bundle_indices=[0])
+    try:
+        yield generation
+    finally:
+        generation.shutdown()
+
+
+# ------------------------------------------------------------------------------------ one engine
+class TestOneEngine:
+    def test_greedy_matches_hf_before_and_after_a_weight_update(
+        self, engine: Any, tiny: dict[str, Any]
+    ) -> None:
+        data = _prompts(tiny["tokenizer"], PROMPTS)
+        out = engine.generate(data, greedy=True)
+        assert out["output_ids"][0, :5].tolist() == PROMPTS[0]
+        _check_greedy_parity(tiny["hf"]["a"], out, data["input_lengths"])
+
+        # Colocated round trip, then weights B loaded while asleep (vLLM's reload through the extension).
+        engine.finish_generation()
+        hf_b = tiny["hf"]["b"]
+        assert engine.expected_weights_manifest() == {
+            name: (tuple(p.shape), "float32") for name, p in hf_b.named_parameters()
+        }
+        engine.update_weights(hf_b.named_parameters())
+        engine.prepare_for_generation()
+        updated = engine.generate(data, greedy=True)
+        _check_greedy_parity(hf_b, updated, data["input_lengths"])
+        assert not torch.equal(updated["output_ids"], out["output_ids"])
+        # Back to A for the other tests of this class.
+        engine.update_weights(tiny["hf"]["a"].named_parameters())
+
+    def test_seeded_sampling_replays_and_follows_the_logprob_contract(
+        self, engine: Any, tiny: dict[str, Any]
+    ) -> None:
+        data = _prompts(tiny["tokenizer"], [PROMPTS[1]] * 6 + [PROMPTS[2]] * 2)
+        worker = engine.workers[0]
+
+        def sample(batch: BatchedDataDict[Any], seed: int) -> BatchedDataDict[Any]:
+            # The driver's per-call seed, given explicitly (the facade derives it from grpo.seed and the call).
+            return ray.get(worker.generate.remote(batch, False, seed), timeout=TIMEOUT_S)
+
+        first, second, other = sample(data, 123), sample(data, 123), sample(data, 124)
+        for key in ("output_ids", "logprobs", "generation_lengths", "truncated"):
+            assert torch.equal(first[key], second[key]), key
+        assert not torch.equal(first["output_ids"], other["output_ids"])
+        # Rows get their own seeds: identical prompts give different samples, whatever else is batched.
+        assert len({tuple(first["output_ids"][row].tolist()) for row in range(6)}) > 1
+        larger = sample(
+            _prompts(tiny["tokenizer"], [PROMPTS[1]] * 6 + [PROMPTS[2]] * 2 + [PROMPTS[0]] * 4), 123
+        )
+        assert torch.equal(larger["output_ids"][:8, : first["output_ids"].shape[1]], first["output_ids"])
+
+        # Log-probs of the distribution sampled from: logits / 0.7, top-8, renormalised.
+        hf = tiny["hf"]["a"]
+        for row in range(first.size):
+            start, end = int(data["input_lengths"][row]), int(first["unpadded_sequence_lengths"][row])
+            ids = first["output_ids"][row, :end]
+            contract = _hf_logprobs(hf, ids, temperature=0.7, top_k=8)
+            full = _hf_logprobs(hf, ids, temperature=0.7)
+            for position in range(start, end):
+                token = int(ids[position])
+                assert torch.isfinite(contract[position - 1, token])  # a sampled token is in the top 8
+                got = float(first["logprobs"][row, position])
+                assert abs(got - float(contract[position - 1, token])) < 1e-3, (row, position)
+            assert float((contract - full)[start - 1 : end - 1].max()) > 0  # the renormalisation is visible
+
+    def test_stop_strings_budgets_and_finish_reasons(self, engine: Any, tiny: dict[str, Any]) -> None:
+        tokenizer = tiny["tokenizer"]
+        greedy = engine.generate(_prompts(tokenizer, PROMPTS), greedy=True)
+        # A row whose first three generated tokens are characters (no special token): vLLM matches stop
+        # strings on the text without special tokens.
+        row = next(
+            r
+            for r, prompt in enumerate(PROMPTS)
+            if all(
+                int(t) >= len(SPECIAL_TOKENS) for t in greedy["output_ids"][r, len(prompt) : len(prompt) + 3]
+            )
+            and int(greedy["generation_lengths"][r]) >= 3
+        )
+        first3 = tokenizer.decode(greedy["output_ids"][row, len(PROMPTS[row]) : len(PROMPTS[row]) + 3])
+        stop = first3[1:3]
+        expected_len = first3.find(stop) + len(stop)  # one token per character; the stop string is kept
+
+        other = PROMPTS[(row + 1) % len(PROMPTS)]
+        long_prompt = list(range(7, 7 + MAX_LEN - 4))
+        data = _prompts(tokenizer, [PROMPTS[row], other, long_prompt])
+        data["stop_strings"] = [[stop], None, None]
+        out = engine.generate(data, greedy=True)
+        assert int(out["generation_lengths"][0]) == expected_len
+        assert (
+            out["output_ids"][0, : len(PROMPTS[row]) + expected_len].tolist()
+            == greedy["output_ids"][row, : len(PROMPTS[row]) + expected_len].tolist()
+        )
+        assert not bool(out["truncated"][0])
+        # Without a stop string (and unless the model emits EOS) a row uses its whole budget.
+        if int(greedy["generation_lengths"][(row + 1) % len(PROMPTS)]) == 12:
+            assert int(out["generation_lengths"][1]) == 12 and bool(out["truncated"][1])
+        # Near the sequence limit the budget is the room left under max_total_sequence_length.
+        assert int(out["generation_lengths"][2]) <= 4
+        assert int(out["unpadded_sequence_lengths"][2]) <= MAX_LEN
+        assert bool(out["truncated"][2]) == (int(out["generation_lengths"][2]) == 4)
+
+
+# ------------------------------------------------------------------------------------ other layouts
+def test_bf16_with_cuda_graphs_follows_weight_updates(
+    tiny: dict[str, Any], cluster: RayVirtualCluster
+) -> None:
+    from nemo_rl.models.generation.vllm.generation import VllmGeneration
+
+    cfg = _cfg(tiny["dirs"]["a"], vllm_cfg={"precision": "bfloat16", "enforce_eager": False})
+    generation = VllmGeneration(cluster, cfg, tiny["tokenizer"], seed=0, bundle_indices=[0])
+    try:
+        data = _prompts(tiny["tokenizer"], PROMPTS)
+        out = generation.generate(data, greedy=True)
+        _check_greedy_parity(tiny["hf"]["a"], out, data["input_lengths"], tolerance=0.1, dtype=torch.bfloat16)
+        # The reload copies into the captured parameters' storage: the graphs replay with the new weights.
+        generation.update_weights(tiny["hf"]["b"].named_parameters())
+        updated = generation.generate(data, greedy=True)
+        _check_greedy_parity(
+            tiny["hf"]["b"], updated, data["input_lengths"], tolerance=0.1, dtype=torch.bfloat16
+        )
+    finally:
+        generation.shutdown()
+
+
+@needs_two_gpus
+def test_tensor_parallel_2_matches_hf_before_and_after_an_update(
+    tiny: dict[str, Any], cluster: RayVirtualCluster
+) -> None:
+    from nemo_rl.models.generation.vllm.generation import VllmGeneration
+
+    cfg = _cfg(
+        tiny["dirs"]["a"],
+        vllm_cfg={"tensor_parallel_size": 2},
+        colocated={"enabled": False, "resources": {"gpus_per_node": 2}},
+    )
+    generation = VllmGeneration(cluster, cfg, tiny["tokenizer"], seed=0, bundle_indices=[0, 1])
+    try:
+        assert generation.dp_size == 1
+        data = _prompts(tiny["tokenizer"], PROMPTS)
+        _check_greedy_parity(tiny["hf"]["a"], generation.generate(data, greedy=True), data["input_lengths"])
+        generation.update_weights(tiny["hf"]["b"].named_parameters())
+        _check_greedy_parity(tiny["hf"]["b"], generation.generate(data, greedy=True), data["input_lengths"])
+    finally:
+        generation.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("colocated", "transport"),
+    [
+        (True, "shared_memory"),
+        (True, "collective"),
+        pytest.param(False, "collective", marks=needs_two_gpus),
+        pytest.param(False, "shared_memory", marks=needs_two_gpus),
+    ],
+)
+def test_refit_from_the_policy(
+    tiny: dict[str, Any], cluster: RayVirtualCluster, colocated: bool, transport: str
+) -> None:
+    from nemo_rl.models.generation.vllm.generation import VllmGeneration
+    from nemo_rl.models.policy.lm_policy import Policy
+    from nemo_rl.weight_sync.factory import create_refit_transport
+    from nemo_rl.weight_sync.refit import refit
+
+    generation_bundles, policy_bundles = ([0], [0]) if colocated else ([1], [0])
+    placement = {"enabled": True} if colocated else {"enabled": False, "resources": {"gpus_per_node": 1}}
+    # The policy holds weights A; vLLM starts from B, so only a working refit gives A's greedy outputs.
+    cfg = _cfg(tiny["dirs"]["a"], colocated=placement)
+    generation = VllmGeneration(
+        cluster,
+        cfg,
+        tiny["tokenizer"],
+        seed=0,
+        bundle_indices=generation_bundles,
+        model_path=str(tiny["dirs"]["b"]),
+    )
+    policy = None
+    refit_transport = None
+    try:
+        if colocated:
+            generation.finish_generation()  # vLLM first, asleep while the policy starts (grpo.setup's order)
+        policy = Policy(
+            cluster,
+            cfg,
+            name_prefix=f"vllm_refit_{transport}",
+            bundle_indices=policy_bundles,
+            init_reference_model=False,
+        )
+        locations = cluster.bundle_locations()
+        refit_transport = create_refit_transport(
+            cfg,
+            RefitConfig.model_validate({"transport": transport, "timeout_s": TIMEOUT_S}),
+            policy_node_ids=[locations[b].node_id for b in policy_bundles],
+            generation_node_ids=generation.worker_node_ids,
+        )
+        assert refit_transport.kind == transport
+        policy.offload_before_refit()
+        metrics = refit(policy.workers, generation.workers, refit_transport, timeout_s=TIMEOUT_S)
+        policy.offload_after_refit()
+        assert metrics["refit/bytes"] == sum(p.numel() * 4 for p in tiny["hf"]["a"].parameters())
+        generation.prepare_for_generation()
+        data = _prompts(tiny["tokenizer"], PROMPTS)
+        out = generation.generate(data, greedy=True)
+        _check_greedy_parity(tiny["hf"]["a"], out, data["input_lengths"])
+        # The sampler's and the policy's log-probs agree on what was sampled (the GRPO contract).
+        sampled = generation.generate(data, greedy=False)
+        generation.finish_generation()
+        policy.prepare_for_lp_inference()
+        scored = policy.get_logprobs(
+            BatchedDataDict(
+                input_ids=sampled["output_ids"], input_lengths=sampled["unpadded_sequence_lengths"]
+            )
+        )["logprobs"]
+        for row in range(sampled.size):
+            start, end = int(data["input_lengths"][row]), int(sampled["unpadded_sequence_lengths"][row])
+            diff = (sampled["logprobs"][row, start:end] - scored[row, start:end]).abs().max()
+            assert float(diff) < 1e-3, (row, float(diff))
+    finally:
+        if refit_transport is not None:
+            refit_transport.shutdown()
+        if policy is not None:
+            policy.shutdown()
+        generation.shutdown()
+
+
+# ------------------------------------------------------------------------------------ GRPO
+def test_grpo_steps_with_vllm_sampling_agree_with_the_policy(tmp_path: Path) -> None:
+    cmd = [
+        sys.executable,
+        str(ROOT / "examples" / "run_grpo_math.py"),
+        "--config",
+        str(ROOT / "examples" / "configs" / "grpo_math_tiny.yaml"),
+        "grpo.max_num_steps=3",
+        "grpo.num_prompts_per_step=8",
+        "grpo.num_generations_per_prompt=8",
+        "grpo.val_period=3",
+        "grpo.max_val_samples=32",
+        "grpo.val_batch_size=32",
+        "policy.train_global_batch_size=64",
+        "policy.train_micro_batch_size=32",
+        "policy.logprob_batch_size=32",
+        "policy.generation.backend=vllm",
+        "policy.generation.vllm_cfg.precision=float32",
+        "policy.generation.vllm_cfg.gpu_memory_utilization=0.3",
+        "checkpointing.enabled=false",
+        f"logger.log_dir={tmp_path / 'logs'}",
+        "logger.progress_bar=false",
+        "logger.console_enabled=false",
+    ]
+    result = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    by_step: dict[int, dict[str, Any]] = {}
+    for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        by_step.setdefault(record["step"], {}).update(record)
+    for step in (1, 2, 3):
+        # vLLM sampled with the weights the policy scores with (fp32 on both sides).
+        assert by_step[step]["train/gen_kl_error"] == pytest.approx(0.0, abs=1e-3), by_step[step]
+        assert by_step[step]["train/token_mult_prob_error"] == pytest.approx(1.0, abs=1e-2)
+    # Step 1 reuses the refit of the start validation; later steps refit after each training step.
+    assert by_step[2]["refit/bytes"] > 0 and by_step[3]["refit/bytes"] > 0
+    assert "validation/accuracy" in by_step[3]
