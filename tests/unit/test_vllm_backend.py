@@ -196,7 +196,7 @@ def test_vllm_temperature_bounds_are_inclusive_and_backend_specific() -> None:
 @pytest.mark.parametrize(("top_k", "top_p"), [(50, 1.0), (None, 0.9)])
 def test_grpo_refuses_top_k_top_p_sampling(top_k: int | None, top_p: float) -> None:
     # The policy scores the full distribution; the sampler's log-probs are those of the truncated one.
-    with pytest.raises(ValidationError, match="GRPO needs top_k=null and top_p=1.0"):
+    with pytest.raises(ValidationError, match=r"GRPO needs top_k=null and top_p=1\.0"):
         GRPOMasterConfig.model_validate(
             {"policy": {"model_name": "m", "generation": {"top_k": top_k, "top_p": top_p}}}
         )
