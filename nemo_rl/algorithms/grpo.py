@@ -169,6 +169,13 @@ def setup(
     init_ray(config.cluster)
     cluster = RayVirtualCluster(config.cluster, name="grpo", max_colocated_worker_groups=2)
     policy_bundles, generation_bundles = _placement(config)
+    # Generation first: vLLM starts only when gpu_memory_utilization of each GPU is free. Colocated engines
+    # then sleep (weights to host memory, caches freed) while the policy loads.
+    generation = create_generation(
+        cluster, config.policy, tokenizer, seed=config.grpo.seed, bundle_indices=generation_bundles
+    )
+    if config.policy.generation.colocated.enabled:
+        generation.finish_generation()
     policy = Policy(
         cluster,
         config.policy,
@@ -176,9 +183,6 @@ def setup(
         init_reference_model=config.loss_fn.reference_policy_kl_penalty > 0,
         weights_path=resume.weights_path,
         optimizer_path=resume.optimizer_path,
-    )
-    generation = create_generation(
-        cluster, config.policy, tokenizer, seed=config.grpo.seed, bundle_indices=generation_bundles
     )
     locations = cluster.bundle_locations()
     refit_transport = create_refit_transport(

@@ -1,0 +1,65 @@
+"""``grpo.setup`` starts generation before the policy and, when colocated, puts it to sleep first.
+
+vLLM refuses to start unless ``gpu_memory_utilization`` of the GPU is free, so a policy holding a large part
+of the GPU (an 8B model with its optimizer) must load after the engines have started and slept.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import nemo_rl.algorithms.grpo as grpo
+from nemo_rl.config.master import GRPOMasterConfig
+
+
+class _PolicyStarted(Exception):
+    """Stops setup once the policy would start: nothing after it matters here."""
+
+
+@pytest.mark.parametrize("colocated", [True, False], ids=["colocated", "not_colocated"])
+def test_generation_starts_first_and_sleeps_when_colocated(
+    colocated: bool, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    events: list[str] = []
+
+    class FakeGeneration:
+        def finish_generation(self) -> None:
+            events.append("generation sleeps")
+
+    def create_generation(*args: Any, bundle_indices: list[int], **kwargs: Any) -> FakeGeneration:
+        events.append(f"generation on {bundle_indices}")
+        return FakeGeneration()
+
+    def policy(*args: Any, bundle_indices: list[int], **kwargs: Any) -> None:
+        events.append(f"policy on {bundle_indices}")
+        raise _PolicyStarted
+
+    monkeypatch.setattr(grpo, "init_ray", lambda cluster_cfg: None)
+    monkeypatch.setattr(grpo, "RayVirtualCluster", lambda *args, **kwargs: object())
+    monkeypatch.setattr(grpo, "create_generation", create_generation)
+    monkeypatch.setattr(grpo, "Policy", policy)
+    placement: dict[str, Any] = (
+        {"enabled": True} if colocated else {"enabled": False, "resources": {"gpus_per_node": 1}}
+    )
+    config = GRPOMasterConfig.model_validate(
+        {
+            "grpo": {"num_prompts_per_step": 1, "num_generations_per_prompt": 1},
+            "policy": {
+                "model_name": "m",
+                "train_global_batch_size": 1,
+                "train_micro_batch_size": 1,
+                "generation": {"colocated": placement},
+            },
+            "checkpointing": {"enabled": False, "checkpoint_dir": str(tmp_path / "ckpt")},
+            "cluster": {"gpus_per_node": 2},
+        }
+    )
+    with pytest.raises(_PolicyStarted):
+        grpo.setup(config, None, [{"prompt": "x"}], None)  # type: ignore[arg-type]
+    if colocated:
+        assert events == ["generation on [0, 1]", "generation sleeps", "policy on [0, 1]"]
+    else:
+        assert events == ["generation on [1]", "policy on [0]"]
