@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from nemo_rl.config.errors import UserError
 from nemo_rl.config.policy import OptimizerConfig, PolicyConfig, SchedulerEntry, SchedulerMilestones
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.models.policy import lm_policy
@@ -180,15 +181,20 @@ def test_cpu_offload_without_cuda_is_rejected() -> None:
         DTensorPolicyWorker(cfg)
 
 
-def test_megatron_backend_needs_its_worker_module() -> None:
-    if importlib.util.find_spec(lm_policy.MEGATRON_WORKER_MODULE) is not None:
-        pytest.skip("the Megatron worker is installed")
+def test_megatron_backend_without_megatron_core_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        lm_policy.importlib.util,
+        "find_spec",
+        lambda name: None if name.startswith("megatron") else find_spec(name),
+    )
     cfg = PolicyConfig(
         model_name="unused",
+        optimizer=None,
         dtensor_cfg={"enabled": False},  # type: ignore[arg-type]
         megatron_cfg={"enabled": True},  # type: ignore[arg-type]
     )
-    with pytest.raises(ValueError, match="Megatron backend"):
+    with pytest.raises(UserError, match="--extra mcore"):
         lm_policy._worker_backend(cfg)
 
 

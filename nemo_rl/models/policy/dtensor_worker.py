@@ -57,17 +57,16 @@ from nemo_rl.models.policy.optim import build_optimizer, build_scheduler, clip_g
 from nemo_rl.models.policy.parallelize import reshard_all
 from nemo_rl.models.policy.utils import (
     PRECISION_DTYPES,
-    fixed_size_parts,
-    global_valid_counts,
     pad_sequence_dim,
-    reduce_metric_dicts,
-    round_up,
-    split_parts,
-    token_budget_parts,
     token_logprobs,
     topk_logits,
-    trim_sequence_dim,
     valid_token_mask,
+)
+from nemo_rl.models.policy.worker_batches import (
+    TrainLog,
+    merge_rows,
+    micro_batches,
+    step_batches,
 )
 from nemo_rl.weight_sync.interfaces import TransferStats, WeightSender
 from nemo_rl.weight_sync.manifest import dtype_name
@@ -202,48 +201,28 @@ class DTensorPolicyWorker:
         if data.size == 0:
             raise ValueError("every data-parallel rank needs at least one sequence to score")
         mbs = micro_batch_size or self.cfg.logprob_batch_size or self.cfg.train_micro_batch_size
-        seq_len = int(data["input_ids"].shape[1])
         batch = pad_sequence_dim(data, self.seq_multiple)
         self.model.eval()
-        merged: dict[str, torch.Tensor] = {}
-        for rows, mb in self._micro_batches(batch, mbs, self.cfg.dynamic_batching.logprob_mb_tokens):
-            for key, value in fn(self._forward(mb), mb).items():
-                value = value.cpu()
-                if value.ndim == 1:
-                    merged.setdefault(key, value.new_zeros(data.size))[rows] = value
-                    continue
-                if key not in merged:
-                    merged[key] = value.new_zeros((data.size, seq_len, *value.shape[2:]))
-                # A micro-batch may be trimmed (dynamic batching) or padded (sequence parallel) along T.
-                length = min(seq_len, value.shape[1])
-                merged[key][rows, :length] = value[:, :length]
+        outputs = [
+            (rows, fn(self._forward(mb), mb))
+            for rows, mb in self._micro_batches(batch, mbs, self.cfg.dynamic_batching.logprob_mb_tokens)
+        ]
         reshard_all(self.model)
-        return BatchedDataDict(merged)
+        return merge_rows(outputs, data.size, int(data["input_ids"].shape[1]))
 
     def _micro_batches(
         self, batch: BatchedDataDict[Any], micro_batch_size: int, max_tokens: int
     ) -> Iterator[tuple[list[int], BatchedDataDict[Any]]]:
-        """``(row indices, micro-batch on the device)`` pairs covering ``batch``.
-
-        Fixed-size micro-batches, or with ``policy.dynamic_batching`` micro-batches bounded by ``max_tokens``
-        padded tokens and cut to their longest row. Every dp rank runs the same number of micro-batches
-        (forward passes are collectives over dp), so the count is agreed on first.
-        """
-        dynamic = self.cfg.dynamic_batching
-        if not dynamic.enabled:
-            for rows in fixed_size_parts(batch.size, micro_batch_size):
-                yield rows, batch.select_indices(rows).to(self.device)
-            return
-        seq_len = int(batch["input_ids"].shape[1])
-        round_to = math.lcm(dynamic.sequence_length_round, self.seq_multiple)
-        lengths = [int(n) for n in batch["input_lengths"].tolist()]
-        parts = token_budget_parts(lengths, max_tokens, round_to)
-        count = torch.tensor(len(parts), device=self.device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.dp_group)
-        for rows in split_parts(parts, int(count)):
-            longest = max(lengths[row] for row in rows)
-            mb = trim_sequence_dim(batch.select_indices(rows), min(round_up(longest, round_to), seq_len))
-            yield rows, mb.to(self.device)
+        """``(row indices, micro-batch on the device)`` pairs covering ``batch`` (see ``worker_batches``)."""
+        return micro_batches(
+            batch,
+            micro_batch_size=micro_batch_size,
+            max_tokens=max_tokens,
+            dynamic=self.cfg.dynamic_batching,
+            seq_multiple=self.seq_multiple,
+            device=self.device,
+            dp_group=self.dp_group,
+        )
 
     def get_logprobs(
         self, data: BatchedDataDict[Any], micro_batch_size: int | None = None
@@ -299,61 +278,36 @@ class DTensorPolicyWorker:
         ``data`` holds ``gbs // dp`` rows per step, in step order (``shard_by_batch_size(dp, batch_size=gbs)``
         on the driver). ``eval_mode`` computes the loss without gradients or updates.
         """
-        global_batch_size = gbs if gbs is not None else self.cfg.train_global_batch_size
-        micro_batch_size = mbs if mbs is not None else self.cfg.train_micro_batch_size
-        if global_batch_size % self.dp_size != 0:
-            raise ValueError(
-                f"the global batch size ({global_batch_size}) must be a multiple of the data-parallel size "
-                f"({self.dp_size})"
-            )
-        local_batch_size = global_batch_size // self.dp_size
-        if data.size == 0 or data.size % local_batch_size != 0:
-            raise ValueError(
-                f"this rank got {data.size} sequences, not a positive multiple of its share of a global batch "
-                f"({global_batch_size} / {self.dp_size} ranks = {local_batch_size}); pass whole global batches"
-            )
-        group = loss_fn.rows_per_group
-        if local_batch_size % group or micro_batch_size % group:
-            raise ValueError(
-                f"the loss reads groups of {group} consecutive rows (preference pairs), but this rank's batch of "
-                f"{local_batch_size} rows or its micro-batches of {micro_batch_size} would split them: make both "
-                f"multiples of {group}"
-            )
-        if group > 1 and self.cfg.dynamic_batching.enabled:
-            raise ValueError(
-                "token-budget micro-batches (policy.dynamic_batching) reorder rows and would split the loss's "
-                "groups of rows (preference pairs): set policy.dynamic_batching.enabled=false"
-            )
-        num_steps = data.size // local_batch_size
         self.model.train(not eval_mode)
-        losses: list[float] = []
-        grad_norms: list[float] = []
-        lrs: list[float] = []
-        valid_seqs: list[float] = []
-        valid_toks: list[float] = []
-        step_metrics: list[dict[str, float]] = []
-        for step in range(num_steps):
-            batch = data.slice(step * local_batch_size, (step + 1) * local_batch_size)
-            batch = pad_sequence_dim(batch, self.seq_multiple)
-            counts = torch.stack(global_valid_counts(batch)).to(self.device)
-            dist.all_reduce(counts, group=self.dp_group)
-            global_valid_seqs, global_valid_toks = counts.float().unbind()
+        log = TrainLog()
+        for step in step_batches(
+            data,
+            self.cfg,
+            gbs=gbs,
+            mbs=mbs,
+            rows_per_group=loss_fn.rows_per_group,
+            dp_size=self.dp_size,
+            seq_multiple=self.seq_multiple,
+            device=self.device,
+            dp_group=self.dp_group,
+        ):
             if not eval_mode:
                 self.optimizer.zero_grad(set_to_none=True)
-            step_loss = torch.zeros((), dtype=torch.float64, device=self.device)
+            step_loss = 0.0
             mb_metrics: list[dict[str, float]] = []
             max_tokens = self.cfg.dynamic_batching.train_mb_tokens
-            for _, mb in self._micro_batches(batch, micro_batch_size, max_tokens):
+            for _, mb in self._micro_batches(step.batch, step.micro_batch_size, max_tokens):
                 with torch.set_grad_enabled(not eval_mode):
-                    loss, metrics = loss_fn(self._forward(mb), mb, global_valid_seqs, global_valid_toks)
+                    loss, metrics = loss_fn(
+                        self._forward(mb), mb, step.global_valid_seqs, step.global_valid_toks
+                    )
                     if not eval_mode:
                         loss.backward()
-                step_loss += loss.detach().double()
+                step_loss += float(loss.detach().double())
                 mb_metrics.append(metrics)
             if not eval_mode:
                 grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
-                lrs.append(float(self.optimizer.param_groups[0]["lr"]))
-                grad_norms.append(grad_norm)
+                log.add_update(grad_norm, float(self.optimizer.param_groups[0]["lr"]))
                 if math.isfinite(grad_norm):
                     self.optimizer.step()
                 else:
@@ -361,47 +315,8 @@ class DTensorPolicyWorker:
                 self.scheduler.step()
             else:
                 reshard_all(self.model)
-            dist.all_reduce(step_loss, group=self.dp_group)
-            losses.append(float(step_loss))
-            valid_seqs.append(float(global_valid_seqs))
-            valid_toks.append(float(global_valid_toks))
-            step_metrics.append(self._all_reduce_metrics(reduce_metric_dicts(mb_metrics)))
-        result: TrainResult = {
-            "loss": torch.tensor(losses),
-            "global_valid_seqs": torch.tensor(valid_seqs),
-            "global_valid_toks": torch.tensor(valid_toks),
-            "metrics": {
-                name: [m.get(name, math.nan) for m in step_metrics]
-                for name in sorted({name for m in step_metrics for name in m})
-            },
-        }
-        if not eval_mode:
-            result["grad_norm"] = torch.tensor(grad_norms)
-            result["lr"] = torch.tensor(lrs)
-        return result
-
-    def _all_reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Combine one step's metric shares over the dp ranks (sum, or min / max for ``*_min`` / ``*_max``)."""
-        # A rank whose micro-batches lacked a metric (e.g. a min over no valid tokens) must still join every
-        # collective, so the ranks agree on the names first; a missing share is 0 (sum) or neutral (min/max).
-        gathered: list[list[str] | None] = [None] * dist.get_world_size(self.dp_group)
-        dist.all_gather_object(gathered, sorted(metrics), group=self.dp_group)
-        names = sorted({name for rank_names in gathered for name in rank_names or ()})
-        neutral = {dist.ReduceOp.MIN: math.inf, dist.ReduceOp.MAX: -math.inf, dist.ReduceOp.SUM: 0.0}
-        out: dict[str, float] = {}
-        for op, selected in (
-            (dist.ReduceOp.MIN, [n for n in names if n.endswith("_min")]),
-            (dist.ReduceOp.MAX, [n for n in names if n.endswith("_max")]),
-            (dist.ReduceOp.SUM, [n for n in names if not n.endswith(("_min", "_max"))]),
-        ):
-            if not selected:
-                continue
-            values = torch.tensor(
-                [metrics.get(n, neutral[op]) for n in selected], dtype=torch.float64, device=self.device
-            )
-            dist.all_reduce(values, op=op, group=self.dp_group)
-            out.update(zip(selected, values.tolist(), strict=True))
-        return out
+            log.end_step(step, step_loss, mb_metrics, self.dp_group, self.device)
+        return log.result(eval_mode)
 
     # ------------------------------------------------------------------------------ reference weights
     @torch.no_grad()

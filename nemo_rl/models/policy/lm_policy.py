@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from nemo_rl.algorithms.interfaces import LossFunction
+from nemo_rl.config.errors import UserError
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
@@ -36,10 +37,11 @@ def _worker_backend(cfg: PolicyConfig) -> tuple[type, int]:
     """The worker class the config selects and its model-parallel size (ranks sharing one data shard)."""
     if cfg.dtensor_cfg.enabled:
         return DTensorPolicyWorker, cfg.dtensor_cfg.tensor_parallel_size
-    if importlib.util.find_spec(MEGATRON_WORKER_MODULE) is None:
-        raise ValueError(
-            f"policy.megatron_cfg.enabled=true but the Megatron backend ({MEGATRON_WORKER_MODULE}) is not part "
-            "of this installation; use policy.dtensor_cfg.enabled=true and policy.megatron_cfg.enabled=false"
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+        raise UserError(
+            "policy.megatron_cfg.enabled=true but megatron-core is not installed: install the `mcore` extra "
+            "(uv sync --extra mcore), or use the DTensor backend (policy.dtensor_cfg.enabled=true "
+            "policy.megatron_cfg.enabled=false)"
         )
     worker_cls: type = importlib.import_module(MEGATRON_WORKER_MODULE).MegatronPolicyWorker
     megatron = cfg.megatron_cfg

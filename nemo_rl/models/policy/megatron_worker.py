@@ -1,0 +1,527 @@
+"""The Megatron policy worker: one rank of a megatron-core ``GPTModel`` with tensor, pipeline and data parallelism.
+
+It offers the same methods as :class:`~nemo_rl.models.policy.dtensor_worker.DTensorPolicyWorker`, so ``Policy``
+and the algorithms never branch on the backend. Each worker is one process of a (dp, pp, tp) grid laid out
+tensor-parallel fastest (``nemo_rl.models.megatron.setup.RANK_ORDER``), so the ranks of one data-parallel
+replica are consecutive, as ``RayWorkerGroup`` deals data shards. Every public method is a collective.
+
+- **Model.** ``GPTModel`` built from the Hugging Face config of a Llama / Qwen2 / Qwen3 checkpoint
+  (:mod:`nemo_rl.models.megatron.families`); every rank reads its own slice of its stage's weights from the
+  checkpoint (:mod:`nemo_rl.models.megatron.weights`). Transformer Engine layers on CUDA when installed, the
+  local megatron-core layers otherwise. On a machine without CUDA, megatron-core's CUDA-only calls are
+  redirected to the host (:mod:`nemo_rl.models.megatron.cpu_compat`) and the groups use gloo.
+- **Micro-batches** flow through megatron-core's pipeline schedule (1F1B with PP > 1). The loss runs on the
+  last stage on the full-vocabulary logits (gathered over TP), divided by the sampling temperature as in the
+  DTensor worker. The normalisation is the DTensor worker's: the global batch's valid sequence / token
+  counts are all-reduced first, each micro-batch's loss is its share of the global loss, and gradients are
+  summed over data-parallel ranks (``calculate_per_token_loss`` with no rescaling), so the loss and the
+  gradients do not depend on the dp size, the micro-batch size or the pipeline depth.
+- **Optimizer.** Megatron's (optionally distributed) Adam / SGD with its ``OptimizerParamScheduler``, stepped
+  once per optimizer step; biases and norms are not weight-decayed (Megatron's grouping). A step whose
+  gradient norm is not finite is skipped.
+- **Refit / export** stream Hugging Face tensors stage by stage: each parameter is gathered over TP when it
+  is reached, and each pipeline stage sends (or writes) its own layers.
+
+Tensor legend: B = sequences, T = tokens, V = vocabulary, K = top-k.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from transformers import AutoConfig
+
+from nemo_rl.algorithms.interfaces import LossFunction
+from nemo_rl.config.megatron import no_effect_settings
+from nemo_rl.config.policy import PolicyConfig, TokenizerConfig
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.distributed.device import (
+    configure_worker_threads,
+    cuda_available,
+    get_device,
+    init_process_group_from_env,
+)
+from nemo_rl.models.hf_decoder import DecoderArch, SafetensorsReader, resolve_checkpoint_dir
+from nemo_rl.models.megatron import checkpoint, cpu_compat, setup
+from nemo_rl.models.megatron.families import family_for
+from nemo_rl.models.megatron.weights import (
+    StageWeights,
+    hf_weights_manifest,
+    write_hf_metadata,
+    write_stage_safetensors,
+)
+from nemo_rl.models.policy.interfaces import TrainResult
+from nemo_rl.models.policy.utils import (
+    PRECISION_DTYPES,
+    pad_sequence_dim,
+    token_logprobs,
+    topk_logits,
+)
+from nemo_rl.models.policy.worker_batches import (
+    StepBatch,
+    TrainLog,
+    merge_rows,
+    micro_batches,
+    step_batches,
+)
+from nemo_rl.weight_sync.interfaces import TransferStats, WeightSender
+
+logger = logging.getLogger(__name__)
+
+ScoreFn = Callable[[torch.Tensor, BatchedDataDict[Any]], dict[str, torch.Tensor]]
+
+
+class MegatronPolicyWorker:
+    """One rank of the Megatron policy; run as a Ray actor by ``RayWorkerGroup``."""
+
+    def __init__(
+        self,
+        cfg: PolicyConfig,
+        tokenizer_path: str | None = None,
+        weights_path: str | None = None,
+        optimizer_path: str | None = None,
+        init_reference_model: bool = True,
+    ) -> None:
+        """Join the process groups, build this rank's stage from ``cfg.model_name``, the optimizer and schedule.
+
+        ``tokenizer_path`` is the tokenizer written next to exported checkpoints (default: the tokenizer
+        ``cfg`` names). ``weights_path`` / ``optimizer_path`` resume from :meth:`save_checkpoint` output; the
+        reference policy is always the initial ``cfg.model_name`` weights.
+        """
+        megatron = cfg.megatron_cfg
+        if optimizer_path is not None and weights_path is None:
+            raise ValueError(
+                "optimizer_path was given without weights_path: resume needs both from one checkpoint"
+            )
+        if megatron.env_vars:
+            os.environ.update(megatron.env_vars)
+        configure_worker_threads()
+        init_process_group_from_env()
+        cpu_compat.install()
+        self.cfg = cfg
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        model_parallel = megatron.tensor_model_parallel_size * megatron.pipeline_model_parallel_size
+        if self.world_size % model_parallel != 0:
+            raise ValueError(
+                f"the policy has {self.world_size} workers, not a multiple of tensor_model_parallel_size x "
+                f"pipeline_model_parallel_size = {model_parallel}"
+            )
+        self.device = get_device()
+        self.tokenizer_source = tokenizer_path if tokenizer_path is not None else cfg.tokenizer_name
+        self.hf_config = AutoConfig.from_pretrained(cfg.model_name, trust_remote_code=cfg.trust_remote_code)
+        architectures = list(getattr(self.hf_config, "architectures", None) or [])
+        if megatron.converter_type is not None and megatron.converter_type not in architectures:
+            raise ValueError(
+                f"policy.megatron_cfg.converter_type={megatron.converter_type!r} but {cfg.model_name} is a "
+                f"{architectures}: set converter_type to the checkpoint's architecture (or null)"
+            )
+        self.arch = DecoderArch.from_hf_config(self.hf_config)
+        self.family = family_for(self.arch)
+        setup.check_divisibility(self.arch, megatron)
+        self.checkpoint_dir = resolve_checkpoint_dir(cfg.model_name)
+        with cpu_compat.device_redirect():
+            setup.init_model_parallel(megatron)
+            self.tp_group = parallel_state.get_tensor_model_parallel_group()
+            self.pp_group = parallel_state.get_pipeline_model_parallel_group()
+            self.dp_group = parallel_state.get_data_parallel_group()
+            self.dp_rank = parallel_state.get_data_parallel_rank()
+            self.dp_size = parallel_state.get_data_parallel_world_size()
+            self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+            self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+            self.pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+            self.is_last_stage = parallel_state.is_pipeline_last_stage()
+            self.config = setup.transformer_config(self.arch, self.family, cfg)
+            self.gpt = setup.build_model(self.arch, cfg, self.config)
+            self.weights = StageWeights(
+                self.gpt,
+                self.arch,
+                self.family,
+                first_stage=parallel_state.is_pipeline_first_stage(),
+                last_stage=self.is_last_stage,
+                te_norms=setup.uses_transformer_engine(megatron),
+                tp_group=self.tp_group,
+            )
+            self.weights.load(SafetensorsReader(self.checkpoint_dir))
+            self.model = setup.wrap_for_training(self.gpt, cfg, self.config)
+            self.optimizer = setup.build_optimizer(cfg, self.model)
+            self.scheduler = setup.build_scheduler(cfg, self.optimizer)
+        sp_multiple = megatron.tensor_model_parallel_size if megatron.sequence_parallel else 1
+        self.seq_multiple = math.lcm(cfg.make_sequence_length_divisible_by, sp_multiple)
+        # The reference policy is a host copy of this rank's initial shards, swapped in only while scoring.
+        self.reference_shards = self.weights.snapshot() if init_reference_model else None
+        if self.rank == 0:
+            for setting in no_effect_settings(megatron):
+                logger.warning("policy.megatron_cfg.%s is accepted but has no effect here", setting)
+            if cfg.optimizer is not None or cfg.scheduler:
+                logger.warning(
+                    "policy.optimizer / policy.scheduler configure the DTensor backend and are not used; the "
+                    "Megatron backend trains with policy.megatron_cfg.optimizer / scheduler"
+                )
+        if weights_path is not None:
+            self.load_checkpoint(weights_path, optimizer_path)
+
+    # ----------------------------------------------------------------------------------------- forward
+    def _logits(self, output_BTV: torch.Tensor) -> torch.Tensor:
+        """[B, T, V] float32 logits from the last stage's output (vocabulary padding cut, / temperature)."""
+        logits_BTV = output_BTV[..., : self.arch.vocab_size].float()
+        temperature = self.cfg.generation.temperature
+        return logits_BTV / temperature if temperature != 1.0 else logits_BTV
+
+    def _micro_batches(
+        self, batch: BatchedDataDict[Any], micro_batch_size: int, max_tokens: int
+    ) -> list[tuple[list[int], BatchedDataDict[Any]]]:
+        return list(
+            micro_batches(
+                batch,
+                micro_batch_size=micro_batch_size,
+                max_tokens=max_tokens,
+                dynamic=self.cfg.dynamic_batching,
+                seq_multiple=self.seq_multiple,
+                device=self.device,
+                dp_group=self.dp_group,
+            )
+        )
+
+    def _run_pipeline(
+        self,
+        mbs: list[BatchedDataDict[Any]],
+        loss_func: Callable[..., Any],
+        *,
+        forward_only: bool,
+        collect_outputs: bool = False,
+    ) -> list[Any]:
+        """Megatron's forward(-backward) schedule over ``mbs``; ``loss_func(mb, output)`` runs on the last stage.
+
+        Returns what ``loss_func`` returned per micro-batch (its third element when training) on the last
+        stage, and an empty list on the other stages.
+        """
+
+        def forward_step(data_iterator: Iterator[BatchedDataDict[Any]], model: torch.nn.Module) -> Any:
+            mb = next(data_iterator)
+            input_ids_BT = mb["input_ids"]
+            positions_BT = torch.arange(input_ids_BT.shape[1], device=input_ids_BT.device).expand_as(
+                input_ids_BT
+            )
+            # Right padding under a causal mask: real tokens never attend to padding.
+            output = model(input_ids_BT, positions_BT, None, runtime_gather_output=True)
+            return output, partial(loss_func, mb)
+
+        seq_len = max(int(mb["input_ids"].shape[1]) for mb in mbs)
+        rows = max(mb.size for mb in mbs)
+        with cpu_compat.device_redirect():
+            return list(
+                get_forward_backward_func()(
+                    forward_step_func=forward_step,
+                    data_iterator=iter(mbs),
+                    model=[self.model],
+                    num_microbatches=len(mbs),
+                    seq_length=seq_len,
+                    micro_batch_size=rows,
+                    forward_only=forward_only,
+                    collect_non_loss_data=collect_outputs,
+                )
+            )
+
+    def _from_last_stage(self, value: Any) -> Any:
+        """``value`` of the last pipeline stage, on every stage (an object broadcast over the PP group)."""
+        if self.pp_size == 1:
+            return value
+        box = [value if self.is_last_stage else None]
+        dist.broadcast_object_list(
+            box, src=parallel_state.get_pipeline_model_parallel_last_rank(), group=self.pp_group
+        )
+        return box[0]
+
+    @torch.no_grad()
+    def _score(
+        self, data: BatchedDataDict[Any], fn: ScoreFn, micro_batch_size: int | None
+    ) -> BatchedDataDict[Any]:
+        """Run ``fn(logits, micro_batch)`` over ``data`` in inference mode and concatenate its [B, T, ...] outputs."""
+        if data.size == 0:
+            raise ValueError("every data-parallel rank needs at least one sequence to score")
+        mbs = micro_batch_size or self.cfg.logprob_batch_size or self.cfg.train_micro_batch_size
+        batch = pad_sequence_dim(data, self.seq_multiple)
+        parts = self._micro_batches(batch, mbs, self.cfg.dynamic_batching.logprob_mb_tokens)
+        self.model.eval()
+
+        def collect(mb: BatchedDataDict[Any], output: torch.Tensor, non_loss_data: bool = True) -> Any:
+            return {key: value.cpu() for key, value in fn(self._logits(output), mb).items()}
+
+        outputs = self._run_pipeline(
+            [mb for _, mb in parts], collect, forward_only=True, collect_outputs=True
+        )
+        merged = None
+        if self.is_last_stage:
+            merged = merge_rows(
+                [(rows, out) for (rows, _), out in zip(parts, outputs, strict=True)],
+                data.size,
+                int(data["input_ids"].shape[1]),
+            )
+        result: BatchedDataDict[Any] = self._from_last_stage(merged)
+        return result
+
+    def get_logprobs(
+        self, data: BatchedDataDict[Any], micro_batch_size: int | None = None
+    ) -> BatchedDataDict[Any]:
+        """``{"logprobs": [B, T]}`` of ``data["input_ids"]`` (aligned with the tokens, 0 at position 0 / padding)."""
+        return self._score(
+            data,
+            lambda logits, mb: {"logprobs": token_logprobs(logits, mb["input_ids"], mb["input_lengths"])},
+            micro_batch_size,
+        )
+
+    def get_reference_policy_logprobs(
+        self, data: BatchedDataDict[Any], micro_batch_size: int | None = None
+    ) -> BatchedDataDict[Any]:
+        """``{"reference_logprobs": [B, T]}`` under the initial weights."""
+        with self._reference_weights():
+            out = self.get_logprobs(data, micro_batch_size)
+        return BatchedDataDict({"reference_logprobs": out["logprobs"]})
+
+    def get_topk_logits(
+        self, data: BatchedDataDict[Any], k: int, micro_batch_size: int | None = None
+    ) -> BatchedDataDict[Any]:
+        """``{"topk_logits", "topk_indices"}``, each [B, T, K]; see ``PolicyInterface.get_topk_logits``."""
+
+        def fn(logits: torch.Tensor, mb: BatchedDataDict[Any]) -> dict[str, torch.Tensor]:
+            values, indices = topk_logits(logits, mb["input_lengths"], k)
+            return {"topk_logits": values, "topk_indices": indices}
+
+        return self._score(data, fn, micro_batch_size)
+
+    def score(self, data: BatchedDataDict[Any], micro_batch_size: int | None = None) -> BatchedDataDict[Any]:
+        """Reward models run on the DTensor backend only (the schema refuses them here)."""
+        raise ValueError(
+            "score() needs a reward model, which the Megatron backend does not build: use the DTensor backend "
+            "with policy.reward_model_cfg.enabled=true"
+        )
+
+    # ---------------------------------------------------------------------------------------- training
+    def train(
+        self,
+        data: BatchedDataDict[Any],
+        loss_fn: LossFunction,
+        eval_mode: bool = False,
+        gbs: int | None = None,
+        mbs: int | None = None,
+    ) -> TrainResult:
+        """Take one optimizer step per global batch in this rank's shard ``data``; see the module docstring.
+
+        ``data`` holds ``gbs // dp`` rows per step, in step order (``shard_by_batch_size(dp, batch_size=gbs)``
+        on the driver). ``eval_mode`` computes the loss without gradients or updates.
+        """
+        self.model.train(not eval_mode)
+        log = TrainLog()
+        for step in step_batches(
+            data,
+            self.cfg,
+            gbs=gbs,
+            mbs=mbs,
+            rows_per_group=loss_fn.rows_per_group,
+            dp_size=self.dp_size,
+            seq_multiple=self.seq_multiple,
+            device=self.device,
+            dp_group=self.dp_group,
+        ):
+
+            def loss_func(
+                mb: BatchedDataDict[Any], output: torch.Tensor, step: StepBatch = step
+            ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+                loss, metrics = loss_fn(
+                    self._logits(output), mb, step.global_valid_seqs, step.global_valid_toks
+                )
+                # Megatron's (num_tokens) slot is unused: the loss is already this micro-batch's global share.
+                count = torch.ones((), dtype=torch.int, device=loss.device)
+                return loss, count, {"loss": loss.detach(), "metrics": metrics}
+
+            if not eval_mode:
+                self.model.zero_grad_buffer()
+                self.optimizer.zero_grad()
+            parts = self._micro_batches(
+                step.batch, step.micro_batch_size, self.cfg.dynamic_batching.train_mb_tokens
+            )
+            with torch.set_grad_enabled(not eval_mode):
+                outputs = self._run_pipeline([mb for _, mb in parts], loss_func, forward_only=eval_mode)
+            # The loss runs on the last stage; the other stages get its loss and metric shares.
+            step_loss, mb_metrics = self._from_last_stage(
+                (sum(float(out["loss"]) for out in outputs), [out["metrics"] for out in outputs])
+                if self.is_last_stage
+                else None
+            )
+            if not eval_mode:
+                self._release_cached_memory(level=1)
+                with cpu_compat.device_redirect():
+                    stepped = setup.optimizer_step(self.optimizer, self.cfg.megatron_cfg.optimizer.clip_grad)
+                log.add_update(stepped.grad_norm, float(self.optimizer.param_groups[0]["lr"]))
+                if not stepped.stepped:
+                    logger.warning("skipping the optimizer step: the gradient norm is %s", stepped.grad_norm)
+                self.scheduler.step(increment=1)
+                self._release_cached_memory(level=2)
+            log.end_step(step, step_loss, mb_metrics, self.dp_group, self.device)
+        return log.result(eval_mode)
+
+    def _release_cached_memory(self, level: int) -> None:
+        """``torch.cuda.empty_cache()`` when ``megatron_cfg.empty_unused_memory_level`` is at least ``level``."""
+        if cuda_available() and self.cfg.megatron_cfg.empty_unused_memory_level >= level:
+            torch.cuda.empty_cache()
+
+    # ------------------------------------------------------------------------------ reference weights
+    @contextmanager
+    def _reference_weights(self) -> Iterator[None]:
+        """Swap the reference weights into this rank's parameters for the duration of the block."""
+        if self.reference_shards is None:
+            raise RuntimeError(
+                "this policy was built with init_reference_model=False, so it has no reference weights"
+            )
+        current = self.weights.snapshot()
+        self.weights.restore(self.reference_shards)
+        try:
+            yield
+        finally:
+            self.weights.restore(current)
+
+    # -------------------------------------------------------------------------------------- checkpoints
+    def _layout(self) -> dict[str, Any]:
+        """What optimizer state depends on: the parallel layout and the optimizer's own settings."""
+        megatron = self.cfg.megatron_cfg
+        return {
+            "tensor_model_parallel_size": megatron.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": megatron.pipeline_model_parallel_size,
+            "num_layers_in_first_pipeline_stage": megatron.num_layers_in_first_pipeline_stage,
+            "num_layers_in_last_pipeline_stage": megatron.num_layers_in_last_pipeline_stage,
+            "data_parallel_size": self.dp_size,
+            "optimizer": megatron.optimizer.optimizer,
+            "use_distributed_optimizer": megatron.optimizer.use_distributed_optimizer,
+            "precision": self.cfg.precision,
+        }
+
+    def save_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
+        """Save the weights as Hugging Face safetensors (any layout loads them) and, with ``optimizer_path``,
+        each rank's optimizer state and the schedule (see :mod:`nemo_rl.models.megatron.checkpoint`)."""
+        checkpoint.save(
+            self.weights,
+            self.optimizer,
+            self.scheduler,
+            self._layout(),
+            weights_path=weights_path,
+            optimizer_path=optimizer_path,
+            writer=self._is_stage_writer,
+            stage=self.pp_rank,
+            num_stages=self.pp_size,
+        )
+
+    def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
+        """Load what :meth:`save_checkpoint` wrote (optimizer and schedule only with ``optimizer_path``)."""
+        with cpu_compat.device_redirect():
+            checkpoint.load(
+                self.weights,
+                self.optimizer,
+                self.scheduler,
+                self._layout(),
+                weights_path=weights_path,
+                optimizer_path=optimizer_path,
+            )
+
+    @property
+    def _is_stage_writer(self) -> bool:
+        """Whether this rank writes its stage's files (one rank per pipeline stage)."""
+        return self.tp_rank == 0 and self.dp_rank == 0
+
+    def export_hf(self, path: str) -> None:
+        """Write a Hugging Face checkpoint in ``policy.precision``, one safetensors file per pipeline stage."""
+        dtype = PRECISION_DTYPES[self.cfg.precision]
+        write_stage_safetensors(
+            self.weights,
+            path,
+            dtype=dtype,
+            writer=self._is_stage_writer,
+            stage=self.pp_rank,
+            num_stages=self.pp_size,
+        )
+        if self.rank == 0:
+            write_hf_metadata(
+                path,
+                dtype=dtype,
+                hf_config=self.hf_config,
+                checkpoint_dir=Path(self.checkpoint_dir),
+                tokenizer_cfg=TokenizerConfig(
+                    name=self.tokenizer_source, chat_template=self.cfg.tokenizer.chat_template
+                ),
+                trust_remote_code=self.cfg.trust_remote_code,
+            )
+        dist.barrier()
+
+    # -------------------------------------------------------------------------------- refit (sender)
+    def iter_hf_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's pipeline stage's weights under their Hugging Face names, as FULL tensors cast to ``dtype``.
+
+        A collective over the tensor-parallel group (each parameter is gathered when it is reached); each
+        pipeline stage yields only its own layers (its refit stream, see :meth:`refit_stream`).
+        """
+        return self.weights.iter_hf_tensors(dtype)
+
+    def refit_stream(self) -> int:
+        """The refit stream this rank belongs to: its pipeline stage (each stage sends its own layers)."""
+        return self.pp_rank
+
+    def weights_manifest(self, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], str]]:
+        """``{hf_name: (full shape, dtype name)}`` of the whole model's weights (all stages); no communication."""
+        return hf_weights_manifest(self.hf_config, dtype)
+
+    def refit_send(self, sender: WeightSender) -> TransferStats:
+        """Stream this stage's weights through ``sender`` (every rank calls it with its own sender)."""
+        return sender.send(self.iter_hf_weights(sender.dtype))
+
+    # --------------------------------------------------------------------------- memory / placement
+    def _move(self, device: str) -> None:
+        """Move the weights, gradient buffers and optimizer state to ``device`` ("cpu" or "cuda"; CUDA only).
+
+        Without CUDA everything already lives in host memory and nothing moves.
+        """
+        if not cuda_available():
+            return
+        checkpoint.move_model(self.model, device)
+        checkpoint.move_optimizer_state(self.model, self.optimizer, device)
+
+    def prepare_for_training(self) -> None:
+        """Weights and optimizer state onto the device; training mode."""
+        self._move("cuda")
+        self.model.train()
+
+    def prepare_for_lp_inference(self) -> None:
+        """Weights onto the device, optimizer state to the host; inference mode."""
+        self._move("cuda")
+        self.model.eval()
+        self.offload_before_refit()
+
+    def offload_before_refit(self) -> None:
+        """Optimizer state to the host, so the refit's gather buffers fit on the device."""
+        if cuda_available():
+            checkpoint.move_optimizer_state(self.model, self.optimizer, "cpu")
+            torch.cuda.empty_cache()
+
+    def offload_after_refit(self) -> None:
+        """Weights, gradient buffers and optimizer state to the host, leaving the device to generation."""
+        self._move("cpu")
+        if cuda_available():
+            torch.cuda.empty_cache()
+
+    def shutdown(self) -> None:
+        """Drop the model, optimizer and reference weights, and Megatron's process groups."""
+        del self.model, self.optimizer, self.scheduler, self.gpt, self.weights
+        self.reference_shards = None
+        parallel_state.destroy_model_parallel()
+        if cuda_available():
+            torch.cuda.empty_cache()
