@@ -226,6 +226,7 @@ class FakeSamplingParams:
     stop_token_ids: list[int]
     stop: list[str] | None
     include_stop_str_in_output: bool
+    detokenize: bool
     logprobs: int
 
 
@@ -249,6 +250,7 @@ def test_sampling_params_for_sampled_rows() -> None:
     assert first.stop == ["</a>", "\n"]  # configured first, then the row's own, without repeats
     assert third.stop == ["</a>", "x"]
     assert first.stop_token_ids == [2, 9] and first.include_stop_str_in_output
+    assert first.detokenize and third.detokenize  # stop strings are matched on text
     assert (first.seed, third.seed) == (seeds[0], seeds[2])
 
 
@@ -276,6 +278,7 @@ def test_sampling_params_greedy_and_defaults() -> None:
     )
     assert isinstance(sampled, FakeSamplingParams)
     assert (sampled.temperature, sampled.top_k, sampled.seed) == (1.0, 0, 5)  # top_k None -> 0 (off)
+    assert not sampled.detokenize  # no stop strings: token ids only
 
 
 def test_sampling_params_reject_bad_stop_strings() -> None:
@@ -669,6 +672,14 @@ def test_worker_sleeps_only_when_colocated_and_wakes_what_it_needs(
     name, (shape, _) = next(iter(manifest.items()))
     with pytest.raises(ValueError, match=rf"wrong shape or dtype: {name}"):
         worker.load_weights_from_stream([(name, torch.zeros(shape[0] + 1)), *weights[1:]])
+
+    # Generating while asleep wakes the engine first (vLLM's scheduler stays paused until fully awake).
+    worker.finish_generation()
+    worker.generate(
+        BatchedDataDict(input_ids=torch.tensor([[9, 8]]), input_lengths=torch.tensor([2])), False, 0
+    )
+    assert [c[0] for c in worker.llm.calls[-3:]] == ["sleep", "wake_up", "generate"]
+    assert worker.llm.calls[-2] == ("wake_up", ["kv_cache", "weights"])
 
     apart = fake_worker(
         model_dir,

@@ -257,6 +257,7 @@ def test_sampling_params_from_every_setting_the_schema_allows(
             sp = params[row]
             assert isinstance(sp, vllm_cpu.vllm.SamplingParams)
             assert (sp.logprobs, sp.include_stop_str_in_output, sp.stop_token_ids) == (0, True, [2, 103])
+            assert sp.detokenize == bool(sp.stop)  # vLLM matches stop strings on detokenized text
             if greedy:
                 assert sp.sampling_type == SamplingType.GREEDY
                 continue

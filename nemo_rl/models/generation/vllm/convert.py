@@ -245,7 +245,8 @@ def sampling_params_for_rows(
     Greedy rows take temperature 0 (vLLM's greedy decoding) with no top-k/top-p and no seed. Sampled rows
     use ``policy.generation``'s temperature, top-p and top-k (``0`` = off) with their own seed, so a call
     replays exactly whatever else vLLM batches with it. Every row asks for ``logprobs=0``: only the sampled
-    token's log-prob. Stop tokens and stop strings stay in the output (the contract counts them).
+    token's log-prob. Stop tokens and stop strings stay in the output (the contract counts them); rows
+    without stop strings are not detokenized (nemo_rl reads token ids only).
     """
     if len(budgets) != len(seeds):
         raise ValueError(f"got {len(budgets)} budgets for {len(seeds)} seeds")
@@ -266,6 +267,8 @@ def sampling_params_for_rows(
                 stop_token_ids=list(stop_token_ids),
                 stop=row_stops or None,
                 include_stop_str_in_output=True,
+                # Only stop strings need text; without them vLLM skips its per-token detokenization.
+                detokenize=bool(row_stops),
                 logprobs=0,
             )
         )

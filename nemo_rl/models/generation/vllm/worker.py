@@ -152,6 +152,9 @@ class VllmGenerationWorker:
         if data.size == 0:
             return empty_generation_output(data)
         check_generation_input(data)
+        # A sleeping vLLM engine keeps its scheduler paused until every pool is back: requests sent to it
+        # would wait forever, so a caller that skipped prepare_for_generation gets the engine woken.
+        self._wake({WEIGHTS_TAG, KV_CACHE_TAG})
         input_ids, input_lengths = data["input_ids"], data["input_lengths"]
         params = sampling_params_for_rows(
             self._sampling_params_cls,
