@@ -45,7 +45,9 @@ class PolicyInterface(Protocol):
     """A trainable language-model policy spread over workers; every method is a collective over them."""
 
     def get_logprobs(self, data: BatchedDataDict[Any]) -> BatchedDataDict[Any]:
-        """``{"logprobs": [B, T] float32}`` of ``data["input_ids"]`` under the current weights."""
+        """``{"logprobs": [B, T] float32}`` of ``data["input_ids"]`` under the current weights:
+        ``log_softmax(logits / policy.generation.temperature)`` over the whole vocabulary, the sampler's
+        log-probs whenever top-k/top-p are off (the contract in :mod:`nemo_rl.models.generation.interfaces`)."""
         ...
 
     def get_reference_policy_logprobs(self, data: BatchedDataDict[Any]) -> BatchedDataDict[Any]:
