@@ -317,17 +317,24 @@ def test_tensor_parallel_2_matches_hf_before_and_after_an_update(
         generation.shutdown()
 
 
+needs_megatron = pytest.mark.skipif(
+    importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed (the mcore extra)"
+)
+
+
 @pytest.mark.parametrize(
-    ("colocated", "transport"),
+    ("colocated", "transport", "backend"),
     [
-        (True, "shared_memory"),
-        (True, "collective"),
-        pytest.param(False, "collective", marks=needs_two_gpus),
-        pytest.param(False, "shared_memory", marks=needs_two_gpus),
+        (True, "shared_memory", "dtensor"),
+        (True, "collective", "dtensor"),
+        pytest.param(False, "collective", "dtensor", marks=needs_two_gpus),
+        pytest.param(False, "shared_memory", "dtensor", marks=needs_two_gpus),
+        # The Megatron policy sends the same Hugging Face-named stream.
+        pytest.param(True, "shared_memory", "megatron", marks=needs_megatron),
     ],
 )
 def test_refit_from_the_policy(
-    tiny: dict[str, Any], cluster: RayVirtualCluster, colocated: bool, transport: str
+    tiny: dict[str, Any], cluster: RayVirtualCluster, colocated: bool, transport: str, backend: str
 ) -> None:
     from nemo_rl.models.generation.vllm.generation import VllmGeneration
     from nemo_rl.models.policy.lm_policy import Policy
@@ -338,6 +345,17 @@ def test_refit_from_the_policy(
     placement = {"enabled": True} if colocated else {"enabled": False, "resources": {"gpus_per_node": 1}}
     # The policy holds weights A; vLLM starts from B, so only a working refit gives A's greedy outputs.
     cfg = _cfg(tiny["dirs"]["a"], colocated=placement)
+    if backend == "megatron":
+        dumped = cfg.model_dump()
+        cfg = PolicyConfig.model_validate(
+            {
+                **dumped,
+                "dtensor_cfg": {**dumped["dtensor_cfg"], "enabled": False},
+                "megatron_cfg": {**dumped["megatron_cfg"], "enabled": True},
+                "optimizer": None,
+                "scheduler": None,
+            }
+        )
     generation = VllmGeneration(
         cluster,
         cfg,
@@ -354,7 +372,7 @@ def test_refit_from_the_policy(
         policy = Policy(
             cluster,
             cfg,
-            name_prefix=f"vllm_refit_{transport}",
+            name_prefix=f"vllm_refit_{backend}_{transport}",
             bundle_indices=policy_bundles,
             init_reference_model=False,
         )
