@@ -22,10 +22,8 @@ FlexAttention backend (so model classes build). Everything else is vLLM's code a
 from __future__ import annotations
 
 import ast
-import dataclasses
 import importlib
 import importlib.util
-import inspect
 import itertools
 import os
 import tempfile
@@ -50,6 +48,7 @@ from nemo_rl.models.generation.vllm.convert import (
     WORKER_EXTENSION_CLS,
     assemble_outputs,
     check_engine_arg_names,
+    engine_arg_names,
     engine_kwargs,
     hf_weights_manifest,
     request_seeds,
@@ -145,9 +144,10 @@ ENGINE_SETTINGS = {
 
 
 def llm_argument_names(vllm_cpu: SimpleNamespace) -> set[str]:
-    """What ``vllm.LLM(**kwargs)`` accepts: its own parameters and every ``EngineArgs`` field."""
-    fields = {field.name for field in dataclasses.fields(vllm_cpu.EngineArgs)}
-    return fields | set(inspect.signature(vllm_cpu.vllm.LLM.__init__).parameters) - {"self", "kwargs"}
+    """What ``vllm.LLM(**kwargs)`` accepts (the set the worker checks ``vllm_kwargs`` against)."""
+    names = engine_arg_names(vllm_cpu.EngineArgs, vllm_cpu.vllm.LLM)
+    assert {"model", "seed", "logprobs_mode", "enable_prefix_caching"} <= names
+    return names
 
 
 @pytest.mark.parametrize("setting", list(ENGINE_SETTINGS))

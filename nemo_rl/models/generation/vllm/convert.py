@@ -9,7 +9,9 @@ Legend: ``B`` rows of a batch, ``T`` input width, ``T'`` output width.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import inspect
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -113,6 +115,13 @@ def check_vllm_config(cfg: PolicyConfig) -> None:
     if owned:
         fixes = "; ".join(f"{key}: set {OWNED_ENGINE_ARGS[key]}" for key in owned)
         raise UserError(f"policy.generation.vllm_kwargs may not set {owned}, nemo_rl derives them ({fixes})")
+
+
+def engine_arg_names(engine_args_cls: Any, llm_cls: Any) -> set[str]:
+    """What ``vllm.LLM(**kwargs)`` accepts: the fields of ``engine_args_cls`` (``vllm.engine.arg_utils.EngineArgs``,
+    which ``LLM`` forwards its extra keyword arguments to) and ``llm_cls.__init__``'s own parameters."""
+    own = set(inspect.signature(llm_cls.__init__).parameters) - {"self", "kwargs"}
+    return {field.name for field in dataclasses.fields(engine_args_cls)} | own
 
 
 def check_engine_arg_names(names: Collection[str], known: Collection[str]) -> None:

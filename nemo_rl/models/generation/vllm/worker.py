@@ -11,9 +11,7 @@ vLLM is imported in the constructor only, so this module imports on machines wit
 
 from __future__ import annotations
 
-import dataclasses
 import gc
-import inspect
 import logging
 import os
 from collections.abc import Iterable, Sequence
@@ -43,6 +41,7 @@ from nemo_rl.models.generation.vllm.convert import (
     assemble_outputs,
     check_engine_arg_names,
     check_vllm_config,
+    engine_arg_names,
     engine_kwargs,
     generation_budgets,
     hf_weights_manifest,
@@ -135,11 +134,7 @@ class VllmGenerationWorker:
         from vllm.engine.arg_utils import EngineArgs
 
         self._sampling_params_cls = vllm.SamplingParams
-        check_engine_arg_names(
-            self.cfg.generation.vllm_kwargs,
-            {field.name for field in dataclasses.fields(EngineArgs)}
-            | set(inspect.signature(vllm.LLM.__init__).parameters),
-        )
+        check_engine_arg_names(self.cfg.generation.vllm_kwargs, engine_arg_names(EngineArgs, vllm.LLM))
         tokenizer_source = self.cfg.tokenizer.name or self.model_source
         return vllm.LLM(
             **engine_kwargs(self.cfg, model=self.model_source, tokenizer=tokenizer_source, seed=seed)
