@@ -1,0 +1,314 @@
+"""`sbatch ray.sub` on a real SLURM (Debian's slurmctld/slurmd, two slurmd on this host as two nodes).
+
+`tools/slurm/local_cluster.sh` installs (if needed) and starts the daemons; this module needs root for that
+and skips otherwise. Every job runs from a fresh clone of this checkout (plus its uncommitted changes) with
+its own `uv sync --locked` environment, as a user would submit it:
+
+- batch mode: tiny GRPO for 2 steps across both nodes, its metrics, checkpoint and per-node logs;
+- attach mode: GRPO started through `<jobid>-attach.sh`, then the time-limit warning (`scancel --batch
+  --signal=USR1`): the driver saves a checkpoint after its step, the job ends by itself;
+- `scancel` of an attached cluster whose actors hold refit shared-memory segments: a driver without the
+  job's token is refused first; after the cancel no process of the job, no Ray directory and no segment.
+
+After each job: no process whose environment carries the job id is left, nor its Ray temp directories.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slurm
+
+ROOT = Path(__file__).resolve().parents[2]
+LOCAL_CLUSTER = ROOT / "tools" / "slurm" / "local_cluster.sh"
+JOB_TIMEOUT_S = 600
+
+GRPO = (
+    "uv run python examples/run_grpo_math.py --config examples/configs/grpo_math_tiny.yaml "
+    "grpo.num_prompts_per_step=4 grpo.num_generations_per_prompt=4 grpo.val_at_start=false grpo.val_period=0 "
+    "policy.train_global_batch_size=16 policy.train_micro_batch_size=8 policy.logprob_batch_size=8 "
+    "logger.progress_bar=false cluster.gpus_per_node=1"
+)
+
+
+def _run(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=kwargs.pop("timeout", 120), **kwargs)
+
+
+@pytest.fixture(scope="module")
+def slurm_nodes() -> Iterator[list[str]]:
+    """A running local SLURM with two nodes; stopped again at the end if this fixture started it."""
+    if os.geteuid() != 0:
+        pytest.skip("starting SLURM daemons needs root (tools/slurm/local_cluster.sh)")
+    if shutil.which("slurmctld") is None and shutil.which("apt-get") is None:
+        pytest.skip("SLURM is not installed and there is no apt-get to install it")
+    was_running = _run(["bash", str(LOCAL_CLUSTER), "status"]).returncode == 0
+    up = _run(["bash", str(LOCAL_CLUSTER), "up", "--nodes", "2"], timeout=600)
+    assert up.returncode == 0, f"local SLURM did not start:\n{up.stdout}\n{up.stderr}"
+    nodes = _run(["sinfo", "-h", "-N", "-o", "%N"]).stdout.split()
+    try:
+        yield sorted(set(nodes))
+    finally:
+        if not was_running:
+            _run(["bash", str(LOCAL_CLUSTER), "stop"])
+
+
+@pytest.fixture(scope="module")
+def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh clone of this checkout, with its uncommitted changes, and its own locked environment."""
+    uv = os.environ.get("UV") or shutil.which("uv")
+    if uv is None:
+        pytest.skip("uv is not on PATH")
+    dest = tmp_path_factory.mktemp("slurm") / "repo"
+    assert _run(["git", "clone", "--quiet", str(ROOT), str(dest)]).returncode == 0
+    diff = _run(["git", "diff", "HEAD", "--binary"], cwd=ROOT).stdout
+    if diff:
+        applied = subprocess.run(["git", "apply", "--allow-empty", "-"], cwd=dest, input=diff, text=True)
+        assert applied.returncode == 0
+    untracked = _run(["git", "ls-files", "--others", "--exclude-standard"], cwd=ROOT).stdout.split()
+    for name in untracked:
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, dest / name)
+    sync = _run([uv, "sync", "--locked", "--quiet"], cwd=dest, env=_job_env(), timeout=900)
+    assert sync.returncode == 0, sync.stderr[-3000:]
+    return dest
+
+
+def _job_env(**extra: str) -> dict[str, str]:
+    """The submitting shell: this process's environment without its own virtual environment or Ray session."""
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "RAY_ADDRESS", "PYTHONPATH")}
+    venv_bin = str(Path(sys.prefix) / "bin")
+    path = [p for p in env.get("PATH", "").split(os.pathsep) if p and p != venv_bin]
+    uv = os.environ.get("UV") or shutil.which("uv")
+    if uv:
+        path.insert(0, str(Path(uv).parent))
+    env["PATH"] = os.pathsep.join(path)
+    env.update(
+        PYTHONUNBUFFERED="1",
+        INCLUDE_DASHBOARD="0",
+        RAY_NUM_CPUS="4",
+        NUM_RETRIES="4",
+        WORKER_NUM_RETRIES="8",
+        CLUSTER_READY_TIMEOUT_S="300",
+    )
+    env.update(extra)
+    return env
+
+
+def _sbatch(clone: Path, nodes: int, **env: str) -> str:
+    result = _run(
+        ["sbatch", "--parsable", f"--nodes={nodes}", f"--chdir={clone}", str(clone / "ray.sub")],
+        cwd=clone,
+        env=_job_env(**env),
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip().split(";")[0]
+
+
+def _job(job_id: str) -> dict[str, str]:
+    line = _run(["scontrol", "show", "job", "-o", job_id]).stdout
+    return dict(re.findall(r"(\w+)=(\S*)", line))
+
+
+def _wait_until_ended(job_id: str, timeout_s: float = JOB_TIMEOUT_S) -> dict[str, str]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        info = _job(job_id)
+        if info.get("JobState") not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", None):
+            return info
+        time.sleep(0.5)
+    _run(["scancel", job_id])
+    pytest.fail(f"job {job_id} still running after {timeout_s:.0f} s")
+
+
+def _wait_for(predicate: Any, what: str, job_id: str, timeout_s: float = JOB_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if _job(job_id).get("JobState") not in ("PENDING", "RUNNING", "CONFIGURING"):
+            pytest.fail(f"job {job_id} ended before {what}")
+        if time.monotonic() > deadline:
+            _run(["scancel", job_id])
+            pytest.fail(f"no {what} within {timeout_s:.0f} s")
+        time.sleep(0.3)
+
+
+def _metrics(log_dir: Path) -> dict[int, dict[str, Any]]:
+    by_step: dict[int, dict[str, Any]] = {}
+    path = log_dir / "metrics.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            by_step.setdefault(record["step"], {}).update(record)
+    return by_step
+
+
+def _processes_of(job_id: str) -> list[str]:
+    """Live processes started by the job (SLURM exports SLURM_JOB_ID to every step; Ray keeps its environment)."""
+    marks = (f"SLURM_JOB_ID={job_id}".encode(), f"RAY_SUB_NODE={job_id}.".encode())
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if any(entry == marks[0] or entry.startswith(marks[1]) for entry in environ):
+            found.append(f"{proc.name}: {cmdline[:160]}")
+    return found
+
+
+def _assert_nothing_left(job_id: str) -> None:
+    deadline = time.monotonic() + 30
+    while (left := _processes_of(job_id)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"job {job_id} left processes behind:\n" + "\n".join(left)
+    assert not list(Path("/tmp").glob(f"ray-{job_id}-*")), "Ray temp directories were left in /tmp"
+
+
+def test_batch_mode_runs_tiny_grpo_on_two_nodes(slurm_nodes: list[str], clone: Path) -> None:
+    run_dir = clone / "runs" / "batch"
+    command = (
+        f"{GRPO} grpo.max_num_steps=2 cluster.num_nodes={len(slurm_nodes)} "
+        f"logger.log_dir={run_dir / 'logs'} checkpointing.checkpoint_dir={run_dir / 'ckpt'}"
+    )
+    job_id = _sbatch(clone, len(slurm_nodes), COMMAND=command)
+    info = _wait_until_ended(job_id)
+    out = (clone / f"ray-{job_id}.out").read_text()
+    logs = clone / f"{job_id}-logs"
+    driver = (logs / "ray-driver.log").read_text() if (logs / "ray-driver.log").exists() else ""
+    assert info["JobState"] == "COMPLETED", f"{info}\n{out[-3000:]}\n{driver[-5000:]}"
+    assert (
+        f"all {len(slurm_nodes)} nodes joined the Ray cluster" in out
+        and "COMMAND exited with status 0" in out
+    )
+    assert "GRPO finished at step 2" in driver, driver[-3000:]
+
+    metrics = _metrics(run_dir / "logs")
+    for step in (1, 2):
+        for name in ("train/loss", "train/reward", "timing/train/total_step_time"):
+            assert name in metrics[step], f"{name} missing at step {step}: {sorted(metrics[step])}"
+    assert metrics[2]["refit/bytes"] > 0
+    assert (run_dir / "ckpt" / "step_2" / "training_info.json").exists()
+
+    # One log per node; the token is the job's own, readable by its owner only.
+    assert (logs / "ray-head.log").exists() and len(list(logs.glob("ray-worker-*.log"))) == len(
+        slurm_nodes
+    ) - 1
+    token = logs / "ray_auth_token"
+    assert token.stat().st_mode & 0o777 == 0o600 and len(token.read_text()) == 64
+    assert f"RAY_AUTH_TOKEN_PATH={token}" in (logs / "ray-env.sh").read_text()
+    assert "Ray is up" in (logs / "ray-head.log").read_text()
+    _assert_nothing_left(job_id)
+
+
+def _attach(clone: Path, job_id: str, command: str) -> subprocess.Popen[str]:
+    attach = clone / f"{job_id}-attach.sh"
+    return subprocess.Popen(
+        ["bash", str(attach)],
+        cwd=clone,
+        env=_job_env(COMMAND=command),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def test_attach_mode_then_time_limit_warning_saves_a_checkpoint(slurm_nodes: list[str], clone: Path) -> None:
+    run_dir = clone / "runs" / "attach"
+    job_id = _sbatch(clone, 1, PORT="1220", RAY_CLIENT_SERVER_PORT="1221", NODE_MANAGER_PORT="1321")
+    attach = clone / f"{job_id}-attach.sh"
+    _wait_for(attach.exists, "attach script", job_id)
+    command = (
+        f"{GRPO} grpo.max_num_steps=100 cluster.num_nodes=1 checkpointing.save_period=1000 "
+        f"logger.log_dir={run_dir / 'logs'} checkpointing.checkpoint_dir={run_dir / 'ckpt'}"
+    )
+    driver = _attach(clone, job_id, command)
+    try:
+        _wait_for(lambda: "train/loss" in _metrics(run_dir / "logs").get(1, {}), "step-1 metrics", job_id)
+        # What SLURM sends ray.sub before the time limit (#SBATCH --signal=B:USR1@300).
+        assert _run(["scancel", "--batch", "--signal=USR1", job_id]).returncode == 0
+        output, _ = driver.communicate(timeout=JOB_TIMEOUT_S)
+    finally:
+        driver.kill()
+    assert driver.returncode == 0, output[-5000:]
+    stopped = re.search(r"SIGTERM received: stopping after step (\d+)", output)
+    assert stopped, output[-5000:]
+    step = int(stopped.group(1))
+    assert (run_dir / "ckpt" / f"step_{step}" / "training_info.json").exists()
+    assert "train/loss" in _metrics(run_dir / "logs")[step]
+    info = _wait_until_ended(job_id, timeout_s=120)
+    assert info["JobState"] == "COMPLETED", info
+    assert "received SIGUSR1" in (clone / f"ray-{job_id}.out").read_text()
+    _assert_nothing_left(job_id)
+
+
+HOLD_SEGMENTS = """
+import os, time, ray
+from nemo_rl.distributed.virtual_cluster import init_ray
+
+init_ray()
+
+@ray.remote(num_cpus=1)
+class Holder:
+    def hold(self, name):
+        # What a refit writer does: a segment under /dev/shm, mapped while it is filled.
+        fd = os.open("/dev/shm/" + name, os.O_CREAT | os.O_RDWR, 0o600)
+        os.ftruncate(fd, 1 << 20)
+        self.map = __import__("mmap").mmap(fd, 1 << 20)
+        return os.getpid()
+
+holders = [Holder.remote() for _ in range(2)]
+print("holding", ray.get([h.hold.remote(f"nemo_rl_refit_test{JOB}_{i}") for i, h in enumerate(holders)], timeout=120), flush=True)
+time.sleep(3600)
+"""
+
+
+def test_scancel_leaves_no_process_directory_or_segment(slurm_nodes: list[str], clone: Path) -> None:
+    job_id = _sbatch(clone, 1, PORT="1240", RAY_CLIENT_SERVER_PORT="1241", NODE_MANAGER_PORT="1341")
+    attach = clone / f"{job_id}-attach.sh"
+    _wait_for(attach.exists, "attach script", job_id)
+    address = re.search(r"RAY_ADDRESS=(\S+)", (clone / f"{job_id}-logs" / "ray-env.sh").read_text())
+    assert address
+
+    # Without the job's token the cluster refuses the driver, which says how to fix it.
+    refused = _run(
+        [
+            str(clone / ".venv" / "bin" / "python"),
+            "-c",
+            "from nemo_rl.config.cli import run_cli; from nemo_rl.distributed.virtual_cluster import init_ray; "
+            "run_cli(init_ray)",
+        ],
+        cwd=clone,
+        env={**_job_env(), "RAY_ADDRESS": address.group(1)},
+        timeout=180,
+    )
+    assert refused.returncode == 2 and "RAY_AUTH_MODE=token" in refused.stderr, refused.stderr[-3000:]
+
+    script = clone / "hold_segments.py"
+    script.write_text(HOLD_SEGMENTS.replace("{JOB}", job_id))
+    driver = _attach(clone, job_id, f"python {script}")
+    segments = [Path(f"/dev/shm/nemo_rl_refit_test{job_id}_{i}") for i in range(2)]
+    try:
+        _wait_for(lambda: all(s.exists() for s in segments), "segments from the attached driver", job_id)
+        assert _run(["scancel", job_id]).returncode == 0
+        _wait_until_ended(job_id, timeout_s=120)
+        driver.wait(timeout=60)
+    finally:
+        driver.kill()
+        output = driver.stdout.read() if driver.stdout else ""
+    assert "holding" in output, output[-3000:]
+    _assert_nothing_left(job_id)
+    assert not [s for s in segments if s.exists()], "shared-memory segments of the cancelled job were left"
