@@ -5,12 +5,15 @@ and skips otherwise. Every job runs from a fresh clone of this checkout (plus it
 its own `uv sync --locked` environment, as a user would submit it:
 
 - batch mode: tiny GRPO for 2 steps across both nodes, its metrics, checkpoint and per-node logs;
-- attach mode: GRPO started through `<jobid>-attach.sh`, then the time-limit warning (`scancel --batch
-  --signal=USR1`): the driver saves a checkpoint after its step, the job ends by itself;
-- `scancel` of an attached cluster whose actors hold refit shared-memory segments: a driver without the
-  job's token is refused first; after the cancel no process of the job, no Ray directory and no segment.
+- attach mode, two one-node jobs side by side (their own ports): a driver started through
+  `<jobid>-attach.sh` attaches with the job's token, starts actors that map refit-style shared-memory
+  segments, and trains with nemo_rl's stop check (the one GRPO and SFT use). In one job the time-limit
+  warning (`scancel --batch --signal=USR1`) reaches it: it stops after its step and the job ends by
+  itself. The other is cancelled with a plain `scancel`, after a driver without the token was refused.
 
-After each job: no process whose environment carries the job id is left, nor its Ray temp directories.
+After each job: no process whose environment carries the job id, no Ray temp directory, no segment.
+(That SIGTERM makes GRPO save a checkpoint after its step is checked by tests/unit/test_timer.py and
+the GRPO loop's use of the same check.)
 """
 
 from __future__ import annotations
@@ -214,76 +217,134 @@ def test_batch_mode_runs_tiny_grpo_on_two_nodes(slurm_nodes: list[str], clone: P
     _assert_nothing_left(job_id)
 
 
-def _attach(clone: Path, job_id: str, command: str) -> subprocess.Popen[str]:
-    attach = clone / f"{job_id}-attach.sh"
-    return subprocess.Popen(
-        ["bash", str(attach)],
-        cwd=clone,
-        env=_job_env(COMMAND=command),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+def _ports(offset: int) -> dict[str, str]:
+    """All of ray.sub's port variables, moved by ``offset`` so two jobs can share a host."""
+    defaults = {
+        "PORT": 1200,
+        "RAY_CLIENT_SERVER_PORT": 1201,
+        "DASHBOARD_PORT": 8265,
+        "NODE_MANAGER_PORT": 1301,
+        "OBJECT_MANAGER_PORT": 1303,
+        "RUNTIME_ENV_AGENT_PORT": 1305,
+        "DASHBOARD_AGENT_GRPC_PORT": 1307,
+        "METRICS_EXPORT_PORT": 1309,
+        "DASHBOARD_AGENT_LISTEN_PORT": 1311,
+        "MIN_WORKER_PORT": 2000,
+        "MAX_WORKER_PORT": 2999,
+    }
+    return {name: str(port + offset) for name, port in defaults.items()}
 
 
-def test_attach_mode_then_time_limit_warning_saves_a_checkpoint(slurm_nodes: list[str], clone: Path) -> None:
-    run_dir = clone / "runs" / "attach"
-    job_id = _sbatch(clone, 1, PORT="1220", RAY_CLIENT_SERVER_PORT="1221", NODE_MANAGER_PORT="1321")
-    attach = clone / f"{job_id}-attach.sh"
-    _wait_for(attach.exists, "attach script", job_id)
-    command = (
-        f"{GRPO} grpo.max_num_steps=100 cluster.num_nodes=1 checkpointing.save_period=1000 "
-        f"logger.log_dir={run_dir / 'logs'} checkpointing.checkpoint_dir={run_dir / 'ckpt'}"
-    )
-    driver = _attach(clone, job_id, command)
-    try:
-        _wait_for(lambda: "train/loss" in _metrics(run_dir / "logs").get(1, {}), "step-1 metrics", job_id)
-        # What SLURM sends ray.sub before the time limit (#SBATCH --signal=B:USR1@300).
-        assert _run(["scancel", "--batch", "--signal=USR1", job_id]).returncode == 0
-        output, _ = driver.communicate(timeout=JOB_TIMEOUT_S)
-    finally:
-        driver.kill()
-    assert driver.returncode == 0, output[-5000:]
-    stopped = re.search(r"SIGTERM received: stopping after step (\d+)", output)
-    assert stopped, output[-5000:]
-    step = int(stopped.group(1))
-    assert (run_dir / "ckpt" / f"step_{step}" / "training_info.json").exists()
-    assert "train/loss" in _metrics(run_dir / "logs")[step]
-    info = _wait_until_ended(job_id, timeout_s=120)
-    assert info["JobState"] == "COMPLETED", info
-    assert "received SIGUSR1" in (clone / f"ray-{job_id}.out").read_text()
-    _assert_nothing_left(job_id)
-
-
-HOLD_SEGMENTS = """
-import os, time, ray
+# An attached driver: Ray actors that map shared-memory segments named like the refit's, then a training
+# loop that stops the way GRPO's does (TimeoutChecker.stop_on_signals).
+DRIVER = """
+import mmap, os, sys, time
+import ray
 from nemo_rl.distributed.virtual_cluster import init_ray
+from nemo_rl.utils.timer import TimeoutChecker
 
 init_ray()
+print("cpus", int(ray.cluster_resources()["CPU"]), flush=True)
 
 @ray.remote(num_cpus=1)
 class Holder:
     def hold(self, name):
-        # What a refit writer does: a segment under /dev/shm, mapped while it is filled.
         fd = os.open("/dev/shm/" + name, os.O_CREAT | os.O_RDWR, 0o600)
         os.ftruncate(fd, 1 << 20)
-        self.map = __import__("mmap").mmap(fd, 1 << 20)
+        self.segment = mmap.mmap(fd, 1 << 20)
         return os.getpid()
 
 holders = [Holder.remote() for _ in range(2)]
-print("holding", ray.get([h.hold.remote(f"nemo_rl_refit_test{JOB}_{i}") for i, h in enumerate(holders)], timeout=120), flush=True)
-time.sleep(3600)
+pids = ray.get([h.hold.remote(f"nemo_rl_refit_test{JOB}_{i}") for i, h in enumerate(holders)], timeout=300)
+checker = TimeoutChecker(None, fit_last_save_time=True)
+checker.stop_on_signals()
+step = 0
+print("training", pids, flush=True)
+while not checker.check_save():
+    step += 1
+    time.sleep(0.2)
+print(f"{checker.stop_reason}: stopping after step {step}", flush=True)
 """
 
 
-def test_scancel_leaves_no_process_directory_or_segment(slurm_nodes: list[str], clone: Path) -> None:
-    job_id = _sbatch(clone, 1, PORT="1240", RAY_CLIENT_SERVER_PORT="1241", NODE_MANAGER_PORT="1341")
-    attach = clone / f"{job_id}-attach.sh"
-    _wait_for(attach.exists, "attach script", job_id)
+@pytest.fixture(scope="module")
+def attached(slurm_nodes: list[str], clone: Path) -> Iterator[dict[str, tuple[str, subprocess.Popen[str]]]]:
+    """Two attach-mode jobs, one per node, each running DRIVER through its attach script."""
+    jobs = {}
+    for name, node, offset in (("usr1", slurm_nodes[0], 3000), ("scancel", slurm_nodes[-1], 4000)):
+        env = _job_env(**_ports(offset))
+        result = _run(
+            [
+                "sbatch",
+                "--parsable",
+                "--nodes=1",
+                f"--nodelist={node}",
+                f"--chdir={clone}",
+                str(clone / "ray.sub"),
+            ],
+            cwd=clone,
+            env=env,
+        )
+        assert result.returncode == 0, result.stderr
+        jobs[name] = result.stdout.strip().split(";")[0]
+    drivers: dict[str, tuple[str, subprocess.Popen[str]]] = {}
+    try:
+        for name, job_id in jobs.items():
+            attach = clone / f"{job_id}-attach.sh"
+            _wait_for(attach.exists, "attach script", job_id)
+            script = clone / f"driver_{job_id}.py"
+            script.write_text(DRIVER.replace("{JOB}", job_id))
+            proc = subprocess.Popen(
+                ["bash", str(attach)],
+                cwd=clone,
+                env=_job_env(COMMAND=f"python {script}"),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            drivers[name] = (job_id, proc)
+        for job_id in jobs.values():
+            segments = _segments(job_id)
+            _wait_for(
+                lambda s=segments: all(p.exists() for p in s), "segments of the attached driver", job_id
+            )
+        yield drivers
+    finally:
+        for _, proc in drivers.values():
+            proc.kill()
+        for job_id in jobs.values():
+            _run(["scancel", job_id])
+
+
+def _segments(job_id: str) -> list[Path]:
+    return [Path(f"/dev/shm/nemo_rl_refit_test{job_id}_{i}") for i in range(2)]
+
+
+def test_time_limit_warning_stops_the_attached_driver_after_its_step(
+    attached: dict[str, tuple[str, subprocess.Popen[str]]], clone: Path
+) -> None:
+    job_id, driver = attached["usr1"]
+    # What SLURM sends ray.sub 300 s before the time limit (#SBATCH --signal=B:USR1@300).
+    assert _run(["scancel", "--batch", "--signal=USR1", job_id]).returncode == 0
+    output, _ = driver.communicate(timeout=180)
+    assert driver.returncode == 0, output[-3000:]
+    assert "cpus 4" in output  # attached to this job's cluster (RAY_NUM_CPUS) with the job's token
+    assert re.search(r"SIGTERM received: stopping after step \d+", output), output[-3000:]
+    info = _wait_until_ended(job_id, timeout_s=120)
+    assert info["JobState"] == "COMPLETED", info
+    out = (clone / f"ray-{job_id}.out").read_text()
+    assert "received SIGUSR1" in out and f"driver steps ended: {job_id}." in out, out[-2000:]
+    _assert_nothing_left(job_id)
+    assert not [s for s in _segments(job_id) if s.exists()], "the job left shared-memory segments"
+
+
+def test_scancel_leaves_no_process_directory_or_segment(
+    attached: dict[str, tuple[str, subprocess.Popen[str]]], clone: Path
+) -> None:
+    job_id, driver = attached["scancel"]
     address = re.search(r"RAY_ADDRESS=(\S+)", (clone / f"{job_id}-logs" / "ray-env.sh").read_text())
     assert address
-
-    # Without the job's token the cluster refuses the driver, which says how to fix it.
+    # Without the job's token the cluster refuses a driver, which says how to fix it.
     refused = _run(
         [
             str(clone / ".venv" / "bin" / "python"),
@@ -297,18 +358,8 @@ def test_scancel_leaves_no_process_directory_or_segment(slurm_nodes: list[str], 
     )
     assert refused.returncode == 2 and "RAY_AUTH_MODE=token" in refused.stderr, refused.stderr[-3000:]
 
-    script = clone / "hold_segments.py"
-    script.write_text(HOLD_SEGMENTS.replace("{JOB}", job_id))
-    driver = _attach(clone, job_id, f"python {script}")
-    segments = [Path(f"/dev/shm/nemo_rl_refit_test{job_id}_{i}") for i in range(2)]
-    try:
-        _wait_for(lambda: all(s.exists() for s in segments), "segments from the attached driver", job_id)
-        assert _run(["scancel", job_id]).returncode == 0
-        _wait_until_ended(job_id, timeout_s=120)
-        driver.wait(timeout=60)
-    finally:
-        driver.kill()
-        output = driver.stdout.read() if driver.stdout else ""
-    assert "holding" in output, output[-3000:]
+    assert _run(["scancel", job_id]).returncode == 0
+    _wait_until_ended(job_id, timeout_s=120)
+    driver.wait(timeout=60)
     _assert_nothing_left(job_id)
-    assert not [s for s in segments if s.exists()], "shared-memory segments of the cancelled job were left"
+    assert not [s for s in _segments(job_id) if s.exists()], "the cancelled job left shared-memory segments"
