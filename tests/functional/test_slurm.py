@@ -5,7 +5,7 @@ and skips otherwise. Every job runs from a fresh clone of this checkout (plus it
 its own `uv sync --locked` environment, as a user would submit it:
 
 - batch mode: tiny GRPO for 2 steps across both nodes, its metrics, checkpoint and per-node logs;
-- attach mode, two one-node jobs side by side (their own ports): a driver started through
+- attach mode, two one-node jobs at once (their own ports): a driver started through
   `<jobid>-attach.sh` attaches with the job's token, starts actors that map refit-style shared-memory
   segments, and trains with nemo_rl's stop check (the one GRPO and SFT use). In one job the time-limit
   warning (`scancel --batch --signal=USR1`) reaches it: it stops after its step and the job ends by
@@ -101,9 +101,10 @@ def _job_env(**extra: str) -> dict[str, str]:
         PYTHONUNBUFFERED="1",
         INCLUDE_DASHBOARD="0",
         RAY_NUM_CPUS="4",
-        NUM_RETRIES="4",
-        WORKER_NUM_RETRIES="8",
-        CLUSTER_READY_TIMEOUT_S="300",
+        # Ray's raylet gives its agents a fixed 15 s to start, which a busy 2-core machine can miss: retry.
+        NUM_RETRIES="8",
+        WORKER_NUM_RETRIES="10",
+        CLUSTER_READY_TIMEOUT_S="600",
     )
     env.update(extra)
     return env
@@ -135,10 +136,29 @@ def _wait_until_ended(job_id: str, timeout_s: float = JOB_TIMEOUT_S) -> dict[str
     pytest.fail(f"job {job_id} still running after {timeout_s:.0f} s")
 
 
+def _skip_if_ray_could_not_start(clone: Path, job_id: str) -> None:
+    """Skip (not fail) when every Ray start failed on Ray's fixed 15 s wait for its agents: a machine too busy.
+
+    Any other reason a node did not come up is a failure.
+    """
+    out = (clone / f"ray-{job_id}.out").read_text() if (clone / f"ray-{job_id}.out").exists() else ""
+    if "Ray did not start on the head node" not in out and "nodes joined the Ray cluster within" not in out:
+        return
+    raylet_logs = list((clone / f"{job_id}-logs" / "ray").glob("*/raylet.out"))
+    crashed = [p for p in raylet_logs if "Timed out waiting for file" in p.read_text(errors="replace")]
+    if raylet_logs and crashed:
+        pytest.skip(
+            f"job {job_id}: Ray's raylet gave up on its agents after its fixed 15 s in {len(crashed)} of "
+            f"{len(raylet_logs)} start attempts (this machine is too busy to start Ray); see {crashed[0]}"
+        )
+
+
 def _wait_for(predicate: Any, what: str, job_id: str, timeout_s: float = JOB_TIMEOUT_S) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if _job(job_id).get("JobState") not in ("PENDING", "RUNNING", "CONFIGURING"):
+            clone = Path(_job(job_id).get("WorkDir", "."))
+            _skip_if_ray_could_not_start(clone, job_id)
             pytest.fail(f"job {job_id} ended before {what}")
         if time.monotonic() > deadline:
             _run(["scancel", job_id])
@@ -192,6 +212,8 @@ def test_batch_mode_runs_tiny_grpo_on_two_nodes(slurm_nodes: list[str], clone: P
     out = (clone / f"ray-{job_id}.out").read_text()
     logs = clone / f"{job_id}-logs"
     driver = (logs / "ray-driver.log").read_text() if (logs / "ray-driver.log").exists() else ""
+    if info["JobState"] != "COMPLETED":
+        _skip_if_ray_could_not_start(clone, job_id)
     assert info["JobState"] == "COMPLETED", f"{info}\n{out[-3000:]}\n{driver[-5000:]}"
     assert (
         f"all {len(slurm_nodes)} nodes joined the Ray cluster" in out
@@ -270,26 +292,25 @@ print(f"{checker.stop_reason}: stopping after step {step}", flush=True)
 @pytest.fixture(scope="module")
 def attached(slurm_nodes: list[str], clone: Path) -> Iterator[dict[str, tuple[str, subprocess.Popen[str]]]]:
     """Two attach-mode jobs, one per node, each running DRIVER through its attach script."""
-    jobs = {}
-    for name, node, offset in (("usr1", slurm_nodes[0], 3000), ("scancel", slurm_nodes[-1], 4000)):
-        env = _job_env(**_ports(offset))
-        result = _run(
-            [
-                "sbatch",
-                "--parsable",
-                "--nodes=1",
-                f"--nodelist={node}",
-                f"--chdir={clone}",
-                str(clone / "ray.sub"),
-            ],
-            cwd=clone,
-            env=env,
-        )
-        assert result.returncode == 0, result.stderr
-        jobs[name] = result.stdout.strip().split(";")[0]
+    jobs: dict[str, str] = {}
     drivers: dict[str, tuple[str, subprocess.Popen[str]]] = {}
     try:
-        for name, job_id in jobs.items():
+        # One after the other: a Ray start is the slow part on a busy machine, the rest overlaps.
+        for name, node, offset in (("usr1", slurm_nodes[0], 3000), ("scancel", slurm_nodes[-1], 4000)):
+            result = _run(
+                [
+                    "sbatch",
+                    "--parsable",
+                    "--nodes=1",
+                    f"--nodelist={node}",
+                    f"--chdir={clone}",
+                    str(clone / "ray.sub"),
+                ],
+                cwd=clone,
+                env=_job_env(**_ports(offset)),
+            )
+            assert result.returncode == 0, result.stderr
+            job_id = jobs[name] = result.stdout.strip().split(";")[0]
             attach = clone / f"{job_id}-attach.sh"
             _wait_for(attach.exists, "attach script", job_id)
             script = clone / f"driver_{job_id}.py"
