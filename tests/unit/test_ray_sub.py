@@ -26,8 +26,9 @@ printf '%s\t' "$@" >> "$FAKE_CALLS"; echo >> "$FAKE_CALLS"
 name=""; prev=""
 for a in "$@"; do [[ $prev == -J ]] && name=$a; prev=$a; done
 case $name in
-  ray-head) touch "$LOG_DIR/ray-up-0" "$LOG_DIR/STARTED_RAY_HEAD" ;;
-  ray-worker) n=$(wc -w <<< "$FAKE_NODES"); for ((i = 1; i < n; i++)); do touch "$LOG_DIR/ray-up-$i"; done ;;
+  ray-head) touch "$LOG_DIR/ray-up-0" "$LOG_DIR/STARTED_RAY_HEAD"; echo "4242.0 ray-head $$" >> "$FAKE_STEPS" ;;
+  ray-worker) n=$(wc -w <<< "$FAKE_NODES"); for ((i = 1; i < n; i++)); do touch "$LOG_DIR/ray-up-$i"; done
+              echo "4242.1 ray-worker $$" >> "$FAKE_STEPS" ;;
   driver) exit "${FAKE_DRIVER_STATUS:-0}" ;;
   *) exit 0 ;;
 esac
@@ -43,13 +44,22 @@ fi
 exit 1
 """
 
-FAKE_SQUEUE = """#!/bin/bash
-cat "$FAKE_STEPS" 2>/dev/null
+# Running steps, one "<step id> <name> [pid]" line each; a step with a pid is listed while that process lives.
+FAKE_SQUEUE = r"""#!/bin/bash
+[[ -f $FAKE_STEPS ]] || exit 0
+while read -r id name pid; do
+  if [[ -z $pid ]] || kill -0 "$pid" 2>/dev/null; then echo "$id $name"; fi
+done < "$FAKE_STEPS"
 """
 
-FAKE_SCANCEL = """#!/bin/bash
-printf 'scancel\\t%s\\n' "$*" >> "$FAKE_CALLS"
-: > "$FAKE_STEPS"
+# scancel --signal=TERM STEP: SIGTERM to that step's process, and the step is gone.
+FAKE_SCANCEL = r"""#!/bin/bash
+printf 'scancel\t%s\n' "$*" >> "$FAKE_CALLS"
+step=${!#}
+pid=$(awk -v s="$step" '$1 == s {print $3}' "$FAKE_STEPS")
+if [[ -n $pid ]]; then kill -TERM "$pid"; fi
+awk -v s="$step" '$1 != s' "$FAKE_STEPS" > "$FAKE_STEPS.new" && mv "$FAKE_STEPS.new" "$FAKE_STEPS"
+exit 0
 """
 
 
@@ -200,15 +210,15 @@ def test_attach_mode_writes_the_attach_script_and_a_time_limit_signal_stops_driv
     text = attach.read_text()
     assert "--jobid=4242" in text and "-J attach" in text and "--pty bash" in text
     assert "RAY_AUTH_TOKEN" not in (submit / "4242-logs" / "ray-env.sh").read_text()
-    # An attached driver step and the Ray steps run; SLURM's time-limit warning arrives.
-    Path(slurm["FAKE_STEPS"]).write_text(
-        "4242.0 ray-head\n4242.1 ray-worker\n4242.3 attach\n4242.batch batch\n"
-    )
+    # An attached driver step runs next to the Ray steps; SLURM's time-limit warning arrives.
+    with open(slurm["FAKE_STEPS"], "a") as steps:
+        steps.write("4242.3 attach\n4242.batch batch\n")
     proc.send_signal(signal.SIGUSR1)
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, output
     calls = Path(slurm["FAKE_CALLS"]).read_text().splitlines()
-    assert "scancel\t--signal=TERM 4242.3" in calls, calls
-    # Drivers were signalled before Ray stopped.
-    assert calls.index("scancel\t--signal=TERM 4242.3") < calls.index("ray-head stopped")
+    # The driver first, then the Ray steps (through SLURM, not by signalling the srun clients).
+    assert calls.index("scancel\t--signal=TERM 4242.3") < calls.index("scancel\t--signal=TERM 4242.0")
+    assert calls.index("scancel\t--signal=TERM 4242.0") < calls.index("ray-head stopped")
+    assert "scancel\t--signal=TERM 4242.1" in calls and "ray-worker stopped" in calls
     assert "received SIGUSR1" in output
