@@ -157,10 +157,21 @@ def _skip_if_ray_cannot_start(clone: Path, job_id: str, ended: bool) -> None:
     cluster_up = "joined the Ray cluster at" in out
     if (ended and start_error and timeouts) or (not ended and not cluster_up and len(timeouts) >= 3):
         _run(["scancel", job_id])
-        pytest.skip(
+        _TOO_BUSY.append(
             f"job {job_id}: Ray's raylet gave up on its agents after its fixed 15 s in {len(timeouts)} start "
             f"attempts (this machine is too busy to start Ray); see {timeouts[0]}"
         )
+        pytest.skip(_TOO_BUSY[-1])
+
+
+# Set once a job found the machine too busy to start Ray: the later jobs would only repeat the wait.
+_TOO_BUSY: list[str] = []
+
+
+@pytest.fixture(autouse=True)
+def _skip_when_too_busy() -> None:
+    if _TOO_BUSY:
+        pytest.skip(_TOO_BUSY[0])
 
 
 def _wait_for(predicate: Any, what: str, job_id: str, timeout_s: float = JOB_TIMEOUT_S) -> None:
@@ -303,6 +314,8 @@ print(f"{checker.stop_reason}: stopping after step {step}", flush=True)
 @pytest.fixture(scope="module")
 def attached(slurm_nodes: list[str], clone: Path) -> Iterator[dict[str, tuple[str, subprocess.Popen[str]]]]:
     """Two attach-mode jobs, one per node, each running DRIVER through its attach script."""
+    if _TOO_BUSY:
+        pytest.skip(_TOO_BUSY[0])
     jobs: dict[str, str] = {}
     drivers: dict[str, tuple[str, subprocess.Popen[str]]] = {}
     try:
