@@ -1,7 +1,7 @@
 """Loss functions the policy workers train with: clipped policy gradient (GRPO/PPO/GSPO/REINFORCE),
 negative log-likelihood (SFT), DPO / pairwise preference losses and top-k distillation.
 
-Every loss follows :mod:`nemo_rl.algorithms.interfaces`: per-token tensors are aligned with ``input_ids``
+Every loss follows :mod:`nemo_rl.models.policy.loss_interface`: per-token tensors are aligned with ``input_ids``
 (position 0 is never trained on, so they are sliced ``[:, 1:]`` against ``next_token_logits[:, :-1]``),
 a token is valid where ``token_mask[:, 1:] * sample_mask[:, None]`` is 1, and each call returns its
 micro-batch's *share* of the global loss (its sum divided by the global count of valid tokens or
@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from nemo_rl.algorithms.interfaces import LossType
 from nemo_rl.algorithms.utils import (
     KLType,
     calculate_kl,
@@ -30,6 +29,7 @@ from nemo_rl.algorithms.utils import (
     token_entropy,
 )
 from nemo_rl.config.loss import ClippedPGLossConfig, DistillationLossConfig, DPOLossConfig
+from nemo_rl.models.policy.loss_interface import LossType
 
 if TYPE_CHECKING:
     from nemo_rl.distributed.batched_data_dict import BatchedDataDict
@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 
-# Every loss on token log-probabilities needs these batch keys (see nemo_rl.algorithms.interfaces).
+# Every loss on token log-probabilities needs these batch keys (see nemo_rl.models.policy.loss_interface).
 _TOKEN_LOSS_KEYS = ("input_ids", "token_mask", "sample_mask")
 
 

@@ -98,7 +98,7 @@ def next_token_logprobs(next_token_logits_BTV: torch.Tensor, input_ids_BT: torch
     """Log-probs of ``input_ids[:, 1:]`` under ``next_token_logits[:, :-1]``, in at least float32.
 
     Returns a [B, T-1] tensor whose column ``t`` is ``log p(input_ids[t + 1] | input_ids[:t + 1])``, i.e.
-    the per-token convention of :mod:`nemo_rl.algorithms.interfaces` without its (always zero) position 0.
+    the per-token convention of :mod:`nemo_rl.models.policy.loss_interface` without its (always zero) position 0.
     """
     if next_token_logits_BTV.shape[:2] != input_ids_BT.shape:
         raise ValueError(

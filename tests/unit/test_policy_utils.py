@@ -14,13 +14,13 @@ from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.models.policy import lm_policy
 from nemo_rl.models.policy.dtensor_worker import DTensorPolicyWorker
 from nemo_rl.models.policy.interfaces import PolicyInterface
+from nemo_rl.models.policy.loss_interface import group_metrics, metric_reduction, reduce_metrics
 from nemo_rl.models.policy.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from nemo_rl.models.policy.parallelize import apply_tensor_parallel, import_by_path
 from nemo_rl.models.policy.utils import (
     fixed_size_parts,
     global_valid_counts,
     pad_sequence_dim,
-    reduce_metric_dicts,
     split_parts,
     token_budget_parts,
     token_logprobs,
@@ -105,10 +105,13 @@ def test_token_budget_parts_respect_the_budget_and_cover_every_row() -> None:
 
 
 def test_metric_shares_sum_and_extremes_reduce() -> None:
-    out = reduce_metric_dicts(
-        [{"loss": 1.0, "lp_min": -3.0, "lp_max": 1.0}, {"loss": 2.0, "lp_min": -5.0, "lp_max": 0.5}]
-    )
-    assert out == {"loss": 3.0, "lp_min": -5.0, "lp_max": 1.0}
+    shares = [{"loss": 1.0, "lp_min": -3.0, "lp_max": 1.0}, {"loss": 2.0, "lp_min": -5.0, "lp_max": 0.5}]
+    grouped = group_metrics([*shares, {"loss": 0.5}])
+    assert grouped == {"loss": [1.0, 2.0, 0.5], "lp_min": [-3.0, -5.0], "lp_max": [1.0, 0.5]}
+    assert reduce_metrics(grouped) == {"loss": 3.5, "lp_min": -5.0, "lp_max": 1.0}
+    assert reduce_metrics(grouped, "mean") == {"loss": 3.5 / 3, "lp_min": -5.0, "lp_max": 1.0}
+    assert reduce_metrics({"loss": [], "x_max": [2.0]}) == {"x_max": 2.0}
+    assert [metric_reduction(n) for n in ("a_min", "a_max", "a", "a_min/b")] == ["min", "max", "sum", "sum"]
 
 
 def test_warmup_then_constant_schedule() -> None:

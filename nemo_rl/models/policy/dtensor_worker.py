@@ -42,7 +42,6 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from nemo_rl.algorithms.interfaces import LossFunction
 from nemo_rl.config.policy import PolicyConfig, TokenizerConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.device import (
@@ -53,6 +52,7 @@ from nemo_rl.distributed.device import (
 )
 from nemo_rl.models.policy.hf_io import export_hf_checkpoint, load_sharded_model
 from nemo_rl.models.policy.interfaces import TrainResult
+from nemo_rl.models.policy.loss_interface import LossFunction
 from nemo_rl.models.policy.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from nemo_rl.models.policy.parallelize import reshard_all
 from nemo_rl.models.policy.utils import (

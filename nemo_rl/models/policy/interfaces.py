@@ -14,8 +14,8 @@ from typing import Any, NotRequired, Protocol, TypedDict
 
 import torch
 
-from nemo_rl.algorithms.interfaces import LossFunction
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.models.policy.loss_interface import LossFunction
 
 
 class TrainResult(TypedDict):

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from nemo_rl.algorithms.interfaces import LossFunction
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
@@ -22,6 +21,7 @@ from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.distributed.worker_groups import WorkerGroupFacade
 from nemo_rl.models.policy.dtensor_worker import DTensorPolicyWorker
 from nemo_rl.models.policy.interfaces import TrainResult
+from nemo_rl.models.policy.loss_interface import LossFunction
 
 # How long one collective call on the workers may take before the driver reports the workers still running
 # instead of waiting forever (loading or training a large model legitimately takes hours, a hang forever).

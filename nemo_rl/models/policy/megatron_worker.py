@@ -42,7 +42,6 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from transformers import AutoConfig
 
-from nemo_rl.algorithms.interfaces import LossFunction
 from nemo_rl.config.megatron import no_effect_settings
 from nemo_rl.config.policy import PolicyConfig, TokenizerConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
@@ -62,6 +61,7 @@ from nemo_rl.models.megatron.weights import (
     write_stage_safetensors,
 )
 from nemo_rl.models.policy.interfaces import TrainResult
+from nemo_rl.models.policy.loss_interface import LossFunction
 from nemo_rl.models.policy.utils import (
     PRECISION_DTYPES,
     pad_sequence_dim,

@@ -64,7 +64,7 @@ def global_valid_counts(batch: BatchedDataDict[Any]) -> tuple[torch.Tensor, torc
     for key in ("token_mask", "sample_mask"):
         if key not in batch:
             raise KeyError(
-                f"a training batch needs {key!r} (see nemo_rl/algorithms/interfaces.py); it has "
+                f"a training batch needs {key!r} (see nemo_rl/models/policy/loss_interface.py); it has "
                 f"{sorted(batch.keys())}"
             )
     sample_mask_B = batch["sample_mask"].double()
@@ -152,21 +152,4 @@ def trim_sequence_dim(batch: BatchedDataDict[Any], length: int) -> BatchedDataDi
         if isinstance(value, torch.Tensor) and value.ndim >= 2 and value.shape[1] == seq_len:
             value = value[:, :length]
         out[key] = value
-    return out
-
-
-def reduce_metric_dicts(metrics: list[dict[str, float]]) -> dict[str, float]:
-    """Combine per-micro-batch metric shares: sum, except ``*_min`` / ``*_max`` names (min / max)."""
-    out: dict[str, float] = {}
-    for m in metrics:
-        for name, value in m.items():
-            value = float(value)
-            if name not in out:
-                out[name] = value
-            elif name.endswith("_min"):
-                out[name] = min(out[name], value)
-            elif name.endswith("_max"):
-                out[name] = max(out[name], value)
-            else:
-                out[name] += value
     return out

@@ -23,11 +23,11 @@ import torch.distributed as dist
 from nemo_rl.config.policy import DynamicBatchingConfig, PolicyConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.models.policy.interfaces import TrainResult
+from nemo_rl.models.policy.loss_interface import group_metrics, metric_reduction, reduce_metrics
 from nemo_rl.models.policy.utils import (
     fixed_size_parts,
     global_valid_counts,
     pad_sequence_dim,
-    reduce_metric_dicts,
     round_up,
     split_parts,
     token_budget_parts,
@@ -171,19 +171,17 @@ def global_valid_counts_over_dp(
 def all_reduce_metrics(
     metrics: dict[str, float], dp_group: dist.ProcessGroup | None, device: torch.device
 ) -> dict[str, float]:
-    """Combine one step's metric shares over the dp ranks (sum, or min / max for ``*_min`` / ``*_max``)."""
+    """Combine one step's metric shares over the dp ranks, as :func:`reduce_metrics` does within a rank."""
     # A rank whose micro-batches lacked a metric (e.g. a min over no valid tokens) must still join every
     # collective, so the ranks agree on the names first; a missing share is 0 (sum) or neutral (min/max).
     gathered: list[list[str] | None] = [None] * dist.get_world_size(dp_group)
     dist.all_gather_object(gathered, sorted(metrics), group=dp_group)
     names = sorted({name for rank_names in gathered for name in rank_names or ()})
     neutral = {dist.ReduceOp.MIN: math.inf, dist.ReduceOp.MAX: -math.inf, dist.ReduceOp.SUM: 0.0}
+    ops = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM}
     out: dict[str, float] = {}
-    for op, selected in (
-        (dist.ReduceOp.MIN, [n for n in names if n.endswith("_min")]),
-        (dist.ReduceOp.MAX, [n for n in names if n.endswith("_max")]),
-        (dist.ReduceOp.SUM, [n for n in names if not n.endswith(("_min", "_max"))]),
-    ):
+    for how, op in ops.items():
+        selected = [n for n in names if metric_reduction(n) == how]
         if not selected:
             continue
         values = torch.tensor(
@@ -243,7 +241,9 @@ class TrainLog:
         self.losses.append(float(loss_sum))
         self.valid_seqs.append(float(step.global_valid_seqs))
         self.valid_toks.append(float(step.global_valid_toks))
-        self.metrics.append(all_reduce_metrics(reduce_metric_dicts(micro_batch_metrics), dp_group, device))
+        self.metrics.append(
+            all_reduce_metrics(reduce_metrics(group_metrics(micro_batch_metrics)), dp_group, device)
+        )
 
     def add_update(self, grad_norm: float, lr: float) -> None:
         """Record one optimizer update's gradient norm (before clipping) and learning rate."""
