@@ -26,7 +26,13 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.algorithms.advantages import compute_advantages
-from nemo_rl.algorithms.loop_utils import batches_until, find_resume, save_training_checkpoint
+from nemo_rl.algorithms.loop import (
+    TrainLoop,
+    find_resume,
+    save_training_checkpoint,
+    step_budget,
+    train_metrics,
+)
 from nemo_rl.algorithms.loss_functions import ClippedPGLossFn
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.loader import save_config
@@ -44,7 +50,7 @@ from nemo_rl.models.generation.interfaces import GenerationInterface
 from nemo_rl.models.policy.lm_policy import Policy
 from nemo_rl.utils.checkpoint import CheckpointManager
 from nemo_rl.utils.logger import Logger
-from nemo_rl.utils.timer import TimeoutChecker, Timer
+from nemo_rl.utils.timer import Timer
 from nemo_rl.weight_sync.factory import create_refit_transport
 from nemo_rl.weight_sync.interfaces import RefitTransport
 from nemo_rl.weight_sync.refit import refit
@@ -144,17 +150,8 @@ def setup(
     """Start Ray, the policy, generation and environment workers; restore the latest checkpoint if any."""
     _check_batch_sizes(config)
     checkpointer = CheckpointManager(config.checkpointing)
-    resume = find_resume(checkpointer, config.checkpointing.enabled, "GRPO")
-    info = resume.training_info
-    state = (
-        GRPOState(
-            step=info["step"],
-            total_valid_tokens=info["total_valid_tokens"],
-            val_accuracy=info.get("val_accuracy"),
-        )
-        if info
-        else GRPOState()
-    )
+    resume = find_resume(checkpointer, "GRPO")
+    state = resume.state(GRPOState)
 
     train_loader: StatefulDataLoader[Any, BatchedDataDict[Any]] = StatefulDataLoader(
         train_dataset,
@@ -327,45 +324,14 @@ def validate(s: GRPOSetup, step: int) -> dict[str, float]:
 
 def save_checkpoint(s: GRPOSetup) -> Path:
     """Write the policy, optimizer, scheduler, loader position and loop state as ``step_<N>`` (atomically)."""
-    info: dict[str, Any] = dataclasses.asdict(s.state)
-    metric_name = s.config.checkpointing.metric_name
-    if metric_name is not None and metric_name not in info and s.state.val_accuracy is not None:
-        info[metric_name] = s.state.val_accuracy
     return save_training_checkpoint(
         s.checkpointer,
-        step=s.state.step,
-        training_info=info,
+        state=s.state,
         run_config=s.config,
         policy=s.policy,
         train_loader=s.train_loader,
+        metric_value=s.state.val_accuracy,
     )
-
-
-def _step_metrics(
-    rollout: BatchedDataDict[Any],
-    rollout_metrics: dict[str, float],
-    advantages_B: torch.Tensor,
-    train_result: dict[str, Any],
-) -> dict[str, float]:
-    metrics = {
-        "loss": float(train_result["loss"].mean()),
-        "reward": float(rollout["total_reward"].mean()),
-        "grad_norm": float(train_result["grad_norm"][-1]),
-        "lr": float(train_result["lr"][-1]),
-        "advantages/mean": float(advantages_B.mean()),
-        "advantages/min": float(advantages_B.min()),
-        "advantages/max": float(advantages_B.max()),
-        "num_valid_tokens": float(train_result["global_valid_toks"].sum()),
-        **rollout_metrics,
-    }
-    for name, values in train_result["metrics"].items():
-        if name.endswith("_min"):
-            metrics.setdefault(name, min(values))
-        elif name.endswith("_max"):
-            metrics.setdefault(name, max(values))
-        else:
-            metrics.setdefault(name, sum(values) / len(values))
-    return metrics
 
 
 def grpo_step(s: GRPOSetup, batch: BatchedDataDict[Any], timer: Timer) -> dict[str, float]:
@@ -411,49 +377,36 @@ def grpo_step(s: GRPOSetup, batch: BatchedDataDict[Any], timer: Timer) -> dict[s
         train_result = s.policy.train(train_data, s.loss_fn)
     s.generation_stale = True
     s.state.total_valid_tokens += float(train_result["global_valid_toks"].sum())
-    return _step_metrics(rollout, rollout_metrics, advantages_B, dict(train_result))
+    return train_metrics(
+        train_result,
+        {
+            "reward": float(rollout["total_reward"].mean()),
+            "advantages/mean": float(advantages_B.mean()),
+            "advantages/min": float(advantages_B.min()),
+            "advantages/max": float(advantages_B.max()),
+            **rollout_metrics,
+        },
+    )
 
 
 def grpo_train(s: GRPOSetup) -> dict[str, float]:
     """Run GRPO to ``grpo.max_num_steps`` (or ``max_num_epochs``); returns the last step's metrics."""
     cfg = s.config
-    total_steps = min(cfg.grpo.max_num_steps, cfg.grpo.max_num_epochs * len(s.train_loader))
-    if s.state.step == 0 and cfg.grpo.val_at_start:
-        validate(s, step=0)
-    timer = Timer()
     metrics: dict[str, float] = {}
-    deadline = TimeoutChecker(cfg.checkpointing.checkpoint_must_save_by, fit_last_save_time=True)
-    deadline.stop_on_signals()
-    deadline.start_iterations()
-    progress = s.logger.progress_bar(total=total_steps, initial=s.state.step, desc="grpo")
-    for batch in batches_until(s.train_loader, lambda: s.state.step, total_steps):
-        with timer.time("total_step_time"):
-            metrics = grpo_step(s, batch, timer)
-            s.state.step += 1
-            step = s.state.step
-            if cfg.grpo.val_period and step % cfg.grpo.val_period == 0:
-                with timer.time("validation"):
-                    validate(s, step)
-            # Logged before the checkpoint, so a run killed after saving step N has step N's metrics.
-            s.logger.log_metrics(metrics, step, prefix="train")
-            deadline.mark_iteration()
-            out_of_time = deadline.check_save()
-            if cfg.checkpointing.enabled and (
-                s.checkpointer.should_save(step) or step == total_steps or out_of_time
-            ):
-                with timer.time("checkpointing"):
-                    save_checkpoint(s)
-        timing = timer.get_timing_metrics("sum")
+    loop = TrainLoop(
+        "grpo",
+        loader=s.train_loader,
+        state=s.state,
+        total_steps=step_budget(cfg.grpo.max_num_steps, cfg.grpo.max_num_epochs, len(s.train_loader)),
+        logger=s.logger,
+        checkpointer=s.checkpointer,
+        save_checkpoint=lambda: save_checkpoint(s),
+        validate=lambda step: validate(s, step),
+        val_period=cfg.grpo.val_period,
+        val_at_start=cfg.grpo.val_at_start,
+    )
+    for batch in loop:
+        metrics = grpo_step(s, batch, loop.timer)
         num_tokens = metrics["mean_conversation_tokens"] * batch.size * cfg.grpo.num_generations_per_prompt
-        s.logger.log_metrics(timing, step, prefix="timing/train")
-        s.logger.log_metrics(
-            {"tokens_per_sec": num_tokens / timing["total_step_time"]}, step, prefix="performance"
-        )
-        timer.reset()
-        progress.update(1)
-        if out_of_time:
-            print(f"{deadline.stop_reason}: stopping after step {step}", flush=True)
-            break
-    progress.close()
-    deadline.close()
+        loop.end_step(metrics, num_tokens=num_tokens)
     return metrics

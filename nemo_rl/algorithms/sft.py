@@ -15,7 +15,13 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from nemo_rl.algorithms.loop_utils import batches_until, find_resume, save_training_checkpoint
+from nemo_rl.algorithms.loop import (
+    TrainLoop,
+    find_resume,
+    save_training_checkpoint,
+    step_budget,
+    train_metrics,
+)
 from nemo_rl.algorithms.loss_functions import NLLLoss
 from nemo_rl.config.loader import save_config
 from nemo_rl.config.master import SFTMasterConfig
@@ -27,7 +33,6 @@ from nemo_rl.distributed.virtual_cluster import RayVirtualCluster, init_ray
 from nemo_rl.models.policy.lm_policy import Policy
 from nemo_rl.utils.checkpoint import CheckpointManager
 from nemo_rl.utils.logger import Logger
-from nemo_rl.utils.timer import TimeoutChecker, Timer
 
 
 @dataclasses.dataclass
@@ -72,13 +77,8 @@ def setup(
 ) -> SFTSetup:
     """Start Ray and the policy workers, build the loaders, and restore the latest checkpoint if any."""
     checkpointer = CheckpointManager(config.checkpointing)
-    resume = find_resume(checkpointer, config.checkpointing.enabled, "SFT")
-    info = resume.training_info
-    state = (
-        SFTState(step=info["step"], epoch=info["epoch"], val_loss=info.get("val_loss"))
-        if info
-        else SFTState()
-    )
+    resume = find_resume(checkpointer, "SFT")
+    state = resume.state(SFTState)
 
     collate = make_sft_collate_fn(tokenizer, _max_seq_len(config))
     train_loader: StatefulDataLoader[Any, BatchedDataDict[Any]] = StatefulDataLoader(
@@ -128,7 +128,8 @@ def setup(
 
 
 def validate(s: SFTSetup, step: int) -> float | None:
-    """Mean validation loss over ``sft.val_batches`` batches (all of them when 0); logged at ``step``."""
+    """Mean validation loss over ``sft.val_batches`` batches (all of them when 0); logged at ``step`` and
+    kept in ``s.state.val_loss``."""
     if s.val_loader is None:
         return None
     cfg = s.config.sft
@@ -148,77 +149,44 @@ def validate(s: SFTSetup, step: int) -> float | None:
         total_tokens += tokens
     val_loss = total_loss / max(total_tokens, 1.0)
     s.logger.log_metrics({"val_loss": val_loss, "num_valid_tokens": total_tokens}, step, prefix="validation")
+    s.state.val_loss = val_loss
     return val_loss
 
 
 def save_checkpoint(s: SFTSetup) -> Path:
-    """Write the policy, optimizer, scheduler and loader position as ``step_<N>`` (atomically)."""
-    info: dict[str, Any] = dataclasses.asdict(s.state)
-    if s.config.checkpointing.metric_name is not None and s.config.checkpointing.metric_name not in info:
-        info[s.config.checkpointing.metric_name] = s.state.val_loss
+    """Write the policy, optimizer, scheduler, loader position and loop state as ``step_<N>`` (atomically)."""
     return save_training_checkpoint(
         s.checkpointer,
-        step=s.state.step,
-        training_info=info,
+        state=s.state,
         run_config=s.config,
         policy=s.policy,
         train_loader=s.train_loader,
+        metric_value=s.state.val_loss,
     )
-
-
-def _train_metrics(result: dict[str, Any]) -> dict[str, float]:
-    metrics = {
-        "loss": float(result["loss"][-1]),
-        "grad_norm": float(result["grad_norm"][-1]),
-        "lr": float(result["lr"][-1]),
-        "num_valid_tokens": float(result["global_valid_toks"][-1]),
-    }
-    for name, values in result["metrics"].items():
-        metrics.setdefault(name, float(values[-1]))
-    return metrics
 
 
 def sft_train(s: SFTSetup) -> dict[str, float]:
     """Run SFT to ``sft.max_num_steps`` (or ``max_num_epochs``); returns the last step's metrics."""
     cfg = s.config
-    timer = Timer()
     last_metrics: dict[str, float] = {}
-    steps_per_epoch = len(s.train_loader)
-    total_steps = min(cfg.sft.max_num_steps, cfg.sft.max_num_epochs * steps_per_epoch)
-    if s.state.step == 0 and cfg.sft.val_at_start:
-        s.state.val_loss = validate(s, step=0)
-
-    deadline = TimeoutChecker(cfg.checkpointing.checkpoint_must_save_by, fit_last_save_time=True)
-    deadline.stop_on_signals()
-    deadline.start_iterations()
-    progress = s.logger.progress_bar(total=total_steps, initial=s.state.step, desc="sft")
-    for batch in batches_until(s.train_loader, lambda: s.state.step, total_steps):
+    loop = TrainLoop(
+        "sft",
+        loader=s.train_loader,
+        state=s.state,
+        total_steps=step_budget(cfg.sft.max_num_steps, cfg.sft.max_num_epochs, len(s.train_loader)),
+        logger=s.logger,
+        checkpointer=s.checkpointer,
+        save_checkpoint=lambda: save_checkpoint(s),
+        validate=lambda step: validate(s, step),
+        val_period=cfg.sft.val_period,
+        val_at_start=cfg.sft.val_at_start,
+    )
+    for batch in loop:
         s.state.epoch = s.train_loader.epoch
-        with timer.time("total_step_time"):
-            with timer.time("policy_training"):
-                result = s.policy.train(batch, s.loss_fn)
-            s.state.step += 1
-            last_metrics = _train_metrics(dict(result))
-            if cfg.sft.val_period and s.state.step % cfg.sft.val_period == 0:
-                with timer.time("validation"):
-                    s.state.val_loss = validate(s, s.state.step)
-            # Logged before the checkpoint, so a run killed after saving step N has step N's metrics.
-            s.logger.log_metrics(last_metrics, s.state.step, prefix="train")
-            deadline.mark_iteration()
-            out_of_time = deadline.check_save()
-            if cfg.checkpointing.enabled and (
-                s.checkpointer.should_save(s.state.step) or s.state.step == total_steps or out_of_time
-            ):
-                with timer.time("checkpointing"):
-                    save_checkpoint(s)
-        s.logger.log_metrics(timer.get_timing_metrics("sum"), s.state.step, prefix="timing/train")
-        timer.reset()
-        progress.update(1)
-        if out_of_time:
-            print(f"{deadline.stop_reason}: stopping after step {s.state.step}", flush=True)
-            break
-    progress.close()
-    deadline.close()
+        with loop.timer.time("policy_training"):
+            result = s.policy.train(batch, s.loss_fn)
+        last_metrics = train_metrics(result)
+        loop.end_step(last_metrics)
 
     export_dir = cfg.sft.export_dir or str(Path(cfg.checkpointing.checkpoint_dir) / "hf_final")
     s.policy.export_hf(export_dir)

@@ -1,0 +1,293 @@
+"""The parts every training loop shares: the step loop's tail, resuming, and saving a checkpoint.
+
+A loop declares its state as a dataclass with a ``step`` field and writes only its own step::
+
+    @dataclasses.dataclass
+    class DPOState:
+        step: int = 0
+        val_loss: float | None = None
+
+    resume = find_resume(checkpointer, "DPO")          # setup: the latest complete checkpoint, if any
+    state = resume.state(DPOState)                      # fields read back from its training_info.json
+    resume.restore_loader(train_loader)
+    policy = Policy(..., weights_path=resume.weights_path, optimizer_path=resume.optimizer_path)
+
+    loop = TrainLoop(                                   # train
+        "dpo",
+        loader=train_loader,
+        state=state,
+        total_steps=step_budget(cfg.dpo.max_num_steps, cfg.dpo.max_num_epochs, len(train_loader)),
+        logger=logger,
+        checkpointer=checkpointer,
+        save_checkpoint=lambda: save_training_checkpoint(
+            checkpointer, state=state, run_config=cfg, policy=policy, train_loader=train_loader
+        ),
+        validate=lambda step: validate(..., step),
+        val_period=cfg.dpo.val_period,
+        val_at_start=cfg.dpo.val_at_start,
+    )
+    for batch in loop:
+        with loop.timer.time("policy_training"):
+            result = policy.train(batch, loss_fn)
+        loop.end_step({"loss": float(result["loss"].mean())})
+
+``TrainLoop`` yields batches until the step budget, and :meth:`TrainLoop.end_step` does everything after a
+step: count it, validate when due, log ``train/*`` (before the checkpoint, so a run killed right after
+saving keeps the step's metrics), save on ``checkpointing.save_period``, at the last step, when
+``checkpointing.checkpoint_must_save_by`` runs out and after a SIGTERM, log ``timing/train/*``; the loop then
+advances the progress bar and stops after such a deadline save.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, Generic, Protocol, TypeVar, cast
+
+import torch
+from pydantic import BaseModel
+
+from nemo_rl.data.dataloader import StatefulDataLoader
+from nemo_rl.models.policy.interfaces import PolicyInterface, TrainResult
+from nemo_rl.models.policy.loss_interface import reduce_metrics
+from nemo_rl.utils.checkpoint import CheckpointManager
+from nemo_rl.utils.logger import Logger
+from nemo_rl.utils.timer import TimeoutChecker, Timer
+
+B = TypeVar("B")
+S = TypeVar("S")
+
+# Layout of a training checkpoint directory (besides the manager's training_info.json and config.yaml).
+_POLICY_DIR = "policy"
+_LOADER_FILE = "train_dataloader.pt"
+_CONSOLIDATED_DIR = "consolidated"
+
+STEP_TIMER = "total_step_time"
+"""Timer label of a whole step, from the batch being yielded to the end of :meth:`TrainLoop.end_step`."""
+
+
+class LoopState(Protocol):
+    """What :class:`TrainLoop` needs of a loop's state: the number of steps taken."""
+
+    step: int
+
+
+def train_metrics(result: TrainResult, extra: Mapping[str, float] | None = None) -> dict[str, float]:
+    """A ``policy.train`` call's metrics for ``train/*``: ``loss`` (mean over its optimizer steps),
+    ``grad_norm`` and ``lr`` (of the last step), ``num_valid_tokens`` (summed), then ``extra``, then the loss
+    function's own metrics reduced over the steps by :func:`reduce_metrics` (mean; min / max for
+    ``*_min`` / ``*_max``) where their names are not taken yet."""
+    metrics = {
+        "loss": float(result["loss"].mean()),
+        "grad_norm": float(result["grad_norm"][-1]),
+        "lr": float(result["lr"][-1]),
+        "num_valid_tokens": float(result["global_valid_toks"].sum()),
+        **(extra or {}),
+    }
+    for name, value in reduce_metrics(result["metrics"], "mean").items():
+        metrics.setdefault(name, value)
+    return metrics
+
+
+def step_budget(max_num_steps: int, max_num_epochs: int, steps_per_epoch: int) -> int:
+    """Steps a run takes: ``max_num_steps``, or fewer when ``max_num_epochs`` epochs end first."""
+    return min(max_num_steps, max_num_epochs * steps_per_epoch)
+
+
+def batches_until(loader: Iterable[B], steps_done: Callable[[], int], total_steps: int) -> Iterator[B]:
+    """Batches of ``loader``, epoch after epoch, until ``steps_done()`` reaches ``total_steps``.
+
+    ``steps_done`` is read before each batch, so the caller advances it as it trains; a resumed loader
+    continues from its saved position.
+    """
+    while steps_done() < total_steps:
+        for batch in loader:
+            if steps_done() >= total_steps:
+                return
+            yield batch
+
+
+class TrainLoop(Generic[B]):
+    """Iterate over the training batches; call :meth:`end_step` once per batch (see the module docstring).
+
+    Args:
+        name: Label of the progress bar (``"sft"``, ``"grpo"``...).
+        loader: Training batches; iterated epoch after epoch (a resumed loader continues where it stood).
+        state: The loop's state; ``state.step`` counts finished steps and :meth:`end_step` increments it.
+        total_steps: Stop when ``state.step`` reaches it (see :func:`step_budget`).
+        logger: Receives ``train/*``, ``timing/train/*`` and ``performance/*`` metrics and the progress bar.
+        checkpointer: Decides when to save (``checkpointing.enabled``, ``save_period``,
+            ``checkpoint_must_save_by`` of its config).
+        save_checkpoint: Writes a checkpoint of the current step (e.g. :func:`save_training_checkpoint`).
+        validate: Called with the step number when validation is due; it logs its own metrics.
+        val_period: Validate every this many steps (0: never during training).
+        val_at_start: Validate at step 0 before the first step of a fresh run.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        loader: Iterable[B],
+        state: LoopState,
+        total_steps: int,
+        logger: Logger,
+        checkpointer: CheckpointManager,
+        save_checkpoint: Callable[[], object],
+        validate: Callable[[int], object] | None = None,
+        val_period: int = 0,
+        val_at_start: bool = False,
+    ) -> None:
+        self.name = name
+        self.loader = loader
+        self.state = state
+        self.total_steps = total_steps
+        self.logger = logger
+        self.checkpointer = checkpointer
+        self.save_checkpoint = save_checkpoint
+        self.validate = validate
+        self.val_period = val_period
+        self.val_at_start = val_at_start
+        self.timer = Timer()
+        """Times the current step; labels it records are logged as ``timing/train/<label>``."""
+        self.out_of_time = False
+        """Whether ``checkpointing.checkpoint_must_save_by`` ran out or a SIGTERM came (the loop stops after
+        this step)."""
+        self._deadline: TimeoutChecker | None = None
+        self._step_open = False
+
+    def __iter__(self) -> Iterator[B]:
+        if self.validate is not None and self.val_at_start and self.state.step == 0:
+            self.validate(0)
+        self._deadline = TimeoutChecker(
+            self.checkpointer.cfg.checkpoint_must_save_by, fit_last_save_time=True
+        )
+        self._deadline.stop_on_signals()
+        self._deadline.start_iterations()
+        progress = self.logger.progress_bar(total=self.total_steps, initial=self.state.step, desc=self.name)
+        try:
+            for batch in batches_until(self.loader, lambda: self.state.step, self.total_steps):
+                self.timer.start(STEP_TIMER)
+                self._step_open = True
+                yield batch
+                if self._step_open:
+                    self._step_open = False
+                    raise RuntimeError(
+                        f"the {self.name} loop body returned without calling end_step(metrics) for its batch"
+                    )
+                progress.update(1)
+                if self.out_of_time:
+                    print(f"{self._deadline.stop_reason}: stopping after step {self.state.step}", flush=True)
+                    break
+        finally:
+            progress.close()
+            self._deadline.close()
+
+    def end_step(self, metrics: Mapping[str, float], *, num_tokens: float | None = None) -> None:
+        """Finish the current step: count it, validate, log, checkpoint when due, log its timings.
+
+        Args:
+            metrics: The step's training metrics, logged as ``train/<name>`` at the new step number.
+            num_tokens: Tokens the step processed; when given, ``performance/tokens_per_sec`` is logged.
+        """
+        if not self._step_open or self._deadline is None:
+            raise RuntimeError("end_step() is called once per batch yielded by iterating over the TrainLoop")
+        self._step_open = False
+        self.state.step += 1
+        step = self.state.step
+        if self.validate is not None and self.val_period and step % self.val_period == 0:
+            with self.timer.time("validation"):
+                self.validate(step)
+        # Logged before the checkpoint, so a run killed after saving step N has step N's metrics.
+        self.logger.log_metrics(dict(metrics), step, prefix="train")
+        self._deadline.mark_iteration()
+        self.out_of_time = self._deadline.check_save()
+        if self.checkpointer.cfg.enabled and (
+            self.checkpointer.should_save(step) or step == self.total_steps or self.out_of_time
+        ):
+            with self.timer.time("checkpointing"):
+                self.save_checkpoint()
+        self.timer.stop(STEP_TIMER)
+        timing = self.timer.get_timing_metrics("sum")
+        self.logger.log_metrics(timing, step, prefix="timing/train")
+        if num_tokens is not None:
+            self.logger.log_metrics(
+                {"tokens_per_sec": num_tokens / timing[STEP_TIMER]}, step, prefix="performance"
+            )
+        self.timer.reset()
+
+
+@dataclasses.dataclass(frozen=True)
+class Resume:
+    """The latest complete checkpoint a run continues from (``path`` is ``None`` for a fresh start)."""
+
+    path: Path | None
+    training_info: dict[str, Any]
+
+    @property
+    def weights_path(self) -> str | None:
+        """Where the policy's weights were saved (``Policy(weights_path=...)``)."""
+        return None if self.path is None else str(self.path / _POLICY_DIR / "weights")
+
+    @property
+    def optimizer_path(self) -> str | None:
+        """Where the optimizer and scheduler state were saved (``Policy(optimizer_path=...)``)."""
+        return None if self.path is None else str(self.path / _POLICY_DIR / "optimizer")
+
+    def state(self, state_cls: type[S]) -> S:
+        """The loop state saved in the checkpoint: ``state_cls`` (a dataclass) built from the saved values of
+        its fields; a fresh ``state_cls()`` on a fresh start. Fields the checkpoint lacks keep their defaults."""
+        fields: tuple[dataclasses.Field[Any], ...] = dataclasses.fields(cast(Any, state_cls))
+        names = {f.name for f in fields}
+        return state_cls(**{k: v for k, v in self.training_info.items() if k in names})
+
+    def restore_loader(self, loader: StatefulDataLoader[Any, Any]) -> None:
+        """Put ``loader`` where it stood when the checkpoint was taken (a no-op on a fresh start)."""
+        if self.path is not None:
+            loader.load_state_dict(torch.load(self.path / _LOADER_FILE, weights_only=True))
+
+
+def find_resume(checkpointer: CheckpointManager, run_name: str) -> Resume:
+    """The latest complete checkpoint of ``checkpointer`` (none when ``checkpointing.enabled`` is off)."""
+    path = checkpointer.get_latest_checkpoint_path() if checkpointer.cfg.enabled else None
+    if path is None:
+        return Resume(path=None, training_info={})
+    info = CheckpointManager.load_training_info(path)
+    print(f"Resuming {run_name} from {path} (step {info['step']})", flush=True)
+    return Resume(path=path, training_info=info)
+
+
+def training_info(state: LoopState, metric_name: str | None, metric_value: float | None) -> dict[str, Any]:
+    """What ``training_info.json`` records: the state's fields, plus ``metric_value`` under ``metric_name``
+    (the key ranking checkpoints) unless the state has a field of that name."""
+    if not dataclasses.is_dataclass(state) or isinstance(state, type):
+        raise TypeError(f"loop state must be a dataclass instance, got {state!r}")
+    info: dict[str, Any] = dataclasses.asdict(state)
+    if metric_name is not None and metric_name not in info:
+        info[metric_name] = metric_value
+    return info
+
+
+def save_training_checkpoint(
+    checkpointer: CheckpointManager,
+    *,
+    state: LoopState,
+    run_config: BaseModel,
+    policy: PolicyInterface,
+    train_loader: StatefulDataLoader[Any, Any],
+    metric_value: float | None = None,
+) -> Path:
+    """Write the policy (weights, optimizer, scheduler), the loader position and the loop state as
+    ``step_<state.step>``, atomically; with ``checkpointing.save_consolidated`` also a Hugging Face export of
+    the weights in ``step_<N>/consolidated``.
+
+    ``metric_value`` is recorded under ``checkpointing.metric_name`` (see :func:`training_info`).
+    """
+    info = training_info(state, checkpointer.cfg.metric_name, metric_value)
+    tmp = checkpointer.init_tmp_checkpoint(state.step, info, run_config)
+    policy.save_checkpoint(str(tmp / _POLICY_DIR / "weights"), str(tmp / _POLICY_DIR / "optimizer"))
+    if checkpointer.cfg.save_consolidated:
+        policy.export_hf(str(tmp / _CONSOLIDATED_DIR))
+    torch.save(train_loader.state_dict(), tmp / _LOADER_FILE)
+    return checkpointer.finalize_checkpoint(tmp)
