@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +76,33 @@ def _loader(n: int = 6) -> StatefulDataLoader[Any, list[int]]:
     )
 
 
-def _setup(tmp_path: Path, state: ToyState, **ckpt: Any) -> tuple[Any, ...]:
+@dataclasses.dataclass
+class Harness:
+    """A loop's collaborators: logger (with a recording backend), checkpointer, loader, save and validate."""
+
+    state: ToyState
+    events: list[str]
+    recorder: Recorder
+    logger: Logger
+    checkpointer: CheckpointManager
+    loader: StatefulDataLoader[Any, list[int]]
+    save: Callable[[], Path]
+    validate: Callable[[int], None]
+
+    def loop(self, total_steps: int, **options: Any) -> TrainLoop[list[int]]:
+        return TrainLoop(
+            "toy",
+            loader=self.loader,
+            state=self.state,
+            total_steps=total_steps,
+            logger=self.logger,
+            checkpointer=self.checkpointer,
+            save_checkpoint=self.save,
+            **options,
+        )
+
+
+def _harness(tmp_path: Path, state: ToyState, **ckpt: Any) -> Harness:
     events: list[str] = []
     recorder = Recorder(events)
     logger = Logger(
@@ -109,24 +136,14 @@ def _setup(tmp_path: Path, state: ToyState, **ckpt: Any) -> tuple[Any, ...]:
         events.append(f"validate {step}")
         state.val_loss = 1.0 / (step + 1)
 
-    return events, recorder, logger, checkpointer, loader, save, validate
+    return Harness(state, events, recorder, logger, checkpointer, loader, save, validate)
 
 
 def test_loop_runs_to_the_budget_logging_before_saving(tmp_path: Path) -> None:
     state = ToyState()
-    events, recorder, logger, checkpointer, loader, save, validate = _setup(tmp_path, state)
-    loop = TrainLoop(
-        "toy",
-        loader=loader,
-        state=state,
-        total_steps=step_budget(5, 2, len(loader)),
-        logger=logger,
-        checkpointer=checkpointer,
-        save_checkpoint=save,
-        validate=validate,
-        val_period=2,
-        val_at_start=True,
-    )
+    h = _harness(tmp_path, state)
+    events, recorder = h.events, h.recorder
+    loop = h.loop(step_budget(5, 2, len(h.loader)), validate=h.validate, val_period=2, val_at_start=True)
     for batch in loop:
         with loop.timer.time("work"):
             state.seen += batch
@@ -155,40 +172,24 @@ def test_loop_runs_to_the_budget_logging_before_saving(tmp_path: Path) -> None:
 
 def test_resume_restores_the_state_and_continues(tmp_path: Path) -> None:
     first = ToyState()
-    _, _, logger, checkpointer, loader, save, _ = _setup(tmp_path, first)
-    loop = TrainLoop(
-        "toy",
-        loader=loader,
-        state=first,
-        total_steps=2,
-        logger=logger,
-        checkpointer=checkpointer,
-        save_checkpoint=save,
-    )
+    h = _harness(tmp_path, first)
+    loop = h.loop(2)
     for batch in loop:
         first.seen += batch
         loop.end_step({})
 
-    resume = find_resume(checkpointer, "toy")
+    resume = find_resume(h.checkpointer, "toy")
     second = resume.state(ToyState)
     assert second == first and resume.weights_path is not None
     assert Path(resume.weights_path, "w").read_text() == "w"
-    _, recorder, logger, checkpointer, loader, save, _ = _setup(tmp_path, second)
-    resume.restore_loader(loader)
-    loop = TrainLoop(
-        "toy",
-        loader=loader,
-        state=second,
-        total_steps=4,
-        logger=logger,
-        checkpointer=checkpointer,
-        save_checkpoint=save,
-    )
+    h = _harness(tmp_path, second)
+    resume.restore_loader(h.loader)
+    loop = h.loop(4)
     for batch in loop:
         second.seen += batch
         loop.end_step({})
     assert second.seen == [0, 1, 2, 3, 4, 5, 0, 1] and second.step == 4
-    assert sorted(step for step, prefix, _ in recorder.records if prefix == "train") == [3, 4]
+    assert sorted(step for step, prefix, _ in h.recorder.records if prefix == "train") == [3, 4]
 
     # A fresh start, or fields missing from an older checkpoint, take the dataclass defaults.
     disabled = CheckpointManager(CheckpointingConfig(enabled=False, checkpoint_dir=str(tmp_path / "ckpt")))
@@ -198,36 +199,16 @@ def test_resume_restores_the_state_and_continues(tmp_path: Path) -> None:
 
 def test_deadline_saves_and_stops_after_the_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     state = ToyState()
-    events, _, logger, checkpointer, loader, save, _ = _setup(
-        tmp_path, state, checkpoint_must_save_by="00:00:00:00", save_period=100
-    )
-    loop = TrainLoop(
-        "toy",
-        loader=loader,
-        state=state,
-        total_steps=10,
-        logger=logger,
-        checkpointer=checkpointer,
-        save_checkpoint=save,
-    )
+    h = _harness(tmp_path, state, checkpoint_must_save_by="00:00:00:00", save_period=100)
+    loop = h.loop(10)
     for _ in loop:
         loop.end_step({"loss": 1.0})
-    assert state.step == 1 and loop.out_of_time and "save 1" in events
+    assert state.step == 1 and loop.out_of_time and "save 1" in h.events
     assert "stopping after step 1" in capsys.readouterr().out
 
 
 def test_body_must_end_each_step(tmp_path: Path) -> None:
-    state = ToyState()
-    _, _, logger, checkpointer, loader, save, _ = _setup(tmp_path, state, enabled=False)
-    loop = TrainLoop(
-        "toy",
-        loader=loader,
-        state=state,
-        total_steps=3,
-        logger=logger,
-        checkpointer=checkpointer,
-        save_checkpoint=save,
-    )
+    loop = _harness(tmp_path, ToyState(), enabled=False).loop(3)
     with pytest.raises(RuntimeError, match="without calling end_step"):
         for _ in loop:
             pass
