@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +40,11 @@ from nemo_rl.config.loader import save_config
 from nemo_rl.config.master import GRPOMasterConfig
 from nemo_rl.data.collate_fn import rl_collate_fn
 from nemo_rl.data.dataloader import StatefulDataLoader
-from nemo_rl.data.datasets import ProcessedDataset
+from nemo_rl.data.datasets import ProcessedDataset, dataset_task_names
 from nemo_rl.data.llm_message_utils import message_logs_to_batch
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster, init_ray
-from nemo_rl.environments.registry import create_env
+from nemo_rl.environments.registry import check_task_envs, create_task_envs
 from nemo_rl.experience.rollouts import run_multi_turn_rollout
 from nemo_rl.models.generation.factory import create_generation
 from nemo_rl.models.generation.interfaces import GenerationInterface
@@ -54,6 +55,9 @@ from nemo_rl.utils.timer import Timer
 from nemo_rl.weight_sync.factory import create_refit_transport
 from nemo_rl.weight_sync.interfaces import RefitTransport
 from nemo_rl.weight_sync.refit import refit
+
+MasterConfig = GRPOMasterConfig
+"""The config of a GRPO run, under NeMo RL's name (``from nemo_rl.algorithms.grpo import MasterConfig``)."""
 
 _TRAIN_ROLES = ("assistant",)
 # Longest wait for an environment actor's metrics or shutdown.
@@ -88,18 +92,24 @@ class GRPOSetup:
     val_dataset: ProcessedDataset | None
     loss_fn: ClippedPGLossFn
     task_to_env: dict[str, Any]
+    """Environment actor per task for training rollouts."""
+    val_task_to_env: dict[str, Any]
+    """Environment actor per task for validation rollouts (the training ones unless given separately)."""
     logger: Logger
     checkpointer: CheckpointManager
     state: GRPOState
+    owned_envs: list[Any] = dataclasses.field(default_factory=list)
+    """Environment actors ``setup`` started (and ``shutdown`` stops); those passed in stay the caller's."""
     generation_stale: bool = True
 
     def shutdown(self) -> None:
-        """Stop every worker and actor, flush the loggers, release the placement groups."""
+        """Stop the workers and the environments ``setup`` started, flush the loggers, release the placement
+        groups. Environments passed to ``setup`` in ``task_to_env`` / ``val_task_to_env`` are left running."""
         self.logger.close()
         self.generation.shutdown()
         self.policy.shutdown()
         self.refit_transport.shutdown()
-        for env in self.task_to_env.values():
+        for env in self.owned_envs:
             ray.get(env.shutdown.remote(), timeout=_ENV_TIMEOUT_S)
             ray.kill(env)
         self.cluster.shutdown()
@@ -141,14 +151,51 @@ def _check_batch_sizes(config: GRPOMasterConfig) -> None:
         )
 
 
+def _tasks_to_start(
+    config: GRPOMasterConfig,
+    train_tasks: set[str],
+    val_tasks: set[str],
+    task_to_env: Mapping[str, Any] | None,
+    val_task_to_env: Mapping[str, Any] | None,
+) -> set[str]:
+    """The tasks ``setup`` starts environments for (those not passed in); fails before anything starts when
+    a task of the data would have no environment."""
+    to_start: set[str] = set()
+    for name, tasks, given in (
+        ("train_dataset", train_tasks, task_to_env),
+        ("val_dataset", val_tasks, val_task_to_env if val_task_to_env is not None else task_to_env),
+    ):
+        if given is None:
+            to_start |= tasks
+        elif tasks - given.keys():
+            raise UserError(
+                f"{name} has samples of task {sorted(tasks - given.keys())[0]!r}, which the environments passed "
+                f"to setup do not cover (they cover {sorted(given)}); add an environment for it"
+            )
+    check_task_envs(to_start, config.env)
+    return to_start
+
+
 def setup(
     config: GRPOMasterConfig,
     tokenizer: PreTrainedTokenizerBase,
     train_dataset: ProcessedDataset,
     val_dataset: ProcessedDataset | None,
+    task_to_env: Mapping[str, Any] | None = None,
+    val_task_to_env: Mapping[str, Any] | None = None,
 ) -> GRPOSetup:
-    """Start Ray, the policy, generation and environment workers; restore the latest checkpoint if any."""
+    """Start Ray, the policy, generation and environment workers; restore the latest checkpoint if any.
+
+    Environments: ``task_to_env`` maps each ``task_name`` of the data to an environment actor (see
+    ``nemo_rl.environments.registry.create_env``); ``val_task_to_env`` does the same for validation and
+    defaults to ``task_to_env``. For data whose environments are not passed in, one environment is started
+    per task (``task_name``), the one registered under the task's name, configured by ``env.<task>``; those
+    are the ones :meth:`GRPOSetup.shutdown` stops.
+    """
     _check_batch_sizes(config)
+    train_tasks = dataset_task_names(train_dataset)
+    val_tasks = dataset_task_names(val_dataset)
+    tasks_to_start = _tasks_to_start(config, train_tasks, val_tasks, task_to_env, val_task_to_env)
     checkpointer = CheckpointManager(config.checkpointing)
     resume = find_resume(checkpointer, "GRPO")
     state = resume.state(GRPOState)
@@ -188,7 +235,9 @@ def setup(
         policy_node_ids=[locations[b].node_id for b in policy_bundles],
         generation_node_ids=[locations[b].node_id for b in generation_bundles],
     )
-    task_to_env = {"math": create_env("math", config.env)}
+    started = create_task_envs(tasks_to_start, config.env)
+    task_to_env = started if task_to_env is None else task_to_env
+    val_task_to_env = task_to_env if val_task_to_env is None else val_task_to_env
     logger = Logger(config.logger)
     logger.log_hyperparams(config.model_dump(mode="json"))
     save_config(config, config.logger.log_dir)
@@ -202,10 +251,12 @@ def setup(
         train_loader=train_loader,
         val_dataset=val_dataset,
         loss_fn=ClippedPGLossFn(config.loss_fn),
-        task_to_env=task_to_env,
+        task_to_env=dict(task_to_env),
+        val_task_to_env=dict(val_task_to_env),
         logger=logger,
         checkpointer=checkpointer,
         state=state,
+        owned_envs=list(started.values()),
     )
 
 
@@ -251,11 +302,11 @@ def build_train_batch(
     return batch
 
 
-def environment_metrics(s: GRPOSetup, rollout: BatchedDataDict[Any]) -> dict[str, float]:
+def environment_metrics(task_to_env: Mapping[str, Any], rollout: BatchedDataDict[Any]) -> dict[str, float]:
     """Each environment's own metrics (accuracy, pass@k...) over its samples, as ``<task>/<metric>``."""
     metrics: dict[str, float] = {}
     task_names = list(rollout["task_name"])
-    for task, env in s.task_to_env.items():
+    for task, env in task_to_env.items():
         indices = [i for i, name in enumerate(task_names) if name == task]
         if not indices:
             continue
@@ -294,7 +345,7 @@ def validate(s: GRPOSetup, step: int) -> dict[str, float]:
             s.generation,
             batch,
             s.tokenizer,
-            s.task_to_env,
+            s.val_task_to_env,
             max_seq_len=s.config.policy.max_total_sequence_length,
             max_rollout_turns=s.config.grpo.max_rollout_turns,
             greedy=s.config.grpo.val_greedy,
@@ -314,7 +365,7 @@ def validate(s: GRPOSetup, step: int) -> dict[str, float]:
         "mean_gen_tokens_per_sample": sum(lengths) / all_rewards.numel(),
         "num_samples": float(all_rewards.numel()),
         "time_s": time.perf_counter() - start_s,
-        **environment_metrics(s, BatchedDataDict.from_batches(rollouts)),
+        **environment_metrics(s.val_task_to_env, BatchedDataDict.from_batches(rollouts)),
     }
     s.logger.print_samples(samples, step)
     s.logger.log_metrics(metrics, step, prefix="validation")
@@ -353,7 +404,7 @@ def grpo_step(s: GRPOSetup, batch: BatchedDataDict[Any], timer: Timer) -> dict[s
         timer=timer,
     )
     s.generation.finish_generation()
-    rollout_metrics.update(environment_metrics(s, rollout))
+    rollout_metrics.update(environment_metrics(s.task_to_env, rollout))
 
     advantages_B = compute_advantages(
         rollout["total_reward"],

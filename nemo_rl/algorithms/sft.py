@@ -34,6 +34,9 @@ from nemo_rl.models.policy.lm_policy import Policy
 from nemo_rl.utils.checkpoint import CheckpointManager
 from nemo_rl.utils.logger import Logger
 
+MasterConfig = SFTMasterConfig
+"""The config of an SFT run, under NeMo RL's name (``from nemo_rl.algorithms.sft import MasterConfig``)."""
+
 
 @dataclasses.dataclass
 class SFTState:

@@ -1,11 +1,16 @@
 """Schema of the ``env`` section: one subsection per environment (``env.math``, ``env.number_guessing``,
-``env.reward_model``)."""
+``env.reward_model``).
+
+Environments registered by users (``nemo_rl.environments.registry.register_env``) take their constructor
+arguments from a subsection of their own name, e.g. ``env.exact_match: {threshold: 0.5}``; such sections are
+plain mappings, checked against the registry when an algorithm builds its environments.
+"""
 
 from __future__ import annotations
 
-from typing import Literal, Self
+from typing import Any, Literal, Self
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from nemo_rl.config.base import ConfigModel
 from nemo_rl.config.cluster import ClusterConfig
@@ -139,7 +144,11 @@ class RewardModelEnvConfig(ConfigModel):
 
 
 class EnvConfig(ConfigModel):
-    """Environments that score rollouts; each subsection configures the environment of that name."""
+    """Environments that score rollouts; each subsection configures the environment of that name. A
+    subsection with another name is the constructor config (a mapping) of a user-registered environment."""
+
+    # Sections of user-registered environments are not known to the schema; the registry checks them.
+    model_config = ConfigDict(extra="allow")
 
     math: MathEnvConfig = Field(default_factory=MathEnvConfig)
     """The math (verifiable answer) environment."""
@@ -149,3 +158,22 @@ class EnvConfig(ConfigModel):
 
     reward_model: RewardModelEnvConfig = Field(default_factory=RewardModelEnvConfig)
     """A trained reward model scoring responses."""
+
+    @model_validator(mode="after")
+    def _check_user_sections(self) -> Self:
+        for name, value in (self.model_extra or {}).items():
+            if not isinstance(value, dict):
+                raise ValueError(
+                    f"env.{name} must be a mapping of the environment's constructor arguments, got {value!r}"
+                )
+        return self
+
+    def section(self, name: str) -> Any:
+        """The config of environment ``name``: its schema section, its user section (a dict), or ``{}``."""
+        if name in type(self).model_fields:
+            return getattr(self, name)
+        return dict((self.model_extra or {}).get(name, {}))
+
+    def user_sections(self) -> list[str]:
+        """Names of the sections the schema does not declare (user-registered environments)."""
+        return sorted(self.model_extra or {})

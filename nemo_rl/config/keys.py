@@ -3,7 +3,8 @@
 A schema is a pydantic model class (normally a :class:`~nemo_rl.config.base.ConfigModel`). Its keys are found
 by walking nested model fields, including ``Optional[Model]``, unions of models, ``list[Model | ...]`` (the
 item's keys sit under an index, shown as ``<index>``) and ``dict[str, Model]`` (under a name, shown as
-``<name>``). Fields typed ``Any``, bare ``dict`` or ``dict[str, Any]`` are open: any key below them is valid.
+``<name>``). Fields typed ``Any``, bare ``dict`` or ``dict[str, Any]`` are open: any key below them is valid,
+and so is any undeclared key of a model that allows extra keys (``extra="allow"``, e.g. ``env``).
 """
 
 from __future__ import annotations
@@ -91,6 +92,8 @@ def _children(annotation: Any, segment: str) -> list[Any] | str:
             field = member.model_fields.get(segment)
             if field is not None:
                 out.append(field.annotation)
+            elif member.model_config.get("extra") == "allow":
+                return _OPEN
             continue
         origin = get_origin(member)
         args = get_args(member)

@@ -7,12 +7,21 @@ A recipe may inherit from other YAML files::
       model_name: Qwen/Qwen2.5-1.5B
 
 Paths are relative to the including file; inheritance is recursive; later entries override earlier ones and
-the file itself overrides all of them. Interpolations (``${policy.model_name}``, ``${mul:${a},2}``) stay
+the file itself overrides all of them. Sections merge key by key; a section marked ``_override_: true``
+replaces the inherited section of the same key instead (NeMo RL's marker; the marker itself is dropped)::
+
+    defaults: grpo_math_1B.yaml
+    data:
+      _override_: true                        # the parent's other data keys are not inherited
+      dataset_name: tiny_math
+
+Interpolations (``${policy.model_name}``, ``${mul:${a},2}``) stay
 unresolved until :func:`resolve_config`, so they see command-line overrides.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -37,6 +46,9 @@ ModelT = TypeVar("ModelT", bound=BaseModel)
 DEFAULTS_KEY = "defaults"
 """Top-level YAML key naming the file(s) a recipe inherits from."""
 
+OVERRIDE_MARKER = "_override_"
+"""Key marking a section that replaces the inherited section instead of merging into it."""
+
 CONFIG_FILENAME = "config.yaml"
 """Name of the resolved config written by :func:`save_config`."""
 
@@ -58,18 +70,24 @@ def _div(numerator: Any, denominator: Any) -> Any:
     return numerator / denominator
 
 
+def _sub(minuend: Any, subtrahend: Any) -> Any:
+    return minuend - subtrahend
+
+
 def _max(*values: Any) -> Any:
     return max(values)
 
 
-_RESOLVERS = {"mul": _mul, "add": _add, "div": _div, "max": _max}
+_RESOLVERS = {"mul": _mul, "add": _add, "sub": _sub, "div": _div, "max": _max}
 
 
 def register_resolvers() -> None:
-    """Register the ``mul``, ``add``, ``div`` and ``max`` interpolation resolvers (safe to call repeatedly).
+    """Register the ``mul``, ``add``, ``sub``, ``div`` and ``max`` interpolation resolvers (safe to call
+    repeatedly).
 
-    ``${mul:a,b,...}`` multiplies, ``${add:a,b,...}`` sums, ``${div:a,b}`` divides (an int when exact) and
-    ``${max:a,b,...}`` takes the largest argument. A resolver of the same name registered elsewhere is kept.
+    ``${mul:a,b,...}`` multiplies, ``${add:a,b,...}`` sums, ``${sub:a,b}`` subtracts, ``${div:a,b}`` divides
+    (an int when exact) and ``${max:a,b,...}`` takes the largest argument. A resolver of the same name
+    registered elsewhere is kept.
     """
     for name, fn in _RESOLVERS.items():
         if not OmegaConf.has_resolver(name):
@@ -91,7 +109,7 @@ def _read_yaml(path: Path) -> DictConfig:
     return loaded
 
 
-def _defaults_of(cfg: DictConfig, path: Path) -> list[Path]:
+def _defaults_of(cfg: DictConfig, path: Path, base_dir: Path | None = None) -> list[Path]:
     if DEFAULTS_KEY not in cfg:
         return []
     container = OmegaConf.to_container(cfg, resolve=False)
@@ -103,15 +121,15 @@ def _defaults_of(cfg: DictConfig, path: Path) -> list[Path]:
             f"{path}: `defaults:` must be a YAML file path or a list of paths (relative to this file), "
             f"got {raw!r}"
         )
-    return [(path.parent / Path(e).expanduser()).resolve() for e in entries]
+    return [((base_dir or path.parent) / Path(e).expanduser()).resolve() for e in entries]
 
 
-def _load_recursive(path: Path, chain: tuple[Path, ...]) -> DictConfig:
+def _load_recursive(path: Path, chain: tuple[Path, ...], base_dir: Path | None = None) -> DictConfig:
     if path in chain:
         cycle = " -> ".join(str(p) for p in (*chain[chain.index(path) :], path))
         raise ConfigError(f"`defaults:` inheritance forms a cycle: {cycle}")
     cfg = _read_yaml(path)
-    parents = _defaults_of(cfg, path)
+    parents = _defaults_of(cfg, path, base_dir)
     if not parents:
         return cfg
     merged = OmegaConf.create({})
@@ -125,7 +143,29 @@ def _without_defaults(cfg: DictConfig) -> DictConfig:
     return OmegaConf.masked_copy(cfg, [str(k) for k in cfg if k != DEFAULTS_KEY])
 
 
+def _sections(node: DictConfig) -> list[tuple[str, DictConfig]]:
+    """The child sections of ``node`` (values that are mappings), without resolving interpolations."""
+    children = ((str(key), node._get_node(key)) for key in node.keys())  # noqa: SIM118 (`???` keys count)
+    return [(key, child) for key, child in children if isinstance(child, DictConfig)]
+
+
+def _drop_replaced_sections(base: DictConfig, top: DictConfig) -> None:
+    """Remove from ``base`` every section that ``top`` marks ``_override_: true``, and the markers from
+    ``top``, so the merge puts ``top``'s section in place of the inherited one."""
+    for key, section in _sections(top):
+        marker = section.pop(OVERRIDE_MARKER, None)
+        inherited = base._get_node(key) if key in base.keys() else None  # noqa: SIM118 (`???` keys count)
+        if marker is True and inherited is not None:
+            del base[key]
+        elif isinstance(inherited, DictConfig):
+            _drop_replaced_sections(inherited, section)
+        else:
+            _drop_replaced_sections(OmegaConf.create({}), section)
+
+
 def _merge(base: DictConfig, top: DictConfig, top_path: Path) -> DictConfig:
+    base, top = copy.deepcopy(base), copy.deepcopy(top)
+    _drop_replaced_sections(base, top)
     try:
         merged = OmegaConf.merge(base, top)
     except OmegaConfBaseException as err:
@@ -134,15 +174,22 @@ def _merge(base: DictConfig, top: DictConfig, top_path: Path) -> DictConfig:
     return merged
 
 
-def load_config(path: str | Path) -> DictConfig:
+def load_config(path: str | Path, base_dir: str | Path | None = None) -> DictConfig:
     """Load a YAML recipe with its ``defaults:`` chain merged in; interpolations are left unresolved.
+
+    ``base_dir`` resolves the relative ``defaults:`` paths of ``path`` itself (default: its folder); those
+    of the files it inherits from are relative to each of them.
 
     Raises:
         ConfigError: missing or unparsable file, bad ``defaults:`` entry, or an inheritance cycle.
     """
-    cfg = _load_recursive(Path(path).expanduser().resolve(), ())
+    top_dir = None if base_dir is None else Path(base_dir).expanduser().resolve()
+    cfg = _load_recursive(Path(path).expanduser().resolve(), (), top_dir)
     # The inheritance list has been applied; keeping it would make it look like a config section.
-    return _without_defaults(cfg)
+    cfg = _without_defaults(cfg)
+    # Markers in a file that inherits nothing (or set to false) have nothing to replace.
+    _drop_replaced_sections(OmegaConf.create({}), cfg)
+    return cfg
 
 
 def _first_line(message: str | None) -> str:

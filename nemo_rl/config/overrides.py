@@ -23,7 +23,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel
 
@@ -226,7 +226,9 @@ def _delete(cfg: DictConfig, override: Override) -> None:
                 f"override {override.text!r} deletes '{override.key}' only if it equals {override.value!r}, "
                 f"but it is {current!r}"
             )
-    del parent[index]
+    # A struct-mode config (NeMo RL's parse_hydra_overrides leaves one) refuses deletion unless opened.
+    with open_dict(parent):
+        del parent[index]
 
 
 def apply_override(cfg: DictConfig, override: Override, schema_cls: type[BaseModel] | None = None) -> None:
@@ -264,9 +266,14 @@ def apply_override(cfg: DictConfig, override: Override, schema_cls: type[BaseMod
 
 
 def apply_overrides(
-    cfg: DictConfig, overrides: Sequence[str], schema_cls: type[BaseModel] | None = None
+    cfg: DictConfig,
+    overrides: Sequence[str],
+    schema_cls: type[BaseModel] | None = None,
+    *,
+    in_place: bool = False,
 ) -> DictConfig:
-    """Return a copy of ``cfg`` with Hydra-grammar ``overrides`` applied in order.
+    """Return a copy of ``cfg`` (``cfg`` itself with ``in_place``) with Hydra-grammar ``overrides`` applied in
+    order.
 
     With ``schema_cls``, ``a.b=v`` may also set a key that is valid in the schema but absent from the YAML,
     and shorthand keys are expanded. Interpolations are left unresolved so they see the new values.
@@ -275,7 +282,7 @@ def apply_overrides(
         ConfigError: for unparsable overrides, unknown keys, ``+`` on an existing key, ``~`` on a missing one;
             every failing override of the command line is listed, not just the first.
     """
-    out = copy.deepcopy(cfg)
+    out = cfg if in_place else copy.deepcopy(cfg)
     problems: list[str] = []
     for override in parse_overrides(overrides):
         # Keep going so that one run of the script reports every mistyped override at once.

@@ -12,18 +12,23 @@ Built in: ``math`` (:class:`~nemo_rl.environments.math_environment.MathEnvironme
 
     register_env("my_task", MyEnv)
     task_to_env = {"my_task": create_env("my_task", MyEnvConfig())}
+
+Algorithms build one environment per task of their data with :func:`create_task_envs`, configured by the
+``env.<task>`` section (a plain mapping for a user environment: ``env.my_task: {threshold: 0.5}``).
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, cast
 
 import ray
 from ray.actor import ActorClass, ActorHandle
 
 from nemo_rl.config.env import EnvConfig
+from nemo_rl.config.errors import UserError
 from nemo_rl.environments.interfaces import EnvironmentInterface
 
 EnvClass = type[EnvironmentInterface[Any]] | ActorClass[Any]
@@ -91,14 +96,45 @@ def get_env_class(name: str) -> EnvClass:
 
 def _section(name: str, cfg: Any) -> Any:
     """The config the environment's constructor takes: ``env.<name>`` when given the whole ``env`` section."""
-    if not isinstance(cfg, EnvConfig):
-        return cfg
-    if name not in EnvConfig.model_fields:
-        raise ValueError(
-            f"the env section has no {name!r} subsection (it has {sorted(EnvConfig.model_fields)}); pass "
-            f"environment {name!r} its own config object instead of the whole env section"
-        )
-    return getattr(cfg, name)
+    return cfg.section(name) if isinstance(cfg, EnvConfig) else cfg
+
+
+def check_env_sections(env_cfg: EnvConfig) -> None:
+    """Fail with a :class:`UserError` when an ``env.<name>`` section names no registered environment."""
+    for name in env_cfg.user_sections():
+        if name not in _REGISTRY:
+            close = difflib.get_close_matches(name, registered_envs(), n=1)
+            hint = f"did you mean env.{close[0]}? " if close else ""
+            raise UserError(
+                f"env.{name}: no environment is registered as {name!r} ({hint}registered: "
+                f"{', '.join(registered_envs())}); register it with "
+                f"nemo_rl.environments.registry.register_env({name!r}, cls) before setup, or remove the section"
+            )
+
+
+def check_task_envs(task_names: Iterable[str], env_cfg: EnvConfig) -> None:
+    """What :func:`create_task_envs` checks, without starting anything: every ``env`` section and every
+    task names a registered environment (else a :class:`UserError`)."""
+    check_env_sections(env_cfg)
+    for task in sorted(set(task_names)):
+        if task not in _REGISTRY:
+            raise UserError(
+                f"the data's task {task!r} has no registered environment (registered: "
+                f"{', '.join(registered_envs())}); register one with "
+                f"nemo_rl.environments.registry.register_env({task!r}, cls) or pass task_to_env to setup"
+            )
+
+
+def create_task_envs(task_names: Iterable[str], env_cfg: EnvConfig) -> dict[str, ActorHandle[Any]]:
+    """One environment actor per task, each the environment registered under the task's name and configured
+    by ``env.<task>`` (``{}`` for a user environment without a section).
+
+    Raises:
+        UserError: an ``env`` section or a task names no registered environment.
+    """
+    tasks = sorted(set(task_names))
+    check_task_envs(tasks, env_cfg)
+    return {task: create_env(task, env_cfg) for task in tasks}
 
 
 def create_env(
@@ -111,8 +147,8 @@ def create_env(
 
     Args:
         name: A registered name (see :func:`registered_envs`).
-        cfg: The whole ``env`` section (its ``name`` subsection is passed on), or the environment's own
-            config, handed to its constructor as is.
+        cfg: The whole ``env`` section (its ``name`` subsection is passed on, see :meth:`EnvConfig.section`),
+            or the environment's own config, handed to its constructor as is.
         actor_options: Extra ``ray.remote`` options for the actor (``num_cpus``, ``runtime_env``...).
     """
     env_cls = get_env_class(name)

@@ -23,8 +23,8 @@ from nemo_rl.config import (
     to_dict,
     validate_config,
 )
+from nemo_rl.utils.config import OverridesError, parse_hydra_overrides
 from nemo_rl.utils.config import load_config as nemo_rl_load_config
-from nemo_rl.utils.config import parse_hydra_overrides
 
 
 class Optim(ConfigModel):
@@ -285,9 +285,14 @@ def test_parse_hydra_overrides_without_schema() -> None:
     cfg = OmegaConf.create({"a": {"b": 1}})
     out = parse_hydra_overrides(cfg, ["a.b=2", "+a.c=[1,2]"])
     assert OmegaConf.to_container(out) == {"a": {"b": 2, "c": [1, 2]}}
-    assert cfg.a.b == 1
-    with pytest.raises(ConfigError, match="unknown key"):
+    # As in NeMo RL: applied to the config itself, which is left in struct mode.
+    assert out is cfg and OmegaConf.is_struct(cfg)
+    parse_hydra_overrides(cfg, ["~a.c", "++a.d=1"])
+    assert OmegaConf.to_container(cfg) == {"a": {"b": 2, "d": 1}}
+    with pytest.raises(OverridesError, match="unknown key"):
         parse_hydra_overrides(cfg, ["a.x=2"])
+    with pytest.raises(ConfigError, match="already set"):
+        parse_hydra_overrides(cfg, ["+a.b=3"])
 
 
 def test_escaped_interpolation_stays_literal_in_resolved_config(tmp_path: Path) -> None:

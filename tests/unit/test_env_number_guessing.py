@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from nemo_rl.config.env import EnvConfig, NumberGuessingEnvConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.environments import registry
 from nemo_rl.environments.games.number_guessing import (
     game_prompt,
     game_records,
@@ -119,8 +120,8 @@ def test_number_guessing_actor_multi_turn(ray_cluster: dict[str, float]) -> None
 class EchoEnv(EnvironmentInterface[dict[str, Any]]):
     """Rewards a response by its length; used to check user registration."""
 
-    def __init__(self, scale: float) -> None:
-        self.scale = scale
+    def __init__(self, cfg: float | dict[str, float]) -> None:
+        self.scale = cfg["scale"] if isinstance(cfg, dict) else cfg
 
     def step(
         self, message_log_batch: Sequence[Sequence[Message]], metadata: Sequence[dict[str, Any]]
@@ -149,10 +150,11 @@ def test_registry(ray_cluster: dict[str, float]) -> None:
         register_env("not_an_env", dict)  # type: ignore[arg-type]
     with pytest.raises(KeyError, match="register_env"):
         get_env_class("no_such_env")
-    with pytest.raises(ValueError, match="own config"):
-        create_env("echo_test", EnvConfig())
-
-    env = create_env("echo_test", 0.5)  # a user environment gets its own config object as is
+    # Given the whole env section, a user environment gets its env.<name> mapping ({} without one); any other
+    # config object is passed as is.
+    assert registry._section("echo_test", EnvConfig()) == {}
+    assert registry._section("echo_test", 0.5) == 0.5
+    env = create_env("echo_test", EnvConfig.model_validate({"echo_test": {"scale": 0.5}}))
     try:
         ret = get(env.step.remote([[{"role": "assistant", "content": "abcd"}]], [{}]))
         assert ret.rewards.tolist() == [2.0]

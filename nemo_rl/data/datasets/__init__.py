@@ -34,6 +34,7 @@ __all__ = [
     "RecordDataset",
     "RowConverter",
     "converter_for",
+    "dataset_task_names",
     "load_dataset_splits",
     "load_hub_rows",
     "read_local_rows",
@@ -81,6 +82,25 @@ class ProcessedDataset(Sequence[DatumSpec]):
     def __iter__(self) -> Iterator[DatumSpec]:
         for i in range(len(self)):
             yield self[i]
+
+    @property
+    def task_names(self) -> set[str]:
+        """The ``task_name`` of every sample (one task per processed dataset)."""
+        return {self.spec.task_name}
+
+
+def dataset_task_names(dataset: Sequence[DatumSpec] | None) -> set[str]:
+    """The ``task_name`` values of ``dataset``'s samples (none for ``None``).
+
+    A :class:`ProcessedDataset` (or any dataset with a ``task_names`` attribute) answers without reading
+    its samples; any other sequence of samples is read once.
+    """
+    if dataset is None:
+        return set()
+    known = getattr(dataset, "task_names", None)
+    if known is not None:
+        return set(known)
+    return {sample["task_name"] for sample in dataset}
 
 
 def setup_data(
