@@ -58,7 +58,7 @@ def test_generation_starts_first_and_sleeps_when_colocated(
         }
     )
     with pytest.raises(_PolicyStarted):
-        grpo.setup(config, None, [{"prompt": "x"}], None)  # type: ignore[arg-type]
+        grpo.setup(config, None, [{"prompt": "x", "task_name": "math"}], None, task_to_env={"math": object()})  # type: ignore[arg-type]
     if colocated:
         assert events == ["generation on [0, 1]", "generation sleeps", "policy on [0, 1]"]
     else:
