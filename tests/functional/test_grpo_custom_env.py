@@ -65,6 +65,7 @@ def test_user_environment_through_task_to_env(tmp_path: Path) -> None:
             "grpo.num_prompts_per_step=2",
             "grpo.num_generations_per_prompt=4",
             "grpo.max_num_steps=1",
+            "policy.generation.max_new_tokens=8",
             "grpo.val_at_start=false",
             "grpo.val_period=0",
             "policy.train_global_batch_size=8",

@@ -84,6 +84,8 @@ def test_dataset_task_names() -> None:
     assert dataset_task_names(None) == set()
     rows = [{"task_name": "math"}, {"task_name": "game"}, {"task_name": "math"}]
     assert dataset_task_names(rows) == {"math", "game"}  # type: ignore[arg-type]
+    with pytest.raises(UserError, match="sample 1 of the dataset has no 'task_name'"):
+        dataset_task_names([{"task_name": "math"}, {"prompt": "x"}])  # type: ignore[list-item]
 
 
 def test_nemo_rl_load_config_and_overrides(tmp_path: Path) -> None:

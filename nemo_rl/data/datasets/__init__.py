@@ -16,6 +16,7 @@ from typing import overload
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.config.data import PREFERENCE_DATASETS, DataConfig
+from nemo_rl.config.errors import UserError
 from nemo_rl.data.datasets.formats import MalformedRowError, RowConverter, converter_for
 from nemo_rl.data.datasets.loading import (
     DatasetSplits,
@@ -100,7 +101,15 @@ def dataset_task_names(dataset: Sequence[DatumSpec] | None) -> set[str]:
     known = getattr(dataset, "task_names", None)
     if known is not None:
         return set(known)
-    return {sample["task_name"] for sample in dataset}
+    names: set[str] = set()
+    for index, sample in enumerate(dataset):
+        if "task_name" not in sample:
+            raise UserError(
+                f"sample {index} of the dataset has no 'task_name' (keys: {sorted(sample)}); every RL sample "
+                "names the task (environment) that scores it"
+            )
+        names.add(sample["task_name"])
+    return names
 
 
 def setup_data(
