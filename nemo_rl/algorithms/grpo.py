@@ -234,6 +234,7 @@ def setup(
         config.policy.refit,
         policy_node_ids=[locations[b].node_id for b in policy_bundles],
         generation_node_ids=[locations[b].node_id for b in generation_bundles],
+        policy_streams=policy.refit_streams(),
     )
     started = create_task_envs(tasks_to_start, config.env)
     task_to_env = started if task_to_env is None else task_to_env

@@ -4,7 +4,9 @@ A bucket's payload is a flat ``uint8`` buffer holding several tensors, already c
 each starting at a 64-byte aligned offset (so any dtype can be viewed in place). Its header lists the
 tensors (HF name, dtype, shape, offset, byte count) and a checksum of the payload. A tensor larger than a
 bucket travels alone in a bucket of its own size. The stream ends with an ``end`` message carrying the number
-of buckets and bytes sent, so a receiver notices a lost bucket even when its names are unknown to it.
+of buckets and bytes sent, so a receiver notices a lost bucket even when its names are unknown to it. Headers
+and end messages carry their stream's number (see :mod:`nemo_rl.weight_sync.interfaces`); buckets are
+numbered per stream.
 
 Both transports share this module: :func:`pack_buckets` on the sender, :class:`BucketReader` (driven by
 :func:`receive_stream`) on the receiver.
@@ -95,6 +97,7 @@ class BucketHeader:
     nbytes: int
     checksum: int
     entries: tuple[WireEntry, ...]
+    stream: int = 0
 
     @property
     def names(self) -> list[str]:
@@ -108,6 +111,7 @@ class StreamEnd:
 
     num_buckets: int
     wire_bytes: int
+    stream: int = 0
 
 
 @dataclass(frozen=True)
@@ -125,6 +129,7 @@ def encode_message(message: Message) -> bytes:
     if isinstance(message, BucketHeader):
         body: dict[str, object] = {
             "kind": "bucket",
+            "stream": message.stream,
             "index": message.index,
             "nbytes": message.nbytes,
             "checksum": message.checksum,
@@ -133,7 +138,12 @@ def encode_message(message: Message) -> bytes:
             ],
         }
     elif isinstance(message, StreamEnd):
-        body = {"kind": "end", "num_buckets": message.num_buckets, "wire_bytes": message.wire_bytes}
+        body = {
+            "kind": "end",
+            "stream": message.stream,
+            "num_buckets": message.num_buckets,
+            "wire_bytes": message.wire_bytes,
+        }
     else:
         body = {"kind": "abort", "reason": message.reason}
     return json.dumps(body, separators=(",", ":")).encode()
@@ -149,9 +159,9 @@ def decode_message(data: bytes) -> Message:
                 WireEntry(name, dtype_from_name(dtype), tuple(shape), offset, nbytes)
                 for name, dtype, shape, offset, nbytes in body["entries"]
             )
-            return BucketHeader(body["index"], body["nbytes"], body["checksum"], entries)
+            return BucketHeader(body["index"], body["nbytes"], body["checksum"], entries, body["stream"])
         if kind == "end":
-            return StreamEnd(body["num_buckets"], body["wire_bytes"])
+            return StreamEnd(body["num_buckets"], body["wire_bytes"], body["stream"])
         if kind == "abort":
             return StreamAbort(body["reason"])
     except (ValueError, KeyError, TypeError) as err:
@@ -166,7 +176,7 @@ def gather_full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def gather_without_sending(weights: NamedTensors, start_s: float) -> TransferStats:
+def gather_without_sending(weights: NamedTensors, start_s: float, stream: int = 0) -> TransferStats:
     """What a policy rank that puts nothing on the wire does: take part in every gather, send nothing.
 
     Gathering a sharded parameter is a collective over the policy's own group, so every rank must walk the
@@ -176,7 +186,7 @@ def gather_without_sending(weights: NamedTensors, start_s: float) -> TransferSta
     for _, tensor in weights:
         gather_full(tensor)
         num_tensors += 1
-    return TransferStats("sender", 0, 0, num_tensors, time.perf_counter() - start_s)
+    return TransferStats("sender", 0, 0, num_tensors, time.perf_counter() - start_s, stream)
 
 
 AcquireBuffer = Callable[[int, int], torch.Tensor]
@@ -192,6 +202,7 @@ def pack_buckets(
     acquire: AcquireBuffer,
     send_oversized_in_place: bool,
     wire_device: torch.device,
+    stream: int = 0,
 ) -> Iterator[tuple[BucketHeader, torch.Tensor]]:
     """Pack a weight stream into buckets of at most ``bucket_size_bytes``, floating-point tensors cast to ``dtype``.
 
@@ -199,7 +210,7 @@ def pack_buckets(
     next one is packed into another buffer (double buffering). Each tensor is copied into the bucket as it
     arrives, so at most one gathered tensor is alive on top of the buckets. A tensor larger than a bucket is
     sent alone; with ``send_oversized_in_place`` its own memory, cast and moved to ``wire_device``, is the
-    payload, so no bucket-sized copy is made.
+    payload, so no bucket-sized copy is made. Headers carry ``stream``.
     """
     if bucket_size_bytes < 1:
         raise ValueError(f"bucket_size_bytes must be positive, got {bucket_size_bytes}")
@@ -211,7 +222,7 @@ def pack_buckets(
 
     def finish(payload: torch.Tensor) -> tuple[BucketHeader, torch.Tensor]:
         nonlocal index, buffer, entries, used
-        header = BucketHeader(index, payload.numel(), payload_checksum(payload), tuple(entries))
+        header = BucketHeader(index, payload.numel(), payload_checksum(payload), tuple(entries), stream)
         index, buffer, entries, used = index + 1, None, [], 0
         return header, payload
 
@@ -264,17 +275,20 @@ def _wire_bytes(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device) 
 class BucketReader:
     """Receiver-side checks of one refit stream, shared by every transport.
 
-    The transport feeds it each message in order (:meth:`admit`, :meth:`unpack`, :meth:`end`). It verifies
-    bucket order, payload size and checksum, and the manifest. Once anything is wrong the reader is
-    *poisoned*: it keeps accepting messages (so the transport drains the stream and no peer hangs) but hands
-    out no more tensors, and :meth:`raise_if_failed` reports every problem at the end.
+    The transport feeds it each message (:meth:`admit`, :meth:`unpack`, :meth:`end`), each stream's in order
+    (streams may interleave). It verifies bucket order, payload size and checksum, and the manifest, which
+    the union of the ``num_streams`` streams must cover. Once anything is wrong the reader is *poisoned*: it
+    keeps accepting messages (so the transport drains the streams and no peer hangs) but hands out no more
+    tensors, and :meth:`raise_if_failed` reports every problem at the end.
     """
 
-    def __init__(self, manifest: WeightManifest, shard_fn: ShardFn | None) -> None:
+    def __init__(self, manifest: WeightManifest, shard_fn: ShardFn | None, num_streams: int = 1) -> None:
         self._check = ManifestCheck(manifest)
         self._shard_fn = shard_fn
         self._problems: list[str] = []
-        self._next_index = 0
+        self._next_index = [0] * num_streams
+        self._buckets_of = [0] * num_streams
+        self._open = set(range(num_streams))
         self.num_buckets = 0
         self.num_tensors = 0
         self.wire_bytes = 0
@@ -294,12 +308,17 @@ class BucketReader:
 
         ``payload_nbytes`` is how many bytes actually arrived. Returns whether the payload should be loaded.
         """
-        if header.index != self._next_index:
+        stream = header.stream
+        if stream not in self._open:
+            self._problems.append(f"bucket {header.index} of stream {stream}, which is not an open stream")
+            return False
+        if header.index != self._next_index[stream]:
             self._problems.append(
-                f"bucket {header.index} arrived when bucket {self._next_index} was expected "
-                "(a bucket was lost or repeated)"
+                f"bucket {header.index}{self._of(stream)} arrived when bucket {self._next_index[stream]} was "
+                "expected (a bucket was lost or repeated)"
             )
-        self._next_index = header.index + 1
+        self._next_index[stream] = header.index + 1
+        self._buckets_of[stream] += 1
         self.num_buckets += 1
         self.wire_bytes += payload_nbytes
         bad_layout = [
@@ -346,18 +365,31 @@ class BucketReader:
         return tensors
 
     def end(self, message: StreamEnd | StreamAbort) -> None:
-        """Record the end of the stream and check that every bucket and weight arrived."""
-        self.ended = True
+        """Record the end of a stream; after the last one (or an abort), check that every weight arrived."""
         if isinstance(message, StreamAbort):
+            self.ended = True
             self._problems.append(f"the sender aborted the refit: {message.reason}")
             return
-        if message.num_buckets != self.num_buckets:
+        stream = message.stream
+        if stream not in self._open:
+            self._problems.append(f"stream {stream} ended twice or was never expected")
+            return
+        self._open.discard(stream)
+        if message.num_buckets != self._buckets_of[stream]:
             self._problems.append(
-                f"the sender sent {message.num_buckets} buckets but {self.num_buckets} arrived"
+                f"the sender{self._of(stream)} sent {message.num_buckets} buckets but "
+                f"{self._buckets_of[stream]} arrived"
             )
+        if self._open:
+            return
+        self.ended = True
         missing = self._check.missing()
         if missing:
             self._problems.append(f"weights that never arrived: {format_names(missing)}")
+
+    def _of(self, stream: int) -> str:
+        """`` of stream S`` when the refit has several streams (messages of one-stream refits stay short)."""
+        return f" of stream {stream}" if len(self._next_index) > 1 else ""
 
     def raise_if_failed(self, where: str) -> None:
         """Raise :class:`RefitIntegrityError` listing every problem found, if any."""
@@ -378,14 +410,16 @@ def receive_stream(
     shard_fn: ShardFn | None,
     stream: Callable[[BucketReader], Iterator[tuple[str, torch.Tensor]]],
     where: str,
+    num_streams: int = 1,
 ) -> TransferStats:
     """A receiver's refit, whatever the transport: check and load what ``stream(reader)`` yields.
 
-    ``stream`` takes the transport's messages off the wire, passes each through the :class:`BucketReader`
-    and yields the tensors to load; ``where`` names this receiver in the error raised when anything failed.
+    ``stream`` takes the transport's messages of all ``num_streams`` streams off the wire, passes each
+    through the :class:`BucketReader` and yields the tensors to load; ``where`` names this receiver in the
+    error raised when anything failed.
     """
     start_s = time.perf_counter()
-    reader = BucketReader(WeightManifest.coerce(manifest), shard_fn)
+    reader = BucketReader(WeightManifest.coerce(manifest), shard_fn, num_streams)
     feed_loader(load_fn, stream(reader))
     reader.raise_if_failed(where)
     return TransferStats(

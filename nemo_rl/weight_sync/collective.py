@@ -1,12 +1,13 @@
 """Collective refit, for generation workers that do not share a node with the policy (non-colocated mode).
 
-Policy rank 0 and every generation worker form a *dedicated* process group, built directly from the refit
-store (``ProcessGroupGloo`` on CPU, ``ProcessGroupNCCL`` when every member has a GPU). It never goes through
-``torch.distributed.init_process_group``, so the policy's default (training) group is untouched, and it is
-built once per transport and reused by every refit. Policy rank 0 broadcasts each bucket as a small header
-(length, then JSON) followed by the flat payload; it packs the next bucket into a second buffer while the
-current payload is in flight, and receivers load one bucket while the next arrives (double buffering). The
-other policy ranks only take part in gathering the weights.
+For each stream (one per pipeline stage of the policy), the stream's first policy rank and every generation
+worker form a *dedicated* process group, built directly from the refit store (``ProcessGroupGloo`` on CPU,
+``ProcessGroupNCCL`` when every member has a GPU). It never goes through ``torch.distributed.init_process_group``,
+so the policy's default (training) group is untouched, and it is built once per transport and reused by
+every refit. The stream's root broadcasts each bucket as a small header (length, then JSON) followed by the
+flat payload; it packs the next bucket into a second buffer while the current payload is in flight, and
+receivers load one bucket while the next arrives (double buffering). Receivers take the streams one after
+the other. The other policy ranks only take part in gathering the weights.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import datetime
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, cast
 
@@ -51,12 +52,14 @@ from nemo_rl.weight_sync.store import StoreAddress, StoreServer, connect_store
 
 @dataclass(frozen=True)
 class GroupSpec:
-    """The dedicated refit process group: rank 0 is policy rank 0, rank ``1 + j`` generation worker ``j``."""
+    """The dedicated refit process group of one stream: rank 0 is the stream's root policy rank, rank ``1 + j``
+    generation worker ``j``."""
 
     store: StoreAddress
     name: str
     world_size: int
     timeout_s: float
+    stream: int = 0
 
 
 class _Broadcaster(Protocol):
@@ -121,16 +124,16 @@ class RefitGroup:
         return message if message is not None else decode_message(payload.cpu().numpy().tobytes())
 
 
-_groups: dict[tuple[str, int, int], RefitGroup] = {}
+_groups: dict[tuple[str, int, int, int], RefitGroup] = {}
 
 
 def connect_group(spec: GroupSpec, rank: int) -> RefitGroup:
     """This process's member of the refit group ``spec`` (created on first use, then reused).
 
-    A process keeps one group per refit store (per thread, for single-process tests): when the driver
-    moves to a new group (after a failed refit) the old one is dropped.
+    A process keeps one group per refit store and stream (per thread, for single-process tests): when the
+    driver moves to a new group (after a failed refit) the old one is dropped.
     """
-    key = (spec.store.host, spec.store.port, threading.get_ident())
+    key = (spec.store.host, spec.store.port, threading.get_ident(), spec.stream)
     group = _groups.get(key)
     if group is None or group.spec != spec or group.rank != rank:
         _groups.pop(key, None)
@@ -146,19 +149,21 @@ def close_refit_groups() -> None:
 
 @dataclass(frozen=True)
 class CollectiveSender:
-    """One policy worker's side of a collective refit (rank 0 broadcasts, the others only gather)."""
+    """One policy worker's side of a collective refit (each stream's root broadcasts, the others only gather)."""
 
     dtype: torch.dtype
     bucket_size_bytes: int
     group: GroupSpec
+    """The refit group of this rank's stream."""
     is_root: bool
-    """Whether this policy rank broadcasts (policy rank 0)."""
+    """Whether this policy rank broadcasts its stream (the stream's first rank)."""
 
     def send(self, weights: NamedTensors) -> TransferStats:
         """Broadcast every bucket to the generation workers."""
         start_s = time.perf_counter()
+        stream = self.group.stream
         if not self.is_root:
-            return gather_without_sending(weights, start_s)
+            return gather_without_sending(weights, start_s, stream)
         group = connect_group(self.group, 0)
         capacity = align_up(self.bucket_size_bytes)
         # (work, payload) per buffer slot: the payload must stay alive until its broadcast completes.
@@ -181,6 +186,7 @@ class CollectiveSender:
             acquire=acquire,
             send_oversized_in_place=True,
             wire_device=group.device,
+            stream=stream,
         )
         num_buckets = num_tensors = wire_bytes = 0
         while True:
@@ -190,7 +196,9 @@ class CollectiveSender:
                 # The weights could not be produced: tell the receivers instead of leaving them waiting.
                 settle(0)
                 settle(1)
-                group.broadcast_message(StreamAbort(f"policy rank 0 failed to produce the weights: {err!r}"))
+                group.broadcast_message(
+                    StreamAbort(f"the root of stream {stream} failed to produce the weights: {err!r}")
+                )
                 raise
             if item is None:
                 break
@@ -203,8 +211,10 @@ class CollectiveSender:
             wire_bytes += header.nbytes
         settle(0)
         settle(1)
-        group.broadcast_message(StreamEnd(num_buckets, wire_bytes))
-        return TransferStats("sender", wire_bytes, num_buckets, num_tensors, time.perf_counter() - start_s)
+        group.broadcast_message(StreamEnd(num_buckets, wire_bytes, stream))
+        return TransferStats(
+            "sender", wire_bytes, num_buckets, num_tensors, time.perf_counter() - start_s, stream
+        )
 
 
 @dataclass(frozen=True)
@@ -212,20 +222,31 @@ class CollectiveReceiver:
     """One generation worker's side of a collective refit."""
 
     bucket_size_bytes: int
-    group: GroupSpec
+    groups: tuple[GroupSpec, ...]
+    """The refit group of each stream, by stream."""
     index: int
     """This generation worker's index (its group rank is ``1 + index``)."""
 
     def receive(
         self, load_fn: LoadFn, manifest: ManifestLike, shard_fn: ShardFn | None = None
     ) -> TransferStats:
-        """Receive, check and load every bucket policy rank 0 broadcasts."""
+        """Receive, check and load every bucket the streams' roots broadcast."""
         return receive_stream(
-            load_fn, manifest, shard_fn, self._stream, f"generation worker {self.index} (collective)"
+            load_fn,
+            manifest,
+            shard_fn,
+            self._streams,
+            f"generation worker {self.index} (collective)",
+            num_streams=len(self.groups),
         )
 
-    def _stream(self, reader: BucketReader) -> Iterator[tuple[str, torch.Tensor]]:
-        group = connect_group(self.group, 1 + self.index)
+    def _streams(self, reader: BucketReader) -> Iterator[tuple[str, torch.Tensor]]:
+        for spec in self.groups:
+            yield from self._stream(reader, connect_group(spec, 1 + self.index))
+            if reader.ended:  # an abort ends every stream
+                return
+
+    def _stream(self, reader: BucketReader, group: RefitGroup) -> Iterator[tuple[str, torch.Tensor]]:
         capacity = align_up(self.bucket_size_bytes)
         loaded: tuple[BucketHeader, torch.Tensor] | None = None
         num_received = 0
@@ -254,7 +275,11 @@ def _load(
 
 
 class CollectiveTransport:
-    """Driver side of the collective transport: hosts the store the refit group meets on."""
+    """Driver side of the collective transport: hosts the store the refit groups (one per stream) meet on.
+
+    ``policy_streams[r]`` is the stream of policy worker ``r`` (default: one stream); each stream's root is
+    its first rank.
+    """
 
     kind: TransportKind = "collective"
 
@@ -267,9 +292,18 @@ class CollectiveTransport:
         bucket_size_bytes: int,
         timeout_s: float,
         store_host: str,
+        policy_streams: Sequence[int] | None = None,
     ) -> None:
         if num_policy_workers < 1 or num_generation_workers < 1:
             raise ValueError("a refit needs at least one policy worker and one generation worker")
+        streams = list(policy_streams) if policy_streams is not None else [0] * num_policy_workers
+        if len(streams) != num_policy_workers or set(streams) != set(range(max(streams) + 1)):
+            raise ValueError(
+                f"policy_streams must give each of the {num_policy_workers} policy workers a stream, numbered "
+                f"0..S-1 with none missing; got {streams}"
+            )
+        self._streams = streams
+        self._roots = [streams.index(stream) for stream in range(max(streams) + 1)]
         self._num_policy_workers = num_policy_workers
         self._num_generation_workers = num_generation_workers
         self._dtype = dtype
@@ -289,38 +323,47 @@ class CollectiveTransport:
         """Generation workers receiving."""
         return self._num_generation_workers
 
-    def _group(self) -> GroupSpec:
+    @property
+    def num_streams(self) -> int:
+        """Streams the weights arrive in (one refit group each)."""
+        return len(self._roots)
+
+    def _group(self, stream: int) -> GroupSpec:
         return GroupSpec(
             self._server.address,
-            f"{self._uid}-{self._epoch}",
+            f"{self._uid}-{self._epoch}-s{stream}",
             1 + self._num_generation_workers,
             self._timeout_s,
+            stream,
         )
 
     def endpoints(self, refit_id: str) -> tuple[list[WeightSender], list[WeightReceiver]]:
         """One :class:`CollectiveSender` per policy worker and one :class:`CollectiveReceiver` per generation
-        worker. The refit group is the same for every refit until one fails."""
-        del refit_id  # the group carries one refit at a time; buckets are numbered per stream
-        group = self._group()
+        worker. The refit groups are the same for every refit until one fails."""
+        del refit_id  # the groups carry one refit at a time; buckets are numbered per stream
+        groups = tuple(self._group(stream) for stream in range(self.num_streams))
         senders: list[WeightSender] = [
-            CollectiveSender(self._dtype, self._bucket_size_bytes, group, rank == 0)
-            for rank in range(self._num_policy_workers)
+            CollectiveSender(
+                self._dtype, self._bucket_size_bytes, groups[stream], rank == self._roots[stream]
+            )
+            for rank, stream in enumerate(self._streams)
         ]
         receivers: list[WeightReceiver] = [
-            CollectiveReceiver(self._bucket_size_bytes, group, j) for j in range(self._num_generation_workers)
+            CollectiveReceiver(self._bucket_size_bytes, groups, j)
+            for j in range(self._num_generation_workers)
         ]
         return senders, receivers
 
     def abort(self, refit_id: str) -> None:
-        """Members still blocked in the failed refit's group give up at its timeout; the next refit builds a
-        fresh group so they are not needed."""
+        """Members still blocked in the failed refit's groups give up at their timeout; the next refit builds
+        fresh groups so they are not needed."""
         del refit_id
         self._epoch += 1
 
     def cleanup(self, refit_id: str) -> None:
-        """Nothing outlives a collective refit but the process group, which is reused."""
+        """Nothing outlives a collective refit but the process groups, which are reused."""
         del refit_id
 
     def shutdown(self) -> None:
-        """Move to a fresh group so no endpoint can use the old one."""
+        """Move to fresh groups so no endpoint can use the old ones."""
         self._epoch += 1

@@ -37,19 +37,21 @@ def create_refit_transport(
     *,
     policy_node_ids: Sequence[str],
     generation_node_ids: Sequence[str],
+    policy_streams: Sequence[int] | None = None,
 ) -> RefitTransport:
     """The transport for moving weights from these policy workers to these generation workers.
 
     ``policy_node_ids[r]`` / ``generation_node_ids[j]`` are the (Ray) node ids of policy worker ``r`` and
-    generation worker ``j``. With ``refit_cfg.transport == "auto"``: shared memory when generation is
-    colocated (``policy.generation.colocated.enabled``) and every generation node hosts a policy worker, a
-    collective broadcast otherwise.
+    generation worker ``j``; ``policy_streams[r]`` is the stream policy worker ``r`` sends (its pipeline
+    stage, ``Policy.refit_streams()``; default one stream). With ``refit_cfg.transport == "auto"``: shared
+    memory when generation is colocated (``policy.generation.colocated.enabled``) and every generation node
+    hosts a policy worker of every stream, a collective broadcast otherwise.
     """
     if not policy_node_ids or not generation_node_ids:
         raise ValueError("a refit needs at least one policy worker and one generation worker")
     kind = refit_cfg.transport
     if kind == "auto":
-        same_nodes = set(generation_node_ids) <= set(policy_node_ids)
+        same_nodes = SharedMemoryTransport.supports(policy_node_ids, generation_node_ids, policy_streams)
         kind = "shared_memory" if policy_cfg.generation.colocated.enabled and same_nodes else "collective"
     return build_refit_transport(
         kind,
@@ -59,6 +61,7 @@ def create_refit_transport(
         bucket_size_bytes=policy_cfg.refit_buffer_size_mb * _MIB,
         timeout_s=refit_cfg.timeout_s,
         store_host=refit_store_host(),
+        policy_streams=policy_streams,
     )
 
 
@@ -71,8 +74,9 @@ def build_refit_transport(
     bucket_size_bytes: int,
     timeout_s: float,
     store_host: str,
+    policy_streams: Sequence[int] | None = None,
 ) -> RefitTransport:
-    """The transport ``kind`` between these policy and generation workers (node ids as in
+    """The transport ``kind`` between these policy and generation workers (node ids and streams as in
     :func:`create_refit_transport`), casting to ``dtype`` and streaming buckets of ``bucket_size_bytes``;
     refits fail after ``timeout_s``; workers reach the refit store on ``store_host``."""
     if kind == "shared_memory":
@@ -83,6 +87,7 @@ def build_refit_transport(
             bucket_size_bytes=bucket_size_bytes,
             timeout_s=timeout_s,
             store_host=store_host,
+            policy_streams=policy_streams,
         )
     return CollectiveTransport(
         num_policy_workers=len(policy_node_ids),
@@ -91,4 +96,5 @@ def build_refit_transport(
         bucket_size_bytes=bucket_size_bytes,
         timeout_s=timeout_s,
         store_host=store_host,
+        policy_streams=policy_streams,
     )

@@ -3,14 +3,20 @@
 Refit moves the policy's weights into the generation workers. Every transport (shared memory, collective
 broadcast) implements the same three small pieces:
 
-- :class:`WeightSender`, run inside each policy worker. Every policy rank calls ``send`` with the same
-  stream of full (gathered) tensors, because gathering a sharded parameter is a collective over the policy's
-  own process group; only the ranks the transport designates put bytes on the wire.
+- :class:`WeightSender`, run inside each policy worker. Every policy rank calls ``send`` with its stream of
+  full (gathered) tensors, because gathering a sharded parameter is a collective over the policy's own
+  process group; only the ranks the transport designates put bytes on the wire.
 - :class:`WeightReceiver`, run inside each generation worker: ``receive`` checks every bucket against the
   worker's :class:`~nemo_rl.weight_sync.manifest.WeightManifest`, optionally keeps a slice of each tensor
   (``shard_fn``) and hands a stream of ``(hf_name, tensor)`` to the worker's own loader.
 - :class:`RefitTransport`, held by the driver: it hands out one picklable sender per policy worker and one
   receiver per generation worker for each refit, and cleans up after a failed one.
+
+**Streams.** The weights may arrive as several *streams*, each sent by its own policy ranks: a pipeline-parallel
+policy sends one stream per pipeline stage (the stage's own layers), so no rank ever holds another stage's
+weights. Every rank of a stream iterates that stream's tensors in the same order; a receiver takes every
+stream and checks their union against its manifest. A policy whose every rank holds the whole model (DTensor)
+is one stream. The driver passes each policy rank's stream to the transport (``policy_streams``).
 
 Senders and receivers are plain picklable values: the driver ships them to the workers with each refit call,
 and they connect lazily (and once per process) to what they need, so a worker needs only one thin method::
@@ -78,6 +84,9 @@ class TransferStats:
     time_s: float
     """Seconds this worker spent in the refit."""
 
+    stream: int = 0
+    """The stream a sender belongs to (0 for receivers and single-stream policies)."""
+
 
 class WeightSender(Protocol):
     """The policy-worker side of one refit."""
@@ -90,7 +99,7 @@ class WeightSender(Protocol):
     def send(self, weights: NamedTensors) -> TransferStats:
         """Stream ``weights`` (HF names, full or DTensor-sharded tensors) to the receivers.
 
-        Every policy rank must call this with the same names in the same order.
+        Every policy rank of one stream must call this with the same names in the same order.
         """
         ...
 
@@ -125,6 +134,11 @@ class RefitTransport(Protocol):
     @property
     def num_senders(self) -> int:
         """Policy workers taking part (all of them: they gather the weights together)."""
+        ...
+
+    @property
+    def num_streams(self) -> int:
+        """Streams the weights arrive in (one per pipeline stage of the policy)."""
         ...
 
     @property

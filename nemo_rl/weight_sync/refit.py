@@ -90,12 +90,15 @@ def refit(
             f"refit {refit_id}: the workers' refit methods must return TransferStats "
             f"(check {send_method!r} and {receive_method!r})"
         )
-    wire_bytes = max(stats.wire_bytes for stats in sent)
+    # One copy of the weights: each stream's largest sender (several nodes may send the same stream).
+    streams = {stats.stream for stats in sent}
+    wire_bytes = sum(max(s.wire_bytes for s in sent if s.stream == stream) for stream in streams)
+    num_buckets = sum(max(s.num_buckets for s in sent if s.stream == stream) for stream in streams)
     return {
         "refit/bytes": float(wire_bytes),
         "refit/time_s": time_s,
         "refit/gbps": wire_bytes / time_s / 1e9,
-        "refit/num_buckets": float(max(stats.num_buckets for stats in sent)),
+        "refit/num_buckets": float(num_buckets),
         "refit/bytes_received": float(sum(stats.wire_bytes for stats in received)),
     }
 

@@ -1,8 +1,9 @@
 """Shared-memory refit, for generation workers on the same node as a policy worker (colocated mode).
 
-On each node one policy rank, the *writer*, packs buckets into two shared-memory segments (files under
-``/dev/shm``) in turn and announces each bucket (segment name + header) on the refit store's queue of every
-generation worker of its node. A receiver maps the segment, checks the bucket, hands the tensors to its loader
+On each node, for each stream, one policy rank, the *writer*, packs buckets into two shared-memory segments
+(files under ``/dev/shm``) in turn and announces each bucket (segment name + header) on the refit store's
+queue of every generation worker of its node (a pipeline-parallel policy has one writer per stage and node;
+the receivers take the streams interleaved). A receiver maps the segment, checks the bucket, hands the tensors to its loader
 (which copies them out) and acknowledges; the writer reuses a segment once every reader has acknowledged the
 bucket it held. So the writer packs bucket ``i + 1`` while the readers load bucket ``i`` (double buffering).
 The other policy ranks only take part in gathering the weights.
@@ -155,16 +156,19 @@ class ShmSender:
     refit_id: str
     segment_prefix: str
     writer: int | None
-    """Index of the node this rank writes for, or ``None`` when another rank writes for its node."""
+    """Index of the (node, stream) writer this rank is, or ``None`` when another rank writes its stream on
+    its node."""
     readers: tuple[int, ...]
     """Generation workers (by index) reading this writer's segments."""
+    stream: int = 0
+    """The stream this rank's weights belong to."""
 
     def send(self, weights: NamedTensors) -> TransferStats:
         """Pack and announce every bucket; return once every reader has acknowledged every bucket."""
         start_s = time.perf_counter()
         if self.writer is None:
-            # Another rank writes for this node; this one still has to take part in every gather.
-            return gather_without_sending(weights, start_s)
+            # Another rank writes this stream on this node; this one still takes part in every gather.
+            return gather_without_sending(weights, start_s, self.stream)
         return _ShmWriter(self, self.writer).run(weights, start_s)
 
 
@@ -192,28 +196,29 @@ class _ShmWriter:
                 acquire=self._acquire,
                 send_oversized_in_place=False,
                 wire_device=torch.device("cpu"),
+                stream=self.spec.stream,
             ):
                 self._announce(self.segment_of[header.index].name, encode_message(header))
                 num_buckets += 1
                 num_tensors += len(header.entries)
                 wire_bytes += header.nbytes
-            self._announce("", encode_message(StreamEnd(num_buckets, wire_bytes)))
+            self._announce("", encode_message(StreamEnd(num_buckets, wire_bytes, self.spec.stream)))
             for index in self.bucket_in_slot:
                 if index is not None:
                     self._wait_consumed(index)
         except BaseException as err:
             self._announce(
                 "",
-                encode_message(
-                    StreamAbort(f"the policy worker writing for node {self.writer} failed: {err!r}")
-                ),
+                encode_message(StreamAbort(f"the policy worker writer {self.writer} failed: {err!r}")),
             )
             raise
         finally:
             for segment in [*self.slots, *self.segment_of.values()]:
                 if segment is not None:
                     segment.unlink()
-        return TransferStats("sender", wire_bytes, num_buckets, num_tensors, time.perf_counter() - start_s)
+        return TransferStats(
+            "sender", wire_bytes, num_buckets, num_tensors, time.perf_counter() - start_s, self.spec.stream
+        )
 
     def _announce(self, segment_name: str, message: bytes) -> None:
         for reader in self.spec.readers:
@@ -267,37 +272,42 @@ class ShmReceiver:
     segment_prefix: str
     reader: int
     """This generation worker's index."""
-    writer: int
-    """Index of the node writer whose segments this worker reads."""
+    writers: tuple[int, ...]
+    """Index of the writer of each stream on this worker's node (by stream)."""
 
     def receive(
         self, load_fn: LoadFn, manifest: ManifestLike, shard_fn: ShardFn | None = None
     ) -> TransferStats:
-        """Read, check and load every bucket the node's writer announces."""
+        """Read, check and load every bucket the node's writers announce."""
         return receive_stream(
             load_fn,
             manifest,
             shard_fn,
             self._stream,
             f"generation worker {self.reader} (shared memory, refit {self.refit_id})",
+            num_streams=len(self.writers),
         )
 
     def _stream(self, reader: BucketReader) -> Iterator[tuple[str, torch.Tensor]]:
         store = connect_store(self.store, self.timeout_s)
         deadline = time.monotonic() + self.timeout_s
         attached: dict[str, Segment] = {}
-        while True:
+        while not reader.ended:
             raw = pop_message(
                 store,
                 _reader_queue(self.refit_id, self.reader),
                 deadline,
-                f"bucket {reader.num_buckets} from the policy worker writing for node {self.writer}",
+                f"a bucket from the policy workers writing for this node ({reader.num_buckets} so far)",
             )
             segment_name, _, body = raw.partition(b"\n")
             message = decode_message(body)
             if not isinstance(message, BucketHeader):
                 reader.end(message)
-                return
+                continue
+            if not 0 <= message.stream < len(self.writers):
+                # Nobody to acknowledge to: a protocol error, reported when the streams end.
+                reader.fail(f"bucket {message.index} belongs to unknown stream {message.stream}")
+                continue
             segment = self._attach(segment_name.decode(), message, attached, reader)
             available = min(segment.nbytes, message.nbytes) if segment is not None else 0
             if reader.admit(message, available) and segment is not None:
@@ -306,7 +316,8 @@ class ShmReceiver:
             if "_slot" not in segment_name.decode():
                 attached.pop(segment_name.decode(), None)
             store.queue_push(
-                _writer_queue(self.refit_id, self.writer), f"{self.reader}:{message.index}".encode()
+                _writer_queue(self.refit_id, self.writers[message.stream]),
+                f"{self.reader}:{message.index}".encode(),
             )
 
     def _attach(
@@ -327,17 +338,42 @@ class ShmReceiver:
         return attached[name]
 
 
+def _streams_of(policy_node_ids: Sequence[str], policy_streams: Sequence[int] | None) -> list[int]:
+    """Each policy worker's stream (all 0 by default); checks that streams are numbered 0..S-1."""
+    streams = list(policy_streams) if policy_streams is not None else [0] * len(policy_node_ids)
+    if len(streams) != len(policy_node_ids) or set(streams) != set(range(max(streams, default=0) + 1)):
+        raise ValueError(
+            f"policy_streams must give each of the {len(policy_node_ids)} policy workers a stream, numbered "
+            f"0..S-1 with none missing; got {streams}"
+        )
+    return streams
+
+
+def _missing_writers(
+    policy_node_ids: Sequence[str], generation_node_ids: Sequence[str], streams: Sequence[int]
+) -> list[tuple[str, int]]:
+    """(generation node, stream) pairs with no policy worker of that stream on that node."""
+    held = {(node, stream) for node, stream in zip(policy_node_ids, streams, strict=True)}
+    return [
+        (node, stream)
+        for node in dict.fromkeys(generation_node_ids)
+        for stream in range(max(streams) + 1)
+        if (node, stream) not in held
+    ]
+
+
 @ray.remote(num_cpus=0)
 def _sweep_segments_task(prefix: str) -> list[str]:
     return sweep_segments(prefix)
 
 
 class SharedMemoryTransport:
-    """Driver side of the shared-memory transport: one writer per node, readers on the same node.
+    """Driver side of the shared-memory transport: one writer per (node, stream), readers on the same node.
 
     ``policy_node_ids[r]`` / ``generation_node_ids[j]`` name the node of policy worker ``r`` / generation
-    worker ``j`` (Ray node ids, or any labels in single-process use); every generation worker's node must
-    host a policy worker.
+    worker ``j`` (Ray node ids, or any labels in single-process use); ``policy_streams[r]`` is the stream of
+    policy worker ``r`` (default: one stream). Every generation worker's node must host a policy worker of
+    every stream (:meth:`supports`).
     """
 
     kind: TransportKind = "shared_memory"
@@ -351,27 +387,46 @@ class SharedMemoryTransport:
         bucket_size_bytes: int,
         timeout_s: float,
         store_host: str,
+        policy_streams: Sequence[int] | None = None,
     ) -> None:
         if not policy_node_ids or not generation_node_ids:
             raise ValueError("a refit needs at least one policy worker and one generation worker")
-        writer_rank_of_node: dict[str, int] = {}
-        for rank, node in enumerate(policy_node_ids):
-            writer_rank_of_node.setdefault(node, rank)
-        orphans = sorted({node for node in generation_node_ids if node not in writer_rank_of_node})
-        if orphans:
+        streams = _streams_of(policy_node_ids, policy_streams)
+        missing = _missing_writers(policy_node_ids, generation_node_ids, streams)
+        if missing:
+            nodes = sorted({node for node, _ in missing})
             raise ValueError(
-                f"shared-memory refit needs a policy worker on every generation node, but nodes {orphans} "
-                "host only generation workers: use the collective transport (refit transport=collective)"
+                f"shared-memory refit needs a policy worker of every stream (pipeline stage) on every generation "
+                f"node, but nodes {nodes} lack streams {sorted({s for _, s in missing})}: use the collective "
+                "transport (refit transport=collective)"
             )
-        self._nodes = list(writer_rank_of_node)
-        self._writer_rank = [writer_rank_of_node[node] for node in self._nodes]
+        self._num_streams = max(streams) + 1
+        # One writer per (generation node, stream): the lowest policy rank of that stream on that node.
+        self._writers: list[tuple[str, int]] = []
+        self._writer_rank: list[int] = []
+        for node in dict.fromkeys(generation_node_ids):
+            for stream in range(self._num_streams):
+                rank = min(r for r, n in enumerate(policy_node_ids) if n == node and streams[r] == stream)
+                self._writers.append((node, stream))
+                self._writer_rank.append(rank)
         self._policy_node_ids = list(policy_node_ids)
+        self._policy_streams = streams
         self._generation_node_ids = list(generation_node_ids)
         self._dtype = dtype
         self._bucket_size_bytes = bucket_size_bytes
         self._timeout_s = timeout_s
         self._server = StoreServer(store_host, timeout_s)
         self._uid = uuid.uuid4().hex[:10]
+
+    @staticmethod
+    def supports(
+        policy_node_ids: Sequence[str],
+        generation_node_ids: Sequence[str],
+        policy_streams: Sequence[int] | None,
+    ) -> bool:
+        """Whether every generation node hosts a policy worker of every stream."""
+        streams = _streams_of(policy_node_ids, policy_streams)
+        return not _missing_writers(policy_node_ids, generation_node_ids, streams)
 
     @property
     def num_senders(self) -> int:
@@ -383,6 +438,11 @@ class SharedMemoryTransport:
         """Generation workers receiving."""
         return len(self._generation_node_ids)
 
+    @property
+    def num_streams(self) -> int:
+        """Streams the weights arrive in."""
+        return self._num_streams
+
     def endpoints(self, refit_id: str) -> tuple[list[WeightSender], list[WeightReceiver]]:
         """One :class:`ShmSender` per policy worker and one :class:`ShmReceiver` per generation worker."""
         if not _REFIT_ID_PATTERN.match(refit_id):
@@ -390,10 +450,9 @@ class SharedMemoryTransport:
         prefix = segment_prefix(self._uid, refit_id)
         senders: list[WeightSender] = []
         for rank, node in enumerate(self._policy_node_ids):
-            writer = self._nodes.index(node)
+            stream = self._policy_streams[rank]
+            writer = self._writer_rank.index(rank) if rank in self._writer_rank else None
             readers = tuple(j for j, n in enumerate(self._generation_node_ids) if n == node)
-            # One rank per node writes, and only where a generation worker reads.
-            is_writer = self._writer_rank[writer] == rank and bool(readers)
             senders.append(
                 ShmSender(
                     self._dtype,
@@ -402,12 +461,20 @@ class SharedMemoryTransport:
                     self._server.address,
                     refit_id,
                     prefix,
-                    writer if is_writer else None,
-                    readers if is_writer else (),
+                    writer,
+                    readers if writer is not None else (),
+                    stream,
                 )
             )
         receivers: list[WeightReceiver] = [
-            ShmReceiver(self._timeout_s, self._server.address, refit_id, prefix, j, self._nodes.index(node))
+            ShmReceiver(
+                self._timeout_s,
+                self._server.address,
+                refit_id,
+                prefix,
+                j,
+                tuple(self._writers.index((node, stream)) for stream in range(self._num_streams)),
+            )
             for j, node in enumerate(self._generation_node_ids)
         ]
         return senders, receivers
@@ -415,7 +482,7 @@ class SharedMemoryTransport:
     def abort(self, refit_id: str) -> None:
         """Wake every writer and reader of ``refit_id`` still waiting, so they stop and unlink."""
         store = self._server.store
-        for writer in range(len(self._nodes)):
+        for writer in range(len(self._writers)):
             store.queue_push(_writer_queue(refit_id, writer), _ABORT)
         reason = encode_message(StreamAbort("the driver aborted the refit because another worker failed"))
         for reader in range(self.num_receivers):
@@ -425,7 +492,7 @@ class SharedMemoryTransport:
         """Sweep ``refit_id``'s segments on every node and drop its queues from the store."""
         self._sweep_everywhere(segment_prefix(self._uid, refit_id))
         store = self._server.store
-        for writer in range(len(self._nodes)):
+        for writer in range(len(self._writers)):
             store.delete_key(_writer_queue(refit_id, writer))
         for reader in range(self.num_receivers):
             store.delete_key(_reader_queue(refit_id, reader))
@@ -440,7 +507,7 @@ class SharedMemoryTransport:
             return
         here = ray.get_runtime_context().get_node_id()
         alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
-        remote = [n for n in self._nodes if n != here and n in alive]
+        remote = [n for n in dict.fromkeys(self._policy_node_ids) if n != here and n in alive]
         refs = [
             _sweep_segments_task.options(
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)

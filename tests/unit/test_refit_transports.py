@@ -308,7 +308,7 @@ def test_factory_picks_the_transport_from_placement_and_config() -> None:
         separate, RefitConfig(transport="shared_memory"), policy_node_ids=["a"], generation_node_ids=["a"]
     )
     assert forced.kind == "shared_memory"
-    with pytest.raises(ValueError, match="nodes \\['c'\\] host only generation workers"):
+    with pytest.raises(ValueError, match="nodes \\['c'\\] lack streams \\[0\\]"):
         create_refit_transport(
             colocated,
             RefitConfig(transport="shared_memory"),
@@ -357,9 +357,90 @@ def test_shm_assigns_one_writer_per_node_with_readers() -> None:
     )
     senders, receivers = transport.endpoints("r0")
     roles = [(s.writer, s.readers) for s in senders]  # type: ignore[attr-defined]
-    assert roles == [(0, (1,)), (None, ()), (1, (0, 2)), (None, ()), (None, ())]
-    assert [r.writer for r in receivers] == [1, 0, 1]  # type: ignore[attr-defined]
+    # Writers are numbered by generation node (b first, then a); node c has no generation worker.
+    assert roles == [(1, (1,)), (None, ()), (0, (0, 2)), (None, ()), (None, ())]
+    assert [r.writers for r in receivers] == [(0,), (1,), (0,)]  # type: ignore[attr-defined]
     transport.shutdown()
+
+
+def test_shm_has_one_writer_per_node_and_stream() -> None:
+    transport = SharedMemoryTransport(
+        policy_node_ids=["a", "a", "a", "a", "b", "b"],
+        generation_node_ids=["a", "a"],
+        policy_streams=[0, 0, 1, 1, 0, 1],
+        dtype=torch.float32,
+        bucket_size_bytes=BUCKET_BYTES,
+        timeout_s=TIMEOUT_S,
+        store_host="127.0.0.1",
+    )
+    senders, receivers = transport.endpoints("r0")
+    assert [s.writer for s in senders] == [0, None, 1, None, None, None]  # type: ignore[attr-defined]
+    assert [s.stream for s in senders] == [0, 0, 1, 1, 0, 1]  # type: ignore[attr-defined]
+    assert [r.writers for r in receivers] == [(0, 1), (0, 1)]  # type: ignore[attr-defined]
+    assert transport.num_streams == 2
+    transport.shutdown()
+    # A generation node without a rank of stream 1 cannot be served from shared memory.
+    assert not SharedMemoryTransport.supports(["a", "b"], ["a", "b"], [0, 1])
+    with pytest.raises(ValueError, match=r"numbered 0\.\.S-1"):
+        SharedMemoryTransport.supports(["a", "a"], ["a"], [0, 2])
+
+
+@pytest.mark.parametrize("kind", ["shared_memory", "collective"])
+def test_pipeline_stages_each_send_their_own_stream(kind: TransportKind) -> None:
+    weights = _weights()
+    stage_of = {name: 0 if i < 3 else 1 for i, name in enumerate(weights)}
+    streams = [0, 0, 1, 1]  # two ranks per stage (e.g. tensor-parallel peers), one of each sends
+    transport = build_refit_transport(
+        kind,
+        policy_node_ids=["node-a"] * 4,
+        generation_node_ids=["node-a"] * 2,
+        dtype=torch.bfloat16,
+        bucket_size_bytes=BUCKET_BYTES,
+        timeout_s=TIMEOUT_S,
+        store_host="127.0.0.1",
+        policy_streams=streams,
+    )
+    manifest = WeightManifest.from_named_tensors(weights.items(), torch.bfloat16)
+    sinks = [Sink(), Sink()]
+    senders, receivers = transport.endpoints("r0")
+    jobs: list[Callable[[], Any]] = [
+        lambda s=s, stage=stage: s.send((n, t) for n, t in weights.items() if stage_of[n] == stage)
+        for s, stage in zip(senders, streams, strict=True)
+    ]
+    jobs += [
+        lambda r=r, sink=sink: r.receive(sink, manifest) for r, sink in zip(receivers, sinks, strict=True)
+    ]
+    pool = Workers(6)
+    try:
+        stats = pool.run(jobs)
+        for sink in sinks:
+            assert set(sink.tensors) == set(weights)
+            assert all(torch.equal(sink.tensors[n], t.to(torch.bfloat16)) for n, t in weights.items())
+        assert [st.stream for st in stats[:4]] == streams
+        assert [st.wire_bytes > 0 for st in stats[:4]] == [True, False, True, False]
+        assert stats[4].num_tensors == len(weights)
+        # A stage that leaves out one of its weights fails every receiver, naming it.
+        senders, receivers = transport.endpoints("r1")
+        short = [
+            lambda s=s, stage=stage: s.send(
+                (n, t) for n, t in weights.items() if stage_of[n] == stage and n != "model.norm.weight"
+            )
+            for s, stage in zip(senders, streams, strict=True)
+        ]
+        futures = [pool._pools[i].submit(job) for i, job in enumerate(short)]
+        futures += [
+            pool._pools[4 + j].submit(lambda r=r: r.receive(Sink(), manifest))
+            for j, r in enumerate(receivers)
+        ]
+        for future in futures[4:]:
+            with pytest.raises(RefitIntegrityError, match=r"never arrived: model\.norm\.weight"):
+                future.result(timeout=TIMEOUT_S)
+        for future in futures[:4]:
+            future.result(timeout=TIMEOUT_S)
+    finally:
+        pool.close()
+        transport.shutdown()
+    assert not _segments_left()
 
 
 def test_shm_two_nodes_each_reader_follows_its_own_writer(workers: Workers) -> None:

@@ -419,6 +419,10 @@ class DTensorPolicyWorker:
             manifest[name] = (tuple(buffer.shape), dtype_name(out_dtype))
         return manifest
 
+    def refit_stream(self) -> int:
+        """The refit stream this rank sends: 0, the whole model (every rank gathers every weight)."""
+        return 0
+
     def refit_send(self, sender: WeightSender) -> TransferStats:
         """Stream this policy's weights through ``sender`` (every rank calls it with its own sender)."""
         return sender.send(self.iter_hf_weights(sender.dtype))

@@ -187,3 +187,9 @@ class Policy(WorkerGroupFacade):
         """``{hf_name: (full shape, dtype name)}`` of the weights a refit sends (from rank 0)."""
         manifest: dict[str, tuple[tuple[int, ...], str]] = self._on_rank_0("weights_manifest", dtype)
         return manifest
+
+    def refit_streams(self) -> list[int]:
+        """The refit stream each worker sends, in rank order: its pipeline stage (Megatron; each stage sends
+        its own layers), or 0 for every worker (DTensor; one stream of the whole model)."""
+        streams: list[int] = self._on_all("refit_stream")
+        return streams
