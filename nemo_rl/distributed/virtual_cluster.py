@@ -57,8 +57,10 @@ def init_ray(cluster_cfg: ClusterConfig | None = None) -> None:
         logger.info("attaching to the Ray cluster at %s", address)
         try:
             ray.init(address=address, runtime_env={"env_vars": {"PYTHONPATH": worker_pythonpath()}})
-        except AuthenticationError as err:
-            raise RayAuthenticationError(address) from err
+        except (AuthenticationError, ConnectionError, RuntimeError) as err:
+            if _refused_for_auth(err):
+                raise RayAuthenticationError(address) from err
+            raise
         return
     slots = cluster_cfg.world_size if cluster_cfg is not None else 0
     num_cpus = max(os.cpu_count() or 1, slots + DRIVER_SIDE_CPUS)
@@ -76,6 +78,20 @@ def init_ray(cluster_cfg: ClusterConfig | None = None) -> None:
         _temp_dir=temp_dir,
         runtime_env={"env_vars": {"PYTHONPATH": worker_pythonpath()}},
     )
+
+
+def _refused_for_auth(err: BaseException) -> bool:
+    """Whether ``err`` or an error it chains was the cluster refusing this process's token.
+
+    Depending on where the connection fails, Ray raises :class:`AuthenticationError` itself or a
+    ``ConnectionError`` whose cause only quotes it in its message (the GCS client's retry loop), so both count.
+    """
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, AuthenticationError) or "InvalidAuthToken" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 class RayAuthenticationError(UserError):

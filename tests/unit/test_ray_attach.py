@@ -33,3 +33,39 @@ def test_refused_token_names_the_variables_to_set(monkeypatch: pytest.MonkeyPatc
     assert "\n" not in message
     # The driver attached to the given address, passing its import path to the workers.
     assert calls[0]["address"] == "10.0.0.1:1200" and "PYTHONPATH" in calls[0]["runtime_env"]["env_vars"]
+
+
+def _gcs_refusal() -> ConnectionError:
+    """What ray.init raises when the GCS client's retry loop saw the refusal: a ConnectionError whose cause
+    only quotes the AuthenticationError in its text."""
+    try:
+        try:
+            raise RuntimeError(
+                "Failed to connect to GCS. Last connection error: ... ray.exceptions.AuthenticationError: "
+                "RPC error: InvalidAuthToken: Authentication token is missing or incorrect."
+            )
+        except RuntimeError as inner:
+            raise ConnectionError("Failed to connect to Ray cluster at 10.0.0.1:1200") from inner
+    except ConnectionError as outer:
+        return outer
+
+
+@pytest.mark.parametrize(
+    ("error", "refused"),
+    [
+        (_gcs_refusal(), True),
+        (ConnectionError("Failed to connect to Ray cluster at 10.0.0.1:1200"), False),
+    ],
+)
+def test_a_refusal_quoted_by_the_gcs_client_is_a_user_error_and_others_pass_through(
+    monkeypatch: pytest.MonkeyPatch, error: Exception, refused: bool
+) -> None:
+    def fail(**kwargs: Any) -> None:
+        raise error
+
+    monkeypatch.setattr(virtual_cluster.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(virtual_cluster.ray, "init", fail)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:1200")
+    with pytest.raises(RayAuthenticationError if refused else ConnectionError) as info:
+        init_ray()
+    assert isinstance(info.value, RayAuthenticationError) == refused
