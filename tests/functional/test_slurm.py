@@ -216,7 +216,9 @@ def _processes_of(job_id: str) -> list[str]:
 
 
 def _assert_nothing_left(job_id: str) -> None:
-    deadline = time.monotonic() + 30
+    # The node's stop gives Ray RAY_STOP_GRACE_S, then SIGKILLs; the watchdog repeats it if SLURM killed the
+    # node script first. A minute covers both on a busy machine.
+    deadline = time.monotonic() + 60
     while (left := _processes_of(job_id)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not left, f"job {job_id} left processes behind:\n" + "\n".join(left)
