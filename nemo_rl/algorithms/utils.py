@@ -115,5 +115,5 @@ def next_token_logprobs(next_token_logits_BTV: torch.Tensor, input_ids_BT: torch
 def token_entropy(next_token_logits_BTV: torch.Tensor) -> torch.Tensor:
     """Entropy (nats) of each position's next-token distribution, [B, T-1] for ``logits[:, :-1]``."""
     logits_BTV = _at_least_fp32(next_token_logits_BTV[:, :-1])
-    logp_BTV = torch.log_softmax(logits_BTV, dim=-1)
-    return -(logp_BTV.exp() * logp_BTV).sum(dim=-1)
+    # entr(p) = -p log p with entr(0) = 0: tokens a top-k/top-p filter set to -inf add nothing (not NaN).
+    return torch.special.entr(torch.softmax(logits_BTV, dim=-1)).sum(dim=-1)

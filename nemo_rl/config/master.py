@@ -66,14 +66,6 @@ class GRPOMasterConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _check(self) -> GRPOMasterConfig:
-        generation = self.policy.generation
-        if generation.top_k is not None or generation.top_p < 1.0:
-            # See the log-probability contract in nemo_rl/models/generation/interfaces.py.
-            raise ValueError(
-                f"policy.generation.top_k={generation.top_k}, top_p={generation.top_p}: GRPO needs top_k=null "
-                "and top_p=1.0. The sampler's log-probs are those of the truncated distribution it draws from, "
-                "while the policy scores the full one, so importance ratios and gen_kl_error would be biased"
-            )
         resources = self.policy.generation.colocated.resources
         if not self.policy.generation.colocated.enabled:
             if resources.gpus_per_node is None:

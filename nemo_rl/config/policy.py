@@ -185,11 +185,11 @@ class GenerationConfig(ConfigModel):
 
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     """Nucleus sampling: keep the smallest set of tokens whose probability reaches ``top_p`` (after top-k).
-    GRPO needs 1.0: the policy scores the full distribution, not the truncated one the sampler draws from."""
+    The policy scores sequences under the same filtered, renormalised distribution."""
 
     top_k: int | None = Field(default=None, ge=1)
-    """Keep only the ``top_k`` most likely tokens; ``None`` disables the filter. GRPO needs ``None`` (see
-    ``top_p``)."""
+    """Keep only the ``top_k`` most likely tokens; ``None`` disables the filter. The policy scores sequences
+    under the same filtered, renormalised distribution."""
 
     stop_token_ids: list[int] | None = None
     """Token ids that end a response (the tokenizer's EOS token always does)."""

@@ -2,7 +2,9 @@
 
 For both transports: every generation weight equals the policy's full weight bit for bit; a training step
 changes the policy, the refit carries the change, and greedy generation afterwards equals greedy generation
-from the exported policy checkpoint. The engine's sampled-token log-probs match the policy's.
+from the exported policy checkpoint. The engine's sampled-token log-probs match the policy's: under the full
+distribution (FSDP) and under top-k + top-p sampling at a temperature (TP=2), where the policy must score the
+same filtered, renormalised distribution the engine drew from.
 """
 
 from __future__ import annotations
@@ -33,7 +35,12 @@ TIMEOUT_S = 300.0
 PROMPTS = ["What is 12+7?", "What is 40-3?", "What is 8+33?", "What is 25-30?"]
 
 
+# The TP=2 stack samples with top-k and top-p at a temperature (see the module docstring).
+FILTERED_SAMPLING = {"temperature": 0.8, "top_k": 5, "top_p": 0.9}
+
+
 def _policy_cfg(tp_size: int, model_name: str = str(TINY_MODEL)) -> PolicyConfig:
+    sampling = FILTERED_SAMPLING if tp_size == 2 else {}
     return PolicyConfig.model_validate(
         {
             "model_name": model_name,
@@ -43,7 +50,7 @@ def _policy_cfg(tp_size: int, model_name: str = str(TINY_MODEL)) -> PolicyConfig
             "precision": "float32",
             "dtensor_cfg": {"tensor_parallel_size": tp_size},
             "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2}},
-            "generation": {"max_new_tokens": 16, "embedded_cfg": {"precision": "float32"}},
+            "generation": {"max_new_tokens": 16, "embedded_cfg": {"precision": "float32"}, **sampling},
         }
     )
 

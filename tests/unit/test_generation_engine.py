@@ -11,16 +11,18 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM
 
+from nemo_rl.algorithms.utils import next_token_logprobs, token_entropy
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.data.tiny import build_tiny_tokenizer
 from nemo_rl.models.generation.embedded.engine import (
     EmbeddedEngine,
     EngineOutput,
     SamplingParams,
-    filter_top_k_top_p,
     sample_tokens,
 )
 from nemo_rl.models.generation.embedded.model import DecoderArch, DecoderLM
+from nemo_rl.models.policy.utils import token_logprobs
+from nemo_rl.models.sampling import filter_top_k_top_p, sampling_logits
 
 VOCAB = 104  # the tiny character-level tokenizer's size
 PAD = 0
@@ -347,3 +349,34 @@ def test_cache_is_reused_and_released(hf_model: Qwen2ForCausalLM, tmp_path: Path
     assert engine._cache is cache  # smaller call: the same buffer
     engine.release_cache()
     assert engine._cache is None
+
+
+def test_policy_scores_sampled_tokens_under_the_sampling_distribution() -> None:
+    """``sampling_logits`` (what the policy workers score with) gives each sampled token exactly the log-prob
+    the sampler reported, under temperature, top-k and top-p; a token outside the filter stays finite."""
+    torch.manual_seed(0)
+    num_rows, seq_len = 3, 6
+    logits_BTV = torch.randn(num_rows, seq_len, VOCAB) * 3
+    p = params(temperature=0.7, top_k=7, top_p=0.8)
+    generator = torch.Generator().manual_seed(1)
+    ids_BT = torch.zeros(num_rows, seq_len, dtype=torch.long)
+    sampled_BT = torch.zeros(num_rows, seq_len)
+    for t in range(seq_len - 1):
+        tokens_B, logprobs_B = sample_tokens(logits_BTV[:, t], p, greedy=False, generator=generator)
+        ids_BT[:, t + 1], sampled_BT[:, t + 1] = tokens_B, logprobs_B
+    lengths_B = torch.full((num_rows,), seq_len)
+
+    policy_BTV = sampling_logits(logits_BTV, ids_BT, p.temperature, p.top_k, p.top_p)
+    assert torch.allclose(token_logprobs(policy_BTV, ids_BT, lengths_B), sampled_BT, atol=1e-5)
+    assert torch.allclose(next_token_logprobs(policy_BTV, ids_BT), sampled_BT[:, 1:], atol=1e-5)
+    # Off by default: only the temperature applies.
+    plain_BTV = sampling_logits(logits_BTV, ids_BT, 0.7, None, 1.0)
+    assert torch.equal(plain_BTV, logits_BTV / 0.7)
+
+    # A target the filter drops (the least likely token) keeps a finite log-prob and gradient.
+    leaf_BTV = logits_BTV.clone().requires_grad_(True)
+    ids_BT[:, 1:] = logits_BTV[:, :-1].argmin(dim=-1)
+    lp_BT = next_token_logprobs(sampling_logits(leaf_BTV, ids_BT, 1.0, 2, 0.5), ids_BT)
+    lp_BT.sum().backward()
+    assert torch.isfinite(lp_BT).all() and torch.isfinite(leaf_BTV.grad).all()  # type: ignore[arg-type]
+    assert torch.isfinite(token_entropy(sampling_logits(logits_BTV, ids_BT, 1.0, 2, 0.5))).all()

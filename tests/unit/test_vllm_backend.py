@@ -193,14 +193,12 @@ def test_vllm_temperature_bounds_are_inclusive_and_backend_specific() -> None:
     assert embedded.generation.temperature == 3.0  # the embedded engine has no such limit
 
 
-@pytest.mark.parametrize(("top_k", "top_p"), [(50, 1.0), (None, 0.9)])
-def test_grpo_refuses_top_k_top_p_sampling(top_k: int | None, top_p: float) -> None:
-    # The policy scores the full distribution; the sampler's log-probs are those of the truncated one.
-    with pytest.raises(ValidationError, match=r"GRPO needs top_k=null and top_p=1\.0"):
-        GRPOMasterConfig.model_validate(
-            {"policy": {"model_name": "m", "generation": {"top_k": top_k, "top_p": top_p}}}
-        )
-    GRPOMasterConfig.model_validate({"policy": {"model_name": "m"}})
+def test_grpo_accepts_top_k_top_p_sampling() -> None:
+    # The policy scores the same filtered distribution (nemo_rl.models.sampling.sampling_logits).
+    cfg = GRPOMasterConfig.model_validate(
+        {"policy": {"model_name": "m", "generation": {"top_k": 50, "top_p": 0.9}}}
+    )
+    assert (cfg.policy.generation.top_k, cfg.policy.generation.top_p) == (50, 0.9)
 
 
 # ------------------------------------------------------------------------------------ requests

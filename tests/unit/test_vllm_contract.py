@@ -38,7 +38,6 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
 from nemo_rl.config.policy import VLLM_TEMPERATURE_RANGE, PolicyConfig
-from nemo_rl.models.generation.embedded.engine import filter_top_k_top_p
 from nemo_rl.models.generation.vllm.convert import (
     FINISH_STOP,
     LOGPROBS_MODE,
@@ -55,6 +54,7 @@ from nemo_rl.models.generation.vllm.convert import (
     sampling_params_for_rows,
 )
 from nemo_rl.models.generation.vllm.worker_extension import VllmWorkerExtension
+from nemo_rl.models.sampling import filter_top_k_top_p
 from nemo_rl.weight_sync.errors import RefitIntegrityError
 
 pytestmark = pytest.mark.skipif(

@@ -24,10 +24,9 @@ then top-p (on the top-k renormalised distribution), and ``log_softmax`` over th
     logprob(token) = log_softmax(filter_top_k_top_p(logits / temperature))[token]
 
 (vLLM's ``logprobs_mode="processed_logprobs"``; the embedded engine's ``sample_tokens``). Greedy calls return
-the raw model's ``log_softmax(logits)``. Policy workers score sequences with ``log_softmax(logits /
-temperature)`` over the full vocabulary, which equals the sampler's log-prob exactly when top-k and top-p are
-off; so algorithms that compare the two (GRPO's importance ratios and ``gen_kl_error``) refuse
-``policy.generation.top_k`` / ``top_p < 1`` at config validation rather than train on biased ratios.
+the raw model's ``log_softmax(logits)``. Policy workers score sequences under the same distribution
+(:func:`nemo_rl.models.sampling.sampling_logits`, which shares the filter with the embedded engine), so the
+two are equal for the same weights and GRPO's importance ratios and ``gen_kl_error`` compare like with like.
 
 Refit (receiver side). On the wire weights carry their Hugging Face names. A backend exposes its workers as
 Ray actors with a ``refit_receive(receiver) -> TransferStats`` method (the generation-worker side of

@@ -10,8 +10,9 @@ given to the loss, which returns each micro-batch's share of the global loss; gr
 micro-batches and are SUMMED over dp ranks (FSDP's averaging is switched off in ``parallelize.apply_fsdp``).
 So the loss and gradients of a step do not depend on the dp size or the micro-batch size.
 
-Temperature: like NeMo RL, logits are divided by ``policy.generation.temperature`` before log-probs, top-k
-and losses, so the policy scores the same distribution the sampler drew from (a no-op at 1.0).
+Sampling distribution: like NeMo RL, logits are divided by ``policy.generation.temperature`` and filtered by
+its ``top_k`` / ``top_p`` before log-probs, top-k logits and losses, so the policy scores the same distribution
+the sampler drew from (:func:`nemo_rl.models.sampling.sampling_logits`; a no-op at the defaults).
 
 Reward models: with ``policy.reward_model_cfg.enabled`` the same worker holds the model with a scalar head
 (``AutoModelForSequenceClassification``, one output) instead of the LM head. Its losses receive one reward per
@@ -68,6 +69,7 @@ from nemo_rl.models.policy.worker_batches import (
     micro_batches,
     step_batches,
 )
+from nemo_rl.models.sampling import sampling_logits
 from nemo_rl.weight_sync.interfaces import TransferStats, WeightSender
 from nemo_rl.weight_sync.manifest import dtype_name
 
@@ -177,14 +179,16 @@ class DTensorPolicyWorker:
             )
 
     def _logits(self, mb: BatchedDataDict[Any]) -> torch.Tensor:
-        """[B, T, V] float32 full-vocab logits (divided by the sampling temperature)."""
+        """[B, T, V] float32 full-vocab logits of the sampling distribution (temperature, top-k, top-p; see
+        ``nemo_rl.models.sampling.sampling_logits``)."""
         output = self.model(input_ids=mb["input_ids"], use_cache=False)
         logits_BTV = output.logits
         if isinstance(logits_BTV, DTensor):  # a custom TP plan may leave the LM head's output sharded
             logits_BTV = logits_BTV.full_tensor()
-        logits_BTV = logits_BTV.float()
-        temperature = self.cfg.generation.temperature
-        return logits_BTV / temperature if temperature != 1.0 else logits_BTV
+        generation = self.cfg.generation
+        return sampling_logits(
+            logits_BTV.float(), mb["input_ids"], generation.temperature, generation.top_k, generation.top_p
+        )
 
     @torch.no_grad()
     def _score(

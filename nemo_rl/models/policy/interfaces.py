@@ -46,8 +46,9 @@ class PolicyInterface(Protocol):
 
     def get_logprobs(self, data: BatchedDataDict[Any]) -> BatchedDataDict[Any]:
         """``{"logprobs": [B, T] float32}`` of ``data["input_ids"]`` under the current weights:
-        ``log_softmax(logits / policy.generation.temperature)`` over the whole vocabulary, the sampler's
-        log-probs whenever top-k/top-p are off (the contract in :mod:`nemo_rl.models.generation.interfaces`)."""
+        ``log_softmax`` of the sampling distribution (``policy.generation`` temperature, top-k, top-p; see
+        :func:`nemo_rl.models.sampling.sampling_logits`), the sampler's log-probs for the same weights (the
+        contract in :mod:`nemo_rl.models.generation.interfaces`)."""
         ...
 
     def get_reference_policy_logprobs(self, data: BatchedDataDict[Any]) -> BatchedDataDict[Any]:

@@ -11,8 +11,8 @@ replica are consecutive, as ``RayWorkerGroup`` deals data shards. Every public m
   local megatron-core layers otherwise. On a machine without CUDA, megatron-core's CUDA-only calls are
   redirected to the host (:mod:`nemo_rl.models.megatron.cpu_compat`) and the groups use gloo.
 - **Micro-batches** flow through megatron-core's pipeline schedule (1F1B with PP > 1). The loss runs on the
-  last stage on the full-vocabulary logits (gathered over TP), divided by the sampling temperature as in the
-  DTensor worker. The normalisation is the DTensor worker's: the global batch's valid sequence / token
+  last stage on the full-vocabulary logits (gathered over TP) of the sampling distribution (temperature,
+  top-k, top-p) as in the DTensor worker. The normalisation is the DTensor worker's: the global batch's valid sequence / token
   counts are all-reduced first, each micro-batch's loss is its share of the global loss, and gradients are
   summed over data-parallel ranks (``calculate_per_token_loss`` with no rescaling), so the loss and the
   gradients do not depend on the dp size, the micro-batch size or the pipeline depth.
@@ -75,6 +75,7 @@ from nemo_rl.models.policy.worker_batches import (
     micro_batches,
     step_batches,
 )
+from nemo_rl.models.sampling import sampling_logits
 from nemo_rl.weight_sync.interfaces import TransferStats, WeightSender
 
 logger = logging.getLogger(__name__)
@@ -173,11 +174,17 @@ class MegatronPolicyWorker:
             self.load_checkpoint(weights_path, optimizer_path)
 
     # ----------------------------------------------------------------------------------------- forward
-    def _logits(self, output_BTV: torch.Tensor) -> torch.Tensor:
-        """[B, T, V] float32 logits from the last stage's output (vocabulary padding cut, / temperature)."""
-        logits_BTV = output_BTV[..., : self.arch.vocab_size].float()
-        temperature = self.cfg.generation.temperature
-        return logits_BTV / temperature if temperature != 1.0 else logits_BTV
+    def _logits(self, output_BTV: torch.Tensor, mb: BatchedDataDict[Any]) -> torch.Tensor:
+        """[B, T, V] float32 logits of the sampling distribution from the last stage's output (vocabulary
+        padding cut; temperature, top-k, top-p as ``nemo_rl.models.sampling.sampling_logits``)."""
+        generation = self.cfg.generation
+        return sampling_logits(
+            output_BTV[..., : self.arch.vocab_size].float(),
+            mb["input_ids"],
+            generation.temperature,
+            generation.top_k,
+            generation.top_p,
+        )
 
     def _micro_batches(
         self, batch: BatchedDataDict[Any], micro_batch_size: int, max_tokens: int
@@ -257,7 +264,7 @@ class MegatronPolicyWorker:
         self.model.eval()
 
         def collect(mb: BatchedDataDict[Any], output: torch.Tensor, non_loss_data: bool = True) -> Any:
-            return {key: value.cpu() for key, value in fn(self._logits(output), mb).items()}
+            return {key: value.cpu() for key, value in fn(self._logits(output, mb), mb).items()}
 
         outputs = self._run_pipeline(
             [mb for _, mb in parts], collect, forward_only=True, collect_outputs=True
@@ -340,7 +347,7 @@ class MegatronPolicyWorker:
                 mb: BatchedDataDict[Any], output: torch.Tensor, step: StepBatch = step
             ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
                 loss, metrics = loss_fn(
-                    self._logits(output), mb, step.global_valid_seqs, step.global_valid_toks
+                    self._logits(output, mb), mb, step.global_valid_seqs, step.global_valid_toks
                 )
                 # Megatron's (num_tokens) slot is unused: the loss is already this micro-batch's global share.
                 count = torch.ones((), dtype=torch.int, device=loss.device)

@@ -23,6 +23,7 @@ import torch
 
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.models.generation.embedded.model import DecoderLM, KVCache
+from nemo_rl.models.sampling import top_k_top_p_candidates
 
 # Compact the active rows once this fraction of them has finished.
 _COMPACT_FRACTION = 0.25
@@ -94,44 +95,6 @@ class EngineOutput:
     """``[B]`` bool, the sequence ran out of budget (max_new_tokens or max sequence length) without a stop."""
 
 
-def _candidates(
-    logits_BV: torch.Tensor, top_k: int | None, top_p: float
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Tokens surviving top-k then top-p: ``(logits [B, C], token ids [B, C])`` in descending order, dropped
-    ones at ``-inf``; ``None`` when neither filter is active.
-
-    With top-k only the ``top_k`` best are ranked (a partial selection, cheap on large vocabularies).
-    """
-    use_top_k = top_k is not None and top_k < logits_BV.shape[-1]
-    if not use_top_k and top_p >= 1.0:
-        return None
-    if use_top_k:
-        values_BC, tokens_BC = torch.topk(logits_BV, top_k, dim=-1)  # type: ignore[arg-type]
-    else:
-        values_BC, tokens_BC = torch.sort(logits_BV, dim=-1, descending=True)
-    if top_p < 1.0:
-        probs_BC = torch.softmax(values_BC, dim=-1)
-        mass_before_BC = torch.cumsum(probs_BC, dim=-1) - probs_BC
-        drop_BC = mass_before_BC >= top_p
-        drop_BC[:, 0] = False
-        values_BC = values_BC.masked_fill(drop_BC, float("-inf"))
-    return values_BC, tokens_BC
-
-
-def filter_top_k_top_p(logits_BV: torch.Tensor, top_k: int | None, top_p: float) -> torch.Tensor:
-    """Set the logits of tokens outside the top-k and then outside the top-p nucleus to ``-inf``.
-
-    Top-k keeps the ``top_k`` largest logits (ties broken arbitrarily). Top-p then works on the distribution
-    renormalised after top-k and keeps the smallest prefix of the descending order whose probability mass
-    reaches ``top_p``; the most likely token is always kept.
-    """
-    candidates = _candidates(logits_BV, top_k, top_p)
-    if candidates is None:
-        return logits_BV
-    values_BC, tokens_BC = candidates
-    return torch.full_like(logits_BV, float("-inf")).scatter_(-1, tokens_BC, values_BC)
-
-
 def sample_tokens(
     logits_BV: torch.Tensor,
     params: SamplingParams,
@@ -149,7 +112,7 @@ def sample_tokens(
         tokens_B = logits_BV.argmax(dim=-1)
         return tokens_B, torch.log_softmax(logits_BV, dim=-1).gather(1, tokens_B[:, None]).squeeze(1)
     scaled_BV = logits_BV / params.temperature if params.temperature != 1.0 else logits_BV
-    candidates = _candidates(scaled_BV, params.top_k, params.top_p)
+    candidates = top_k_top_p_candidates(scaled_BV, params.top_k, params.top_p)
     if candidates is None:
         logprobs_BV = torch.log_softmax(scaled_BV, dim=-1)
         tokens_B = torch.multinomial(logprobs_BV.exp(), 1, generator=generator).squeeze(1)
