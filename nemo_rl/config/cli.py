@@ -12,7 +12,10 @@ Typical script::
     if __name__ == "__main__":
         run_cli(main)
 
-A config mistake then ends the script within seconds with one clear message and exit status 2.
+A config mistake then ends the script within seconds with one clear message and exit status 2. Keys the
+config sets that are accepted but have no effect here (:mod:`nemo_rl.config.no_effect`) are listed once on
+stderr. ``--dry-run`` stops right after validation: it prints the resolved config and that list and exits 0,
+without importing the training stack, starting Ray or touching a device or the model hub.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from pydantic import BaseModel
 
 from nemo_rl.config.errors import ConfigError, UserError
 from nemo_rl.config.keys import schema_keys
-from nemo_rl.config.loader import load_and_resolve
+from nemo_rl.config.loader import format_config, load_and_resolve
+from nemo_rl.config.no_effect import format_no_effect, no_effect_settings, report_no_effect
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 P = ParamSpec("P")
@@ -38,6 +42,7 @@ USER_ERROR_EXIT_CODE = 2
 """Exit status of a script stopped by bad user input (as argparse uses for usage errors)."""
 
 _CONFIG_FLAG = "--config"
+_DRY_RUN_FLAG = "--dry-run"
 
 
 def split_args(argv: Sequence[str]) -> tuple[str | None, list[str]]:
@@ -64,8 +69,8 @@ def split_args(argv: Sequence[str]) -> tuple[str | None, list[str]]:
                 raise ConfigError(f"{_CONFIG_FLAG}= needs a path: {_CONFIG_FLAG}=path/to/config.yaml")
         elif arg.startswith("-"):
             raise ConfigError(
-                f"unknown option {arg!r}: the only option is {_CONFIG_FLAG} PATH; every other argument is an "
-                "override such as policy.model_name=NAME, +new.key=1, ++key=1 or ~key"
+                f"unknown option {arg!r}: the options are {_CONFIG_FLAG} PATH and {_DRY_RUN_FLAG}; every other "
+                "argument is an override such as policy.model_name=NAME, +new.key=1, ++key=1 or ~key"
             )
         else:
             overrides.append(arg)
@@ -84,8 +89,9 @@ def usage(schema_cls: type[BaseModel], default_config: str | Path) -> str:
     prog = Path(sys.argv[0]).name or "script.py"
     sections = [k.dotted for k in schema_keys(schema_cls) if len(k.parts) == 1]
     return (
-        f"usage: python {prog} [{_CONFIG_FLAG} PATH] [key=value | +key=value | ++key=value | ~key ...]\n\n"
+        f"usage: python {prog} [{_CONFIG_FLAG} PATH] [{_DRY_RUN_FLAG}] [key=value | +key=value | ++key=value | ~key ...]\n\n"
         f"  {_CONFIG_FLAG} PATH   YAML recipe to load (default: {default_config})\n"
+        f"  {_DRY_RUN_FLAG}       validate, print the resolved config and the keys with no effect here, exit 0\n"
         "  key=value       change a key (dotted, e.g. policy.train_global_batch_size=64)\n"
         "  +key=value      add a key that is not set yet\n"
         "  ++key=value     set a key whether or not it is set\n"
@@ -99,7 +105,9 @@ def parse_args_and_load(
 ) -> tuple[ModelT, DictConfig]:
     """Load the config named on the command line (or ``default_config``), apply the overrides, validate.
 
-    ``argv`` defaults to ``sys.argv[1:]``. ``-h``/``--help`` prints the usage and exits with status 0.
+    ``argv`` defaults to ``sys.argv[1:]``. ``-h``/``--help`` prints the usage and exits with status 0;
+    ``--dry-run`` prints the resolved config and the keys that have no effect here and exits with status 0.
+    Otherwise the keys that have no effect here are listed once on stderr.
 
     Returns:
         The typed config and the fully resolved DictConfig.
@@ -111,8 +119,17 @@ def parse_args_and_load(
     if "-h" in args or "--help" in args:
         print(usage(schema_cls, default_config))
         sys.exit(0)
-    config, overrides = split_args(args)
-    return load_and_resolve(config if config is not None else default_config, schema_cls, overrides)
+    dry_run = _DRY_RUN_FLAG in args
+    config, overrides = split_args([arg for arg in args if arg != _DRY_RUN_FLAG])
+    model, resolved = load_and_resolve(
+        config if config is not None else default_config, schema_cls, overrides
+    )
+    if dry_run:
+        print(format_config(model), end="")  # every key, defaults included
+        print(format_no_effect(no_effect_settings(model)), flush=True)
+        sys.exit(0)
+    report_no_effect(model)
+    return model, resolved
 
 
 def _report(err: BaseException) -> None:

@@ -9,9 +9,10 @@ Every key NeMo RL's ``megatron_cfg`` has is accepted here, so its recipes load. 
   parallelism, expert parallelism, FP8, LoRA, multi-token prediction, custom FSDP...) fails validation with
   a one-line message naming the key and the value to set (:meth:`MegatronConfig._reject_unbuilt`).
 - **Accepted, no effect here**: pure performance and memory knobs (fusions, overlap flags, CUDA graphs,
-  async checkpoint saves...) and MoE-only keys (the supported model families are dense). They are listed
-  once, with the reason, in :data:`NO_EFFECT_KEYS`; the worker logs the ones a config sets away from their
-  default (:func:`no_effect_settings`). None of them changes what is computed.
+  async checkpoint saves...) and MoE-only keys (the supported model families are dense). Each field's
+  docstring says so, with the reason (:mod:`nemo_rl.config.no_effect`, shared by every section);
+  :data:`NO_EFFECT_KEYS` lists them and the scripts report the ones a config sets away from their default.
+  None of them changes what is computed.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from typing import Any, Literal, Self
 from pydantic import Field, model_validator
 
 from nemo_rl.config.base import ConfigModel
+from nemo_rl.config.no_effect import no_effect_keys
+from nemo_rl.config.no_effect import no_effect_settings as find_no_effect_settings
 
 MegatronPrecision = Literal["float32", "bfloat16", "float16"]
 
@@ -48,7 +51,7 @@ class MegatronOptimizerConfig(ConfigModel):
     """Train in float16; must be true exactly when ``policy.precision`` is ``float16``."""
 
     params_dtype: MegatronPrecision = "float32"
-    """Accepted for NeMo RL recipes; master weights and optimizer state are always float32 here."""
+    """Accepted, no effect here: master weights and optimizer state are always float32."""
 
     adam_beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
     """Adam's first-moment decay."""
@@ -578,92 +581,12 @@ def _unbuilt_settings(cfg: MegatronConfig) -> list[tuple[str, bool, str]]:
     ]
 
 
-NO_EFFECT_KEYS: dict[str, str] = {
-    "force_reconvert_from_hf": "the model is always converted from the Hugging Face checkpoint",
-    "defer_fp32_logits": "logits are cast to float32 before log-probs and losses either way",
-    "apply_rope_fusion": "fused kernels are a speed knob",
-    "bias_activation_fusion": "fused kernels are a speed knob",
-    "gradient_accumulation_fusion": "fused kernels are a speed knob",
-    "use_fused_weighted_squared_relu": "fused kernels are a speed knob",
-    "attention_backend": "the attention kernel follows transformer_impl",
-    "use_fused_linear_logprobs": "log-probs are computed from the full logits",
-    "fused_linear_logprobs_chunk_size": "log-probs are computed from the full logits",
-    "cuda_graph_impl": "CUDA graphs are a speed knob and are not captured",
-    "cuda_graph_modules": "CUDA graphs are not captured",
-    "cuda_graph_warmup_steps": "CUDA graphs are not captured",
-    "fine_grained_activation_offloading": "activation offloading is a memory knob",
-    "offload_modules": "activation offloading is a memory knob",
-    "clear_memory_caches_before_refit": "a memory knob",
-    "use_gloo_process_groups": "gloo groups are created when the machine has no GPU",
-    "calculate_per_token_loss": "losses are always shares of the global batch's token or sequence count",
-    "do_not_average_loss": "losses are always shares of the global batch's token or sequence count",
-    "scale_loss_by_dp_cp_size": "losses are always shares of the global batch's token or sequence count",
-    "cp_normalize": "context parallelism is not built",
-    "mtp_loss_scaling_factor": "multi-token prediction is off",
-    "mtp_use_repeated_layer": "multi-token prediction is off",
-    "mtp_detach_heads": "multi-token prediction is off",
-    "radio_force_cpe_eval_mode": "the supported model families have no vision tower",
-    "freeze_vision_model": "the supported model families have no vision tower",
-    "freeze_vision_projection": "the supported model families have no vision projection",
-    "freeze_sound_encoder": "the supported model families have no audio encoder",
-    "freeze_sound_projection": "the supported model families have no audio projection",
-    "freeze_config.freeze_vision_model": "the supported model families have no vision tower",
-    "freeze_config.freeze_vision_projection": "the supported model families have no vision projection",
-    "freeze_moe_router": "the supported model families are dense",
-    "moe_router_dtype": "the supported model families are dense",
-    "moe_router_load_balancing_type": "the supported model families are dense",
-    "moe_router_bias_update_rate": "the supported model families are dense",
-    "moe_router_enable_expert_bias": "the supported model families are dense",
-    "moe_aux_loss_coeff": "the supported model families are dense",
-    "moe_permute_fusion": "the supported model families are dense",
-    "moe_enable_deepep": "the supported model families are dense",
-    "moe_token_dispatcher_type": "the supported model families are dense",
-    "inference_moe_token_dispatcher_type": "the supported model families are dense",
-    "inference_grouped_gemm_backend": "the supported model families are dense",
-    "moe_router_num_groups": "the supported model families are dense",
-    "moe_router_group_topk": "the supported model families are dense",
-    "moe_pad_experts_for_cuda_graph_inference": "the supported model families are dense",
-    "moe_shared_expert_overlap": "the supported model families are dense",
-    "moe_grouped_gemm": "the supported model families are dense",
-    "moe_flex_dispatcher_backend": "the supported model families are dense",
-    "moe_hybridep_num_sms": "the supported model families are dense",
-    "hybridep_num_ranks_per_nvlink_domain": "the supported model families are dense",
-    "hybridep_use_mnnvl": "the supported model families are dense",
-    "moe_per_layer_logging": "the supported model families are dense",
-    "track_moe_metrics": "the supported model families are dense",
-    "optimizer.params_dtype": "master weights and optimizer state are always float32",
-    "optimizer.use_precision_aware_optimizer": "master weights and Adam moments stay float32",
-    "optimizer.optimizer_cpu_offload": "the optimizer state stays on the training device during a step",
-    "optimizer.optimizer_offload_fraction": "the optimizer state stays on the training device during a step",
-    "optimizer.overlap_cpu_optimizer_d2h_h2d": "the optimizer state stays on the training device during a step",
-    "scheduler.override_opt_param_scheduler": "the schedule always comes from the config",
-    "distributed_data_parallel_config.overlap_grad_reduce": "an overlap (speed) knob",
-    "distributed_data_parallel_config.overlap_param_gather": "an overlap (speed) knob",
-    "distributed_data_parallel_config.average_in_collective": "gradients of loss shares are always summed",
-    "distributed_data_parallel_config.data_parallel_sharding_strategy": "only read by Megatron's FSDP",
-    "checkpoint.async_save": "checkpoints are written synchronously",
-    "checkpoint.ckpt_assume_constant_structure": "a checkpoint-speed knob",
-    "checkpoint.ckpt_fully_parallel_save_process_group": "a checkpoint-speed knob",
-    "checkpoint.ckpt_fully_parallel_load_process_group": "a checkpoint-speed knob",
-    "checkpoint.ckpt_fully_parallel_load_exchange_algo": "a checkpoint-speed knob",
-}
+NO_EFFECT_KEYS: dict[str, str] = no_effect_keys(MegatronConfig)
 """Keys of ``policy.megatron_cfg`` accepted for NeMo RL recipes that change nothing this backend computes
 (speed and memory knobs, MoE-only and multimodal-only keys), each with the reason; dotted below
-``megatron_cfg``."""
-
-
-def _value_at(cfg: ConfigModel, dotted: str) -> Any:
-    value: Any = cfg
-    for part in dotted.split("."):
-        value = getattr(value, part)
-    return value
+``megatron_cfg``. Derived from the fields' docstrings (:mod:`nemo_rl.config.no_effect`), the one registry."""
 
 
 def no_effect_settings(cfg: MegatronConfig) -> list[str]:
     """``key=value (reason)`` for every :data:`NO_EFFECT_KEYS` key set away from its schema default."""
-    default = MegatronConfig()
-    return [
-        f"{key}={_value_at(cfg, key)!r} ({reason})"
-        for key, reason in NO_EFFECT_KEYS.items()
-        if _value_at(cfg, key) != _value_at(default, key)
-    ]
+    return [str(setting) for setting in find_no_effect_settings(cfg)]

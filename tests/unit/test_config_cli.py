@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import runpy
 import subprocess
 import sys
 import textwrap
@@ -241,3 +242,53 @@ def test_script_user_error_exits_2_without_traceback(tmp_path: Path, args: list[
     assert message in result.stderr
     assert "Traceback" not in result.stderr
     assert result.stdout == ""
+
+
+class Knobs(ConfigModel):
+    """Test section with a knob accepted for compatibility."""
+
+    fused_kernels: bool = False
+    """Accepted, no effect here: a speed knob."""
+
+
+class DryRoot(ConfigModel):
+    """Test master config with a no-effect knob."""
+
+    policy: Policy
+    """Policy."""
+
+    knobs: Knobs = Field(default_factory=Knobs)
+    """Knobs."""
+
+
+def test_dry_run_prints_the_resolved_config_and_the_no_effect_keys(
+    configs: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    default, _ = configs
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args_and_load(
+            DryRoot, default, ["--dry-run", "knobs.fused_kernels=true", "policy.model_name=m"]
+        )
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "model_name: m" in out and "train_micro_batch_size: 2" in out
+    assert "knobs.fused_kernels=True (a speed knob)" in out
+    # Without --dry-run the same list goes to stderr once, and the config is returned.
+    cfg, _ = parse_args_and_load(DryRoot, default, ["knobs.fused_kernels=true"])
+    assert cfg.knobs.fused_kernels
+    assert "knobs.fused_kernels=True (a speed knob)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "examples").glob("run_*.py")))
+def test_every_example_script_has_a_dry_run(
+    script: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Exits 0 after printing the resolved default config, before setting anything up (in-process: fast).
+    path = ROOT / "examples" / script
+    monkeypatch.setattr(sys, "argv", [str(path), "--dry-run"])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(path), run_name="__main__")
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "policy:" in out and "model_name:" in out
+    assert "have no effect here" in out or "Every key of the config is used" in out
