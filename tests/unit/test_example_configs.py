@@ -54,3 +54,24 @@ def test_tiny_recipes_run_on_cpu_defaults() -> None:
     assert grpo.policy.precision == sft.policy.precision == "float32"
     assert grpo.data.dataset_name == sft.data.dataset_name == "tiny_math"
     assert Path(grpo.policy.model_name).name == "tiny_math_sft"
+
+
+def test_megatron_recipes() -> None:
+    # NeMo RL's grpo_math_1B_megatron.yaml GPU defaults.
+    gpu = load_and_validate(CONFIG_DIR / "grpo_math_1B_megatron.yaml", GRPOMasterConfig).policy
+    megatron = gpu.megatron_cfg
+    assert megatron.enabled and not gpu.dtensor_cfg.enabled
+    assert (gpu.precision, gpu.train_global_batch_size, gpu.logprob_batch_size) == ("bfloat16", 512, 4)
+    assert megatron.optimizer.use_distributed_optimizer and megatron.optimizer.bf16
+    assert (megatron.optimizer.lr, megatron.optimizer.min_lr, megatron.scheduler.lr_warmup_iters) == (
+        5.0e-6,
+        5.0e-7,
+        13,
+    )
+    assert megatron.empty_unused_memory_level == 1 and megatron.pipeline_dtype == "bfloat16"
+    # The CPU recipes: GRPO in two pipeline stages, SFT with tensor (and sequence) parallelism.
+    grpo = load_and_validate(CONFIG_DIR / "grpo_math_tiny_megatron.yaml", GRPOMasterConfig).policy
+    sft = load_and_validate(CONFIG_DIR / "sft_tiny_math_megatron.yaml", SFTMasterConfig).policy
+    assert grpo.megatron_cfg.pipeline_model_parallel_size == 2 and grpo.generation.backend == "embedded"
+    assert sft.megatron_cfg.tensor_model_parallel_size == 2 and sft.megatron_cfg.sequence_parallel
+    assert grpo.precision == sft.precision == "float32"
