@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Self
+from typing import Literal, Self
 
 from pydantic import Field, model_validator
 
 from nemo_rl.config.base import ConfigModel
+from nemo_rl.config.compat import (
+    AdvantageEstimatorConfig,
+    AsyncGRPOConfig,
+    RewardScalingConfig,
+    RewardShapingConfig,
+)
 from nemo_rl.config.loss import DPOLossConfig
 
 
@@ -36,6 +42,13 @@ class SFTConfig(ConfigModel):
 
     seed: int = 42
     """Seed of data shuffling and model initialisation."""
+
+    val_at_end: Literal[False] = False
+    """Validate after the last step; not built here for SFT: must be false."""
+
+    only_unmask_final: Literal[False] = False
+    """Train only on the final assistant turn; not built here: must be false (every assistant turn is
+    trained)."""
 
     export_dir: str | None = None
     """Where the final weights are exported as a Hugging Face folder (safetensors, config, tokenizer);
@@ -86,6 +99,73 @@ class GRPOConfig(ConfigModel):
 
     overlong_filtering: bool = False
     """Exclude truncated responses (no end of sequence within the budget) from the loss."""
+
+    # NeMo RL keys for machinery not built here: the neutral value loads, any other is refused.
+    use_dynamic_sampling: Literal[False] = False
+    """DAPO's dynamic sampling (drop prompts whose responses all score the same); not built here: must be
+    false."""
+
+    dynamic_sampling_max_gen_batches: int = Field(default=10, ge=1)
+    """Generation batches dynamic sampling may draw per step (unused while ``use_dynamic_sampling`` is
+    false)."""
+
+    batch_multiplier: Literal[1] = 1
+    """Prompts generated per step as a multiple of ``num_prompts_per_step`` (for dynamic sampling); not built
+    here: must be 1."""
+
+    reward_shaping: RewardShapingConfig = Field(default_factory=RewardShapingConfig)
+    """DAPO's overlong reward shaping (not built here; ``enabled`` must be false)."""
+
+    reward_scaling: RewardScalingConfig = Field(default_factory=RewardScalingConfig)
+    """Linear reward scaling (not built here; ``enabled`` must be false)."""
+
+    async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)
+    """Asynchronous GRPO (not built here; ``enabled`` must be false)."""
+
+    adv_estimator: AdvantageEstimatorConfig = Field(default_factory=AdvantageEstimatorConfig)
+    """The advantage estimator (only ``grpo`` is built)."""
+
+    val_start_at: Literal[-1] = -1
+    """First step eligible for periodic validation; not built here: must be -1 (no delay)."""
+
+    val_at_end: Literal[False] = False
+    """Validate after the last step; not built here for GRPO: must be false."""
+
+    val_num_generations_per_prompt: Literal[1] = 1
+    """Validation responses per prompt (pass@k); not built here: must be 1."""
+
+    advantage_clip_low: None = None
+    """Lower clip of advantages; not built here: must be null."""
+
+    advantage_clip_high: None = None
+    """Upper clip of advantages; not built here: must be null."""
+
+    stop_at_validation_metric: None = None
+    """Early stop on a validation metric; not built here: must be null."""
+
+    stop_at_validation_threshold: None = None
+    """Threshold of ``stop_at_validation_metric``; not built here: must be null."""
+
+    seq_logprob_error_threshold: None = None
+    """Drop sequences whose log-prob error exceeds this; not built here: must be null."""
+
+    invalid_tool_call_advantage: None = None
+    """Advantage of invalid tool-call tokens; not built here: must be null."""
+
+    malformed_thinking_advantage: None = None
+    """Advantage of malformed thinking tags; not built here: must be null."""
+
+    @model_validator(mode="after")
+    def _check_adv_estimator(self) -> Self:
+        estimator = self.adv_estimator
+        for key in ("normalize_rewards", "use_leave_one_out_baseline"):
+            value = getattr(estimator, key)
+            if value is not None and value != getattr(self, key):
+                raise ValueError(
+                    f"grpo.adv_estimator.{key}={value} differs from grpo.{key}={getattr(self, key)}: "
+                    f"set both to the same value (or leave adv_estimator.{key} null)"
+                )
+        return self
 
 
 class DPOConfig(DPOLossConfig):

@@ -45,6 +45,10 @@ class CheckpointingConfig(ConfigModel):
     save_consolidated: bool = False
     """Also write a consolidated Hugging Face checkpoint (one set of full weights) next to the sharded one."""
 
+    save_optimizer: bool = True
+    """Accepted, no effect here: the optimizer state is always saved with the weights, so a run resumes
+    exactly."""
+
     @field_validator("checkpoint_must_save_by")
     @classmethod
     def _deadline_format(cls, value: str | None) -> str | None:

@@ -20,6 +20,15 @@ class ClusterConfig(ConfigModel):
     placement_timeout_s: float = Field(default=180.0, gt=0.0)
     """Seconds to wait for the placement groups before failing with a message naming the missing resources."""
 
+    segment_size: int | None = None
+    """Accepted, no effect here: nodes per NVLink domain, for topology-aware placement (a speed knob)."""
+
+    master_port_range_low: int | None = None
+    """Accepted, no effect here: rendezvous ports are picked free by the worker group."""
+
+    master_port_range_high: int | None = None
+    """Accepted, no effect here (see ``master_port_range_low``)."""
+
     @property
     def world_size(self) -> int:
         """Total worker slots: ``num_nodes * gpus_per_node``."""

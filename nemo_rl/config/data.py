@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from nemo_rl.config.base import ConfigModel
 
@@ -46,6 +46,110 @@ PREFERENCE_DATASETS: tuple[str, ...] = (
 
 GENERATED_DATASETS: tuple[str, ...] = ("tiny_math", "tiny_math_preference")
 """The ``dataset_name`` values generated on the fly (they read no files)."""
+
+
+class DatasetEntryConfig(ConfigModel):
+    """One dataset of NeMo RL's ``data.train`` / ``data.validation`` / ``data.default`` layout.
+
+    The entries are read into the flat keys of ``data`` when the config is validated (``data_path`` into
+    ``train_data_path`` / ``val_data_path``, ``split_validation_size`` into ``val_fraction``, the other keys by
+    name; a key the training entry leaves null is taken from ``data.default``), so the resolved config shows
+    the flat keys."""
+
+    dataset_name: DatasetName | None = None
+    """Schema of the data (``data.dataset_name``)."""
+
+    data_path: str | None = None
+    """Local file or hub dataset name (``data.train_data_path`` / ``data.val_data_path``)."""
+
+    split: str | None = None
+    """Hub split; for the validation entry only the dataset's validation split (``validation`` or null)."""
+
+    subset: str | None = None
+    """Hub subset (``data.subset``)."""
+
+    split_validation_size: float | None = None
+    """Share of the training rows held out for validation (``data.val_fraction``)."""
+
+    seed: int | None = None
+    """Seed of the split and shuffling (``data.seed``)."""
+
+    input_key: str | None = None
+    """``data.input_key``."""
+
+    output_key: str | None = None
+    """``data.output_key``."""
+
+    prompt_file: str | None = None
+    """``data.prompt_file``."""
+
+    system_prompt_file: str | None = None
+    """``data.system_prompt_file``."""
+
+    processor: str | None = None
+    """``data.processor``."""
+
+    env_name: str | None = None
+    """``data.env_name``."""
+
+
+_ENTRY_TO_FLAT = {"data_path": "train_data_path", "split_validation_size": "val_fraction"}
+_NULL_MEANS_DEFAULT = ("output_key", "seed", "input_key")
+"""Flat keys NeMo RL's v0.4 / v0.5 recipes write as null to mean "the default"."""
+
+
+def _entry(value: Any, key: str) -> dict[str, Any]:
+    if isinstance(value, list):
+        if len(value) != 1:
+            raise ValueError(
+                f"data.{key} lists {len(value)} datasets: training on several datasets at once is not built "
+                f"here; give data.{key} one dataset"
+            )
+        value = value[0]
+    if isinstance(value, BaseModel):
+        value = value.model_dump(exclude_none=True)
+    return {k: v for k, v in dict(value).items() if v is not None}
+
+
+def _flatten_dataset_layout(data: dict[str, Any]) -> dict[str, Any]:
+    """NeMo RL's ``train`` / ``validation`` / ``default`` entries read into the flat keys (see
+    :class:`DatasetEntryConfig`); a flat key set to a different value than its entry is an error."""
+    data = {k: v for k, v in data.items() if not (k in _NULL_MEANS_DEFAULT and v is None)}
+    train, validation, default = data.get("train"), data.get("validation"), data.get("default")
+    if train is None:
+        if validation is not None or default is not None:
+            raise ValueError("data.validation / data.default need data.train (NeMo RL's dataset layout)")
+        return data
+    merged = {**_entry(default, "default"), **_entry(train, "train")} if default else _entry(train, "train")
+    flat: dict[str, Any] = {}
+    for key, value in merged.items():
+        if key == "split" and value == "train":
+            continue  # the dataset's usual training split
+        flat[_ENTRY_TO_FLAT.get(key, key)] = value
+    if validation is not None:
+        val = _entry(validation, "validation")
+        if val.get("split") not in (None, "validation"):
+            raise ValueError(
+                f"data.validation.split={val['split']!r}: only the dataset's validation split is read; "
+                "give a file as data.validation.data_path instead"
+            )
+        if "dataset_name" in val and val["dataset_name"] != merged.get("dataset_name"):
+            raise ValueError(
+                f"data.validation.dataset_name={val['dataset_name']} differs from data.train's "
+                f"{merged.get('dataset_name')}: validation data must share the training data's schema"
+            )
+        if "data_path" in val:
+            flat["val_data_path"] = val["data_path"]
+    for key, value in flat.items():
+        if key in data and data[key] != value:
+            raise ValueError(
+                f"data.{key}={data[key]!r} and the data.train / data.default entry ({value!r}) disagree: "
+                "set the key in one place"
+            )
+    # The entries are consumed: the validated config holds the flat keys only, so it saves, reloads and
+    # accepts assignments like any other.
+    rest = {k: v for k, v in data.items() if k not in ("train", "validation", "default")}
+    return {**rest, **flat}
 
 
 class DataConfig(ConfigModel):
@@ -135,6 +239,33 @@ class DataConfig(ConfigModel):
 
     tiny_math_max_operand: int = Field(default=50, ge=1)
     """Largest operand of a ``tiny_math`` problem (operands are drawn from 0 to this value)."""
+
+    num_workers: int = Field(default=1, ge=0)
+    """Accepted, no effect here: rows are turned into batches in the driver process (a speed knob)."""
+
+    processor: str | None = None
+    """Accepted, no effect here: each ``dataset_name`` has its processor here (the algorithm picks it)."""
+
+    env_name: str | None = None
+    """Accepted, no effect here: each row's ``task_name`` picks its environment (``env.<name>``)."""
+
+    use_multiple_dataloader: Literal[False] = False
+    """One dataloader per training dataset; not built here: must be false."""
+
+    train: DatasetEntryConfig | list[DatasetEntryConfig] | None = None
+    """NeMo RL's layout: the training dataset (one), read into the flat keys above at validation; the
+    validated config holds ``None`` here."""
+
+    validation: DatasetEntryConfig | None = None
+    """NeMo RL's layout: the validation dataset (``data_path`` into ``val_data_path``)."""
+
+    default: DatasetEntryConfig | None = None
+    """NeMo RL's layout: values for keys the ``train`` entry leaves null."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nemo_rl_layout(cls, data: Any) -> Any:
+        return _flatten_dataset_layout(data) if isinstance(data, dict) else data
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:

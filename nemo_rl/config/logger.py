@@ -30,6 +30,9 @@ class WandbConfig(ConfigModel):
     """``offline`` writes the run under ``<log_dir>/wandb`` for a later ``wandb sync`` and never waits for a
     login; ``online`` streams to the W&B server and needs ``WANDB_API_KEY`` or a prior ``wandb login``."""
 
+    log_nemo_gym_full_result_tables: bool = False
+    """Accepted, no effect here: NeMo-Gym rollouts are not built."""
+
 
 class TensorboardConfig(ConfigModel):
     """TensorBoard event-file settings."""

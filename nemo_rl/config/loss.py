@@ -7,6 +7,7 @@ from typing import Literal, Self
 from pydantic import Field, model_validator
 
 from nemo_rl.config.base import ConfigModel
+from nemo_rl.config.no_effect import refusal
 
 
 class ClippedPGLossConfig(ConfigModel):
@@ -76,8 +77,16 @@ class ClippedPGLossConfig(ConfigModel):
     use_kl_in_reward: Literal[False] = False
     """Accepted for NeMo RL recipes; only ``false`` (the KL term lives in the loss) is supported."""
 
+    use_cispo: Literal[False] = False
+    """CISPO (clipped importance-weight policy optimisation); not built here: must be false."""
+
+    positive_example_nll_weight: float = 0.0
+    """VAPO's NLL term on correct samples; not built here: must be 0."""
+
     @model_validator(mode="after")
     def _check_combinations(self) -> Self:
+        if self.positive_example_nll_weight != 0.0:
+            raise refusal("loss_fn.positive_example_nll_weight", "set loss_fn.positive_example_nll_weight=0")
         if self.sequence_level_importance_ratios and self.token_level_loss:
             raise ValueError(
                 "loss_fn.sequence_level_importance_ratios (GSPO) averages per sequence: "

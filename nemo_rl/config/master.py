@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import Field, model_validator
 
 from nemo_rl.config.algorithms import DPOConfig, GRPOConfig, RMConfig, SFTConfig
 from nemo_rl.config.base import ConfigModel
 from nemo_rl.config.checkpointing import CheckpointingConfig
 from nemo_rl.config.cluster import ClusterConfig
+from nemo_rl.config.compat import DataPlaneConfig, RewardPenaltiesConfig
 from nemo_rl.config.data import PREFERENCE_DATASETS, DataConfig
 from nemo_rl.config.env import EnvConfig
 from nemo_rl.config.logger import LoggerConfig
 from nemo_rl.config.loss import ClippedPGLossConfig
+from nemo_rl.config.no_effect import refusal
 from nemo_rl.config.policy import PolicyConfig
 
 
@@ -63,6 +67,23 @@ class GRPOMasterConfig(ConfigModel):
 
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     """Worker slots (GPUs, or CPU slots without CUDA) and nodes."""
+
+    reward_penalties: RewardPenaltiesConfig = Field(default_factory=RewardPenaltiesConfig)
+    """NeMo RL's reward zeroing for NeMo-Gym rollouts (not built here; every penalty must be false)."""
+
+    data_plane: DataPlaneConfig = Field(default_factory=DataPlaneConfig)
+    """NeMo RL's TransferQueue data plane (not built here; ``enabled`` must be false)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_null_on_policy_distillation(cls, data: Any) -> Any:
+        # NeMo RL's recipes carry `on_policy_distillation: null` (multi-teacher distillation inside GRPO, not
+        # built here). Only null is accepted, and it is dropped: every top-level key here is a section.
+        if isinstance(data, dict) and "on_policy_distillation" in data:
+            if data["on_policy_distillation"] is not None:
+                raise refusal("on_policy_distillation", "set on_policy_distillation=null")
+            data = {k: v for k, v in data.items() if k != "on_policy_distillation"}
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> GRPOMasterConfig:

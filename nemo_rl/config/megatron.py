@@ -488,6 +488,14 @@ class MegatronConfig(ConfigModel):
     track_moe_metrics: bool | None = None
     """Accepted, no effect here (dense models)."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_sections_are_defaults(cls, data: Any) -> Any:
+        # NeMo RL's v0.4 / v0.5 recipes write `fp8_cfg: null` for "no FP8": the section's defaults.
+        if isinstance(data, dict) and data.get("fp8_cfg", ...) is None:
+            data = {**data, "fp8_cfg": {}}
+        return data
+
     @model_validator(mode="after")
     def _reject_unbuilt(self) -> Self:
         """One-line errors for keys that select behaviour this backend does not build."""

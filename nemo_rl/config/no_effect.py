@@ -153,14 +153,20 @@ def _nested_models(annotation: Any) -> Iterable[type[BaseModel]]:
                 yield arg
 
 
+def refusal(key: str, fix: str) -> ValueError:
+    """The one-line error for ``key`` (full dotted path) selecting behaviour this project does not build;
+    ``fix`` says what to set."""
+    return ValueError(f"{key} selects behaviour nemo_rl does not build: {fix}")
+
+
 def refuse_unbuilt(section: str, checks: Iterable[tuple[str, bool, str]]) -> None:
-    """Raise ``ValueError`` for the first ``(key, is_set, fix)`` whose key selects unbuilt behaviour.
+    """Raise :func:`refusal` for the first ``(key, is_set, fix)`` whose key selects unbuilt behaviour.
 
     ``section`` is the dotted path of the section the keys belong to (``"grpo"``); ``fix`` says what to set.
     """
     for key, is_set, fix in checks:
         if is_set:
-            raise ValueError(f"{section}.{key} selects behaviour nemo_rl does not build: {fix}")
+            raise refusal(f"{section}.{key}", fix)
 
 
 _reported: set[str] = set()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 from pydantic import Field, field_validator, model_validator
 
 from nemo_rl.config.base import ConfigModel
+from nemo_rl.config.compat import LoraConfig, SequencePackingConfig
 from nemo_rl.config.megatron import MegatronConfig
+from nemo_rl.config.no_effect import refusal
 
 Precision = Literal["float32", "bfloat16", "float16"]
 
@@ -25,6 +27,12 @@ class TokenizerConfig(ConfigModel):
     chat_template: str | None = None
     """Jinja chat template overriding the tokenizer's own; ``None`` keeps the tokenizer's template.
     The special value ``"default"`` renders messages as plain ``role: content`` lines."""
+
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables passed to the chat template on every call (e.g. ``{enable_thinking: true}``)."""
+
+    use_fastokens: bool = False
+    """Accepted, no effect here: a faster tokenizer implementation (a speed knob)."""
 
 
 class DTensorConfig(ConfigModel):
@@ -50,6 +58,37 @@ class DTensorConfig(ConfigModel):
 
     custom_parallel_plan: str | None = None
     """Import path of a function ``(model, tp_mesh, sequence_parallel) -> None`` applying a custom TP plan."""
+
+    env_vars: dict[str, str] | None = None
+    """Environment variables set in every DTensor worker before the model is built."""
+
+    clear_cache_every_n_steps: int | None = None
+    """Accepted, no effect here: emptying the allocator cache is a memory knob."""
+
+    dp_replicate_size: Literal[1] | None = None
+    """HSDP replica groups; not built here: must be 1 or null (FSDP shards over every data-parallel rank)."""
+
+    automodel_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """NeMo Automodel's ``from_pretrained`` arguments; not built here: must be empty (models load with
+    ``transformers``)."""
+
+    lora_cfg: LoraConfig = Field(default_factory=LoraConfig)
+    """LoRA adapters (not built here; ``enabled`` must be false)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_v2(cls, data: Any) -> Any:
+        # NeMo RL's `_v2` picks between two implementations of its DTensor worker; there is one here, and a
+        # field cannot start with an underscore, so the key is accepted and dropped (docs/porting.md).
+        if isinstance(data, dict) and "_v2" in data:
+            data = {k: v for k, v in data.items() if k != "_v2"}
+        return data
+
+    @model_validator(mode="after")
+    def _refuse_automodel_kwargs(self) -> Self:
+        if self.automodel_kwargs:
+            raise refusal("policy.dtensor_cfg.automodel_kwargs", "set policy.dtensor_cfg.automodel_kwargs={}")
+        return self
 
 
 class RewardModelConfig(ConfigModel):
@@ -158,6 +197,46 @@ class VllmConfig(ConfigModel):
     ``VLLM_ALLREDUCE_USE_SYMM_MEM: "1"`` / ``VLLM_ALLREDUCE_USE_FLASHINFER: "1"`` where every rank sees its
     peers' GPUs) and gives each engine on a node its own ``VLLM_PORT``."""
 
+    kv_cache_dtype: str = "auto"
+    """Dtype of vLLM's KV cache (passed to vLLM as ``kv_cache_dtype``; ``auto`` follows the weights)."""
+
+    expert_parallel_size: Literal[1] = 1
+    """vLLM expert parallelism; the supported model families are dense: must be 1."""
+
+    logprobs_mode: Literal["processed_logprobs"] = "processed_logprobs"
+    """Which log-probs vLLM returns; only ``processed_logprobs`` (the sampling distribution, the log-prob
+    contract) is supported."""
+
+    use_deep_gemm: bool = False
+    """Accepted, no effect here: DeepGEMM kernels serve FP8 generation, which is not built."""
+
+    num_last_layers_in_bf16: int = 0
+    """Accepted, no effect here: layers kept in bfloat16 under FP8 generation, which is not built."""
+
+    num_first_layers_in_bf16: int = 0
+    """Accepted, no effect here (see ``num_last_layers_in_bf16``)."""
+
+    enable_vllm_metrics_logger: bool = False
+    """Accepted, no effect here: vLLM's internal metrics are not collected."""
+
+    vllm_metrics_logger_interval: float = 0.5
+    """Accepted, no effect here (see ``enable_vllm_metrics_logger``)."""
+
+    use_tqdm: bool = True
+    """Accepted, no effect here: vLLM's progress bars are not shown."""
+
+    http_refit_api_key_env_var: str | None = None
+    """Accepted, no effect here: refit does not go through an HTTP server."""
+
+    http_refit_server_port: int | None = None
+    """Accepted, no effect here (see ``http_refit_api_key_env_var``)."""
+
+    zmq_refit_server_port: int | None = None
+    """Accepted, no effect here: refit does not go through a ZeroMQ relay."""
+
+    reset_encoder_cache_after_weight_update: bool = False
+    """Accepted, no effect here: the supported model families have no multimodal encoder."""
+
 
 class EmbeddedEngineConfig(ConfigModel):
     """Settings of the embedded pure-torch generation engine (the default backend; CPU or GPU)."""
@@ -211,6 +290,45 @@ class GenerationConfig(ConfigModel):
     ``enable_prefix_caching``, ``max_num_seqs``, ``kv_cache_dtype``). Arguments the backend derives from other
     settings (model, dtype, parallel sizes, seed, sleep mode, log-prob mode...) are refused with the setting
     to use instead."""
+
+    val_temperature: float | None = None
+    """Validation sampling temperature; must equal ``temperature`` (NeMo RL's recipes interpolate it) or be
+    null: validation samples with the training settings (or greedily, ``grpo.val_greedy``)."""
+
+    val_top_p: float | None = None
+    """Validation top-p; must equal ``top_p`` or be null (see ``val_temperature``)."""
+
+    val_top_k: int | None = None
+    """Validation top-k; must equal ``top_k`` or be null (see ``val_temperature``)."""
+
+    mcore_generation_config: dict[str, Any] | None = None
+    """Accepted, no effect here: settings of Megatron-core inference, a generation backend not built here."""
+
+    port_range_low: int | None = None
+    """Accepted, no effect here: generation servers take their ports from ``VLLM_PORT``."""
+
+    port_range_high: int | None = None
+    """Accepted, no effect here (see ``port_range_low``)."""
+
+    refit_transport: None = None
+    """NeMo RL's refit transport choice; must be null here: ``policy.refit.transport`` picks it."""
+
+    real_quant_export_cpu_offload: bool = True
+    """Accepted, no effect here: quantised generation is not built."""
+
+    refit_cfg: dict[str, Any] | None = None
+    """Accepted, no effect here: settings of NeMo RL's NIXL refit (``policy.refit`` configures refit here)."""
+
+    @model_validator(mode="after")
+    def _check_val_sampling(self) -> Self:
+        for key in ("temperature", "top_p", "top_k"):
+            value = getattr(self, f"val_{key}")
+            if value is not None and value != getattr(self, key):
+                raise ValueError(
+                    f"policy.generation.val_{key}={value} differs from {key}={getattr(self, key)}: separate "
+                    f"validation sampling is not built; set val_{key} to {getattr(self, key)} or null"
+                )
+        return self
 
     @field_validator("stop_strings")
     @classmethod
@@ -308,6 +426,36 @@ class PolicyConfig(ConfigModel):
 
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     """Sampling settings and backend (used by GRPO, distillation and evaluation)."""
+
+    hf_config_overrides: dict[str, Any] = Field(default_factory=dict)
+    """Hugging Face model-config attributes overridden when the model is loaded; not built here: must be
+    empty."""
+
+    logprob_chunk_size: int | None = None
+    """Accepted, no effect here: log-probs are computed per micro-batch over the whole sequence (a memory
+    knob)."""
+
+    offload_optimizer_for_logprob: bool = False
+    """Accepted, no effect here: a memory knob of non-colocated generation."""
+
+    activation_checkpointing_enabled: bool = False
+    """Accepted, no effect here: NeMo RL's reward-model recipes' spelling; recomputation is a memory knob
+    (``dtensor_cfg.activation_checkpointing`` turns it on here)."""
+
+    sequence_packing: SequencePackingConfig = Field(default_factory=SequencePackingConfig)
+    """Accepted, no effect here: sequences are padded, not packed; packing is a speed knob
+    (``dynamic_batching`` bounds padded tokens per micro-batch)."""
+
+    draft: dict[str, Any] | None = None
+    """Speculative-decoding draft model; not built here: must be null or have ``enabled: false``."""
+
+    @model_validator(mode="after")
+    def _refuse_unbuilt_policy_keys(self) -> Self:
+        if self.hf_config_overrides:
+            raise refusal("policy.hf_config_overrides", "set policy.hf_config_overrides={}")
+        if self.draft is not None and self.draft.get("enabled"):
+            raise refusal("policy.draft.enabled", "set policy.draft.enabled=false")
+        return self
 
     @model_validator(mode="after")
     def _check(self) -> PolicyConfig:

@@ -11,6 +11,7 @@ knows the hub checkpoints whose saved class is wrong.
 
 from __future__ import annotations
 
+import functools
 import pathlib
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -31,8 +32,8 @@ _GENERIC_FAST_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast
 def get_tokenizer(
     cfg: TokenizerConfig, *, model_name: str | None, trust_remote_code: bool
 ) -> PreTrainedTokenizerBase:
-    """Load the tokenizer named by ``cfg.name`` (or ``model_name``), apply the chat-template override and
-    make sure it has a pad token (the EOS token when the checkpoint defines none).
+    """Load the tokenizer named by ``cfg.name`` (or ``model_name``), apply the chat-template override and its
+    ``chat_template_kwargs``, and make sure it has a pad token (the EOS token when the checkpoint defines none).
 
     Args:
         cfg: The ``policy.tokenizer`` section.
@@ -45,6 +46,12 @@ def get_tokenizer(
     tokenizer = _load(name, trust_remote_code=trust_remote_code)
     if cfg.chat_template is not None:
         tokenizer.chat_template = resolve_chat_template(cfg.chat_template)
+    if cfg.chat_template_kwargs:
+        # Every apply_chat_template call (data processors, rollouts) sees the template variables, as in NeMo
+        # RL; a call's own keyword arguments still win.
+        tokenizer.apply_chat_template = functools.partial(  # type: ignore[method-assign]
+            tokenizer.apply_chat_template, **cfg.chat_template_kwargs
+        )
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(

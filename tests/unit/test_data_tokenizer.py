@@ -84,3 +84,16 @@ def test_chat_template_from_text_and_file(tokenizer_dir: pathlib.Path, tmp_path:
     assert _load(tokenizer_dir, str(template_file)).apply_chat_template(messages, tokenize=False) == "[a][b]"
     with pytest.raises(FileNotFoundError, match=r"missing\.jinja"):
         _load(tokenizer_dir, str(tmp_path / "missing.jinja"))
+
+
+def test_chat_template_kwargs_reach_every_call(tokenizer_dir: pathlib.Path) -> None:
+    # NeMo RL's policy.tokenizer.chat_template_kwargs (e.g. enable_thinking); a call's own argument wins.
+    cfg = TokenizerConfig(
+        name=str(tokenizer_dir),
+        chat_template="{{ messages[0]['content'] }}{% if think %}<think>{% endif %}",
+        chat_template_kwargs={"think": True},
+    )
+    tokenizer = get_tokenizer(cfg, model_name=None, trust_remote_code=False)
+    messages = [{"role": "user", "content": "a"}]
+    assert tokenizer.apply_chat_template(messages, tokenize=False) == "a<think>"
+    assert tokenizer.apply_chat_template(messages, tokenize=False, think=False) == "a"

@@ -71,7 +71,10 @@ def policy_cfg(**overrides: Any) -> PolicyConfig:
 
 # ------------------------------------------------------------------------------------ engine arguments
 def test_engine_kwargs_follow_the_config() -> None:
-    cfg = policy_cfg(vllm_cfg={"precision": "float16", "enforce_eager": True}, trust_remote_code=True)
+    cfg = policy_cfg(
+        vllm_cfg={"precision": "float16", "enforce_eager": True, "kv_cache_dtype": "fp8"},
+        trust_remote_code=True,
+    )
     kwargs = engine_kwargs(cfg, model="/ckpt", tokenizer="/tok", seed=7)
     assert kwargs == {
         "model": "/ckpt",
@@ -83,6 +86,7 @@ def test_engine_kwargs_follow_the_config() -> None:
         "gpu_memory_utilization": 0.5,
         "max_model_len": 16,  # policy.max_total_sequence_length when vllm_cfg.max_model_len is unset
         "enforce_eager": True,
+        "kv_cache_dtype": "fp8",
         "seed": 7,
         "worker_extension_cls": WORKER_EXTENSION_CLS,
         "logprobs_mode": "processed_logprobs",

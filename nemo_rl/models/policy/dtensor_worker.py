@@ -117,6 +117,8 @@ class DTensorPolicyWorker:
             raise ValueError(
                 "optimizer_path was given without weights_path: resume needs both from one checkpoint"
             )
+        if dtensor_cfg.env_vars:
+            os.environ.update(dtensor_cfg.env_vars)
         configure_worker_threads()
         init_process_group_from_env()
         self.cfg = cfg

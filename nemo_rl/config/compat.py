@@ -1,0 +1,222 @@
+"""Sections of NeMo RL's recipes for machinery this project does not build, so that those recipes load.
+
+Each section accepts NeMo RL's keys with NeMo RL's defaults. A section that selects unbuilt behaviour is
+refused unless neutral (``enabled: false``...), with one line naming the key; the keys below a disabled
+section are unused. Sections that only tune speed or memory are accepted with no effect here (the field
+holding them says so; see :mod:`nemo_rl.config.no_effect`). ``docs/porting.md`` lists them all.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Self
+
+from pydantic import Field, model_validator
+
+from nemo_rl.config.base import ConfigModel
+from nemo_rl.config.no_effect import refusal as refuse
+
+
+class _Switchable(ConfigModel):
+    """A NeMo RL feature section with an ``enabled`` switch that must stay off here."""
+
+    enabled: bool = False
+    """Turn the feature on; not built here: must be false (the other keys are then unused)."""
+
+    KEY: ClassVar[str] = ""
+    """Dotted key of the section, for the error message."""
+
+    @model_validator(mode="after")
+    def _refuse_enabled(self) -> Self:
+        if self.enabled:
+            raise refuse(f"{self.KEY}.enabled", f"set {self.KEY}.enabled=false")
+        return self
+
+
+class SequencePackingConfig(ConfigModel):
+    """NeMo RL's ``policy.sequence_packing``: several sequences packed into one row of a micro-batch.
+
+    Packing changes how micro-batches are laid out, not what is computed; sequences are padded here
+    (``policy.dynamic_batching`` bounds the padded tokens per micro-batch)."""
+
+    enabled: bool = False
+    """Pack sequences (a speed knob)."""
+
+    train_mb_tokens: int | None = None
+    """Tokens per packed training micro-batch."""
+
+    logprob_mb_tokens: int | None = None
+    """Tokens per packed log-prob micro-batch."""
+
+    algorithm: str = "modified_first_fit_decreasing"
+    """Bin-packing algorithm."""
+
+    microbatch_order: str | None = None
+    """Order of the packed micro-batches."""
+
+    sequence_length_round: int = 64
+    """Packed lengths are rounded up to a multiple of this."""
+
+
+class LoraConfig(_Switchable):
+    """NeMo RL's ``policy.dtensor_cfg.lora_cfg`` (LoRA adapters); not built here."""
+
+    KEY: ClassVar[str] = "policy.dtensor_cfg.lora_cfg"
+
+    target_modules: list[str] = Field(default_factory=list)
+    """Modules to adapt (unused while ``enabled`` is false)."""
+
+    exclude_modules: list[str] = Field(default_factory=list)
+    """Modules not to adapt (unused while ``enabled`` is false)."""
+
+    match_all_linear: bool = True
+    """Adapt every linear layer (unused while ``enabled`` is false)."""
+
+    dim: int = 8
+    """LoRA rank (unused while ``enabled`` is false)."""
+
+    alpha: int = 32
+    """LoRA scaling numerator (unused while ``enabled`` is false)."""
+
+    dropout: float = 0.0
+    """LoRA dropout (unused while ``enabled`` is false)."""
+
+    dropout_position: str = "post"
+    """Where LoRA dropout applies (unused while ``enabled`` is false)."""
+
+    lora_A_init: str = "xavier"
+    """Initialisation of the A matrices (unused while ``enabled`` is false)."""
+
+    use_triton: bool = True
+    """Triton LoRA kernels (unused while ``enabled`` is false)."""
+
+
+class RewardShapingConfig(_Switchable):
+    """NeMo RL's ``grpo.reward_shaping`` (DAPO's overlong penalty); not built here."""
+
+    KEY: ClassVar[str] = "grpo.reward_shaping"
+
+    overlong_buffer_length: int = 128
+    """Tokens before ``max_response_length`` where the penalty ramps up (unused while ``enabled`` is false)."""
+
+    overlong_buffer_penalty: float = 1.0
+    """Largest penalty (unused while ``enabled`` is false)."""
+
+    max_response_length: int | None = None
+    """Response length the penalty counts from (unused while ``enabled`` is false)."""
+
+    stop_properly_penalty_coef: float | None = None
+    """Penalty factor of responses that did not stop (unused while ``enabled`` is false)."""
+
+
+class RewardScalingConfig(_Switchable):
+    """NeMo RL's ``grpo.reward_scaling`` (a linear map of rewards); not built here."""
+
+    KEY: ClassVar[str] = "grpo.reward_scaling"
+
+    source_min: float = 0.0
+    """Reward mapped to ``target_min`` (unused while ``enabled`` is false)."""
+
+    source_max: float = 1.0
+    """Reward mapped to ``target_max`` (unused while ``enabled`` is false)."""
+
+    target_min: float = 0.0
+    """Lower end of the mapped range (unused while ``enabled`` is false)."""
+
+    target_max: float = 1.0
+    """Upper end of the mapped range (unused while ``enabled`` is false)."""
+
+
+class AsyncGRPOConfig(_Switchable):
+    """NeMo RL's ``grpo.async_grpo`` (generation running ahead of training); not built here."""
+
+    KEY: ClassVar[str] = "grpo.async_grpo"
+
+    max_trajectory_age_steps: int = 1
+    """Oldest trajectory age used for training (unused while ``enabled`` is false)."""
+
+    max_generation_failures: int = 0
+    """Generation-worker failures tolerated (unused while ``enabled`` is false)."""
+
+    in_flight_weight_updates: bool = False
+    """Refit while generating (unused while ``enabled`` is false)."""
+
+    recompute_kv_cache_after_weight_updates: bool = False
+    """Recompute the KV cache after a refit (unused while ``enabled`` is false)."""
+
+
+class AdvantageEstimatorConfig(ConfigModel):
+    """NeMo RL's ``grpo.adv_estimator``: which advantage estimator; GRPO's is the one built here."""
+
+    name: str = "grpo"
+    """``grpo`` (group-relative, the one built here); ``reinforce_plus_plus`` is not built."""
+
+    normalize_rewards: bool | None = None
+    """Must equal ``grpo.normalize_rewards`` (NeMo RL's recipes interpolate it); ``None`` follows it."""
+
+    use_leave_one_out_baseline: bool | None = None
+    """Must equal ``grpo.use_leave_one_out_baseline``; ``None`` follows it."""
+
+    minus_baseline: bool = True
+    """Reinforce++ only (unused with ``name: grpo``)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.name != "grpo":
+            raise refuse("grpo.adv_estimator.name", "set grpo.adv_estimator.name=grpo")
+        return self
+
+
+class RewardPenaltiesConfig(ConfigModel):
+    """NeMo RL's ``reward_penalties`` (reward zeroing for NeMo-Gym rollouts); not built here."""
+
+    penalize_duplicated_reasoning: bool = False
+    """Not built here: must be false."""
+
+    penalize_empty_final_answer: bool = False
+    """Not built here: must be false."""
+
+    penalize_unwanted_tokens: bool = False
+    """Not built here: must be false."""
+
+    penalize_malformed_think_tag: bool = False
+    """Not built here: must be false."""
+
+    token_ids: dict[str, Any] | None = None
+    """Token ids the penalties look for (unused while every penalty is off)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        for name in type(self).model_fields:
+            if name.startswith("penalize_") and getattr(self, name):
+                raise refuse(f"reward_penalties.{name}", f"set reward_penalties.{name}=false")
+        return self
+
+
+class DataPlaneConfig(_Switchable):
+    """NeMo RL's ``data_plane`` (a TransferQueue data plane); not built here."""
+
+    KEY: ClassVar[str] = "data_plane"
+
+    impl: str = "transfer_queue"
+    """Implementation (unused while ``enabled`` is false)."""
+
+    backend: str = "simple"
+    """Storage backend (unused while ``enabled`` is false)."""
+
+    storage_capacity: int = 1_000_000
+    """Samples per partition (unused while ``enabled`` is false)."""
+
+    num_storage_units: int = 2
+    """Storage shards (unused while ``enabled`` is false)."""
+
+    claim_meta_poll_interval_s: float = 0.5
+    """Poll period (unused while ``enabled`` is false)."""
+
+    global_segment_size: int = 549_755_813_888
+    """Mooncake segment bytes (unused while ``enabled`` is false)."""
+
+    local_buffer_size: int = 68_719_476_736
+    """Mooncake buffer bytes (unused while ``enabled`` is false)."""
+
+    observability: dict[str, Any] | None = None
+    """Observability settings (unused while ``enabled`` is false)."""
