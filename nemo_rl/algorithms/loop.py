@@ -123,6 +123,8 @@ class TrainLoop(Generic[B]):
         validate: Called with the step number when validation is due; it logs its own metrics.
         val_period: Validate every this many steps (0: never during training).
         val_at_start: Validate at step 0 before the first step of a fresh run.
+        val_at_end: Also validate after the last step when ``val_period`` does not fall on it (before the
+            final checkpoint, which then records the validation metric).
     """
 
     def __init__(
@@ -138,6 +140,7 @@ class TrainLoop(Generic[B]):
         validate: Callable[[int], object] | None = None,
         val_period: int = 0,
         val_at_start: bool = False,
+        val_at_end: bool = False,
     ) -> None:
         self.name = name
         self.loader = loader
@@ -149,6 +152,7 @@ class TrainLoop(Generic[B]):
         self.validate = validate
         self.val_period = val_period
         self.val_at_start = val_at_start
+        self.val_at_end = val_at_end
         self.timer = Timer()
         """Times the current step; labels it records are logged as ``timing/train/<label>``."""
         self.out_of_time = False
@@ -196,7 +200,8 @@ class TrainLoop(Generic[B]):
         self._step_open = False
         self.state.step += 1
         step = self.state.step
-        if self.validate is not None and self.val_period and step % self.val_period == 0:
+        periodic = bool(self.val_period) and step % self.val_period == 0
+        if self.validate is not None and (periodic or (self.val_at_end and step == self.total_steps)):
             with self.timer.time("validation"):
                 self.validate(step)
         # Logged before the checkpoint, so a run killed after saving step N has step N's metrics.

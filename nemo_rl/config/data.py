@@ -210,6 +210,11 @@ class DataConfig(ConfigModel):
     system_prompt_file: str | None = None
     """Text file whose content becomes a system message at the start of each conversation that has none."""
 
+    env_name: str | None = None
+    """Environment that scores RL prompts (their ``task_name``), e.g. ``reward_model`` to reward responses with
+    the model of ``env.reward_model`` (NeMo RL's ``data.default.env_name``); ``None`` uses the dataset's own
+    (``math`` for the math datasets). SFT and preference training ignore it."""
+
     max_input_seq_length: int | None = Field(default=None, ge=1)
     """Longest prompt (RL) or conversation (SFT) in tokens; ``None`` uses ``policy.max_total_sequence_length``.
     Longer RL prompts are cut and given ``loss_multiplier`` 0; longer SFT conversations are truncated."""

@@ -96,6 +96,11 @@ class GRPOMasterConfig(ConfigModel):
                 )
             if (resources.num_nodes or 1) > 1 and self.cluster.num_nodes == 1:
                 raise ValueError("non-colocated generation on several nodes needs cluster.num_nodes > 1")
+        if self.data.env_name == "reward_model" and not self.env.reward_model.enabled:
+            raise ValueError(
+                "data.env_name=reward_model scores the prompts with a reward model: set "
+                "env.reward_model.enabled=true and env.reward_model.model_name (e.g. the export of run_rm.py)"
+            )
         return self
 
 

@@ -7,19 +7,26 @@ from pathlib import Path
 import pytest
 
 from nemo_rl.config.loader import load_and_validate
-from nemo_rl.config.master import GRPOMasterConfig, SFTMasterConfig
+from nemo_rl.config.master import DPOMasterConfig, GRPOMasterConfig, RMMasterConfig, SFTMasterConfig
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "examples" / "configs"
 ALL_CONFIGS = sorted(p for p in CONFIG_DIR.rglob("*.yaml"))
 
 
-def _schema_for(path: Path) -> type[SFTMasterConfig] | type[GRPOMasterConfig]:
+Master = type[SFTMasterConfig] | type[GRPOMasterConfig] | type[DPOMasterConfig] | type[RMMasterConfig]
+
+
+def _schema_for(path: Path) -> Master:
     name = path.name
-    if "grpo" in name:
+    if name.startswith("grpo"):
         return GRPOMasterConfig
-    if "sft" in name:
+    if name.startswith("sft"):
         return SFTMasterConfig
-    raise AssertionError(f"no schema known for {path}: name it after its algorithm (grpo*, sft*)")
+    if name.startswith("dpo"):
+        return DPOMasterConfig
+    if name.startswith("rm"):
+        return RMMasterConfig
+    raise AssertionError(f"no schema known for {path}: name it after its algorithm (grpo*, sft*, dpo*, rm*)")
 
 
 def test_there_are_configs() -> None:
@@ -28,6 +35,10 @@ def test_there_are_configs() -> None:
         "sft_tiny_math.yaml",
         "grpo_math_1B.yaml",
         "grpo_math_tiny.yaml",
+        "dpo.yaml",
+        "dpo_tiny_math.yaml",
+        "rm.yaml",
+        "rm_tiny_math.yaml",
     }
 
 
@@ -75,3 +86,17 @@ def test_megatron_recipes() -> None:
     assert grpo.megatron_cfg.pipeline_model_parallel_size == 2 and grpo.generation.backend == "embedded"
     assert sft.megatron_cfg.tensor_model_parallel_size == 2 and sft.megatron_cfg.sequence_parallel
     assert grpo.precision == sft.precision == "float32"
+
+
+def test_public_preference_recipe_defaults() -> None:
+    dpo = load_and_validate(CONFIG_DIR / "dpo.yaml", DPOMasterConfig)
+    assert dpo.dpo.max_num_steps == 150 and dpo.dpo.reference_policy_kl_penalty == 0.05
+    assert dpo.policy.train_global_batch_size == 128 and dpo.data.dataset_name == "HelpSteer3"
+    # sft_average_log_probs follows preference_average_log_probs, as in NeMo RL's recipe.
+    flipped = load_and_validate(
+        CONFIG_DIR / "dpo.yaml", DPOMasterConfig, ["dpo.preference_average_log_probs=true"]
+    )
+    assert flipped.dpo.sft_average_log_probs
+    rm = load_and_validate(CONFIG_DIR / "rm.yaml", RMMasterConfig)
+    assert rm.policy.reward_model_cfg.enabled and rm.rm.max_num_steps == -1
+    assert rm.checkpointing.save_period == rm.rm.val_period == 16

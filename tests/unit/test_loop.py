@@ -156,6 +156,7 @@ def test_loop_runs_to_the_budget_logging_before_saving(tmp_path: Path) -> None:
     step2 = events[events.index("validate 2") :][:5]
     assert step2 == ["validate 2", "log train 2", "save 2", "log timing/train 2", "log performance 2"]
     assert "save 5" in events and "save 3" not in events  # periodic saves and the last step
+    assert "validate 5" not in events  # the period does not fall on the last step, and val_at_end is off
     timing = recorder.at(2, "timing/train")
     assert set(timing) == {"total_step_time", "work", "validation", "checkpointing"}
     assert timing["total_step_time"] >= timing["work"] + timing["checkpointing"]
@@ -167,6 +168,20 @@ def test_loop_runs_to_the_budget_logging_before_saving(tmp_path: Path) -> None:
         info["step"] == 4
         and info["val_loss"] == pytest.approx(0.2)
         and info["seen"] == [0, 1, 2, 3, 4, 5, 0, 1]
+    )
+
+
+def test_val_at_end_validates_the_last_step_before_its_checkpoint(tmp_path: Path) -> None:
+    state = ToyState()
+    h = _harness(tmp_path, state)
+    loop = h.loop(3, validate=h.validate, val_period=2, val_at_end=True)
+    for _ in loop:
+        loop.end_step({})
+    validations = [e for e in h.events if e.startswith("validate")]
+    assert validations == ["validate 2", "validate 3"]
+    assert h.events.index("validate 3") < h.events.index("save 3")
+    assert CheckpointManager.load_training_info(tmp_path / "ckpt" / "step_3")["val_loss"] == pytest.approx(
+        0.25
     )
 
 

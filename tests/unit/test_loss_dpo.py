@@ -110,3 +110,37 @@ def test_preference_loss_on_rewards() -> None:
     assert metrics["accuracy"] == pytest.approx(0.5)
     assert metrics["rewards_chosen_mean"] == pytest.approx((1.5 - 0.2) / 2, rel=1e-6)
     assert metrics["rewards_rejected_mean"] == pytest.approx((0.5 + 0.3) / 2, rel=1e-6)
+
+
+@pytest.mark.parametrize("average", [False, True])
+def test_dpo_gradients_match_hand_derivation(average: bool) -> None:
+    # d loss / d logit of the target symbol at a trained position t of row b is coef_bt * (1 - p_bt), and
+    # -coef_bt * (1 - p_bt) for the other symbol, where coef_bt = d loss / d log p_bt:
+    #   preference: -+ w_p * beta * sigmoid(-beta * margin) / pairs   (chosen -, rejected +), / n_b if averaged
+    #   sft:        -w_s / pairs on chosen rows, / n_b if averaged.
+    beta, w_p, w_s = 0.3, 1.5, 0.4
+    cfg = DPOLossConfig(
+        reference_policy_kl_penalty=beta,
+        preference_loss_weight=w_p,
+        sft_loss_weight=w_s,
+        preference_average_log_probs=average,
+        sft_average_log_probs=average,
+    )
+    logits, data = make_batch([1.0, 1.0, 1.0, 1.0])
+    pairs = 2.0
+    loss, _ = DPOLossFn(cfg)(logits, data, torch.tensor(2 * pairs), torch.tensor(10.0))
+    loss.backward()
+    assert logits.grad is not None
+    expected = torch.zeros_like(logits)
+    for pair in range(2):
+        chosen, rejected = 2 * pair, 2 * pair + 1
+        margin = reward(chosen, average) - reward(rejected, average)
+        pref = w_p * beta * (1 / (1 + math.exp(beta * margin))) / pairs
+        for b, sign in ((chosen, -1.0), (rejected, 1.0)):
+            scale = 1 / len(tokens(b)) if average else 1.0
+            for t in tokens(b):
+                coef = sign * pref * scale + (-w_s / pairs * scale if b == chosen else 0.0)
+                p = math.exp(CURR[b][t])
+                expected[b, t - 1, 0] = coef * (1 - p)
+                expected[b, t - 1, 1] = -coef * (1 - p)
+    torch.testing.assert_close(logits.grad, expected, rtol=1e-6, atol=1e-9)

@@ -135,13 +135,13 @@ def setup_data(
 def setup_rl_data(
     cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, *, max_total_sequence_length: int
 ) -> tuple[ProcessedDataset, ProcessedDataset | None]:
-    """Math prompts for RL (task ``"math"``), cut at ``data.max_input_seq_length`` (or the policy's
-    ``max_total_sequence_length`` when unset)."""
+    """Math prompts for RL, cut at ``data.max_input_seq_length`` (or the policy's ``max_total_sequence_length``
+    when unset); their task (the environment scoring them) is ``data.env_name``, by default ``"math"``."""
     return setup_data(
         cfg,
         tokenizer,
         processor=math_processor,
-        task_name="math",
+        task_name=cfg.env_name or "math",
         max_seq_length=cfg.max_input_seq_length or max_total_sequence_length,
     )
 

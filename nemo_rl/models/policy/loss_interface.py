@@ -55,8 +55,13 @@ class LossFunction(Protocol):
         data: BatchedDataDict[Any],
         global_valid_seqs: torch.Tensor,
         global_valid_toks: torch.Tensor,
+        /,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Return this micro-batch's share of the global loss (a scalar) and its metrics.
+
+        The workers pass the arguments by position: the model's output (next-token logits [B, T, V], or a
+        reward model's rewards [B] / [B, 1]), the micro-batch, and the global batch's valid sequence and token
+        counts.
 
         Metrics are additive shares as well (summed over micro-batches and ranks by the caller), except
         names ending in ``_min`` / ``_max`` which are reduced with min / max.

@@ -1,0 +1,252 @@
+"""What DPO and reward-model training share: a run on preference pairs, its loop, validation and export.
+
+A preference batch interleaves pairs (see :func:`nemo_rl.data.collate_fn.preference_collate_fn`): row ``2i``
+is pair ``i`` with its chosen response, row ``2i + 1`` with its rejected one. Batch sizes in the config count
+pairs, as in NeMo RL (``policy.train_global_batch_size``, ``policy.train_micro_batch_size``,
+``<algo>.val_global_batch_size``, ``<algo>.val_micro_batch_size``); the policy sees twice as many rows, and
+the losses' ``rows_per_group = 2`` keeps every pair on one data-parallel rank and in one micro-batch.
+
+The two algorithms differ only in the model's head (``policy.reward_model_cfg``), the loss, and DPO's
+reference log-probabilities, which it adds to every batch through the ``prepare`` hook of
+:func:`train_on_preferences` and :func:`validate`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from nemo_rl.algorithms.interfaces import LossFunction
+from nemo_rl.algorithms.loop import TrainLoop, find_resume, save_training_checkpoint, train_metrics
+from nemo_rl.config.algorithms import DPOConfig, RMConfig
+from nemo_rl.config.loader import save_config
+from nemo_rl.config.master import DPOMasterConfig, RMMasterConfig
+from nemo_rl.data.collate_fn import make_preference_collate_fn
+from nemo_rl.data.dataloader import StatefulDataLoader
+from nemo_rl.data.datasets import ProcessedDataset
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.distributed.virtual_cluster import RayVirtualCluster, init_ray
+from nemo_rl.models.policy.lm_policy import Policy
+from nemo_rl.utils.checkpoint import CheckpointManager
+from nemo_rl.utils.logger import Logger
+
+ROWS_PER_PAIR = 2
+
+PreferenceLoader = StatefulDataLoader[Any, BatchedDataDict[Any]]
+PrepareBatch = Callable[[BatchedDataDict[Any]], BatchedDataDict[Any]]
+"""Completes a preference batch before the policy trains or validates on it (DPO: reference log-probs)."""
+
+
+def _unchanged(batch: BatchedDataDict[Any]) -> BatchedDataDict[Any]:
+    return batch
+
+
+@dataclasses.dataclass
+class PreferenceState:
+    """What a checkpoint records about a DPO or reward-model loop's progress."""
+
+    step: int = 0
+    """Optimizer steps taken."""
+
+    epoch: int = 0
+    """Epochs begun."""
+
+    val_loss: float | None = None
+    """Latest validation loss (what ``checkpointing.metric_name: val_loss`` ranks checkpoints by)."""
+
+
+@dataclasses.dataclass
+class PreferenceRun:
+    """Everything a DPO or reward-model loop needs, built by :func:`setup_preference_run`."""
+
+    config: DPOMasterConfig | RMMasterConfig
+    loop_cfg: DPOConfig | RMConfig
+    """The algorithm's own section (``dpo`` or ``rm``)."""
+    tokenizer: PreTrainedTokenizerBase
+    cluster: RayVirtualCluster
+    policy: Policy
+    train_loader: PreferenceLoader
+    val_loader: PreferenceLoader | None
+    loss_fn: LossFunction
+    logger: Logger
+    checkpointer: CheckpointManager
+    state: PreferenceState
+
+    def shutdown(self) -> None:
+        """Stop the policy workers, flush the loggers, release the placement groups."""
+        self.logger.close()
+        self.policy.shutdown()
+        self.cluster.shutdown()
+
+
+def setup_preference_run(
+    config: DPOMasterConfig | RMMasterConfig,
+    loop_cfg: DPOConfig | RMConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    train_dataset: ProcessedDataset,
+    val_dataset: ProcessedDataset | None,
+    *,
+    name: str,
+    loss_fn: LossFunction,
+    keep_reference_model: bool,
+) -> PreferenceRun:
+    """Start Ray and the policy workers, build the loaders of preference pairs, and restore the latest
+    checkpoint if any. ``keep_reference_model`` keeps the initial weights for reference log-probabilities."""
+    checkpointer = CheckpointManager(config.checkpointing)
+    resume = find_resume(checkpointer, name.upper())
+    state = resume.state(PreferenceState)
+    collate = make_preference_collate_fn(
+        tokenizer, config.data.max_input_seq_length or config.policy.max_total_sequence_length
+    )
+    train_loader: PreferenceLoader = StatefulDataLoader(
+        train_dataset,
+        batch_size=config.policy.train_global_batch_size,
+        shuffle=config.data.shuffle,
+        seed=loop_cfg.seed,
+        drop_last=True,
+        collate_fn=collate,
+    )
+    val_loader: PreferenceLoader | None = None
+    if val_dataset is not None and len(val_dataset) > 0:
+        val_loader = StatefulDataLoader(
+            val_dataset,
+            batch_size=loop_cfg.val_global_batch_size,
+            shuffle=False,
+            seed=loop_cfg.seed,
+            drop_last=False,
+            collate_fn=collate,
+        )
+    resume.restore_loader(train_loader)
+
+    init_ray(config.cluster)
+    cluster = RayVirtualCluster(config.cluster, name=name)
+    policy = Policy(
+        cluster,
+        config.policy,
+        init_reference_model=keep_reference_model,
+        weights_path=resume.weights_path,
+        optimizer_path=resume.optimizer_path,
+    )
+    logger = Logger(config.logger)
+    logger.log_hyperparams(config.model_dump(mode="json"))
+    save_config(config, config.logger.log_dir)
+    return PreferenceRun(
+        config=config,
+        loop_cfg=loop_cfg,
+        tokenizer=tokenizer,
+        cluster=cluster,
+        policy=policy,
+        train_loader=train_loader,
+        val_loader=val_loader,
+        loss_fn=loss_fn,
+        logger=logger,
+        checkpointer=checkpointer,
+        state=state,
+    )
+
+
+def pad_to_whole_pairs_per_rank(batch: BatchedDataDict[Any], dp_size: int) -> BatchedDataDict[Any]:
+    """``batch`` with masked copies of its last pair appended until every data-parallel rank gets as many
+    whole pairs (a short last validation batch); the copies have ``sample_mask`` 0 and count nowhere."""
+    missing = -(batch.size // ROWS_PER_PAIR) % dp_size
+    if missing == 0:
+        return batch
+    padded = batch.select_indices(list(range(batch.size)) + [batch.size - 2, batch.size - 1] * missing)
+    sample_mask = padded["sample_mask"].clone()
+    sample_mask[batch.size :] = 0.0
+    padded["sample_mask"] = sample_mask
+    return padded
+
+
+def validate(run: PreferenceRun, step: int, prepare: PrepareBatch = _unchanged) -> dict[str, float]:
+    """The loss's metrics on up to ``val_batches`` held-out batches (all when 0 or -1), averaged over their
+    valid pairs (``num_valid_samples`` is their number); logged as ``validation/*`` at ``step``."""
+    if run.val_loader is None:
+        return {}
+    cfg = run.loop_cfg
+    dp_size = run.policy.dp_size
+    totals: dict[str, float] = {}
+    num_pairs = 0.0
+    # Every validation run reads the same batches from the start of the (unshuffled) validation set.
+    run.val_loader.load_state_dict(run.val_loader.state_dict() | {"epoch": 0, "batch_index": 0})
+    for batch_index, batch in enumerate(run.val_loader):
+        if 0 < cfg.val_batches <= batch_index:
+            break
+        batch = prepare(pad_to_whole_pairs_per_rank(batch, dp_size))
+        pairs_per_rank = batch.size // ROWS_PER_PAIR // dp_size
+        result = run.policy.train(
+            batch,
+            run.loss_fn,
+            eval_mode=True,
+            gbs=batch.size,
+            mbs=min(cfg.val_micro_batch_size, pairs_per_rank) * ROWS_PER_PAIR,
+        )
+        # One step: each metric is this batch's mean over its valid pairs; weight batches by their pairs.
+        pairs = result["metrics"]["num_valid_samples"][0]
+        for name, values in result["metrics"].items():
+            if name != "num_valid_samples":
+                totals[name] = totals.get(name, 0.0) + values[0] * pairs
+        num_pairs += pairs
+    metrics = {name: total / max(num_pairs, 1.0) for name, total in totals.items()}
+    metrics["num_valid_samples"] = num_pairs
+    run.logger.log_metrics(metrics, step, prefix="validation")
+    run.state.val_loss = metrics["loss"]
+    return metrics
+
+
+def save_checkpoint(run: PreferenceRun) -> Path:
+    """Write the policy, optimizer, scheduler, loader position and loop state as ``step_<N>`` (atomically)."""
+    return save_training_checkpoint(
+        run.checkpointer,
+        state=run.state,
+        run_config=run.config,
+        policy=run.policy,
+        train_loader=run.train_loader,
+        metric_value=run.state.val_loss,
+    )
+
+
+def train_on_preferences(
+    run: PreferenceRun, name: str, total_steps: int, prepare: PrepareBatch = _unchanged
+) -> dict[str, float]:
+    """The loop: one optimizer step per batch of pairs until ``total_steps``, validating and checkpointing
+    as configured; then the final weights are exported in Hugging Face format. Returns the last step's
+    ``train/*`` metrics."""
+    cfg = run.loop_cfg
+    metrics: dict[str, float] = {}
+    loop = TrainLoop(
+        name,
+        loader=run.train_loader,
+        state=run.state,
+        total_steps=total_steps,
+        logger=run.logger,
+        checkpointer=run.checkpointer,
+        save_checkpoint=lambda: save_checkpoint(run),
+        validate=lambda step: validate(run, step, prepare),
+        val_period=cfg.val_period,
+        val_at_start=cfg.val_at_start,
+        val_at_end=cfg.val_at_end,
+    )
+    policy_cfg = run.config.policy
+    for batch in loop:
+        run.state.epoch = run.train_loader.epoch
+        with loop.timer.time("prepare_batch"):
+            batch = prepare(batch)
+        with loop.timer.time("policy_training"):
+            result = run.policy.train(
+                batch,
+                run.loss_fn,
+                gbs=policy_cfg.train_global_batch_size * ROWS_PER_PAIR,
+                mbs=policy_cfg.train_micro_batch_size * ROWS_PER_PAIR,
+            )
+        metrics = train_metrics(result)
+        loop.end_step(metrics)
+
+    export_dir = cfg.export_dir or str(Path(run.config.checkpointing.checkpoint_dir) / "hf_final")
+    run.policy.export_hf(export_dir)
+    print(f"Exported the final model to {export_dir}", flush=True)
+    return metrics

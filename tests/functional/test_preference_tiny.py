@@ -1,0 +1,183 @@
+"""DPO and reward-model training end to end on the tiny arithmetic checkpoint, in this process.
+
+Both loops run on the session's Ray (``ray_cluster``) with three small steps: they check the metrics (DPO's
+held-out preference loss falls), that the last checkpoint records the final validation loss, and that the final exports load with
+``transformers`` (the reward model with ``AutoModelForSequenceClassification``, giving the scores the
+workers computed). Resuming is the shared loop's (``tests/unit/test_loop.py``, the SFT kill-and-rerun test)
+and the worker's (``tests/distributed/test_dtensor_worker.py``). The scripts' command-line failures (exit 2,
+one line, no traceback) are checked without starting anything.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+from nemo_rl.config.loader import load_and_validate
+from nemo_rl.config.master import DPOMasterConfig, RMMasterConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = ROOT / "examples" / "configs"
+TINY_SFT = ROOT / "examples" / "assets" / "tiny_math_sft"
+
+
+def _overrides(tmp: Path, algo: str, name: str, max_steps: int, lr: float) -> list[str]:
+    # 32 pairs a step, constant learning rate, validation on 32 held-out pairs before and after training.
+    return [
+        f"policy.model_name={TINY_SFT}",
+        f"{algo}.max_num_steps={max_steps}",
+        f"{algo}.val_period=0",
+        f"{algo}.val_at_start=true",
+        f"{algo}.val_at_end=true",
+        f"{algo}.val_global_batch_size=32",
+        f"{algo}.val_micro_batch_size=16",
+        "policy.train_global_batch_size=32",
+        "policy.train_micro_batch_size=16",
+        f"policy.optimizer.kwargs.lr={lr}",
+        "policy.scheduler=null",
+        "data.num_train_samples=128",
+        "data.num_val_samples=32",
+        "checkpointing.save_period=2",
+        f"checkpointing.checkpoint_dir={tmp / 'ckpt'}",
+        f"logger.log_dir={tmp / name}",
+        "logger.progress_bar=false",
+        "logger.console_enabled=false",
+    ]
+
+
+def _metrics(log_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def _at(records: list[dict[str, Any]], step: int, key: str) -> float:
+    values = [r[key] for r in records if r["step"] == step and key in r]
+    assert values, f"no {key} logged at step {step}"
+    return float(values[-1])
+
+
+def _train(module: str, config: DPOMasterConfig | RMMasterConfig, keep: bool = False) -> Any:
+    """Set up and run one algorithm (``nemo_rl.algorithms.<module>``); returns the run, still up with ``keep``."""
+    from nemo_rl.data.datasets import setup_preference_data
+    from nemo_rl.models.tokenizer import get_policy_tokenizer
+
+    algo = importlib.import_module(f"nemo_rl.algorithms.{module}")
+    tokenizer = get_policy_tokenizer(config.policy)
+    train, val = setup_preference_data(
+        config.data, tokenizer, max_total_sequence_length=config.policy.max_total_sequence_length
+    )
+    run = algo.setup(config, tokenizer, train, val)
+    try:
+        getattr(algo, f"{module}_train")(run)
+    finally:
+        if not keep:
+            run.shutdown()
+    return run
+
+
+def test_dpo_learns_and_exports(ray_cluster: dict[str, float], tmp_path: Path) -> None:
+    def config(name: str) -> DPOMasterConfig:
+        return load_and_validate(
+            CONFIGS / "dpo_tiny_math.yaml", DPOMasterConfig, _overrides(tmp_path, "dpo", name, 3, lr=3e-5)
+        )
+
+    _train("dpo", config("first"))
+    first = _metrics(tmp_path / "first")
+    # Held-out pairs: the preference loss falls and the chosen answers gain on the rejected ones.
+    assert _at(first, 3, "validation/preference_loss") < _at(first, 0, "validation/preference_loss")
+    margin = [
+        _at(first, s, "validation/rewards_chosen_mean") - _at(first, s, "validation/rewards_rejected_mean")
+        for s in (0, 3)
+    ]
+    assert margin[0] == pytest.approx(0.0, abs=1e-6) and margin[1] > 0, margin  # step 0: policy == reference
+    for key in ("train/loss", "train/sft_loss", "train/preference_loss", "train/accuracy", "train/grad_norm"):
+        assert key in next(r for r in first if r["step"] == 1 and key in r)
+    # The last step's checkpoint carries the final validation loss, and the export loads in transformers.
+    info = json.loads((tmp_path / "ckpt" / "step_3" / "training_info.json").read_text())
+    assert info["step"] == 3 and info["val_loss"] == pytest.approx(_at(first, 3, "validation/loss"))
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "hf_final")
+
+
+def test_reward_model_trains_and_exports(ray_cluster: dict[str, float], tmp_path: Path) -> None:
+    def config(name: str) -> RMMasterConfig:
+        return load_and_validate(
+            CONFIGS / "rm_tiny_math.yaml", RMMasterConfig, _overrides(tmp_path, "rm", name, 3, lr=3e-5)
+        )
+
+    run = _train("rm", config("first"), keep=True)
+    try:
+        batch = next(iter(run.val_loader))
+        scores = run.policy.score(batch)["scores"].float()
+    finally:
+        run.shutdown()
+    first = _metrics(tmp_path / "first")
+    # Three steps move a fresh scalar head too little to measure on 32 pairs (the recipe's run is in the
+    # README); here the loop's metrics and records are checked.
+    for key in ("loss", "accuracy", "rewards_chosen_mean", "rewards_rejected_mean", "num_valid_samples"):
+        assert f"validation/{key}" in next(r for r in first if r["step"] == 0 and f"validation/{key}" in r)
+        assert f"train/{key}" in next(r for r in first if r["step"] == 1 and f"train/{key}" in r)
+    assert _at(first, 3, "validation/num_valid_samples") == 32
+    info = json.loads((tmp_path / "ckpt" / "step_3" / "training_info.json").read_text())
+    assert info["val_loss"] == pytest.approx(_at(first, 3, "validation/loss"))
+
+    # The export is a sequence classifier with one output that scores as the workers did.
+    from transformers import AutoModelForSequenceClassification
+
+    export = tmp_path / "ckpt" / "hf_final"
+    model = AutoModelForSequenceClassification.from_pretrained(export).eval()
+    assert model.config.num_labels == 1
+    with torch.no_grad():
+        attention_mask = (
+            torch.arange(batch["input_ids"].shape[1])[None, :] < batch["input_lengths"][:, None]
+        ).long()
+        hf_scores = model(input_ids=batch["input_ids"], attention_mask=attention_mask).logits[:, 0]
+    torch.testing.assert_close(hf_scores, scores, rtol=1e-4, atol=1e-4)
+
+
+def _script(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("script", ["run_dpo", "run_rm"])
+def test_scripts_fail_with_one_line_on_bad_input(
+    script: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    config = CONFIGS / ("dpo_tiny_math.yaml" if script == "run_dpo" else "rm_tiny_math.yaml")
+    bad_rows = tmp_path / "pairs.jsonl"
+    bad_rows.write_text(
+        json.dumps({"prompt": "What is 1+1?", "chosen": "2", "rejected": "3"})
+        + "\n"
+        + json.dumps({"prompt": "What is 2+2?", "chosen": "4"})
+        + "\n"
+    )
+    preference_files = ["data.dataset_name=binary_preference", "data.val_data_path=null"]
+    missing = tmp_path / "missing.jsonl"
+    cases: list[tuple[list[str], list[str]]] = [
+        (["policy.no_such_key=1"], ["policy.no_such_key"]),
+        ([*preference_files, f"data.train_data_path={missing}"], [str(missing)]),
+        ([*preference_files, f"data.train_data_path={bad_rows}"], [str(bad_rows), "row 1", "'rejected'"]),
+    ]
+    module = _script(script)
+    for overrides, expected in cases:
+        monkeypatch.setattr(sys, "argv", [f"{script}.py", "--config", str(config), *overrides])
+        with pytest.raises(SystemExit) as exit_info:
+            module.run_cli(module.main)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2, err
+        assert all(part in err for part in expected), (expected, err)
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
