@@ -106,42 +106,6 @@ def test_dpo_learns_and_exports(ray_cluster: dict[str, float], tmp_path: Path) -
     AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "hf_final")
 
 
-def test_reward_model_trains_and_exports(ray_cluster: dict[str, float], tmp_path: Path) -> None:
-    def config(name: str) -> RMMasterConfig:
-        return load_and_validate(
-            CONFIGS / "rm_tiny_math.yaml", RMMasterConfig, _overrides(tmp_path, "rm", name, 3, lr=3e-5)
-        )
-
-    run = _train("rm", config("first"), keep=True)
-    try:
-        batch = next(iter(run.val_loader))
-        scores = run.policy.score(batch)["scores"].float()
-    finally:
-        run.shutdown()
-    first = _metrics(tmp_path / "first")
-    # Three steps move a fresh scalar head too little to measure on 32 pairs (the recipe's run is in the
-    # README); here the loop's metrics and records are checked.
-    for key in ("loss", "accuracy", "rewards_chosen_mean", "rewards_rejected_mean", "num_valid_samples"):
-        assert f"validation/{key}" in next(r for r in first if r["step"] == 0 and f"validation/{key}" in r)
-        assert f"train/{key}" in next(r for r in first if r["step"] == 1 and f"train/{key}" in r)
-    assert _at(first, 3, "validation/num_valid_samples") == 32
-    info = json.loads((tmp_path / "ckpt" / "step_3" / "training_info.json").read_text())
-    assert info["val_loss"] == pytest.approx(_at(first, 3, "validation/loss"))
-
-    # The export is a sequence classifier with one output that scores as the workers did.
-    from transformers import AutoModelForSequenceClassification
-
-    export = tmp_path / "ckpt" / "hf_final"
-    model = AutoModelForSequenceClassification.from_pretrained(export).eval()
-    assert model.config.num_labels == 1
-    with torch.no_grad():
-        attention_mask = (
-            torch.arange(batch["input_ids"].shape[1])[None, :] < batch["input_lengths"][:, None]
-        ).long()
-        hf_scores = model(input_ids=batch["input_ids"], attention_mask=attention_mask).logits[:, 0]
-    torch.testing.assert_close(hf_scores, scores, rtol=1e-4, atol=1e-4)
-
-
 def _script(name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
     assert spec is not None and spec.loader is not None
