@@ -1,9 +1,9 @@
 """DPO and reward-model training end to end on the tiny arithmetic checkpoint, in this process.
 
 Both loops run on the session's Ray (``ray_cluster``) with three small steps: they check the metrics (DPO's
-held-out preference loss falls), that the last checkpoint records the final validation loss, and that the final exports load with
-``transformers`` (the reward model with ``AutoModelForSequenceClassification``, giving the scores the
-workers computed). Resuming is the shared loop's (``tests/unit/test_loop.py``, the SFT kill-and-rerun test)
+held-out preference loss falls), that the last checkpoint records the final validation loss, and that the
+final exports load with ``transformers`` (the reward model with ``AutoModelForSequenceClassification``,
+giving the scores the workers computed). Resuming is the shared loop's (``tests/unit/test_loop.py``, the SFT kill-and-rerun test)
 and the worker's (``tests/distributed/test_dtensor_worker.py``). The scripts' command-line failures (exit 2,
 one line, no traceback) are checked without starting anything.
 """
@@ -18,7 +18,6 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-import torch
 
 from nemo_rl.config.loader import load_and_validate
 from nemo_rl.config.master import DPOMasterConfig, RMMasterConfig
