@@ -251,9 +251,6 @@ class DataConfig(ConfigModel):
     processor: str | None = None
     """Accepted, no effect here: each ``dataset_name`` has its processor here (the algorithm picks it)."""
 
-    env_name: str | None = None
-    """Accepted, no effect here: each row's ``task_name`` picks its environment (``env.<name>``)."""
-
     use_multiple_dataloader: Literal[False] = False
     """One dataloader per training dataset; not built here: must be false."""
 
