@@ -5,13 +5,22 @@ Layout under ``checkpointing.checkpoint_dir``::
     step_10/                 complete checkpoint (atomically renamed from tmp_step_10)
         training_info.json   step, metrics and loop state chosen by the algorithm
         config.yaml          the run's config
+        run_state.pt         the state of every object registered with track() (RNG, generation seeds...)
         policy/ ...          written by the caller (weights, optimizer, dataloader state)
+        MANIFEST.json        size of every file (and a CRC-32 of the small ones), written last
     tmp_step_20/             a save in progress (or left by a crash): never read, removed on the next save
 
 A save is ``path = init_tmp_checkpoint(step, info, config)``, the caller writes its state under ``path``,
-then ``finalize_checkpoint(path)`` fsyncs everything and renames the directory to ``step_N``. A crash before
-the rename leaves only a ``tmp_step_*`` directory, so :meth:`CheckpointManager.get_latest_checkpoint_path`
-always returns a complete checkpoint.
+then ``finalize_checkpoint(path)`` writes the manifest, fsyncs everything and renames the directory to
+``step_N``. A crash before the rename leaves only a ``tmp_step_*`` directory, so
+:meth:`CheckpointManager.get_latest_checkpoint_path` always returns a complete checkpoint. Pruning renames a
+checkpoint to ``tmp_step_*`` before deleting it, so a crash mid-delete never leaves a half checkpoint under a
+``step_N`` name either. A checkpoint damaged later (a file truncated or changed on disk) fails
+:meth:`CheckpointManager.check_intact`, and :meth:`CheckpointManager.latest_intact_checkpoint` falls back to
+the one before it.
+
+Objects registered with :meth:`CheckpointManager.track` (anything with ``state_dict`` / ``load_state_dict``)
+are saved into every checkpoint and put back by :meth:`CheckpointManager.restore_tracked`.
 """
 
 from __future__ import annotations
@@ -21,10 +30,12 @@ import math
 import os
 import re
 import shutil
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+import torch
 import yaml
 from pydantic import BaseModel
 
@@ -32,8 +43,29 @@ from nemo_rl.config.checkpointing import CheckpointingConfig
 
 TRAINING_INFO_FILE = "training_info.json"
 CONFIG_FILE = "config.yaml"
+RUN_STATE_FILE = "run_state.pt"
+MANIFEST_FILE = "MANIFEST.json"
 _STEP_DIR_RE = re.compile(r"^step_(\d+)$")
 _TMP_PREFIX = "tmp_step_"
+# Files up to this size get a CRC-32 in the manifest (metadata, states); larger ones (weights) only a size,
+# so that finalising a multi-gigabyte checkpoint does not read it all back.
+_CHECKSUM_MAX_BYTES = 1 << 20
+
+
+class Checkpointable(Protocol):
+    """Something whose state a checkpoint records: a data loader, an RNG, a generation seed counter."""
+
+    def state_dict(self) -> Mapping[str, Any]:
+        """The state to save (tensors, numbers, strings, lists, tuples and dicts of them)."""
+        ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Put back what :meth:`state_dict` returned."""
+        ...
+
+
+class CheckpointDamagedError(RuntimeError):
+    """A checkpoint's files do not match what was written when it was saved."""
 
 
 def _json_default(value: Any) -> Any:
@@ -73,6 +105,37 @@ class CheckpointManager:
     def __init__(self, cfg: CheckpointingConfig) -> None:
         self.cfg = cfg
         self.checkpoint_dir = Path(cfg.checkpoint_dir)
+        self.resume_path: Path | None = None
+        """The checkpoint this run resumed from (set by whoever resumes, e.g.
+        ``nemo_rl.algorithms.loop.find_resume``); :meth:`restore_tracked` reads it."""
+        self._tracked: dict[str, Checkpointable] = {}
+
+    # ------------------------------------------------------------ run state
+    def track(self, name: str, obj: Checkpointable) -> None:
+        """Save ``obj.state_dict()`` under ``name`` in every checkpoint; :meth:`restore_tracked` loads it back.
+
+        ``name`` must be unique (and stable across runs: it is the key in ``run_state.pt``).
+        """
+        if name in self._tracked and self._tracked[name] is not obj:
+            raise ValueError(f"another object is already tracked under the name {name!r}")
+        self._tracked[name] = obj
+
+    def restore_tracked(self, path: Path | str | None = None) -> list[str]:
+        """Load the tracked objects' states from checkpoint ``path`` (default :attr:`resume_path`; nothing
+        when neither is set). Returns the names that checkpoint has no state for (they keep their
+        current state), e.g. a checkpoint written before the object was tracked."""
+        path = self.resume_path if path is None else Path(path)
+        if path is None:
+            return []
+        state_path = Path(path) / RUN_STATE_FILE
+        saved: dict[str, Any] = torch.load(state_path, weights_only=True) if state_path.is_file() else {}
+        missing = []
+        for name, obj in self._tracked.items():
+            if name in saved:
+                obj.load_state_dict(saved[name])
+            else:
+                missing.append(name)
+        return missing
 
     # ---------------------------------------------------------------- saving
     def should_save(self, step: int) -> bool:
@@ -100,6 +163,8 @@ class CheckpointManager:
             run_config = run_config.model_dump(mode="json")
         config_text = None if run_config is None else yaml.safe_dump(dict(run_config), sort_keys=False)
 
+        run_state = {name: obj.state_dict() for name, obj in self._tracked.items()}
+
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         self._remove_tmp_dirs()
         tmp_path = self.checkpoint_dir / f"{_TMP_PREFIX}{step}"
@@ -107,6 +172,8 @@ class CheckpointManager:
         (tmp_path / TRAINING_INFO_FILE).write_text(info_text)
         if config_text is not None:
             (tmp_path / CONFIG_FILE).write_text(config_text)
+        if run_state:
+            torch.save(run_state, tmp_path / RUN_STATE_FILE)
         return tmp_path
 
     def finalize_checkpoint(self, tmp_path: Path | str) -> Path:
@@ -121,6 +188,7 @@ class CheckpointManager:
                 f"{tmp_path} is not a checkpoint in progress; pass the path returned by init_tmp_checkpoint()."
             )
         final_path = tmp_path.parent / name.removeprefix("tmp_")
+        _write_manifest(tmp_path)
         _fsync_tree(tmp_path)
         if final_path.exists():
             # Move the old one aside first: rename cannot replace a non-empty directory, and the
@@ -151,6 +219,48 @@ class CheckpointManager:
         """The complete checkpoint with the highest step, or ``None`` when there is none."""
         checkpoints = self.list_checkpoints()
         return checkpoints[-1][1] if checkpoints else None
+
+    @staticmethod
+    def check_intact(path: Path | str) -> str | None:
+        """What is wrong with checkpoint ``path`` (``None`` when its files are as saved).
+
+        Checks that ``training_info.json`` parses and that every file of the manifest has its saved size (and,
+        for small files, its CRC-32). Checkpoints saved before manifests existed are only checked for the
+        training info.
+        """
+        path = Path(path)
+        try:
+            json.loads((path / TRAINING_INFO_FILE).read_text())
+        except (OSError, ValueError) as err:
+            return f"its {TRAINING_INFO_FILE} cannot be read ({err})"
+        manifest_path = path / MANIFEST_FILE
+        if not manifest_path.is_file():
+            return None
+        try:
+            manifest: dict[str, Any] = json.loads(manifest_path.read_text())
+        except (OSError, ValueError) as err:
+            return f"its {MANIFEST_FILE} cannot be read ({err})"
+        for relative, entry in manifest["files"].items():
+            file = path / relative
+            if not file.is_file():
+                return f"{relative} is missing"
+            size = file.stat().st_size
+            if size != entry["bytes"]:
+                return f"{relative} has {size} bytes, {entry['bytes']} were saved"
+            if "crc32" in entry and _crc32(file) != entry["crc32"]:
+                return f"{relative} changed since it was saved (CRC-32 mismatch)"
+        return None
+
+    def latest_intact_checkpoint(self) -> tuple[Path | None, list[tuple[Path, str]]]:
+        """The complete checkpoint with the highest step whose files are intact, and the later ones that are
+        not, each with what is wrong (``(None, [...])`` when none is intact)."""
+        damaged: list[tuple[Path, str]] = []
+        for _, path in reversed(self.list_checkpoints()):
+            problem = self.check_intact(path)
+            if problem is None:
+                return path, damaged
+            damaged.append((path, problem))
+        return None, damaged
 
     def get_best_checkpoint_path(self) -> Path | None:
         """The best checkpoint by ``metric_name`` (the latest when ``metric_name`` is ``None``).
@@ -227,9 +337,46 @@ class CheckpointManager:
         keep.add(checkpoints[-1][1])
         for _, path in checkpoints:
             if path not in keep:
-                shutil.rmtree(path)
+                _remove_checkpoint(path)
 
     def _remove_tmp_dirs(self) -> None:
         for entry in self.checkpoint_dir.iterdir():
             if entry.name.startswith(_TMP_PREFIX) and entry.is_dir():
                 shutil.rmtree(entry)
+
+
+def _remove_checkpoint(path: Path) -> None:
+    """Delete a complete checkpoint: first rename it out of the ``step_N`` namespace (one atomic step), then
+    delete the files, so a crash mid-delete leaves a ``tmp_step_*`` leftover (removed by the next save), never
+    a half checkpoint that a resume could pick."""
+    doomed = path.parent / f"{_TMP_PREFIX}pruned_{path.name}"
+    os.rename(path, doomed)
+    _fsync_dir(path.parent)
+    shutil.rmtree(doomed)
+
+
+def _crc32(path: Path) -> int:
+    checksum = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            checksum = zlib.crc32(chunk, checksum)
+    return checksum
+
+
+def _write_manifest(root: Path) -> None:
+    """Record the size of every file under ``root`` (and the CRC-32 of the small ones) in ``MANIFEST.json``."""
+    files: dict[str, dict[str, int]] = {}
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for name in sorted(filenames):
+            file = Path(dirpath) / name
+            if file.is_symlink():
+                continue
+            relative = file.relative_to(root).as_posix()
+            if relative == MANIFEST_FILE:
+                continue
+            size = file.stat().st_size
+            entry = {"bytes": size}
+            if size <= _CHECKSUM_MAX_BYTES:
+                entry["crc32"] = _crc32(file)
+            files[relative] = entry
+    (root / MANIFEST_FILE).write_text(json.dumps({"files": files}, indent=1, sort_keys=True))
