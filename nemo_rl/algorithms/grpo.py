@@ -29,6 +29,7 @@ from transformers import PreTrainedTokenizerBase
 from nemo_rl.algorithms.advantages import compute_advantages
 from nemo_rl.algorithms.loop import (
     TrainLoop,
+    check_run_setup,
     find_resume,
     save_training_checkpoint,
     step_budget,
@@ -193,11 +194,20 @@ def setup(
     are the ones :meth:`GRPOSetup.shutdown` stops.
     """
     _check_batch_sizes(config)
+    # Input checks that need no workers, before Ray starts.
+    check_run_setup(
+        config.policy,
+        config.checkpointing,
+        config.logger.log_dir,
+        policy_world_size=len(_placement(config)[0]),
+        run_name="GRPO",
+        metric_names={"val_accuracy", "validation/accuracy"},
+    )
     train_tasks = dataset_task_names(train_dataset)
     val_tasks = dataset_task_names(val_dataset)
     tasks_to_start = _tasks_to_start(config, train_tasks, val_tasks, task_to_env, val_task_to_env)
     checkpointer = CheckpointManager(config.checkpointing)
-    resume = find_resume(checkpointer, "GRPO")
+    resume = find_resume(checkpointer, "GRPO", config)
     state = resume.state(GRPOState)
 
     train_loader: StatefulDataLoader[Any, BatchedDataDict[Any]] = StatefulDataLoader(
@@ -218,6 +228,8 @@ def setup(
     generation = create_generation(
         cluster, config.policy, tokenizer, seed=config.grpo.seed, bundle_indices=generation_bundles
     )
+    # The per-call sampling seeds continue where the checkpoint left them.
+    checkpointer.track("generation", generation)
     if config.policy.generation.colocated.enabled:
         generation.finish_generation()
     policy = Policy(

@@ -41,18 +41,26 @@ advances the progress bar and stops after such a deadline save.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Iterator, Mapping
+import re
+import tempfile
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar, cast
 
 import torch
 from pydantic import BaseModel
 
+from nemo_rl.config.checkpointing import CheckpointingConfig
+from nemo_rl.config.errors import UserError
+from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.data.dataloader import StatefulDataLoader
 from nemo_rl.models.policy.interfaces import PolicyInterface, TrainResult
+from nemo_rl.models.policy.lm_policy import check_policy_layout
 from nemo_rl.models.policy.loss_interface import reduce_metrics
+from nemo_rl.models.policy.optim import check_optimizer_config
 from nemo_rl.utils.checkpoint import CheckpointManager
 from nemo_rl.utils.logger import Logger
+from nemo_rl.utils.rng import ProcessRNG
 from nemo_rl.utils.timer import TimeoutChecker, Timer
 
 B = TypeVar("B")
@@ -62,6 +70,8 @@ S = TypeVar("S")
 _POLICY_DIR = "policy"
 _LOADER_FILE = "train_dataloader.pt"
 _CONSOLIDATED_DIR = "consolidated"
+
+_DRIVER_RNG = ProcessRNG()
 
 STEP_TIMER = "total_step_time"
 """Timer label of a whole step, from the batch being yielded to the end of :meth:`TrainLoop.end_step`."""
@@ -160,6 +170,8 @@ class TrainLoop(Generic[B]):
         this step)."""
         self._deadline: TimeoutChecker | None = None
         self._step_open = False
+        # The driver's RNG continues from the checkpoint the run resumed from (restored here, after setup).
+        checkpointer.track("driver_rng", _DRIVER_RNG)
 
     def __iter__(self) -> Iterator[B]:
         if self.validate is not None and self.val_at_start and self.state.step == 0:
@@ -253,14 +265,133 @@ class Resume:
             loader.load_state_dict(torch.load(self.path / _LOADER_FILE, weights_only=True))
 
 
-def find_resume(checkpointer: CheckpointManager, run_name: str) -> Resume:
-    """The latest complete checkpoint of ``checkpointer`` (none when ``checkpointing.enabled`` is off)."""
-    path = checkpointer.get_latest_checkpoint_path() if checkpointer.cfg.enabled else None
+def find_resume(
+    checkpointer: CheckpointManager, run_name: str, run_config: BaseModel | None = None
+) -> Resume:
+    """The latest intact checkpoint of ``checkpointer`` (none when ``checkpointing.enabled`` is off).
+
+    A later checkpoint whose files no longer match its manifest (truncated, changed) is skipped with a
+    warning. With ``run_config``, the checkpoint's saved config is compared with it (see
+    :func:`check_config_change`). The checkpoint becomes ``checkpointer.resume_path``, from which
+    ``checkpointer.track`` restores run state (RNG, generation seeds).
+    """
+    if not checkpointer.cfg.enabled:
+        return Resume(path=None, training_info={})
+    path, damaged = checkpointer.latest_intact_checkpoint()
+    for bad, problem in damaged:
+        print(
+            f"WARNING: checkpoint {bad} is damaged ({problem}); "
+            + (
+                f"falling back to {path}"
+                if path is not None
+                else "no earlier intact checkpoint, starting afresh"
+            ),
+            flush=True,
+        )
     if path is None:
         return Resume(path=None, training_info={})
     info = CheckpointManager.load_training_info(path)
+    if run_config is not None:
+        saved = CheckpointManager.load_config(path)
+        if saved is not None:
+            check_config_change(
+                saved,
+                run_config.model_dump(mode="json"),
+                path=path,
+                allow_incompatible=checkpointer.cfg.allow_incompatible_resume,
+            )
+    checkpointer.resume_path = path
     print(f"Resuming {run_name} from {path} (step {info['step']})", flush=True)
     return Resume(path=path, training_info=info)
+
+
+# Changing these between a checkpoint and the run resuming from it would load weights or shards into a
+# model they do not fit: refused unless ``checkpointing.allow_incompatible_resume``.
+_INCOMPATIBLE_KEYS = re.compile(
+    r"^policy\.(model_name|tokenizer\.name|megatron_cfg\.enabled|(dtensor_cfg|megatron_cfg)\.\w*parallel_size)$"
+)
+# Bookkeeping that does not change what the resumed steps compute.
+_NEUTRAL_KEYS = re.compile(
+    r"^(logger|checkpointing)\.|\.(max_num_steps|max_num_epochs|export_dir|val_period|val_at_start)$"
+)
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            flat |= _flatten(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def check_config_change(
+    saved: Mapping[str, Any], current: Mapping[str, Any], *, path: Path, allow_incompatible: bool
+) -> list[str]:
+    """Compare the config saved with checkpoint ``path`` with the resuming run's; returns the changed keys.
+
+    Changes of the model, tokenizer or parallel layout raise :class:`UserError` (unless
+    ``allow_incompatible``); other changes that alter what the run computes are printed as a warning;
+    logging, checkpointing and step-budget keys are ignored.
+    """
+    before, after = _flatten(saved), _flatten(current)
+    changed = [
+        key
+        for key in sorted(before.keys() | after.keys())
+        if before.get(key) != after.get(key) and not _NEUTRAL_KEYS.search(key)
+    ]
+    diffs = [f"{key}: {before.get(key)!r} -> {after.get(key)!r}" for key in changed]
+    incompatible = [d for key, d in zip(changed, diffs, strict=True) if _INCOMPATIBLE_KEYS.match(key)]
+    if incompatible and not allow_incompatible:
+        raise UserError(
+            f"the run resuming from {path} changes {'; '.join(incompatible)}, which its checkpoint cannot be "
+            "loaded into; restore the setting, use a new checkpointing.checkpoint_dir, or set "
+            "checkpointing.allow_incompatible_resume=true"
+        )
+    if diffs:
+        print(
+            f"WARNING: resuming from {path} with a changed config (the run will differ from the one "
+            f"checkpointed): {'; '.join(diffs)}",
+            flush=True,
+        )
+    return changed
+
+
+def check_run_setup(
+    policy: PolicyConfig,
+    checkpointing: CheckpointingConfig,
+    log_dir: str,
+    *,
+    policy_world_size: int,
+    run_name: str,
+    metric_names: Collection[str],
+) -> None:
+    """The input checks a loop's setup makes before starting Ray, each failing as a one-line
+    :class:`UserError`: the policy's layout and batch size on ``policy_world_size`` workers
+    (:func:`check_policy_layout`), its optimizer and scheduler (:func:`check_optimizer_config`), that
+    ``checkpointing.metric_name`` is one of ``metric_names`` (what the loop records in its checkpoints), and
+    that the checkpoint and log folders can be written (rather than failing at the first save)."""
+    check_policy_layout(policy, policy_world_size)
+    check_optimizer_config(policy)
+    metric_name = checkpointing.metric_name
+    if checkpointing.enabled and metric_name is not None and metric_name not in metric_names:
+        raise UserError(
+            f"checkpointing.metric_name={metric_name!r} is not recorded by {run_name}; use one of "
+            f"{sorted(metric_names)} or null (rank checkpoints by step)"
+        )
+    folders = [("logger.log_dir", log_dir)]
+    if checkpointing.enabled:
+        folders.append(("checkpointing.checkpoint_dir", checkpointing.checkpoint_dir))
+    for key, folder in folders:
+        try:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+        except OSError as err:
+            raise UserError(
+                f"{key}={folder} cannot be written ({err.strerror or err}); choose a writable folder"
+            ) from None
 
 
 def training_info(state: LoopState, metric_name: str | None, metric_value: float | None) -> dict[str, Any]:

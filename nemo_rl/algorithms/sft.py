@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.algorithms.loop import (
     TrainLoop,
+    check_run_setup,
     find_resume,
     save_training_checkpoint,
     step_budget,
@@ -79,8 +80,17 @@ def setup(
     val_dataset: ProcessedDataset | None,
 ) -> SFTSetup:
     """Start Ray and the policy workers, build the loaders, and restore the latest checkpoint if any."""
+    # Input checks that need no workers, before Ray starts.
+    check_run_setup(
+        config.policy,
+        config.checkpointing,
+        config.logger.log_dir,
+        policy_world_size=config.cluster.gpus_per_node * config.cluster.num_nodes,
+        run_name="SFT",
+        metric_names={"val_loss", "validation/val_loss"},
+    )
     checkpointer = CheckpointManager(config.checkpointing)
-    resume = find_resume(checkpointer, "SFT")
+    resume = find_resume(checkpointer, "SFT", config)
     state = resume.state(SFTState)
 
     collate = make_sft_collate_fn(tokenizer, _max_seq_len(config))

@@ -61,8 +61,8 @@ class GRPOConfig(ConfigModel):
     num_prompts_per_step: int = Field(default=32, ge=1)
     """Distinct prompts sampled per step."""
 
-    num_generations_per_prompt: int = Field(default=16, ge=1)
-    """Responses sampled per prompt; advantages compare responses within a prompt's group."""
+    num_generations_per_prompt: int = Field(default=16, ge=2)
+    """Responses sampled per prompt (at least 2); advantages compare responses within a prompt's group."""
 
     max_rollout_turns: int = Field(default=1, ge=1)
     """Generate / environment-step turns per rollout (1 = single turn)."""

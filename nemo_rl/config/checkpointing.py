@@ -49,6 +49,10 @@ class CheckpointingConfig(ConfigModel):
     """Accepted, no effect here: the optimizer state is always saved with the weights, so a run resumes
     exactly."""
 
+    allow_incompatible_resume: bool = False
+    """Resume even when the run changes the model, tokenizer or parallel layout its latest checkpoint was
+    saved with (refused otherwise: the checkpoint's weights and shards may not fit)."""
+
     @field_validator("checkpoint_must_save_by")
     @classmethod
     def _deadline_format(cls, value: str | None) -> str | None:

@@ -34,6 +34,14 @@ class MathEnvConfig(ConfigModel):
     """Longest time one answer may take to verify; a slower answer counts as wrong and its verifier process
     is killed and replaced."""
 
+    verify_memory_limit_mb: int | None = Field(default=4096, ge=64)
+    """Address-space limit of each verifier process, in MiB; an answer whose check needs more counts as wrong
+    (``None``: no limit)."""
+
+    max_response_chars: int | None = Field(default=20_000, ge=1)
+    """Responses are cut to their last this many characters (where the final answer is) before the answer
+    is extracted and checked, which bounds both (``None``: no cap)."""
+
     stop_strings: list[str] | None = None
     """Stop strings for the response (``None``: stop at end of sequence only)."""
 

@@ -394,6 +394,11 @@ class PolicyConfig(ConfigModel):
     max_grad_norm: float | None = Field(default=1.0, gt=0.0)
     """Clip the global gradient norm to this value; ``None`` disables clipping."""
 
+    max_nonfinite_steps: int = Field(default=3, ge=0)
+    """Stop the run (with a message, keeping the last checkpoint) after this many optimizer steps in a row
+    whose loss or gradient norm is NaN or infinite; each such step is skipped (no optimizer or scheduler
+    update) and counted. 0 never stops."""
+
     make_sequence_length_divisible_by: int = Field(default=1, ge=1)
     """Pad batches so the sequence length is a multiple of this (e.g. the TP size with sequence parallel)."""
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
+from nemo_rl.data.errors import DataError
 from nemo_rl.data.interfaces import ChatMessage, DatumSpec, MessageLog, Record, TaskDataSpec
 from nemo_rl.data.llm_message_utils import format_message_log, message_log_length, truncate_message_log
 
@@ -59,7 +60,7 @@ def sft_processor(
     them (see :func:`nemo_rl.data.collate_fn.sft_collate_fn`).
     """
     if not any(m["role"] == "assistant" for m in record["messages"]):
-        raise ValueError(f"sample {idx} has no assistant message, so SFT has nothing to learn from it")
+        raise DataError(f"sample {idx} has no assistant message, so SFT has nothing to learn from it")
     message_log = format_conversation(record["messages"], spec, tokenizer)
     return DatumSpec(
         message_log=message_log,
@@ -89,16 +90,19 @@ def math_processor(
     messages = record["messages"]
     last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
     if last_user is None:
-        raise ValueError(f"sample {idx} has no user message to use as the prompt")
+        raise DataError(f"sample {idx} has no user message to use as the prompt")
     if "expected_answer" in record:
         ground_truth = record["expected_answer"]
     elif last_user + 1 < len(messages) and messages[last_user + 1]["role"] == "assistant":
         ground_truth = messages[last_user + 1]["content"]
     else:
-        raise ValueError(
+        raise DataError(
             f"sample {idx} has no ground truth: give it an 'expected_answer' or an assistant reply after "
             "the last user message"
         )
+    if not ground_truth.strip():
+        # An empty answer would match an empty \boxed{} and reward it.
+        raise DataError(f"sample {idx} has an empty ground truth; give it a non-empty 'expected_answer'")
     message_log = format_message_log(
         apply_task_spec(list(messages[: last_user + 1]), spec),
         tokenizer,
@@ -136,14 +140,14 @@ def preference_processor(
     (see :func:`nemo_rl.data.collate_fn.preference_collate_fn`).
     """
     if "rejected_messages" not in record:
-        raise ValueError(
+        raise DataError(
             f"sample {idx} has no rejected response: preference training needs "
             "data.dataset_name=binary_preference (prompt, chosen and rejected columns)"
         )
 
     def format_response(messages: list[ChatMessage]) -> MessageLog:
         if not any(m["role"] == "assistant" for m in messages):
-            raise ValueError(f"sample {idx} has a response without an assistant message")
+            raise DataError(f"sample {idx} has a response without an assistant message")
         return format_conversation(messages, spec, tokenizer)
 
     chosen = format_response(record["messages"])

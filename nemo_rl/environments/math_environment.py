@@ -16,7 +16,7 @@ import torch
 from nemo_rl.config.env import MathEnvConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.environments.interfaces import EnvironmentInterface, EnvironmentReturn, Message
-from nemo_rl.environments.math_verifier import extract_last_boxed, verify_math_answer
+from nemo_rl.environments.math_verifier import score_math_response
 from nemo_rl.environments.metrics import (
     assistant_text,
     batch_rewards,
@@ -42,7 +42,11 @@ class MathEnvironment(EnvironmentInterface[MathMetadata]):
     def __init__(self, cfg: MathEnvConfig | Mapping[str, Any]) -> None:
         self.cfg = cfg if isinstance(cfg, MathEnvConfig) else MathEnvConfig.model_validate(dict(cfg))
         self._pool = VerifierPool(
-            verify_math_answer, num_workers=self.cfg.num_workers, timeout_s=self.cfg.verify_timeout_s
+            score_math_response,
+            num_workers=self.cfg.num_workers,
+            timeout_s=self.cfg.verify_timeout_s,
+            memory_limit_mb=self.cfg.verify_memory_limit_mb,
+            max_response_chars=self.cfg.max_response_chars,
         )
 
     def step(
@@ -59,7 +63,8 @@ class MathEnvironment(EnvironmentInterface[MathMetadata]):
             )
         responses = [last_assistant_text(log) for log in message_log_batch]
         outcomes = self._pool.verify(responses, [str(m["ground_truth"]) for m in metadata])
-        answers = [extract_last_boxed(r) for r in responses]
+        # Extracted in the verifier processes, under their time and memory limits.
+        answers = [o.answer for o in outcomes]
         rewards = [o.score for o in outcomes]
         return EnvironmentReturn(
             observations=[

@@ -20,16 +20,24 @@ _LATEX_ONLY = [LatexExtractionConfig(boxed_match_priority=0)]
 
 
 def extract_last_boxed(text: str) -> str | None:
-    """Content of the last complete ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, braces balanced."""
-    for match in reversed(list(_BOXED.finditer(text))):
-        depth, start = 1, match.end()
-        for pos in range(start, len(text)):
-            if text[pos] == "{":
-                depth += 1
-            elif text[pos] == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[start:pos].strip()
+    """Content of the last complete ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, braces balanced.
+
+    One pass pairs every brace with its match, so a response full of unclosed boxes costs linear time.
+    """
+    matches = list(_BOXED.finditer(text))
+    if not matches:
+        return None
+    closing: dict[int, int] = {}
+    open_positions: list[int] = []
+    for pos, char in enumerate(text):
+        if char == "{":
+            open_positions.append(pos)
+        elif char == "}" and open_positions:
+            closing[open_positions.pop()] = pos
+    for match in reversed(matches):
+        end = closing.get(match.end() - 1)
+        if end is not None:
+            return text[match.end() : end].strip()
         # Unbalanced (cut off by the length limit): try an earlier box.
     return None
 
@@ -48,6 +56,9 @@ def verify_math_answer(response: str, ground_truth: str) -> float:
     if answer is None:
         return 0.0
     gold_answer = extract_last_boxed(ground_truth) or ground_truth.strip()
+    if not answer or not gold_answer:
+        # An empty ground truth matches nothing (not even an empty box).
+        return 0.0
     if _normalise(answer) == _normalise(gold_answer):
         return 1.0
     gold = parse(f"\\boxed{{{gold_answer}}}", extraction_config=_LATEX_ONLY, parsing_timeout=None)
@@ -55,3 +66,9 @@ def verify_math_answer(response: str, ground_truth: str) -> float:
     if not gold or not predicted:
         return 0.0
     return 1.0 if verify(gold, predicted, timeout_seconds=None) else 0.0
+
+
+def score_math_response(response: str, ground_truth: str) -> tuple[float, str | None]:
+    """:func:`verify_math_answer` and the extracted answer, both computed in the verifier process (so both
+    are under its time and memory limits)."""
+    return verify_math_answer(response, ground_truth), extract_last_boxed(response)

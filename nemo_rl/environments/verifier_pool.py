@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
+import resource
 import signal
 import time
 from collections import deque
@@ -24,8 +25,9 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-VerifyFn = Callable[[str, str], float]
-"""``verify(response, ground_truth) -> score``; must be a module-level function (it is pickled by name)."""
+VerifyFn = Callable[[str, str], float | tuple[float, str | None]]
+"""``verify(response, ground_truth) -> score`` or ``-> (score, extracted answer)``; must be a module-level
+function (it is pickled by name)."""
 
 WORKER_STARTUP_TIMEOUT_S = 300.0
 """Longest a verifier process may take to start (import its libraries) before the pool gives up."""
@@ -46,11 +48,19 @@ class VerifyOutcome:
     error: str | None = None
     """Why the verifier failed (exception text, or a crashed process), if it did."""
 
+    answer: str | None = None
+    """The answer the verifier extracted, when it returns one."""
 
-def _worker_main(conn: Connection, verify_fn: VerifyFn) -> None:
-    """Loop of one verifier process: receive (index, response, ground truth), send (index, score, error)."""
+
+def _worker_main(conn: Connection, verify_fn: VerifyFn, memory_limit_bytes: int | None) -> None:
+    """Loop of one verifier process: receive (index, response, ground truth), send (index, score, error,
+    answer)."""
     # The parent handles Ctrl-C and kills us; a KeyboardInterrupt traceback per worker is only noise.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if memory_limit_bytes is not None:
+        # An answer that makes the verifier allocate without bound gets a MemoryError (scored 0), not the
+        # whole machine: the limit is on this process's address space.
+        resource.setrlimit(resource.RLIMIT_AS, (memory_limit_bytes, memory_limit_bytes))
     # ``verify_fn``'s module (and its heavy imports) was loaded while unpickling the arguments: we are ready.
     conn.send(_READY)
     while True:
@@ -62,9 +72,11 @@ def _worker_main(conn: Connection, verify_fn: VerifyFn) -> None:
             return
         index, response, ground_truth = task
         try:
-            conn.send((index, float(verify_fn(response, ground_truth)), None))
+            result = verify_fn(response, ground_truth)
+            score, answer = result if isinstance(result, tuple) else (result, None)
+            conn.send((index, float(score), None, answer))
         except Exception as err:  # a verifier bug on one answer must not take the batch down
-            conn.send((index, 0.0, f"{type(err).__name__}: {err}"))
+            conn.send((index, 0.0, f"{type(err).__name__}: {err}", None))
 
 
 @dataclass
@@ -84,15 +96,29 @@ class VerifierPool:
         verify_fn: Module-level ``(response, ground_truth) -> score`` run in the worker processes.
         num_workers: Processes to keep alive.
         timeout_s: Time limit per answer; a slower answer scores 0 and its process is replaced.
+        memory_limit_mb: Address-space limit of each verifier process (``None``: none); an answer that
+            needs more scores 0.
+        max_response_chars: Responses longer than this are cut to their last ``max_response_chars``
+            characters (where a final answer is) before verifying (``None``: no cap).
     """
 
-    def __init__(self, verify_fn: VerifyFn, *, num_workers: int, timeout_s: float) -> None:
+    def __init__(
+        self,
+        verify_fn: VerifyFn,
+        *,
+        num_workers: int,
+        timeout_s: float,
+        memory_limit_mb: int | None = None,
+        max_response_chars: int | None = None,
+    ) -> None:
         if num_workers < 1:
             raise ValueError(f"a verifier pool needs at least one worker, got num_workers={num_workers}")
         if timeout_s <= 0:
             raise ValueError(f"the verification time limit must be positive, got {timeout_s}")
         self._verify_fn = verify_fn
         self._timeout_s = timeout_s
+        self._memory_limit_bytes = None if memory_limit_mb is None else memory_limit_mb * 2**20
+        self._max_response_chars = max_response_chars
         # forkserver, not fork: the parent may be a threaded Ray actor, and a child forked from it could
         # inherit locks held by other threads. The fork server is single-threaded and preloads the verifier's
         # module, so replacing a killed worker costs a fork, not a fresh interpreter importing sympy.
@@ -107,7 +133,10 @@ class VerifierPool:
     def _start_worker(self) -> _Worker:
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
         process = self._ctx.Process(
-            target=_worker_main, args=(child_conn, self._verify_fn), daemon=True, name="nemo-rl-verifier"
+            target=_worker_main,
+            args=(child_conn, self._verify_fn, self._memory_limit_bytes),
+            daemon=True,
+            name="nemo-rl-verifier",
         )
         process.start()
         child_conn.close()
@@ -125,6 +154,8 @@ class VerifierPool:
         """Score ``responses[i]`` against ``ground_truths[i]``; always returns within the per-answer limits."""
         if len(responses) != len(ground_truths):
             raise ValueError(f"{len(responses)} responses but {len(ground_truths)} ground truths")
+        if self._max_response_chars is not None:
+            responses = [r[-self._max_response_chars :] for r in responses]
         outcomes: list[VerifyOutcome | None] = [None] * len(responses)
         pending = deque(range(len(responses)))
         while pending or any(w.task is not None for w in self._workers):
@@ -187,8 +218,8 @@ class VerifierPool:
         if message == _READY:
             worker.ready = True
             return
-        index, score, error = message
-        outcomes[index] = VerifyOutcome(score=score, error=error)
+        index, score, error, answer = message
+        outcomes[index] = VerifyOutcome(score=score, error=error, answer=answer)
         worker.task = None
 
     def close(self) -> None:

@@ -12,11 +12,13 @@ knows the hub checkpoints whose saved class is wrong.
 from __future__ import annotations
 
 import functools
+import os
 import pathlib
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 from transformers.models.auto.tokenization_auto import get_tokenizer_config
 
+from nemo_rl.config.errors import UserError
 from nemo_rl.config.policy import PolicyConfig, TokenizerConfig
 
 DEFAULT_CHAT_TEMPLATE = (
@@ -63,10 +65,52 @@ def get_tokenizer(
 
 
 def get_policy_tokenizer(policy: PolicyConfig) -> PreTrainedTokenizerBase:
-    """The tokenizer of a ``policy`` section (:func:`get_tokenizer` with the policy's model and trust flag)."""
-    return get_tokenizer(
-        policy.tokenizer, model_name=policy.model_name, trust_remote_code=policy.trust_remote_code
-    )
+    """The tokenizer of a ``policy`` section (:func:`get_tokenizer` with the policy's model and trust flag).
+
+    Scripts call it before starting Ray, so it first checks that ``policy.model_name`` (and
+    ``policy.tokenizer.name``) can be loaded: see :func:`check_model_source`.
+    """
+    check_model_source(policy.model_name, "policy.model_name")
+    key, name = "policy.tokenizer.name", policy.tokenizer.name
+    if name is None:
+        key, name = "policy.model_name", policy.model_name
+    else:
+        check_model_source(name, key, need_config=False)
+    try:
+        return get_tokenizer(
+            policy.tokenizer, model_name=policy.model_name, trust_remote_code=policy.trust_remote_code
+        )
+    except (OSError, ValueError) as err:
+        # transformers' error says whether the hub could not be reached, the name is unknown or the folder
+        # lacks tokenizer files; its first line is enough.
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(
+            f"{key}={name}: the tokenizer cannot be loaded ({first_line}); give a local folder or a hub name "
+            "that this machine can download (or that is in the Hugging Face cache)"
+        ) from err
+
+
+def _looks_local(name: str) -> bool:
+    # Hub ids are "name" or "org/name"; anything else with a path shape is meant as a folder.
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or pathlib.Path(name).exists()
+
+
+def check_model_source(name: str, key: str, *, need_config: bool = True) -> None:
+    """Raise :class:`UserError` naming ``key`` when ``name`` is meant as a local folder (an absolute,
+    relative or home path, or an existing path) that does not exist, is not a readable folder, or (with
+    ``need_config``) has no ``config.json``. Hub names are left to the loader."""
+    if not _looks_local(name):
+        return
+    path = pathlib.Path(name).expanduser()
+    if not path.exists():
+        raise UserError(f"{key}={name} does not exist; give an existing model folder or a hub name")
+    if not path.is_dir() or not os.access(path, os.R_OK | os.X_OK):
+        raise UserError(f"{key}={name} is not a readable folder; give a Hugging Face model folder")
+    if need_config and not (path / "config.json").is_file():
+        raise UserError(
+            f"{key}={name} has no config.json, so it is not a Hugging Face model folder; point it at the "
+            "folder that holds config.json and the weights"
+        )
 
 
 def require_pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:

@@ -20,7 +20,7 @@ checkpoint to ``tmp_step_*`` before deleting it, so a crash mid-delete never lea
 the one before it.
 
 Objects registered with :meth:`CheckpointManager.track` (anything with ``state_dict`` / ``load_state_dict``)
-are saved into every checkpoint and put back by :meth:`CheckpointManager.restore_tracked`.
+are saved into every checkpoint and, in a resumed run, put back when they are registered.
 """
 
 from __future__ import annotations
@@ -107,35 +107,36 @@ class CheckpointManager:
         self.checkpoint_dir = Path(cfg.checkpoint_dir)
         self.resume_path: Path | None = None
         """The checkpoint this run resumed from (set by whoever resumes, e.g.
-        ``nemo_rl.algorithms.loop.find_resume``); :meth:`restore_tracked` reads it."""
+        ``nemo_rl.algorithms.loop.find_resume``); :meth:`track` restores objects from it."""
         self._tracked: dict[str, Checkpointable] = {}
+        self._resume_state: dict[str, Any] | None = None
 
     # ------------------------------------------------------------ run state
     def track(self, name: str, obj: Checkpointable) -> None:
-        """Save ``obj.state_dict()`` under ``name`` in every checkpoint; :meth:`restore_tracked` loads it back.
+        """Save ``obj.state_dict()`` under ``name`` in every checkpoint and, when this run resumed
+        (:attr:`resume_path` is set), put back the state that checkpoint holds for ``name`` now.
 
-        ``name`` must be unique (and stable across runs: it is the key in ``run_state.pt``).
+        ``name`` must be unique and stable across runs (it is the key in ``run_state.pt``). A checkpoint with
+        no state for ``name`` (saved before the object was tracked) leaves ``obj`` as it is, with a warning.
         """
-        if name in self._tracked and self._tracked[name] is not obj:
-            raise ValueError(f"another object is already tracked under the name {name!r}")
+        if name in self._tracked:
+            if self._tracked[name] is not obj:
+                raise ValueError(f"another object is already tracked under the name {name!r}")
+            return
         self._tracked[name] = obj
-
-    def restore_tracked(self, path: Path | str | None = None) -> list[str]:
-        """Load the tracked objects' states from checkpoint ``path`` (default :attr:`resume_path`; nothing
-        when neither is set). Returns the names that checkpoint has no state for (they keep their
-        current state), e.g. a checkpoint written before the object was tracked."""
-        path = self.resume_path if path is None else Path(path)
-        if path is None:
-            return []
-        state_path = Path(path) / RUN_STATE_FILE
-        saved: dict[str, Any] = torch.load(state_path, weights_only=True) if state_path.is_file() else {}
-        missing = []
-        for name, obj in self._tracked.items():
-            if name in saved:
-                obj.load_state_dict(saved[name])
-            else:
-                missing.append(name)
-        return missing
+        if self.resume_path is None:
+            return
+        if self._resume_state is None:
+            state_path = self.resume_path / RUN_STATE_FILE
+            self._resume_state = torch.load(state_path, weights_only=True) if state_path.is_file() else {}
+        if name in self._resume_state:
+            obj.load_state_dict(self._resume_state[name])
+        else:
+            print(
+                f"WARNING: {self.resume_path} holds no saved state for {name!r}; it starts afresh, so the "
+                "resumed run will not repeat the uninterrupted one exactly",
+                flush=True,
+            )
 
     # ---------------------------------------------------------------- saving
     def should_save(self, step: int) -> bool:

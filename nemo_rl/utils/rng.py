@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -21,7 +21,9 @@ import torch
 
 def get_rng_state() -> dict[str, Any]:
     """This process's RNG state: ``python``, ``numpy``, ``torch`` and, when CUDA is initialised, ``cuda``."""
-    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+    kind, keys, position, has_gauss, cached_gaussian = cast(
+        tuple[str, np.ndarray[Any, Any], int, int, float], np.random.get_state(legacy=True)
+    )
     state: dict[str, Any] = {
         "python": random.getstate(),
         "numpy": (str(kind), torch.from_numpy(keys.astype(np.int64)), position, has_gauss, cached_gaussian),

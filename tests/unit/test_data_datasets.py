@@ -13,9 +13,11 @@ from pydantic import ValidationError
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.config.data import DataConfig
+from nemo_rl.config.errors import UserError
 from nemo_rl.config.policy import TokenizerConfig
 from nemo_rl.data.datasets import (
     MalformedRowError,
+    check_prompt_lengths,
     load_dataset_splits,
     read_local_rows,
     setup_preference_data,
@@ -164,6 +166,12 @@ def test_val_fraction_split_is_seeded_and_disjoint(tmp_path: pathlib.Path) -> No
     ("dataset_name", "row", "expected"),
     [
         ("OpenMathInstruct-2", {"generated_solution": "x"}, "row 2 .* is missing 'problem'"),
+        ("OpenMathInstruct-2", {"problem": None, "expected_answer": "1"}, "row 2 .* has 'problem': null"),
+        (
+            "OpenMathInstruct-2",
+            {"problem": "x", "expected_answer": " "},
+            "row 2 .* an empty 'expected_answer'",
+        ),
         (
             "OpenMathInstruct-2",
             {"problem": "x"},
@@ -277,6 +285,18 @@ def test_setup_rl_and_sft_data(tokenizer: PreTrainedTokenizerBase, tmp_path: pat
     assert len(list(sft_train)) == 8 and len(sft_train[2:5]) == 3
     with pytest.raises(IndexError):
         sft_train[8]
+
+    # Prompts that leave no room for a response: a warning with the count, or an error when none fits.
+    longest = max(rl_train[i]["length"] for i in range(8))
+    shortest = min(rl_train[i]["length"] for i in range(8))
+    assert shortest < longest
+    assert 0 < check_prompt_lengths(rl_train, longest, "policy.max_total_sequence_length") < 8
+    with pytest.raises(
+        UserError, match=r"none of the first 8 training prompts .* data.max_input_seq_length=4"
+    ):
+        setup_rl_data(
+            cfg.model_copy(update={"max_input_seq_length": 4}), tokenizer, max_total_sequence_length=128
+        )
 
 
 def test_hub_sources_are_loaded_lazily_with_default_splits(monkeypatch: pytest.MonkeyPatch) -> None:

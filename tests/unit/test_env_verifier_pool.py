@@ -27,6 +27,8 @@ HANGING_ANSWER = "The answer is \\boxed{9^{9^{9^{9^{9}}}}}"
         ("\\fbox{7}", "7"),
         ("\\boxed{3} then cut off \\boxed{\\frac{1", "3"),
         ("no box at all: 42", None),
+        ("\\boxed{2} } \\boxed{5", "2"),
+        ("\\boxed{" * 20_000 + "\\boxed{1}", "1"),  # many unclosed boxes: linear time
     ],
 )
 def test_extract_last_boxed(text: str, expected: str | None) -> None:
@@ -42,6 +44,8 @@ def test_extract_last_boxed(text: str, expected: str | None) -> None:
         ("The answer is 4.", "4", 0.0),  # no boxed answer
         ("\\boxed{4} wait, \\boxed{5}", "4", 0.0),  # the last box counts
         ("\\boxed{ 12 }", "Adding up, we get \\boxed{12}.", 1.0),  # ground truth given as a solution
+        ("\\boxed{}", "", 0.0),  # an empty ground truth matches nothing
+        ("\\boxed{}", " ", 0.0),
     ],
 )
 def test_verify_math_answer(response: str, ground_truth: str, score: float) -> None:
@@ -56,6 +60,12 @@ def crashing_verify(response: str, ground_truth: str) -> float:
     if response == "crash":
         os._exit(3)  # a verifier that dies hard (segfault, OOM kill)
     return float(response == ground_truth)
+
+
+def hungry_verify(response: str, ground_truth: str) -> tuple[float, str]:
+    if response == "hog":
+        bytearray(2**30)  # an answer whose check allocates without bound
+    return float(response == ground_truth), response.upper()
 
 
 def test_pool_times_out_a_hanging_answer_and_keeps_working() -> None:
@@ -85,6 +95,13 @@ def test_pool_survives_exceptions_and_crashing_processes() -> None:
         assert [o.score for o in outcomes] == [1.0, 0.0, 1.0, 0.0, 0.0]
         assert outcomes[1].error is not None and "died" in outcomes[1].error
         assert pool.num_restarts == 2
+    # A memory limit per process, responses cut to their tail, and the extracted answer sent back.
+    with VerifierPool(
+        hungry_verify, num_workers=1, timeout_s=30.0, memory_limit_mb=256, max_response_chars=4
+    ) as pool:
+        hog, tail = pool.verify(["hog", "abcdefgh"], ["hog", "efgh"])
+        assert hog.score == 0.0 and hog.error is not None and "MemoryError" in hog.error
+        assert (tail.score, tail.answer) == (1.0, "EFGH") and pool.num_restarts == 0
 
 
 def test_pool_rejects_bad_arguments() -> None:

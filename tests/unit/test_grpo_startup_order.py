@@ -46,14 +46,15 @@ def test_generation_starts_first_and_sleeps_when_colocated(
     )
     config = GRPOMasterConfig.model_validate(
         {
-            "grpo": {"num_prompts_per_step": 1, "num_generations_per_prompt": 1},
+            "grpo": {"num_prompts_per_step": 1, "num_generations_per_prompt": 2},
             "policy": {
                 "model_name": "m",
-                "train_global_batch_size": 1,
+                "train_global_batch_size": 2,
                 "train_micro_batch_size": 1,
                 "generation": {"colocated": placement},
             },
             "checkpointing": {"enabled": False, "checkpoint_dir": str(tmp_path / "ckpt")},
+            "logger": {"log_dir": str(tmp_path / "logs")},
             "cluster": {"gpus_per_node": 2},
         }
     )

@@ -136,14 +136,56 @@ def setup_rl_data(
     cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, *, max_total_sequence_length: int
 ) -> tuple[ProcessedDataset, ProcessedDataset | None]:
     """Math prompts for RL, cut at ``data.max_input_seq_length`` (or the policy's ``max_total_sequence_length``
-    when unset); their task (the environment scoring them) is ``data.env_name``, by default ``"math"``."""
-    return setup_data(
+    when unset); their task (the environment scoring them) is ``data.env_name``, by default ``"math"``.
+
+    The first :data:`PROMPT_CHECK_SAMPLES` training prompts are read now, so bad rows and prompts too long
+    to leave room for a response fail here, before any worker starts (see :func:`check_prompt_lengths`).
+    """
+    train, val = setup_data(
         cfg,
         tokenizer,
         processor=math_processor,
         task_name=cfg.env_name or "math",
         max_seq_length=cfg.max_input_seq_length or max_total_sequence_length,
     )
+    limit_key = (
+        f"data.max_input_seq_length={cfg.max_input_seq_length}"
+        if cfg.max_input_seq_length
+        else f"policy.max_total_sequence_length={max_total_sequence_length}"
+    )
+    check_prompt_lengths(train, max_total_sequence_length, limit_key)
+    return train, val
+
+
+PROMPT_CHECK_SAMPLES = 1000
+"""How many training prompts :func:`setup_rl_data` reads at start-up to check them."""
+
+
+def check_prompt_lengths(dataset: ProcessedDataset, max_total_sequence_length: int, limit_key: str) -> int:
+    """Count the prompts among the first :data:`PROMPT_CHECK_SAMPLES` of ``dataset`` that leave no room for
+    a response (cut for length, or as long as ``max_total_sequence_length``); returns the count.
+
+    None fitting raises :class:`UserError` naming ``limit_key``; some not fitting prints a warning with the
+    count (they are generated for but never trained on).
+    """
+    num_checked = min(len(dataset), PROMPT_CHECK_SAMPLES)
+    num_too_long = 0
+    for i in range(num_checked):
+        sample = dataset[i]
+        if sample["loss_multiplier"] == 0 or sample["length"] >= max_total_sequence_length:
+            num_too_long += 1
+    if num_checked and num_too_long == num_checked:
+        raise UserError(
+            f"none of the first {num_checked} training prompts leaves room for a response within {limit_key}; "
+            "raise it"
+        )
+    if num_too_long:
+        print(
+            f"WARNING: {num_too_long} of the first {num_checked} training prompts leave no room for a response "
+            f"within {limit_key}; they are cut and never trained on",
+            flush=True,
+        )
+    return num_too_long
 
 
 def setup_sft_data(

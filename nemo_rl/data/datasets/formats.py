@@ -41,11 +41,15 @@ class _RowReader:
 
     def text(self, key: str) -> str:
         """Field ``key`` as a string; numbers are accepted (answers are often stored as numbers)."""
-        if key not in self.row or self.row[key] is None:
+        if key not in self.row:
             self.fail(f"is missing {key!r} (it has {sorted(self.row)})")
         value = self.row[key]
+        if value is None:
+            self.fail(f"has {key!r}: null")
         if isinstance(value, bool) or not isinstance(value, str | int | float):
             self.fail(f"has {key!r} of type {type(value).__name__}, expected a string")
+        if not str(value).strip():
+            self.fail(f"has an empty {key!r}")
         return str(value)
 
 

@@ -36,7 +36,7 @@ Ray actors with a ``refit_receive(receiver) -> TransferStats`` method (the gener
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NotRequired, Protocol, TypedDict, runtime_checkable
 
 import torch
@@ -137,6 +137,14 @@ class GenerationInterface(Protocol):
 
     def shutdown(self) -> None:
         """Stop the workers and release their bundles."""
+        ...
+
+    def state_dict(self) -> Mapping[str, Any]:
+        """What a checkpoint must hold for a resumed run to sample as the uninterrupted one (the seed position)."""
+        ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Put back a :meth:`state_dict`."""
         ...
 
     # --- refit, receiver side ---------------------------------------------------------------------------

@@ -9,7 +9,6 @@ replicas by prompt length and gathered back in input order, the colocation hooks
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -79,7 +78,8 @@ class ReplicatedGeneration(WorkerGroupFacade):
         self.cfg = cfg
         self.pad_token_id = pad_token_id
         self._seed = seed
-        self._calls = itertools.count()
+        self.num_generate_calls = 0
+        """Calls of :meth:`generate` so far (saved with checkpoints: see :meth:`state_dict`)."""
         self._node_ids = [cluster.bundle_locations()[b].node_id for b in bundles]
         super().__init__(
             cluster,
@@ -100,13 +100,22 @@ class ReplicatedGeneration(WorkerGroupFacade):
     def generate(self, data: BatchedDataDict[Any], greedy: bool = False) -> BatchedDataDict[Any]:
         """Sample a response per row; see :class:`~nemo_rl.models.generation.interfaces.GenerationInterface`."""
         check_generation_input(data)
-        seed = self._seed * 1_000_003 + next(self._calls)
+        seed = self._seed * 1_000_003 + self.num_generate_calls
+        self.num_generate_calls += 1
         indices = data.shard_indices(self.dp_size, allow_uneven_shards=True, balance_by_length_key=LENGTH_KEY)
         shards = [data.select_indices(rows) for rows in indices]
         # Every rank of a replica gets its shard: model-parallel ranks run the same requests in lockstep.
         refs = self.worker_group.run_all_workers_sharded_data("generate", shards, greedy, seed)
         results = self.worker_group.get_dp_leader_results(refs, self.call_timeout_s)
         return BatchedDataDict.from_shards(results, indices, pad_value_dict={"output_ids": self.pad_token_id})
+
+    def state_dict(self) -> dict[str, int]:
+        """The sampling seed's position: a resumed run that loads it samples what the uninterrupted run would."""
+        return {"num_generate_calls": self.num_generate_calls}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Continue the per-call seeds from a :meth:`state_dict`."""
+        self.num_generate_calls = int(state["num_generate_calls"])
 
     def prepare_for_generation(self) -> None:
         """Weights (and whatever cache memory the backend freed) back onto the devices."""

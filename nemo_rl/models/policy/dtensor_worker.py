@@ -70,12 +70,15 @@ from nemo_rl.models.policy.worker_batches import (
     step_batches,
 )
 from nemo_rl.models.sampling import sampling_logits
+from nemo_rl.utils.rng import get_rng_state, set_rng_state
 from nemo_rl.weight_sync.interfaces import TransferStats, WeightSender
 from nemo_rl.weight_sync.manifest import dtype_name
 
 logger = logging.getLogger(__name__)
 
 SCHEDULER_STATE_FILE = "scheduler.pt"
+RNG_STATE_FILE = "rng_rank{rank}.pt"
+"""Each rank's RNG state (torch, numpy, python) in the optimizer folder, so a resumed run continues it."""
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -316,9 +319,10 @@ class DTensorPolicyWorker:
                 log.add_update(grad_norm, float(self.optimizer.param_groups[0]["lr"]))
                 if math.isfinite(grad_norm):
                     self.optimizer.step()
+                    # A skipped step leaves the schedule where it was, as it leaves the weights.
+                    self.scheduler.step()
                 else:
                     logger.warning("skipping the optimizer step: the gradient norm is %s", grad_norm)
-                self.scheduler.step()
             else:
                 reshard_all(self.model)
             log.end_step(step, step_loss, mb_metrics, self.dp_group, self.device)
@@ -365,6 +369,7 @@ class DTensorPolicyWorker:
             dcp.save({"optim": optim_state}, checkpoint_id=optimizer_path)
             if self.rank == 0:
                 torch.save(self.scheduler.state_dict(), os.path.join(optimizer_path, SCHEDULER_STATE_FILE))
+            torch.save(get_rng_state(), os.path.join(optimizer_path, RNG_STATE_FILE.format(rank=self.rank)))
         dist.barrier()
 
     def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
@@ -379,6 +384,10 @@ class DTensorPolicyWorker:
             set_optimizer_state_dict(self.model, self.optimizer, optim_state["optim"])
             scheduler_file = os.path.join(optimizer_path, SCHEDULER_STATE_FILE)
             self.scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+            # Absent from checkpoints of another layout (or older ones): the RNG then continues as seeded.
+            rng_file = os.path.join(optimizer_path, RNG_STATE_FILE.format(rank=self.rank))
+            if os.path.isfile(rng_file):
+                set_rng_state(torch.load(rng_file, weights_only=True))
         dist.barrier()
 
     def export_hf(self, path: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,6 +23,12 @@ from nemo_rl.distributed.worker_groups import WorkerGroupFacade
 from nemo_rl.models.policy.dtensor_worker import DTensorPolicyWorker
 from nemo_rl.models.policy.interfaces import TrainResult
 from nemo_rl.models.policy.loss_interface import LossFunction
+
+
+class NonFiniteTrainingError(UserError):
+    """Training stopped after ``policy.max_nonfinite_steps`` optimizer steps in a row with a non-finite loss
+    or gradient norm (shown as a one-line message: a learning rate or data problem the user can fix)."""
+
 
 # How long one collective call on the workers may take before the driver reports the workers still running
 # instead of waiting forever (loading or training a large model legitimately takes hours, a hang forever).
@@ -48,6 +55,26 @@ def _worker_backend(cfg: PolicyConfig) -> tuple[type, int]:
     return worker_cls, megatron.tensor_model_parallel_size * megatron.pipeline_model_parallel_size
 
 
+def check_policy_layout(cfg: PolicyConfig, world_size: int) -> int:
+    """The policy's data-parallel size on ``world_size`` workers; raises :class:`UserError` when the workers
+    do not divide into its model-parallel groups or ``policy.train_global_batch_size`` does not divide over
+    the data-parallel ranks. Cheap and Ray-free, so setups call it before starting anything."""
+    _, model_parallel_size = _worker_backend(cfg)
+    if world_size % model_parallel_size != 0:
+        raise UserError(
+            f"the policy runs on {world_size} workers, which is not a multiple of its model-parallel size "
+            f"({model_parallel_size}); change cluster.gpus_per_node / num_nodes or the parallel sizes"
+        )
+    dp_size = world_size // model_parallel_size
+    if cfg.train_global_batch_size % dp_size != 0:
+        raise UserError(
+            f"policy.train_global_batch_size={cfg.train_global_batch_size} does not divide over the policy's "
+            f"{dp_size} data-parallel ranks ({world_size} workers / model-parallel size {model_parallel_size}); "
+            "make it a multiple"
+        )
+    return dp_size
+
+
 class Policy(WorkerGroupFacade):
     """A policy model sharded over ``cluster``'s bundles (or ``bundle_indices`` of them)."""
 
@@ -70,12 +97,12 @@ class Policy(WorkerGroupFacade):
         """
         worker_cls, model_parallel_size = _worker_backend(cfg)
         world_size = cluster.world_size if bundle_indices is None else len(bundle_indices)
-        if world_size % model_parallel_size != 0:
-            raise ValueError(
-                f"the policy runs on {world_size} workers, which is not a multiple of its model-parallel size "
-                f"({model_parallel_size}); change cluster.gpus_per_node / num_nodes or the parallel sizes"
-            )
+        check_policy_layout(cfg, world_size)
         self.cfg = cfg
+        self.num_nonfinite_steps = 0
+        """Optimizer steps of this run skipped for a non-finite loss or gradient norm."""
+        self.nonfinite_steps_in_a_row = 0
+        """Of those, how many came last in a row (see ``policy.max_nonfinite_steps``)."""
         super().__init__(
             cluster,
             worker_cls,
@@ -152,7 +179,31 @@ class Policy(WorkerGroupFacade):
         )
         # The workers all-reduce losses and metrics over dp, so every leader returns the same result.
         result: TrainResult = self.worker_group.get_dp_leader_results(refs, self.call_timeout_s)[0]
+        if not eval_mode:
+            self._count_nonfinite_steps(result)
         return result
+
+    def _count_nonfinite_steps(self, result: TrainResult) -> None:
+        """Count optimizer steps with a non-finite loss or gradient norm (the workers skipped their
+        updates); stop after ``policy.max_nonfinite_steps`` of them in a row."""
+        losses = result["loss"].reshape(-1).tolist()
+        grad_norms = (
+            result["grad_norm"].reshape(-1).tolist() if "grad_norm" in result else [0.0] * len(losses)
+        )
+        for loss, grad_norm in zip(losses, grad_norms, strict=True):
+            if math.isfinite(loss) and math.isfinite(grad_norm):
+                self.nonfinite_steps_in_a_row = 0
+                continue
+            self.num_nonfinite_steps += 1
+            self.nonfinite_steps_in_a_row += 1
+            limit = self.cfg.max_nonfinite_steps
+            if limit and self.nonfinite_steps_in_a_row >= limit:
+                raise NonFiniteTrainingError(
+                    f"stopping: {self.nonfinite_steps_in_a_row} optimizer steps in a row had a non-finite loss "
+                    f"or gradient norm (loss {loss}, grad norm {grad_norm}) and were skipped; the last "
+                    "checkpoint is intact: lower the learning rate or check the data, then rerun to resume "
+                    "(policy.max_nonfinite_steps sets how many are tolerated)"
+                )
 
     def save_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
         """Save sharded weights (and optimizer + scheduler state) with torch.distributed.checkpoint."""

@@ -372,9 +372,10 @@ class MegatronPolicyWorker:
                 with cpu_compat.device_redirect():
                     stepped = setup.optimizer_step(self.optimizer, self.cfg.megatron_cfg.optimizer.clip_grad)
                 log.add_update(stepped.grad_norm, float(self.optimizer.param_groups[0]["lr"]))
-                if not stepped.stepped:
+                if stepped.stepped:
+                    self.scheduler.step(increment=1)
+                else:
                     logger.warning("skipping the optimizer step: the gradient norm is %s", stepped.grad_norm)
-                self.scheduler.step(increment=1)
                 self._release_cached_memory(level=2)
             log.end_step(step, step_loss, mb_metrics, self.dp_group, self.device)
         return log.result(eval_mode)

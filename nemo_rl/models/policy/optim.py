@@ -11,7 +11,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim.lr_scheduler import ConstantLR, LRScheduler, SequentialLR
 
-from nemo_rl.config.policy import OptimizerConfig, SchedulerEntry, SchedulerMilestones
+from nemo_rl.config.errors import UserError
+from nemo_rl.config.policy import OptimizerConfig, PolicyConfig, SchedulerEntry, SchedulerMilestones
 from nemo_rl.models.policy.parallelize import import_by_path
 
 
@@ -52,6 +53,25 @@ def build_scheduler(
     if len(schedulers) == 1:
         return schedulers[0]
     return SequentialLR(optimizer, schedulers=schedulers, milestones=milestones)
+
+
+def check_optimizer_config(cfg: PolicyConfig) -> None:
+    """Build ``policy.optimizer`` and ``policy.scheduler`` once on a dummy parameter, so a bad class name or
+    keyword argument (``lr=abc``, a misspelt key) fails in the driver before any worker starts, as a
+    :class:`UserError` naming the section. The Megatron backend builds its own optimizer and is not checked."""
+    if cfg.megatron_cfg.enabled or cfg.optimizer is None:
+        return
+    dummy = torch.nn.Parameter(torch.zeros(1))
+    try:
+        optimizer = build_optimizer([dummy], cfg.optimizer)
+    except (TypeError, ValueError, ImportError, AttributeError) as err:
+        raise UserError(
+            f"policy.optimizer ({cfg.optimizer.name} with kwargs {cfg.optimizer.kwargs}) cannot be built: {err}"
+        ) from None
+    try:
+        build_scheduler(optimizer, cfg.scheduler)
+    except (TypeError, ValueError, ImportError, AttributeError, KeyError) as err:
+        raise UserError(f"policy.scheduler cannot be built: {err}") from None
 
 
 def _shard_mesh_dims(tensor: DTensor) -> list[int]:

@@ -1,0 +1,112 @@
+"""Bad input is a one-line error that names the key, file or row, raised before Ray starts."""
+
+from __future__ import annotations
+
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+from nemo_rl.algorithms.loop import check_run_setup
+from nemo_rl.config.checkpointing import CheckpointingConfig
+from nemo_rl.config.errors import ConfigError, UserError
+from nemo_rl.config.master import GRPOMasterConfig
+from nemo_rl.config.policy import PolicyConfig
+from nemo_rl.config.validation import validate_dict
+from nemo_rl.models.tokenizer import get_policy_tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _policy(**overrides: object) -> PolicyConfig:
+    return PolicyConfig.model_validate(
+        {
+            "model_name": str(ROOT / "examples/assets/tiny_qwen2_init"),
+            "train_global_batch_size": 4,
+            **overrides,
+        }
+    )
+
+
+def _check(policy: PolicyConfig, tmp_path: Path, world: int = 2, **ckpt: object) -> None:
+    check_run_setup(
+        policy,
+        CheckpointingConfig(checkpoint_dir=str(tmp_path / "ckpt"), **ckpt),  # type: ignore[arg-type]
+        str(tmp_path / "logs"),
+        policy_world_size=world,
+        run_name="SFT",
+        metric_names={"val_loss"},
+    )
+
+
+def test_model_and_tokenizer_paths(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=r"policy.model_name=/nonexistent/model does not exist"):
+        get_policy_tokenizer(_policy(model_name="/nonexistent/model"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match=r"has no config.json"):
+        get_policy_tokenizer(_policy(model_name=str(tmp_path / "empty")))
+    with pytest.raises(UserError, match=r"policy.tokenizer.name=.*/no_tokenizer does not exist"):
+        get_policy_tokenizer(_policy(tokenizer={"name": str(tmp_path / "no_tokenizer")}))
+    # A folder with a config.json but no tokenizer files: the loader's error, as one line naming the key.
+    (tmp_path / "empty" / "config.json").write_text("{}")
+    with pytest.raises(UserError, match=r"policy.model_name=.*the tokenizer cannot be loaded") as err:
+        get_policy_tokenizer(_policy(model_name=str(tmp_path / "empty")))
+    assert "\n" not in str(err.value)
+
+
+def test_checks_before_ray(tmp_path: Path) -> None:
+    _check(_policy(), tmp_path)  # a good setup passes and creates the folders
+    assert (tmp_path / "ckpt").is_dir() and (tmp_path / "logs").is_dir()
+    with pytest.raises(UserError, match=r"policy.optimizer .* cannot be built"):
+        _check(_policy(optimizer={"kwargs": {"lr": "abc"}}), tmp_path)
+    with pytest.raises(UserError, match=r"policy.optimizer .* cannot be built: .*unexpected keyword"):
+        _check(_policy(optimizer={"kwargs": {"learning_rate": 1e-3}}), tmp_path)
+    with pytest.raises(UserError, match=r"policy.scheduler cannot be built"):
+        _check(
+            _policy(scheduler=[{"name": "torch.optim.lr_scheduler.LinearLR", "kwargs": {"bad": 1}}]), tmp_path
+        )
+    with pytest.raises(UserError, match=r"train_global_batch_size=4 does not divide over the policy's 3"):
+        _check(_policy(), tmp_path, world=3)
+    with pytest.raises(
+        UserError, match=r"metric_name='val_acc' is not recorded by SFT; use one of \['val_loss'\]"
+    ):
+        _check(_policy(), tmp_path, metric_name="val_acc")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(UserError, match=r"checkpointing.checkpoint_dir=.*a_file/ckpt cannot be written"):
+        check_run_setup(
+            _policy(),
+            CheckpointingConfig(checkpoint_dir=str(blocker / "ckpt")),
+            str(tmp_path / "logs"),
+            policy_world_size=1,
+            run_name="SFT",
+            metric_names=(),
+        )
+
+
+def test_grpo_needs_a_group_of_responses() -> None:
+    with pytest.raises(ConfigError, match=r"grpo.num_generations_per_prompt.*greater than or equal to 2"):
+        validate_dict(
+            {"policy": {"model_name": "m"}, "grpo": {"num_generations_per_prompt": 1}}, GRPOMasterConfig
+        )
+
+
+def test_script_exits_2_with_one_line_before_ray(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The example script as a user runs it (in this process: its imports are already loaded here).
+    argv = [
+        "run_sft.py",
+        "--config",
+        str(ROOT / "examples" / "configs" / "sft_tiny_math.yaml"),
+        "policy.model_name=/nonexistent/model",
+        f"logger.log_dir={tmp_path / 'logs'}",
+    ]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(ROOT / "examples" / "run_sft.py"), run_name="__main__")
+    assert exit_info.value.code == 2
+    stderr = capsys.readouterr().err
+    assert "policy.model_name=/nonexistent/model does not exist" in stderr
+    assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1, stderr
