@@ -9,9 +9,16 @@ bucket it held. So the writer packs bucket ``i + 1`` while the readers load buck
 The other policy ranks only take part in gathering the weights.
 
 Cleanup: every segment name starts with a prefix unique to the transport and the refit
-(:func:`segment_prefix`). The writer unlinks its segments in a ``finally`` block; when a worker dies the
-driver sweeps the refit's prefix on every node (:meth:`SharedMemoryTransport.cleanup`), and
-:meth:`SharedMemoryTransport.shutdown` sweeps the transport's prefix.
+(:func:`segment_prefix`) and names the writer's process id. The writer unlinks its segments in a ``finally``
+block; when a worker dies the driver sweeps the refit's prefix on every node
+(:meth:`SharedMemoryTransport.cleanup`), and :meth:`SharedMemoryTransport.shutdown` sweeps the transport's
+prefix. What a killed run left behind (its driver and workers gone) is swept when the next transport starts:
+segments of this user whose writer process no longer exists (:func:`sweep_dead_segments`).
+
+Size: a writer holds at most two bucket segments (``policy.refit.refit_buffer_size_mb`` each; only one when
+the weights fit in one bucket) plus one per tensor larger than a bucket, while it is read. Each segment's
+memory is reserved when it is created, so a ``/dev/shm`` too small for it fails then with a
+:class:`RefitError` naming ``/dev/shm``, not with a SIGBUS in the middle of a copy.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import shutil
 import tempfile
 import time
 import uuid
@@ -71,6 +79,35 @@ def segment_prefix(transport_uid: str, refit_id: str) -> str:
     return f"{SEGMENT_NAME_PREFIX}{transport_uid}_{refit_id}_"
 
 
+_WRITER_PID = re.compile(r"_p(\d+)_")
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def sweep_dead_segments() -> list[str]:
+    """Unlink this node's refit segments that belong to this user and whose writer process is gone (left by
+    a run that was killed); returns the names removed. Segments of live processes and of other users stay."""
+    removed = []
+    for path in SHM_DIR.glob(f"{SEGMENT_NAME_PREFIX}*"):
+        match = _WRITER_PID.search(path.name)
+        try:
+            owned = path.stat().st_uid == os.getuid()
+        except FileNotFoundError:
+            continue
+        if match is not None and owned and not _process_exists(int(match.group(1))):
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+    return removed
+
+
 def sweep_segments(prefix: str) -> list[str]:
     """Unlink every segment on this node whose name starts with ``prefix``; returns the names removed."""
     if not prefix.startswith(SEGMENT_NAME_PREFIX):
@@ -111,7 +148,17 @@ class Segment:
         path = SHM_DIR / name
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, nbytes)
+            try:
+                # Reserve the memory now: a sparse file on a full tmpfs would SIGBUS on first write.
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as err:
+                free = shutil.disk_usage(SHM_DIR).free
+                raise RefitError(
+                    f"{SHM_DIR} cannot hold a {nbytes / 2**20:.1f} MiB refit segment ({free / 2**20:.1f} MiB "
+                    f"free, {err.strerror}): give the container more shared memory (docker run --shm-size, a "
+                    "larger /dev/shm emptyDir on Kubernetes), lower policy.refit.refit_buffer_size_mb, or use "
+                    "the collective transport (policy.refit.transport=collective)"
+                ) from None
             mapping = mmap.mmap(fd, nbytes, flags=_MAP_FLAGS)
         except BaseException:
             os.unlink(path)
@@ -232,13 +279,13 @@ class _ShmWriter:
         if previous is not None:
             self._wait_consumed(previous)
         self.bucket_in_slot[slot] = index
+        # The writer's pid in every name lets a later run tell leftovers of a killed one (sweep_dead_segments).
+        name = f"{self.spec.segment_prefix}w{self.writer}_p{os.getpid()}_"
         if nbytes > self.capacity:
             # A tensor larger than a bucket gets a segment of its own, unlinked once it has been read.
-            segment = Segment.create(f"{self.spec.segment_prefix}w{self.writer}_b{index}", nbytes)
+            segment = Segment.create(f"{name}b{index}", nbytes)
         else:
-            segment = self.slots[slot] or Segment.create(
-                f"{self.spec.segment_prefix}w{self.writer}_slot{slot}", self.capacity
-            )
+            segment = self.slots[slot] or Segment.create(f"{name}slot{slot}", self.capacity)
             self.slots[slot] = segment
         self.segment_of[index] = segment
         return segment.tensor
@@ -363,8 +410,8 @@ def _missing_writers(
 
 
 @ray.remote(num_cpus=0)
-def _sweep_segments_task(prefix: str) -> list[str]:
-    return sweep_segments(prefix)
+def _sweep_segments_task(prefix: str | None) -> list[str]:
+    return sweep_segments(prefix) if prefix is not None else sweep_dead_segments()
 
 
 class SharedMemoryTransport:
@@ -417,6 +464,7 @@ class SharedMemoryTransport:
         self._timeout_s = timeout_s
         self._server = StoreServer(store_host, timeout_s)
         self._uid = uuid.uuid4().hex[:10]
+        self._sweep_everywhere(None)
 
     @staticmethod
     def supports(
@@ -501,8 +549,12 @@ class SharedMemoryTransport:
         """Sweep every segment this transport may have left on any node."""
         self._sweep_everywhere(f"{SEGMENT_NAME_PREFIX}{self._uid}_")
 
-    def _sweep_everywhere(self, prefix: str) -> None:
-        sweep_segments(prefix)
+    def _sweep_everywhere(self, prefix: str | None) -> None:
+        """Sweep ``prefix`` on every policy node (``None``: the segments of dead writers)."""
+        if prefix is None:
+            sweep_dead_segments()
+        else:
+            sweep_segments(prefix)
         if not ray.is_initialized():
             return
         here = ray.get_runtime_context().get_node_id()
