@@ -201,7 +201,7 @@ def setup(
         config.logger.log_dir,
         policy_world_size=len(_placement(config)[0]),
         run_name="GRPO",
-        metric_names={"val_accuracy", "validation/accuracy"},
+        metric_names={"val_accuracy", "validation/accuracy", "val:accuracy"},
     )
     train_tasks = dataset_task_names(train_dataset)
     val_tasks = dataset_task_names(val_dataset)

@@ -21,7 +21,13 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.algorithms.interfaces import LossFunction
-from nemo_rl.algorithms.loop import TrainLoop, find_resume, save_training_checkpoint, train_metrics
+from nemo_rl.algorithms.loop import (
+    TrainLoop,
+    check_run_setup,
+    find_resume,
+    save_training_checkpoint,
+    train_metrics,
+)
 from nemo_rl.config.algorithms import DPOConfig, RMConfig
 from nemo_rl.config.loader import save_config
 from nemo_rl.config.master import DPOMasterConfig, RMMasterConfig
@@ -96,8 +102,17 @@ def setup_preference_run(
 ) -> PreferenceRun:
     """Start Ray and the policy workers, build the loaders of preference pairs, and restore the latest
     checkpoint if any. ``keep_reference_model`` keeps the initial weights for reference log-probabilities."""
+    # Input checks that need no workers, before Ray starts.
+    check_run_setup(
+        config.policy,
+        config.checkpointing,
+        config.logger.log_dir,
+        policy_world_size=config.cluster.gpus_per_node * config.cluster.num_nodes,
+        run_name=name.upper(),
+        metric_names={"val_loss", "val:val_loss", "val:validation-default_loss"},
+    )
     checkpointer = CheckpointManager(config.checkpointing)
-    resume = find_resume(checkpointer, name.upper())
+    resume = find_resume(checkpointer, name.upper(), config)
     state = resume.state(PreferenceState)
     collate = make_preference_collate_fn(
         tokenizer, config.data.max_input_seq_length or config.policy.max_total_sequence_length

@@ -87,7 +87,7 @@ def setup(
         config.logger.log_dir,
         policy_world_size=config.cluster.gpus_per_node * config.cluster.num_nodes,
         run_name="SFT",
-        metric_names={"val_loss", "validation/val_loss"},
+        metric_names={"val_loss", "validation/val_loss", "val:val_loss"},
     )
     checkpointer = CheckpointManager(config.checkpointing)
     resume = find_resume(checkpointer, "SFT", config)
