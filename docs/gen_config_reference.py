@@ -1,6 +1,6 @@
 """Generate ``docs/config_reference.md`` from the typed config schema.
 
-Walks :class:`nemo_rl.config.master.GRPOMasterConfig` and :class:`nemo_rl.config.master.SFTMasterConfig`,
+Walks the master configs of the driver scripts (:data:`MASTERS`),
 section by section (nested config models become sub-sections), and writes one markdown table per section:
 key, type (with range constraints), default and the field's docstring. The schema is the only source of
 defaults, so this file is too; ``tests/unit/test_docs_config_reference.py`` fails when the committed
@@ -28,7 +28,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined, to_jsonable_python
 
 from nemo_rl.config.keys import format_type
-from nemo_rl.config.master import GRPOMasterConfig, SFTMasterConfig
+from nemo_rl.config.master import EvalMasterConfig, GRPOMasterConfig, SFTMasterConfig
 
 REFERENCE_PATH = Path(__file__).resolve().parent / "config_reference.md"
 """Where the generated reference is committed."""
@@ -39,6 +39,7 @@ REGENERATE_COMMAND = "uv run python docs/gen_config_reference.py"
 MASTERS: tuple[tuple[str, type[BaseModel]], ...] = (
     ("examples/run_grpo_math.py", GRPOMasterConfig),
     ("examples/run_sft.py", SFTMasterConfig),
+    ("examples/run_eval.py", EvalMasterConfig),
 )
 """Each driver script and the master config it validates its YAML against."""
 
@@ -167,18 +168,26 @@ def render_section(section: Section, heading: bool = True) -> str:
 
 
 def _top_level_sections() -> list[tuple[str, list[str], type[BaseModel]]]:
-    """``(key, scripts reading it, model)`` for every top-level section, in first-declared order."""
-    found: dict[str, tuple[list[str], type[BaseModel]]] = {}
+    """``(key, scripts reading it, model)`` for every top-level section schema, in first-declared order; a
+    key whose scripts read it with different schemas (``data`` of training and of evaluation) appears once
+    per schema."""
+    found: dict[tuple[str, type[BaseModel]], list[str]] = {}
     for script, master in MASTERS:
         for name, field in master.model_fields.items():
             (model,) = [m for m in _union_members(field.annotation) if _is_model(m)]
-            if name in found:
-                if found[name][1] is not model:
-                    raise TypeError(f"section {name!r} has different schemas in different master configs")
-                found[name][0].append(script)
-            else:
-                found[name] = ([script], model)
-    return [(name, scripts, model) for name, (scripts, model) in found.items()]
+            found.setdefault((name, model), []).append(script)
+    return [(name, scripts, model) for (name, model), scripts in found.items()]
+
+
+def _anchors(names: list[str]) -> list[str]:
+    """Markdown heading anchors of ``names`` in order: a repeated heading gets ``-1``, ``-2``..."""
+    seen: dict[str, int] = {}
+    anchors = []
+    for name in names:
+        count = seen.get(name, 0)
+        anchors.append(name if count == 0 else f"{name}-{count}")
+        seen[name] = count + 1
+    return anchors
 
 
 def render() -> str:
@@ -202,9 +211,9 @@ def render() -> str:
         "| --- | --- | --- |",
     ]
     sections = _top_level_sections()
-    for name, scripts, model in sections:
+    for (name, scripts, model), anchor in zip(sections, _anchors([n for n, _, _ in sections]), strict=True):
         readers = ", ".join(f"`{s}`" for s in scripts)
-        out.append(f"| [`{name}`](#{name}) | {readers} | `{model.__module__}.{model.__name__}` |")
+        out.append(f"| [`{name}`](#{anchor}) | {readers} | `{model.__module__}.{model.__name__}` |")
     out.append("")
     for name, _, model in sections:
         out += [f"## {name}", ""]

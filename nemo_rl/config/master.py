@@ -13,10 +13,11 @@ from nemo_rl.config.cluster import ClusterConfig
 from nemo_rl.config.compat import DataPlaneConfig, RewardPenaltiesConfig
 from nemo_rl.config.data import PREFERENCE_DATASETS, DataConfig
 from nemo_rl.config.env import EnvConfig
+from nemo_rl.config.eval import EvalConfig, EvalDataConfig, EvalGenerationConfig
 from nemo_rl.config.logger import LoggerConfig
 from nemo_rl.config.loss import ClippedPGLossConfig
 from nemo_rl.config.no_effect import refusal
-from nemo_rl.config.policy import PolicyConfig
+from nemo_rl.config.policy import PolicyConfig, TokenizerConfig
 
 
 class SFTMasterConfig(ConfigModel):
@@ -178,4 +179,45 @@ class RMMasterConfig(ConfigModel):
     @model_validator(mode="after")
     def _check(self) -> RMMasterConfig:
         _check_preference_run("Reward-model training", self.policy, self.data, reward_model=True)
+        return self
+
+
+class EvalMasterConfig(ConfigModel):
+    """Everything ``examples/run_eval.py`` reads (NeMo RL's eval config layout)."""
+
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    """What is measured and where the results go."""
+
+    generation: EvalGenerationConfig = Field(default_factory=EvalGenerationConfig)
+    """The evaluated model, its generation backend and sampling settings."""
+
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    """Tokenizer and chat template; ``tokenizer.name: null`` uses the evaluated model's (for a training
+    checkpoint, the tokenizer and chat template its run was trained with)."""
+
+    data: EvalDataConfig = Field(default_factory=EvalDataConfig)
+    """The benchmark."""
+
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    """Environments that score responses."""
+
+    logger: LoggerConfig = Field(default_factory=LoggerConfig)
+    """Metric logging backends (the metrics are logged as ``eval/*`` at step 0)."""
+
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    """Worker slots (GPUs, or CPU slots without CUDA) and nodes for the generation workers."""
+
+    @model_validator(mode="after")
+    def _check(self) -> EvalMasterConfig:
+        if self.generation.temperature == 0.0 and self.eval.num_tests_per_prompt > 1:
+            raise ValueError(
+                f"generation.temperature=0 decodes greedily, so all eval.num_tests_per_prompt="
+                f"{self.eval.num_tests_per_prompt} responses would be the same: set a temperature > 0 to sample, "
+                "or eval.num_tests_per_prompt=1"
+            )
+        if not self.generation.colocated.enabled:
+            raise ValueError(
+                "evaluation runs generation only: generation.colocated.enabled=false has nothing to be apart "
+                "from; leave it true"
+            )
         return self

@@ -114,20 +114,43 @@ class TaskDataSpec:
     @classmethod
     def from_config(cls, cfg: DataConfig, *, task_name: str) -> TaskDataSpec:
         """The spec described by the ``data`` section, with ``prompt_file`` and ``system_prompt_file`` read."""
+        return cls.from_prompt_files(
+            task_name=task_name,
+            prompt_file=cfg.prompt_file,
+            system_prompt_file=cfg.system_prompt_file,
+            add_bos=cfg.add_bos,
+            add_eos=cfg.add_eos,
+            add_generation_prompt=cfg.add_generation_prompt,
+        )
+
+    @classmethod
+    def from_prompt_files(
+        cls,
+        *,
+        task_name: str,
+        prompt_file: str | None,
+        system_prompt_file: str | None,
+        add_bos: bool,
+        add_eos: bool = False,
+        add_generation_prompt: bool = True,
+    ) -> TaskDataSpec:
+        """A spec whose prompt template and system prompt are read from ``data.prompt_file`` and
+        ``data.system_prompt_file`` (``None``: none); ``add_eos`` and ``add_generation_prompt`` only matter
+        for training conversations."""
         prompt = None
-        if cfg.prompt_file is not None:
-            prompt = _read_text_file(cfg.prompt_file, key="data.prompt_file")
-            check_prompt_template(prompt, source=f"data.prompt_file={cfg.prompt_file}")
+        if prompt_file is not None:
+            prompt = _read_text_file(prompt_file, key="data.prompt_file")
+            check_prompt_template(prompt, source=f"data.prompt_file={prompt_file}")
         system_prompt = None
-        if cfg.system_prompt_file is not None:
-            system_prompt = _read_text_file(cfg.system_prompt_file, key="data.system_prompt_file")
+        if system_prompt_file is not None:
+            system_prompt = _read_text_file(system_prompt_file, key="data.system_prompt_file")
         return cls(
             task_name=task_name,
             prompt=prompt,
             system_prompt=system_prompt,
-            add_bos=cfg.add_bos,
-            add_eos=cfg.add_eos,
-            add_generation_prompt=cfg.add_generation_prompt,
+            add_bos=add_bos,
+            add_eos=add_eos,
+            add_generation_prompt=add_generation_prompt,
         )
 
     def apply_prompt(self, content: str) -> str:

@@ -65,6 +65,7 @@ class _SampleState:
     turns: int = 0
     generated_tokens: int = 0
     stop_strings: list[str] | None = None
+    answer: str | None = None
 
 
 def _env_step(
@@ -74,8 +75,9 @@ def _env_step(
     task_names: list[str],
     env_info: list[Any],
     timeout_s: float,
-) -> dict[int, tuple[float, bool, str | None, list[str] | None, Any]]:
-    """Step every environment on its active samples; returns per-sample (reward, terminated, obs, stops, info)."""
+) -> dict[int, tuple[float, bool, str | None, list[str] | None, Any, str | None]]:
+    """Step every environment on its active samples; returns per-sample (reward, terminated, obs, stops, info,
+    answer)."""
     by_task: dict[str, list[int]] = defaultdict(list)
     for i in active:
         by_task[task_names[i]].append(i)
@@ -86,7 +88,7 @@ def _env_step(
         task: task_to_env[task].step.remote([states[i].log for i in idx], [env_info[i] for i in idx])
         for task, idx in by_task.items()
     }
-    results: dict[int, tuple[float, bool, str | None, list[str] | None, Any]] = {}
+    results: dict[int, tuple[float, bool, str | None, list[str] | None, Any, str | None]] = {}
     for task, ref in futures.items():
         ret: EnvironmentReturn = ray.get(ref, timeout=timeout_s)
         for j, i in enumerate(by_task[task]):
@@ -97,6 +99,7 @@ def _env_step(
                 observation["content"] if observation else None,
                 ret.next_stop_strings[j],
                 ret.metadata[j],
+                ret.answers[j] if ret.answers is not None else None,
             )
     return results
 
@@ -129,7 +132,9 @@ def run_multi_turn_rollout(
 
     Returns:
         The input batch plus ``message_log`` (with the new turns), ``total_reward`` [B], ``truncated`` [B]
-        bool, ``num_turns`` [B], ``extra_env_info`` (as updated by the environments); and metrics.
+        bool, ``num_turns`` [B], ``generated_tokens`` [B] (summed over turns), ``extra_env_info`` (as updated
+        by the environments), ``answers`` (the answer the environment extracted from each sample's last
+        response, ``None`` where it gave none); and metrics.
     """
     pad_token_id = int(
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -176,8 +181,9 @@ def run_multi_turn_rollout(
             results = _env_step(task_to_env, states, active, task_names, env_info, env_timeout_s)
         for i in active:
             state = states[i]
-            reward, terminated, observation, stop_strings, info = results[i]
+            reward, terminated, observation, stop_strings, info, answer = results[i]
             state.reward += reward
+            state.answer = answer
             env_info[i] = info
             state.stop_strings = stop_strings
             out_of_turns = turn == max_rollout_turns - 1
@@ -202,6 +208,8 @@ def run_multi_turn_rollout(
     result["total_reward"] = torch.tensor([s.reward for s in states], dtype=torch.float32)
     result["truncated"] = torch.tensor([s.truncated for s in states], dtype=torch.bool)
     result["num_turns"] = torch.tensor([s.turns for s in states], dtype=torch.long)
+    result["generated_tokens"] = torch.tensor([s.generated_tokens for s in states], dtype=torch.long)
+    result["answers"] = [s.answer for s in states]
     metrics = {
         "mean_gen_tokens_per_sample": sum(s.generated_tokens for s in states) / batch_size,
         "truncation_rate": sum(s.truncated for s in states) / batch_size,

@@ -235,9 +235,9 @@ def test_malformed_row_names_its_index(
 def test_file_errors(tmp_path: pathlib.Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"missing\.jsonl"):
         read_local_rows(tmp_path / "missing.jsonl")
-    (tmp_path / "data.csv").write_text("a,b\n")
-    with pytest.raises(ValueError, match=r"unsupported data file type '\.csv'"):
-        read_local_rows(tmp_path / "data.csv")
+    (tmp_path / "data.txt").write_text("a,b\n")
+    with pytest.raises(ValueError, match=r"unsupported data file type '\.txt'"):
+        read_local_rows(tmp_path / "data.txt")
     (tmp_path / "broken.jsonl").write_text('{"problem": "x"}\n{oops\n')
     with pytest.raises(ValueError, match="line 2 is not valid JSON"):
         read_local_rows(tmp_path / "broken.jsonl")

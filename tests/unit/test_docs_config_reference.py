@@ -40,18 +40,18 @@ def _section_blocks(text: str, heading: str) -> list[str]:
 
 
 def test_reference_documents_every_schema_key() -> None:
-    # Guards the generator itself: every dotted key of both schemas is a row of its section's table.
+    # Guards the generator itself: every dotted key of every schema is a row of its section's table.
     from nemo_rl.config.keys import INDEX, NAME, schema_keys
-    from nemo_rl.config.master import GRPOMasterConfig, SFTMasterConfig
+    from nemo_rl.config.master import EvalMasterConfig, GRPOMasterConfig, SFTMasterConfig
 
     text = _load_generator().render()
-    for master in (GRPOMasterConfig, SFTMasterConfig):
+    for master in (GRPOMasterConfig, SFTMasterConfig, EvalMasterConfig):
         keys = {key.parts: key for key in schema_keys(master)}
         for parts, key in keys.items():
             if NAME in parts:
                 continue
             if len(parts) == 1:
-                assert f"| [`{parts[0]}`](#{parts[0]})" in text, f"top-level section {parts[0]} is missing"
+                assert f"| [`{parts[0]}`](#{parts[0]}" in text, f"top-level section {parts[0]} is missing"
                 continue
             parent = keys.get(parts[:-1])
             # Entries of a dict default (policy.optimizer.kwargs.lr) are values, not schema fields.

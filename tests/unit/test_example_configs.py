@@ -7,17 +7,31 @@ from pathlib import Path
 import pytest
 
 from nemo_rl.config.loader import load_and_validate
-from nemo_rl.config.master import DPOMasterConfig, GRPOMasterConfig, RMMasterConfig, SFTMasterConfig
+from nemo_rl.config.master import (
+    DPOMasterConfig,
+    EvalMasterConfig,
+    GRPOMasterConfig,
+    RMMasterConfig,
+    SFTMasterConfig,
+)
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "examples" / "configs"
 ALL_CONFIGS = sorted(p for p in CONFIG_DIR.rglob("*.yaml"))
 
 
-Master = type[SFTMasterConfig] | type[GRPOMasterConfig] | type[DPOMasterConfig] | type[RMMasterConfig]
+Master = (
+    type[SFTMasterConfig]
+    | type[GRPOMasterConfig]
+    | type[DPOMasterConfig]
+    | type[RMMasterConfig]
+    | type[EvalMasterConfig]
+)
 
 
 def _schema_for(path: Path) -> Master:
     name = path.name
+    if path.parent.name == "evals":
+        return EvalMasterConfig
     if name.startswith("grpo"):
         return GRPOMasterConfig
     if name.startswith("sft"):
@@ -45,7 +59,10 @@ def test_there_are_configs() -> None:
 @pytest.mark.parametrize("path", ALL_CONFIGS, ids=lambda p: str(p.relative_to(CONFIG_DIR)))
 def test_config_validates(path: Path) -> None:
     config = load_and_validate(path, _schema_for(path))
-    assert config.policy.model_name
+    model_name = (
+        config.generation.model_name if isinstance(config, EvalMasterConfig) else config.policy.model_name
+    )
+    assert model_name
 
 
 def test_public_grpo_recipe_defaults() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 import math
@@ -17,7 +18,7 @@ from nemo_rl.data.errors import DataError, MissingDataFileError
 from nemo_rl.data.interfaces import Record
 from nemo_rl.data.tiny import tiny_math_splits
 
-LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +117,8 @@ class DatasetSplits:
 
 
 def read_local_rows(path: str | pathlib.Path) -> list[dict[str, Any]]:
-    """Rows of a local ``.jsonl`` / ``.json`` (JSON Lines, or one JSON array) or ``.parquet`` file."""
+    """Rows of a local ``.jsonl`` / ``.json`` (JSON Lines, or one JSON array), ``.parquet`` or ``.csv`` (with a
+    header row; every value is a string) file."""
     file = pathlib.Path(path)
     if file.suffix not in LOCAL_SUFFIXES:
         raise DataError(f"{file}: unsupported data file type {file.suffix!r}; use one of {LOCAL_SUFFIXES}")
@@ -127,6 +129,9 @@ def read_local_rows(path: str | pathlib.Path) -> list[dict[str, Any]]:
 
         rows: list[dict[str, Any]] = pq.read_table(file).to_pylist()
         return rows
+    if file.suffix == ".csv":
+        with file.open(newline="", encoding="utf-8") as f:
+            return [dict(row) for row in csv.DictReader(f)]
     text = file.read_text(encoding="utf-8")
     if text.lstrip().startswith("["):
         try:
@@ -156,14 +161,15 @@ def load_hub_rows(name: str, split: str, subset: str | None = None) -> Sequence[
     return dataset
 
 
-def _is_local(path: str) -> bool:
+def is_local_source(path: str) -> bool:
+    """Whether ``path`` names a local file (it exists, or has a data file suffix) rather than a hub dataset."""
     return pathlib.Path(path).exists() or path.endswith(LOCAL_SUFFIXES)
 
 
 def _load_source(
     cfg: DataConfig, path_or_name: str, *, hub_split: str, hub_subset: str | None
 ) -> RecordDataset:
-    if _is_local(path_or_name):
+    if is_local_source(path_or_name):
         dataset = RecordDataset(
             read_local_rows(path_or_name), converter_for(cfg, source=path_or_name), path_or_name
         )

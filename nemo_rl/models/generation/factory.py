@@ -13,21 +13,31 @@ from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.models.generation.interfaces import GenerationInterface
 
 
-def check_backend_available(cfg: PolicyConfig, cluster_has_gpus: bool) -> None:
-    """Raise a :class:`UserError` naming the fix when the configured backend cannot run on this cluster."""
+def check_backend_available(
+    cfg: PolicyConfig,
+    cluster_has_gpus: bool,
+    *,
+    key_prefix: str = "policy.generation",
+    cpu_config: str = "examples/configs/grpo_math_tiny.yaml",
+) -> None:
+    """Raise a :class:`UserError` naming the fix when the configured backend cannot run on this cluster.
+
+    ``key_prefix`` is where the script's config holds the generation section and ``cpu_config`` the recipe
+    that runs on a CPU, both named in the message.
+    """
     backend = cfg.generation.backend
     if backend != "vllm":
         return
     if not cluster_has_gpus:
         raise UserError(
-            "policy.generation.backend=vllm needs CUDA GPUs, and this machine has none. Override "
-            "policy.generation.backend=embedded (the pure-torch engine, which runs on CPU and GPU), or run the "
-            "CPU recipe: --config examples/configs/grpo_math_tiny.yaml"
+            f"{key_prefix}.backend=vllm needs CUDA GPUs, and this machine has none. Override "
+            f"{key_prefix}.backend=embedded (the pure-torch engine, which runs on CPU and GPU), or run the "
+            f"CPU recipe: --config {cpu_config}"
         )
     if importlib.util.find_spec("vllm") is None:
         raise UserError(
-            "policy.generation.backend=vllm but vLLM is not installed; install the `vllm` extra "
-            "(uv sync --extra vllm) or run with policy.generation.backend=embedded"
+            f"{key_prefix}.backend=vllm but vLLM is not installed; install the `vllm` extra "
+            f"(uv sync --extra vllm) or run with {key_prefix}.backend=embedded"
         )
 
 
