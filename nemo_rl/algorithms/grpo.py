@@ -36,6 +36,8 @@ from nemo_rl.algorithms.loop import (
     train_metrics,
 )
 from nemo_rl.algorithms.loss_functions import ClippedPGLossFn
+from nemo_rl.algorithms.rewards import first_response_lengths, scale_rewards, shape_rewards
+from nemo_rl.config.algorithms import GRPOConfig
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.loader import save_config
 from nemo_rl.config.master import GRPOMasterConfig
@@ -398,6 +400,16 @@ def save_checkpoint(s: GRPOSetup) -> Path:
     )
 
 
+def transformed_rewards(rollout: BatchedDataDict[Any], cfg: GRPOConfig) -> torch.Tensor:
+    """The rollout's rewards after ``grpo.reward_scaling`` then ``grpo.reward_shaping`` (the environments'
+    own metrics keep the raw rewards)."""
+    rewards_B = scale_rewards(rollout["total_reward"], cfg.reward_scaling)
+    if not cfg.reward_shaping.enabled:
+        return rewards_B
+    lengths_B = first_response_lengths(rollout["message_log"])
+    return shape_rewards(rewards_B, lengths_B, rollout["truncated"], cfg.reward_shaping)
+
+
 def grpo_step(s: GRPOSetup, batch: BatchedDataDict[Any], timer: Timer) -> dict[str, float]:
     """One GRPO step on a batch of prompts; returns its ``train/`` metrics."""
     cfg = s.config
@@ -418,6 +430,7 @@ def grpo_step(s: GRPOSetup, batch: BatchedDataDict[Any], timer: Timer) -> dict[s
     )
     s.generation.finish_generation()
     rollout_metrics.update(environment_metrics(s.task_to_env, rollout))
+    rollout["total_reward"] = transformed_rewards(rollout, cfg.grpo)
 
     advantages_B = compute_advantages(
         rollout["total_reward"],

@@ -7,12 +7,7 @@ from typing import Literal, Self
 from pydantic import Field, model_validator
 
 from nemo_rl.config.base import ConfigModel
-from nemo_rl.config.compat import (
-    AdvantageEstimatorConfig,
-    AsyncGRPOConfig,
-    RewardScalingConfig,
-    RewardShapingConfig,
-)
+from nemo_rl.config.compat import AdvantageEstimatorConfig, AsyncGRPOConfig
 from nemo_rl.config.loss import DPOLossConfig
 
 
@@ -53,6 +48,70 @@ class SFTConfig(ConfigModel):
     export_dir: str | None = None
     """Where the final weights are exported as a Hugging Face folder (safetensors, config, tokenizer);
     ``None`` uses ``<checkpointing.checkpoint_dir>/hf_final``."""
+
+
+class RewardShapingConfig(ConfigModel):
+    """DAPO's overlong reward shaping (NeMo RL's ``grpo.reward_shaping``), applied to each response's reward
+    before advantages.
+
+    With ``stop_properly_penalty_coef`` set, the reward of a truncated response is multiplied by it. Otherwise
+    a response longer than ``max_response_length - overlong_buffer_length`` tokens (its first assistant
+    turn) loses ``overlong_buffer_penalty`` per ``overlong_buffer_length`` tokens beyond that."""
+
+    enabled: bool = False
+    """Shape rewards."""
+
+    overlong_buffer_length: int = Field(default=128, ge=1)
+    """Tokens before ``max_response_length`` over which the penalty ramps up to ``overlong_buffer_penalty``."""
+
+    overlong_buffer_penalty: float = Field(default=1.0, ge=0.0)
+    """Penalty reached at ``max_response_length`` tokens."""
+
+    max_response_length: int | None = Field(default=None, ge=1)
+    """Response length of the full penalty (NeMo RL's recipes use ``policy.max_total_sequence_length``);
+    needed when ``enabled`` unless ``stop_properly_penalty_coef`` is set."""
+
+    stop_properly_penalty_coef: float | None = Field(default=None, ge=0.0, le=1.0)
+    """Factor on the reward of truncated responses instead of the length penalty; ``None`` uses the length
+    penalty."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.enabled and self.stop_properly_penalty_coef is None and self.max_response_length is None:
+            raise ValueError(
+                "grpo.reward_shaping.enabled=true needs grpo.reward_shaping.max_response_length (or "
+                "stop_properly_penalty_coef)"
+            )
+        return self
+
+
+class RewardScalingConfig(ConfigModel):
+    """Linear reward scaling (NeMo RL's ``grpo.reward_scaling``): rewards are clamped to
+    [``source_min``, ``source_max``] and mapped onto [``target_min``, ``target_max``] before reward shaping
+    and advantages."""
+
+    enabled: bool = False
+    """Scale rewards."""
+
+    source_min: float = 0.0
+    """Reward mapped to ``target_min`` (lower rewards are clamped to it)."""
+
+    source_max: float = 1.0
+    """Reward mapped to ``target_max`` (higher rewards are clamped to it)."""
+
+    target_min: float = 0.0
+    """Lower end of the scaled range."""
+
+    target_max: float = 1.0
+    """Upper end of the scaled range."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.source_max <= self.source_min:
+            raise ValueError(
+                f"grpo.reward_scaling.source_max={self.source_max} must exceed source_min={self.source_min}"
+            )
+        return self
 
 
 class GRPOConfig(ConfigModel):
@@ -114,10 +173,10 @@ class GRPOConfig(ConfigModel):
     here: must be 1."""
 
     reward_shaping: RewardShapingConfig = Field(default_factory=RewardShapingConfig)
-    """DAPO's overlong reward shaping (not built here; ``enabled`` must be false)."""
+    """DAPO's overlong reward shaping, applied after ``reward_scaling``."""
 
     reward_scaling: RewardScalingConfig = Field(default_factory=RewardScalingConfig)
-    """Linear reward scaling (not built here; ``enabled`` must be false)."""
+    """Linear reward scaling, applied before ``reward_shaping`` and advantages."""
 
     async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)
     """Asynchronous GRPO (not built here; ``enabled`` must be false)."""

@@ -90,42 +90,6 @@ class LoraConfig(_Switchable):
     """Triton LoRA kernels (unused while ``enabled`` is false)."""
 
 
-class RewardShapingConfig(_Switchable):
-    """NeMo RL's ``grpo.reward_shaping`` (DAPO's overlong penalty); not built here."""
-
-    KEY: ClassVar[str] = "grpo.reward_shaping"
-
-    overlong_buffer_length: int = 128
-    """Tokens before ``max_response_length`` where the penalty ramps up (unused while ``enabled`` is false)."""
-
-    overlong_buffer_penalty: float = 1.0
-    """Largest penalty (unused while ``enabled`` is false)."""
-
-    max_response_length: int | None = None
-    """Response length the penalty counts from (unused while ``enabled`` is false)."""
-
-    stop_properly_penalty_coef: float | None = None
-    """Penalty factor of responses that did not stop (unused while ``enabled`` is false)."""
-
-
-class RewardScalingConfig(_Switchable):
-    """NeMo RL's ``grpo.reward_scaling`` (a linear map of rewards); not built here."""
-
-    KEY: ClassVar[str] = "grpo.reward_scaling"
-
-    source_min: float = 0.0
-    """Reward mapped to ``target_min`` (unused while ``enabled`` is false)."""
-
-    source_max: float = 1.0
-    """Reward mapped to ``target_max`` (unused while ``enabled`` is false)."""
-
-    target_min: float = 0.0
-    """Lower end of the mapped range (unused while ``enabled`` is false)."""
-
-    target_max: float = 1.0
-    """Upper end of the mapped range (unused while ``enabled`` is false)."""
-
-
 class AsyncGRPOConfig(_Switchable):
     """NeMo RL's ``grpo.async_grpo`` (generation running ahead of training); not built here."""
 

@@ -105,3 +105,15 @@ def test_unbuilt_or_unknown_keys_fail_with_one_line_naming_them(override: str, m
             RECIPES / "main" / "grpo_math_1B.yaml", master_configs.GRPOMasterConfig, override.split("|")
         )
     assert message in str(err.value)
+
+
+def test_porting_guide_lists_every_key_with_no_effect() -> None:
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "porting.md").read_text()
+    for schema in (
+        master_configs.GRPOMasterConfig,
+        master_configs.SFTMasterConfig,
+        master_configs.DPOMasterConfig,
+        master_configs.RMMasterConfig,
+    ):
+        missing = [k for k in no_effect_keys(schema) if "megatron_cfg" not in k and f"`{k}`" not in guide]
+        assert not missing, f"docs/porting.md does not list {missing}"
