@@ -481,6 +481,7 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
         validate=lambda step: validate(s, step),
         val_period=cfg.grpo.val_period,
         val_at_start=cfg.grpo.val_at_start,
+        val_at_end=cfg.grpo.val_at_end,
     )
     for batch in loop:
         metrics = grpo_step(s, batch, loop.timer)

@@ -193,6 +193,7 @@ def sft_train(s: SFTSetup) -> dict[str, float]:
         validate=lambda step: validate(s, step),
         val_period=cfg.sft.val_period,
         val_at_start=cfg.sft.val_at_start,
+        val_at_end=cfg.sft.val_at_end,
     )
     for batch in loop:
         s.state.epoch = s.train_loader.epoch

@@ -38,8 +38,9 @@ class SFTConfig(ConfigModel):
     seed: int = 42
     """Seed of data shuffling and model initialisation."""
 
-    val_at_end: Literal[False] = False
-    """Validate after the last step; not built here for SFT: must be false."""
+    val_at_end: bool = False
+    """Also validate after the last step when ``val_period`` does not fall on it, so the final checkpoint
+    carries validation metrics."""
 
     only_unmask_final: Literal[False] = False
     """Train only on the final assistant turn; not built here: must be false (every assistant turn is
@@ -187,8 +188,9 @@ class GRPOConfig(ConfigModel):
     val_start_at: Literal[-1] = -1
     """First step eligible for periodic validation; not built here: must be -1 (no delay)."""
 
-    val_at_end: Literal[False] = False
-    """Validate after the last step; not built here for GRPO: must be false."""
+    val_at_end: bool = False
+    """Also validate after the last step when ``val_period`` does not fall on it, so the final checkpoint
+    carries validation metrics."""
 
     val_num_generations_per_prompt: Literal[1] = 1
     """Validation responses per prompt (pass@k); not built here: must be 1."""
