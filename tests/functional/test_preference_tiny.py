@@ -1,11 +1,12 @@
-"""DPO and reward-model training end to end on the tiny arithmetic checkpoint, in this process.
+"""DPO end to end on the tiny arithmetic checkpoint, in this process, and both preference scripts' errors.
 
-Both loops run on the session's Ray (``ray_cluster``) with three small steps: they check the metrics (DPO's
-held-out preference loss falls), that the last checkpoint records the final validation loss, and that the
-final exports load with ``transformers`` (the reward model with ``AutoModelForSequenceClassification``,
-giving the scores the workers computed). Resuming is the shared loop's (``tests/unit/test_loop.py``, the SFT kill-and-rerun test)
-and the worker's (``tests/distributed/test_dtensor_worker.py``). The scripts' command-line failures (exit 2,
-one line, no traceback) are checked without starting anything.
+The DPO loop runs on the session's Ray (``ray_cluster``) with three small steps: the held-out preference loss
+falls, the last checkpoint records the final validation loss, and the export loads with ``transformers``.
+Reward-model training runs the same loop (``nemo_rl.algorithms.preference``) with another loss and head; the
+worker's reward head, its parity over layouts and its export's scores are tested in
+``tests/distributed/test_dtensor_worker.py``. Resuming is the shared loop's (``tests/unit/test_loop.py``, the
+SFT kill-and-rerun test) and the worker's. The scripts' command-line failures (exit 2, one line, no
+traceback) are checked without starting anything.
 """
 
 from __future__ import annotations

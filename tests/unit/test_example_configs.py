@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from nemo_rl.config.errors import ConfigError
 from nemo_rl.config.loader import load_and_validate
 from nemo_rl.config.master import (
     DPOMasterConfig,
@@ -53,6 +54,8 @@ def test_there_are_configs() -> None:
         "dpo_tiny_math.yaml",
         "rm.yaml",
         "rm_tiny_math.yaml",
+        "grpo_rm_1B.yaml",
+        "grpo_rm_tiny.yaml",
     }
 
 
@@ -117,3 +120,15 @@ def test_public_preference_recipe_defaults() -> None:
     rm = load_and_validate(CONFIG_DIR / "rm.yaml", RMMasterConfig)
     assert rm.policy.reward_model_cfg.enabled and rm.rm.max_num_steps == -1
     assert rm.checkpointing.save_period == rm.rm.val_period == 16
+
+
+def test_grpo_reward_model_recipes() -> None:
+    for name in ("grpo_rm_1B.yaml", "grpo_rm_tiny.yaml"):
+        config = load_and_validate(CONFIG_DIR / name, GRPOMasterConfig)
+        assert config.data.env_name == "reward_model" and config.env.reward_model.enabled
+    tiny = load_and_validate(CONFIG_DIR / "grpo_rm_tiny.yaml", GRPOMasterConfig)
+    assert (CONFIG_DIR.parents[1] / str(tiny.env.reward_model.model_name) / "config.json").is_file()
+    with pytest.raises(ConfigError, match=r"env\.reward_model\.enabled=true"):
+        load_and_validate(
+            CONFIG_DIR / "grpo_rm_tiny.yaml", GRPOMasterConfig, ["env.reward_model.enabled=false"]
+        )
