@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, Self
+from typing import Any, Literal, Self
 
 from pydantic import Field, model_validator
 
@@ -215,6 +215,14 @@ class GRPOConfig(ConfigModel):
 
     malformed_thinking_advantage: None = None
     """Advantage of malformed thinking tags; not built here: must be null."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_sections_are_defaults(cls, data: Any) -> Any:
+        # Some NeMo RL recipes write `async_grpo: null` for "off": the section's defaults.
+        if isinstance(data, dict) and "async_grpo" in data and data["async_grpo"] is None:
+            data = {**data, "async_grpo": {}}
+        return data
 
     @model_validator(mode="after")
     def _check_adv_estimator(self) -> Self:

@@ -39,8 +39,9 @@ class CheckpointingConfig(ConfigModel):
     """Wall-clock budget ``"DD:HH:MM:SS"`` after which training saves and stops (so a job with a time limit
     ends on a checkpoint); ``None`` means no limit."""
 
-    model_save_format: Literal["safetensors", "torch_save"] = "safetensors"
-    """File format the policy backend writes model weights in."""
+    model_save_format: Literal["safetensors", "torch_save"] | None = "safetensors"
+    """Accepted, no effect here: policy checkpoints are always written with ``torch.distributed.checkpoint``
+    (``save_consolidated`` adds a Hugging Face safetensors export)."""
 
     save_consolidated: bool = False
     """Also write a consolidated Hugging Face checkpoint (one set of full weights) next to the sharded one."""

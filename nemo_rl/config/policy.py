@@ -200,6 +200,9 @@ class VllmConfig(ConfigModel):
     kv_cache_dtype: str = "auto"
     """Dtype of vLLM's KV cache (passed to vLLM as ``kv_cache_dtype``; ``auto`` follows the weights)."""
 
+    enable_prefix_caching: bool | None = None
+    """vLLM's automatic prefix caching (passed to vLLM); ``None`` leaves vLLM's own default."""
+
     expert_parallel_size: Literal[1] = 1
     """vLLM expert parallelism; the supported model families are dense: must be 1."""
 

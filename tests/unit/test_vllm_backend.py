@@ -72,7 +72,12 @@ def policy_cfg(**overrides: Any) -> PolicyConfig:
 # ------------------------------------------------------------------------------------ engine arguments
 def test_engine_kwargs_follow_the_config() -> None:
     cfg = policy_cfg(
-        vllm_cfg={"precision": "float16", "enforce_eager": True, "kv_cache_dtype": "fp8"},
+        vllm_cfg={
+            "precision": "float16",
+            "enforce_eager": True,
+            "kv_cache_dtype": "fp8",
+            "enable_prefix_caching": True,
+        },
         trust_remote_code=True,
     )
     kwargs = engine_kwargs(cfg, model="/ckpt", tokenizer="/tok", seed=7)
@@ -87,6 +92,7 @@ def test_engine_kwargs_follow_the_config() -> None:
         "max_model_len": 16,  # policy.max_total_sequence_length when vllm_cfg.max_model_len is unset
         "enforce_eager": True,
         "kv_cache_dtype": "fp8",
+        "enable_prefix_caching": True,
         "seed": 7,
         "worker_extension_cls": WORKER_EXTENSION_CLS,
         "logprobs_mode": "processed_logprobs",

@@ -176,6 +176,8 @@ def engine_kwargs(cfg: PolicyConfig, *, model: str, tokenizer: str, seed: int) -
         # the colocated policy; a non-colocated engine never sleeps.
         "enable_sleep_mode": cfg.generation.colocated.enabled,
     }
+    if vllm_cfg.enable_prefix_caching is not None:
+        kwargs["enable_prefix_caching"] = vllm_cfg.enable_prefix_caching
     if vllm_cfg.tensor_parallel_size > 1:
         # Every rank is its own Ray actor (one per bundle), joined by torch.distributed from the worker
         # group's RANK / WORLD_SIZE: vLLM's torchrun-style SPMD mode. Ray shows each actor only its own GPU,
