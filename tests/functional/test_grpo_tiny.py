@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -87,22 +88,51 @@ def _metrics(log_dir: Path) -> dict[int, dict[str, Any]]:
     return by_step
 
 
+def _records(log_dir: Path, *, while_written: bool = False) -> list[dict[str, Any]]:
+    """Every line of ``metrics.jsonl``; ``while_written`` skips a last line still being written."""
+    lines = [line for line in (log_dir / "metrics.jsonl").read_text().splitlines() if line]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if not (while_written and i == len(lines) - 1):
+                raise
+    return records
+
+
+def _train_metrics_at(records: list[dict[str, Any]], step: int) -> dict[str, Any]:
+    """Everything a step logged but its timings (which no two runs share)."""
+    merged: dict[str, Any] = {}
+    for record in records:
+        if record["step"] == step:
+            merged.update({k: v for k, v in record.items() if k.startswith("train/")})
+    return merged
+
+
 @pytest.mark.slow
-def test_colocated_dp2_resumes_after_kill(tmp_path: Path) -> None:
-    cmd = _command(tmp_path, "dp2", "grpo.max_num_steps=3", "cluster.gpus_per_node=2")
-    ckpt = tmp_path / "dp2" / "ckpt" / "step_2"
+def test_colocated_dp2_resumes_bit_exact_after_kill(tmp_path: Path) -> None:
+    cmd = _command(tmp_path, "dp2", "grpo.max_num_steps=4", "cluster.gpus_per_node=2")
+    log_dir = tmp_path / "dp2" / "logs"
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env())
+    # Killed (SIGKILL) at a random moment of step 4, after step 3 logged its metrics: generating, refitting,
+    # scoring or training, with the step-2 checkpoint the latest.
     deadline = time.monotonic() + TIMEOUT_S
-    while not ckpt.exists():
+    while not (log_dir / "metrics.jsonl").exists() or "train/loss" not in _train_metrics_at(
+        _records(log_dir, while_written=True), 3
+    ):
         if proc.poll() is not None:
             output = proc.stdout.read().decode() if proc.stdout else ""
-            pytest.fail(f"run ended before its step-2 checkpoint:\n{output[-6000:]}")
-        assert time.monotonic() < deadline, "no checkpoint within the time limit"
-        time.sleep(0.2)
+            pytest.fail(f"run ended before its step 3:\n{output[-6000:]}")
+        assert time.monotonic() < deadline, "no step 3 within the time limit"
+        time.sleep(0.1)
+    time.sleep(random.uniform(0.0, 1.0))
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
+    assert not (tmp_path / "dp2" / "ckpt" / "step_4").exists(), "the kill came after the run's end"
 
-    first = _metrics(tmp_path / "dp2" / "logs")
+    killed = _records(log_dir)
+    first = _metrics(log_dir)
     # A step's train metrics are logged before its checkpoint, so the kill cannot lose them.
     for step in (1, 2):
         assert "train/loss" in first[step] and "train/reward" in first[step], sorted(first[step])
@@ -114,11 +144,16 @@ def test_colocated_dp2_resumes_after_kill(tmp_path: Path) -> None:
 
     resumed = _run(cmd)
     assert "Resuming GRPO from" in resumed.stdout and "(step 2)" in resumed.stdout, resumed.stdout[-3000:]
-    after = _metrics(tmp_path / "dp2" / "logs")
+    again = _records(log_dir)[len(killed) :]
+    # Bit for bit: the resumed step 3 samples, scores and trains as the killed run's step 3 did.
+    expected, got = _train_metrics_at(killed, 3), _train_metrics_at(again, 3)
+    assert len(expected) > 10 and got == expected
+    after = _metrics(log_dir)
     # The resumed run starts with stale generation weights, so its first step refits: every metric is there.
     for name in NEMO_RL_STEP_METRICS:
         assert name in after[3], f"{name} missing at step 3; logged: {sorted(after[3])}"
-    assert (tmp_path / "dp2" / "ckpt" / "step_3" / "training_info.json").exists()
+    assert "validation/accuracy" in after[4]
+    assert (tmp_path / "dp2" / "ckpt" / "step_4" / "training_info.json").exists()
 
 
 @pytest.mark.slow

@@ -61,10 +61,13 @@ def _metrics(log_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines() if line]
 
 
-def _train_loss(records: list[dict[str, Any]], step: int) -> float:
-    losses = [r["train/loss"] for r in records if r["step"] == step and "train/loss" in r]
-    assert losses, f"no train/loss logged at step {step}"
-    return float(losses[-1])
+def _step_metrics(records: list[dict[str, Any]], step: int) -> dict[str, Any]:
+    """A step's ``train/`` and ``validation/`` metrics (the last logged of each; timings differ per run)."""
+    merged: dict[str, Any] = {}
+    for record in records:
+        if record["step"] == step:
+            merged.update({k: v for k, v in record.items() if k.startswith(("train/", "validation/"))})
+    return merged
 
 
 @pytest.mark.slow
@@ -91,12 +94,14 @@ def test_sft_learns_resumes_after_kill_and_exports(tmp_path: Path) -> None:
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
 
-    # ...then rerun unchanged: it resumes from step 2 and step 3 matches the uninterrupted run.
+    # ...then rerun unchanged: it resumes from step 2 and every later step's metrics are the uninterrupted
+    # run's, bit for bit (RNG state, loader position, optimizer and scheduler all come back).
     resumed = _run(cmd)
     assert "Resuming SFT from" in resumed.stdout and "(step 2)" in resumed.stdout, resumed.stdout[-3000:]
     records = _metrics(tmp_path / "killed" / "logs")
     for step in (3, 4):
-        assert _train_loss(records, step) == pytest.approx(_train_loss(full, step), rel=1e-6, abs=1e-7)
+        got, expected = _step_metrics(records, step), _step_metrics(full, step)
+        assert "train/loss" in expected and got == expected, (step, got, expected)
 
     # The final export loads with transformers and agrees with the policy's last checkpoint.
     from transformers import AutoModelForCausalLM
