@@ -1,7 +1,8 @@
 """DPO end to end on the tiny arithmetic checkpoint, in this process, and both preference scripts' errors.
 
 The DPO loop runs on the session's Ray (``ray_cluster``) with three small steps: the held-out preference loss
-falls, the last checkpoint records the final validation loss, and the export loads with ``transformers``.
+falls, the last checkpoint records the final validation loss, and the export loads with ``transformers``;
+a second run does the same on the Megatron backend in two pipeline stages.
 Reward-model training runs the same loop (``nemo_rl.algorithms.preference``) with another loss and head; the
 worker's reward head, its parity over layouts and its export's scores are tested in
 ``tests/distributed/test_dtensor_worker.py``. Resuming is the shared loop's (``tests/unit/test_loop.py``, the
@@ -101,6 +102,41 @@ def test_dpo_learns_and_exports(ray_cluster: dict[str, float], tmp_path: Path) -
     # The last step's checkpoint carries the final validation loss, and the export loads in transformers.
     info = json.loads((tmp_path / "ckpt" / "step_3" / "training_info.json").read_text())
     assert info["step"] == 3 and info["val_loss"] == pytest.approx(_at(first, 3, "validation/loss"))
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "hf_final")
+
+
+@pytest.mark.mcore
+def test_dpo_on_megatron_pipeline_learns_and_exports(ray_cluster: dict[str, float], tmp_path: Path) -> None:
+    # The same run on the Megatron backend, the model in two pipeline stages (chosen and rejected rows of a
+    # pair travel together through the schedule), with Megatron's Adam at the same learning rate.
+    pytest.importorskip("megatron.core", reason="needs megatron-core (uv sync --extra mcore)")
+    overrides = _overrides(tmp_path, "dpo", "megatron", 3, lr=3e-5)
+    overrides.remove("policy.optimizer.kwargs.lr=3e-05")
+    config = load_and_validate(
+        CONFIGS / "dpo_tiny_math.yaml",
+        DPOMasterConfig,
+        [
+            *overrides,
+            "policy.optimizer=null",
+            "policy.dtensor_cfg.enabled=false",
+            "policy.megatron_cfg.enabled=true",
+            "policy.megatron_cfg.pipeline_model_parallel_size=2",
+            "policy.megatron_cfg.optimizer.lr=3e-5",
+            "policy.megatron_cfg.optimizer.min_lr=3e-5",
+            "policy.megatron_cfg.optimizer.weight_decay=0.0",
+            "cluster.gpus_per_node=2",
+        ],
+    )
+    _train("dpo", config)
+    records = _metrics(tmp_path / "megatron")
+    assert _at(records, 3, "validation/preference_loss") < _at(records, 0, "validation/preference_loss")
+    margin = _at(records, 3, "validation/rewards_chosen_mean") - _at(
+        records, 3, "validation/rewards_rejected_mean"
+    )
+    assert margin > 0
+    # Each stage wrote its own layers; together they load in transformers.
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "hf_final")
