@@ -6,7 +6,8 @@ Each step (see DESIGN.md, "One GRPO step"):
 2. refit the generation workers if the policy changed since they were last updated;
 3. roll out: sample responses, let the environments score them (several turns if configured);
 4. advantages: each response's reward minus its prompt group's baseline (optionally over the group std);
-5. the policy scores the responses under the current (previous-step) and reference weights;
+5. the policy scores the responses under the current (previous-step) weights, unless the training forward
+   gives the same numbers (one optimizer step per batch), and under the reference weights (KL term on);
 6. one or more optimizer steps with the clipped policy-gradient loss; generation weights become stale;
 7. log, validate and checkpoint when due.
 
@@ -51,6 +52,7 @@ from nemo_rl.environments.registry import check_task_envs, create_task_envs
 from nemo_rl.experience.rollouts import run_multi_turn_rollout
 from nemo_rl.models.generation.factory import create_generation
 from nemo_rl.models.generation.interfaces import GenerationInterface
+from nemo_rl.models.policy.hf_io import trains_with_dropout
 from nemo_rl.models.policy.lm_policy import Policy
 from nemo_rl.utils.checkpoint import CheckpointManager
 from nemo_rl.utils.logger import Logger
@@ -265,7 +267,9 @@ def setup(
         refit_transport=refit_transport,
         train_loader=train_loader,
         val_dataset=val_dataset,
-        loss_fn=ClippedPGLossFn(config.loss_fn),
+        loss_fn=ClippedPGLossFn(
+            config.loss_fn, prev_logprobs_from_forward=prev_logprobs_from_training_forward(config)
+        ),
         task_to_env=dict(task_to_env),
         val_task_to_env=dict(val_task_to_env),
         logger=logger,
@@ -273,6 +277,14 @@ def setup(
         state=state,
         owned_envs=list(started.values()),
     )
+
+
+def prev_logprobs_from_training_forward(config: GRPOMasterConfig) -> bool:
+    """Whether the training forward itself gives the previous policy's log-probs, so no separate scoring pass
+    is needed: one optimizer step per batch (all of its forward passes run on the weights the batch would be
+    scored with) and a training forward equal to the scoring one (no dropout)."""
+    samples = config.grpo.num_prompts_per_step * config.grpo.num_generations_per_prompt
+    return samples == config.policy.train_global_batch_size and not trains_with_dropout(config.policy)
 
 
 def refit_generation(s: GRPOSetup) -> dict[str, float]:
@@ -441,14 +453,17 @@ def grpo_step(s: GRPOSetup, batch: BatchedDataDict[Any], timer: Timer) -> dict[s
     pad_token_id = int(s.tokenizer.pad_token_id)
     train_data = build_train_batch(rollout, advantages_B, pad_token_id, cfg.grpo.overlong_filtering)
 
-    with timer.time("logprobs"):
-        s.policy.prepare_for_lp_inference()
-        train_data["prev_logprobs"] = s.policy.get_logprobs(train_data)["logprobs"]
-        if cfg.loss_fn.reference_policy_kl_penalty > 0:
-            reference = s.policy.get_reference_policy_logprobs(train_data)["reference_logprobs"]
-        else:
-            reference = train_data["prev_logprobs"]
-        train_data["reference_policy_logprobs"] = reference
+    # The loss reads reference log-probs only with the KL term on, and the previous policy's from the training
+    # forward when that is exact (see prev_logprobs_from_training_forward): then no scoring pass is needed.
+    use_kl = cfg.loss_fn.reference_policy_kl_penalty > 0
+    if use_kl or not s.loss_fn.prev_logprobs_from_forward:
+        with timer.time("logprobs"):
+            s.policy.prepare_for_lp_inference()
+            if not s.loss_fn.prev_logprobs_from_forward:
+                train_data["prev_logprobs"] = s.policy.get_logprobs(train_data)["logprobs"]
+            if use_kl:
+                reference = s.policy.get_reference_policy_logprobs(train_data)["reference_logprobs"]
+                train_data["reference_policy_logprobs"] = reference
     with timer.time("policy_training"):
         s.policy.prepare_for_training()
         train_result = s.policy.train(train_data, s.loss_fn)

@@ -130,10 +130,16 @@ class ClippedPGLossFn:
     batch; otherwise each sequence's tokens are averaged first and the sequences then averaged.
     """
 
-    def __init__(self, cfg: ClippedPGLossConfig) -> None:
+    def __init__(self, cfg: ClippedPGLossConfig, *, prev_logprobs_from_forward: bool = False) -> None:
+        """``prev_logprobs_from_forward``: take pi_prev from this very forward pass (detached) instead of the
+        batch's ``prev_logprobs``. Exact when the training call takes one optimizer step on the weights the
+        batch would have been scored with (every micro-batch's forward runs before the update) and the
+        training forward equals the scoring one (no dropout); it saves the separate scoring pass, as TRL does.
+        """
         self.cfg = cfg
         self.loss_type = LossType.TOKEN_LEVEL if cfg.token_level_loss else LossType.SEQUENCE_LEVEL
         self.rows_per_group = 1
+        self.prev_logprobs_from_forward = prev_logprobs_from_forward
 
     def _reduce(
         self,
@@ -201,12 +207,15 @@ class ClippedPGLossFn:
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """This micro-batch's share of the clipped policy-gradient loss, and its metrics.
 
-        Needs ``input_ids``, ``token_mask``, ``sample_mask``, ``advantages``, ``prev_logprobs``,
-        ``generation_logprobs`` and, when the KL penalty is on, ``reference_policy_logprobs``.
+        Needs ``input_ids``, ``token_mask``, ``sample_mask``, ``advantages``, ``prev_logprobs`` (unless
+        ``prev_logprobs_from_forward``), ``generation_logprobs`` and, when the KL penalty is on,
+        ``reference_policy_logprobs``.
         """
         cfg = self.cfg
         use_kl = cfg.reference_policy_kl_penalty != 0
-        required = ("advantages", "prev_logprobs", "generation_logprobs")
+        required: tuple[str, ...] = ("advantages", "generation_logprobs")
+        if not self.prev_logprobs_from_forward:
+            required += ("prev_logprobs",)
         curr_BS, token_mask_BS, sample_mask_B, mask_BS = _logprobs_and_masks(
             next_token_logits_BTV,
             data,
@@ -214,7 +223,10 @@ class ClippedPGLossFn:
             "ClippedPGLossFn",
         )
         advantages_BS = _per_token(data, "advantages", curr_BS)
-        prev_BS = _per_token(data, "prev_logprobs", curr_BS)
+        if self.prev_logprobs_from_forward:
+            prev_BS = curr_BS.detach()
+        else:
+            prev_BS = _per_token(data, "prev_logprobs", curr_BS)
         gen_BS = _per_token(data, "generation_logprobs", curr_BS)
 
         def share_tok(values_BS: torch.Tensor) -> torch.Tensor:

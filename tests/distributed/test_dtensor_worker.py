@@ -30,8 +30,8 @@ from transformers import (
 )
 
 from nemo_rl.algorithms.interfaces import LossType
-from nemo_rl.algorithms.loss_functions import DPOLossFn, PreferenceLoss
-from nemo_rl.config.loss import DPOLossConfig
+from nemo_rl.algorithms.loss_functions import ClippedPGLossFn, DPOLossFn, PreferenceLoss
+from nemo_rl.config.loss import ClippedPGLossConfig, DPOLossConfig
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
@@ -158,6 +158,18 @@ def with_reference_logprobs(data: BatchedDataDict[Any], reference: torch.Tensor)
     return out
 
 
+GRPO_LOSS_CFG = ClippedPGLossConfig(reference_policy_kl_penalty=0.0, use_importance_sampling_correction=True)
+
+
+def grpo_data() -> BatchedDataDict[Any]:
+    """One global batch with GRPO's keys: per-sequence advantages and sampler log-probs."""
+    data = make_batch(seed=4, num_rows=GLOBAL_BATCH)
+    g = torch.Generator().manual_seed(5)
+    data["advantages"] = torch.randn(GLOBAL_BATCH, 1, generator=g).expand(-1, SEQ_LEN).contiguous()
+    data["generation_logprobs"] = -torch.rand(GLOBAL_BATCH, SEQ_LEN, generator=g) * 5 * data["token_mask"]
+    return data
+
+
 # -------------------------------------------------------------------------------- spawned scenarios
 def _shard(data: BatchedDataDict[Any], dp_rank: int, dp_size: int) -> BatchedDataDict[Any]:
     return data.shard_by_batch_size(dp_size, batch_size=GLOBAL_BATCH)[dp_rank]
@@ -173,11 +185,17 @@ def _scenarios(rank: int, model_dir: Path, out_dir: Path) -> None:
     score_data = make_batch(seed=2, num_rows=6)
     loss_fn = TinyNLLLoss()
 
-    # FSDP over 2 dp ranks, two micro-batch sizes.
+    # FSDP over 2 dp ranks, two micro-batch sizes. Then one GRPO step on the (equal) trained weights: with
+    # mbs 1 the previous policy's log-probs come from the scoring pass, with mbs 4 from the training forward.
     for mbs in (1, 4):
         worker = DTensorPolicyWorker(policy_cfg(model_dir), weights_path=None)
         shard = _shard(data, worker.dp_rank, worker.dp_size)
         save(f"dp2_mbs{mbs}_train", worker.train(shard, loss_fn, mbs=mbs))
+        grpo_shard = _shard(grpo_data(), worker.dp_rank, worker.dp_size)
+        if mbs == 1:
+            grpo_shard["prev_logprobs"] = worker.get_logprobs(grpo_shard)["logprobs"]
+        grpo_loss = ClippedPGLossFn(GRPO_LOSS_CFG, prev_logprobs_from_forward=mbs == 4)
+        save(f"grpo_prev_{'forward' if mbs == 4 else 'pass'}", worker.train(grpo_shard, grpo_loss, mbs=mbs))
         worker.shutdown()
 
     # Dynamic batching over 2 dp ranks: token-budget micro-batches, cut to their longest row.
@@ -437,6 +455,17 @@ def test_training_matches_single_process(results: Path, reference: dict[str, Any
         # Metrics are shares summed over micro-batches and dp ranks: token counts are whole global batches.
         assert out["metrics"]["num_valid_tokens"] == out["global_valid_toks"].tolist()
         assert_close(torch.tensor(out["metrics"]["loss"]), reference["loss"])
+
+
+def test_grpo_prev_logprobs_from_the_training_forward_equal_the_scoring_pass(results: Path) -> None:
+    separate, from_forward = load(results, "grpo_prev_pass"), load(results, "grpo_prev_forward")
+    assert_close(from_forward["loss"], separate["loss"])
+    assert_close(from_forward["grad_norm"], separate["grad_norm"])
+    assert sorted(from_forward["metrics"]) == sorted(separate["metrics"])
+    for name, values in separate["metrics"].items():
+        assert_close(torch.tensor(from_forward["metrics"][name]), torch.tensor(values), rtol=1e-4)
+    # The importance weights pi_prev / pi_gen were read: the check covers more than the ratio of 1.
+    assert separate["metrics"]["sampling_importance_ratio"][0] != pytest.approx(1.0)
 
 
 def test_metric_min_is_reduced_with_min(results: Path) -> None:

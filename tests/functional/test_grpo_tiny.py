@@ -39,7 +39,6 @@ NEMO_RL_STEP_METRICS = [
     "timing/train/total_step_time",
     "timing/train/generation",
     "timing/train/refit",
-    "timing/train/logprobs",
     "timing/train/policy_training",
     "timing/train/reward",
     "performance/tokens_per_sec",
@@ -152,6 +151,8 @@ def test_colocated_dp2_resumes_bit_exact_after_kill(tmp_path: Path) -> None:
     # The resumed run starts with stale generation weights, so its first step refits: every metric is there.
     for name in NEMO_RL_STEP_METRICS:
         assert name in after[3], f"{name} missing at step 3; logged: {sorted(after[3])}"
+    # One optimizer step per batch: the previous policy's log-probs come from the training forward.
+    assert "timing/train/logprobs" not in after[3]
     assert "validation/accuracy" in after[4]
     assert (tmp_path / "dp2" / "ckpt" / "step_4" / "training_info.json").exists()
 
@@ -166,6 +167,8 @@ def test_non_colocated_local_model_path_with_swanlab(tmp_path: Path) -> None:
             "grpo.max_num_steps=2",
             "grpo.val_at_start=false",
             "cluster.gpus_per_node=2",
+            # Two optimizer steps per batch: the previous policy's log-probs need their own scoring pass.
+            "policy.train_global_batch_size=8",
             "policy.generation.colocated.enabled=false",
             "policy.generation.colocated.resources.gpus_per_node=1",
             f"policy.model_name={TINY_SFT}",
@@ -174,6 +177,7 @@ def test_non_colocated_local_model_path_with_swanlab(tmp_path: Path) -> None:
     )
     metrics = _metrics(tmp_path / "noncoloc" / "logs")
     assert metrics[1]["train/gen_kl_error"] == pytest.approx(0.0, abs=1e-4)
+    assert metrics[1]["timing/train/logprobs"] > 0
     assert metrics[2]["refit/bytes"] > 0 and "validation/accuracy" in metrics[2]
     swanlab_files = [p for p in (tmp_path / "noncoloc" / "logs" / "swanlab").rglob("*") if p.is_file()]
     assert swanlab_files, "SwanLab (offline) wrote no run files under <log_dir>/swanlab"

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from nemo_rl.algorithms.interfaces import LossFunction, LossType
 from nemo_rl.algorithms.loss_functions import ClippedPGLossFn, DPOLossFn, NLLLoss
+from nemo_rl.algorithms.utils import next_token_logprobs
 from nemo_rl.config.loss import ClippedPGLossConfig, DPOLossConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
@@ -449,3 +450,34 @@ def test_nll_loss() -> None:
     assert logits.grad[0, 2].abs().sum() == 0  # token (0, 3) is masked
     assert logits.grad[1, 3].abs().sum() == 0  # the last row predicts nothing
     assert logits.grad[1, 0].abs().sum() > 0
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"reference_policy_kl_penalty": 0.1, "use_on_policy_kl_approximation": True},
+        {"use_importance_sampling_correction": True, "truncated_importance_sampling_ratio": 1.5},
+        {"ratio_clip_c": 3.0},
+        {"token_level_loss": False, "sequence_level_importance_ratios": True},
+    ],
+)
+def test_prev_logprobs_from_forward_equals_the_separate_scoring_pass(options: dict[str, Any]) -> None:
+    # The separate pass scores the same weights, so its prev_logprobs are the current log-probs: the loss,
+    # its gradient and every metric must come out bitwise the same when they are taken from the forward.
+    logits, data = make_batch()
+    data["prev_logprobs"][:, 1:] = next_token_logprobs(logits.detach(), data["input_ids"])
+    separate, separate_metrics = ClippedPGLossFn(cfg(**options))(
+        logits, data, torch.tensor(2.0), torch.tensor(5.0)
+    )
+    separate.backward()
+    logits_fwd, data_fwd = make_batch()
+    del data_fwd["prev_logprobs"]
+    from_forward, forward_metrics = ClippedPGLossFn(cfg(**options), prev_logprobs_from_forward=True)(
+        logits_fwd, data_fwd, torch.tensor(2.0), torch.tensor(5.0)
+    )
+    from_forward.backward()
+    assert from_forward.item() == separate.item()
+    assert logits.grad is not None and logits_fwd.grad is not None
+    torch.testing.assert_close(logits_fwd.grad, logits.grad, rtol=0, atol=0)
+    assert forward_metrics == separate_metrics

@@ -81,6 +81,20 @@ def load_hf_config(cfg: PolicyConfig) -> Any:
     return hf_config
 
 
+def trains_with_dropout(cfg: PolicyConfig) -> bool:
+    """Whether the policy's training forward differs from its scoring forward: a DTensor policy whose Hugging
+    Face config has a positive dropout probability (``*dropout*`` / ``*pdrop*``). The Megatron backend builds
+    its models with dropout off."""
+    if not cfg.dtensor_cfg.enabled:
+        return False
+    hf_config = AutoConfig.from_pretrained(cfg.model_name, trust_remote_code=cfg.trust_remote_code)
+    return any(
+        isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+        for key, value in hf_config.to_dict().items()
+        if "dropout" in key or "pdrop" in key
+    )
+
+
 def load_sharded_model(cfg: PolicyConfig, mesh: DeviceMesh, device: torch.device) -> nn.Module:
     """Load ``cfg.model_name`` (local path or hub name), sharded over ``mesh`` (axes ``dp``, ``tp``).
 
