@@ -16,7 +16,12 @@ import torch
 from nemo_rl.config.env import MathEnvConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.environments.interfaces import EnvironmentInterface, EnvironmentReturn, Message
-from nemo_rl.environments.math_verifier import score_math_response
+from nemo_rl.environments.math_verifier import (
+    extract_last_boxed,
+    gold_answer,
+    quick_verdict,
+    score_math_response,
+)
 from nemo_rl.environments.metrics import (
     assistant_text,
     batch_rewards,
@@ -24,7 +29,7 @@ from nemo_rl.environments.metrics import (
     last_assistant_text,
     pass_at_samples,
 )
-from nemo_rl.environments.verifier_pool import VerifierPool
+from nemo_rl.environments.verifier_pool import VerifierPool, VerifyOutcome
 
 MathMetadata = dict[str, Any]
 """Per-sample state: ``ground_truth`` (from the dataset); each step adds ``extracted_answer`` and
@@ -48,6 +53,8 @@ class MathEnvironment(EnvironmentInterface[MathMetadata]):
             memory_limit_mb=self.cfg.verify_memory_limit_mb,
             max_response_chars=self.cfg.max_response_chars,
         )
+        self.num_quick_verdicts = 0
+        """Answers scored without math-verify (see ``quick_verdict``) since the environment started."""
 
     def step(
         self, message_log_batch: Sequence[Sequence[Message]], metadata: Sequence[MathMetadata]
@@ -62,8 +69,24 @@ class MathEnvironment(EnvironmentInterface[MathMetadata]):
                 "the math data processor puts the expected answer there"
             )
         responses = [last_assistant_text(log) for log in message_log_batch]
-        outcomes = self._pool.verify(responses, [str(m["ground_truth"]) for m in metadata])
-        # Extracted in the verifier processes, under their time and memory limits.
+        ground_truths = [str(m["ground_truth"]) for m in metadata]
+        # Certain verdicts (no answer, the same text, two integers) are decided here, on the same cut of the
+        # response the verifiers see (extraction is linear in it); only the rest pay for a verifier process
+        # and math-verify, which also extracts their answers under its time and memory limits.
+        cap = self.cfg.max_response_chars
+        quick_answers = [extract_last_boxed(r if cap is None else r[-cap:]) for r in responses]
+        quick = [quick_verdict(a, gold_answer(t)) for a, t in zip(quick_answers, ground_truths, strict=True)]
+        undecided = [i for i, verdict in enumerate(quick) if verdict is None]
+        self.num_quick_verdicts += len(quick) - len(undecided)
+        verified = iter(
+            self._pool.verify([responses[i] for i in undecided], [ground_truths[i] for i in undecided])
+            if undecided
+            else []
+        )
+        outcomes = [
+            VerifyOutcome(score=v, answer=a) if v is not None else next(verified)
+            for v, a in zip(quick, quick_answers, strict=True)
+        ]
         answers = [o.answer for o in outcomes]
         rewards = [o.score for o in outcomes]
         return EnvironmentReturn(
@@ -119,8 +142,13 @@ class MathEnvironment(EnvironmentInterface[MathMetadata]):
         return batch, metrics
 
     def verifier_stats(self) -> dict[str, int]:
-        """Answers that timed out and verifier processes replaced since the environment started."""
-        return {"num_timeouts": self._pool.num_timeouts, "num_restarts": self._pool.num_restarts}
+        """Answers that timed out, verifier processes replaced and answers scored without math-verify
+        (``num_quick_verdicts``) since the environment started."""
+        return {
+            "num_timeouts": self._pool.num_timeouts,
+            "num_restarts": self._pool.num_restarts,
+            "num_quick_verdicts": self.num_quick_verdicts,
+        }
 
     def shutdown(self) -> None:
         """Stop the verifier processes."""

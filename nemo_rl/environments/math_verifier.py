@@ -46,22 +46,53 @@ def _normalise(answer: str) -> str:
     return re.sub(r"\s+", "", answer).rstrip(".").strip("$")
 
 
+_INTEGER = re.compile(r"[-+]?\d+")
+
+
+def gold_answer(ground_truth: str) -> str:
+    """The answer a ground truth stands for: its last boxed answer, or the whole (stripped) text."""
+    return extract_last_boxed(ground_truth) or ground_truth.strip()
+
+
+def quick_verdict(answer: str | None, gold: str) -> float | None:
+    """The score of an extracted ``answer`` against ``gold`` when it is certain without math-verify, else None.
+
+    No (or an empty) boxed answer and an empty ground truth score 0; the same text (ignoring whitespace, a
+    final period and ``$``) scores 1; two plain integers score by value (math-verify compares integers
+    exactly). Everything else (fractions,
+    expressions, decimals) needs math-verify. Most answers of a trained model take this path, which is
+    microseconds instead of a round trip to a verifier process and a sympy parse.
+    """
+    if not answer or not gold:
+        # An empty ground truth matches nothing, not even an empty box.
+        return 0.0
+    answer, gold = _normalise(answer), _normalise(gold)
+    if answer == gold:
+        return 1.0
+    if _INTEGER.fullmatch(answer) and _INTEGER.fullmatch(gold):
+        return 1.0 if _canonical_integer(answer) == _canonical_integer(gold) else 0.0
+    return None
+
+
+def _canonical_integer(text: str) -> str:
+    # By string, not int(): Python refuses to convert integers of more than 4300 digits.
+    digits = text.lstrip("+-").lstrip("0") or "0"
+    return f"-{digits}" if text.startswith("-") and digits != "0" else digits
+
+
 def verify_math_answer(response: str, ground_truth: str) -> float:
     """1.0 if the last boxed answer of ``response`` equals ``ground_truth`` mathematically, else 0.0.
 
     ``ground_truth`` is a bare answer (``"\\frac{1}{2}"``, ``"0.5"``) or a reference solution whose last
-    boxed answer is used. A response without a boxed answer scores 0.
+    boxed answer is used. A response without a boxed answer scores 0. Certain cases are decided by
+    :func:`quick_verdict`, the rest by math-verify.
     """
     answer = extract_last_boxed(response)
-    if answer is None:
-        return 0.0
-    gold_answer = extract_last_boxed(ground_truth) or ground_truth.strip()
-    if not answer or not gold_answer:
-        # An empty ground truth matches nothing (not even an empty box).
-        return 0.0
-    if _normalise(answer) == _normalise(gold_answer):
-        return 1.0
-    gold = parse(f"\\boxed{{{gold_answer}}}", extraction_config=_LATEX_ONLY, parsing_timeout=None)
+    gold_answer_text = gold_answer(ground_truth)
+    verdict = quick_verdict(answer, gold_answer_text)
+    if verdict is not None:
+        return verdict
+    gold = parse(f"\\boxed{{{gold_answer_text}}}", extraction_config=_LATEX_ONLY, parsing_timeout=None)
     predicted = parse(f"\\boxed{{{answer}}}", extraction_config=_LATEX_ONLY, parsing_timeout=None)
     if not gold or not predicted:
         return 0.0

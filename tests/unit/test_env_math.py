@@ -43,18 +43,23 @@ def test_math_environment_step(math_env: Any) -> None:
             {"role": "assistant", "content": "\\boxed{2}"},
         ],
     ]
-    metadata = [{"ground_truth": "2"}] * 4
+    logs.append(conversation("\\boxed{\\frac{4}{2}}"))  # only this one needs math-verify
+    metadata = [{"ground_truth": "2"}] * 5
+    quick_before = ray.get(math_env.verifier_stats.remote(), timeout=RAY_TIMEOUT_S)["num_quick_verdicts"]
     ret: EnvironmentReturn[Any] = ray.get(math_env.step.remote(logs, metadata), timeout=RAY_TIMEOUT_S)
-    assert ret.rewards.tolist() == [1.0, 0.0, 0.0, 1.0]  # the last assistant message is the one scored
+    quick_after = ray.get(math_env.verifier_stats.remote(), timeout=RAY_TIMEOUT_S)["num_quick_verdicts"]
+    assert quick_after - quick_before == 4
+    assert ret.rewards.tolist() == [1.0, 0.0, 0.0, 1.0, 1.0]  # the last assistant message is the one scored
     assert ret.rewards.dtype == torch.float32
-    assert ret.terminateds.tolist() == [True] * 4
+    assert ret.terminateds.tolist() == [True] * 5
     assert [o["content"] for o in ret.observations] == [
         "Environment: correct",
         "Environment: incorrect",
         "Environment: incorrect",
         "Environment: correct",
+        "Environment: correct",
     ]
-    assert ret.answers == ["2", "3", None, "2"]
+    assert ret.answers == ["2", "3", None, "2", "\\frac{4}{2}"]
     assert ret.metadata[0] == {"ground_truth": "2", "extracted_answer": "2", "verify_timed_out": False}
     assert ret.next_stop_strings == [None] * 4
 

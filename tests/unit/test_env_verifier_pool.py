@@ -10,8 +10,9 @@ import os
 import time
 
 import pytest
+from math_verify import LatexExtractionConfig, parse, verify
 
-from nemo_rl.environments.math_verifier import extract_last_boxed, verify_math_answer
+from nemo_rl.environments.math_verifier import extract_last_boxed, quick_verdict, verify_math_answer
 from nemo_rl.environments.verifier_pool import VerifierPool
 
 # sympy tries to evaluate this tower exactly and never returns: a real answer that hangs math-verify.
@@ -50,6 +51,39 @@ def test_extract_last_boxed(text: str, expected: str | None) -> None:
 )
 def test_verify_math_answer(response: str, ground_truth: str, score: float) -> None:
     assert verify_math_answer(response, ground_truth) == score
+
+
+@pytest.mark.parametrize(
+    ("answer", "gold", "verdict"),
+    [
+        (None, "4", 0.0),
+        ("", "", 0.0),
+        ("4", "4", 1.0),
+        (" 4 ", "4", 1.0),
+        ("\\frac{1}{2}", "\\frac{1}{2}", 1.0),
+        ("56", "57", 0.0),
+        ("+5", "5", 1.0),
+        ("007", "7", 1.0),
+        ("-0", "0", 1.0),
+        ("-3", "3", 0.0),
+        ("1" * 5000, "1" * 5000 + "0", 0.0),  # beyond int()'s digit limit
+        ("0.5", "\\frac{1}{2}", None),  # needs math-verify
+        ("5.0", "5", None),
+        ("1,000", "1000", None),
+        ("x+1", "1+x", None),
+    ],
+)
+def test_quick_verdict_is_certain_or_defers(answer: str | None, gold: str, verdict: float | None) -> None:
+    assert quick_verdict(answer, gold) == verdict
+    if verdict is not None and answer is not None and len(answer) < 100:
+        # Every certain verdict is what math-verify itself says.
+        latex = [LatexExtractionConfig(boxed_match_priority=0)]
+        expected = verify(
+            parse(f"\\boxed{{{gold}}}", extraction_config=latex, parsing_timeout=None),
+            parse(f"\\boxed{{{answer}}}", extraction_config=latex, parsing_timeout=None),
+            timeout_seconds=None,
+        )
+        assert verdict == float(expected)
 
 
 def raising_verify(response: str, ground_truth: str) -> float:
