@@ -1,8 +1,10 @@
 """examples/run_eval.py end to end on the committed tiny checkpoint, and its command-line errors.
 
-The metrics it reports are recomputed here from its own ``responses.jsonl`` by brute force over every
-k-subset of each problem's responses, with answers extracted and checked independently of the math
-environment.
+The committed weights are handed to the script as a training checkpoint (DCP under ``step_<N>/policy/weights``)
+of a run that started from the untrained tiny model, so the evaluation only scores well when the workers
+load the checkpoint's weights over the run's base model. The metrics it reports are recomputed here from
+its own ``responses.jsonl`` by brute force over every k-subset of each problem's responses, with answers
+extracted and checked independently of the math environment.
 """
 
 from __future__ import annotations
@@ -19,10 +21,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import yaml
+from transformers import AutoModelForCausalLM
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "run_eval.py"
 CONFIG = ROOT / "examples" / "configs" / "evals" / "tiny_math_eval.yaml"
+TINY_SFT = ROOT / "examples" / "assets" / "tiny_math_sft"
+TINY_INIT = ROOT / "examples" / "assets" / "tiny_qwen2_init"
 NUM_PROBLEMS = 24
 NUM_SAMPLES = 4
 
@@ -58,10 +66,16 @@ def _mean(values: list[float]) -> float:
 def tiny_eval(ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     # The script's own main, in this process: it attaches to the session's Ray instead of starting one.
     out = tmp_path_factory.mktemp("eval")
+    step_dir = out / "run" / "step_7"
+    weights = AutoModelForCausalLM.from_pretrained(TINY_SFT, dtype=torch.float32).state_dict()
+    dcp.save(dict(weights), checkpoint_id=str(step_dir / "policy" / "weights"), no_dist=True)
+    run_config = {"policy": {"model_name": str(TINY_INIT), "precision": "float32"}}
+    (step_dir / "config.yaml").write_text(yaml.safe_dump(run_config))
     argv = [
         str(SCRIPT),
         "--config",
         str(CONFIG),
+        f"generation.model_name={step_dir}",
         f"data.num_val_samples={NUM_PROBLEMS}",
         f"eval.num_tests_per_prompt={NUM_SAMPLES}",
         f"eval.k_value={NUM_SAMPLES}",
@@ -104,7 +118,10 @@ def test_reported_metrics_equal_a_recomputation_from_the_responses(tiny_eval: di
     assert metrics["greedy_accuracy"] == pytest.approx(_mean(greedy))
     assert metrics["score"] == metrics[f"cons@{NUM_SAMPLES}"]
     assert metrics["num_problems"] == NUM_PROBLEMS
-    # The tiny checkpoint solves some problems but not all: the numbers are not degenerate.
+    # The checkpoint's weights, not the untrained base model's (which writes no answer), did the work; and
+    # the tiny checkpoint solves some problems but not all: the numbers are not degenerate.
+    assert metrics["greedy_accuracy"] >= 0.25
+    assert "(checkpoint)" in tiny_eval["stdout"]
     assert 0.0 < metrics["pass@1"] < metrics[f"pass@{NUM_SAMPLES}"] <= 1.0
     # Sampling is diverse: some problem has two different answers.
     assert any(len(set(p["extracted_answers"])) > 1 for p in problems)
