@@ -8,7 +8,7 @@ holding them says so; see :mod:`nemo_rl.config.no_effect`). ``docs/porting.md`` 
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Literal, Self
 
 from pydantic import Field, model_validator
 
@@ -35,26 +35,34 @@ class _Switchable(ConfigModel):
 class SequencePackingConfig(ConfigModel):
     """NeMo RL's ``policy.sequence_packing``: several sequences packed into one row of a micro-batch.
 
-    Packing changes how micro-batches are laid out, not what is computed; sequences are padded here
-    (``policy.dynamic_batching`` bounds the padded tokens per micro-batch)."""
+    Built on the DTensor backend (see ``PolicyConfig.packs_sequences``): each micro-batch's rows run as one
+    row whose position ids restart at every sequence, so attention stays within each sequence and no compute
+    goes to padding; the logits are unpacked to ``[B, T, V]`` before the loss, so every loss works unchanged.
+    The Megatron backend, sequence parallelism and reward models pad instead."""
 
     enabled: bool = False
-    """Pack sequences (a speed knob)."""
+    """Pack training and log-prob micro-batches (exclusive with ``policy.dynamic_batching``)."""
 
-    train_mb_tokens: int | None = None
-    """Tokens per packed training micro-batch."""
+    train_mb_tokens: int | None = Field(default=None, ge=1)
+    """Token budget of one packed training micro-batch (a longer sequence is packed alone); ``None``:
+    ``max_total_sequence_length x train_micro_batch_size``, NeMo RL's recipe value."""
 
-    logprob_mb_tokens: int | None = None
-    """Tokens per packed log-prob micro-batch."""
+    logprob_mb_tokens: int | None = Field(default=None, ge=1)
+    """Token budget of one packed log-prob micro-batch; ``None``: ``max_total_sequence_length x
+    logprob_batch_size`` (or ``train_micro_batch_size`` when that is unset)."""
 
-    algorithm: str = "modified_first_fit_decreasing"
-    """Bin-packing algorithm."""
+    algorithm: Literal[
+        "modified_first_fit_decreasing", "first_fit_decreasing", "first_fit_shuffle", "concatenative"
+    ] = "modified_first_fit_decreasing"
+    """How sequences go into packs: ``concatenative`` in order, a new pack when the next one does not fit;
+    NeMo RL's other names all pack first-fit decreasing here (longest first, each into the first pack with
+    room). The algorithm decides only how many packs there are, never the loss or the log-probs."""
 
     microbatch_order: str | None = None
-    """Order of the packed micro-batches."""
+    """Accepted, no effect here: packs run in the order they are made."""
 
-    sequence_length_round: int = 64
-    """Packed lengths are rounded up to a multiple of this."""
+    sequence_length_round: int = Field(default=64, ge=1)
+    """Each pack's length is rounded up to a multiple of this."""
 
 
 class LoraConfig(_Switchable):

@@ -112,11 +112,12 @@ def _check_preference_run(algorithm: str, policy: PolicyConfig, data: DataConfig
             f"{algorithm} trains on preference pairs: set data.dataset_name to one of "
             f"{', '.join(PREFERENCE_DATASETS)} (got {data.dataset_name})"
         )
-    if policy.dynamic_batching.enabled:
-        raise ValueError(
-            f"{algorithm} keeps each pair's chosen and rejected responses in one micro-batch, which token-budget "
-            "micro-batches would split: set policy.dynamic_batching.enabled=false"
-        )
+    for section in ("dynamic_batching", "sequence_packing"):
+        if getattr(policy, section).enabled:
+            raise ValueError(
+                f"{algorithm} keeps each pair's chosen and rejected responses in one micro-batch, which "
+                f"token-budget micro-batches would split: set policy.{section}.enabled=false"
+            )
     if policy.reward_model_cfg.enabled != reward_model:
         raise ValueError(
             f"{algorithm} needs policy.reward_model_cfg.enabled={str(reward_model).lower()}"

@@ -451,8 +451,7 @@ class PolicyConfig(ConfigModel):
     (``dtensor_cfg.activation_checkpointing`` turns it on here)."""
 
     sequence_packing: SequencePackingConfig = Field(default_factory=SequencePackingConfig)
-    """Accepted, no effect here: sequences are padded, not packed; packing is a speed knob
-    (``dynamic_batching`` bounds padded tokens per micro-batch)."""
+    """Packed micro-batches: several sequences per row, no compute spent on padding (DTensor backend)."""
 
     draft: dict[str, Any] | None = None
     """Speculative-decoding draft model; not built here: must be null or have ``enabled: false``."""
@@ -464,6 +463,18 @@ class PolicyConfig(ConfigModel):
         if self.draft is not None and self.draft.get("enabled"):
             raise refusal("policy.draft.enabled", "set policy.draft.enabled=false")
         return self
+
+    @property
+    def packs_sequences(self) -> bool:
+        """Whether micro-batches are packed: ``sequence_packing.enabled`` on the DTensor backend with a
+        language-model head and no sequence parallelism (elsewhere sequences are padded, as NeMo RL's
+        recipes that enable packing for every backend then still load)."""
+        return (
+            self.sequence_packing.enabled
+            and self.dtensor_cfg.enabled
+            and not self.dtensor_cfg.sequence_parallel
+            and not self.reward_model_cfg.enabled
+        )
 
     @model_validator(mode="after")
     def _check(self) -> PolicyConfig:
@@ -482,9 +493,15 @@ class PolicyConfig(ConfigModel):
                     "policy.reward_model_cfg.enabled=true needs the DTensor backend (the Megatron backend builds "
                     "causal LMs only): set policy.dtensor_cfg.enabled=true and policy.megatron_cfg.enabled=false"
                 )
+        if self.sequence_packing.enabled and self.dynamic_batching.enabled:
+            raise ValueError(
+                "policy.sequence_packing and policy.dynamic_batching are both enabled: pick one (packing "
+                "computes no padding at all)"
+            )
         if (
             self.train_global_batch_size % self.train_micro_batch_size != 0
             and not self.dynamic_batching.enabled
+            and not self.packs_sequences
         ):
             raise ValueError(
                 f"policy.train_global_batch_size ({self.train_global_batch_size}) must be a multiple of "

@@ -205,6 +205,13 @@ def _scenarios(rank: int, model_dir: Path, out_dir: Path) -> None:
     save("dynamic_train", worker.train(_shard(data, worker.dp_rank, worker.dp_size), loss_fn))
     worker.shutdown()
 
+    # Sequence packing over 2 dp ranks: each micro-batch's rows run as one packed row.
+    packing = {"enabled": True, "train_mb_tokens": 24, "logprob_mb_tokens": 20, "sequence_length_round": 4}
+    worker = DTensorPolicyWorker(policy_cfg(model_dir, sequence_packing=packing))
+    save("packed_logprobs_init", worker.get_logprobs(score_data))
+    save("packed_train", worker.train(_shard(data, worker.dp_rank, worker.dp_size), loss_fn))
+    worker.shutdown()
+
     # Tensor parallel (dp=1): scoring before/after training, reference logprobs, export and refit stream.
     worker = DTensorPolicyWorker(policy_cfg(model_dir, {"tensor_parallel_size": 2}))
     save("tp2_logprobs_init", worker.get_logprobs(score_data))
@@ -444,7 +451,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-
 
 
 # ------------------------------------------------------------------------------------------------ tests
-@pytest.mark.parametrize("scenario", ["dp2_mbs1", "dp2_mbs4", "dynamic", "tp2", "sp2"])
+@pytest.mark.parametrize("scenario", ["dp2_mbs1", "dp2_mbs4", "dynamic", "packed", "tp2", "sp2"])
 def test_training_matches_single_process(results: Path, reference: dict[str, Any], scenario: str) -> None:
     for rank in range(WORLD_SIZE):
         out = load(results, f"{scenario}_train", rank)
@@ -475,7 +482,7 @@ def test_metric_min_is_reduced_with_min(results: Path) -> None:
 
 
 def test_logprobs_match_hf_forward(results: Path, reference: dict[str, Any]) -> None:
-    for name in ("tp2_logprobs_init", "sp2_logprobs_init", "dynamic_logprobs_init"):
+    for name in ("tp2_logprobs_init", "sp2_logprobs_init", "dynamic_logprobs_init", "packed_logprobs_init"):
         assert_close(load(results, name)["logprobs"], reference["init_logprobs"])
     assert_close(load(results, "tp2_logprobs_trained")["logprobs"], reference["trained_logprobs"], rtol=1e-4)
 

@@ -18,8 +18,10 @@ from nemo_rl.models.policy.loss_interface import group_metrics, metric_reduction
 from nemo_rl.models.policy.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from nemo_rl.models.policy.parallelize import apply_tensor_parallel, import_by_path
 from nemo_rl.models.policy.utils import (
+    PackedRows,
     fixed_size_parts,
     global_valid_counts,
+    packing_parts,
     pad_sequence_dim,
     split_parts,
     token_budget_parts,
@@ -104,6 +106,47 @@ def test_token_budget_parts_respect_the_budget_and_cover_every_row() -> None:
     assert fixed_size_parts(5, 2) == [[0, 1], [2, 3], [4]]
 
 
+def test_packing_parts_respect_the_budget_and_cover_every_row() -> None:
+    lengths = [9, 3, 17, 5, 5, 12, 1, 30]
+    for in_order in (False, True):
+        parts = packing_parts(lengths, max_tokens=20, in_order=in_order)
+        assert sorted(row for part in parts for row in part) == list(range(len(lengths)))
+        for part in parts:
+            assert sum(lengths[r] for r in part) <= 20 or len(part) == 1
+    # Longest first, each into the first pack with room: 30 | 17 3 | 12 5 1 | 9 5.
+    assert packing_parts(lengths, 20, in_order=False) == [[7], [2, 1], [5, 3, 6], [0, 4]]
+    assert packing_parts(lengths, 20, in_order=True) == [[0, 1], [2], [3, 4], [5, 6], [7]]
+
+
+def test_packed_forward_equals_the_padded_forward() -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    model = Qwen2ForCausalLM(config).eval()
+    lengths_B = torch.tensor([5, 9, 1, 7])
+    ids_BT = torch.randint(1, 32, (4, 9)) * (torch.arange(9)[None, :] < lengths_B[:, None])
+    packed = PackedRows.pack(ids_BT, lengths_B, multiple=8)
+    assert packed.input_ids_1L.shape == (1, 24)  # 22 tokens rounded up to 24
+    with torch.no_grad():
+        padded_BTV = model(input_ids=ids_BT).logits
+        # Without a KV cache: Hugging Face only keeps attention within each packed sequence when there is none.
+        unpacked_BTV = packed.unpack(
+            model(input_ids=packed.input_ids_1L, position_ids=packed.position_ids_1L, use_cache=False).logits
+        )
+    valid_BT = packed.valid_BT
+    torch.testing.assert_close(unpacked_BTV[valid_BT], padded_BTV[valid_BT], rtol=1e-5, atol=1e-5)
+    assert (unpacked_BTV[~valid_BT] == 0).all()
+
+
 def test_metric_shares_sum_and_extremes_reduce() -> None:
     shares = [{"loss": 1.0, "lp_min": -3.0, "lp_max": 1.0}, {"loss": 2.0, "lp_min": -5.0, "lp_max": 0.5}]
     grouped = group_metrics([*shares, {"loss": 0.5}])
@@ -175,6 +218,22 @@ class _OneRankMesh:
 def test_sequence_parallel_without_tp_is_rejected() -> None:
     with pytest.raises(ValueError, match="sequence_parallel needs tensor_parallel_size > 1"):
         apply_tensor_parallel(torch.nn.Linear(2, 2), _OneRankMesh(), True, None)  # type: ignore[arg-type]
+
+
+def test_sequence_packing_applies_where_it_can() -> None:
+    def cfg(**overrides: Any) -> PolicyConfig:
+        return PolicyConfig.model_validate(
+            {"model_name": "unused", "sequence_packing": {"enabled": True}, **overrides}
+        )
+
+    with pytest.raises(ValueError, match="pick one"):
+        cfg(dynamic_batching={"enabled": True})
+    assert cfg().packs_sequences
+    # NeMo RL's recipes enable packing for every backend: sequence parallelism and reward models pad instead.
+    assert not cfg(dtensor_cfg={"tensor_parallel_size": 2, "sequence_parallel": True}).packs_sequences
+    assert not cfg(reward_model_cfg={"enabled": True}).packs_sequences
+    # Packs are token budgets: the global batch need not be a multiple of the micro-batch size.
+    assert cfg(train_global_batch_size=10, train_micro_batch_size=4).packs_sequences
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")

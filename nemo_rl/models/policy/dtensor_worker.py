@@ -58,6 +58,7 @@ from nemo_rl.models.policy.optim import build_optimizer, build_scheduler, clip_g
 from nemo_rl.models.policy.parallelize import reshard_all
 from nemo_rl.models.policy.utils import (
     PRECISION_DTYPES,
+    PackedRows,
     pad_sequence_dim,
     token_logprobs,
     topk_logits,
@@ -185,11 +186,24 @@ class DTensorPolicyWorker:
 
     def _logits(self, mb: BatchedDataDict[Any]) -> torch.Tensor:
         """[B, T, V] float32 full-vocab logits of the sampling distribution (temperature, top-k, top-p; see
-        ``nemo_rl.models.sampling.sampling_logits``)."""
-        output = self.model(input_ids=mb["input_ids"], use_cache=False)
+        ``nemo_rl.models.sampling.sampling_logits``). With ``policy.sequence_packing`` the rows run as one
+        packed row and the logits are unpacked (zeros at padding)."""
+        packing = self.cfg.packs_sequences
+        if packing:
+            multiple = math.lcm(self.cfg.sequence_packing.sequence_length_round, self.seq_multiple)
+            packed = PackedRows.pack(mb["input_ids"], mb["input_lengths"], multiple)
+            # Hugging Face keeps attention within each packed sequence (restarting position ids) only when
+            # no KV cache is passed: use_cache=False is what makes the packed forward exact.
+            output = self.model(
+                input_ids=packed.input_ids_1L, position_ids=packed.position_ids_1L, use_cache=False
+            )
+        else:
+            output = self.model(input_ids=mb["input_ids"], use_cache=False)
         logits_BTV = output.logits
         if isinstance(logits_BTV, DTensor):  # a custom TP plan may leave the LM head's output sharded
             logits_BTV = logits_BTV.full_tensor()
+        if packing:
+            logits_BTV = packed.unpack(logits_BTV)
         generation = self.cfg.generation
         return sampling_logits(
             logits_BTV.float(), mb["input_ids"], generation.temperature, generation.top_k, generation.top_p
@@ -214,7 +228,7 @@ class DTensorPolicyWorker:
         self.model.eval()
         outputs = [
             (rows, fn(self._forward(mb), mb))
-            for rows, mb in self._micro_batches(batch, mbs, self.cfg.dynamic_batching.logprob_mb_tokens)
+            for rows, mb in self._micro_batches(batch, mbs, self._mb_tokens(train=False))
         ]
         reshard_all(self.model)
         return merge_rows(outputs, data.size, int(data["input_ids"].shape[1]))
@@ -231,7 +245,23 @@ class DTensorPolicyWorker:
             seq_multiple=self.seq_multiple,
             device=self.device,
             dp_group=self.dp_group,
+            packing=self.cfg.sequence_packing if self.cfg.packs_sequences else None,
         )
+
+    def _mb_tokens(self, train: bool) -> int:
+        """The token budget of a training or scoring micro-batch (packing's, or dynamic batching's)."""
+        cfg = self.cfg
+        if not cfg.packs_sequences:
+            return cfg.dynamic_batching.train_mb_tokens if train else cfg.dynamic_batching.logprob_mb_tokens
+        packing = cfg.sequence_packing
+        if train:
+            budget = packing.train_mb_tokens
+            rows = cfg.train_micro_batch_size
+        else:
+            budget = packing.logprob_mb_tokens
+            rows = cfg.logprob_batch_size or cfg.train_micro_batch_size
+        # NeMo RL's recipes derive the budgets from the padded micro-batch they replace.
+        return budget if budget is not None else cfg.max_total_sequence_length * rows
 
     def get_logprobs(
         self, data: BatchedDataDict[Any], micro_batch_size: int | None = None
@@ -304,7 +334,7 @@ class DTensorPolicyWorker:
                 self.optimizer.zero_grad(set_to_none=True)
             step_loss = 0.0
             mb_metrics: list[dict[str, float]] = []
-            max_tokens = self.cfg.dynamic_batching.train_mb_tokens
+            max_tokens = self._mb_tokens(train=True)
             for _, mb in self._micro_batches(step.batch, step.micro_batch_size, max_tokens):
                 with torch.set_grad_enabled(not eval_mode):
                     loss, metrics = loss_fn(

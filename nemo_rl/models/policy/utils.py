@@ -6,6 +6,7 @@ Tensor legend: B = sequences, T = padded tokens, V = vocabulary, K = top-k.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -127,6 +128,72 @@ def token_budget_parts(lengths: list[int], max_tokens: int, round_to: int) -> li
     if current:
         parts.append(current)
     return parts
+
+
+def packing_parts(lengths: list[int], max_tokens: int, in_order: bool) -> list[list[int]]:
+    """Row indices of packs holding at most ``max_tokens`` tokens each (sequence packing).
+
+    First-fit decreasing (rows longest first, each into the first pack with room: few packs), or with
+    ``in_order`` the rows in order, a new pack when the next row does not fit. A row longer than the budget
+    gets a pack alone.
+    """
+    packs: list[list[int]] = []
+    room: list[int] = []
+    order = list(range(len(lengths)))
+    if not in_order:
+        order.sort(key=lambda i: -lengths[i])
+    for row in order:
+        length = max(lengths[row], 1)
+        candidates = range(len(packs))[-1:] if in_order else range(len(packs))
+        target = next((j for j in candidates if room[j] >= length), None)
+        if target is None:
+            packs.append([])
+            room.append(max_tokens)
+            target = len(packs) - 1
+        packs[target].append(row)
+        room[target] -= length
+    return packs
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """Right-padded rows ``[B, T]`` laid end to end in one row ``[1, L]``, and the way back.
+
+    ``position_ids_1L`` restart at 0 at every sequence (Hugging Face models then keep attention within each
+    sequence); the pack is padded at its end to a multiple of the requested length, as a sequence of its own.
+    """
+
+    input_ids_1L: torch.Tensor
+    position_ids_1L: torch.Tensor
+    index_BT: torch.Tensor
+    """Position in the pack of each row's token (0 where the row is padding)."""
+    valid_BT: torch.Tensor
+    """Whether the row has a token there."""
+
+    @staticmethod
+    def pack(input_ids_BT: torch.Tensor, lengths_B: torch.Tensor, multiple: int) -> PackedRows:
+        """Pack ``input_ids_BT``'s first ``lengths_B[b]`` tokens of each row (at least one per row)."""
+        num_rows, seq_len = input_ids_BT.shape
+        lengths_B = lengths_B.to(input_ids_BT.device).clamp(1, seq_len)
+        valid_BT = torch.arange(seq_len, device=input_ids_BT.device)[None, :] < lengths_B[:, None]
+        starts_B = torch.cumsum(lengths_B, 0) - lengths_B
+        total = int(lengths_B.sum())
+        packed_len = round_up(total, multiple)
+        index_BT = torch.where(valid_BT, starts_B[:, None] + torch.arange(seq_len, device=valid_BT.device), 0)
+        input_ids_1L = input_ids_BT.new_zeros(1, packed_len)
+        input_ids_1L[0, index_BT[valid_BT]] = input_ids_BT[valid_BT]
+        position_ids_1L = torch.arange(packed_len, device=valid_BT.device)[None, :].clone()
+        position_ids_1L[0, index_BT[valid_BT]] = torch.arange(seq_len, device=valid_BT.device).expand(
+            num_rows, -1
+        )[valid_BT]
+        position_ids_1L[0, total:] -= total  # the end padding is a sequence of its own
+        return PackedRows(input_ids_1L, position_ids_1L, index_BT, valid_BT)
+
+    def unpack(self, values_1L: torch.Tensor) -> torch.Tensor:
+        """``[1, L, ...]`` per-token values of the pack back to ``[B, T, ...]`` (zeros at the rows' padding)."""
+        values_BT = values_1L[0][self.index_BT]
+        mask = self.valid_BT.reshape(*self.valid_BT.shape, *([1] * (values_BT.ndim - 2)))
+        return torch.where(mask, values_BT, torch.zeros((), dtype=values_BT.dtype, device=values_BT.device))
 
 
 def split_parts(parts: list[list[int]], count: int) -> list[list[int]]:

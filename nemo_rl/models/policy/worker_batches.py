@@ -20,13 +20,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nemo_rl.config.policy import DynamicBatchingConfig, PolicyConfig
+from nemo_rl.config.policy import DynamicBatchingConfig, PolicyConfig, SequencePackingConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.models.policy.interfaces import TrainResult
 from nemo_rl.models.policy.loss_interface import group_metrics, metric_reduction, reduce_metrics
 from nemo_rl.models.policy.utils import (
     fixed_size_parts,
     global_valid_counts,
+    packing_parts,
     pad_sequence_dim,
     round_up,
     split_parts,
@@ -83,22 +84,28 @@ def micro_batches(
     seq_multiple: int,
     device: torch.device,
     dp_group: dist.ProcessGroup | None,
+    packing: SequencePackingConfig | None = None,
 ) -> Iterator[tuple[list[int], BatchedDataDict[Any]]]:
     """``(row indices, micro-batch on the device)`` pairs covering ``batch``.
 
-    Fixed-size micro-batches, or with ``policy.dynamic_batching`` micro-batches bounded by ``max_tokens``
-    padded tokens and cut to their longest row (rounded to ``sequence_length_round`` and ``seq_multiple``).
-    Every dp rank runs the same number of micro-batches (forward passes are collectives over dp), so the
-    count is agreed on first.
+    Fixed-size micro-batches; with ``policy.dynamic_batching`` micro-batches bounded by ``max_tokens``
+    padded tokens and cut to their longest row (rounded to ``sequence_length_round`` and ``seq_multiple``);
+    given ``packing`` (the policy packs sequences), the rows of one pack of at most ``max_tokens`` tokens (the worker lays them end
+    to end for the forward pass). Every dp rank runs the same number of micro-batches (forward passes are
+    collectives over dp), so the count is agreed on first.
     """
-    if not dynamic.enabled:
+    if not dynamic.enabled and packing is None:
         for rows in fixed_size_parts(batch.size, micro_batch_size):
             yield rows, batch.select_indices(rows).to(device)
         return
     seq_len = int(batch["input_ids"].shape[1])
     round_to = math.lcm(dynamic.sequence_length_round, seq_multiple)
     lengths = [int(n) for n in batch["input_lengths"].tolist()]
-    parts = token_budget_parts(lengths, max_tokens, round_to)
+    if packing is not None:
+        parts = packing_parts(lengths, max_tokens, in_order=packing.algorithm == "concatenative")
+        round_to = seq_multiple
+    else:
+        parts = token_budget_parts(lengths, max_tokens, round_to)
     count = torch.tensor(len(parts), device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=dp_group)
     for rows in split_parts(parts, int(count)):
@@ -148,7 +155,7 @@ def step_batches(
         micro_batch_size=micro_batch_size,
         dp_size=dp_size,
         rows_per_group=rows_per_group,
-        dynamic_batching=cfg.dynamic_batching.enabled,
+        dynamic_batching=cfg.dynamic_batching.enabled or cfg.packs_sequences,
     )
     for step in range(num_steps):
         batch = pad_sequence_dim(
