@@ -21,6 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "run_grpo_math.py"
 CONFIG = ROOT / "examples" / "configs" / "grpo_math_tiny.yaml"
+MEGATRON_CONFIG = ROOT / "examples" / "configs" / "grpo_math_tiny_megatron.yaml"
 TINY_SFT = ROOT / "examples" / "assets" / "tiny_math_sft"
 TIMEOUT_S = 900
 
@@ -45,12 +46,12 @@ NEMO_RL_STEP_METRICS = [
 ]
 
 
-def _command(tmp: Path, name: str, *extra: str) -> list[str]:
+def _command(tmp: Path, name: str, *extra: str, config: Path = CONFIG) -> list[str]:
     return [
         sys.executable,
         str(SCRIPT),
         "--config",
-        str(CONFIG),
+        str(config),
         "grpo.num_prompts_per_step=4",
         "grpo.num_generations_per_prompt=4",
         "grpo.max_val_samples=16",
@@ -179,6 +180,54 @@ def test_non_colocated_local_model_path_with_swanlab(tmp_path: Path) -> None:
     assert metrics[1]["train/gen_kl_error"] == pytest.approx(0.0, abs=1e-4)
     assert metrics[1]["timing/train/logprobs"] > 0
     assert metrics[2]["refit/bytes"] > 0 and "validation/accuracy" in metrics[2]
+    swanlab_files = [p for p in (tmp_path / "noncoloc" / "logs" / "swanlab").rglob("*") if p.is_file()]
+    assert swanlab_files, "SwanLab (offline) wrote no run files under <log_dir>/swanlab"
+
+
+@pytest.mark.slow
+@pytest.mark.mcore
+def test_megatron_pipeline_non_colocated_resumes_after_kill(tmp_path: Path) -> None:
+    # The Megatron recipe (the tiny model in two pipeline stages) with generation on a slot of its own:
+    # each stage broadcasts its own layers over its own collective group. Killed (SIGKILL) once its step-2
+    # checkpoint exists, then rerun.
+    pytest.importorskip("megatron.core", reason="needs megatron-core (uv sync --extra mcore)")
+    cmd = _command(
+        tmp_path,
+        "noncoloc",
+        "grpo.max_num_steps=3",
+        "grpo.val_at_start=false",
+        "cluster.gpus_per_node=3",
+        "policy.generation.colocated.enabled=false",
+        "policy.generation.colocated.resources.gpus_per_node=1",
+        f"policy.model_name={TINY_SFT}",
+        "swanlab_enabled=True",
+        config=MEGATRON_CONFIG,
+    )
+    ckpt = tmp_path / "noncoloc" / "ckpt" / "step_2"
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env())
+    deadline = time.monotonic() + TIMEOUT_S
+    while not ckpt.exists():
+        if proc.poll() is not None:
+            output = proc.stdout.read().decode() if proc.stdout else ""
+            pytest.fail(f"run ended before its step-2 checkpoint:\n{output[-6000:]}")
+        assert time.monotonic() < deadline, "no checkpoint within the time limit"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+
+    resumed = _run(cmd)
+    assert "Resuming GRPO from" in resumed.stdout and "(step 2)" in resumed.stdout, resumed.stdout[-3000:]
+    metrics = _metrics(tmp_path / "noncoloc" / "logs")
+    # The engine samples from exactly the weights the pipeline scores with: before the first update, after
+    # it, and after the resumed run's first refit.
+    for step in (1, 2, 3):
+        assert metrics[step]["train/gen_kl_error"] == pytest.approx(0.0, abs=1e-4), step
+        assert metrics[step]["train/token_mult_prob_error"] == pytest.approx(1.0, abs=1e-3), step
+    # One stream per stage (at least a bucket each), one copy of the weights per refit.
+    assert metrics[3]["refit/num_buckets"] >= 2
+    assert metrics[3]["refit/bytes"] == metrics[2]["refit/bytes"] > 0
+    assert "validation/accuracy" in metrics[2]
+    assert (tmp_path / "noncoloc" / "ckpt" / "step_3" / "training_info.json").exists()
     swanlab_files = [p for p in (tmp_path / "noncoloc" / "logs" / "swanlab").rglob("*") if p.is_file()]
     assert swanlab_files, "SwanLab (offline) wrote no run files under <log_dir>/swanlab"
 
