@@ -28,7 +28,12 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined, to_jsonable_python
 
 from nemo_rl.config.keys import format_type
-from nemo_rl.config.master import EvalMasterConfig, GRPOMasterConfig, SFTMasterConfig
+from nemo_rl.config.master import (
+    DistillationMasterConfig,
+    EvalMasterConfig,
+    GRPOMasterConfig,
+    SFTMasterConfig,
+)
 
 REFERENCE_PATH = Path(__file__).resolve().parent / "config_reference.md"
 """Where the generated reference is committed."""
@@ -40,6 +45,7 @@ MASTERS: tuple[tuple[str, type[BaseModel]], ...] = (
     ("examples/run_grpo_math.py", GRPOMasterConfig),
     ("examples/run_sft.py", SFTMasterConfig),
     ("examples/run_eval.py", EvalMasterConfig),
+    ("examples/run_distillation_math.py", DistillationMasterConfig),
 )
 """Each driver script and the master config it validates its YAML against."""
 
@@ -215,8 +221,15 @@ def render() -> str:
         readers = ", ".join(f"`{s}`" for s in scripts)
         out.append(f"| [`{name}`](#{anchor}) | {readers} | `{model.__module__}.{model.__name__}` |")
     out.append("")
-    for name, _, model in sections:
+    rendered: dict[type[BaseModel], tuple[str, str]] = {}
+    for (name, _, model), anchor in zip(sections, _anchors([n for n, _, _ in sections]), strict=True):
         out += [f"## {name}", ""]
+        if model in rendered:
+            # A second section of a schema already listed (distillation's teacher: a policy section).
+            first, first_anchor = rendered[model]
+            out += [f"The same keys, types and defaults as [`{first}`](#{first_anchor}).", ""]
+            continue
+        rendered[model] = (name, anchor)
         for index, section in enumerate(walk(Section(name, model))):
             out.append(render_section(section, heading=index > 0))
     return "\n".join(out).rstrip("\n") + "\n"

@@ -39,9 +39,12 @@ from nemo_rl.algorithms.loop import (
 from nemo_rl.algorithms.loss_functions import ClippedPGLossFn
 from nemo_rl.algorithms.rewards import first_response_lengths, scale_rewards, shape_rewards
 from nemo_rl.config.algorithms import GRPOConfig
+from nemo_rl.config.cluster import ClusterConfig
+from nemo_rl.config.env import EnvConfig
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.loader import save_config
 from nemo_rl.config.master import GRPOMasterConfig
+from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.data.collate_fn import rl_collate_fn
 from nemo_rl.data.dataloader import StatefulDataLoader
 from nemo_rl.data.datasets import ProcessedDataset, dataset_task_names
@@ -120,30 +123,30 @@ class GRPOSetup:
         self.cluster.shutdown()
 
 
-def _placement(config: GRPOMasterConfig) -> tuple[list[int], list[int]]:
+def placement(policy: PolicyConfig, cluster: ClusterConfig) -> tuple[list[int], list[int]]:
     """Bundle indices of the policy and the generation workers.
 
     Colocated: both use every bundle and take turns. Otherwise the last
     ``policy.generation.colocated.resources.gpus_per_node`` bundles of each node go to generation.
     """
-    total = config.cluster.gpus_per_node * config.cluster.num_nodes
-    if config.policy.generation.colocated.enabled:
+    total = cluster.gpus_per_node * cluster.num_nodes
+    if policy.generation.colocated.enabled:
         return list(range(total)), list(range(total))
-    gen_per_node = config.policy.generation.colocated.resources.gpus_per_node
-    assert gen_per_node is not None  # checked by GRPOMasterConfig
-    if gen_per_node >= config.cluster.gpus_per_node:
+    gen_per_node = policy.generation.colocated.resources.gpus_per_node
+    assert gen_per_node is not None  # checked by the master config
+    if gen_per_node >= cluster.gpus_per_node:
         raise UserError(
             f"non-colocated generation takes policy.generation.colocated.resources.gpus_per_node="
-            f"{gen_per_node} of cluster.gpus_per_node={config.cluster.gpus_per_node} slots per node, leaving "
+            f"{gen_per_node} of cluster.gpus_per_node={cluster.gpus_per_node} slots per node, leaving "
             "none for the policy: raise cluster.gpus_per_node or lower the generation slots"
         )
     policy_bundles: list[int] = []
     generation_bundles: list[int] = []
-    for node in range(config.cluster.num_nodes):
-        first = node * config.cluster.gpus_per_node
-        split = first + config.cluster.gpus_per_node - gen_per_node
+    for node in range(cluster.num_nodes):
+        first = node * cluster.gpus_per_node
+        split = first + cluster.gpus_per_node - gen_per_node
         policy_bundles += range(first, split)
-        generation_bundles += range(split, first + config.cluster.gpus_per_node)
+        generation_bundles += range(split, first + cluster.gpus_per_node)
     return policy_bundles, generation_bundles
 
 
@@ -156,8 +159,8 @@ def _check_batch_sizes(config: GRPOMasterConfig) -> None:
         )
 
 
-def _tasks_to_start(
-    config: GRPOMasterConfig,
+def tasks_to_start(
+    env: EnvConfig,
     train_tasks: set[str],
     val_tasks: set[str],
     task_to_env: Mapping[str, Any] | None,
@@ -177,7 +180,7 @@ def _tasks_to_start(
                 f"{name} has samples of task {sorted(tasks - given.keys())[0]!r}, which the environments passed "
                 f"to setup do not cover (they cover {sorted(given)}); add an environment for it"
             )
-    check_task_envs(to_start, config.env)
+    check_task_envs(to_start, env)
     return to_start
 
 
@@ -203,13 +206,13 @@ def setup(
         config.policy,
         config.checkpointing,
         config.logger.log_dir,
-        policy_world_size=len(_placement(config)[0]),
+        policy_world_size=len(placement(config.policy, config.cluster)[0]),
         run_name="GRPO",
         metric_names={"val_accuracy", "validation/accuracy", "val:accuracy"},
     )
     train_tasks = dataset_task_names(train_dataset)
     val_tasks = dataset_task_names(val_dataset)
-    tasks_to_start = _tasks_to_start(config, train_tasks, val_tasks, task_to_env, val_task_to_env)
+    to_start = tasks_to_start(config.env, train_tasks, val_tasks, task_to_env, val_task_to_env)
     checkpointer = CheckpointManager(config.checkpointing)
     resume = find_resume(checkpointer, "GRPO", config)
     state = resume.state(GRPOState)
@@ -226,7 +229,7 @@ def setup(
 
     init_ray(config.cluster)
     cluster = RayVirtualCluster(config.cluster, name="grpo", max_colocated_worker_groups=2)
-    policy_bundles, generation_bundles = _placement(config)
+    policy_bundles, generation_bundles = placement(config.policy, config.cluster)
     # Generation first: vLLM starts only when gpu_memory_utilization of each GPU is free. Colocated engines
     # then sleep (weights to host memory, caches freed) while the policy loads.
     generation = create_generation(
@@ -252,7 +255,7 @@ def setup(
         generation_node_ids=[locations[b].node_id for b in generation_bundles],
         policy_streams=policy.refit_streams(),
     )
-    started = create_task_envs(tasks_to_start, config.env)
+    started = create_task_envs(to_start, config.env)
     task_to_env = started if task_to_env is None else task_to_env
     val_task_to_env = task_to_env if val_task_to_env is None else val_task_to_env
     logger = Logger(config.logger)
@@ -345,37 +348,40 @@ def environment_metrics(task_to_env: Mapping[str, Any], rollout: BatchedDataDict
     return metrics
 
 
-def _val_batches(s: GRPOSetup) -> list[BatchedDataDict[Any]]:
-    assert s.val_dataset is not None
-    cfg = s.config.grpo
-    num_samples = min(cfg.max_val_samples, len(s.val_dataset))
-    return [
-        rl_collate_fn([s.val_dataset[i] for i in range(start, min(start + cfg.val_batch_size, num_samples))])
-        for start in range(0, num_samples, cfg.val_batch_size)
-    ]
-
-
-def validate(s: GRPOSetup, step: int) -> dict[str, float]:
-    """Accuracy on up to ``grpo.max_val_samples`` held-out prompts (one response each); logged at ``step``."""
-    if s.val_dataset is None or len(s.val_dataset) == 0:
-        return {}
-    if s.generation_stale:
-        refit_generation(s)
+def validation_rollouts(
+    generation: GenerationInterface,
+    val_dataset: ProcessedDataset,
+    tokenizer: PreTrainedTokenizerBase,
+    val_task_to_env: Mapping[str, Any],
+    *,
+    max_val_samples: int,
+    val_batch_size: int,
+    max_seq_len: int,
+    max_rollout_turns: int,
+    greedy: bool,
+) -> tuple[dict[str, float], list[str]]:
+    """Roll out the first ``max_val_samples`` prompts of ``val_dataset`` once each, in batches of
+    ``val_batch_size``; returns the ``validation/`` metrics (accuracy, mean reward and length, the
+    environments' own) and the conversations as text with their rewards."""
     start_s = time.perf_counter()
     rewards: list[torch.Tensor] = []
     lengths: list[float] = []
     samples: list[str] = []
     rollouts: list[BatchedDataDict[Any]] = []
-    s.generation.prepare_for_generation()
-    for batch in _val_batches(s):
+    num_samples = min(max_val_samples, len(val_dataset))
+    generation.prepare_for_generation()
+    for start in range(0, num_samples, val_batch_size):
+        batch = rl_collate_fn(
+            [val_dataset[i] for i in range(start, min(start + val_batch_size, num_samples))]
+        )
         rollout, rollout_metrics = run_multi_turn_rollout(
-            s.generation,
+            generation,
             batch,
-            s.tokenizer,
-            s.val_task_to_env,
-            max_seq_len=s.config.policy.max_total_sequence_length,
-            max_rollout_turns=s.config.grpo.max_rollout_turns,
-            greedy=s.config.grpo.val_greedy,
+            tokenizer,
+            val_task_to_env,
+            max_seq_len=max_seq_len,
+            max_rollout_turns=max_rollout_turns,
+            greedy=greedy,
         )
         rewards.append(rollout["total_reward"])
         rollouts.append(rollout)
@@ -384,7 +390,7 @@ def validate(s: GRPOSetup, step: int) -> dict[str, float]:
             "".join(m["content"] for m in log) + f"\n[reward {float(r):.1f}]"
             for log, r in zip(rollout["message_log"], rollout["total_reward"], strict=True)
         ]
-    s.generation.finish_generation()
+    generation.finish_generation()
     all_rewards = torch.cat(rewards)
     metrics = {
         "accuracy": float((all_rewards > 0).float().mean()),
@@ -392,8 +398,28 @@ def validate(s: GRPOSetup, step: int) -> dict[str, float]:
         "mean_gen_tokens_per_sample": sum(lengths) / all_rewards.numel(),
         "num_samples": float(all_rewards.numel()),
         "time_s": time.perf_counter() - start_s,
-        **environment_metrics(s.val_task_to_env, BatchedDataDict.from_batches(rollouts)),
+        **environment_metrics(val_task_to_env, BatchedDataDict.from_batches(rollouts)),
     }
+    return metrics, samples
+
+
+def validate(s: GRPOSetup, step: int) -> dict[str, float]:
+    """Accuracy on up to ``grpo.max_val_samples`` held-out prompts (one response each); logged at ``step``."""
+    if s.val_dataset is None or len(s.val_dataset) == 0:
+        return {}
+    if s.generation_stale:
+        refit_generation(s)
+    metrics, samples = validation_rollouts(
+        s.generation,
+        s.val_dataset,
+        s.tokenizer,
+        s.val_task_to_env,
+        max_val_samples=s.config.grpo.max_val_samples,
+        val_batch_size=s.config.grpo.val_batch_size,
+        max_seq_len=s.config.policy.max_total_sequence_length,
+        max_rollout_turns=s.config.grpo.max_rollout_turns,
+        greedy=s.config.grpo.val_greedy,
+    )
     s.logger.print_samples(samples, step)
     s.logger.log_metrics(metrics, step, prefix="validation")
     s.state.val_accuracy = metrics["accuracy"]

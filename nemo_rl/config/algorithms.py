@@ -1,4 +1,4 @@
-"""Schemas of the algorithm sections: ``sft``, ``grpo``, ``dpo`` and ``rm``."""
+"""Schemas of the algorithm sections: ``sft``, ``grpo``, ``dpo``, ``rm`` and ``distillation``."""
 
 from __future__ import annotations
 
@@ -235,6 +235,51 @@ class GRPOConfig(ConfigModel):
                     f"set both to the same value (or leave adv_estimator.{key} null)"
                 )
         return self
+
+
+class DistillationConfig(ConfigModel):
+    """On-policy distillation (NeMo RL's ``distillation`` section): the student samples, the teacher scores.
+
+    ``num_prompts_per_step`` x ``num_generations_per_prompt`` responses per step must be a multiple of
+    ``policy.train_global_batch_size``.
+    """
+
+    num_prompts_per_step: int = Field(default=128, ge=1)
+    """Distinct prompts sampled per step."""
+
+    num_generations_per_prompt: int = Field(default=1, ge=1)
+    """Responses the student samples per prompt."""
+
+    max_rollout_turns: int = Field(default=1, ge=1)
+    """Generate / environment-step turns per rollout (1 = single turn, as for math)."""
+
+    max_num_steps: int = Field(default=1000, ge=1)
+    """Steps to run in total (a resumed run counts the steps already taken)."""
+
+    max_num_epochs: int = Field(default=10, ge=1)
+    """Passes over the prompt set; training stops at whichever of this and ``max_num_steps`` comes first."""
+
+    val_batch_size: int = Field(default=64, ge=1)
+    """Validation prompts per generation call."""
+
+    val_period: int = Field(default=20, ge=0)
+    """Validate every this many steps; 0 disables periodic validation."""
+
+    val_at_start: bool = False
+    """Validate once before the first step."""
+
+    val_at_end: bool = False
+    """Also validate after the last step when ``val_period`` does not fall on it, so the final checkpoint
+    carries validation metrics."""
+
+    max_val_samples: int = Field(default=512, ge=1)
+    """Validation prompts per validation run (one sampled response each)."""
+
+    topk_logits_k: int = Field(default=64, ge=1)
+    """Teacher logits kept per position: the KL is taken on the teacher's ``k`` most likely next tokens."""
+
+    seed: int = 42
+    """Seed of prompt shuffling, sampling and initialisation."""
 
 
 class DPOConfig(DPOLossConfig):

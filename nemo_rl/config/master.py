@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from nemo_rl.config.algorithms import DPOConfig, GRPOConfig, RMConfig, SFTConfig
+from nemo_rl.config.algorithms import DistillationConfig, DPOConfig, GRPOConfig, RMConfig, SFTConfig
 from nemo_rl.config.base import ConfigModel
 from nemo_rl.config.checkpointing import CheckpointingConfig
 from nemo_rl.config.cluster import ClusterConfig
@@ -15,7 +15,7 @@ from nemo_rl.config.data import PREFERENCE_DATASETS, DataConfig
 from nemo_rl.config.env import EnvConfig
 from nemo_rl.config.eval import EvalConfig, EvalDataConfig, EvalGenerationConfig
 from nemo_rl.config.logger import LoggerConfig
-from nemo_rl.config.loss import ClippedPGLossConfig
+from nemo_rl.config.loss import ClippedPGLossConfig, DistillationLossConfig
 from nemo_rl.config.no_effect import refusal
 from nemo_rl.config.policy import PolicyConfig, TokenizerConfig
 
@@ -88,19 +88,86 @@ class GRPOMasterConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _check(self) -> GRPOMasterConfig:
-        resources = self.policy.generation.colocated.resources
-        if not self.policy.generation.colocated.enabled:
-            if resources.gpus_per_node is None:
-                raise ValueError(
-                    "policy.generation.colocated.enabled=false needs "
-                    "policy.generation.colocated.resources.gpus_per_node (slots reserved for generation)"
-                )
-            if (resources.num_nodes or 1) > 1 and self.cluster.num_nodes == 1:
-                raise ValueError("non-colocated generation on several nodes needs cluster.num_nodes > 1")
+        _check_generation_placement(self.policy, self.cluster)
         if self.data.env_name == "reward_model" and not self.env.reward_model.enabled:
             raise ValueError(
                 "data.env_name=reward_model scores the prompts with a reward model: set "
                 "env.reward_model.enabled=true and env.reward_model.model_name (e.g. the export of run_rm.py)"
+            )
+        return self
+
+
+def _check_generation_placement(policy: PolicyConfig, cluster: ClusterConfig) -> None:
+    """Non-colocated generation names its slots, and spans several nodes only on a multi-node cluster."""
+    resources = policy.generation.colocated.resources
+    if not policy.generation.colocated.enabled:
+        if resources.gpus_per_node is None:
+            raise ValueError(
+                "policy.generation.colocated.enabled=false needs "
+                "policy.generation.colocated.resources.gpus_per_node (slots reserved for generation)"
+            )
+        if (resources.num_nodes or 1) > 1 and cluster.num_nodes == 1:
+            raise ValueError("non-colocated generation on several nodes needs cluster.num_nodes > 1")
+
+
+class DistillationMasterConfig(ConfigModel):
+    """Everything ``examples/run_distillation_math.py`` reads."""
+
+    distillation: DistillationConfig = Field(default_factory=DistillationConfig)
+    """The on-policy distillation loop."""
+
+    loss_fn: DistillationLossConfig = Field(default_factory=DistillationLossConfig)
+    """The KL between teacher and student on the teacher's top-k tokens."""
+
+    policy: PolicyConfig
+    """The student: the trained model and its generation settings."""
+
+    teacher: PolicyConfig
+    """The teacher: a frozen model on its own workers, placed on the student's slots, that scores the
+    student's samples (only its model, parallelism, batch sizes and precision are used). It must share the
+    student's tokenizer and vocabulary."""
+
+    data: DataConfig = Field(default_factory=DataConfig)
+    """Training and validation prompts."""
+
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    """Environments that score responses (for the logged rewards and validation accuracy; the loss does not
+    use them)."""
+
+    logger: LoggerConfig = Field(default_factory=LoggerConfig)
+    """Metric logging backends."""
+
+    checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
+    """Checkpoint saving, retention and resume (of the student)."""
+
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    """Worker slots (GPUs, or CPU slots without CUDA) and nodes."""
+
+    @model_validator(mode="after")
+    def _check(self) -> DistillationMasterConfig:
+        _check_generation_placement(self.policy, self.cluster)
+        for section, cfg in (("policy", self.policy), ("teacher", self.teacher)):
+            if cfg.generation.top_k is not None or cfg.generation.top_p < 1.0:
+                # The workers score under the sampling distribution: top-k / top-p would put -inf on tokens
+                # of the other model's top-k, and the KL would be infinite.
+                raise ValueError(
+                    f"{section}.generation.top_k={cfg.generation.top_k}, top_p={cfg.generation.top_p}: "
+                    "distillation compares full next-token distributions; set top_k=null and top_p=1.0"
+                )
+        if self.teacher.generation.temperature != self.policy.generation.temperature:
+            # Both models score at their generation temperature; different ones would distil a reshaped
+            # teacher into a student trained at another scale.
+            raise ValueError(
+                f"teacher.generation.temperature={self.teacher.generation.temperature} differs from "
+                f"policy.generation.temperature={self.policy.generation.temperature}: the teacher's logits and "
+                "the student's are divided by these before the KL; set them equal"
+            )
+        samples = self.distillation.num_prompts_per_step * self.distillation.num_generations_per_prompt
+        if samples % self.policy.train_global_batch_size != 0:
+            raise ValueError(
+                f"distillation.num_prompts_per_step x distillation.num_generations_per_prompt = {samples} "
+                f"responses per step must be a multiple of policy.train_global_batch_size="
+                f"{self.policy.train_global_batch_size}"
             )
         return self
 

@@ -42,16 +42,25 @@ def _section_blocks(text: str, heading: str) -> list[str]:
 def test_reference_documents_every_schema_key() -> None:
     # Guards the generator itself: every dotted key of every schema is a row of its section's table.
     from nemo_rl.config.keys import INDEX, NAME, schema_keys
-    from nemo_rl.config.master import EvalMasterConfig, GRPOMasterConfig, SFTMasterConfig
+    from nemo_rl.config.master import (
+        DistillationMasterConfig,
+        EvalMasterConfig,
+        GRPOMasterConfig,
+        SFTMasterConfig,
+    )
 
     text = _load_generator().render()
-    for master in (GRPOMasterConfig, SFTMasterConfig, EvalMasterConfig):
+    # A second section of an already listed schema (distillation's teacher) points to the first one.
+    assert "## teacher\n\nThe same keys, types and defaults as [`policy`](#policy)." in text
+    for master in (GRPOMasterConfig, SFTMasterConfig, EvalMasterConfig, DistillationMasterConfig):
         keys = {key.parts: key for key in schema_keys(master)}
         for parts, key in keys.items():
             if NAME in parts:
                 continue
             if len(parts) == 1:
                 assert f"| [`{parts[0]}`](#{parts[0]}" in text, f"top-level section {parts[0]} is missing"
+                continue
+            if parts[0] == "teacher":  # documented through policy (asserted above)
                 continue
             parent = keys.get(parts[:-1])
             # Entries of a dict default (policy.optimizer.kwargs.lr) are values, not schema fields.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from nemo_rl.config.errors import ConfigError
 from nemo_rl.config.loader import load_and_validate
 from nemo_rl.config.master import (
+    DistillationMasterConfig,
     DPOMasterConfig,
     EvalMasterConfig,
     GRPOMasterConfig,
@@ -26,6 +28,7 @@ Master = (
     | type[DPOMasterConfig]
     | type[RMMasterConfig]
     | type[EvalMasterConfig]
+    | type[DistillationMasterConfig]
 )
 
 
@@ -33,6 +36,8 @@ def _schema_for(path: Path) -> Master:
     name = path.name
     if path.parent.name == "evals":
         return EvalMasterConfig
+    if name.startswith("distillation"):
+        return DistillationMasterConfig
     if name.startswith("grpo"):
         return GRPOMasterConfig
     if name.startswith("sft"):
@@ -41,7 +46,9 @@ def _schema_for(path: Path) -> Master:
         return DPOMasterConfig
     if name.startswith("rm"):
         return RMMasterConfig
-    raise AssertionError(f"no schema known for {path}: name it after its algorithm (grpo*, sft*, dpo*, rm*)")
+    raise AssertionError(
+        f"no schema known for {path}: name it after its algorithm (grpo*, sft*, dpo*, rm*, distillation*)"
+    )
 
 
 def test_there_are_configs() -> None:
@@ -132,3 +139,42 @@ def test_grpo_reward_model_recipes() -> None:
         load_and_validate(
             CONFIG_DIR / "grpo_rm_tiny.yaml", GRPOMasterConfig, ["env.reward_model.enabled=false"]
         )
+
+
+def test_distillation_recipes() -> None:
+    # NeMo RL's distillation_math.yaml values; the teacher inherits the student's section.
+    public = load_and_validate(CONFIG_DIR / "distillation_math.yaml", DistillationMasterConfig)
+    assert (public.policy.model_name, public.teacher.model_name) == ("Qwen/Qwen3-1.7B-Base", "Qwen/Qwen3-4B")
+    assert public.teacher.tokenizer.name == "Qwen/Qwen3-4B"
+    assert (
+        public.policy.dtensor_cfg.tensor_parallel_size,
+        public.teacher.dtensor_cfg.tensor_parallel_size,
+    ) == (2, 4)
+    assert public.distillation.topk_logits_k == 64 and public.distillation.num_prompts_per_step == 128
+    assert (public.loss_fn.kl_type, public.loss_fn.mixed_kl_weight, public.loss_fn.zero_outside_topk) == (
+        "mixed",
+        0.5,
+        False,
+    )
+    tiny = load_and_validate(CONFIG_DIR / "distillation_tiny_math.yaml", DistillationMasterConfig)
+    assert tiny.policy.generation.backend == "embedded" and tiny.data.dataset_name == "tiny_math"
+    assert Path(tiny.policy.model_name).name == "tiny_math_sft"
+    assert (CONFIG_DIR.parents[1] / tiny.teacher.model_name / "model.safetensors").exists()
+    teacher = load_and_validate(CONFIG_DIR / "sft_tiny_math_teacher.yaml", SFTMasterConfig)
+    assert (
+        teacher.sft.max_num_steps == 1500 and teacher.policy.model_name == "examples/assets/tiny_qwen2_init"
+    )
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("teacher.generation.temperature=0.7", "teacher.generation.temperature=0.7 differs"),
+        ("policy.generation.top_k=5", "policy.generation.top_k=5"),
+        ("teacher.generation.top_p=0.9", "teacher.generation.top_k=None, top_p=0.9"),
+        ("distillation.num_prompts_per_step=48", "48 responses per step must be a multiple"),
+    ],
+)
+def test_distillation_config_checks(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_and_validate(CONFIG_DIR / "distillation_tiny_math.yaml", DistillationMasterConfig, [override])

