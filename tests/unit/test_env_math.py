@@ -61,7 +61,7 @@ def test_math_environment_step(math_env: Any) -> None:
     ]
     assert ret.answers == ["2", "3", None, "2", "\\frac{4}{2}"]
     assert ret.metadata[0] == {"ground_truth": "2", "extracted_answer": "2", "verify_timed_out": False}
-    assert ret.next_stop_strings == [None] * 4
+    assert ret.next_stop_strings == [None] * 5
 
 
 def test_a_hanging_answer_cannot_hang_a_step(math_env: Any) -> None:
