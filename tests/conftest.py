@@ -28,6 +28,11 @@ from nemo_rl.distributed.virtual_cluster import default_ray_temp_dir, worker_pyt
 
 RAY_CLUSTER_NUM_CPUS = 8
 
+# Ray's start-up waits for its agents to register; on a busy 2-core machine they can be late, and the raylet
+# then exits. Tests (and the scripts they start, which inherit this environment) allow Ray more time.
+os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
+os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
+
 
 @pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[dict[str, float]]:
