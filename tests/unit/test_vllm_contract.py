@@ -137,8 +137,8 @@ ENGINE_SETTINGS = {
         "colocated": {"enabled": False, "resources": {"gpus_per_node": 2}},
     },
     "bf16_cuda_graphs_with_vllm_kwargs": {
-        "vllm_cfg": {"precision": "bfloat16", "enforce_eager": False},
-        "vllm_kwargs": {"enable_prefix_caching": True, "max_num_seqs": 64, "kv_cache_dtype": "auto"},
+        "vllm_cfg": {"precision": "bfloat16", "enforce_eager": False, "kv_cache_dtype": "auto"},
+        "vllm_kwargs": {"enable_prefix_caching": True, "max_num_seqs": 64},
     },
 }
 
