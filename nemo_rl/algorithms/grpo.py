@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.algorithms.advantages import compute_advantages
+from nemo_rl.algorithms.dynamic_sampling import EndlessBatches, sample_until_full
 from nemo_rl.algorithms.loop import (
     TrainLoop,
     check_run_setup,
@@ -219,7 +220,7 @@ def setup(
 
     train_loader: StatefulDataLoader[Any, BatchedDataDict[Any]] = StatefulDataLoader(
         train_dataset,
-        batch_size=config.grpo.num_prompts_per_step,
+        batch_size=config.grpo.prompts_per_generation_batch,
         shuffle=config.data.shuffle,
         seed=config.grpo.seed,
         drop_last=True,
@@ -448,27 +449,57 @@ def transformed_rewards(rollout: BatchedDataDict[Any], cfg: GRPOConfig) -> torch
     return shape_rewards(rewards_B, lengths_B, rollout["truncated"], cfg.reward_shaping)
 
 
-def grpo_step(s: GRPOSetup, batch: BatchedDataDict[Any], timer: Timer) -> dict[str, float]:
-    """One GRPO step on a batch of prompts; returns its ``train/`` metrics."""
+def roll_out(
+    s: GRPOSetup, batch: BatchedDataDict[Any], timer: Timer
+) -> tuple[BatchedDataDict[Any], dict[str, float]]:
+    """Sample ``num_generations_per_prompt`` responses per prompt of ``batch`` and score them; the rollout's
+    ``total_reward`` holds the transformed rewards (see :func:`transformed_rewards`), its metrics the
+    environments' own and ``reward`` (their mean)."""
     cfg = s.config
-    repeated = batch.repeat_interleave(cfg.grpo.num_generations_per_prompt)
-    if s.generation_stale:
-        with timer.time("refit"):
-            refit_metrics = refit_generation(s)
-        s.logger.log_metrics(refit_metrics, s.state.step + 1)
-    s.generation.prepare_for_generation()
-    rollout, rollout_metrics = run_multi_turn_rollout(
+    rollout, metrics = run_multi_turn_rollout(
         s.generation,
-        repeated,
+        batch.repeat_interleave(cfg.grpo.num_generations_per_prompt),
         s.tokenizer,
         s.task_to_env,
         max_seq_len=cfg.policy.max_total_sequence_length,
         max_rollout_turns=cfg.grpo.max_rollout_turns,
         timer=timer,
     )
-    s.generation.finish_generation()
-    rollout_metrics.update(environment_metrics(s.task_to_env, rollout))
+    metrics.update(environment_metrics(s.task_to_env, rollout))
     rollout["total_reward"] = transformed_rewards(rollout, cfg.grpo)
+    metrics["reward"] = float(rollout["total_reward"].mean())
+    return rollout, metrics
+
+
+def grpo_step(
+    s: GRPOSetup,
+    batch: BatchedDataDict[Any],
+    timer: Timer,
+    next_batch: Callable[[], BatchedDataDict[Any]] | None = None,
+) -> dict[str, float]:
+    """One GRPO step on a batch of prompts; returns its ``train/`` metrics. Under dynamic sampling,
+    ``next_batch`` gives the further prompt batches the step draws."""
+    cfg = s.config
+    if s.generation_stale:
+        with timer.time("refit"):
+            refit_metrics = refit_generation(s)
+        s.logger.log_metrics(refit_metrics, s.state.step + 1)
+    s.generation.prepare_for_generation()
+    if cfg.grpo.use_dynamic_sampling:
+        if next_batch is None:
+            raise ValueError("grpo.use_dynamic_sampling needs grpo_step(..., next_batch=...) to draw batches")
+        with timer.time("dynamic_sampling"):
+            rollout, rollout_metrics = sample_until_full(
+                batch,
+                next_batch,
+                lambda b: roll_out(s, b, timer),
+                num_samples=cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt,
+                group_size=cfg.grpo.num_generations_per_prompt,
+                max_gen_batches=cfg.grpo.dynamic_sampling_max_gen_batches,
+            )
+    else:
+        rollout, rollout_metrics = roll_out(s, batch, timer)
+    s.generation.finish_generation()
 
     advantages_B = compute_advantages(
         rollout["total_reward"],
@@ -498,7 +529,6 @@ def grpo_step(s: GRPOSetup, batch: BatchedDataDict[Any], timer: Timer) -> dict[s
     return train_metrics(
         train_result,
         {
-            "reward": float(rollout["total_reward"].mean()),
             "advantages/mean": float(advantages_B.mean()),
             "advantages/min": float(advantages_B.min()),
             "advantages/max": float(advantages_B.max()),
@@ -511,9 +541,11 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
     """Run GRPO to ``grpo.max_num_steps`` (or ``max_num_epochs``); returns the last step's metrics."""
     cfg = s.config
     metrics: dict[str, float] = {}
+    # One stream of prompt batches: the loop takes one per step, dynamic sampling may draw more.
+    batches = EndlessBatches(s.train_loader)
     loop = TrainLoop(
         "grpo",
-        loader=s.train_loader,
+        loader=batches,
         state=s.state,
         total_steps=step_budget(cfg.grpo.max_num_steps, cfg.grpo.max_num_epochs, len(s.train_loader)),
         logger=s.logger,
@@ -525,7 +557,11 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
         val_at_end=cfg.grpo.val_at_end,
     )
     for batch in loop:
-        metrics = grpo_step(s, batch, loop.timer)
-        num_tokens = metrics["mean_conversation_tokens"] * batch.size * cfg.grpo.num_generations_per_prompt
+        metrics = grpo_step(s, batch, loop.timer, next_batch=lambda: next(batches))
+        num_tokens = (
+            metrics["mean_conversation_tokens"]
+            * cfg.grpo.num_prompts_per_step
+            * cfg.grpo.num_generations_per_prompt
+        )
         loop.end_step(metrics, num_tokens=num_tokens)
     return metrics

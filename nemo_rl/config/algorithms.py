@@ -160,18 +160,19 @@ class GRPOConfig(ConfigModel):
     overlong_filtering: bool = False
     """Exclude truncated responses (no end of sequence within the budget) from the loss."""
 
-    # NeMo RL keys for machinery not built here: the neutral value loads, any other is refused.
-    use_dynamic_sampling: Literal[False] = False
-    """DAPO's dynamic sampling (drop prompts whose responses all score the same); not built here: must be
-    false."""
+    use_dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: prompt groups whose responses all earn the same reward (no learning signal)
+    are dropped, and further batches of ``batch_multiplier`` x ``num_prompts_per_step`` prompts are
+    generated until ``num_prompts_per_step`` x ``num_generations_per_prompt`` responses remain (surplus
+    groups are discarded)."""
 
     dynamic_sampling_max_gen_batches: int = Field(default=10, ge=1)
-    """Generation batches dynamic sampling may draw per step (unused while ``use_dynamic_sampling`` is
-    false)."""
+    """Most generation batches one step may draw under dynamic sampling; a step that still lacks responses
+    with distinct rewards then fails (raise it, ``batch_multiplier`` or ``num_generations_per_prompt``)."""
 
-    batch_multiplier: Literal[1] = 1
-    """Prompts generated per step as a multiple of ``num_prompts_per_step`` (for dynamic sampling); not built
-    here: must be 1."""
+    batch_multiplier: float = Field(default=1.0, ge=1.0)
+    """Prompts per generation batch under dynamic sampling, as a multiple of ``num_prompts_per_step``
+    (rounded down); must be 1 without it."""
 
     reward_shaping: RewardShapingConfig = Field(default_factory=RewardShapingConfig)
     """DAPO's overlong reward shaping, applied after ``reward_scaling``."""
@@ -223,6 +224,21 @@ class GRPOConfig(ConfigModel):
         if isinstance(data, dict) and "async_grpo" in data and data["async_grpo"] is None:
             data = {**data, "async_grpo": {}}
         return data
+
+    @model_validator(mode="after")
+    def _check_batch_multiplier(self) -> Self:
+        if self.batch_multiplier != 1 and not self.use_dynamic_sampling:
+            raise ValueError(
+                f"grpo.batch_multiplier={self.batch_multiplier} over-generates prompts for dynamic sampling: set "
+                "grpo.use_dynamic_sampling=true or grpo.batch_multiplier=1"
+            )
+        return self
+
+    @property
+    def prompts_per_generation_batch(self) -> int:
+        """Prompts the loader yields per generation batch: ``num_prompts_per_step``, times
+        ``batch_multiplier`` under dynamic sampling."""
+        return int(self.num_prompts_per_step * self.batch_multiplier)
 
     @model_validator(mode="after")
     def _check_adv_estimator(self) -> Self:

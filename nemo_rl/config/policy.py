@@ -436,8 +436,9 @@ class PolicyConfig(ConfigModel):
     """Sampling settings and backend (used by GRPO, distillation and evaluation)."""
 
     hf_config_overrides: dict[str, Any] = Field(default_factory=dict)
-    """Hugging Face model-config attributes overridden when the model is loaded; not built here: must be
-    empty."""
+    """Hugging Face model-config attributes replaced when the model is built, by the policy workers and by
+    generation alike (e.g. ``{max_position_embeddings: 4096}``); an attribute the model's config lacks is an
+    error when the model loads."""
 
     logprob_chunk_size: int | None = None
     """Accepted, no effect here: log-probs are computed per micro-batch over the whole sequence (a memory
@@ -458,8 +459,6 @@ class PolicyConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _refuse_unbuilt_policy_keys(self) -> Self:
-        if self.hf_config_overrides:
-            raise refusal("policy.hf_config_overrides", "set policy.hf_config_overrides={}")
         if self.draft is not None and self.draft.get("enabled"):
             raise refusal("policy.draft.enabled", "set policy.draft.enabled=false")
         return self

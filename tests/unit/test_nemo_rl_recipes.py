@@ -101,10 +101,9 @@ def test_grpo_recipe_reports_what_has_no_effect_and_dry_run_prints_it(
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("grpo.use_dynamic_sampling=true", "grpo.use_dynamic_sampling"),
+        ("grpo.batch_multiplier=3", "grpo.batch_multiplier=3.0 over-generates prompts for dynamic sampling"),
         ("grpo.async_grpo.enabled=true", "grpo.async_grpo.enabled selects behaviour nemo_rl does not build"),
         ("policy.dtensor_cfg.lora_cfg.enabled=true", "policy.dtensor_cfg.lora_cfg.enabled"),
-        ("policy.hf_config_overrides.rope_theta=1", "policy.hf_config_overrides selects behaviour"),
         ("grpo.adv_estimator.name=reinforce_plus_plus", "grpo.adv_estimator.name"),
         (
             "~data.train|+data.train=[{dataset_name: squad},{dataset_name: squad}]",

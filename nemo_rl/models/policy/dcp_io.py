@@ -20,10 +20,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 import yaml
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.policy import PolicyConfig, TokenizerConfig
+from nemo_rl.models.hf_config import load_hf_config
 from nemo_rl.models.policy.utils import PRECISION_DTYPES
 from nemo_rl.models.tokenizer import get_tokenizer
 
@@ -106,7 +107,9 @@ def load_dcp_model(checkpoint: TrainingCheckpoint) -> PreTrainedModel:
     weight of the model missing from the checkpoint (a different architecture) raises.
     """
     policy = checkpoint.policy
-    hf_config = AutoConfig.from_pretrained(policy.model_name, trust_remote_code=policy.trust_remote_code)
+    hf_config = load_hf_config(
+        policy.model_name, trust_remote_code=policy.trust_remote_code, overrides=policy.hf_config_overrides
+    )
     model = AutoModelForCausalLM.from_config(
         hf_config, dtype=torch.float32, trust_remote_code=policy.trust_remote_code
     )

@@ -28,9 +28,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from nemo_rl.config.policy import PolicyConfig, TokenizerConfig
+from nemo_rl.models import hf_config as hf_config_io
 from nemo_rl.models.policy.parallelize import apply_fsdp, apply_tensor_parallel
 from nemo_rl.models.policy.utils import PRECISION_DTYPES
 from nemo_rl.models.tokenizer import get_tokenizer
@@ -68,9 +69,11 @@ def model_auto_class(cfg: PolicyConfig) -> Any:
 
 
 def load_hf_config(cfg: PolicyConfig) -> Any:
-    """The model's Hugging Face config; for a Bradley-Terry reward model with one output (``num_labels=1``)
+    """The model's Hugging Face config (``policy.hf_config_overrides`` applied); for a Bradley-Terry reward model with one output (``num_labels=1``)
     and a pad token id (HF's sequence-classification head scores the last token that is not padding)."""
-    hf_config = AutoConfig.from_pretrained(cfg.model_name, trust_remote_code=cfg.trust_remote_code)
+    hf_config = hf_config_io.load_hf_config(
+        cfg.model_name, trust_remote_code=cfg.trust_remote_code, overrides=cfg.hf_config_overrides
+    )
     if cfg.reward_model_cfg.enabled:
         hf_config.num_labels = 1
         if hf_config.pad_token_id is None:
@@ -87,7 +90,9 @@ def trains_with_dropout(cfg: PolicyConfig) -> bool:
     its models with dropout off."""
     if not cfg.dtensor_cfg.enabled:
         return False
-    hf_config = AutoConfig.from_pretrained(cfg.model_name, trust_remote_code=cfg.trust_remote_code)
+    hf_config = hf_config_io.load_hf_config(
+        cfg.model_name, trust_remote_code=cfg.trust_remote_code, overrides=cfg.hf_config_overrides
+    )
     return any(
         isinstance(value, int | float) and not isinstance(value, bool) and value > 0
         for key, value in hf_config.to_dict().items()

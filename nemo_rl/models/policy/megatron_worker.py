@@ -40,7 +40,6 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from transformers import AutoConfig
 
 from nemo_rl.config.megatron import no_effect_settings
 from nemo_rl.config.policy import PolicyConfig, TokenizerConfig
@@ -51,6 +50,7 @@ from nemo_rl.distributed.device import (
     get_device,
     init_process_group_from_env,
 )
+from nemo_rl.models.hf_config import load_hf_config
 from nemo_rl.models.hf_decoder import DecoderArch, SafetensorsReader, resolve_checkpoint_dir
 from nemo_rl.models.megatron import checkpoint, cpu_compat, setup
 from nemo_rl.models.megatron.families import family_for
@@ -121,7 +121,9 @@ class MegatronPolicyWorker:
             )
         self.device = get_device()
         self.tokenizer_source = tokenizer_path if tokenizer_path is not None else cfg.tokenizer_name
-        self.hf_config = AutoConfig.from_pretrained(cfg.model_name, trust_remote_code=cfg.trust_remote_code)
+        self.hf_config = load_hf_config(
+            cfg.model_name, trust_remote_code=cfg.trust_remote_code, overrides=cfg.hf_config_overrides
+        )
         architectures = list(getattr(self.hf_config, "architectures", None) or [])
         if megatron.converter_type is not None and megatron.converter_type not in architectures:
             raise ValueError(

@@ -17,9 +17,10 @@ K = key/value heads, G = N // K query heads per key/value head, D = head dim, L 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -265,13 +266,19 @@ class DecoderLM:
 
     @classmethod
     def from_pretrained(
-        cls, path: str | os.PathLike[str], *, dtype: torch.dtype, device: torch.device | str = "cpu"
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        config_overrides: Mapping[str, Any] | None = None,
     ) -> DecoderLM:
-        """Build the model from a local Hugging Face checkpoint folder (``config.json`` + safetensors)."""
-        from transformers import AutoConfig
+        """Build the model from a local Hugging Face checkpoint folder (``config.json`` + safetensors), its
+        config attributes replaced by ``config_overrides`` (``policy.hf_config_overrides``)."""
+        from nemo_rl.models.hf_config import load_hf_config
 
         folder = Path(path)
-        config = AutoConfig.from_pretrained(folder)
+        config = load_hf_config(folder, overrides=config_overrides)
         model = cls(DecoderArch.from_hf_config(config), dtype=dtype, device=device)
         loaded = model.load_weights(iter_safetensors(folder))
         missing = sorted(set(model.weights_manifest()) - loaded)

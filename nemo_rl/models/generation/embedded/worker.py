@@ -69,7 +69,9 @@ class EmbeddedGenerationWorker:
         self.device = get_device()
         self.dtype = dtype_from_name(cfg.generation.embedded_cfg.precision)
         checkpoint_dir = resolve_checkpoint_dir(model_path or cfg.model_name)
-        self.model = DecoderLM.from_pretrained(checkpoint_dir, dtype=self.dtype, device=self.device)
+        self.model = DecoderLM.from_pretrained(
+            checkpoint_dir, dtype=self.dtype, device=self.device, config_overrides=cfg.hf_config_overrides
+        )
         self.sampling = SamplingParams.from_policy_config(cfg, eos_token_ids(tokenizer, checkpoint_dir))
         self.engine = EmbeddedEngine(
             self.model,

@@ -75,6 +75,7 @@ OWNED_ENGINE_ARGS: dict[str, str] = {
     "max_model_len": "policy.generation.vllm_cfg.max_model_len",
     "enforce_eager": "policy.generation.vllm_cfg.enforce_eager",
     "kv_cache_dtype": "policy.generation.vllm_cfg.kv_cache_dtype",
+    "hf_overrides": "policy.hf_config_overrides",
     "seed": "the run's seed (grpo.seed)",
     "enable_sleep_mode": "policy.generation.colocated.enabled (colocated engines sleep while the policy trains)",
     "logprobs_mode": "nothing: the log-probability contract needs processed_logprobs",
@@ -176,6 +177,9 @@ def engine_kwargs(cfg: PolicyConfig, *, model: str, tokenizer: str, seed: int) -
         # the colocated policy; a non-colocated engine never sleeps.
         "enable_sleep_mode": cfg.generation.colocated.enabled,
     }
+    if cfg.hf_config_overrides:
+        # vLLM applies them to the model's config as the policy workers do (NeMo RL passes them the same way).
+        kwargs["hf_overrides"] = dict(cfg.hf_config_overrides)
     if vllm_cfg.enable_prefix_caching is not None:
         kwargs["enable_prefix_caching"] = vllm_cfg.enable_prefix_caching
     if vllm_cfg.tensor_parallel_size > 1:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
@@ -52,6 +52,7 @@ from nemo_rl.models.generation.vllm.convert import (
     sampling_params_for_rows,
     worker_env,
 )
+from nemo_rl.models.hf_config import load_hf_config
 from nemo_rl.models.tokenizer import require_pad_token_id
 from nemo_rl.weight_sync.interfaces import TransferStats, WeightReceiver
 from nemo_rl.weight_sync.manifest import WeightManifest, dtype_from_name
@@ -104,7 +105,9 @@ class VllmGenerationWorker:
                 *(cfg.generation.stop_token_ids or []),
             }
         )
-        hf_config = AutoConfig.from_pretrained(self.model_source, trust_remote_code=cfg.trust_remote_code)
+        hf_config = load_hf_config(
+            self.model_source, trust_remote_code=cfg.trust_remote_code, overrides=cfg.hf_config_overrides
+        )
         self._dtype = dtype_from_name(cfg.generation.vllm_cfg.precision)
         self._manifest = hf_weights_manifest(hf_config, self._dtype, trust_remote_code=cfg.trust_remote_code)
         # Pools (vLLM sleep-mode tags) currently released; the engine starts awake.
