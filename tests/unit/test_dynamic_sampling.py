@@ -72,7 +72,9 @@ def test_a_full_first_batch_draws_no_other() -> None:
 def test_too_few_distinct_groups_after_the_last_batch_fail_naming_the_knobs() -> None:
     later, roll_out = _rollouts([[1.0, 1.0, 0.0, 1.0], [0.0, 0.0, 1.0, 1.0], [1.0, 0.0, 1.0, 0.0]])
     with pytest.raises(UserError, match=r"found 2 of the 4 .*dynamic_sampling_max_gen_batches=2"):
-        sample_until_full(0, lambda: next(later), roll_out, num_samples=4, group_size=GROUP, max_gen_batches=2)
+        sample_until_full(
+            0, lambda: next(later), roll_out, num_samples=4, group_size=GROUP, max_gen_batches=2
+        )
 
 
 def test_endless_batches_run_epoch_after_epoch() -> None:
@@ -86,5 +88,5 @@ def test_batch_multiplier_sizes_generation_batches_only_under_dynamic_sampling()
     cfg = GRPOConfig(num_prompts_per_step=4, use_dynamic_sampling=True, batch_multiplier=1.5)
     assert cfg.prompts_per_generation_batch == 6
     assert GRPOConfig(num_prompts_per_step=4).prompts_per_generation_batch == 4
-    with pytest.raises(ValueError, match="grpo.batch_multiplier=2.0 .*use_dynamic_sampling=true"):
+    with pytest.raises(ValueError, match=r"grpo\.batch_multiplier=2\.0 .*use_dynamic_sampling=true"):
         GRPOConfig(batch_multiplier=2)

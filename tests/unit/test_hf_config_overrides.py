@@ -16,7 +16,10 @@ from nemo_rl.models.hf_config import load_hf_config
 from nemo_rl.models.policy import hf_io
 
 TINY = Path(__file__).resolve().parents[2] / "examples" / "assets" / "tiny_math_sft"
-OVERRIDES = {"max_position_embeddings": 1024, "rope_parameters": {"rope_theta": 500.0, "rope_type": "default"}}
+OVERRIDES = {
+    "max_position_embeddings": 1024,
+    "rope_parameters": {"rope_theta": 500.0, "rope_type": "default"},
+}
 
 
 def test_policy_and_embedded_generation_build_the_overridden_model() -> None:
