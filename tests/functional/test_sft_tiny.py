@@ -70,33 +70,53 @@ def _step_metrics(records: list[dict[str, Any]], step: int) -> dict[str, Any]:
     return merged
 
 
+def _kill_after_first_checkpoint(tmp: Path) -> None:
+    """Run the test's command and kill it (SIGKILL) as soon as its step-2 checkpoint is complete."""
+    cmd = _command(tmp, "killed", 4)
+    ckpt = tmp / "killed" / "ckpt" / "step_2"
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env())
+    deadline = time.monotonic() + TIMEOUT_S
+    while not ckpt.exists():
+        if proc.poll() is not None:
+            output = proc.stdout.read().decode() if proc.stdout else ""
+            pytest.fail(f"run ended before its first checkpoint:\n{output[-5000:]}")
+        assert time.monotonic() < deadline, "no checkpoint within the time limit"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+
+
 @pytest.mark.slow
 def test_sft_learns_resumes_after_kill_and_exports(tmp_path: Path) -> None:
-    # Uninterrupted reference run: 4 steps.
-    _run(_command(tmp_path, "full", 4, "checkpointing.save_consolidated=true"))
+    # Uninterrupted reference run: 4 steps. It runs alongside the run that gets killed (each is one worker
+    # with one thread, mostly waiting on start-up), which halves the test's wall time on two cores.
+    reference_log = tmp_path / "full_run.out"
+    with reference_log.open("wb") as out:
+        full_run = subprocess.Popen(
+            _command(tmp_path, "full", 4, "checkpointing.save_consolidated=true"),
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=_env(),
+        )
+    try:
+        _kill_after_first_checkpoint(tmp_path)
+        full_run.wait(timeout=TIMEOUT_S)
+    finally:
+        if full_run.poll() is None:
+            full_run.kill()
+            full_run.wait(timeout=60)
+    assert full_run.returncode == 0, f"the reference run failed:\n{reference_log.read_text()[-5000:]}"
+
     full = _metrics(tmp_path / "full" / "logs")
     # save_consolidated puts a Hugging Face export of the step's weights next to the sharded checkpoint.
     assert (tmp_path / "full" / "ckpt" / "step_2" / "consolidated" / "config.json").is_file()
     val_losses = [r["validation/val_loss"] for r in full if "validation/val_loss" in r]
     assert val_losses[-1] < val_losses[0], f"validation loss did not fall: {val_losses}"
 
-    # The same command, killed as soon as its step-2 checkpoint is complete...
-    cmd = _command(tmp_path, "killed", 4)
-    ckpt = tmp_path / "killed" / "ckpt" / "step_2"
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env())
-    deadline = time.monotonic() + TIMEOUT_S
-    while not ckpt.exists():
-        assert proc.poll() is None, (
-            f"run ended before its first checkpoint:\n{proc.stdout.read().decode()[-5000:]}"
-        )  # type: ignore[union-attr]
-        assert time.monotonic() < deadline, "no checkpoint within the time limit"
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=60)
-
-    # ...then rerun unchanged: it resumes from step 2 and every later step's metrics are the uninterrupted
-    # run's, bit for bit (RNG state, loader position, optimizer and scheduler all come back).
-    resumed = _run(cmd)
+    # The killed command, rerun unchanged: it resumes from step 2 and every later step's metrics are the
+    # uninterrupted run's, bit for bit (RNG state, loader position, optimizer and scheduler all come back).
+    resumed = _run(_command(tmp_path, "killed", 4))
     assert "Resuming SFT from" in resumed.stdout and "(step 2)" in resumed.stdout, resumed.stdout[-3000:]
     records = _metrics(tmp_path / "killed" / "logs")
     for step in (3, 4):
