@@ -32,6 +32,9 @@ RAY_CLUSTER_NUM_CPUS = 8
 # then exits. Tests (and the scripts they start, which inherit this environment) allow Ray more time.
 os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
 os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
+# The scripts and Ray workers the tests start cache the bytecode they compile: with PYTHONDONTWRITEBYTECODE
+# inherited, each of those processes would compile whatever the install did not precompile again.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 
 @pytest.fixture(scope="session")
