@@ -52,6 +52,7 @@ from nemo_rl.data.datasets import ProcessedDataset, dataset_task_names
 from nemo_rl.data.llm_message_utils import message_logs_to_batch
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster, init_ray
+from nemo_rl.distributed.worker_groups import start_together
 from nemo_rl.environments.registry import check_task_envs, create_task_envs
 from nemo_rl.experience.rollouts import run_multi_turn_rollout
 from nemo_rl.models.generation.factory import create_generation
@@ -231,23 +232,29 @@ def setup(
     init_ray(config.cluster)
     cluster = RayVirtualCluster(config.cluster, name="grpo", max_colocated_worker_groups=2)
     policy_bundles, generation_bundles = placement(config.policy, config.cluster)
-    # Generation first: vLLM starts only when gpu_memory_utilization of each GPU is free. Colocated engines
-    # then sleep (weights to host memory, caches freed) while the policy loads.
-    generation = create_generation(
-        cluster, config.policy, tokenizer, seed=config.grpo.seed, bundle_indices=generation_bundles
-    )
+    # vLLM first: it starts only when gpu_memory_utilization of each GPU is free, and colocated engines then
+    # sleep (weights to host memory, caches freed) while the policy loads. The embedded engine's workers and
+    # the policy's start together.
+    colocated = config.policy.generation.colocated.enabled
+    together = config.policy.generation.backend != "vllm"
+    with start_together(enabled=together):
+        generation = create_generation(
+            cluster, config.policy, tokenizer, seed=config.grpo.seed, bundle_indices=generation_bundles
+        )
+        if colocated and not together:
+            generation.finish_generation()
+        policy = Policy(
+            cluster,
+            config.policy,
+            bundle_indices=policy_bundles,
+            init_reference_model=config.loss_fn.reference_policy_kl_penalty > 0,
+            weights_path=resume.weights_path,
+            optimizer_path=resume.optimizer_path,
+        )
+    if colocated and together:
+        generation.finish_generation()
     # The per-call sampling seeds continue where the checkpoint left them.
     checkpointer.track("generation", generation)
-    if config.policy.generation.colocated.enabled:
-        generation.finish_generation()
-    policy = Policy(
-        cluster,
-        config.policy,
-        bundle_indices=policy_bundles,
-        init_reference_model=config.loss_fn.reference_policy_kl_penalty > 0,
-        weights_path=resume.weights_path,
-        optimizer_path=resume.optimizer_path,
-    )
     locations = cluster.bundle_locations()
     refit_transport = create_refit_transport(
         config.policy,

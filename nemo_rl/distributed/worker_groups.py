@@ -17,10 +17,12 @@ waits for it, and calls its workers with a timeout.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import ray
@@ -290,10 +292,14 @@ class RayWorkerGroup:
 
     def wait_until_ready(self, timeout_s: float) -> None:
         """Block until every actor has finished ``__init__``; a failed one raises :class:`WorkerDiedError`."""
+        self.get_all_worker_results(self.request_ready(), timeout_s)
+
+    def request_ready(self) -> list[ray.ObjectRef]:
+        """One ref per actor (rank order) that resolves once its ``__init__`` has finished."""
         refs: list[ray.ObjectRef] = [worker.__ray_ready__.remote() for worker in self._workers]
         for rank, ref in enumerate(refs):
             self._remember(ref, rank, "__init__")
-        self.get_all_worker_results(refs, timeout_s)
+        return refs
 
     def shutdown(self, graceful_timeout_s: float = GRACEFUL_SHUTDOWN_TIMEOUT_S) -> None:
         """Stop the workers: call their ``shutdown`` method if the class defines one, then kill the actors.
@@ -369,14 +375,54 @@ class RayWorkerGroup:
             raise
 
 
+# Facades created inside ``start_together`` blocks: the innermost open block's list, or None outside any.
+_STARTING_TOGETHER: contextvars.ContextVar[list[WorkerGroupFacade] | None] = contextvars.ContextVar(
+    "nemo_rl_starting_together", default=None
+)
+
+
+@contextlib.contextmanager
+def start_together(enabled: bool = True) -> Iterator[None]:
+    """Start the worker groups of the facades created in this block at once; wait for all of them at its end.
+
+    A worker's start is mostly its process importing torch and loading a model, so groups that start
+    together overlap those waits instead of adding them up. Until the block ends, do not call the new
+    facades' workers (a call would wait for that group alone). When any group fails to start, every group of
+    the block is shut down before the error propagates. ``enabled=False`` makes the block a no-op (each
+    facade waits for its own group when it is created), for backends that must start in order.
+    """
+    if not enabled:
+        yield
+        return
+    started: list[WorkerGroupFacade] = []
+    token = _STARTING_TOGETHER.set(started)
+    try:
+        yield
+    except BaseException:
+        for facade in started:
+            facade.shutdown()
+        raise
+    finally:
+        _STARTING_TOGETHER.reset(token)
+    try:
+        # Every group's readiness requested before any is waited on; the waits then overlap.
+        pending = [(facade, facade.worker_group.request_ready()) for facade in started]
+        for facade, refs in pending:
+            facade.worker_group.get_all_worker_results(refs, facade.call_timeout_s)
+    except BaseException:
+        for facade in started:
+            facade.shutdown()
+        raise
+
+
 class WorkerGroupFacade:
     """The driver side of a worker group: what the policy and generation facades share.
 
-    Starts a :class:`RayWorkerGroup` and waits until every actor has finished ``__init__``; when one fails to
-    start or the wait times out, the group is shut down (its bundles released) before the error propagates,
-    so a failed start leaves no half-started actors holding the cluster. Every later call on the workers
-    waits at most ``call_timeout_s`` and then names the workers still running. The other arguments are
-    :class:`RayWorkerGroup`'s.
+    Starts a :class:`RayWorkerGroup` and waits until every actor has finished ``__init__`` (inside a
+    :func:`start_together` block: when the block ends); when one fails to start or the wait times out, the
+    group is shut down (its bundles released) before the error propagates, so a failed start leaves no
+    half-started actors holding the cluster. Every later call on the workers waits at most ``call_timeout_s``
+    and then names the workers still running. The other arguments are :class:`RayWorkerGroup`'s.
     """
 
     def __init__(
@@ -401,6 +447,10 @@ class WorkerGroupFacade:
             dp_size=dp_size,
             env_vars=env_vars,
         )
+        starting_together = _STARTING_TOGETHER.get()
+        if starting_together is not None:
+            starting_together.append(self)
+            return
         try:
             self.worker_group.wait_until_ready(call_timeout_s)
         except BaseException:

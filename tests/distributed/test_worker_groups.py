@@ -17,7 +17,12 @@ from nemo_rl.config.cluster import ClusterConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.device import configure_worker_threads, init_process_group_from_env
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
-from nemo_rl.distributed.worker_groups import RayWorkerGroup, WorkerDiedError
+from nemo_rl.distributed.worker_groups import (
+    RayWorkerGroup,
+    WorkerDiedError,
+    WorkerGroupFacade,
+    start_together,
+)
 
 TIMEOUT_S = 120.0
 
@@ -229,3 +234,37 @@ def test_dead_workers_raise_worker_died(cluster: RayVirtualCluster, policy_group
         assert "died" in excinfo.value.cause
     finally:
         group.shutdown(graceful_timeout_s=5.0)
+
+
+def test_groups_started_together_fail_together(ray_cluster: dict[str, float], tmp_path: Path) -> None:
+    cluster = RayVirtualCluster(ClusterConfig(gpus_per_node=1, placement_timeout_s=60), name="together")
+    try:
+        # One group fails to start: the error names it when the block ends, and the block's other group,
+        # which started fine, is shut down with it (its graceful shutdown ran, its slot share is free).
+        with pytest.raises(WorkerDiedError, match="worker group 'bad'"), start_together():
+            good = WorkerGroupFacade(
+                cluster,
+                EchoWorker,
+                name="good",
+                call_timeout_s=TIMEOUT_S,
+                init_kwargs={"marker_dir": str(tmp_path)},
+            )
+            WorkerGroupFacade(
+                cluster,
+                EchoWorker,
+                name="bad",
+                call_timeout_s=TIMEOUT_S,
+                init_kwargs={"fail_in_init_rank": 0},
+            )
+        assert (tmp_path / "rank0").read_text() == "bye"
+        with pytest.raises(RuntimeError, match="was shut down"):
+            good.worker_group.run_all_workers_single_data("env")
+
+        # Both groups gave their slot shares back: two new groups fit on the slot, and start together.
+        with start_together():
+            groups = [WorkerGroupFacade(cluster, EchoWorker, name=n, call_timeout_s=TIMEOUT_S) for n in "ab"]
+        for group in groups:
+            assert group._on_rank_0("env")["NEMO_RL_WORKER_GROUP"] == group.worker_group.name
+            group.shutdown()
+    finally:
+        cluster.shutdown()

@@ -1,11 +1,14 @@
-"""``grpo.setup`` starts generation before the policy and, when colocated, puts it to sleep first.
+"""``grpo.setup`` starts vLLM before the policy and, when colocated, puts it to sleep first.
 
 vLLM refuses to start unless ``gpu_memory_utilization`` of the GPU is free, so a policy holding a large part
-of the GPU (an 8B model with its optimizer) must load after the engines have started and slept.
+of the GPU (an 8B model with its optimizer) must load after the engines have started and slept. The embedded
+engine has no such constraint: its workers and the policy's start together.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +22,10 @@ class _PolicyStarted(Exception):
     """Stops setup once the policy would start: nothing after it matters here."""
 
 
+@pytest.mark.parametrize("backend", ["vllm", "embedded"])
 @pytest.mark.parametrize("colocated", [True, False], ids=["colocated", "not_colocated"])
 def test_generation_starts_first_and_sleeps_when_colocated(
-    colocated: bool, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    colocated: bool, backend: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     events: list[str] = []
 
@@ -37,10 +41,19 @@ def test_generation_starts_first_and_sleeps_when_colocated(
         events.append(f"policy on {bundle_indices}")
         raise _PolicyStarted
 
+    # Groups that start together are waited for when the block ends; the fakes have nothing to wait for.
+    started_together: list[bool] = []
+
+    @contextlib.contextmanager
+    def start_together(enabled: bool = True) -> Iterator[None]:
+        started_together.append(enabled)
+        yield
+
     monkeypatch.setattr(grpo, "init_ray", lambda cluster_cfg: None)
     monkeypatch.setattr(grpo, "RayVirtualCluster", lambda *args, **kwargs: object())
     monkeypatch.setattr(grpo, "create_generation", create_generation)
     monkeypatch.setattr(grpo, "Policy", policy)
+    monkeypatch.setattr(grpo, "start_together", start_together)
     placement: dict[str, Any] = (
         {"enabled": True} if colocated else {"enabled": False, "resources": {"gpus_per_node": 1}}
     )
@@ -51,7 +64,7 @@ def test_generation_starts_first_and_sleeps_when_colocated(
                 "model_name": "m",
                 "train_global_batch_size": 2,
                 "train_micro_batch_size": 1,
-                "generation": {"colocated": placement},
+                "generation": {"backend": backend, "colocated": placement},
             },
             "checkpointing": {"enabled": False, "checkpoint_dir": str(tmp_path / "ckpt")},
             "logger": {"log_dir": str(tmp_path / "logs")},
@@ -60,7 +73,11 @@ def test_generation_starts_first_and_sleeps_when_colocated(
     )
     with pytest.raises(_PolicyStarted):
         grpo.setup(config, None, [{"prompt": "x", "task_name": "math"}], None, task_to_env={"math": object()})  # type: ignore[arg-type]
-    if colocated:
+    assert started_together == [backend == "embedded"]
+    if colocated and backend == "vllm":
         assert events == ["generation on [0, 1]", "generation sleeps", "policy on [0, 1]"]
+    elif colocated:
+        # The embedded engine sleeps once both groups are up (here the policy's start ends the test first).
+        assert events == ["generation on [0, 1]", "policy on [0, 1]"]
     else:
         assert events == ["generation on [1]", "policy on [0]"]
