@@ -54,7 +54,7 @@ from nemo_rl.config.checkpointing import CheckpointingConfig
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.data.dataloader import StatefulDataLoader
-from nemo_rl.models.policy.interfaces import PolicyInterface, TrainResult
+from nemo_rl.models.policy.interfaces import PolicyInterface, TrainResult, nonfinite_step_flags
 from nemo_rl.models.policy.lm_policy import check_policy_layout
 from nemo_rl.models.policy.loss_interface import reduce_metrics
 from nemo_rl.models.policy.optim import check_optimizer_config
@@ -85,14 +85,16 @@ class LoopState(Protocol):
 
 def train_metrics(result: TrainResult, extra: Mapping[str, float] | None = None) -> dict[str, float]:
     """A ``policy.train`` call's metrics for ``train/*``: ``loss`` (mean over its optimizer steps),
-    ``grad_norm`` and ``lr`` (of the last step), ``num_valid_tokens`` (summed), then ``extra``, then the loss
-    function's own metrics reduced over the steps by :func:`reduce_metrics` (mean; min / max for
-    ``*_min`` / ``*_max``) where their names are not taken yet."""
+    ``grad_norm`` and ``lr`` (of the last step), ``num_valid_tokens`` (summed), ``nonfinite_steps`` (its
+    optimizer steps skipped for a non-finite loss or gradient norm), then ``extra``, then the loss function's
+    own metrics reduced over the steps by :func:`reduce_metrics` (mean; min / max for ``*_min`` / ``*_max``)
+    where their names are not taken yet."""
     metrics = {
         "loss": float(result["loss"].mean()),
         "grad_norm": float(result["grad_norm"][-1]),
         "lr": float(result["lr"][-1]),
         "num_valid_tokens": float(result["global_valid_toks"].sum()),
+        "nonfinite_steps": float(sum(nonfinite_step_flags(result))),
         **(extra or {}),
     }
     for name, value in reduce_metrics(result["metrics"], "mean").items():

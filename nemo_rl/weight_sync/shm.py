@@ -8,17 +8,23 @@ the receivers take the streams interleaved). A receiver maps the segment, checks
 bucket it held. So the writer packs bucket ``i + 1`` while the readers load bucket ``i`` (double buffering).
 The other policy ranks only take part in gathering the weights.
 
-Cleanup: every segment name starts with a prefix unique to the transport and the refit
-(:func:`segment_prefix`) and names the writer's process id. The writer unlinks its segments in a ``finally``
-block; when a worker dies the driver sweeps the refit's prefix on every node
-(:meth:`SharedMemoryTransport.cleanup`), and :meth:`SharedMemoryTransport.shutdown` sweeps the transport's
-prefix. What a killed run left behind (its driver and workers gone) is swept when the next transport starts:
-segments of this user whose writer process no longer exists (:func:`sweep_dead_segments`).
+Reuse: a writer creates its two segments at its first refit and keeps them, with the readers' mappings of
+them, for every later refit of the same transport (``_WRITER_SLOTS``, ``_READER_MAPPINGS``): a refit neither
+reserves nor pre-faults memory again. A tensor larger than a bucket gets a segment of its own for one refit.
+A segment's name ends with a random tag, so a segment created anew (after a sweep) never reuses a name a
+reader may still have mapped.
+
+Cleanup: every segment name starts with a prefix unique to the transport (:func:`transport_prefix`) and
+names the writer's process id. A writer whose refit fails unlinks its segments; when a worker dies the driver
+sweeps the transport's segments on every node (:meth:`SharedMemoryTransport.cleanup`; surviving writers
+create new ones at their next refit), and :meth:`SharedMemoryTransport.shutdown` sweeps them too. What a
+killed run left behind (its driver and workers gone) is swept when the next transport starts: segments of
+this user whose writer process no longer exists (:func:`sweep_dead_segments`).
 
 Size: a writer holds at most two bucket segments (``policy.refit.refit_buffer_size_mb`` each; only one when
-the weights fit in one bucket) plus one per tensor larger than a bucket, while it is read. Each segment's
-memory is reserved when it is created, so a ``/dev/shm`` too small for it fails then with a
-:class:`RefitError` naming ``/dev/shm``, not with a SIGBUS in the middle of a copy.
+the weights fit in one bucket) for the transport's life, plus one per tensor larger than a bucket while it is
+read. Each segment's memory is reserved when it is created, so a ``/dev/shm`` too small for it fails then with
+a :class:`RefitError` naming ``/dev/shm``, not with a SIGBUS in the middle of a copy.
 """
 
 from __future__ import annotations
@@ -28,12 +34,14 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import ray
 import torch
@@ -74,9 +82,39 @@ _ABORT = b"abort"
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
-def segment_prefix(transport_uid: str, refit_id: str) -> str:
-    """The name prefix of every segment of one refit of one transport."""
-    return f"{SEGMENT_NAME_PREFIX}{transport_uid}_{refit_id}_"
+def transport_prefix(transport_uid: str) -> str:
+    """The name prefix of every segment of one transport."""
+    return f"{SEGMENT_NAME_PREFIX}{transport_uid}_"
+
+
+# Per process: each writer's bucket segments, kept between refits, by (transport prefix, writer index); and
+# each reader's mappings of them, by (transport prefix, reader index), then segment name. Entries of another
+# transport are dropped when a refit of a new one starts in the process.
+_V = TypeVar("_V")
+_WRITER_SLOTS: dict[tuple[str, int], list[Segment | None]] = {}
+_READER_MAPPINGS: dict[tuple[str, int], dict[str, Segment]] = {}
+
+
+_CACHE_LOCK = threading.Lock()  # endpoints may share a process (threads in tests)
+
+
+def _entry(cache: dict[tuple[str, int], _V], key: tuple[str, int], new: Callable[[], _V]) -> _V:
+    """``cache[key]`` (created with ``new()`` if missing), after dropping the entries of other transports
+    (a process refits with one transport at a time; a new one means the old one is done)."""
+    with _CACHE_LOCK:
+        for other in [k for k in cache if k[0] != key[0]]:
+            _release(cache.pop(other))
+        if key not in cache:
+            cache[key] = new()
+        return cache[key]
+
+
+def _release(entry: object) -> None:
+    """Unlink a writer's kept segments (a reader's mappings just go)."""
+    if isinstance(entry, list):
+        for segment in entry:
+            if isinstance(segment, Segment):
+                segment.unlink()
 
 
 _WRITER_PID = re.compile(r"_p(\d+)_")
@@ -202,6 +240,7 @@ class ShmSender:
     store: StoreAddress
     refit_id: str
     segment_prefix: str
+    """The transport's segment name prefix (:func:`transport_prefix`)."""
     writer: int | None
     """Index of the (node, stream) writer this rank is, or ``None`` when another rank writes its stream on
     its node."""
@@ -228,7 +267,7 @@ class _ShmWriter:
         self.store = connect_store(spec.store, spec.timeout_s)
         self.deadline = time.monotonic() + spec.timeout_s
         self.capacity = align_up(spec.bucket_size_bytes)
-        self.slots: list[Segment | None] = [None, None]
+        self.slots = _entry(_WRITER_SLOTS, (spec.segment_prefix, writer), lambda: [None, None])
         self.bucket_in_slot: list[int | None] = [None, None]
         self.segment_of: dict[int, Segment] = {}
         self.acks: Counter[int] = Counter()
@@ -258,10 +297,16 @@ class _ShmWriter:
                 "",
                 encode_message(StreamAbort(f"the policy worker writer {self.writer} failed: {err!r}")),
             )
+            # Readers may have stopped mid-bucket: start the next refit with new segments.
+            for segment in self.slots:
+                if segment is not None:
+                    segment.unlink()
+            self.slots[:] = [None, None]
             raise
         finally:
-            for segment in [*self.slots, *self.segment_of.values()]:
-                if segment is not None:
+            # Tensors larger than a bucket had segments of their own; the two bucket segments stay.
+            for segment in self.segment_of.values():
+                if segment not in self.slots:
                     segment.unlink()
         return TransferStats(
             "sender", wire_bytes, num_buckets, num_tensors, time.perf_counter() - start_s, self.spec.stream
@@ -279,13 +324,17 @@ class _ShmWriter:
         if previous is not None:
             self._wait_consumed(previous)
         self.bucket_in_slot[slot] = index
-        # The writer's pid in every name lets a later run tell leftovers of a killed one (sweep_dead_segments).
-        name = f"{self.spec.segment_prefix}w{self.writer}_p{os.getpid()}_"
+        # The writer's pid in every name lets a later run tell leftovers of a killed one (sweep_dead_segments);
+        # the random tag makes every created segment's name new.
+        name = f"{self.spec.segment_prefix}w{self.writer}_p{os.getpid()}_{uuid.uuid4().hex[:8]}_"
+        kept = self.slots[slot]
         if nbytes > self.capacity:
             # A tensor larger than a bucket gets a segment of its own, unlinked once it has been read.
             segment = Segment.create(f"{name}b{index}", nbytes)
+        elif kept is not None and kept.path.exists():
+            segment = kept  # from an earlier refit (unless the driver swept it since, after a failed refit)
         else:
-            segment = self.slots[slot] or Segment.create(f"{name}slot{slot}", self.capacity)
+            segment = Segment.create(f"{name}slot{slot}", self.capacity)
             self.slots[slot] = segment
         self.segment_of[index] = segment
         return segment.tensor
@@ -317,6 +366,7 @@ class ShmReceiver:
     store: StoreAddress
     refit_id: str
     segment_prefix: str
+    """The transport's segment name prefix (:func:`transport_prefix`)."""
     reader: int
     """This generation worker's index."""
     writers: tuple[int, ...]
@@ -338,7 +388,10 @@ class ShmReceiver:
     def _stream(self, reader: BucketReader) -> Iterator[tuple[str, torch.Tensor]]:
         store = connect_store(self.store, self.timeout_s)
         deadline = time.monotonic() + self.timeout_s
-        attached: dict[str, Segment] = {}
+        # The writers' bucket segments, mapped at an earlier refit; those this refit does not name are dropped.
+        kept = _entry(_READER_MAPPINGS, (self.segment_prefix, self.reader), dict)
+        attached = dict(kept)
+        used: set[str] = set()
         while not reader.ended:
             raw = pop_message(
                 store,
@@ -355,17 +408,22 @@ class ShmReceiver:
                 # Nobody to acknowledge to: a protocol error, reported when the streams end.
                 reader.fail(f"bucket {message.index} belongs to unknown stream {message.stream}")
                 continue
-            segment = self._attach(segment_name.decode(), message, attached, reader)
+            name = segment_name.decode()
+            segment = self._attach(name, message, attached, reader)
             available = min(segment.nbytes, message.nbytes) if segment is not None else 0
             if reader.admit(message, available) and segment is not None:
                 yield from reader.unpack(message, segment.tensor[: message.nbytes])
             # Reached only once the loader asked for the next tensor, i.e. it is done with this bucket.
-            if "_slot" not in segment_name.decode():
-                attached.pop(segment_name.decode(), None)
+            if name.endswith(tuple(f"_slot{slot}" for slot in range(2))):
+                used.add(name)
+            else:
+                attached.pop(name, None)
             store.queue_push(
                 _writer_queue(self.refit_id, self.writers[message.stream]),
                 f"{self.reader}:{message.index}".encode(),
             )
+        kept.clear()
+        kept.update({name: attached[name] for name in used if name in attached})
 
     def _attach(
         self, name: str, header: BucketHeader, attached: dict[str, Segment], reader: BucketReader
@@ -495,7 +553,7 @@ class SharedMemoryTransport:
         """One :class:`ShmSender` per policy worker and one :class:`ShmReceiver` per generation worker."""
         if not _REFIT_ID_PATTERN.match(refit_id):
             raise ValueError(f"refit id {refit_id!r} must be 1-64 letters, digits or dashes")
-        prefix = segment_prefix(self._uid, refit_id)
+        prefix = transport_prefix(self._uid)
         senders: list[WeightSender] = []
         for rank, node in enumerate(self._policy_node_ids):
             stream = self._policy_streams[rank]
@@ -537,8 +595,9 @@ class SharedMemoryTransport:
             store.queue_push(_reader_queue(refit_id, reader), b"\n" + reason)
 
     def cleanup(self, refit_id: str) -> None:
-        """Sweep ``refit_id``'s segments on every node and drop its queues from the store."""
-        self._sweep_everywhere(segment_prefix(self._uid, refit_id))
+        """After a failed refit: sweep the transport's segments on every node (a dead writer cannot unlink
+        its own; the others create new ones at their next refit) and drop ``refit_id``'s queues."""
+        self._sweep_everywhere(transport_prefix(self._uid))
         store = self._server.store
         for writer in range(len(self._writers)):
             store.delete_key(_writer_queue(refit_id, writer))
@@ -547,7 +606,7 @@ class SharedMemoryTransport:
 
     def shutdown(self) -> None:
         """Sweep every segment this transport may have left on any node."""
-        self._sweep_everywhere(f"{SEGMENT_NAME_PREFIX}{self._uid}_")
+        self._sweep_everywhere(transport_prefix(self._uid))
 
     def _sweep_everywhere(self, prefix: str | None) -> None:
         """Sweep ``prefix`` on every policy node (``None``: the segments of dead writers)."""

@@ -260,6 +260,25 @@ def _scenarios(rank: int, model_dir: Path, out_dir: Path) -> None:
             worker.export_hf(str(out_dir / "rm_export"))
         worker.shutdown()
 
+    # Reward-model resume: two steps, saved (the scalar head included), then a fresh worker of the same layout
+    # loads them and takes step three, bit for bit as the uninterrupted rm_dp2 worker did.
+    def rm_shard(steps: range) -> BatchedDataDict[Any]:
+        part = pairs.slice(steps.start * GLOBAL_BATCH, steps.stop * GLOBAL_BATCH)
+        return part.shard_by_batch_size(WORLD_SIZE, batch_size=GLOBAL_BATCH, group_size=2)[rank]
+
+    worker = DTensorPolicyWorker(policy_cfg(model_dir, **rm), init_reference_model=False)
+    worker.train(rm_shard(range(0, 2)), PreferenceLoss(), mbs=2)
+    worker.save_checkpoint(str(out_dir / "rm_ckpt_weights"), str(out_dir / "rm_ckpt_optim"))
+    worker.shutdown()
+    worker = DTensorPolicyWorker(
+        policy_cfg(model_dir, **rm),
+        init_reference_model=False,
+        weights_path=str(out_dir / "rm_ckpt_weights"),
+        optimizer_path=str(out_dir / "rm_ckpt_optim"),
+    )
+    save("rm_resumed_train", worker.train(rm_shard(range(2, NUM_STEPS)), PreferenceLoss(), mbs=2))
+    worker.shutdown()
+
     # Resume: dp=2 trains two steps, saves, a fresh tp=2 worker loads and takes step three.
     first_two = data.slice(0, 2 * GLOBAL_BATCH)
     worker = DTensorPolicyWorker(policy_cfg(model_dir))
@@ -496,6 +515,15 @@ def test_resume_continues_like_an_uninterrupted_run(results: Path, reference: di
     assert_close(resumed["loss"], reference["loss"][2:])
     assert_close(resumed["grad_norm"], reference["grad_norm"][2:])
     assert_close(resumed["lr"], reference["lr"][2:])
+
+
+def test_reward_model_resumes_bit_for_bit(results: Path) -> None:
+    for rank in range(WORLD_SIZE):
+        resumed, uninterrupted = load(results, "rm_resumed_train", rank), load(results, "rm_dp2_train", rank)
+        for key in ("loss", "grad_norm", "lr"):
+            assert torch.equal(resumed[key], uninterrupted[key][2:]), (key, resumed[key], uninterrupted[key])
+        for name, values in resumed["metrics"].items():
+            assert values == uninterrupted["metrics"][name][2:], name
 
 
 def test_export_loads_in_transformers(results: Path, reference: dict[str, Any]) -> None:

@@ -152,6 +152,16 @@ def _reference_scenarios(save: Callable[[str, Any], None], model_dir: Path, out_
     worker.shutdown()
 
 
+def _draws() -> dict[str, torch.Tensor]:
+    """The next numbers of this rank's torch generator and of Megatron's tensor-parallel RNG tracker."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    process = torch.rand(4)
+    with get_cuda_rng_tracker().fork():
+        tracker = torch.rand(4)
+    return {"process": process, "tracker": tracker}
+
+
 def _megatron_scenarios(save: Callable[[str, Any], None], model_dir: Path, out_dir: Path) -> None:
     """Two ranks: TP=2, TP=2 with sequence parallel, PP=2 and DP=2, each a fresh worker."""
     from nemo_rl.models.policy.megatron_worker import MegatronPolicyWorker
@@ -192,13 +202,17 @@ def _megatron_scenarios(save: Callable[[str, Any], None], model_dir: Path, out_d
     )
     save("pp2_nll_first_two", worker.train(shard(data.slice(0, 2 * GLOBAL_BATCH), worker), NLLLoss()))
     save("pp2_logprobs_two_steps", worker.get_logprobs(score_data()))
+    # Generators moved on (as dropout would move them), then saved: the resumed worker continues them.
+    _draws()
     worker.save_checkpoint(str(out_dir / "pp2_ckpt_weights"), str(out_dir / "pp2_ckpt_optim"))
+    save("pp2_draws_after_save", _draws())
     worker.shutdown()
     worker = MegatronPolicyWorker(
         megatron_cfg(model_dir, pp=2),
         weights_path=str(out_dir / "pp2_ckpt_weights"),
         optimizer_path=str(out_dir / "pp2_ckpt_optim"),
     )
+    save("pp2_draws_resumed", _draws())
     save(
         "pp2_nll_resumed",
         worker.train(shard(data.slice(2 * GLOBAL_BATCH, 3 * GLOBAL_BATCH), worker), NLLLoss()),
@@ -410,6 +424,11 @@ def test_pipeline_with_token_budget_micro_batches_and_resume(results: Path) -> N
     assert_close(resumed["loss"], expected["loss"][2:])
     assert_close(resumed["grad_norm"], expected["grad_norm"][2:])
     assert_close(resumed["lr"], expected["lr"][2:])
+    # Each rank's generators (the process's and Megatron's tracker) continue from the checkpoint.
+    for rank in range(2):
+        saved = load(results, "megatron.pp2_draws_after_save", rank=rank)
+        resumed = load(results, "megatron.pp2_draws_resumed", rank=rank)
+        assert all(torch.equal(saved[k], resumed[k]) for k in ("process", "tracker")), rank
     # A weights checkpoint loads into another layout (PP=2 -> TP=2).
     assert_close(
         load(results, "megatron.tp2_from_pp2_logprobs")["logprobs"],

@@ -3,8 +3,9 @@
 The teacher is the student's own checkpoint, so before the first update the teacher's top-k distribution
 and the student's agree exactly at every sampled position: a KL of zero there checks that the teacher's
 top-k indices line up with the student's logits (same positions, same tokens, same temperature). Two steps
-with a checkpoint each, validation at start and end, and the state read back for a resume. The learning
-demo (a stronger teacher) is in docs/algorithms/distillation.md.
+with a checkpoint each, validation at start and end, and the state read back for a resume; then the run
+loses its last checkpoint, is rerun, and repeats step 2 bit for bit. The learning demo (a stronger teacher)
+is in docs/algorithms/distillation.md.
 """
 
 from __future__ import annotations
@@ -75,15 +76,18 @@ def test_distillation_from_an_identical_teacher(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="topk_logits_k=1000 exceeds the vocabulary size"):
         setup(_config(tmp_path, "distillation.topk_logits_k=1000"), tokenizer, train, val)
 
-    components = setup(config, tokenizer, train, val)
-    try:
-        distillation_train(components)
-    finally:
-        components.shutdown()
+    def run() -> list[dict[str, float]]:
+        components = setup(config, tokenizer, train, val)
+        try:
+            distillation_train(components)
+        finally:
+            components.shutdown()
+        lines = (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line) for line in lines if line]
 
+    records = run()
     by_step: dict[int, dict[str, float]] = {}
-    for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
+    for record in records:
         by_step.setdefault(record["step"], {}).update(record)
     first, second = by_step[1], by_step[2]
     # Identical teacher and student before the first update: zero KL on every trained token.
@@ -106,3 +110,22 @@ def test_distillation_from_an_identical_teacher(tmp_path: Path) -> None:
     state = resume.state(DistillationState)
     assert state.step == 2 and state.val_accuracy == by_step[2]["validation/accuracy"]
     assert state.total_valid_tokens == first["train/num_valid_tokens"] + second["train/num_valid_tokens"]
+
+    # Killed while saving step 2 (its checkpoint never got its name), then the same run again: it resumes from
+    # step 1 and samples, scores, distils and validates step 2 bit for bit as the uninterrupted run did.
+    resume.path.rename(resume.path.parent / "tmp_step_2")
+    again = run()[len(records) :]
+    assert again[0]["step"] == 2, "the rerun did not resume from step 1"
+    expected, got = _step_values(records, 2), _step_values(again, 2)
+    assert len(expected) > 20 and got == expected
+
+
+def _step_values(records: list[dict[str, float]], step: int) -> dict[str, float]:
+    """Everything ``step`` logged under ``train/`` and ``validation/`` but the validation's duration."""
+    return {
+        key: value
+        for record in records
+        if record["step"] == step
+        for key, value in record.items()
+        if key.startswith(("train/", "validation/")) and key != "validation/time_s"
+    }

@@ -2,11 +2,11 @@
 
 The DPO loop runs on the session's Ray (``ray_cluster``) with three small steps: the held-out preference loss
 falls, the last checkpoint records the final validation loss, and the export loads with ``transformers``;
-a second run does the same on the Megatron backend in two pipeline stages.
+rerun after losing its last checkpoint, it resumes and repeats step 3 bit for bit. A second run does the same
+on the Megatron backend in two pipeline stages.
 Reward-model training runs the same loop (``nemo_rl.algorithms.preference``) with another loss and head; the
-worker's reward head, its parity over layouts and its export's scores are tested in
-``tests/distributed/test_dtensor_worker.py``. Resuming is the shared loop's (``tests/unit/test_loop.py``, the
-SFT kill-and-rerun test) and the worker's. The scripts' command-line failures (exit 2, one line, no
+worker's reward head, its parity over layouts, its resume (bit for bit) and its export's scores are tested in
+``tests/distributed/test_dtensor_worker.py``. The scripts' command-line failures (exit 2, one line, no
 traceback) are checked without starting anything.
 """
 
@@ -63,6 +63,17 @@ def _at(records: list[dict[str, Any]], step: int, key: str) -> float:
     return float(values[-1])
 
 
+def _step_values(records: list[dict[str, Any]], step: int) -> dict[str, float]:
+    """Everything ``step`` logged under ``train/`` and ``validation/`` (its timings differ between runs)."""
+    return {
+        key: value
+        for record in records
+        if record["step"] == step
+        for key, value in record.items()
+        if key.startswith(("train/", "validation/"))
+    }
+
+
 def _train(module: str, config: DPOMasterConfig | RMMasterConfig, keep: bool = False) -> Any:
     """Set up and run one algorithm (``nemo_rl.algorithms.<module>``); returns the run, still up with ``keep``."""
     from nemo_rl.data.datasets import setup_preference_data
@@ -90,6 +101,14 @@ def test_dpo_learns_and_exports(ray_cluster: dict[str, float], tmp_path: Path) -
 
     _train("dpo", config("first"))
     first = _metrics(tmp_path / "first")
+    # Killed while saving step 3 (its checkpoint never got its name), then the same command again: the
+    # resumed run's step 3 trains and validates bit for bit as the uninterrupted run's did.
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "step_3").rename(ckpt / "tmp_step_3")
+    _train("dpo", config("first"))
+    resumed = _metrics(tmp_path / "first")[len(first) :]
+    assert resumed[0]["step"] == 3, "the rerun did not resume from step 2"
+    assert _step_values(resumed, 3) == _step_values(first, 3) and len(_step_values(first, 3)) > 15
     # Held-out pairs: the preference loss falls and the chosen answers gain on the rejected ones.
     assert _at(first, 3, "validation/preference_loss") < _at(first, 0, "validation/preference_loss")
     margin = [

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -57,8 +58,17 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
     return result
 
 
-def _metrics(log_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines() if line]
+def _metrics(log_dir: Path, *, while_written: bool = False) -> list[dict[str, Any]]:
+    """Every line of ``metrics.jsonl``; ``while_written`` skips a last line still being written."""
+    lines = [line for line in (log_dir / "metrics.jsonl").read_text().splitlines() if line]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if not (while_written and i == len(lines) - 1):
+                raise
+    return records
 
 
 def _step_metrics(records: list[dict[str, Any]], step: int) -> dict[str, Any]:
@@ -70,76 +80,64 @@ def _step_metrics(records: list[dict[str, Any]], step: int) -> dict[str, Any]:
     return merged
 
 
-def _kill_after_first_checkpoint(tmp: Path) -> None:
-    """Run the test's command and kill it (SIGKILL) as soon as its step-2 checkpoint is complete."""
-    cmd = _command(tmp, "killed", 4)
-    ckpt = tmp / "killed" / "ckpt" / "step_2"
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env())
-    deadline = time.monotonic() + TIMEOUT_S
-    while not ckpt.exists():
-        if proc.poll() is not None:
-            output = proc.stdout.read().decode() if proc.stdout else ""
-            pytest.fail(f"run ended before its first checkpoint:\n{output[-5000:]}")
-        assert time.monotonic() < deadline, "no checkpoint within the time limit"
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=60)
-
-
 @pytest.mark.slow
 def test_sft_learns_resumes_after_kill_and_exports(tmp_path: Path) -> None:
-    # Uninterrupted reference run: 4 steps. It runs alongside the run that gets killed (each is one worker
-    # with one thread, mostly waiting on start-up), which halves the test's wall time on two cores.
-    reference_log = tmp_path / "full_run.out"
-    with reference_log.open("wb") as out:
-        full_run = subprocess.Popen(
-            _command(tmp_path, "full", 4, "checkpointing.save_consolidated=true"),
-            cwd=ROOT,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=_env(),
-        )
-    try:
-        _kill_after_first_checkpoint(tmp_path)
-        full_run.wait(timeout=TIMEOUT_S)
-    finally:
-        if full_run.poll() is None:
-            full_run.kill()
-            full_run.wait(timeout=60)
-    assert full_run.returncode == 0, f"the reference run failed:\n{reference_log.read_text()[-5000:]}"
-
-    full = _metrics(tmp_path / "full" / "logs")
+    # Four steps, killed (SIGKILL) at a random moment after step 3 logged its metrics: training, validating
+    # or saving step 4, with the step-2 checkpoint the latest complete one.
+    cmd = _command(tmp_path, "run", 4, "checkpointing.save_consolidated=true")
+    log_dir, ckpt = tmp_path / "run" / "logs", tmp_path / "run" / "ckpt"
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env())
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (log_dir / "metrics.jsonl").exists() or "train/loss" not in _step_metrics(
+        _metrics(log_dir, while_written=True), 3
+    ):
+        if proc.poll() is not None:
+            output = proc.stdout.read().decode() if proc.stdout else ""
+            pytest.fail(f"run ended before its step 3:\n{output[-5000:]}")
+        assert time.monotonic() < deadline, "no step 3 within the time limit"
+        time.sleep(0.05)
+    time.sleep(random.uniform(0.0, 0.3))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    if (ckpt / "step_4").exists():
+        # The kill came after the last save: lose that checkpoint as a kill in the middle of writing it would.
+        (ckpt / "step_4").rename(ckpt / "tmp_step_4")
+    killed = _metrics(log_dir)
     # save_consolidated puts a Hugging Face export of the step's weights next to the sharded checkpoint.
-    assert (tmp_path / "full" / "ckpt" / "step_2" / "consolidated" / "config.json").is_file()
-    val_losses = [r["validation/val_loss"] for r in full if "validation/val_loss" in r]
+    assert (ckpt / "step_2" / "consolidated" / "config.json").is_file()
+
+    # Rerun unchanged: it resumes from step 2 and every step the killed run logged after it is repeated bit
+    # for bit (RNG state, loader position, optimizer and scheduler all come back).
+    resumed = _run(cmd)
+    assert "Resuming SFT from" in resumed.stdout and "(step 2)" in resumed.stdout, resumed.stdout[-3000:]
+    records = _metrics(log_dir)
+    again = records[len(killed) :]
+    for step in (3, 4):
+        expected = _step_metrics(killed, step)
+        if step == 3 or "train/loss" in expected:
+            got = _step_metrics(again, step)
+            assert "train/loss" in expected and got == expected, (step, got, expected)
+    val_losses = [r["validation/val_loss"] for r in records if "validation/val_loss" in r]
     assert val_losses[-1] < val_losses[0], f"validation loss did not fall: {val_losses}"
 
-    # The killed command, rerun unchanged: it resumes from step 2 and every later step's metrics are the
-    # uninterrupted run's, bit for bit (RNG state, loader position, optimizer and scheduler all come back).
-    resumed = _run(_command(tmp_path, "killed", 4))
-    assert "Resuming SFT from" in resumed.stdout and "(step 2)" in resumed.stdout, resumed.stdout[-3000:]
-    records = _metrics(tmp_path / "killed" / "logs")
-    for step in (3, 4):
-        got, expected = _step_metrics(records, step), _step_metrics(full, step)
-        assert "train/loss" in expected and got == expected, (step, got, expected)
-
-    # The final export loads with transformers and agrees with the policy's last checkpoint.
+    # The final export loads with transformers, with the training tokenizer.
     from transformers import AutoModelForCausalLM
 
     from nemo_rl.config.policy import PolicyConfig
     from nemo_rl.models.tokenizer import get_policy_tokenizer
 
-    export = tmp_path / "killed" / "ckpt" / "hf_final"
+    export = ckpt / "hf_final"
     # The exported tokenizer is the training one, not a model-family class that re-tokenizes differently.
     text = "What is 31-20?\n \\boxed{11}"
     trained_tok = get_policy_tokenizer(PolicyConfig(model_name=str(ROOT / "examples/assets/tiny_qwen2_init")))
     exported_tok = get_policy_tokenizer(PolicyConfig(model_name=str(export)))
     assert exported_tok.encode(text) == trained_tok.encode(text)
     assert exported_tok.decode(exported_tok.encode(text, add_special_tokens=False)) == text
+    # The export holds the last step's weights (the same as that step's consolidated checkpoint).
     model = AutoModelForCausalLM.from_pretrained(export)
-    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "ckpt" / "hf_final")
+    reference = AutoModelForCausalLM.from_pretrained(ckpt / "step_4" / "consolidated")
     for (name, a), (_, b) in zip(model.state_dict().items(), reference.state_dict().items(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"exported {name} differs after resume")
+        assert torch.equal(a, b), f"exported {name} differs from the last checkpoint's"
 
 
 def test_unknown_key_fails_fast_without_traceback() -> None:

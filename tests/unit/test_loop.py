@@ -243,7 +243,7 @@ def test_training_info_records_the_ranking_metric() -> None:
 def test_train_metrics_reduce_over_optimizer_steps() -> None:
     result: TrainResult = {
         "loss": torch.tensor([1.0, 3.0]),
-        "grad_norm": torch.tensor([5.0, 7.0]),
+        "grad_norm": torch.tensor([float("inf"), 7.0]),  # the first step was skipped
         "lr": torch.tensor([0.1, 0.2]),
         "global_valid_seqs": torch.tensor([2.0, 2.0]),
         "global_valid_toks": torch.tensor([10.0, 20.0]),
@@ -254,6 +254,7 @@ def test_train_metrics_reduce_over_optimizer_steps() -> None:
         "grad_norm": 7.0,
         "lr": -1.0,
         "num_valid_tokens": 30.0,
+        "nonfinite_steps": 1.0,
         "reward": 0.5,
         "entropy": 1.5,
         "ratio_min": 0.25,

@@ -6,10 +6,12 @@ A checkpoint has two parts:
   the training dtype (:func:`~nemo_rl.models.megatron.weights.write_stage_safetensors`). Any TP / PP / DP
   layout loads them, and so does ``from_pretrained``.
 - **optimizer** (``optimizer_path``): one file per rank with its optimizer's own state (Adam moments, step,
-  float32 master weights, loss scale) and the schedule's step count, plus ``layout.json``. Megatron keeps
-  optimizer state per rank in the rank's own layout (sharded over data-parallel ranks with the distributed
-  optimizer), so it reloads into the same TP / PP / DP layout and optimizer settings only; loading it into
-  another one fails with a message saying which.
+  float32 master weights, loss scale), the schedule's step count and the rank's random-number state (the
+  process's generators and Megatron's named tracker states, which dropout in tensor-parallel regions draws
+  from), plus ``layout.json``. A resumed run continues every generator where the checkpoint left it.
+  Megatron keeps optimizer state per rank in the rank's own layout (sharded over data-parallel ranks with the
+  distributed optimizer), so it reloads into the same TP / PP / DP layout and optimizer settings only;
+  loading it into another one fails with a message saying which.
 
 Loading weights without the optimizer re-derives the float32 master weights from the loaded weights, so a
 weights-only load never trains on stale masters.
@@ -27,9 +29,11 @@ import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
 from nemo_rl.models.hf_decoder import SafetensorsReader
 from nemo_rl.models.megatron.weights import StageWeights, write_stage_safetensors
+from nemo_rl.utils.rng import get_rng_state, set_rng_state
 
 LAYOUT_FILE = "layout.json"
 
@@ -75,6 +79,7 @@ def save(
             ],
             "scheduler": scheduler.state_dict(),
             "param_names": list(weights.params),
+            "rng": {"process": get_rng_state(), "megatron": get_cuda_rng_tracker().get_states()},
         }
         torch.save(state, Path(optimizer_path, f"rank{dist.get_rank():05d}.pt"))
         if dist.get_rank() == 0:
@@ -122,6 +127,10 @@ def load(
                 part.grad_scaler.load_state_dict(saved["grad_scaler"])
         scheduler.num_steps = int(state["scheduler"]["num_steps"])
         scheduler.step(increment=0)
+        # Absent from older checkpoints: the generators then continue as seeded.
+        if "rng" in state:
+            set_rng_state(state["rng"]["process"])
+            get_cuda_rng_tracker().set_states(dict(state["rng"]["megatron"]))
     dist.barrier()
 
 

@@ -10,6 +10,7 @@ the keys above alone (a pair's chosen and rejected rows are consecutive). Log-pr
 
 from __future__ import annotations
 
+import math
 from typing import Any, NotRequired, Protocol, TypedDict
 
 import torch
@@ -39,6 +40,17 @@ class TrainResult(TypedDict):
     metrics: dict[str, list[float]]
     """The loss function's metrics per step: shares summed over micro-batches and ranks (``*_min`` /
     ``*_max`` metrics reduced with min / max instead)."""
+
+
+def nonfinite_step_flags(result: TrainResult) -> list[bool]:
+    """Per optimizer step of ``result``: whether its loss or gradient norm was not finite (the workers then
+    skipped its update and its scheduler step)."""
+    losses = result["loss"].reshape(-1).tolist()
+    grad_norms = result["grad_norm"].reshape(-1).tolist() if "grad_norm" in result else [0.0] * len(losses)
+    return [
+        not (math.isfinite(loss) and math.isfinite(grad_norm))
+        for loss, grad_norm in zip(losses, grad_norms, strict=True)
+    ]
 
 
 class PolicyInterface(Protocol):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,7 +20,7 @@ from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.distributed.worker_groups import WorkerGroupFacade
 from nemo_rl.models.policy.dtensor_worker import DTensorPolicyWorker
-from nemo_rl.models.policy.interfaces import TrainResult
+from nemo_rl.models.policy.interfaces import TrainResult, nonfinite_step_flags
 from nemo_rl.models.policy.loss_interface import LossFunction
 
 
@@ -186,12 +185,13 @@ class Policy(WorkerGroupFacade):
     def _count_nonfinite_steps(self, result: TrainResult) -> None:
         """Count optimizer steps with a non-finite loss or gradient norm (the workers skipped their
         updates); stop after ``policy.max_nonfinite_steps`` of them in a row."""
+        flags = nonfinite_step_flags(result)
         losses = result["loss"].reshape(-1).tolist()
         grad_norms = (
             result["grad_norm"].reshape(-1).tolist() if "grad_norm" in result else [0.0] * len(losses)
         )
-        for loss, grad_norm in zip(losses, grad_norms, strict=True):
-            if math.isfinite(loss) and math.isfinite(grad_norm):
+        for nonfinite, loss, grad_norm in zip(flags, losses, grad_norms, strict=True):
+            if not nonfinite:
                 self.nonfinite_steps_in_a_row = 0
                 continue
             self.num_nonfinite_steps += 1
