@@ -10,6 +10,13 @@ recipes prompt them. Every problem is sampled ``--samples`` times with ``transfo
 answer is scored too. Accuracy is the mean over problems of each problem's fraction of correct samples; its
 standard error is the standard deviation of those per-problem fractions over sqrt(problems), which counts
 the problems, not the samples, as the independent draws. Runs in-process on CPU, no Ray.
+
+It also prints the *exact* expected sampled accuracy, with no sampling noise: the mean over problems of the
+probability, at ``--temperature``, of the reference solution followed by end-of-sequence (``48+8=\\boxed{56}``
+then ``<|eos|>``), from one teacher-forced forward pass. A correct answer written differently is not
+counted, so it is a lower bound; on the tiny checkpoints (whose answers all take the reference form) it
+agrees with the sampled accuracy within its standard error. ``--exact-only`` prints only it (seconds per
+checkpoint), which resolves changes of a point or less where sampling 256 x 8 cannot.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import argparse
 import math
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -25,6 +33,7 @@ from transformers import AutoModelForCausalLM
 from nemo_rl.config.loader import load_and_validate
 from nemo_rl.config.master import DistillationMasterConfig
 from nemo_rl.data.datasets import setup_rl_data
+from nemo_rl.data.tiny import tiny_math_splits
 from nemo_rl.environments.math_verifier import verify_math_answer
 from nemo_rl.models.tokenizer import get_policy_tokenizer
 
@@ -38,15 +47,59 @@ def _mean_and_se(values: list[float]) -> tuple[float, float]:
     return mean, math.sqrt(variance / len(values))
 
 
-def evaluate(model_dir: str, samples: int, temperature: float, seed: int) -> dict[str, float]:
-    """Sampled accuracy (mean, standard error), pass@samples and greedy accuracy of one checkpoint."""
+def heldout(model_dir: str) -> tuple[Any, Any, Any, list[dict[str, str]], Any]:
+    """The recipe's config, tokenizer, the held-out prompts as the recipes build them, their reference rows, and the model."""
     config = load_and_validate(RECIPE, DistillationMasterConfig, [f"policy.model_name={model_dir}"])
     tokenizer = get_policy_tokenizer(config.policy)
     _, val = setup_rl_data(
         config.data, tokenizer, max_total_sequence_length=config.policy.max_total_sequence_length
     )
-    assert val is not None
+    assert val is not None and config.data.seed is not None
+    _, rows = tiny_math_splits(
+        config.data.num_train_samples,
+        config.data.num_val_samples,
+        seed=config.data.seed,
+        max_operand=config.data.tiny_math_max_operand,
+    )
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return config, tokenizer, val, rows, model
+
+
+def exact_accuracy_of(
+    model: Any, tokenizer: Any, val: Any, rows: list[dict[str, str]], temperature: float
+) -> tuple[float, float]:
+    """Mean over the held-out problems of P(reference solution + EOS | prompt) at ``temperature``, and its
+    standard error over problems, for a model already in memory."""
+    probabilities: list[float] = []
+    for i in range(len(val)):
+        item = val[i]
+        if item["extra_env_info"]["ground_truth"] != rows[i]["expected_answer"]:
+            raise RuntimeError(f"held-out problem {i} does not match its reference row {rows[i]}")
+        prompt_ids = torch.cat([m["token_ids"] for m in item["message_log"]])
+        solution_ids = torch.tensor(
+            [
+                *tokenizer(rows[i]["generated_solution"], add_special_tokens=False)["input_ids"],
+                tokenizer.eos_token_id,
+            ]
+        )
+        ids = torch.cat([prompt_ids, solution_ids])[None]
+        with torch.no_grad():
+            logits = model(ids).logits[0, prompt_ids.shape[0] - 1 : -1].float() / temperature
+        logprob = torch.log_softmax(logits, dim=-1).gather(-1, solution_ids[:, None]).sum()
+        probabilities.append(math.exp(logprob.item()))
+    return _mean_and_se(probabilities)
+
+
+def exact_accuracy(model_dir: str, temperature: float) -> dict[str, float]:
+    """:func:`exact_accuracy_of` the checkpoint in ``model_dir``."""
+    _, tokenizer, val, rows, model = heldout(model_dir)
+    mean, se = exact_accuracy_of(model, tokenizer, val, rows, temperature)
+    return {"problems": float(len(val)), "exact_accuracy": mean, "exact_accuracy_se": se}
+
+
+def evaluate(model_dir: str, samples: int, temperature: float, seed: int) -> dict[str, float]:
+    """Sampled accuracy (mean, standard error), pass@samples and greedy accuracy of one checkpoint."""
+    config, tokenizer, val, _, model = heldout(model_dir)
     torch.manual_seed(seed)
     per_problem: list[float] = []
     greedy: list[float] = []
@@ -104,10 +157,19 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--exact-only", action="store_true", help="print only the exact expected accuracy")
     args = parser.parse_args()
     torch.set_num_threads(1)
     for model_dir in args.model_dirs:
         start_s = time.perf_counter()
+        e = exact_accuracy(model_dir, args.temperature)
+        print(
+            f"{model_dir}: exact expected sampled accuracy {100 * e['exact_accuracy']:.1f}% "
+            f"+- {100 * e['exact_accuracy_se']:.1f} (reference answers, T={args.temperature})",
+            flush=True,
+        )
+        if args.exact_only:
+            continue
         r = evaluate(model_dir, args.samples, args.temperature, args.seed)
         print(
             f"{model_dir}: sampled accuracy {100 * r['accuracy']:.1f}% +- {100 * r['accuracy_se']:.1f} "
