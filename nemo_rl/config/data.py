@@ -210,6 +210,10 @@ class DataConfig(ConfigModel):
     system_prompt_file: str | None = None
     """Text file whose content becomes a system message at the start of each conversation that has none."""
 
+    add_system_prompt: bool = False
+    """Passed as ``add_system_prompt`` to the chat template by scripts that render their own prompts (NeMo
+    RL's sliding-puzzle example); a template that reads it adds its default system prompt."""
+
     env_name: str | None = None
     """Environment that scores RL prompts (their ``task_name``), e.g. ``reward_model`` to reward responses with
     the model of ``env.reward_model`` (NeMo RL's ``data.default.env_name``); ``None`` uses the dataset's own

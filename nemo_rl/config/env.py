@@ -1,5 +1,5 @@
 """Schema of the ``env`` section: one subsection per environment (``env.math``, ``env.number_guessing``,
-``env.reward_model``).
+``env.reward_model``, ``env.sliding_puzzle_game``).
 
 Environments registered by users (``nemo_rl.environments.registry.register_env``) take their constructor
 arguments from a subsection of their own name, e.g. ``env.exact_match: {threshold: 0.5}``; such sections are
@@ -69,6 +69,36 @@ class NumberGuessingEnvConfig(ConfigModel):
         if self.low > self.high:
             raise ValueError(f"env.number_guessing.low ({self.low}) must not exceed high ({self.high})")
         return self
+
+
+class SlidingPuzzleGameConfig(ConfigModel):
+    """The puzzles of a sliding-puzzle run (NeMo RL's ``env.sliding_puzzle_game.cfg.game_config``): each is
+    a solved board scrambled by random moves of the blank."""
+
+    size: int = Field(default=4, ge=2)
+    """Largest board side; NeMo RL's sliding-puzzle script draws each puzzle's side from ``2..size``."""
+
+    shuffle_moves: int = Field(default=100, ge=1)
+    """Most random moves scrambling a board; the script draws each puzzle's count from ``1..shuffle_moves``
+    (made odd, so no puzzle starts solved)."""
+
+
+class SlidingPuzzleSettings(ConfigModel):
+    """Settings of the sliding-puzzle environment (NeMo RL's ``env.sliding_puzzle_game.cfg``)."""
+
+    game_config: SlidingPuzzleGameConfig = Field(default_factory=SlidingPuzzleGameConfig)
+    """How puzzles are generated."""
+
+    max_moves: int = Field(default=50, ge=1)
+    """Moves (actions, including unreadable replies) allowed per game; the game ends unsolved after the
+    last."""
+
+
+class SlidingPuzzleEnvConfig(ConfigModel):
+    """The sliding-puzzle game (multi-turn): the assistant slides tiles until the board is in order."""
+
+    cfg: SlidingPuzzleSettings = Field(default_factory=SlidingPuzzleSettings)
+    """The environment's settings (NeMo RL nests them under ``cfg``)."""
 
 
 class RewardModelEnvConfig(ConfigModel):
@@ -166,6 +196,9 @@ class EnvConfig(ConfigModel):
 
     reward_model: RewardModelEnvConfig = Field(default_factory=RewardModelEnvConfig)
     """A trained reward model scoring responses."""
+
+    sliding_puzzle_game: SlidingPuzzleEnvConfig = Field(default_factory=SlidingPuzzleEnvConfig)
+    """The sliding-puzzle game (multi-turn; ``examples/run_grpo_sliding_puzzle.py``)."""
 
     @model_validator(mode="after")
     def _check_user_sections(self) -> Self:

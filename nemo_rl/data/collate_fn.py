@@ -25,11 +25,12 @@ def rl_collate_fn(batch: Sequence[DatumSpec]) -> BatchedDataDict[Any]:
     """Batch RL prompts, keeping their message logs (generation and environments extend them).
 
     Keys: ``message_log``, ``extra_env_info``, ``task_name`` (lists), ``idx`` [B] long, ``length`` [B] long,
-    ``loss_multiplier`` [B] float.
+    ``loss_multiplier`` [B] float; ``stop_strings`` (a list, ``None`` where a sample has none) when any
+    sample carries them.
     """
     if not batch:
         raise ValueError("cannot collate an empty batch")
-    return BatchedDataDict(
+    collated: BatchedDataDict[Any] = BatchedDataDict(
         message_log=[d["message_log"] for d in batch],
         extra_env_info=[d["extra_env_info"] for d in batch],
         task_name=[d["task_name"] for d in batch],
@@ -37,6 +38,9 @@ def rl_collate_fn(batch: Sequence[DatumSpec]) -> BatchedDataDict[Any]:
         length=torch.tensor([d["length"] for d in batch], dtype=torch.long),
         loss_multiplier=torch.tensor([d["loss_multiplier"] for d in batch], dtype=torch.float32),
     )
+    if any(d.get("stop_strings") for d in batch):
+        collated["stop_strings"] = [d.get("stop_strings") for d in batch]
+    return collated
 
 
 def sft_collate_fn(

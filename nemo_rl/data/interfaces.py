@@ -77,6 +77,10 @@ class DatumSpec(TypedDict):
     task_name: str
     """Which environment / task the sample belongs to (``"math"`` for RL math problems)."""
 
+    stop_strings: NotRequired[list[str] | None]
+    """RL only: stop strings of the sample's first response, added to ``policy.generation.stop_strings``
+    (environments set those of later turns)."""
+
     rejected_message_log: NotRequired[MessageLog]
     """Preference data only: the conversation with the dispreferred response (``message_log`` holds the
     preferred one)."""

@@ -1,8 +1,9 @@
 """Environment registry: task / environment names to environment classes, and starting them as Ray actors.
 
 Built in: ``math`` (:class:`~nemo_rl.environments.math_environment.MathEnvironment`), ``number_guessing``
-(:class:`~nemo_rl.environments.games.number_guessing.NumberGuessingEnvironment`) and ``reward_model``
-(:class:`~nemo_rl.environments.reward_model_environment.RewardModelEnvironment`). Add your own with
+(:class:`~nemo_rl.environments.games.number_guessing.NumberGuessingEnvironment`), ``reward_model``
+(:class:`~nemo_rl.environments.reward_model_environment.RewardModelEnvironment`) and ``sliding_puzzle_game``
+(:class:`~nemo_rl.environments.games.sliding_puzzle.SlidingPuzzleEnv`). Add your own with
 :func:`register_env`::
 
     class MyEnv(EnvironmentInterface[dict]):
@@ -39,6 +40,7 @@ _BUILTIN_ENVS: dict[str, str] = {
     "math": "nemo_rl.environments.math_environment:MathEnvironment",
     "number_guessing": "nemo_rl.environments.games.number_guessing:NumberGuessingEnvironment",
     "reward_model": "nemo_rl.environments.reward_model_environment:RewardModelEnvironment",
+    "sliding_puzzle_game": "nemo_rl.environments.games.sliding_puzzle:SlidingPuzzleEnv",
 }
 _REGISTRY: dict[str, EnvClass | str] = dict(_BUILTIN_ENVS)
 

@@ -121,7 +121,7 @@ def run_multi_turn_rollout(
     Args:
         generation: The generation backend (its weights must be current).
         input_batch: ``message_log``, ``extra_env_info`` and ``task_name`` per sample (logs are copied, not
-            changed).
+            changed); optionally ``stop_strings`` of each sample's first response.
         tokenizer: The policy's tokenizer (pad id, decoding, rendering observations).
         task_to_env: Environment actor per task name.
         max_seq_len: Token budget of a whole conversation (prompt, responses and observations).
@@ -140,7 +140,11 @@ def run_multi_turn_rollout(
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     )
     logs: list[MessageLog] = input_batch["message_log"]
-    states = [_SampleState(log=copy.copy(log)) for log in logs]
+    first_stops = input_batch["stop_strings"] if "stop_strings" in input_batch else [None] * len(logs)
+    states = [
+        _SampleState(log=copy.copy(log), stop_strings=stops)
+        for log, stops in zip(logs, first_stops, strict=True)
+    ]
     task_names: list[str] = list(input_batch["task_name"])
     env_info: list[Any] = list(input_batch["extra_env_info"])
     turn_metrics: dict[str, float] = {}

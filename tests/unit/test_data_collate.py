@@ -61,6 +61,9 @@ def test_rl_collate(tokenizer: PreTrainedTokenizerBase) -> None:
     assert batch["loss_multiplier"].dtype == torch.float32
     with pytest.raises(ValueError, match="empty batch"):
         rl_collate_fn([])
+    # Samples may carry the stop strings of their first response (None where one has none).
+    batch_in[0]["stop_strings"] = ["</action>"]
+    assert rl_collate_fn(batch_in)["stop_strings"] == [["</action>"], None, None]
 
 
 def test_sft_collate_shapes_and_masks(tokenizer: PreTrainedTokenizerBase) -> None:
