@@ -34,6 +34,7 @@ from nemo_rl.config.loader import format_config
 from nemo_rl.config.no_effect import format_no_effect, no_effect_settings
 from nemo_rl.config.validation import validate_dict
 from nemo_rl.data.interfaces import DatumSpec
+from nemo_rl.distributed.virtual_cluster import init_ray
 from nemo_rl.environments.games.sliding_puzzle import (
     ACTION_STOP_STRINGS,
     SlidingPuzzleConfig,
@@ -187,6 +188,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
         )
         return {}
 
+    # Ray first: the environment actor starts before setup (which would start Ray itself otherwise).
+    init_ray(master.cluster)
     tokenizer = get_policy_tokenizer(master.policy)
     length = (
         master["grpo"]["num_prompts_per_step"]

@@ -207,6 +207,8 @@ def run_multi_turn_rollout(
 
     batch_size = len(states)
     result = BatchedDataDict(input_batch.copy())
+    # An input of the first turn only; dropping it keeps rollouts of batches with and without it joinable.
+    result.pop("stop_strings", None)
     result["message_log"] = [s.log for s in states]
     result["extra_env_info"] = env_info
     result["total_reward"] = torch.tensor([s.reward for s in states], dtype=torch.float32)

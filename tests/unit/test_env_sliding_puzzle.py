@@ -10,9 +10,9 @@ from nemo_rl.config.env import EnvConfig, SlidingPuzzleEnvConfig
 from nemo_rl.environments.games.sliding_puzzle import (
     SlidingPuzzleGameLogic,
     SlidingPuzzleMetadata,
-    _settings,
     parse_action,
     play_turn,
+    resolve_settings,
 )
 from nemo_rl.environments.registry import get_env_class
 
@@ -73,6 +73,6 @@ def test_config_section_and_registry() -> None:
     section = env.section("sliding_puzzle_game")
     assert isinstance(section, SlidingPuzzleEnvConfig) and section["cfg"]["game_config"]["size"] == 5
     # The actor takes the whole section (registry) or NeMo RL's inner `cfg` mapping (its script).
-    assert _settings(section).max_moves == 30
-    assert _settings({"game_config": {"size": 3, "shuffle_moves": 1}, "max_moves": 4}).max_moves == 4
+    assert resolve_settings(section).max_moves == 30
+    assert resolve_settings({"game_config": {"size": 3, "shuffle_moves": 1}, "max_moves": 4}).max_moves == 4
     assert get_env_class("sliding_puzzle_game") is not None

@@ -175,16 +175,17 @@ def play_turn(reply: str, metadata: SlidingPuzzleMetadata) -> Turn:
     return Turn(observation, reward, solved or out_of_moves, new_metadata)
 
 
-def _settings(
+def resolve_settings(
     cfg: SlidingPuzzleEnvConfig | SlidingPuzzleSettings | Mapping[str, Any] | None,
 ) -> SlidingPuzzleSettings:
+    """The environment's settings from any form it is given: the ``env.sliding_puzzle_game`` section (the
+    registry), its ``cfg`` (NeMo RL's script), either as a plain mapping, or nothing (the defaults)."""
     if cfg is None:
         return SlidingPuzzleSettings()
     if isinstance(cfg, SlidingPuzzleEnvConfig):
         return cfg.cfg
     if isinstance(cfg, SlidingPuzzleSettings):
         return cfg
-    # NeMo RL's script passes the inner `cfg` mapping; the registry passes the whole `env` subsection.
     if "cfg" in cfg:
         return SlidingPuzzleEnvConfig.model_validate(dict(cfg)).cfg
     return SlidingPuzzleSettings.model_validate(dict(cfg))
@@ -202,7 +203,7 @@ class SlidingPuzzleEnv(EnvironmentInterface[SlidingPuzzleMetadata]):
     """
 
     def __init__(self, cfg: SlidingPuzzleEnvConfig | SlidingPuzzleSettings | Mapping[str, Any] | None = None):
-        self.cfg = _settings(cfg)
+        self.cfg = resolve_settings(cfg)
 
     def step(
         self, message_log_batch: Sequence[Sequence[Message]], metadata: Sequence[SlidingPuzzleMetadata]
