@@ -26,7 +26,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import ray
 from transformers import AutoConfig, PreTrainedTokenizerBase
 
 from nemo_rl.algorithms.grpo import environment_metrics, placement, tasks_to_start, validation_rollouts
@@ -49,7 +48,7 @@ from nemo_rl.data.datasets import ProcessedDataset, dataset_task_names
 from nemo_rl.data.llm_message_utils import message_logs_to_batch
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster, init_ray
-from nemo_rl.environments.registry import create_task_envs
+from nemo_rl.environments.registry import create_task_envs, stop_envs
 from nemo_rl.experience.rollouts import run_multi_turn_rollout
 from nemo_rl.models.generation.factory import create_generation
 from nemo_rl.models.generation.interfaces import GenerationInterface
@@ -115,9 +114,7 @@ class DistillationSetup:
         self.teacher.shutdown()
         self.student.shutdown()
         self.refit_transport.shutdown()
-        for env in self.owned_envs:
-            ray.get(env.shutdown.remote(), timeout=_ENV_TIMEOUT_S)
-            ray.kill(env)
+        stop_envs(self.owned_envs, _ENV_TIMEOUT_S)
         self.cluster.shutdown()
 
 

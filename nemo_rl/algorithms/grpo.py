@@ -53,7 +53,7 @@ from nemo_rl.data.llm_message_utils import message_logs_to_batch
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster, init_ray
 from nemo_rl.distributed.worker_groups import start_together
-from nemo_rl.environments.registry import check_task_envs, create_task_envs
+from nemo_rl.environments.registry import check_task_envs, create_task_envs, stop_envs
 from nemo_rl.experience.rollouts import run_multi_turn_rollout
 from nemo_rl.models.generation.factory import create_generation
 from nemo_rl.models.generation.interfaces import GenerationInterface
@@ -119,9 +119,7 @@ class GRPOSetup:
         self.generation.shutdown()
         self.policy.shutdown()
         self.refit_transport.shutdown()
-        for env in self.owned_envs:
-            ray.get(env.shutdown.remote(), timeout=_ENV_TIMEOUT_S)
-            ray.kill(env)
+        stop_envs(self.owned_envs, _ENV_TIMEOUT_S)
         self.cluster.shutdown()
 
 

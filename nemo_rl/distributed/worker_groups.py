@@ -311,29 +311,34 @@ class RayWorkerGroup:
         self._shut_down = True
         if callable(getattr(self._worker_cls, "shutdown", None)):
             refs: list[ray.ObjectRef] = [worker.shutdown.remote() for worker in self._workers]
-            done, hung = ray.wait(refs, num_returns=len(refs), timeout=graceful_timeout_s)
-            for rank, ref in enumerate(refs):
-                if ref not in done:
-                    continue
-                try:
-                    ray.get(ref)
-                except RayActorError:
-                    logger.info("worker group %r: rank %d was already dead at shutdown", self.name, rank)
-                except RayTaskError as error:
-                    logger.warning(
-                        "worker group %r: rank %d failed in shutdown(): %s", self.name, rank, error
-                    )
+            hung = refs
+            deadline = time.monotonic() + graceful_timeout_s
+            while hung and time.monotonic() < deadline:
+                done, hung = ray.wait(hung, num_returns=1, timeout=max(deadline - time.monotonic(), 0.0))
+                if any(not self._shut_down_cleanly(refs.index(ref), ref) for ref in done):
+                    # A rank is dead: the others may be stuck in a collective with it, so stop waiting.
+                    break
             if hung:
                 logger.warning(
-                    "worker group %r: %d workers did not finish shutdown() within %g s; killing them",
+                    "worker group %r: %d workers did not finish shutdown(); killing them",
                     self.name,
                     len(hung),
-                    graceful_timeout_s,
                 )
         for worker in self._workers:
             ray.kill(worker, no_restart=True)
         self.cluster.release_bundles(self.bundle_indices, self.name)
         self._ref_owners.clear()
+
+    def _shut_down_cleanly(self, rank: int, ref: ray.ObjectRef) -> bool:
+        """Whether rank ``rank``'s ``shutdown`` call returned (False: the worker was dead)."""
+        try:
+            ray.get(ref)
+        except RayActorError:
+            logger.info("worker group %r: rank %d was already dead at shutdown", self.name, rank)
+            return False
+        except RayTaskError as error:
+            logger.warning("worker group %r: rank %d failed in shutdown(): %s", self.name, rank, error)
+        return True
 
     def __enter__(self) -> RayWorkerGroup:
         return self

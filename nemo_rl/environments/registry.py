@@ -20,6 +20,7 @@ Algorithms build one environment per task of their data with :func:`create_task_
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib
 from collections.abc import Iterable, Mapping
@@ -27,6 +28,7 @@ from typing import Any, cast
 
 import ray
 from ray.actor import ActorClass, ActorHandle
+from ray.exceptions import RayActorError
 
 from nemo_rl.config.env import EnvConfig
 from nemo_rl.config.errors import UserError
@@ -157,3 +159,12 @@ def create_env(
     actor_cls = env_cls if isinstance(env_cls, ActorClass) else ray.remote(env_cls)
     handle = actor_cls.options(**dict(actor_options or {})).remote(_section(name, cfg))
     return cast(ActorHandle[Any], handle)
+
+
+def stop_envs(envs: Iterable[ActorHandle[Any]], timeout_s: float) -> None:
+    """Call each environment actor's ``shutdown`` (waiting at most ``timeout_s``), then kill it. An actor that
+    already died is only killed: the error that ended the run named it, and the others still get stopped."""
+    for env in envs:
+        with contextlib.suppress(RayActorError):
+            ray.get(env.shutdown.remote(), timeout=timeout_s)
+        ray.kill(env)

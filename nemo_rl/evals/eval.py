@@ -48,7 +48,7 @@ from nemo_rl.data.collate_fn import rl_collate_fn
 from nemo_rl.data.datasets import ProcessedDataset
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster, init_ray
-from nemo_rl.environments.registry import create_env, registered_envs
+from nemo_rl.environments.registry import create_env, registered_envs, stop_envs
 from nemo_rl.evals.metrics import CORRECT_REWARD, mean_and_stderr, metric_ks, problem_metrics, summarize
 from nemo_rl.experience.rollouts import run_multi_turn_rollout
 from nemo_rl.models.generation.factory import create_generation
@@ -160,9 +160,7 @@ class EvalSetup:
         """Stop the generation workers and the environment, flush the loggers, release the placement groups."""
         self.logger.close()
         self.generation.shutdown()
-        for env in self.task_to_env.values():
-            ray.get(env.shutdown.remote(), timeout=_ENV_TIMEOUT_S)
-            ray.kill(env)
+        stop_envs(self.task_to_env.values(), _ENV_TIMEOUT_S)
         self.cluster.shutdown()
 
 

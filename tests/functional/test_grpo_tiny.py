@@ -9,14 +9,19 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from nemo_rl.weight_sync.shm import SEGMENT_NAME_PREFIX, SHM_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "run_grpo_math.py"
@@ -111,41 +116,68 @@ def _train_metrics_at(records: list[dict[str, Any]], step: int) -> dict[str, Any
 
 
 @pytest.mark.slow
-def test_colocated_dp2_resumes_bit_exact_after_kill(tmp_path: Path) -> None:
+def test_colocated_dp2_survives_a_dead_worker_and_resumes_bit_exact(tmp_path: Path) -> None:
+    # Its own Ray session folder (short: Ray's socket paths are limited), to find this run's processes.
+    ray_dir = Path(f"/tmp/ray_t{uuid.uuid4().hex[:8]}")
+    env = {**_env(), "NEMO_RL_RAY_TEMP_DIR": str(ray_dir)}
     cmd = _command(tmp_path, "dp2", "grpo.max_num_steps=4", "cluster.gpus_per_node=2")
     log_dir = tmp_path / "dp2" / "logs"
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env())
-    # Killed (SIGKILL) at a random moment of step 4, after step 3 logged its metrics: generating, refitting,
-    # scoring or training, with the step-2 checkpoint the latest.
-    deadline = time.monotonic() + TIMEOUT_S
-    while not (log_dir / "metrics.jsonl").exists() or "train/loss" not in _train_metrics_at(
-        _records(log_dir, while_written=True), 3
-    ):
-        if proc.poll() is not None:
-            output = proc.stdout.read().decode() if proc.stdout else ""
-            pytest.fail(f"run ended before its step 3:\n{output[-6000:]}")
-        assert time.monotonic() < deadline, "no step 3 within the time limit"
-        time.sleep(0.1)
-    time.sleep(random.uniform(0.0, 0.5))
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=60)
-    assert not (tmp_path / "dp2" / "ckpt" / "step_4").exists(), "the kill came after the run's end"
+    try:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        # One of the two policy workers is killed (SIGKILL) at a random moment of step 4, after step 3 logged
+        # its metrics: refitting, generating, scoring or training, with the step-2 checkpoint the latest.
+        deadline = time.monotonic() + TIMEOUT_S
+        while not (log_dir / "metrics.jsonl").exists() or "train/loss" not in _train_metrics_at(
+            _records(log_dir, while_written=True), 3
+        ):
+            if proc.poll() is not None:
+                output = proc.stdout.read().decode() if proc.stdout else ""
+                pytest.fail(f"run ended before its step 3:\n{output[-6000:]}")
+            assert time.monotonic() < deadline, "no step 3 within the time limit"
+            time.sleep(0.1)
+        time.sleep(random.uniform(0.0, 0.5))
+        run_pids = _ray_worker_pids(ray_dir)
+        policy_pids = [pid for pid, title in run_pids.items() if title.startswith("ray::DTensorPolicyWorker")]
+        assert len(policy_pids) == 2, run_pids
+        os.kill(random.choice(policy_pids), signal.SIGKILL)
+        killed_at = time.monotonic()
+        output, _ = proc.communicate(timeout=120)
+        ended_s = time.monotonic() - killed_at
+        print(f"the run ended {ended_s:.1f} s after one of its policy workers was killed")
+        text = output.decode()
+        # The run ends within a minute, naming the dead worker, with its last checkpoint intact...
+        assert proc.returncode != 0 and ended_s < 60, (proc.returncode, ended_s, text[-4000:])
+        assert re.search(r"(rank \d of worker group 'policy'|policy worker \d) died", text), text[-4000:]
+        assert not (tmp_path / "dp2" / "ckpt" / "step_4").exists(), "the kill came after the run's end"
+        # ...and leaves no process of its Ray session and no shared-memory refit segment behind.
+        gone_by = time.monotonic() + 15
+        while (alive := [pid for pid in run_pids if _alive(pid)]) and time.monotonic() < gone_by:
+            time.sleep(0.5)
+        assert not alive, {pid: run_pids[pid] for pid in alive}
+        servers = subprocess.run(["pgrep", "-f", str(ray_dir)], capture_output=True, text=True).stdout.split()
+        assert not servers, servers
+        writers = {f"_p{pid}_" for pid in run_pids}
+        assert not [
+            p.name for p in SHM_DIR.glob(f"{SEGMENT_NAME_PREFIX}*") if any(w in p.name for w in writers)
+        ]
 
-    killed = _records(log_dir)
-    first = _metrics(log_dir)
-    # A step's train metrics are logged before its checkpoint, so the kill cannot lose them.
-    for step in (1, 2):
-        assert "train/loss" in first[step] and "train/reward" in first[step], sorted(first[step])
-    assert "validation/accuracy" in first[0] and "validation/accuracy" in first[2]
-    # Step 1 samples with the weights the policy scores with: the two agree on log-probs.
-    assert first[1]["train/gen_kl_error"] == pytest.approx(0.0, abs=1e-4)
-    assert first[1]["train/token_mult_prob_error"] == pytest.approx(1.0, abs=1e-3)
-    assert first[2]["refit/bytes"] > 0
+        killed = _records(log_dir)
+        first = _metrics(log_dir)
+        # A step's train metrics are logged before its checkpoint, so the kill cannot lose them.
+        for step in (1, 2):
+            assert "train/loss" in first[step] and "train/reward" in first[step], sorted(first[step])
+        assert "validation/accuracy" in first[0] and "validation/accuracy" in first[2]
+        # Step 1 samples with the weights the policy scores with: the two agree on log-probs.
+        assert first[1]["train/gen_kl_error"] == pytest.approx(0.0, abs=1e-4)
+        assert first[1]["train/token_mult_prob_error"] == pytest.approx(1.0, abs=1e-3)
+        assert first[2]["refit/bytes"] > 0
 
-    resumed = _run(cmd)
+        resumed = _run(cmd)
+    finally:
+        shutil.rmtree(ray_dir, ignore_errors=True)
     assert "Resuming GRPO from" in resumed.stdout and "(step 2)" in resumed.stdout, resumed.stdout[-3000:]
     again = _records(log_dir)[len(killed) :]
-    # Bit for bit: the resumed step 3 samples, scores and trains as the killed run's step 3 did.
+    # Bit for bit: the resumed step 3 samples, scores and trains as the interrupted run's step 3 did.
     expected, got = _train_metrics_at(killed, 3), _train_metrics_at(again, 3)
     assert len(expected) > 10 and got == expected
     after = _metrics(log_dir)
@@ -156,6 +188,25 @@ def test_colocated_dp2_resumes_bit_exact_after_kill(tmp_path: Path) -> None:
     assert "timing/train/logprobs" not in after[3]
     assert "validation/accuracy" in after[4]
     assert (tmp_path / "dp2" / "ckpt" / "step_4" / "training_info.json").exists()
+
+
+def _ray_worker_pids(ray_dir: Path) -> dict[int, str]:
+    """The live worker processes of the Ray session in ``ray_dir``, by pid, with their process titles."""
+    pids: dict[int, str] = {}
+    for log in (ray_dir / "session_latest" / "logs").glob("python-core-worker-*_*.log"):
+        pid = int(log.stem.rpartition("_")[2])
+        try:
+            pids[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+        except FileNotFoundError:
+            continue
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"  # a zombie is gone
+    except FileNotFoundError:
+        return False
 
 
 @pytest.mark.slow
