@@ -220,8 +220,13 @@ def _transport(
     )
 
 
-def _segments(prefix: str = SEGMENT_NAME_PREFIX) -> list[str]:
+def _segments(prefix: str) -> list[str]:
     return [path.name for path in SHM_DIR.glob(f"{prefix}*")]
+
+
+def _segments_of(transport: RefitTransport) -> list[str]:
+    """The transport's segments on this node (other runs on the machine may hold their own)."""
+    return _segments(f"{SEGMENT_NAME_PREFIX}{transport._uid}_") if hasattr(transport, "_uid") else []
 
 
 @pytest.mark.parametrize("kind", ["shared_memory", "collective"])
@@ -249,7 +254,7 @@ def test_refit_from_fsdp_dp2_sender_is_bit_exact(
         assert groups == [(2, 3.0), (2, 3.0)]
     finally:
         transport.shutdown()
-    assert not _segments()
+    assert not _segments_of(transport)
 
 
 @pytest.mark.parametrize("kind", ["shared_memory", "collective"])
@@ -272,7 +277,7 @@ def test_refit_from_tp2_sender_into_tp2_receivers_with_cast(
             if dim is not None:
                 expected = expected.chunk(2, dim)[tp_rank]
             assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], expected), (tp_rank, name)
-    assert not _segments()
+    assert not _segments_of(transport)
 
 
 def test_mismatched_manifest_fails_naming_the_weight(senders: list[Any], receivers: list[Any]) -> None:
@@ -284,7 +289,7 @@ def test_mismatched_manifest_fails_naming_the_weight(senders: list[Any], receive
             refit(senders, receivers[:1], transport, timeout_s=TIMEOUT_S, send_method="refit_send_fsdp")
     finally:
         transport.shutdown()
-    assert not _segments()
+    assert not _segments_of(transport)
 
 
 def test_killed_sender_leaves_no_shared_memory_behind(receivers: list[Any]) -> None:

@@ -117,8 +117,10 @@ def _refit(
     return workers.run(jobs)
 
 
-def _segments_left() -> list[str]:
-    return [p.name for p in SHM_DIR.glob(f"{SEGMENT_NAME_PREFIX}*")]
+def _segments_left(transport: RefitTransport) -> list[str]:
+    """The transport's segments (other runs on the machine may hold their own)."""
+    uid = getattr(transport, "_uid", "")
+    return [p.name for p in SHM_DIR.glob(f"{SEGMENT_NAME_PREFIX}{uid}_*")] if uid else []
 
 
 @pytest.fixture
@@ -145,7 +147,7 @@ def test_every_receiver_gets_every_weight_bit_for_bit(
     )
     sinks = [Sink(), Sink()]
     stats = _refit(workers, transport, weights, manifest, sinks)
-    kept = set(_segments_left())  # the bucket segments
+    kept = set(_segments_left(transport))  # the bucket segments
     for sink in sinks:
         assert sink.tensors.keys() == weights.keys()
         for name, tensor in weights.items():
@@ -163,10 +165,12 @@ def test_every_receiver_gets_every_weight_bit_for_bit(
     if kind == "shared_memory":
         # The writer's bucket segments outlive a refit and carry the next one under the same names; only the
         # tensors larger than a bucket get segments of their own, for one refit.
-        assert kept and kept == set(_segments_left()) == {name for name in created if "_slot" in name}
+        assert kept and kept == set(_segments_left(transport)) == {
+            name for name in created if "_slot" in name
+        }
         assert all(name.endswith("_b0") or name.endswith("_b2") for name in created if name not in kept)
     transport.shutdown()
-    assert not _segments_left()
+    assert not _segments_left(transport)
 
 
 @pytest.mark.parametrize("kind", ["shared_memory", "collective"])
@@ -222,7 +226,7 @@ def test_corrupted_bucket_fails_the_refit_naming_its_weights(
         _refit(workers, transport, weights, manifest, [Sink(), Sink()])
     assert "model.layers.0.self_attn.q_proj.weight" in str(info.value)
     transport.shutdown()
-    assert not _segments_left()
+    assert not _segments_left(transport)
 
 
 def test_lost_bucket_fails_naming_the_weights_that_never_arrived(workers: Workers, monkeypatch) -> None:
@@ -261,7 +265,7 @@ def test_missing_and_unexpected_weights_fail_by_name(workers: Workers, kind: Tra
     _refit(workers, transport, weights, manifest, sinks, refit_id="r1")
     assert sinks[0].tensors.keys() == weights.keys()
     transport.shutdown()
-    assert not _segments_left()
+    assert not _segments_left(transport)
 
 
 @pytest.mark.parametrize("kind", ["shared_memory", "collective"])
@@ -293,7 +297,7 @@ def test_sender_failure_reaches_the_receivers(workers: Workers, kind: TransportK
     assert "gather failed" in str(errors["sender"])
     assert "aborted the refit" in str(errors["receiver"]) and "gather failed" in str(errors["receiver"])
     transport.shutdown()
-    assert not _segments_left()
+    assert not _segments_left(transport)
 
 
 def test_factory_picks_the_transport_from_placement_and_config() -> None:
@@ -453,7 +457,7 @@ def test_pipeline_stages_each_send_their_own_stream(kind: TransportKind) -> None
     finally:
         pool.close()
         transport.shutdown()
-    assert not _segments_left()
+    assert not _segments_left(transport)
 
 
 def test_shm_two_nodes_each_reader_follows_its_own_writer(workers: Workers) -> None:
@@ -473,4 +477,4 @@ def test_shm_two_nodes_each_reader_follows_its_own_writer(workers: Workers) -> N
     for sink in sinks:
         assert all(torch.equal(sink.tensors[n], t.to(torch.bfloat16)) for n, t in weights.items())
     transport.shutdown()
-    assert not _segments_left()
+    assert not _segments_left(transport)
