@@ -48,6 +48,7 @@ from nemo_rl.data.datasets import ProcessedDataset, dataset_task_names
 from nemo_rl.data.llm_message_utils import message_logs_to_batch
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster, init_ray
+from nemo_rl.distributed.worker_groups import start_together
 from nemo_rl.environments.registry import create_task_envs, stop_envs
 from nemo_rl.experience.rollouts import run_multi_turn_rollout
 from nemo_rl.models.generation.factory import create_generation
@@ -193,28 +194,35 @@ def setup(
     init_ray(config.cluster)
     # Student, teacher and (colocated) generation share each slot and take turns on it.
     cluster = RayVirtualCluster(config.cluster, name="distillation", max_colocated_worker_groups=3)
-    generation = create_generation(
-        cluster, config.policy, tokenizer, seed=cfg.seed, bundle_indices=generation_bundles
-    )
+    # vLLM first, asleep before the policies load (it needs its GPU memory share free to start); the
+    # embedded engine's workers start together with the student's and the teacher's (see grpo.setup).
+    colocated = config.policy.generation.colocated.enabled
+    together = config.policy.generation.backend != "vllm"
+    with start_together(enabled=together):
+        generation = create_generation(
+            cluster, config.policy, tokenizer, seed=cfg.seed, bundle_indices=generation_bundles
+        )
+        if colocated and not together:
+            generation.finish_generation()
+        student = Policy(
+            cluster,
+            config.policy,
+            bundle_indices=policy_bundles,
+            init_reference_model=False,
+            weights_path=resume.weights_path,
+            optimizer_path=resume.optimizer_path,
+        )
+        teacher = Policy(
+            cluster,
+            config.teacher,
+            name_prefix="teacher",
+            bundle_indices=policy_bundles,
+            init_reference_model=False,
+        )
+    if colocated and together:
+        generation.finish_generation()
     # The per-call sampling seeds continue where the checkpoint left them.
     checkpointer.track("generation", generation)
-    if config.policy.generation.colocated.enabled:
-        generation.finish_generation()
-    student = Policy(
-        cluster,
-        config.policy,
-        bundle_indices=policy_bundles,
-        init_reference_model=False,
-        weights_path=resume.weights_path,
-        optimizer_path=resume.optimizer_path,
-    )
-    teacher = Policy(
-        cluster,
-        config.teacher,
-        name_prefix="teacher",
-        bundle_indices=policy_bundles,
-        init_reference_model=False,
-    )
     teacher.offload_after_refit()
     locations = cluster.bundle_locations()
     refit_transport = create_refit_transport(
