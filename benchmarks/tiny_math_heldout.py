@@ -15,6 +15,9 @@ against a plausible wrong one).
   response has the larger DPO implicit reward ``log pi - log pi_ref`` (summed over the response tokens).
 - ``--reward-model RM`` (repeatable): the fraction of held-out pairs the reward model scores chosen above
   rejected.
+- ``--score-with RM``: for every causal-LM checkpoint, the reward model's mean score of its sampled responses
+  (the held-out reward of GRPO scored by that reward model), per problem; against the first checkpoint the
+  paired difference with its own standard error.
 
     uv run python benchmarks/tiny_math_heldout.py examples/assets/tiny_math_sft results/dpo_tiny_math/hf_final \\
         --dpo-reference examples/assets/tiny_math_sft --reward-model results/rm_tiny_math/hf_final
@@ -70,8 +73,9 @@ def data_config(num_problems: int, dataset_name: str) -> DataConfig:
 
 def arithmetic_success(
     path: str, num_problems: int, samples: int, seed: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-problem success rate over ``samples`` sampled responses, and greedy success (0/1), of ``path``."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-problem success rate over ``samples`` sampled responses, greedy success (0/1), and the sampled
+    conversations (``[samples * problems, T]`` prompt + response, right-padded; sample-major) of ``path``."""
     tokenizer = get_policy_tokenizer(PolicyConfig(model_name=path))
     _, val = setup_rl_data(
         data_config(num_problems, "tiny_math"), tokenizer, max_total_sequence_length=MAX_SEQUENCE_LENGTH
@@ -117,7 +121,7 @@ def arithmetic_success(
     repeated_ids, repeated_lengths = ids.repeat(samples, 1), lengths.repeat(samples)
     sampled = engine.generate(repeated_ids, repeated_lengths, params, greedy=False, seed=seed)
     sampled_ok = correct(sampled.output_ids, repeated_lengths).reshape(samples, len(answers))
-    return sampled_ok.mean(0), greedy_ok
+    return sampled_ok.mean(0), greedy_ok, sampled.output_ids
 
 
 def heldout_pairs(tokenizer_path: str, num_problems: int) -> dict[str, torch.Tensor]:
@@ -147,6 +151,17 @@ def reward_scores(path: str, pairs: dict[str, torch.Tensor]) -> torch.Tensor:
     return model(input_ids=ids).logits.float().reshape(-1)
 
 
+@torch.no_grad()
+def mean_scores(path: str, conversations: torch.Tensor, num_problems: int) -> torch.Tensor:
+    """[problems] mean reward of each problem's sampled conversations (right-padded with the pad id, which
+    the reward model's config shares) under the sequence-classification model at ``path``."""
+    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    scores = torch.cat(
+        [model(input_ids=chunk).logits.float().reshape(-1) for chunk in conversations.split(512)]
+    )
+    return scores.reshape(-1, num_problems).mean(0)
+
+
 def pair_accuracy(scores: torch.Tensor) -> Rate:
     """Fraction (and standard error) of pairs whose chosen row (even rows) scores above its rejected row."""
     return rate((scores[0::2] > scores[1::2]).float())
@@ -160,15 +175,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dpo-reference", help="reference model of the DPO implicit reward")
     parser.add_argument("--reward-model", action="append", default=[], help="reward model to score the pairs")
+    parser.add_argument("--score-with", help="reward model to score every checkpoint's sampled responses")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
     pairs = heldout_pairs(args.checkpoints[0], args.num_problems)
     reference_lp = sequence_logprobs(args.dpo_reference, pairs) if args.dpo_reference else None
     baseline: torch.Tensor | None = None
+    baseline_score: torch.Tensor | None = None
     print(f"{args.num_problems} held-out problems, {args.samples} samples each at temperature 1")
     for path in args.checkpoints:
-        sampled, greedy = arithmetic_success(path, args.num_problems, args.samples, args.seed)
+        sampled, greedy, conversations = arithmetic_success(path, args.num_problems, args.samples, args.seed)
         line = f"{path}: sampled {rate(sampled)}, greedy {rate(greedy)}"
         if baseline is None:
             baseline = sampled
@@ -178,6 +195,14 @@ def main(argv: Sequence[str] | None = None) -> None:
             line += (
                 f", DPO preference accuracy {pair_accuracy(sequence_logprobs(path, pairs) - reference_lp)}"
             )
+        if args.score_with:
+            score = mean_scores(args.score_with, conversations, args.num_problems)
+            line += f", reward-model score {float(score.mean()):.3f} ± {rate(score).stderr:.3f}"
+            if baseline_score is None:
+                baseline_score = score
+            else:
+                diff = rate(score - baseline_score)
+                line += f" (vs first {diff.mean:+.3f} ± {diff.stderr:.3f})"
         print(line, flush=True)
     for path in args.reward_model:
         print(
