@@ -193,6 +193,10 @@ AcquireBuffer = Callable[[int, int], torch.Tensor]
 """``acquire(bucket_index, nbytes)`` returns a flat uint8 buffer of at least ``nbytes`` that is free to
 overwrite: the transport waits there until the bucket that last used it has been consumed."""
 
+ReserveBytes = Callable[[int, int], None]
+"""``reserve(bucket_index, end)``: the first ``end`` bytes of that bucket's buffer are about to be written (a
+transport whose buffers are only backed as they fill reserves the memory here, and fails cleanly if it can't)."""
+
 
 def pack_buckets(
     weights: NamedTensors,
@@ -203,6 +207,7 @@ def pack_buckets(
     send_oversized_in_place: bool,
     wire_device: torch.device,
     stream: int = 0,
+    reserve: ReserveBytes | None = None,
 ) -> Iterator[tuple[BucketHeader, torch.Tensor]]:
     """Pack a weight stream into buckets of at most ``bucket_size_bytes``, floating-point tensors cast to ``dtype``.
 
@@ -210,7 +215,8 @@ def pack_buckets(
     next one is packed into another buffer (double buffering). Each tensor is copied into the bucket as it
     arrives, so at most one gathered tensor is alive on top of the buckets. A tensor larger than a bucket is
     sent alone; with ``send_oversized_in_place`` its own memory, cast and moved to ``wire_device``, is the
-    payload, so no bucket-sized copy is made. Headers carry ``stream``.
+    payload, so no bucket-sized copy is made. Headers carry ``stream``. ``reserve``, if given, is told how
+    much of a bucket's buffer is about to be used before each tensor is copied into it.
     """
     if bucket_size_bytes < 1:
         raise ValueError(f"bucket_size_bytes must be positive, got {bucket_size_bytes}")
@@ -248,6 +254,8 @@ def pack_buckets(
             yield finish(buffer[:used])
         if buffer is None:
             buffer = acquire(index, capacity)
+        if reserve is not None:
+            reserve(index, used + nbytes)
         _copy_into(buffer, used, full, wire_dtype)
         entries.append(WireEntry(name, wire_dtype, tuple(full.shape), used, nbytes))
         used = align_up(used + nbytes)

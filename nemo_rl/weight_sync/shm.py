@@ -21,10 +21,13 @@ create new ones at their next refit), and :meth:`SharedMemoryTransport.shutdown`
 killed run left behind (its driver and workers gone) is swept when the next transport starts: segments of
 this user whose writer process no longer exists (:func:`sweep_dead_segments`).
 
-Size: a writer holds at most two bucket segments (``policy.refit.refit_buffer_size_mb`` each; only one when
-the weights fit in one bucket) for the transport's life, plus one per tensor larger than a bucket while it is
-read. Each segment's memory is reserved when it is created, so a ``/dev/shm`` too small for it fails then with
-a :class:`RefitError` naming ``/dev/shm``, not with a SIGBUS in the middle of a copy.
+Size: a writer holds at most two bucket segments for the transport's life (only one when the weights fit in
+one bucket), plus one per tensor larger than a bucket while it is read. A bucket segment is a sparse file of
+``policy.refit.refit_buffer_size_mb``: memory backs only the bytes the writer has written, and each range is
+reserved (``posix_fallocate``) just before the writer copies into it, so a model of a few MB takes a few MB of
+``/dev/shm`` whatever the bucket size, and a ``/dev/shm`` too small fails with a :class:`RefitError` naming
+it, not with a SIGBUS in the middle of a copy. Mappings are not pre-faulted (that would back the whole
+file); their pages fault in once, at the first refit, and stay mapped for the later ones.
 """
 
 from __future__ import annotations
@@ -78,8 +81,6 @@ SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gette
 SEGMENT_NAME_PREFIX = "nemo_rl_refit_"
 _REFIT_ID_PATTERN = re.compile(r"^[A-Za-z0-9-]{1,64}$")
 _ABORT = b"abort"
-# Pre-fault a new mapping's pages in one go instead of one page fault per 4 KiB page (Linux only).
-_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
 def transport_prefix(transport_uid: str) -> str:
@@ -166,9 +167,11 @@ class Segment:
     loader that keeps a view never reads unmapped memory.
     """
 
-    def __init__(self, path: Path, tensor: torch.Tensor) -> None:
+    def __init__(self, path: Path, tensor: torch.Tensor, reserved: int) -> None:
         self.path = path
         self.tensor = tensor
+        self.reserved = reserved
+        """Bytes from the start known to be backed by memory."""
 
     @property
     def name(self) -> str:
@@ -181,29 +184,47 @@ class Segment:
         return self.tensor.numel()
 
     @classmethod
-    def create(cls, name: str, nbytes: int) -> Segment:
-        """Create a new segment of ``nbytes`` (fails if the name exists: names are unique per refit)."""
+    def create(cls, name: str, nbytes: int, *, reserve: bool = True) -> Segment:
+        """Create a new segment of ``nbytes`` (fails if the name exists: names are unique per refit).
+
+        With ``reserve`` its memory is reserved at once; without, the file stays sparse and :meth:`reserve`
+        backs it range by range as it fills.
+        """
         path = SHM_DIR / name
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            try:
-                # Reserve the memory now: a sparse file on a full tmpfs would SIGBUS on first write.
-                os.posix_fallocate(fd, 0, nbytes)
-            except OSError as err:
-                free = shutil.disk_usage(SHM_DIR).free
-                raise RefitError(
-                    f"{SHM_DIR} cannot hold a {nbytes / 2**20:.1f} MiB refit segment ({free / 2**20:.1f} MiB "
-                    f"free, {err.strerror}): give the container more shared memory (docker run --shm-size, a "
-                    "larger /dev/shm emptyDir on Kubernetes), lower policy.refit.refit_buffer_size_mb, or use "
-                    "the collective transport (policy.refit.transport=collective)"
-                ) from None
-            mapping = mmap.mmap(fd, nbytes, flags=_MAP_FLAGS)
+            os.ftruncate(fd, nbytes)
+            segment = cls(
+                path, torch.frombuffer(mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED), dtype=torch.uint8), 0
+            )
+            if reserve:
+                segment.reserve(nbytes)
         except BaseException:
             os.unlink(path)
             raise
         finally:
             os.close(fd)
-        return cls(path, torch.frombuffer(mapping, dtype=torch.uint8))
+        return segment
+
+    def reserve(self, end: int) -> None:
+        """Back the segment's first ``end`` bytes with memory now: a write into a sparse file on a full tmpfs
+        would SIGBUS, a reservation fails with an error that says what to do."""
+        if end <= self.reserved:
+            return
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            os.posix_fallocate(fd, self.reserved, end - self.reserved)
+        except OSError as err:
+            free = shutil.disk_usage(SHM_DIR).free
+            raise RefitError(
+                f"{SHM_DIR} cannot hold {end / 2**20:.1f} MiB of a refit segment ({free / 2**20:.1f} MiB free, "
+                f"{err.strerror}): give the container more shared memory (docker run --shm-size, a larger "
+                "/dev/shm emptyDir on Kubernetes), lower policy.refit.refit_buffer_size_mb, or use the "
+                "collective transport (policy.refit.transport=collective)"
+            ) from None
+        finally:
+            os.close(fd)
+        self.reserved = end
 
     @classmethod
     def attach(cls, name: str) -> Segment:
@@ -212,10 +233,10 @@ class Segment:
         fd = os.open(path, os.O_RDWR)
         try:
             nbytes = os.fstat(fd).st_size
-            mapping = mmap.mmap(fd, nbytes, flags=_MAP_FLAGS)
+            mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
         finally:
             os.close(fd)
-        return cls(path, torch.frombuffer(mapping, dtype=torch.uint8))
+        return cls(path, torch.frombuffer(mapping, dtype=torch.uint8), 0)
 
     def unlink(self) -> None:
         """Remove the segment's name; memory is freed once every mapping is gone."""
@@ -283,6 +304,7 @@ class _ShmWriter:
                 send_oversized_in_place=False,
                 wire_device=torch.device("cpu"),
                 stream=self.spec.stream,
+                reserve=lambda index, end: self.segment_of[index].reserve(end),
             ):
                 self._announce(self.segment_of[header.index].name, encode_message(header))
                 num_buckets += 1
@@ -334,7 +356,7 @@ class _ShmWriter:
         elif kept is not None and kept.path.exists():
             segment = kept  # from an earlier refit (unless the driver swept it since, after a failed refit)
         else:
-            segment = Segment.create(f"{name}slot{slot}", self.capacity)
+            segment = Segment.create(f"{name}slot{slot}", self.capacity, reserve=False)
             self.slots[slot] = segment
         self.segment_of[index] = segment
         return segment.tensor

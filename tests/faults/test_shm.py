@@ -64,11 +64,13 @@ def test_one_segment_for_weights_in_one_bucket_and_a_full_dev_shm_is_named(
         store_host="127.0.0.1",
     )
     sizes: list[int] = []
+    created: list[shm.Segment] = []
     create = shm.Segment.create
 
-    def recording_create(name: str, nbytes: int) -> shm.Segment:
+    def recording_create(name: str, nbytes: int, **kwargs: bool) -> shm.Segment:
         sizes.append(nbytes)
-        return create(name, nbytes)
+        created.append(create(name, nbytes, **kwargs))
+        return created[-1]
 
     monkeypatch.setattr(shm.Segment, "create", staticmethod(recording_create))
     received: dict[str, torch.Tensor] = {}
@@ -85,12 +87,17 @@ def test_one_segment_for_weights_in_one_bucket_and_a_full_dev_shm_is_named(
         reader.join(timeout=60)
         assert received.keys() == weights.keys()
         assert sizes == [align_up(1 << 20)]  # one bucket holds the weights: the second slot is never made
+        # Memory backs what was sent (4,160 bytes: two 4 KiB pages), not the 1 MiB bucket.
+        assert created[0].path.stat().st_blocks * 512 <= 2 * 4096 < (1 << 20)
 
         def no_space(fd: int, offset: int, length: int) -> None:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
         monkeypatch.setattr(shm.os, "posix_fallocate", no_space)
-        with pytest.raises(RefitError, match=r"/dev/shm cannot hold a .* MiB refit segment .*--shm-size"):
+        with pytest.raises(RefitError, match=r"/dev/shm cannot hold 1.0 MiB of a refit segment .*--shm-size"):
             shm.Segment.create(f"{shm.SEGMENT_NAME_PREFIX}{uuid.uuid4().hex[:8]}_test", 1 << 20)
+        # A bucket segment is reserved as it fills: the error comes before the copy that would not fit.
+        with pytest.raises(RefitError, match=r"cannot hold 0.0 MiB of a refit segment"):
+            created[0].reserve(created[0].reserved + 8)
     finally:
         transport.shutdown()

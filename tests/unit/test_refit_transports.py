@@ -143,7 +143,7 @@ def test_every_receiver_gets_every_weight_bit_for_bit(
     monkeypatch.setattr(
         shm_module.Segment,
         "create",
-        staticmethod(lambda name, nbytes: created.append(name) or create(name, nbytes)),
+        staticmethod(lambda name, nbytes, **kw: created.append(name) or create(name, nbytes, **kw)),
     )
     sinks = [Sink(), Sink()]
     stats = _refit(workers, transport, weights, manifest, sinks)
