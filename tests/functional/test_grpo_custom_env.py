@@ -31,6 +31,11 @@ def overrides(tmp_path: Path) -> list[str]:
         "grpo.use_dynamic_sampling=true",
         "grpo.batch_multiplier=2",
         "grpo.dynamic_sampling_max_gen_batches=6",
+        # NeMo RL's reward scaling ([0, 1] onto [0, 2]) and top-k / top-p sampling, end to end.
+        "++grpo.reward_scaling.enabled=true",
+        "++grpo.reward_scaling.target_max=2.0",
+        "policy.generation.top_k=20",
+        "policy.generation.top_p=0.95",
         "policy.train_global_batch_size=8",
         "policy.train_micro_batch_size=8",
         "policy.logprob_batch_size=8",
@@ -54,11 +59,13 @@ def test_ported_sliding_puzzle_script(tmp_path: Path) -> None:
     metrics = script["main"](["--config", str(CONFIG), *overrides(tmp_path)])
 
     # Puzzles one move from solved: the warm-started model solves some, so groups with distinct rewards exist.
-    success = metrics["sliding_puzzle_game/sliding_puzzle_success_rate"]
+    success = metrics["sliding_puzzle_game/sliding_puzzle_success_rate"]  # the environment's own, raw
     assert 0.0 < success < 1.0
-    assert metrics["reward"] == pytest.approx(success)  # every response generated, 0/1 rewards
-    assert 0.0 < metrics["filtered_reward"] < 1.0  # only groups with distinct rewards are trained on
+    assert metrics["reward"] == pytest.approx(2 * success)  # every response generated, scaled
+    assert 0.0 < metrics["filtered_reward"] < 2.0  # only groups with distinct rewards are trained on
     assert 1 <= metrics["dynamic_sampling_num_gen_batches"] <= 6
     assert metrics["dynamic_sampling_num_discarded_valid_samples"] % 4 == 0
     assert metrics["advantages/min"] < 0.0 < metrics["advantages/max"]
     assert metrics["mean_turns_per_sample"] == 1.0
+    # The policy scores the responses under the same top-k / top-p distribution they were sampled from.
+    assert abs(metrics["gen_kl_error"]) < 1e-4
