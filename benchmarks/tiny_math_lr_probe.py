@@ -9,7 +9,9 @@ with ``transformers`` and ``torch.optim`` (no Ray, none of the project's workers
 * ``grpo``: ``--prompts`` x ``--generations`` samples at temperature 1, a 0/1 reward for the reference
   answer in ``\\boxed{}``, group mean/std advantages (zero for groups that all agree), the token-level
   clipped policy-gradient loss of ``grpo_math_tiny.yaml``, ``--optimizer-steps-per-batch`` mini-batches;
-* ``sft``: cross-entropy on the reference solutions of ``--prompts`` problems (the ground truth).
+* ``sft``: cross-entropy on the reference solutions of ``--prompts`` problems (the ground truth);
+* ``distill``: on-policy distillation, one sample per problem, the per-token KL to ``--teacher``'s full
+  next-token distribution (``--kl forward`` or ``reverse``) at every sampled response token.
 
 Every ``--eval-every`` steps it prints the exact expected held-out sampled accuracy
 (``tiny_math_accuracy.exact_accuracy_of``: the mean probability of the reference solution over the 256
@@ -37,7 +39,9 @@ def main() -> None:
     """Run the probe and print the training reward per step and the held-out accuracy."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--model", default="examples/assets/tiny_math_sft")
-    parser.add_argument("--objective", choices=("grpo", "sft"), default="grpo")
+    parser.add_argument("--objective", choices=("grpo", "sft", "distill"), default="grpo")
+    parser.add_argument("--teacher", default="examples/assets/tiny_math_teacher")
+    parser.add_argument("--kl", choices=("forward", "reverse"), default="forward")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--generations", type=int, default=16)
@@ -67,6 +71,7 @@ def main() -> None:
         max_operand=config.data.tiny_math_max_operand,
     )
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    teacher = heldout(args.teacher)[4] if args.objective == "distill" else None
     max_new_tokens = config.policy.generation.max_new_tokens
 
     def prompt_ids(problem: str) -> list[int]:
@@ -128,7 +133,20 @@ def main() -> None:
     rewards_per_step = []
     for step in range(1, args.steps + 1):
         rows = [train_rows[order[(step * args.prompts + i) % len(order)]] for i in range(args.prompts)]
-        if args.objective == "sft":
+        if args.objective == "distill":
+            prompts_N = [prompt_ids(r["problem"]) for r in rows]
+            model.eval()
+            responses = sample(prompts_N)
+            model.train()
+            advantages_N = torch.zeros(len(rows))
+            reward = sum(
+                float(
+                    (found := ANSWER.search(tokenizer.decode(resp, skip_special_tokens=True))) is not None
+                    and found.group(1) == r["expected_answer"]
+                )
+                for resp, r in zip(responses, rows, strict=True)
+            ) / len(rows)
+        elif args.objective == "sft":
             prompts_N = [prompt_ids(r["problem"]) for r in rows]
             responses = [
                 [*tokenizer(r["generated_solution"], add_special_tokens=False)["input_ids"], eos]
@@ -165,6 +183,20 @@ def main() -> None:
         permutation = torch.randperm(len(sequences))
         for k in range(args.optimizer_steps_per_batch):
             rows_B = permutation[k * per_step : (k + 1) * per_step]
+            if teacher is not None:
+                student_BTV = torch.log_softmax(model(ids_NT[rows_B]).logits[:, :-1].float(), -1)
+                with torch.no_grad():
+                    teacher_BTV = torch.log_softmax(teacher(ids_NT[rows_B]).logits[:, :-1].float(), -1)
+                if args.kl == "forward":
+                    kl_BT = (teacher_BTV.exp() * (teacher_BTV - student_BTV)).sum(-1)
+                else:
+                    kl_BT = (student_BTV.exp() * (student_BTV - teacher_BTV)).sum(-1)
+                loss = (kl_BT * mask_NT[rows_B]).sum() / mask_NT[rows_B].sum()
+                optimizer.zero_grad()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                continue
             current_BT = logprobs(ids_NT[rows_B])
             ratio_BT = torch.exp(current_BT - old_NT[rows_B])
             adv_B1 = advantages_N[rows_B][:, None]
@@ -181,7 +213,7 @@ def main() -> None:
         )
         if step % args.eval_every == 0 or step == args.steps:
             report(step)
-    if args.objective == "grpo":
+    if args.objective != "sft":
         tenth = max(len(rewards_per_step) // 10, 1)
         first, last = rewards_per_step[:tenth], rewards_per_step[-tenth:]
         print(
