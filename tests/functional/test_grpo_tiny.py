@@ -211,13 +211,16 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.mcore
-def test_megatron_pipeline_non_colocated_resumes_after_kill(tmp_path: Path) -> None:
+def test_megatron_pipeline_non_colocated_resumes_after_a_dead_generation_worker(tmp_path: Path) -> None:
     # The Megatron recipe (the tiny model in two pipeline stages) with generation on a slot of its own:
-    # each stage broadcasts its own layers over its own collective group. Killed (SIGKILL) once its step-2
-    # checkpoint exists, then rerun. The model is a local folder, SwanLab logs offline, and two optimizer
-    # steps per batch make the previous policy's log-probs a scoring pass of their own. (The DTensor
-    # worker's non-colocated refit is covered in tests/distributed/test_policy_to_generation_refit.py.)
+    # each stage broadcasts its own layers over its own collective group. Its generation worker is killed
+    # (SIGKILL) once the step-2 checkpoint exists; the run ends naming it, and the rerun resumes. The model is
+    # a local folder, SwanLab logs offline, and two optimizer steps per batch make the previous policy's
+    # log-probs a scoring pass of their own. (The DTensor worker's non-colocated refit is covered in
+    # tests/distributed/test_policy_to_generation_refit.py; a killed driver in test_sft_tiny.py.)
     pytest.importorskip("megatron.core", reason="needs megatron-core (uv sync --extra mcore)")
+    ray_dir = Path(f"/tmp/ray_t{uuid.uuid4().hex[:8]}")
+    env = {**_env(), "NEMO_RL_RAY_TEMP_DIR": str(ray_dir)}
     cmd = _command(
         tmp_path,
         "noncoloc",
@@ -232,18 +235,30 @@ def test_megatron_pipeline_non_colocated_resumes_after_kill(tmp_path: Path) -> N
         config=MEGATRON_CONFIG,
     )
     ckpt = tmp_path / "noncoloc" / "ckpt" / "step_2"
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env())
-    deadline = time.monotonic() + TIMEOUT_S
-    while not ckpt.exists():
-        if proc.poll() is not None:
-            output = proc.stdout.read().decode() if proc.stdout else ""
-            pytest.fail(f"run ended before its step-2 checkpoint:\n{output[-6000:]}")
-        assert time.monotonic() < deadline, "no checkpoint within the time limit"
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=60)
-
-    resumed = _run(cmd)
+    try:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + TIMEOUT_S
+        while not ckpt.exists():
+            if proc.poll() is not None:
+                output = proc.stdout.read().decode() if proc.stdout else ""
+                pytest.fail(f"run ended before its step-2 checkpoint:\n{output[-6000:]}")
+            assert time.monotonic() < deadline, "no checkpoint within the time limit"
+            time.sleep(0.2)
+        run_pids = _ray_worker_pids(ray_dir)
+        generation_pids = [
+            p for p, title in run_pids.items() if title.startswith("ray::EmbeddedGenerationWorker")
+        ]
+        assert len(generation_pids) == 1, run_pids
+        os.kill(generation_pids[0], signal.SIGKILL)
+        killed_at = time.monotonic()
+        output, _ = proc.communicate(timeout=120)
+        ended_s = time.monotonic() - killed_at
+        text = output.decode()[-4000:]
+        assert proc.returncode != 0 and ended_s < 60, (proc.returncode, ended_s, text)
+        assert re.search(r"(worker group 'embedded_generation'|generation worker \d) died", text), text
+        resumed = _run(cmd)
+    finally:
+        shutil.rmtree(ray_dir, ignore_errors=True)
     assert "Resuming GRPO from" in resumed.stdout and "(step 2)" in resumed.stdout, resumed.stdout[-3000:]
     metrics = _metrics(tmp_path / "noncoloc" / "logs")
     # The engine samples from exactly the weights the pipeline scores with: before the first update, after
