@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from run_logs import read_records
 
 from nemo_rl.weight_sync.shm import SEGMENT_NAME_PREFIX, SHM_DIR
 
@@ -93,19 +94,6 @@ def _metrics(log_dir: Path) -> dict[int, dict[str, Any]]:
     return by_step
 
 
-def _records(log_dir: Path, *, while_written: bool = False) -> list[dict[str, Any]]:
-    """Every line of ``metrics.jsonl``; ``while_written`` skips a last line still being written."""
-    lines = [line for line in (log_dir / "metrics.jsonl").read_text().splitlines() if line]
-    records = []
-    for i, line in enumerate(lines):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            if not (while_written and i == len(lines) - 1):
-                raise
-    return records
-
-
 def _train_metrics_at(records: list[dict[str, Any]], step: int) -> dict[str, Any]:
     """Everything a step logged but its timings (which no two runs share)."""
     merged: dict[str, Any] = {}
@@ -128,7 +116,7 @@ def test_colocated_dp2_survives_a_dead_worker_and_resumes_bit_exact(tmp_path: Pa
         # its metrics: refitting, generating, scoring or training, with the step-2 checkpoint the latest.
         deadline = time.monotonic() + TIMEOUT_S
         while not (log_dir / "metrics.jsonl").exists() or "train/loss" not in _train_metrics_at(
-            _records(log_dir, while_written=True), 3
+            read_records(log_dir, while_written=True), 3
         ):
             if proc.poll() is not None:
                 output = proc.stdout.read().decode() if proc.stdout else ""
@@ -141,10 +129,10 @@ def test_colocated_dp2_survives_a_dead_worker_and_resumes_bit_exact(tmp_path: Pa
         assert len(policy_pids) == 2, run_pids
         os.kill(random.choice(policy_pids), signal.SIGKILL)
         killed_at = time.monotonic()
-        output, _ = proc.communicate(timeout=120)
+        stdout, _ = proc.communicate(timeout=120)
         ended_s = time.monotonic() - killed_at
         print(f"the run ended {ended_s:.1f} s after one of its policy workers was killed")
-        text = output.decode()
+        text = stdout.decode()
         # The run ends within a minute, naming the dead worker, with its last checkpoint intact...
         assert proc.returncode != 0 and ended_s < 60, (proc.returncode, ended_s, text[-4000:])
         assert re.search(r"(rank \d of worker group 'policy'|policy worker \d) died", text), text[-4000:]
@@ -161,7 +149,7 @@ def test_colocated_dp2_survives_a_dead_worker_and_resumes_bit_exact(tmp_path: Pa
             p.name for p in SHM_DIR.glob(f"{SEGMENT_NAME_PREFIX}*") if any(w in p.name for w in writers)
         ]
 
-        killed = _records(log_dir)
+        killed = read_records(log_dir)
         first = _metrics(log_dir)
         # A step's train metrics are logged before its checkpoint, so the kill cannot lose them.
         for step in (1, 2):
@@ -176,7 +164,7 @@ def test_colocated_dp2_survives_a_dead_worker_and_resumes_bit_exact(tmp_path: Pa
     finally:
         shutil.rmtree(ray_dir, ignore_errors=True)
     assert "Resuming GRPO from" in resumed.stdout and "(step 2)" in resumed.stdout, resumed.stdout[-3000:]
-    again = _records(log_dir)[len(killed) :]
+    again = read_records(log_dir)[len(killed) :]
     # Bit for bit: the resumed step 3 samples, scores and trains as the interrupted run's step 3 did.
     expected, got = _train_metrics_at(killed, 3), _train_metrics_at(again, 3)
     assert len(expected) > 10 and got == expected
@@ -251,9 +239,9 @@ def test_megatron_pipeline_non_colocated_resumes_after_a_dead_generation_worker(
         assert len(generation_pids) == 1, run_pids
         os.kill(generation_pids[0], signal.SIGKILL)
         killed_at = time.monotonic()
-        output, _ = proc.communicate(timeout=120)
+        stdout, _ = proc.communicate(timeout=120)
         ended_s = time.monotonic() - killed_at
-        text = output.decode()[-4000:]
+        text = stdout.decode()[-4000:]
         assert proc.returncode != 0 and ended_s < 60, (proc.returncode, ended_s, text)
         assert re.search(r"(worker group 'embedded_generation'|generation worker \d) died", text), text
         resumed = _run(cmd)

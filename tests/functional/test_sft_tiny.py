@@ -6,7 +6,6 @@ Runs the real script in subprocesses, as a user would, and reads what it logged 
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -18,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from run_logs import read_records
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "run_sft.py"
@@ -58,19 +58,6 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
     return result
 
 
-def _metrics(log_dir: Path, *, while_written: bool = False) -> list[dict[str, Any]]:
-    """Every line of ``metrics.jsonl``; ``while_written`` skips a last line still being written."""
-    lines = [line for line in (log_dir / "metrics.jsonl").read_text().splitlines() if line]
-    records = []
-    for i, line in enumerate(lines):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            if not (while_written and i == len(lines) - 1):
-                raise
-    return records
-
-
 def _step_metrics(records: list[dict[str, Any]], step: int) -> dict[str, Any]:
     """A step's ``train/`` and ``validation/`` metrics (the last logged of each; timings differ per run)."""
     merged: dict[str, Any] = {}
@@ -89,7 +76,7 @@ def test_sft_learns_resumes_after_kill_and_exports(tmp_path: Path) -> None:
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env())
     deadline = time.monotonic() + TIMEOUT_S
     while not (log_dir / "metrics.jsonl").exists() or "train/loss" not in _step_metrics(
-        _metrics(log_dir, while_written=True), 3
+        read_records(log_dir, while_written=True), 3
     ):
         if proc.poll() is not None:
             output = proc.stdout.read().decode() if proc.stdout else ""
@@ -102,7 +89,7 @@ def test_sft_learns_resumes_after_kill_and_exports(tmp_path: Path) -> None:
     if (ckpt / "step_4").exists():
         # The kill came after the last save: lose that checkpoint as a kill in the middle of writing it would.
         (ckpt / "step_4").rename(ckpt / "tmp_step_4")
-    killed = _metrics(log_dir)
+    killed = read_records(log_dir)
     # save_consolidated puts a Hugging Face export of the step's weights next to the sharded checkpoint.
     assert (ckpt / "step_2" / "consolidated" / "config.json").is_file()
 
@@ -110,7 +97,7 @@ def test_sft_learns_resumes_after_kill_and_exports(tmp_path: Path) -> None:
     # for bit (RNG state, loader position, optimizer and scheduler all come back).
     resumed = _run(cmd)
     assert "Resuming SFT from" in resumed.stdout and "(step 2)" in resumed.stdout, resumed.stdout[-3000:]
-    records = _metrics(log_dir)
+    records = read_records(log_dir)
     again = records[len(killed) :]
     for step in (3, 4):
         expected = _step_metrics(killed, step)
