@@ -45,7 +45,7 @@ RUN --mount=type=cache,target=/root/.cache/uv \
 COPY . .
 RUN --mount=type=cache,target=/root/.cache/uv \
     uv sync --locked
-CMD ["uv", "run", "python", "examples/run_grpo_math.py", "--config", "examples/configs/grpo_math_tiny.yaml"]
+CMD ["uv", "run", "python", "examples/run_grpo_math.py", "--config", "examples/configs/grpo_math_tiny_main.yaml"]
 
 ########################################################################################################################
 # gpu (default): the CUDA base, the vllm extra; MCORE=1 / TE=1 add megatron-core / Transformer Engine.

@@ -202,7 +202,8 @@ def _alive(pid: int) -> bool:
 def test_megatron_pipeline_non_colocated_resumes_after_a_dead_generation_worker(tmp_path: Path) -> None:
     # The Megatron recipe (the tiny model in two pipeline stages) with generation on a slot of its own:
     # each stage broadcasts its own layers over its own collective group. Its generation worker is killed
-    # (SIGKILL) once the step-2 checkpoint exists; the run ends naming it, and the rerun resumes. The model is
+    # (SIGKILL) once the step-2 checkpoint exists (steps 3 and 4 still need it); the run ends naming it, and the
+    # rerun resumes. The model is
     # a local folder, SwanLab logs offline, and two optimizer steps per batch make the previous policy's
     # log-probs a scoring pass of their own. (The DTensor worker's non-colocated refit is covered in
     # tests/distributed/test_policy_to_generation_refit.py; a killed driver in test_sft_tiny.py.)
@@ -212,7 +213,7 @@ def test_megatron_pipeline_non_colocated_resumes_after_a_dead_generation_worker(
     cmd = _command(
         tmp_path,
         "noncoloc",
-        "grpo.max_num_steps=3",
+        "grpo.max_num_steps=4",
         "grpo.val_at_start=false",
         "cluster.gpus_per_node=3",
         "policy.train_global_batch_size=8",
@@ -259,7 +260,7 @@ def test_megatron_pipeline_non_colocated_resumes_after_a_dead_generation_worker(
     assert metrics[3]["refit/num_buckets"] >= 2
     assert metrics[3]["refit/bytes"] == metrics[2]["refit/bytes"] > 0
     assert "validation/accuracy" in metrics[2]
-    assert (tmp_path / "noncoloc" / "ckpt" / "step_3" / "training_info.json").exists()
+    assert (tmp_path / "noncoloc" / "ckpt" / "step_4" / "training_info.json").exists()
     swanlab_files = [p for p in (tmp_path / "noncoloc" / "logs" / "swanlab").rglob("*") if p.is_file()]
     assert swanlab_files, "SwanLab (offline) wrote no run files under <log_dir>/swanlab"
 
