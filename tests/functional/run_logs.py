@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 
 def read_records(log_dir: Path, *, while_written: bool = False) -> list[dict[str, Any]]:
@@ -18,3 +22,17 @@ def read_records(log_dir: Path, *, while_written: bool = False) -> list[dict[str
             if not (while_written and i == len(lines) - 1):
                 raise
     return records
+
+
+def wait_until_step_logged(proc: subprocess.Popen[bytes], log_dir: Path, step: int, timeout_s: float) -> None:
+    """Block until the running script ``proc`` has logged step ``step``'s ``train/loss``; fail the test with its
+    output if it ends first, or after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not (log_dir / "metrics.jsonl").exists() or not any(
+        r["step"] == step and "train/loss" in r for r in read_records(log_dir, while_written=True)
+    ):
+        if proc.poll() is not None:
+            output = proc.stdout.read().decode() if proc.stdout else ""
+            pytest.fail(f"run ended before its step {step}:\n{output[-6000:]}")
+        assert time.monotonic() < deadline, f"no step {step} within {timeout_s:.0f} s"
+        time.sleep(0.05)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from run_logs import read_records
+from run_logs import read_records, wait_until_step_logged
 
 from nemo_rl.weight_sync.shm import SEGMENT_NAME_PREFIX, SHM_DIR
 
@@ -114,15 +114,7 @@ def test_colocated_dp2_survives_a_dead_worker_and_resumes_bit_exact(tmp_path: Pa
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
         # One of the two policy workers is killed (SIGKILL) at a random moment of step 4, after step 3 logged
         # its metrics: refitting, generating, scoring or training, with the step-2 checkpoint the latest.
-        deadline = time.monotonic() + TIMEOUT_S
-        while not (log_dir / "metrics.jsonl").exists() or "train/loss" not in _train_metrics_at(
-            read_records(log_dir, while_written=True), 3
-        ):
-            if proc.poll() is not None:
-                output = proc.stdout.read().decode() if proc.stdout else ""
-                pytest.fail(f"run ended before its step 3:\n{output[-6000:]}")
-            assert time.monotonic() < deadline, "no step 3 within the time limit"
-            time.sleep(0.1)
+        wait_until_step_logged(proc, log_dir, 3, TIMEOUT_S)
         time.sleep(random.uniform(0.0, 0.5))
         run_pids = _ray_worker_pids(ray_dir)
         policy_pids = [pid for pid, title in run_pids.items() if title.startswith("ray::DTensorPolicyWorker")]

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from run_logs import read_records
+from run_logs import read_records, wait_until_step_logged
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "run_sft.py"
@@ -74,15 +74,7 @@ def test_sft_learns_resumes_after_kill_and_exports(tmp_path: Path) -> None:
     cmd = _command(tmp_path, "run", 4, "checkpointing.save_consolidated=true")
     log_dir, ckpt = tmp_path / "run" / "logs", tmp_path / "run" / "ckpt"
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env())
-    deadline = time.monotonic() + TIMEOUT_S
-    while not (log_dir / "metrics.jsonl").exists() or "train/loss" not in _step_metrics(
-        read_records(log_dir, while_written=True), 3
-    ):
-        if proc.poll() is not None:
-            output = proc.stdout.read().decode() if proc.stdout else ""
-            pytest.fail(f"run ended before its step 3:\n{output[-5000:]}")
-        assert time.monotonic() < deadline, "no step 3 within the time limit"
-        time.sleep(0.05)
+    wait_until_step_logged(proc, log_dir, 3, TIMEOUT_S)
     time.sleep(random.uniform(0.0, 0.3))
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
