@@ -222,3 +222,58 @@ def test_attach_mode_writes_the_attach_script_and_a_time_limit_signal_stops_driv
     assert calls.index("scancel\t--signal=TERM 4242.0") < calls.index("ray-head stopped")
     assert "scancel\t--signal=TERM 4242.1" in calls and "ray-worker stopped" in calls
     assert "received SIGUSR1" in output
+
+
+def test_node_stop_finds_descendants_whose_environment_lost_the_mark(tmp_path: Path) -> None:
+    """Ray's agents rename themselves with setproctitle, which blanks the start of their environment (the
+    node's mark included): the node's stop must still find them, as descendants of a marked process."""
+    script = (ROOT / "ray.sub").read_text()
+    function = re.search(r"^marked_pids\(\) \{\n.*?^\}\n", script, re.S | re.M)
+    assert function is not None, "ray.sub's node script no longer defines marked_pids"
+    (tmp_path / "marked_pids.sh").write_text(function.group(0))
+    # A marked shell whose child and grandchild run with an empty environment (no mark), and an unmarked sleeper.
+    tree = subprocess.Popen(
+        [
+            "env",
+            "RAY_SUB_NODE=77.0",
+            "bash",
+            "-c",
+            'env -i bash -c "sleep 60 & wait" & env -i sleep 60 & wait',
+        ],
+        start_new_session=True,
+    )
+    outsider = subprocess.Popen(["sleep", "60"])
+    try:
+        deadline = time.monotonic() + 10
+        expected: set[str] = set()
+        # The shell, its two children and one grandchild.
+        while len(expected) < 4 and time.monotonic() < deadline:
+            expected = _session_members(tree.pid)
+        assert len(expected) == 4, expected
+        found = subprocess.run(
+            ["bash", "-c", f"source {tmp_path / 'marked_pids.sh'}; marked_pids"],
+            env={**os.environ, "MARK": "RAY_SUB_NODE=77.0"},
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert set(found.stdout.split()) == expected
+        assert str(outsider.pid) not in found.stdout.split()
+    finally:
+        os.killpg(tree.pid, signal.SIGKILL)
+        outsider.kill()
+        tree.wait(timeout=10)
+        outsider.wait(timeout=10)
+
+
+def _session_members(session: int) -> set[str]:
+    """Live processes of a session (field 6 of /proc/PID/stat, after the parenthesised command name)."""
+    members = set()
+    for stat_file in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat_file.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[3]) == session:
+            members.add(stat_file.parent.name)
+    return members
