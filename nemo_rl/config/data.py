@@ -249,6 +249,11 @@ class DataConfig(ConfigModel):
     tiny_math_max_operand: int = Field(default=50, ge=1)
     """Largest operand of a ``tiny_math`` problem (operands are drawn from 0 to this value)."""
 
+    tiny_math_rejected_per_problem: int = Field(default=1, ge=1)
+    """Preference pairs per training problem of ``tiny_math_preference``: the correct answer against this many
+    different plausible wrong answers (off by one or ten, the other operation, swapped operands, a slipped
+    digit; a problem has 5 to 7, a larger value gives them all). Validation keeps one pair per problem."""
+
     num_workers: int = Field(default=1, ge=0)
     """Accepted, no effect here: rows are turned into batches in the driver process (a speed knob)."""
 
@@ -299,4 +304,9 @@ class DataConfig(ConfigModel):
                     f"tiny_math problems with data.tiny_math_max_operand={self.tiny_math_max_operand}: "
                     "ask for fewer samples or raise the operand range"
                 )
+        if self.tiny_math_rejected_per_problem > 1 and self.dataset_name != "tiny_math_preference":
+            raise ValueError(
+                f"data.tiny_math_rejected_per_problem={self.tiny_math_rejected_per_problem} applies to "
+                f"data.dataset_name=tiny_math_preference only (this is {self.dataset_name}): remove it"
+            )
         return self

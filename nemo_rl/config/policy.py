@@ -420,6 +420,11 @@ class PolicyConfig(ConfigModel):
     reward_model_cfg: RewardModelConfig = Field(default_factory=RewardModelConfig)
     """Reward-model head instead of the language-model head (reward-model training and scoring)."""
 
+    frozen_parameters: list[str] = Field(default_factory=list)
+    """Glob patterns (``fnmatch``) of parameter names, as the Hugging Face checkpoint names them, that are not
+    trained (e.g. ``["model.embed_tokens.*", "model.layers.[0-3].*"]``): they get no gradient and no optimizer
+    state, and are exported unchanged. A pattern that matches nothing is an error. DTensor backend only."""
+
     dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig)
     """Token-budget micro-batching."""
 
@@ -487,6 +492,11 @@ class PolicyConfig(ConfigModel):
             )
         if self.megatron_cfg.enabled:
             self.megatron_cfg.check_with_policy(self.precision, self.max_grad_norm)
+            if self.frozen_parameters:
+                raise ValueError(
+                    "policy.frozen_parameters is implemented by the DTensor backend only: remove it or set "
+                    "policy.dtensor_cfg.enabled=true and policy.megatron_cfg.enabled=false"
+                )
             if self.reward_model_cfg.enabled:
                 raise ValueError(
                     "policy.reward_model_cfg.enabled=true needs the DTensor backend (the Megatron backend builds "

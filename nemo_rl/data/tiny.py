@@ -177,9 +177,10 @@ def _problem(code: int, max_operand: int) -> dict[str, str]:
     }
 
 
-def plausible_wrong_answer(a: int, op: str, b: int, rng: random.Random) -> int:
-    """A wrong answer to ``a op b`` of a kind people (and small models) make: off by one or by ten, the
-    other operation, the operands swapped in a subtraction, or the last digit slipped."""
+def plausible_wrong_answers(a: int, op: str, b: int, rng: random.Random, num: int = 1) -> list[int]:
+    """Up to ``num`` distinct wrong answers to ``a op b`` of kinds people (and small models) make: off by one
+    or by ten, the other operation, the operands swapped in a subtraction, or the last digit slipped. A
+    problem has 5 to 7 of them; ``num`` beyond that gives them all. The first one does not depend on ``num``."""
     answer = _solve(a, op, b)
     candidates = {
         answer + 1,
@@ -191,43 +192,60 @@ def plausible_wrong_answer(a: int, op: str, b: int, rng: random.Random) -> int:
         answer - answer % 10 + (answer % 10 + rng.randint(2, 8)) % 10,
     }
     candidates.discard(answer)
-    return rng.choice(sorted(candidates))
+    ordered = sorted(candidates)
+    first = rng.choice(ordered)
+    rest = [c for c in ordered if c != first]
+    return [first, *rng.sample(rest, min(num - 1, len(rest)))]
 
 
-def generate_arithmetic_preferences(num: int, seed: int, max_operand: int = 50) -> list[dict[str, str]]:
+def generate_arithmetic_preferences(
+    num: int, seed: int, max_operand: int = 50, rejected_per_problem: int = 1
+) -> list[dict[str, str]]:
     """Preference pairs over the same problems, in the same order, as :func:`generate_arithmetic_problems`.
 
     Each row has ``prompt`` ("What is 12+7?"), ``chosen`` ("12+7=\\boxed{19}", the correct solution) and
-    ``rejected`` (the same solution with a :func:`plausible_wrong_answer`), the schema of
-    ``dataset_name: binary_preference``. The wrong answer depends only on ``seed`` and the problem.
+    ``rejected`` (the same solution with a :func:`plausible_wrong_answers` answer), the schema of
+    ``dataset_name: binary_preference``. Each problem gives ``rejected_per_problem`` consecutive rows with
+    different wrong answers (fewer when it has fewer); its first row depends only on ``seed`` and the problem.
     """
     rows = []
     for code in _problem_order(num, seed, max_operand):
         a, op, b = _operands(code, max_operand)
         rng = random.Random(f"{seed}:{a}{op}{b}")
-        rows.append(
-            {
-                "prompt": f"What is {a}{op}{b}?",
-                "chosen": _solution(a, op, b, _solve(a, op, b)),
-                "rejected": _solution(a, op, b, plausible_wrong_answer(a, op, b, rng)),
-            }
-        )
+        chosen = _solution(a, op, b, _solve(a, op, b))
+        for wrong in plausible_wrong_answers(a, op, b, rng, rejected_per_problem):
+            rows.append(
+                {"prompt": f"What is {a}{op}{b}?", "chosen": chosen, "rejected": _solution(a, op, b, wrong)}
+            )
     return rows
 
 
 def tiny_math_splits(
-    num_train: int, num_val: int, seed: int, max_operand: int, *, preferences: bool = False
+    num_train: int,
+    num_val: int,
+    seed: int,
+    max_operand: int,
+    *,
+    preferences: bool = False,
+    rejected_per_problem: int = 1,
 ) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
     """Disjoint training and validation rows: validation is the first ``num_val`` problems of the seed's
-    order, training the next ``num_train``; ``preferences`` gives preference pairs instead of problems.
+    order, training the next ``num_train``; ``preferences`` gives preference pairs instead of problems, with
+    ``rejected_per_problem`` pairs for each training problem and one for each validation problem.
 
     Validation first keeps it the same whatever ``num_train`` is, so recipes that train on different
     amounts of data (SFT, then GRPO, DPO or a reward model) are scored on the same held-out problems, never
     trained on by any of them.
     """
-    generate = generate_arithmetic_preferences if preferences else generate_arithmetic_problems
-    rows = generate(num_val + num_train, seed=seed, max_operand=max_operand)
-    return rows[num_val:], rows[:num_val]
+    if not preferences:
+        rows = generate_arithmetic_problems(num_val + num_train, seed=seed, max_operand=max_operand)
+        return rows[num_val:], rows[:num_val]
+    val = generate_arithmetic_preferences(num_val, seed=seed, max_operand=max_operand)
+    both = generate_arithmetic_preferences(
+        num_val + num_train, seed=seed, max_operand=max_operand, rejected_per_problem=rejected_per_problem
+    )
+    held_out = {row["prompt"] for row in val}
+    return [row for row in both if row["prompt"] not in held_out], val
 
 
 def write_jsonl(rows: Sequence[dict[str, Any]], path: str | pathlib.Path) -> pathlib.Path:

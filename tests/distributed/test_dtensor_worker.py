@@ -152,6 +152,13 @@ def preference_data(num_rows: int = GLOBAL_BATCH * NUM_STEPS) -> BatchedDataDict
     return data
 
 
+# One layer more than the checkpoint (initialised fresh), the embedding and the first layer frozen.
+GROWN_FROZEN: dict[str, Any] = {
+    "hf_config_overrides": {"num_hidden_layers": 3, "layer_types": ["full_attention"] * 3},
+    "frozen_parameters": ["model.embed_tokens.*", "model.layers.0.*"],
+}
+
+
 def with_reference_logprobs(data: BatchedDataDict[Any], reference: torch.Tensor) -> BatchedDataDict[Any]:
     out = BatchedDataDict(dict(data))
     out["reference_policy_logprobs"] = reference
@@ -259,6 +266,17 @@ def _scenarios(rank: int, model_dir: Path, out_dir: Path) -> None:
         if name == "rm_tp2":
             worker.export_hf(str(out_dir / "rm_export"))
         worker.shutdown()
+
+    # A reward model grown by one fresh layer whose embedding and first layer are frozen (tp=2): only the rest
+    # trains, and the export holds the frozen weights unchanged.
+    worker = DTensorPolicyWorker(
+        policy_cfg(model_dir, {"tensor_parallel_size": 2}, **rm, **GROWN_FROZEN), init_reference_model=False
+    )
+    shard = pairs.shard_by_batch_size(worker.dp_size, batch_size=GLOBAL_BATCH, group_size=2)[worker.dp_rank]
+    save("rm_frozen_train", worker.train(shard, PreferenceLoss(), mbs=2))
+    save("rm_frozen_scores_trained", worker.score(score_data))
+    worker.export_hf(str(out_dir / "rm_frozen_export"))
+    worker.shutdown()
 
     # Reward-model resume: two steps, saved (the scalar head included), then a fresh worker of the same layout
     # loads them and takes step three, bit for bit as the uninterrupted rm_dp2 worker did.
@@ -457,6 +475,41 @@ def single_process_preference_reference(model_dir: Path) -> dict[str, Any]:
             scheduler.step()
         out[name] = {"loss": torch.tensor(losses), "grad_norm": torch.tensor(grad_norms), "metrics": metrics}
     out["rm_scores_trained"] = reference_rewards(rm, score_data)
+
+    # The grown reward model with frozen parameters: the optimizer holds only the others.
+    grown = AutoConfig.from_pretrained(
+        model_dir, num_labels=1, pad_token_id=0, **GROWN_FROZEN["hf_config_overrides"]
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        loaded = AutoModelForSequenceClassification.from_pretrained(model_dir, config=grown)
+    frozen_rm = AutoModelForSequenceClassification.from_config(grown)
+    frozen_rm.load_state_dict(loaded.state_dict())
+    initial = {name: p.detach().clone() for name, p in frozen_rm.named_parameters()}
+    for name, param in frozen_rm.named_parameters():
+        param.requires_grad_(not name.startswith(("model.embed_tokens.", "model.layers.0.")))
+    optimizer, scheduler = _optimizer_and_schedule(frozen_rm)
+    losses, grad_norms = [], []
+    for step in range(NUM_STEPS):
+        batch = pairs.slice(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)
+        optimizer.zero_grad()
+        loss, _ = PreferenceLoss()(
+            frozen_rm(input_ids=batch["input_ids"]).logits,
+            batch,
+            batch["sample_mask"].sum(),
+            torch.tensor(0.0),
+        )
+        loss.backward()
+        grad_norms.append(float(torch.nn.utils.clip_grad_norm_(frozen_rm.parameters(), 0.05)))
+        losses.append(float(loss.detach()))
+        optimizer.step()
+        scheduler.step()
+    out["rm_frozen"] = {
+        "loss": torch.tensor(losses),
+        "grad_norm": torch.tensor(grad_norms),
+        "initial": initial,
+        "scores_trained": reference_rewards(frozen_rm, score_data),
+    }
     return out
 
 
@@ -578,6 +631,23 @@ def test_preference_training_matches_single_process(
             start = first if name == "accuracy" else 0
             assert_close(actual[start:], reference[start:])
         assert out["metrics"]["num_valid_samples"] == [3.0] * NUM_STEPS  # one of 4 pairs masked per step
+
+
+def test_frozen_parameters_and_added_layers(results: Path, preference_reference: dict[str, Any]) -> None:
+    expected = preference_reference["rm_frozen"]
+    for rank in range(WORLD_SIZE):
+        out = load(results, "rm_frozen_train", rank)
+        assert_close(out["loss"], expected["loss"])
+        assert_close(out["grad_norm"], expected["grad_norm"])
+    assert_close(load(results, "rm_frozen_scores_trained")["scores"], expected["scores_trained"], rtol=1e-4)
+    exported = AutoModelForSequenceClassification.from_pretrained(results / "rm_frozen_export")
+    assert exported.config.num_hidden_layers == 3
+    for name, param in exported.named_parameters():
+        initial = expected["initial"][name]
+        if name.startswith(("model.embed_tokens.", "model.layers.0.")):
+            assert torch.equal(param.detach(), initial), name
+        else:
+            assert not torch.equal(param.detach(), initial), name
 
 
 def test_reward_model_scores_and_export(results: Path, preference_reference: dict[str, Any]) -> None:

@@ -433,3 +433,22 @@ def test_tiny_math_preferences_hold_out_the_tiny_math_validation_problems() -> N
         assert chosen.split("=")[0] == rejected.split("=")[0] == question
         assert chosen.split("=")[1] == f"\\boxed{{{eval(question)}}}" != rejected.split("=")[1]
         assert rejected.split("=")[1].startswith("\\boxed{")
+
+
+def test_tiny_math_preferences_with_several_rejected_answers_per_problem() -> None:
+    cfg = DataConfig(dataset_name="tiny_math_preference", num_train_samples=50, num_val_samples=10)
+    one = load_dataset_splits(cfg)
+    many = load_dataset_splits(cfg.model_copy(update={"tiny_math_rejected_per_problem": 7}))
+    assert many.validation is not None and one.validation is not None
+    # Validation keeps one pair per problem, the same pairs; training gets every plausible wrong answer.
+    assert list(many.validation) == list(one.validation)
+    by_prompt: dict[str, list[str]] = {}
+    for record in many.train:
+        by_prompt.setdefault(record["messages"][0]["content"], []).append(
+            record["rejected_messages"][-1]["content"]
+        )
+    assert len(by_prompt) == 50 and all(5 <= len(set(r)) == len(r) <= 7 for r in by_prompt.values())
+    # A problem's first pair is the one-pair-per-problem pair.
+    assert [r[0] for r in by_prompt.values()] == [r["rejected_messages"][-1]["content"] for r in one.train]
+    with pytest.raises(ValueError, match="tiny_math_preference only"):
+        DataConfig(dataset_name="tiny_math", tiny_math_rejected_per_problem=2)

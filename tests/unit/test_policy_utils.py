@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 from typing import Any
 
 import pytest
@@ -15,7 +16,7 @@ from nemo_rl.models.policy import lm_policy
 from nemo_rl.models.policy.dtensor_worker import DTensorPolicyWorker
 from nemo_rl.models.policy.interfaces import PolicyInterface
 from nemo_rl.models.policy.loss_interface import group_metrics, metric_reduction, reduce_metrics
-from nemo_rl.models.policy.optim import build_optimizer, build_scheduler, clip_grad_norm_
+from nemo_rl.models.policy.optim import build_optimizer, build_scheduler, clip_grad_norm_, frozen_names
 from nemo_rl.models.policy.parallelize import apply_tensor_parallel, import_by_path
 from nemo_rl.models.policy.utils import (
     PackedRows,
@@ -258,6 +259,38 @@ def test_megatron_backend_without_megatron_core_names_the_extra(monkeypatch: pyt
     )
     with pytest.raises(UserError, match="--extra mcore"):
         lm_policy._worker_backend(cfg)
+
+
+def test_frozen_parameters_are_checked_before_any_worker_starts() -> None:
+    names = [
+        "model.embed_tokens.weight",
+        "model.layers.0.mlp.weight",
+        "model.layers.1.mlp.weight",
+        "score.weight",
+    ]
+    assert frozen_names(names, ["model.embed_tokens.*", "model.layers.[0].*"]) == set(names[:2])
+    with pytest.raises(UserError, match=re.escape("'model.layer.*' matches no parameter")):
+        frozen_names(names, ["model.layer.*"])
+    with pytest.raises(UserError, match="freezes every parameter"):
+        frozen_names(names, ["*"])
+    # The driver builds the model on the meta device (layers grown by hf_config_overrides included).
+    grown = PolicyConfig(
+        model_name="examples/assets/tiny_math_teacher",
+        reward_model_cfg={"enabled": True},  # type: ignore[arg-type]
+        hf_config_overrides={"num_hidden_layers": 5, "layer_types": ["full_attention"] * 5},
+        frozen_parameters=["model.layers.4.*"],
+    )
+    lm_policy.check_policy_layout(grown, world_size=1)
+    with pytest.raises(UserError, match=re.escape("'model.layers.5.*' matches no parameter")):
+        lm_policy.check_policy_layout(grown.model_copy(update={"frozen_parameters": ["model.layers.5.*"]}), 1)
+    with pytest.raises(ValueError, match="DTensor backend only"):
+        PolicyConfig(
+            model_name="unused",
+            optimizer=None,
+            dtensor_cfg={"enabled": False},  # type: ignore[arg-type]
+            megatron_cfg={"enabled": True},  # type: ignore[arg-type]
+            frozen_parameters=["model.layers.0.*"],
+        )
 
 
 def test_policy_implements_the_interface() -> None:

@@ -196,6 +196,7 @@ def load_dataset_splits(cfg: DataConfig) -> DatasetSplits:
             seed=cfg.seed,
             max_operand=cfg.tiny_math_max_operand,
             preferences=name == "tiny_math_preference",
+            rejected_per_problem=cfg.tiny_math_rejected_per_problem,
         )
         converter = converter_for(cfg, source=name)
         return DatasetSplits(

@@ -54,7 +54,7 @@ from nemo_rl.distributed.device import (
 from nemo_rl.models.policy.hf_io import export_hf_checkpoint, load_sharded_model
 from nemo_rl.models.policy.interfaces import TrainResult
 from nemo_rl.models.policy.loss_interface import LossFunction
-from nemo_rl.models.policy.optim import build_optimizer, build_scheduler, clip_grad_norm_
+from nemo_rl.models.policy.optim import build_optimizer, build_scheduler, clip_grad_norm_, freeze_parameters
 from nemo_rl.models.policy.parallelize import reshard_all
 from nemo_rl.models.policy.utils import (
     PRECISION_DTYPES,
@@ -144,7 +144,7 @@ class DTensorPolicyWorker:
         self.tokenizer_source = tokenizer_path if tokenizer_path is not None else cfg.tokenizer_name
 
         self.model = load_sharded_model(cfg, self.mesh, self.device)
-        self.optimizer = build_optimizer(self.model.parameters(), cfg.optimizer)
+        self.optimizer = build_optimizer(freeze_parameters(self.model, cfg.frozen_parameters), cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.scheduler)
         # The reference policy is a host copy of this rank's initial shards, swapped in only while scoring.
         self.reference_shards: dict[str, torch.Tensor] | None = (

@@ -32,6 +32,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from nemo_rl.config.policy import PolicyConfig, TokenizerConfig
 from nemo_rl.models import hf_config as hf_config_io
+from nemo_rl.models.policy.optim import frozen_names
 from nemo_rl.models.policy.parallelize import apply_fsdp, apply_tensor_parallel
 from nemo_rl.models.policy.utils import PRECISION_DTYPES
 from nemo_rl.models.tokenizer import get_tokenizer
@@ -82,6 +83,18 @@ def load_hf_config(cfg: PolicyConfig) -> Any:
             )
             hf_config.pad_token_id = tokenizer.pad_token_id
     return hf_config
+
+
+def check_frozen_parameters(cfg: PolicyConfig) -> None:
+    """Raise :class:`UserError` when ``policy.frozen_parameters`` names no parameter of the model (or all of
+    them), before any worker starts: the model is built on the meta device, so nothing is loaded."""
+    if not cfg.frozen_parameters:
+        return
+    with torch.device("meta"):
+        model = model_auto_class(cfg).from_config(
+            load_hf_config(cfg), dtype=torch.float32, trust_remote_code=cfg.trust_remote_code
+        )
+    frozen_names([name for name, _ in model.named_parameters()], cfg.frozen_parameters)
 
 
 def trains_with_dropout(cfg: PolicyConfig) -> bool:

@@ -20,6 +20,7 @@ from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.distributed.worker_groups import WorkerGroupFacade
 from nemo_rl.models.policy.dtensor_worker import DTensorPolicyWorker
+from nemo_rl.models.policy.hf_io import check_frozen_parameters
 from nemo_rl.models.policy.interfaces import TrainResult, nonfinite_step_flags
 from nemo_rl.models.policy.loss_interface import LossFunction
 
@@ -57,8 +58,10 @@ def _worker_backend(cfg: PolicyConfig) -> tuple[type, int]:
 def check_policy_layout(cfg: PolicyConfig, world_size: int) -> int:
     """The policy's data-parallel size on ``world_size`` workers; raises :class:`UserError` when the workers
     do not divide into its model-parallel groups or ``policy.train_global_batch_size`` does not divide over
-    the data-parallel ranks. Cheap and Ray-free, so setups call it before starting anything."""
+    the data-parallel ranks, or ``policy.frozen_parameters`` names no parameter. Ray-free, so setups call it
+    before starting anything."""
     _, model_parallel_size = _worker_backend(cfg)
+    check_frozen_parameters(cfg)
     if world_size % model_parallel_size != 0:
         raise UserError(
             f"the policy runs on {world_size} workers, which is not a multiple of its model-parallel size "

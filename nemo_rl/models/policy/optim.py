@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import fnmatch
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -14,6 +15,42 @@ from torch.optim.lr_scheduler import ConstantLR, LRScheduler, SequentialLR
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.policy import OptimizerConfig, PolicyConfig, SchedulerEntry, SchedulerMilestones
 from nemo_rl.models.policy.parallelize import import_by_path
+
+
+def frozen_names(names: Sequence[str], patterns: Sequence[str]) -> set[str]:
+    """The parameter ``names`` that match one of the glob ``patterns`` (``policy.frozen_parameters``).
+
+    A pattern that matches nothing, or patterns that match every name, raise :class:`UserError`: a typo must
+    not silently train the whole model, nor leave nothing to train.
+    """
+    frozen: set[str] = set()
+    for pattern in patterns:
+        matched = fnmatch.filter(names, pattern)
+        if not matched:
+            raise UserError(
+                f"policy.frozen_parameters pattern {pattern!r} matches no parameter of the model (its parameters "
+                f"are named like {names[0]!r} ... {names[-1]!r}): fix the pattern"
+            )
+        frozen.update(matched)
+    if frozen and len(frozen) == len(names):
+        raise UserError("policy.frozen_parameters freezes every parameter of the model: leave some to train")
+    return frozen
+
+
+def freeze_parameters(model: torch.nn.Module, patterns: Sequence[str]) -> list[torch.nn.Parameter]:
+    """Stop training the parameters of ``model`` named by ``policy.frozen_parameters`` (see
+    :func:`frozen_names`) and return the ones that still train, for the optimizer.
+
+    Names are the model's own (those of its Hugging Face checkpoint), the same whatever the sharding.
+    """
+    frozen = frozen_names([name for name, _ in model.named_parameters()], patterns)
+    trainable = []
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
+        else:
+            trainable.append(param)
+    return trainable
 
 
 def build_optimizer(
