@@ -338,20 +338,33 @@ def build_train_batch(
     return batch
 
 
-def environment_metrics(task_to_env: Mapping[str, Any], rollout: BatchedDataDict[Any]) -> dict[str, float]:
-    """Each environment's own metrics (accuracy, pass@k...) over its samples, as ``<task>/<metric>``."""
-    metrics: dict[str, float] = {}
+def request_environment_metrics(
+    task_to_env: Mapping[str, Any], rollout: BatchedDataDict[Any]
+) -> Callable[[], dict[str, float]]:
+    """Ask each environment for its own metrics (accuracy, pass@k...) over its samples; the returned function
+    waits for them, as ``<task>/<metric>``. The environments compute them while the caller goes on (GRPO
+    trains meanwhile)."""
     task_names = list(rollout["task_name"])
+    requests = []
     for task, env in task_to_env.items():
         indices = [i for i, name in enumerate(task_names) if name == task]
-        if not indices:
-            continue
-        _, task_metrics = ray.get(
-            env.global_post_process_and_metrics.remote(rollout.select_indices(indices)),
-            timeout=_ENV_TIMEOUT_S,
-        )
-        metrics.update({f"{task}/{name}": value for name, value in task_metrics.items()})
-    return metrics
+        if indices:
+            ref = env.global_post_process_and_metrics.remote(rollout.select_indices(indices))
+            requests.append((task, ref))
+
+    def wait() -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        for task, ref in requests:
+            _, task_metrics = ray.get(ref, timeout=_ENV_TIMEOUT_S)
+            metrics.update({f"{task}/{name}": value for name, value in task_metrics.items()})
+        return metrics
+
+    return wait
+
+
+def environment_metrics(task_to_env: Mapping[str, Any], rollout: BatchedDataDict[Any]) -> dict[str, float]:
+    """Each environment's own metrics (accuracy, pass@k...) over its samples, as ``<task>/<metric>``."""
+    return request_environment_metrics(task_to_env, rollout)()
 
 
 def validation_rollouts(
@@ -456,10 +469,10 @@ def transformed_rewards(rollout: BatchedDataDict[Any], cfg: GRPOConfig) -> torch
 
 def roll_out(
     s: GRPOSetup, batch: BatchedDataDict[Any], timer: Timer
-) -> tuple[BatchedDataDict[Any], dict[str, float]]:
+) -> tuple[BatchedDataDict[Any], dict[str, float], Callable[[], dict[str, float]]]:
     """Sample ``num_generations_per_prompt`` responses per prompt of ``batch`` and score them; the rollout's
-    ``total_reward`` holds the transformed rewards (see :func:`transformed_rewards`), its metrics the
-    environments' own and ``reward`` (their mean)."""
+    ``total_reward`` holds the transformed rewards (see :func:`transformed_rewards`), its metrics ``reward``
+    (their mean); the function returned last waits for the environments' own metrics."""
     cfg = s.config
     rollout, metrics = run_multi_turn_rollout(
         s.generation,
@@ -470,10 +483,17 @@ def roll_out(
         max_rollout_turns=cfg.grpo.max_rollout_turns,
         timer=timer,
     )
-    metrics.update(environment_metrics(s.task_to_env, rollout))
+    env_metrics = request_environment_metrics(s.task_to_env, rollout)
     rollout["total_reward"] = transformed_rewards(rollout, cfg.grpo)
     metrics["reward"] = float(rollout["total_reward"].mean())
-    return rollout, metrics
+    return rollout, metrics, env_metrics
+
+
+def _roll_out_and_wait(
+    s: GRPOSetup, batch: BatchedDataDict[Any], timer: Timer
+) -> tuple[BatchedDataDict[Any], dict[str, float]]:
+    rollout, metrics, env_metrics = roll_out(s, batch, timer)
+    return rollout, {**metrics, **env_metrics()}
 
 
 def grpo_step(
@@ -497,13 +517,14 @@ def grpo_step(
             rollout, rollout_metrics = sample_until_full(
                 batch,
                 next_batch,
-                lambda b: roll_out(s, b, timer),
+                lambda b: _roll_out_and_wait(s, b, timer),
                 num_samples=cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt,
                 group_size=cfg.grpo.num_generations_per_prompt,
                 max_gen_batches=cfg.grpo.dynamic_sampling_max_gen_batches,
             )
+        env_metrics: Callable[[], dict[str, float]] = dict
     else:
-        rollout, rollout_metrics = roll_out(s, batch, timer)
+        rollout, rollout_metrics, env_metrics = roll_out(s, batch, timer)
     s.generation.finish_generation()
 
     advantages_B = compute_advantages(
@@ -538,6 +559,7 @@ def grpo_step(
             "advantages/min": float(advantages_B.min()),
             "advantages/max": float(advantages_B.max()),
             **rollout_metrics,
+            **env_metrics(),  # computed by the environments while the policy trained
         },
     )
 

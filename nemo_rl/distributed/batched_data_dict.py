@@ -12,6 +12,9 @@ per-shard results back in the original order::
     shards = [data.select_indices(idx) for idx in indices]  # == data.shard_by_batch_size(dp, gbs, ...)
     results = [run(shard) for shard in shards]
     merged = BatchedDataDict.from_shards(results, indices)  # rows back in the order of `data`
+
+Importing this module makes the process send torch tensors through Ray as numpy arrays
+(:mod:`nemo_rl.distributed.serialization`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import torch
+
+from nemo_rl.distributed.serialization import register_tensor_serializer
+
+# Every process that sends or receives these batches (the driver, policy and generation workers, environments)
+# imports this module, so each of them sends its torch tensors through Ray as numpy arrays.
+register_tensor_serializer()
 
 V = TypeVar("V")
 
