@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from nemo_rl.config.policy import PolicyConfig, TokenizerConfig
@@ -55,7 +56,7 @@ from nemo_rl.models.policy.hf_io import export_hf_checkpoint, load_sharded_model
 from nemo_rl.models.policy.interfaces import TrainResult
 from nemo_rl.models.policy.loss_interface import LossFunction
 from nemo_rl.models.policy.optim import build_optimizer, build_scheduler, clip_grad_norm_, freeze_parameters
-from nemo_rl.models.policy.parallelize import reshard_all
+from nemo_rl.models.policy.parallelize import fsdp_units_of_parameters, reshard_all
 from nemo_rl.models.policy.utils import (
     PRECISION_DTYPES,
     PackedRows,
@@ -448,11 +449,39 @@ class DTensorPolicyWorker:
         buffers follow the parameters.
         """
         reshard_all(self.model)
-        for name, p in self.model.named_parameters():
-            full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
-            yield name, full.to(dtype)
+        names = [name for name, _ in self.model.named_parameters()]
+        owners = fsdp_units_of_parameters(self.model) if self._refit_unshards(dtype) else {}
+        current: FSDPModule | None = None
+        for name in names:
+            unit = owners.get(name)
+            if unit is not current:
+                # One all-gather for all of a unit's parameters (a decoder layer's, or the root's) instead of one
+                # per parameter; a layer is sharded again once its weights are out, the root at the end.
+                if current is not None and current is not self.model:
+                    current.reshard()
+                if unit is not None:
+                    unit.unshard()
+                current = unit
+            p = self.model.get_parameter(name)
+            if isinstance(p, DTensor):
+                yield name, p.full_tensor().to(dtype)
+            else:
+                # An unsharded parameter lives in the unit's all-gather buffer, which resharding frees: copy.
+                yield name, p.detach().to(dtype, copy=unit is not None)
+        reshard_all(self.model)
         for name, buffer in self._persistent_buffers():
             yield name, buffer.to(dtype) if buffer.is_floating_point() else buffer
+
+    def _refit_unshards(self, dtype: torch.dtype) -> bool:
+        """Whether the refit may gather through FSDP's unshard, which all-gathers in ``policy.precision``:
+        the same values as gathering the float32 master weights when the refit casts to that dtype or keeps
+        float32 (a cast is element-wise, so gathering and casting commute); not with CPU offload."""
+        param_dtype = PRECISION_DTYPES[self.cfg.precision]
+        return (
+            self.dp_size > 1
+            and not self.cfg.dtensor_cfg.cpu_offload
+            and param_dtype in (dtype, torch.float32)
+        )
 
     def weights_manifest(self, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], str]]:
         """``{hf_name: (full shape, dtype name)}`` of what :meth:`iter_hf_weights` yields; no communication."""

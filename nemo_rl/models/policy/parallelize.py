@@ -222,3 +222,14 @@ def reshard_all(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
+
+
+def fsdp_units_of_parameters(model: nn.Module) -> dict[str, FSDPModule]:
+    """The FSDP unit (the innermost ``fully_shard``-ed module) that holds each parameter, by parameter name."""
+    owners: dict[str, FSDPModule] = {}
+    # Parents come before their children, so an inner unit overrides the root for its own parameters.
+    for module_name, module in model.named_modules():
+        names = [name for name, _ in module.named_parameters(prefix=module_name)]
+        if isinstance(module, FSDPModule):
+            owners.update(dict.fromkeys(names, module))
+    return owners
