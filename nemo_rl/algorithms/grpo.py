@@ -53,7 +53,12 @@ from nemo_rl.data.llm_message_utils import message_logs_to_batch
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster, init_ray
 from nemo_rl.distributed.worker_groups import start_together
-from nemo_rl.environments.registry import check_task_envs, create_task_envs, stop_envs
+from nemo_rl.environments.registry import (
+    check_task_envs,
+    create_task_envs,
+    stop_envs,
+    wait_envs_started,
+)
 from nemo_rl.experience.rollouts import run_multi_turn_rollout
 from nemo_rl.models.generation.factory import create_generation
 from nemo_rl.models.generation.interfaces import GenerationInterface
@@ -235,20 +240,29 @@ def setup(
     # the policy's start together.
     colocated = config.policy.generation.colocated.enabled
     together = config.policy.generation.backend != "vllm"
-    with start_together(enabled=together):
-        generation = create_generation(
-            cluster, config.policy, tokenizer, seed=config.grpo.seed, bundle_indices=generation_bundles
-        )
-        if colocated and not together:
-            generation.finish_generation()
-        policy = Policy(
-            cluster,
-            config.policy,
-            bundle_indices=policy_bundles,
-            init_reference_model=config.loss_fn.reference_policy_kl_penalty > 0,
-            weights_path=resume.weights_path,
-            optimizer_path=resume.optimizer_path,
-        )
+    started: dict[str, Any] = {}
+    try:
+        # The environment actors start first, so their imports overlap the workers' start instead of
+        # delaying the first step; setup waits for them after the workers.
+        started = create_task_envs(to_start, config.env)
+        with start_together(enabled=together):
+            generation = create_generation(
+                cluster, config.policy, tokenizer, seed=config.grpo.seed, bundle_indices=generation_bundles
+            )
+            if colocated and not together:
+                generation.finish_generation()
+            policy = Policy(
+                cluster,
+                config.policy,
+                bundle_indices=policy_bundles,
+                init_reference_model=config.loss_fn.reference_policy_kl_penalty > 0,
+                weights_path=resume.weights_path,
+                optimizer_path=resume.optimizer_path,
+            )
+        wait_envs_started(started.values(), _ENV_TIMEOUT_S)
+    except BaseException:
+        stop_envs(started.values(), _ENV_TIMEOUT_S)
+        raise
     if colocated and together:
         generation.finish_generation()
     # The per-call sampling seeds continue where the checkpoint left them.
@@ -261,7 +275,6 @@ def setup(
         generation_node_ids=[locations[b].node_id for b in generation_bundles],
         policy_streams=policy.refit_streams(),
     )
-    started = create_task_envs(to_start, config.env)
     task_to_env = started if task_to_env is None else task_to_env
     val_task_to_env = task_to_env if val_task_to_env is None else val_task_to_env
     logger = Logger(config.logger)

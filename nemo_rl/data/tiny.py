@@ -19,13 +19,16 @@ import json
 import pathlib
 import random
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import PreTrainedTokenizerFast
 
 from nemo_rl.config.data import DataConfig
+
+if TYPE_CHECKING:
+    from transformers import Qwen2ForCausalLM
 
 PAD_TOKEN = "<|pad|>"
 BOS_TOKEN = "<|bos|>"
@@ -99,6 +102,10 @@ def build_tiny_model(
 
     The same ``seed`` gives the same weights; the global torch RNG is left untouched.
     """
+    # transformers' model code is imported here, not with the module: the data loaders import this module in
+    # the driver, which never builds a model.
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(tokenizer_path))
     config = Qwen2Config(
         vocab_size=len(tokenizer),

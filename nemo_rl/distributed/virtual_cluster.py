@@ -76,6 +76,10 @@ def init_ray(cluster_cfg: ClusterConfig | None = None) -> None:
         num_cpus=num_cpus,
         include_dashboard=False,
         _temp_dir=temp_dir,
+        # Ray prestarts one idle Python worker per logical CPU for the first driver. Every actor here gets a
+        # process of its own (its own runtime environment), so those idle workers are never used and only
+        # compete with the real workers' start-up for the cores.
+        _system_config={"prestart_worker_first_driver": False},
         runtime_env={"env_vars": {"PYTHONPATH": worker_pythonpath()}},
     )
 
@@ -152,12 +156,15 @@ class BundleLocation:
     """IP address of that node."""
 
 
-@ray.remote(num_cpus=0)
-def _find_free_port() -> int:
-    """A TCP port that is free on the node this task runs on."""
+def free_port() -> int:
+    """A TCP port that is free on this machine."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
         return int(sock.getsockname()[1])
+
+
+_find_free_port = ray.remote(num_cpus=0)(free_port)
+"""``free_port`` as a task, to run on another node."""
 
 
 def _fmt_resources(resources: Mapping[str, float], keys: Sequence[str]) -> str:
@@ -222,6 +229,9 @@ class RayVirtualCluster:
     def get_master_address_and_port(self, bundle_index: int = 0) -> tuple[str, int]:
         """IP of the node of bundle ``bundle_index`` and a TCP port found free on that node."""
         location = self._location(bundle_index)
+        if location.node_id == ray.get_runtime_context().get_node_id():
+            # The driver's own node: no task, whose worker process would take a second or more to start.
+            return location.node_ip, free_port()
         task = _find_free_port.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(location.node_id, soft=False)
         )

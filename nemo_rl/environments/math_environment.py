@@ -16,12 +16,6 @@ import torch
 from nemo_rl.config.env import MathEnvConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.environments.interfaces import EnvironmentInterface, EnvironmentReturn, Message
-from nemo_rl.environments.math_verifier import (
-    extract_last_boxed,
-    gold_answer,
-    quick_verdict,
-    score_math_response,
-)
 from nemo_rl.environments.metrics import (
     assistant_text,
     batch_rewards,
@@ -45,6 +39,10 @@ class MathEnvironment(EnvironmentInterface[MathMetadata]):
     """
 
     def __init__(self, cfg: MathEnvConfig | Mapping[str, Any]) -> None:
+        # math-verify (and sympy, seconds of CPU) is imported in the actor, not with this module: the driver
+        # imports the module to start the actor and never scores an answer.
+        from nemo_rl.environments.math_verifier import score_math_response
+
         self.cfg = cfg if isinstance(cfg, MathEnvConfig) else MathEnvConfig.model_validate(dict(cfg))
         self._pool = VerifierPool(
             score_math_response,
@@ -60,6 +58,8 @@ class MathEnvironment(EnvironmentInterface[MathMetadata]):
         self, message_log_batch: Sequence[Sequence[Message]], metadata: Sequence[MathMetadata]
     ) -> EnvironmentReturn[MathMetadata]:
         """Score the last assistant message of each conversation against its ``ground_truth``."""
+        from nemo_rl.environments.math_verifier import extract_last_boxed, gold_answer, quick_verdict
+
         if len(message_log_batch) != len(metadata):
             raise ValueError(f"{len(message_log_batch)} conversations but {len(metadata)} metadata entries")
         missing = [i for i, m in enumerate(metadata) if m is None or "ground_truth" not in m]

@@ -161,6 +161,17 @@ def create_env(
     return cast(ActorHandle[Any], handle)
 
 
+def wait_envs_started(envs: Iterable[ActorHandle[Any]], timeout_s: float) -> None:
+    """Wait until every environment actor has finished its constructor (at most ``timeout_s`` in all).
+
+    Start the environments before the workers and wait here after them: their starts overlap. A constructor
+    that raised re-raises here (as Ray's ``ActorDiedError`` naming the environment's error).
+    """
+    refs = [env.__ray_ready__.remote() for env in envs]
+    if refs:
+        ray.get(refs, timeout=timeout_s)
+
+
 def stop_envs(envs: Iterable[ActorHandle[Any]], timeout_s: float) -> None:
     """Call each environment actor's ``shutdown`` (waiting at most ``timeout_s``), then kill it. An actor that
     already died is only killed: the error that ended the run named it, and the others still get stopped."""

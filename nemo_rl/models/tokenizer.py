@@ -12,11 +12,12 @@ knows the hub checkpoints whose saved class is wrong.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import pathlib
+from typing import Any
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
-from transformers.models.auto.tokenization_auto import get_tokenizer_config
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.policy import PolicyConfig, TokenizerConfig
@@ -135,11 +136,28 @@ def resolve_chat_template(chat_template: str) -> str:
 
 
 def _load(name: str, *, trust_remote_code: bool) -> PreTrainedTokenizerBase:
-    tokenizer_config = get_tokenizer_config(name)
+    # transformers' auto classes import its model-parallel and torch.compile stacks (seconds of CPU), so
+    # they are imported only when needed: a local plain tokenizers backend loads without them.
+    tokenizer_config = _local_tokenizer_config(name)
+    if tokenizer_config is None:
+        from transformers.models.auto.tokenization_auto import get_tokenizer_config
+
+        tokenizer_config = get_tokenizer_config(name)
     saved_class = tokenizer_config.get("tokenizer_class")
     # Remote code decides its own class; only a plain tokenizers backend is loaded around AutoTokenizer.
     if saved_class in _GENERIC_FAST_CLASSES and "auto_map" not in tokenizer_config:
         tokenizer: PreTrainedTokenizerBase = PreTrainedTokenizerFast.from_pretrained(name)
         return tokenizer
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
     return tokenizer
+
+
+def _local_tokenizer_config(name: str) -> dict[str, Any] | None:
+    """``tokenizer_config.json`` of a local folder (``None`` when ``name`` is no folder with one)."""
+    path = pathlib.Path(name).expanduser() / "tokenizer_config.json"
+    if not path.is_file():
+        return None
+    config: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    return config

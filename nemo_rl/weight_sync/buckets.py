@@ -15,12 +15,12 @@ Both transports share this module: :func:`pack_buckets` on the sender, :class:`B
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from nemo_rl.weight_sync.errors import RefitError, RefitIntegrityError
 from nemo_rl.weight_sync.interfaces import LoadFn, NamedTensors, ShardFn, TransferStats
@@ -171,7 +171,10 @@ def decode_message(data: bytes) -> Message:
 
 def gather_full(tensor: torch.Tensor) -> torch.Tensor:
     """The full tensor behind a possibly sharded one (a collective for DTensors: call it on every rank)."""
-    if isinstance(tensor, DTensor):
+    # Only a process that imported torch.distributed.tensor can hold a DTensor; looking the module up instead
+    # of importing it spares the generation workers, which import this module, seconds of start-up CPU.
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(tensor, dtensor.DTensor):
         return tensor.full_tensor()
     return tensor
 

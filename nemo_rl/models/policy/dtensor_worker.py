@@ -29,20 +29,11 @@ import math
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from nemo_rl.config.policy import PolicyConfig, TokenizerConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
@@ -76,7 +67,13 @@ from nemo_rl.utils.rng import get_rng_state, set_rng_state
 from nemo_rl.weight_sync.interfaces import TransferStats, WeightSender
 from nemo_rl.weight_sync.manifest import dtype_name
 
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+
 logger = logging.getLogger(__name__)
+
+# DTensor and torch.distributed.checkpoint are imported in the methods that use them: the driver imports
+# this module to start the workers, and importing them costs it seconds of CPU for nothing.
 
 SCHEDULER_STATE_FILE = "scheduler.pt"
 RNG_STATE_FILE = "rng_rank{rank}.pt"
@@ -85,6 +82,8 @@ RNG_STATE_FILE = "rng_rank{rank}.pt"
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's piece of a (possibly DTensor) tensor, sharing its storage."""
+    from torch.distributed.tensor import DTensor
+
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
@@ -174,6 +173,8 @@ class DTensorPolicyWorker:
         hf_config: Any = self.model.config
         ids_BT = torch.where(valid_BT, ids_BT, int(hf_config.pad_token_id))
         scores = self.model(input_ids=ids_BT, use_cache=False).logits
+        from torch.distributed.tensor import DTensor
+
         if isinstance(scores, DTensor):
             scores = scores.full_tensor()
         return scores.float().reshape(ids_BT.shape[0])
@@ -201,6 +202,8 @@ class DTensorPolicyWorker:
         else:
             output = self.model(input_ids=mb["input_ids"], use_cache=False)
         logits_BTV = output.logits
+        from torch.distributed.tensor import DTensor
+
         if isinstance(logits_BTV, DTensor):  # a custom TP plan may leave the LM head's output sharded
             logits_BTV = logits_BTV.full_tensor()
         if packing:
@@ -393,6 +396,9 @@ class DTensorPolicyWorker:
 
         ``optimizer_path`` also saves the optimizer state (sharded) and the scheduler state (rank 0).
         """
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
         reshard_all(self.model)
         dcp.save(get_model_state_dict(self.model), checkpoint_id=weights_path)
         if optimizer_path is not None:
@@ -405,6 +411,14 @@ class DTensorPolicyWorker:
 
     def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
         """Load what :meth:`save_checkpoint` wrote (optimizer and scheduler only with ``optimizer_path``)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
         reshard_all(self.model)
         model_state = get_model_state_dict(self.model)
         dcp.load(model_state, checkpoint_id=weights_path)
@@ -448,6 +462,8 @@ class DTensorPolicyWorker:
         holds the full tensor. Tied weights appear once (under the input embedding's name); persistent
         buffers follow the parameters.
         """
+        from torch.distributed.tensor import DTensor
+
         reshard_all(self.model)
         names = [name for name, _ in self.model.named_parameters()]
         owners = fsdp_units_of_parameters(self.model) if self._refit_unshards(dtype) else {}

@@ -22,13 +22,7 @@ import torch
 import torch.distributed as dist
 from huggingface_hub import save_torch_state_dict
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    set_model_state_dict,
-)
 from torch.distributed.device_mesh import DeviceMesh
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from nemo_rl.config.policy import PolicyConfig, TokenizerConfig
 from nemo_rl.models import hf_config as hf_config_io
@@ -66,6 +60,10 @@ def _sync_non_persistent_buffers(model: nn.Module, source: nn.Module | None) -> 
 
 def model_auto_class(cfg: PolicyConfig) -> Any:
     """``AutoModelForSequenceClassification`` for a reward model, ``AutoModelForCausalLM`` otherwise."""
+    # transformers' auto model classes (and torch.distributed.checkpoint below) are imported where they are
+    # used: importing them costs seconds of CPU, and the driver imports this module without loading models.
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
     return AutoModelForSequenceClassification if cfg.reward_model_cfg.enabled else AutoModelForCausalLM
 
 
@@ -145,6 +143,8 @@ def load_sharded_model(cfg: PolicyConfig, mesh: DeviceMesh, device: torch.device
             for name, buffer in module._buffers.items():
                 if buffer is not None:
                     module._buffers[name] = buffer.to(device)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
     full_state = full_model.state_dict() if full_model is not None else {}
     set_model_state_dict(
         model,
@@ -177,6 +177,8 @@ def export_hf_checkpoint(
     with the model's config and generation config, and the tokenizer ``tokenizer_cfg`` names (with its chat
     template override) if given.
     """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
         keep = _hf_weight_names(model)

@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import math
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
 from torch.optim.lr_scheduler import ConstantLR, LRScheduler, SequentialLR
 
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.policy import OptimizerConfig, PolicyConfig, SchedulerEntry, SchedulerMilestones
 from nemo_rl.models.policy.parallelize import import_by_path
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 def frozen_names(names: Sequence[str], patterns: Sequence[str]) -> set[str]:
@@ -99,20 +102,41 @@ def check_optimizer_config(cfg: PolicyConfig) -> None:
     if cfg.megatron_cfg.enabled or cfg.optimizer is None:
         return
     dummy = torch.nn.Parameter(torch.zeros(1))
+    with _without_dynamo_guard():
+        try:
+            optimizer = build_optimizer([dummy], cfg.optimizer)
+        except (TypeError, ValueError, ImportError, AttributeError) as err:
+            raise UserError(
+                f"policy.optimizer ({cfg.optimizer.name} with kwargs {cfg.optimizer.kwargs}) cannot be built: "
+                f"{err}"
+            ) from None
+        try:
+            build_scheduler(optimizer, cfg.scheduler)
+        except (TypeError, ValueError, ImportError, AttributeError, KeyError) as err:
+            raise UserError(f"policy.scheduler cannot be built: {err}") from None
+
+
+@contextlib.contextmanager
+def _without_dynamo_guard() -> Iterator[None]:
+    """Build the check's throw-away optimizer without importing torch._dynamo.
+
+    ``Optimizer.add_param_group`` is wrapped to keep torch.compile out of it, and the wrapper imports
+    torch._dynamo on its first call: seconds of CPU in the driver, which never compiles or steps an optimizer.
+    The check calls the undecorated method; the workers' optimizers keep the wrapper.
+    """
+    decorated = torch.optim.Optimizer.add_param_group
+    undecorated = getattr(decorated, "__wrapped__", decorated)
+    torch.optim.Optimizer.add_param_group = undecorated  # type: ignore[method-assign]
     try:
-        optimizer = build_optimizer([dummy], cfg.optimizer)
-    except (TypeError, ValueError, ImportError, AttributeError) as err:
-        raise UserError(
-            f"policy.optimizer ({cfg.optimizer.name} with kwargs {cfg.optimizer.kwargs}) cannot be built: {err}"
-        ) from None
-    try:
-        build_scheduler(optimizer, cfg.scheduler)
-    except (TypeError, ValueError, ImportError, AttributeError, KeyError) as err:
-        raise UserError(f"policy.scheduler cannot be built: {err}") from None
+        yield
+    finally:
+        torch.optim.Optimizer.add_param_group = decorated  # type: ignore[method-assign]
 
 
 def _shard_mesh_dims(tensor: DTensor) -> list[int]:
     """Mesh dims along which ``tensor`` is split (its local pieces must be summed over them)."""
+    from torch.distributed.tensor import Shard
+
     return [i for i, p in enumerate(tensor.placements) if isinstance(p, Shard)]
 
 
@@ -124,6 +148,9 @@ def total_grad_norm(params: Iterable[torch.nn.Parameter]) -> float:
     local pieces, grouped by (mesh, sharded mesh dims), and all-reduces each group over exactly the mesh
     dims it is sharded on; replicated dims are not summed, so nothing is counted twice.
     """
+    # Imported here, not with the module: the driver imports this module and never holds a DTensor.
+    from torch.distributed.tensor import DTensor
+
     groups: dict[tuple[Any, tuple[int, ...]], torch.Tensor] = {}
     plain_sq: torch.Tensor | None = None
     for p in params:

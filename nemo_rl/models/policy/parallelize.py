@@ -18,21 +18,19 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+# FSDP2 and DTensor (torch.distributed.fsdp / .tensor) are imported inside the functions that use them: they
+# cost seconds of CPU to import, and the driver imports this module (through the policy worker's) without
+# ever sharding a model.
 
 # Model families whose decoder layers use the Llama module names (self_attn.{q,k,v,o}_proj,
 # mlp.{gate,up,down}_proj, input_layernorm / post_attention_layernorm, model.norm, lm_head).
@@ -51,6 +49,9 @@ def _head_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelS
     The LM head is sharded over the vocabulary and its logits all-gathered. A reward head has one output,
     which cannot be split, so it is split over its input (the hidden size) and the partial scores are summed.
     """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
     head_input = Shard(1) if sequence_parallel else Replicate()
     if isinstance(getattr(model, REWARD_HEAD, None), nn.Linear):
         return {
@@ -67,6 +68,14 @@ def _head_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelS
 
 def _llama_like_plan(model_type: str, sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """The TP (and optionally SP) plan of a Llama-like model's body, keyed by module path pattern."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
     layer = "model.layers.*"
     plan: dict[str, ParallelStyle] = {
         f"{layer}.self_attn.q_proj": ColwiseParallel(),
@@ -168,6 +177,8 @@ def apply_tensor_parallel(
                 f"{sorted(LLAMA_LIKE_MODEL_TYPES)}); set policy.dtensor_cfg.custom_parallel_plan to the import "
                 "path of a function (model, tp_mesh, sequence_parallel) -> None, or use tensor_parallel_size=1"
             )
+        from torch.distributed.tensor.parallel import parallelize_module
+
         plan = _llama_like_plan(model_type, sequence_parallel) | _head_plan(model, sequence_parallel)
         parallelize_module(model, tp_mesh, plan)
     output_embeddings = model.get_output_embeddings()  # type: ignore[operator]
@@ -201,6 +212,8 @@ def apply_fsdp(
     *global* token/sequence counts (each rank returns its share of the global loss), so the step's gradient
     is the SUM of the ranks' gradients; the reduction is set to a plain sum with no division.
     """
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     offload_policy = CPUOffloadPolicy() if cpu_offload else None
     kwargs: dict[str, Any] = {"mesh": dp_mesh, "mp_policy": mp_policy}
@@ -219,6 +232,8 @@ def apply_fsdp(
 
 def reshard_all(model: nn.Module) -> None:
     """Return every FSDP unit to its sharded state (the root stays unsharded after a forward otherwise)."""
+    from torch.distributed.fsdp import FSDPModule
+
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
@@ -226,6 +241,8 @@ def reshard_all(model: nn.Module) -> None:
 
 def fsdp_units_of_parameters(model: nn.Module) -> dict[str, FSDPModule]:
     """The FSDP unit (the innermost ``fully_shard``-ed module) that holds each parameter, by parameter name."""
+    from torch.distributed.fsdp import FSDPModule
+
     owners: dict[str, FSDPModule] = {}
     # Parents come before their children, so an inner unit overrides the root for its own parameters.
     for module_name, module in model.named_modules():
