@@ -135,7 +135,15 @@ def load_sharded_model(cfg: PolicyConfig, mesh: DeviceMesh, device: torch.device
         # Non-reentrant checkpointing composes with FSDP2's per-layer all-gathers.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     apply_tensor_parallel(model, mesh["tp"], dtensor_cfg.sequence_parallel, dtensor_cfg.custom_parallel_plan)
-    apply_fsdp(model, mesh["dp"], PRECISION_DTYPES[cfg.precision], dtensor_cfg.cpu_offload)
+    # On CPU the "device" is host memory, which holds the full model: gather each layer once per pass (see
+    # apply_fsdp), since on CPU every collective costs compute time the ranks share with the gloo threads.
+    apply_fsdp(
+        model,
+        mesh["dp"],
+        PRECISION_DTYPES[cfg.precision],
+        dtensor_cfg.cpu_offload,
+        reshard_after_forward=device.type != "cpu",
+    )
     # With CPU offload FSDP keeps the sharded parameters on the host; only buffers go to the device.
     model.to_empty(device="cpu" if dtensor_cfg.cpu_offload else device)
     if dtensor_cfg.cpu_offload:

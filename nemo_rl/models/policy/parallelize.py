@@ -201,7 +201,11 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def apply_fsdp(
-    model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype, cpu_offload: bool
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    param_dtype: torch.dtype,
+    cpu_offload: bool,
+    reshard_after_forward: bool = True,
 ) -> FSDPModule:
     """Wrap every decoder layer, then the root, with FSDP2 over ``dp_mesh``; returns the root.
 
@@ -211,6 +215,9 @@ def apply_fsdp(
     FSDP averages gradients over the dp ranks by default. Our losses are already normalised by the
     *global* token/sequence counts (each rank returns its share of the global loss), so the step's gradient
     is the SUM of the ranks' gradients; the reduction is set to a plain sum with no division.
+
+    ``reshard_after_forward=False`` keeps each layer's gathered parameters from its forward to its backward
+    (one all-gather per layer instead of two), for devices whose memory holds the full model.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -220,7 +227,7 @@ def apply_fsdp(
     if offload_policy is not None:
         kwargs["offload_policy"] = offload_policy
     for layer in decoder_layers(model):
-        fully_shard(layer, reshard_after_forward=True, **kwargs)
+        fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
     root = fully_shard(model, **kwargs)
     for module in model.modules():
         if isinstance(module, FSDPModule):
