@@ -5,13 +5,20 @@ token per step for every unfinished sequence. Rows whose sequences finished keep
 quarter of the rows are finished, then the cache and the step state are compacted so finished sequences
 stop costing compute (compacting at every finish would copy the cache more often than it saves).
 
+A decode step is a fixed, short list of tensor ops: at batch 64 on a ~1M-parameter model the Python and
+dispatcher cost of each op is a sizeable share of the step. So the prompts are left-aligned in the KV cache
+(every row writes each step's keys into the same slot, see :class:`~.model.KVCache`), sampled tokens go into
+a per-row buffer by plain column copies, a row's results are copied out once when it finishes, and the
+checks for finished rows run only when they can fire (stop tokens or strings configured, or a step where some
+row's budget runs out).
+
 Log-probabilities follow the contract of :mod:`nemo_rl.models.generation.interfaces`: each sampled token's
 log-prob under the distribution it was drawn from, ``log_softmax(filter_top_k_top_p(logits / temperature))``
 (renormalised over the tokens top-k and top-p keep, as vLLM's ``processed_logprobs``). Without top-k/top-p
 that is ``log_softmax(logits / temperature)``, what a policy scoring at the same temperature computes. In
 greedy mode the temperature plays no role and the log-probs are those of the raw model (``log_softmax(logits)``).
 
-Tensor legend: B = sequences, T = tokens, V = vocabulary.
+Tensor legend: B = sequences (or cache rows), T = tokens, V = vocabulary.
 """
 
 from __future__ import annotations
@@ -93,6 +100,53 @@ class EngineOutput:
     """``[B]`` long, prompt length + generation length."""
     truncated: torch.Tensor
     """``[B]`` bool, the sequence ran out of budget (max_new_tokens or max sequence length) without a stop."""
+
+
+@dataclass
+class _Generated:
+    """What the decode loop produces, indexed by sequence (the row of the input)."""
+
+    tokens_BT: torch.Tensor
+    """``[B, max budget]`` long, generated tokens; pad past each length."""
+    logprobs_BT: torch.Tensor
+    """``[B, max budget]`` float32, their log-probs."""
+    lengths_B: torch.Tensor
+    """``[B]`` long, tokens generated."""
+    truncated_B: torch.Tensor
+    """``[B]`` bool, ran out of budget without a stop."""
+
+
+@dataclass
+class _Rows:
+    """Step state of the rows in the batch, one entry per cache row; compaction selects them together."""
+
+    orig_B: torch.Tensor
+    """Sequence each cache row holds."""
+    positions_B: torch.Tensor
+    """Position of the token the next decode step feeds (the one sampled at this step)."""
+    budget_B: torch.Tensor
+    """Most tokens each row may generate."""
+    alive_B: torch.Tensor
+    """Rows still generating (finished rows stay until the next compaction)."""
+    tokens_BT: torch.Tensor
+    """``[B, max budget]`` tokens sampled so far, by step."""
+    logprobs_BT: torch.Tensor
+    """``[B, max budget]`` their log-probs."""
+    stops: list[tuple[str, ...]]
+    """Stop strings of each row."""
+
+    def select(self, keep_B: torch.Tensor) -> _Rows:
+        """The rows ``keep_B`` (ascending), in that order."""
+        keep = keep_B.tolist()
+        return _Rows(
+            orig_B=self.orig_B[keep_B],
+            positions_B=self.positions_B[keep_B],
+            budget_B=self.budget_B[keep_B],
+            alive_B=self.alive_B[keep_B],
+            tokens_BT=self.tokens_BT[keep_B],
+            logprobs_BT=self.logprobs_BT[keep_B],
+            stops=[self.stops[i] for i in keep],
+        )
 
 
 def sample_tokens(
@@ -208,19 +262,17 @@ class EmbeddedEngine:
         row_stops = self._row_stop_strings(params, stop_strings, num_seqs)
 
         max_budget = int(budget_B.max()) if num_seqs else 0
-        # One spare column at the end collects writes from finished rows that are still in the batch.
-        gen_tokens = torch.full((num_seqs, max_budget + 1), pad, dtype=torch.long, device=device)
-        gen_logprobs = torch.zeros((num_seqs, max_budget + 1), dtype=torch.float32, device=device)
-        gen_lengths_B = torch.zeros(num_seqs, dtype=torch.long, device=device)
-        truncated_B = budget_B == 0
+        generated = _Generated(
+            tokens_BT=torch.full((num_seqs, max_budget), pad, dtype=torch.long, device=device),
+            logprobs_BT=torch.zeros((num_seqs, max_budget), dtype=torch.float32, device=device),
+            lengths_B=torch.zeros(num_seqs, dtype=torch.long, device=device),
+            truncated_B=budget_B == 0,
+        )
         if max_budget > 0:
             self._decode_loop(
-                input_ids_BT.to(device), lengths_B, budget_B, params, greedy, seed, row_stops,
-                gen_tokens, gen_logprobs, gen_lengths_B, truncated_B,
-            )  # fmt: skip
-        return self._assemble(
-            input_ids_BT.to(device), lengths_B, gen_tokens, gen_logprobs, gen_lengths_B, truncated_B
-        )
+                input_ids_BT.to(device), lengths_B, budget_B, params, greedy, seed, row_stops, generated
+            )
+        return self._assemble(input_ids_BT.to(device), lengths_B, generated)
 
     def _row_stop_strings(
         self, params: SamplingParams, stop_strings: Sequence[Sequence[str] | None] | None, num_seqs: int
@@ -248,110 +300,119 @@ class EmbeddedEngine:
         greedy: bool,
         seed: int,
         row_stops: list[tuple[str, ...]],
-        gen_tokens: torch.Tensor,
-        gen_logprobs: torch.Tensor,
-        gen_lengths_B: torch.Tensor,
-        truncated_B: torch.Tensor,
+        generated: _Generated,
     ) -> None:
-        """Prefill, then sample step by step into ``gen_*`` (indexed by original row) until every row stops."""
+        """Prefill, then sample step by step into ``generated`` (indexed by sequence) until every row stops."""
         model, device = self.model, self.model.device
         num_seqs = input_ids_BT.shape[0]
-        trash_col = gen_tokens.shape[1] - 1
         max_prompt = int(lengths_B.max())
-        num_positions = int((lengths_B + budget_B).max())
-        cache = self._cache_for(num_seqs, max(num_positions, max_prompt))
-        # Finished rows still in the batch keep advancing up to the cache's last position.
-        model.ensure_positions(cache.num_positions)
+        max_budget = generated.tokens_BT.shape[1]
+        # Every prompt ends in slot max_prompt - 1 and step t's token is stored in slot max_prompt + t.
+        cache = self._cache_for(num_seqs, max_prompt + max_budget)
+        model.ensure_positions(max_prompt + max_budget)
         generator = None
         if not greedy:
             generator = torch.Generator(device=device)
             generator.manual_seed(seed)
-        stop_ids = torch.tensor(sorted(params.stop_token_ids), dtype=torch.long, device=device)
+        stop_ids = (
+            torch.tensor(sorted(params.stop_token_ids), dtype=torch.long, device=device)
+            if params.stop_token_ids
+            else None
+        )
         any_stop_strings = any(row_stops)
         max_stop_chars = max((len(s) for row in row_stops for s in row), default=0)
+        # Steps after which some row has used its whole budget: the only steps that need a budget check.
+        budget_ends = set(budget_B.tolist())
+        rows = _Rows(
+            orig_B=torch.arange(num_seqs, device=device),
+            positions_B=lengths_B.clone(),
+            budget_B=budget_B,
+            alive_B=budget_B > 0,
+            tokens_BT=torch.empty((num_seqs, max_budget), dtype=torch.long, device=device),
+            logprobs_BT=torch.empty((num_seqs, max_budget), dtype=torch.float32, device=device),
+            stops=list(row_stops),
+        )
+        num_alive = int(rows.alive_B.sum())
 
         logits_BV = model.prefill(input_ids_BT[:, :max_prompt], lengths_B, cache)
-        # Step state, one entry per cache row; `orig` maps a cache row to its sequence.
-        orig_B = torch.arange(num_seqs, device=device)
-        alive_B = budget_B > 0
-        positions_B = lengths_B.clone()  # where the token sampled at this step will sit
-        row_budget_B = budget_B.clone()
-        stops_of_row = list(row_stops)
-        max_position = max_prompt  # >= every row's position
-        step = 0
-        while True:
+        for step in range(max_budget):
             tokens_B, logprobs_B = sample_tokens(logits_BV, params, greedy=greedy, generator=generator)
-            col_B = torch.where(alive_B, step, trash_col)
-            gen_tokens[orig_B, col_B] = tokens_B
-            gen_logprobs[orig_B, col_B] = logprobs_B
-            stopped_B = alive_B & torch.isin(tokens_B, stop_ids)
+            # Every row writes its column; those of finished rows are never copied out.
+            rows.tokens_BT[:, step] = tokens_B
+            rows.logprobs_BT[:, step] = logprobs_B
+            stopped_B = None if stop_ids is None else torch.isin(tokens_B, stop_ids)
             if any_stop_strings:
-                stopped_B |= self._stop_string_hits(
-                    alive_B, orig_B, stops_of_row, gen_tokens, step, max_stop_chars
-                )
-            exhausted_B = alive_B & ~stopped_B & (row_budget_B <= step + 1)
-            finished_B = stopped_B | exhausted_B
-            gen_lengths_B[orig_B[finished_B]] = step + 1
-            truncated_B[orig_B[exhausted_B]] = True
-            alive_B = alive_B & ~finished_B
-            num_alive = int(alive_B.sum())
+                hits_B = self._stop_string_hits(rows, step, max_stop_chars)
+                stopped_B = hits_B if stopped_B is None else stopped_B | hits_B
+            exhausted_B = rows.budget_B == step + 1 if step + 1 in budget_ends else None
+            if stopped_B is not None or exhausted_B is not None:
+                num_alive -= self._finish_rows(rows, generated, step, stopped_B, exhausted_B)
             if num_alive == 0:
                 break
-            num_rows = alive_B.shape[0]
+            num_rows = rows.alive_B.shape[0]
+            num_slots = max_prompt + step + 1
             if num_rows - num_alive >= max(1, int(num_rows * _COMPACT_FRACTION)):
-                keep = alive_B.nonzero().squeeze(1)
-                cache.compact(keep, max_position + 1)
-                orig_B, positions_B, row_budget_B, tokens_B = (
-                    orig_B[keep],
-                    positions_B[keep],
-                    row_budget_B[keep],
-                    tokens_B[keep],
-                )
-                stops_of_row = [stops_of_row[i] for i in keep.tolist()]
-                alive_B = torch.ones(num_alive, dtype=torch.bool, device=device)
-                max_position = int(positions_B.max())
-            logits_BV = model.decode(tokens_B, positions_B, cache, max_position + 1)
-            # Finished rows still in the batch advance too; clamping keeps them inside the cache.
-            positions_B = (positions_B + 1).clamp_(max=cache.num_positions - 1)
-            max_position = min(max_position + 1, cache.num_positions - 1)
-            step += 1
+                keep = rows.alive_B.nonzero().squeeze(1)
+                cache.compact(keep, num_slots)
+                rows = rows.select(keep)
+                tokens_B = tokens_B[keep]
+            logits_BV = model.decode(tokens_B, rows.positions_B, cache, num_slots)
+            # Finished rows still in the batch advance too (their slot is shared); positions stay below slots.
+            rows.positions_B += 1
 
-    def _stop_string_hits(
-        self,
-        alive_B: torch.Tensor,
-        orig_B: torch.Tensor,
-        stops_of_row: list[tuple[str, ...]],
-        gen_tokens: torch.Tensor,
+    @staticmethod
+    def _finish_rows(
+        rows: _Rows,
+        generated: _Generated,
         step: int,
-        max_stop_chars: int,
-    ) -> torch.Tensor:
+        stopped_B: torch.Tensor | None,
+        exhausted_B: torch.Tensor | None,
+    ) -> int:
+        """Retire the live rows that stopped or used their budget at ``step``: copy their tokens and
+        log-probs out, record length and truncation; return how many finished."""
+        if stopped_B is None:
+            assert exhausted_B is not None
+            finished_B = exhausted_B & rows.alive_B
+        elif exhausted_B is None:
+            finished_B = stopped_B & rows.alive_B
+        else:
+            finished_B = (stopped_B | exhausted_B) & rows.alive_B
+        if not bool(finished_B.any()):
+            return 0
+        idx = finished_B.nonzero().squeeze(1)
+        seqs = rows.orig_B[idx]
+        generated.tokens_BT[seqs] = rows.tokens_BT[idx]
+        generated.logprobs_BT[seqs] = rows.logprobs_BT[idx]
+        generated.lengths_B[seqs] = step + 1
+        if exhausted_B is not None:
+            truncated = exhausted_B[idx] if stopped_B is None else exhausted_B[idx] & ~stopped_B[idx]
+            generated.truncated_B[seqs] = truncated
+        rows.alive_B[idx] = False
+        return idx.numel()
+
+    def _stop_string_hits(self, rows: _Rows, step: int, max_stop_chars: int) -> torch.Tensor:
         """Rows whose generated text now contains one of their stop strings (ending in the newest token)."""
         assert self.decode_fn is not None
-        hits = torch.zeros_like(alive_B)
+        hits = torch.zeros_like(rows.alive_B)
         start = max(0, step + 1 - max_stop_chars - _STOP_STRING_SLACK_TOKENS)
-        alive = alive_B.tolist()
-        rows = [r for r, stops in enumerate(stops_of_row) if stops and alive[r]]
-        if not rows:
+        alive = rows.alive_B.tolist()
+        live = [r for r, stops in enumerate(rows.stops) if stops and alive[r]]
+        if not live:
             return hits
-        tails = gen_tokens[orig_B[rows], start : step + 1].tolist()
-        for r, tail in zip(rows, tails, strict=True):
+        tails = rows.tokens_BT[live, start : step + 1].tolist()
+        for r, tail in zip(live, tails, strict=True):
             text = self.decode_fn(tail)
-            if any(s in text for s in stops_of_row[r]):
+            if any(s in text for s in rows.stops[r]):
                 hits[r] = True
         return hits
 
     def _assemble(
-        self,
-        input_ids_BT: torch.Tensor,
-        lengths_B: torch.Tensor,
-        gen_tokens: torch.Tensor,
-        gen_logprobs: torch.Tensor,
-        gen_lengths_B: torch.Tensor,
-        truncated_B: torch.Tensor,
+        self, input_ids_BT: torch.Tensor, lengths_B: torch.Tensor, generated: _Generated
     ) -> EngineOutput:
         """Lay prompt and response side by side per row (response right after the prompt's last token)."""
         num_seqs, input_width = input_ids_BT.shape
         device = input_ids_BT.device
+        gen_lengths_B = generated.lengths_B
         max_gen = int(gen_lengths_B.max()) if num_seqs else 0
         width = input_width + max_gen
         in_prompt = torch.arange(input_width, device=device)[None, :] < lengths_B[:, None]
@@ -360,8 +421,9 @@ class EmbeddedEngine:
         logprobs = torch.zeros((num_seqs, width + 1), dtype=torch.float32, device=device)
         offsets = torch.arange(max_gen, device=device)[None, :]
         cols = torch.where(offsets < gen_lengths_B[:, None], lengths_B[:, None] + offsets, width)
-        output_ids.scatter_(1, cols, gen_tokens[:, :max_gen])
-        logprobs.scatter_(1, cols, gen_logprobs[:, :max_gen])
+        output_ids.scatter_(1, cols, generated.tokens_BT[:, :max_gen])
+        logprobs.scatter_(1, cols, generated.logprobs_BT[:, :max_gen])
+        truncated_B = generated.truncated_B
         return EngineOutput(
             output_ids=output_ids[:, :width].cpu(),
             logprobs=logprobs[:, :width].cpu(),

@@ -54,6 +54,15 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * x32.to(x.dtype)
 
 
+def _residual_linear(
+    x_BH: torch.Tensor, input_BI: torch.Tensor, weight_HI: torch.Tensor, bias_H: torch.Tensor | None
+) -> torch.Tensor:
+    """``x + linear(input, weight, bias)``; without a bias one ``addmm``, the residual added inside the matmul."""
+    if bias_H is None:
+        return torch.addmm(x_BH, input_BI, weight_HI.t())
+    return x_BH + F.linear(input_BI, weight_HI, bias_H)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding in the half-split layout, with full-width tables ``cos = [c, c]``, ``sin = [-s, s]``.
 
@@ -63,18 +72,32 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class KVCache:
-    """Preallocated keys and values, ``[L, 2, B, K, T, D]``; row ``b`` holds sequence ``b``'s tokens by position."""
+    """Preallocated keys and values, ``[L, 2, B, K, S, D]``, one row per sequence, rows *left-aligned*.
+
+    Row ``b`` keeps position ``p`` in slot ``start_B[b] + p``, where :meth:`DecoderLM.prefill` chooses the starts
+    so that every prompt ends in the same slot. From then on all rows advance in lockstep: each decode step
+    writes every row's new keys and values into one slot (a plain strided copy, no per-row scatter) and
+    attends over the slots written so far, slots before a row's start masked out by ``mask_BK1S``, which is
+    built once per prefill instead of once per step.
+    """
 
     def __init__(
         self, arch: DecoderArch, num_rows: int, num_positions: int, dtype: torch.dtype, device: torch.device
     ):
-        # Zeros, not empty: masked positions are still read, and garbage NaN/inf there would poison the
-        # attention output (0 * NaN = NaN) even with a zero attention weight.
+        # Zeros, not empty: masked slots are still read, and garbage NaN/inf there would poison the attention
+        # output (0 * NaN = NaN) even with a zero attention weight.
         self.data = torch.zeros(
             (arch.num_layers, 2, num_rows, arch.num_kv_heads, num_positions, arch.head_dim),
             dtype=dtype,
             device=device,
         )
+        self.start_B = torch.zeros(num_rows, dtype=torch.long, device=device)
+        """Slot of each row's position 0."""
+        self.mask_BK1S = torch.zeros((num_rows, arch.num_kv_heads, 1, num_positions), dtype=dtype, device=device)
+        """Additive attention mask per row and key/value head: ``-inf`` at the slots before the row's start."""
+        # Per-layer views, taken once rather than at every step.
+        self.keys = [self.data[layer, 0] for layer in range(arch.num_layers)]
+        self.values = [self.data[layer, 1] for layer in range(arch.num_layers)]
 
     @property
     def num_rows(self) -> int:
@@ -83,14 +106,23 @@ class KVCache:
 
     @property
     def num_positions(self) -> int:
-        """Positions (tokens) per row the cache can hold."""
+        """Slots (tokens) per row the cache can hold."""
         return self.data.shape[4]
 
-    def compact(self, keep_rows: torch.Tensor, num_positions: int) -> None:
-        """Move rows ``keep_rows`` (ascending) to the front, keeping their first ``num_positions`` positions."""
+    def set_starts(self, start_B: torch.Tensor) -> None:
+        """Left-align rows ``0..B-1``: row ``b``'s position 0 goes to slot ``start_B[b]``."""
+        num_rows = start_B.shape[0]
+        self.start_B[:num_rows] = start_B
+        slots_S = torch.arange(self.num_positions, device=start_B.device)
+        before_BS = slots_S[None, :] < start_B[:, None]
+        self.mask_BK1S[:num_rows] = torch.where(before_BS, float("-inf"), 0.0)[:, None, None, :]
+
+    def compact(self, keep_rows: torch.Tensor, num_slots: int) -> None:
+        """Move rows ``keep_rows`` (ascending) to the front, keeping their first ``num_slots`` slots."""
         n = keep_rows.numel()
-        kept = self.data[:, :, keep_rows, :, :num_positions]
-        self.data[:, :, :n, :, :num_positions] = kept
+        self.data[:, :, :n, :, :num_slots] = self.data[:, :, keep_rows, :, :num_slots]
+        self.start_B[:n] = self.start_B[keep_rows]
+        self.mask_BK1S[:n] = self.mask_BK1S[keep_rows]
 
 
 class DecoderLM:
@@ -290,14 +322,15 @@ class DecoderLM:
     # Forward passes.
 
     def _build_rope_table(self, num_positions: int) -> None:
-        """Tables ``[P, D]`` for positions ``0..P-1``: ``[cos, cos]`` and ``[-sin, sin]`` (see :func:`_rotate`),
-        computed in fp32 as Hugging Face does, then cast."""
+        """Tables ``[P, 1, D]`` for positions ``0..P-1``: ``[cos, cos]`` and ``[-sin, sin]`` (see :func:`_rotate`),
+        computed in fp32 as Hugging Face does, then cast. The unit dim broadcasts over heads, so indexing by
+        positions gives the ``[B, 1, D]`` a decode step needs in one op."""
         inv_freq, scaling = self.arch.rope_inv_freq()
         inv_freq = inv_freq.to(self.device)
         freqs = torch.arange(num_positions, device=self.device).float()[:, None] * inv_freq[None, :]
         cos, sin = (freqs.cos() * scaling).to(self.dtype), (freqs.sin() * scaling).to(self.dtype)
-        self._rope_cos = torch.cat((cos, cos), dim=-1)
-        self._rope_sin = torch.cat((-sin, sin), dim=-1)
+        self._rope_cos = torch.cat((cos, cos), dim=-1)[:, None, :]
+        self._rope_sin = torch.cat((-sin, sin), dim=-1)[:, None, :]
 
     def ensure_positions(self, num_positions: int) -> None:
         """Make the rotary table cover positions ``0..num_positions-1``."""
@@ -325,20 +358,29 @@ class DecoderLM:
         return F.linear(F.silu(gate_up[..., :i]) * gate_up[..., i:], w["down_w"], w["down_b"])  # type: ignore[arg-type]
 
     def _trunk(self, input_ids_BT: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
-        """Causal forward over whole rows starting at position 0; fills ``cache`` rows ``0..B-1`` if given."""
+        """Causal forward over whole right-padded rows starting at position 0.
+
+        With a ``cache``, rows ``0..B-1`` are left-aligned there so that every prompt ends in slot ``T - 1``
+        (see :class:`KVCache`); the caller passes each row's start in the cache, already set.
+        """
         a = self.arch
         num_rows, num_tokens = input_ids_BT.shape
         self.ensure_positions(num_tokens)
-        cos = self._rope_cos[:num_tokens, None, :]  # [T, 1, D] broadcasting over heads
-        sin = self._rope_sin[:num_tokens, None, :]
+        cos = self._rope_cos[:num_tokens]  # [T, 1, D] broadcasting over heads
+        sin = self._rope_sin[:num_tokens]
+        if cache is not None:
+            # Slot s of row b holds its position s - start (clamped: slots before the start are masked anyway).
+            slots_T = torch.arange(num_tokens, device=input_ids_BT.device)
+            source_BT = (slots_T[None, :] - cache.start_B[:num_rows, None]).clamp_(min=0)
+            source_BKTD = source_BT[:, None, :, None].expand(num_rows, a.num_kv_heads, num_tokens, a.head_dim)
         x = F.embedding(input_ids_BT, self._embed)
         for layer, w in enumerate(self._layers):
             h = _rms_norm(x, w["ln1"], a.rms_norm_eps)  # type: ignore[arg-type]
             q_BTND, k_BTKD, v_BTKD = self._qkv(h, w, cos, sin)
             q, k, v = q_BTND.transpose(1, 2), k_BTKD.transpose(1, 2), v_BTKD.transpose(1, 2)
             if cache is not None:
-                cache.data[layer, 0, :num_rows, :, :num_tokens] = k
-                cache.data[layer, 1, :num_rows, :, :num_tokens] = v
+                cache.keys[layer][:num_rows, :, :num_tokens] = k.gather(2, source_BKTD)
+                cache.values[layer][:num_rows, :, :num_tokens] = v.gather(2, source_BKTD)
             # Right padding: a real query at position t only sees keys 0..t, all real, so a causal mask is
             # exact; queries at pad positions produce values nobody reads.
             attn = F.scaled_dot_product_attention(
@@ -360,47 +402,49 @@ class DecoderLM:
     ) -> torch.Tensor:
         """Run right-padded prompts, store their keys/values in cache rows ``0..B-1``, return last logits ``[B, V]``.
 
-        The cache must hold at least ``T`` positions; each row's entries past its own length are garbage
-        that the decode steps overwrite (they write token ``t`` of a row at position ``t``).
+        The rows are left-aligned in the cache so that every prompt's last token sits in slot ``T - 1``
+        (``T`` = the input width, at most the cache's slots); the next :meth:`decode` writes slot ``T``.
         """
+        cache.set_starts(input_ids_BT.shape[1] - input_lengths_B)
         x = self._trunk(input_ids_BT, cache)
         last = x[torch.arange(x.shape[0], device=x.device), input_lengths_B - 1]
         return self._logits(last)
 
     def decode(
-        self, tokens_B: torch.Tensor, positions_B: torch.Tensor, cache: KVCache, num_positions: int
+        self, tokens_B: torch.Tensor, positions_B: torch.Tensor, cache: KVCache, num_slots: int
     ) -> torch.Tensor:
         """One step for cache rows ``0..B-1``: token ``tokens_B[b]`` sits at ``positions_B[b]``; return logits ``[B, V]``.
 
-        ``num_positions`` bounds the attended span: every ``positions_B[b] < num_positions``.
+        Rows advance in lockstep: every row's new keys and values go to slot ``num_slots - 1`` (so
+        ``start_B[b] + positions_B[b] == num_slots - 1``), and the step attends over slots ``0..num_slots-1``.
         """
         a = self.arch
         num_rows = tokens_B.shape[0]
-        rows = torch.arange(num_rows, device=tokens_B.device)
-        cos = self._rope_cos[positions_B][:, None, :]  # [B, 1, D]
-        sin = self._rope_sin[positions_B][:, None, :]
-        # Additive mask [B, 1, 1, P]: a row attends to its own positions 0..positions_B[b].
-        span = torch.arange(num_positions, device=tokens_B.device)
-        mask = torch.zeros((num_rows, 1, 1, num_positions), dtype=self.dtype, device=tokens_B.device)
-        mask.masked_fill_((span[None, :] > positions_B[:, None])[:, None, None, :], float("-inf"))
+        slot = num_slots - 1
+        cos = self._rope_cos[positions_B]  # [B, 1, D]
+        sin = self._rope_sin[positions_B]
+        mask_R1S = cache.mask_BK1S[:num_rows, :, :, :num_slots].flatten(0, 1)  # R = B * K (row, kv head)
         scale = a.head_dim**-0.5
         group = a.num_heads // a.num_kv_heads
         x = F.embedding(tokens_B, self._embed)
         for layer, w in enumerate(self._layers):
             h = _rms_norm(x, w["ln1"], a.rms_norm_eps)  # type: ignore[arg-type]
             q_BND, k_BKD, v_BKD = self._qkv(h, w, cos, sin)
-            keys = cache.data[layer, 0]
-            values = cache.data[layer, 1]
-            keys[rows, :, positions_B] = k_BKD
-            values[rows, :, positions_B] = v_BKD
-            keys_BKPD = keys[:num_rows, :, :num_positions]
-            values_BKPD = values[:num_rows, :, :num_positions]
+            keys, values = cache.keys[layer], cache.values[layer]
+            keys[:num_rows, :, slot] = k_BKD
+            values[:num_rows, :, slot] = v_BKD
+            keys_RSD = keys[:num_rows, :, :num_slots].flatten(0, 1)
+            values_RSD = values[:num_rows, :, :num_slots].flatten(0, 1)
             # Grouped-query attention without repeating keys: the G query heads of a key/value head are the
-            # rows of one small matmul. Plain matmuls beat the fused CPU kernels at one query position, where
-            # reading the cache is the whole cost.
-            q_BKGD = q_BND.view(num_rows, a.num_kv_heads, group, a.head_dim)
-            scores_BKGP = torch.matmul(q_BKGD, keys_BKPD.transpose(-1, -2)).mul_(scale).add_(mask)
-            attn = torch.matmul(torch.softmax(scores_BKGP, dim=-1), values_BKPD)
-            x = x + F.linear(attn.reshape(num_rows, a.q_size), w["o_w"], w["o_b"])  # type: ignore[arg-type]
-            x = x + self._mlp(_rms_norm(x, w["ln2"], a.rms_norm_eps), w)  # type: ignore[arg-type]
+            # rows of one small matmul, and scale and mask come with it. Plain batched matmuls beat the fused
+            # CPU kernels at one query position, where reading the cache is the whole cost.
+            q_RGD = q_BND.reshape(num_rows * a.num_kv_heads, group, a.head_dim)
+            scores_RGS = torch.baddbmm(mask_R1S, q_RGD, keys_RSD.transpose(1, 2), alpha=scale)
+            attn = torch.bmm(torch.softmax(scores_RGS, dim=-1), values_RSD)
+            x = _residual_linear(x, attn.view(num_rows, a.q_size), w["o_w"], w["o_b"])  # type: ignore[arg-type]
+            h = _rms_norm(x, w["ln2"], a.rms_norm_eps)  # type: ignore[arg-type]
+            gate_up = F.linear(h, w["gu_w"], w["gu_b"])  # type: ignore[arg-type]
+            i = a.intermediate_size
+            act = F.silu(gate_up[:, :i], inplace=True).mul_(gate_up[:, i:])
+            x = _residual_linear(x, act, w["down_w"], w["down_b"])  # type: ignore[arg-type]
         return self._logits(x)
