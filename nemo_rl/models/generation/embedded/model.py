@@ -17,7 +17,7 @@ K = key/value heads, G = N // K query heads per key/value head, D = head dim, L 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,13 +54,43 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * x32.to(x.dtype)
 
 
+def _linear(x_NI: torch.Tensor, weight_IO: torch.Tensor, bias_O: torch.Tensor | None) -> torch.Tensor:
+    """``linear`` over token rows with a weight already transposed to ``[in, out]``: one ``mm``/``addmm``."""
+    if bias_O is None:
+        return torch.mm(x_NI, weight_IO)
+    return torch.addmm(bias_O, x_NI, weight_IO)
+
+
 def _residual_linear(
-    x_BH: torch.Tensor, input_BI: torch.Tensor, weight_HI: torch.Tensor, bias_H: torch.Tensor | None
+    x_NH: torch.Tensor, input_NI: torch.Tensor, weight_IH: torch.Tensor, bias_H: torch.Tensor | None
 ) -> torch.Tensor:
-    """``x + linear(input, weight, bias)``; without a bias one ``addmm``, the residual added inside the matmul."""
+    """``x + linear(input)``; without a bias one ``addmm``, the residual added inside the matmul."""
     if bias_H is None:
-        return torch.addmm(x_BH, input_BI, weight_HI.t())
-    return x_BH + F.linear(input_BI, weight_HI, bias_H)
+        return torch.addmm(x_NH, input_NI, weight_IH)
+    return x_NH + torch.addmm(bias_H, input_NI, weight_IH)
+
+
+_Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``(layer, q [N, heads, D], k [N, K, D], v [N, K, D]) -> attention output [N, heads * D]``."""
+
+
+@dataclass(frozen=True)
+class _LayerWeights:
+    """One decoder layer's weights as the forward passes read them: views into the fused storage (so a refit
+    writing the Hugging Face-named views is seen here), projections transposed to ``[in, out]``."""
+
+    ln1: torch.Tensor
+    ln2: torch.Tensor
+    qkv_t: torch.Tensor
+    qkv_b: torch.Tensor | None
+    o_t: torch.Tensor
+    o_b: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    gate_up_t: torch.Tensor
+    gate_up_b: torch.Tensor | None
+    down_t: torch.Tensor
+    down_b: torch.Tensor | None
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -93,7 +123,9 @@ class KVCache:
         )
         self.start_B = torch.zeros(num_rows, dtype=torch.long, device=device)
         """Slot of each row's position 0."""
-        self.mask_BK1S = torch.zeros((num_rows, arch.num_kv_heads, 1, num_positions), dtype=dtype, device=device)
+        self.mask_BK1S = torch.zeros(
+            (num_rows, arch.num_kv_heads, 1, num_positions), dtype=dtype, device=device
+        )
         """Additive attention mask per row and key/value head: ``-inf`` at the slots before the row's start."""
         # Per-layer views, taken once rather than at every step.
         self.keys = [self.data[layer, 0] for layer in range(arch.num_layers)]
@@ -212,28 +244,30 @@ class DecoderLM:
         }
         b = self._buffers
         a = self.arch
-        self._layers: list[dict[str, torch.Tensor | None]] = []
+        self._layers: list[_LayerWeights] = []
         for layer in range(a.num_layers):
             attn, mlp = f"model.layers.{layer}.self_attn.", f"model.layers.{layer}.mlp."
             self._layers.append(
-                {
-                    "ln1": b[f"model.layers.{layer}.input_layernorm.weight"],
-                    "ln2": b[f"model.layers.{layer}.post_attention_layernorm.weight"],
-                    "qkv_w": b[attn + "qkv_proj.weight"],
-                    "qkv_b": b.get(attn + "qkv_proj.bias"),
-                    "o_w": b[attn + "o_proj.weight"],
-                    "o_b": b.get(attn + "o_proj.bias"),
-                    "q_norm": b.get(attn + "q_norm.weight"),
-                    "k_norm": b.get(attn + "k_norm.weight"),
-                    "gu_w": b[mlp + "gate_up_proj.weight"],
-                    "gu_b": b.get(mlp + "gate_up_proj.bias"),
-                    "down_w": b[mlp + "down_proj.weight"],
-                    "down_b": b.get(mlp + "down_proj.bias"),
-                }
+                _LayerWeights(
+                    ln1=b[f"model.layers.{layer}.input_layernorm.weight"],
+                    ln2=b[f"model.layers.{layer}.post_attention_layernorm.weight"],
+                    qkv_t=b[attn + "qkv_proj.weight"].t(),
+                    qkv_b=b.get(attn + "qkv_proj.bias"),
+                    o_t=b[attn + "o_proj.weight"].t(),
+                    o_b=b.get(attn + "o_proj.bias"),
+                    q_norm=b.get(attn + "q_norm.weight"),
+                    k_norm=b.get(attn + "k_norm.weight"),
+                    gate_up_t=b[mlp + "gate_up_proj.weight"].t(),
+                    gate_up_b=b.get(mlp + "gate_up_proj.bias"),
+                    down_t=b[mlp + "down_proj.weight"].t(),
+                    down_b=b.get(mlp + "down_proj.bias"),
+                )
             )
         self._embed = b["model.embed_tokens.weight"]
         self._final_norm = b["model.norm.weight"]
-        self._lm_head = b["model.embed_tokens.weight"] if a.tie_word_embeddings else b["lm_head.weight"]
+        self._lm_head_t = (
+            b["model.embed_tokens.weight"] if a.tie_word_embeddings else b["lm_head.weight"]
+        ).t()
 
     def to(self, device: torch.device | str) -> DecoderLM:
         """Move the weights to ``device`` in place (e.g. offload to host between colocated generations)."""
@@ -337,65 +371,52 @@ class DecoderLM:
         if self._rope_cos.shape[0] < num_positions:
             self._build_rope_table(max(num_positions, 2 * self._rope_cos.shape[0]))
 
-    def _qkv(
-        self, x: torch.Tensor, w: dict[str, torch.Tensor | None], cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Project ``x [..., H]`` to rotated ``q [..., N, D]``, rotated ``k [..., K, D]`` and ``v [..., K, D]``."""
-        a = self.arch
-        qkv = F.linear(x, w["qkv_w"], w["qkv_b"])  # type: ignore[arg-type]
-        heads = qkv.view(*x.shape[:-1], a.num_heads + 2 * a.num_kv_heads, a.head_dim)
+    def _layer(
+        self, layer: int, x_NH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: _Attend
+    ) -> torch.Tensor:
+        """Decoder layer ``layer`` over token rows ``x [N, H]``; ``attend(layer, q [N, heads, D], k, v [N, K, D])``
+        returns the attention output ``[N, heads * D]`` (the three forward passes differ only there)."""
+        a, w = self.arch, self._layers[layer]
+        h = _rms_norm(x_NH, w.ln1, a.rms_norm_eps)
+        heads = _linear(h, w.qkv_t, w.qkv_b).view(-1, a.num_heads + 2 * a.num_kv_heads, a.head_dim)
         n, k = a.num_heads, a.num_kv_heads
         if a.qk_norm:
-            q = _rms_norm(heads[..., :n, :], w["q_norm"], a.rms_norm_eps)  # type: ignore[arg-type]
-            kk = _rms_norm(heads[..., n : n + k, :], w["k_norm"], a.rms_norm_eps)  # type: ignore[arg-type]
-            return _rotate(q, cos, sin), _rotate(kk, cos, sin), heads[..., n + k :, :]
-        qk = _rotate(heads[..., : n + k, :], cos, sin)
-        return qk[..., :n, :], qk[..., n:, :], heads[..., n + k :, :]
+            assert w.q_norm is not None and w.k_norm is not None
+            q = _rotate(_rms_norm(heads[:, :n], w.q_norm, a.rms_norm_eps), cos, sin)
+            key = _rotate(_rms_norm(heads[:, n : n + k], w.k_norm, a.rms_norm_eps), cos, sin)
+        else:
+            qk = _rotate(heads[:, : n + k], cos, sin)
+            q, key = qk[:, :n], qk[:, n:]
+        x_NH = _residual_linear(x_NH, attend(layer, q, key, heads[:, n + k :]), w.o_t, w.o_b)
+        gate_up = _linear(_rms_norm(x_NH, w.ln2, a.rms_norm_eps), w.gate_up_t, w.gate_up_b)
+        i = a.intermediate_size
+        act = F.silu(gate_up[:, :i], inplace=True).mul_(gate_up[:, i:])
+        return _residual_linear(x_NH, act, w.down_t, w.down_b)
 
-    def _mlp(self, x: torch.Tensor, w: dict[str, torch.Tensor | None]) -> torch.Tensor:
-        gate_up = F.linear(x, w["gu_w"], w["gu_b"])  # type: ignore[arg-type]
-        i = self.arch.intermediate_size
-        return F.linear(F.silu(gate_up[..., :i]) * gate_up[..., i:], w["down_w"], w["down_b"])  # type: ignore[arg-type]
-
-    def _trunk(self, input_ids_BT: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
-        """Causal forward over whole right-padded rows starting at position 0.
-
-        With a ``cache``, rows ``0..B-1`` are left-aligned there so that every prompt ends in slot ``T - 1``
-        (see :class:`KVCache`); the caller passes each row's start in the cache, already set.
-        """
-        a = self.arch
-        num_rows, num_tokens = input_ids_BT.shape
-        self.ensure_positions(num_tokens)
-        cos = self._rope_cos[:num_tokens]  # [T, 1, D] broadcasting over heads
-        sin = self._rope_sin[:num_tokens]
-        if cache is not None:
-            # Slot s of row b holds its position s - start (clamped: slots before the start are masked anyway).
-            slots_T = torch.arange(num_tokens, device=input_ids_BT.device)
-            source_BT = (slots_T[None, :] - cache.start_B[:num_rows, None]).clamp_(min=0)
-            source_BKTD = source_BT[:, None, :, None].expand(num_rows, a.num_kv_heads, num_tokens, a.head_dim)
-        x = F.embedding(input_ids_BT, self._embed)
-        for layer, w in enumerate(self._layers):
-            h = _rms_norm(x, w["ln1"], a.rms_norm_eps)  # type: ignore[arg-type]
-            q_BTND, k_BTKD, v_BTKD = self._qkv(h, w, cos, sin)
-            q, k, v = q_BTND.transpose(1, 2), k_BTKD.transpose(1, 2), v_BTKD.transpose(1, 2)
-            if cache is not None:
-                cache.keys[layer][:num_rows, :, :num_tokens] = k.gather(2, source_BKTD)
-                cache.values[layer][:num_rows, :, :num_tokens] = v.gather(2, source_BKTD)
-            # Right padding: a real query at position t only sees keys 0..t, all real, so a causal mask is
-            # exact; queries at pad positions produce values nobody reads.
-            attn = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=a.head_dim**-0.5, enable_gqa=a.num_kv_heads != a.num_heads
-            )
-            x = x + F.linear(attn.transpose(1, 2).reshape(num_rows, num_tokens, a.q_size), w["o_w"], w["o_b"])  # type: ignore[arg-type]
-            x = x + self._mlp(_rms_norm(x, w["ln2"], a.rms_norm_eps), w)  # type: ignore[arg-type]
-        return x
-
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(_rms_norm(x, self._final_norm, self.arch.rms_norm_eps), self._lm_head)
+    def _logits(self, x_NH: torch.Tensor) -> torch.Tensor:
+        return torch.mm(_rms_norm(x_NH, self._final_norm, self.arch.rms_norm_eps), self._lm_head_t)
 
     def forward(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, T, V]`` of a right-padded batch (no cache); for tests and scoring."""
-        return self._logits(self._trunk(input_ids_BT, None))
+        a = self.arch
+        num_rows, num_tokens = input_ids_BT.shape
+        self.ensure_positions(num_tokens)
+        cos = self._rope_cos[:num_tokens].repeat(num_rows, 1, 1)  # [B * T, 1, D]
+        sin = self._rope_sin[:num_tokens].repeat(num_rows, 1, 1)
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            # Right padding: a real query at position t only sees keys 0..t, all real, so a causal mask is
+            # exact; queries at pad positions produce values nobody reads.
+            q, k, v = (t.reshape(num_rows, num_tokens, -1, a.head_dim).transpose(1, 2) for t in (q, k, v))
+            attn = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=a.head_dim**-0.5, enable_gqa=a.num_kv_heads != a.num_heads
+            )
+            return attn.transpose(1, 2).reshape(num_rows * num_tokens, a.q_size)
+
+        x = F.embedding(input_ids_BT.reshape(-1), self._embed)
+        for layer in range(a.num_layers):
+            x = self._layer(layer, x, cos, sin, attend)
+        return self._logits(x).view(num_rows, num_tokens, -1)
 
     def prefill(
         self, input_ids_BT: torch.Tensor, input_lengths_B: torch.Tensor, cache: KVCache
@@ -404,11 +425,49 @@ class DecoderLM:
 
         The rows are left-aligned in the cache so that every prompt's last token sits in slot ``T - 1``
         (``T`` = the input width, at most the cache's slots); the next :meth:`decode` writes slot ``T``.
+        Only the real tokens go through the layers (packed into ``N = sum(lengths)`` rows); attention reads
+        them back from the cache, causal over slots and blind to the slots before each row's start.
         """
-        cache.set_starts(input_ids_BT.shape[1] - input_lengths_B)
-        x = self._trunk(input_ids_BT, cache)
-        last = x[torch.arange(x.shape[0], device=x.device), input_lengths_B - 1]
-        return self._logits(last)
+        a = self.arch
+        num_rows, width = input_ids_BT.shape
+        self.ensure_positions(width)
+        start_B = width - input_lengths_B
+        cache.set_starts(start_B)
+        rows_N, positions_N = (
+            (torch.arange(width, device=input_ids_BT.device)[None, :] < input_lengths_B[:, None])
+            .nonzero()
+            .unbind(1)
+        )
+        slots_N = start_B[rows_N] + positions_N
+        slots_T = torch.arange(width, device=input_ids_BT.device)
+        # Query slot i sees key slots start..i; a pad query (i < start) sees only itself, to stay finite.
+        causal_TT = slots_T[None, :] <= slots_T[:, None]
+        after_start_B1T = slots_T[None, None, :] >= start_B[:, None, None]
+        diagonal_TT = slots_T[None, :] == slots_T[:, None]
+        allowed_B1TT = ((causal_TT & after_start_B1T) | diagonal_TT)[:, None]
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            keys, values = cache.keys[layer], cache.values[layer]
+            keys[rows_N, :, slots_N] = k
+            values[rows_N, :, slots_N] = v
+            q_BTND = q.new_zeros((num_rows, width, a.num_heads, a.head_dim))
+            q_BTND[rows_N, slots_N] = q
+            attn = F.scaled_dot_product_attention(
+                q_BTND.transpose(1, 2),
+                keys[:num_rows, :, :width],
+                values[:num_rows, :, :width],
+                attn_mask=allowed_B1TT,
+                scale=a.head_dim**-0.5,
+                enable_gqa=a.num_kv_heads != a.num_heads,
+            )
+            return attn.transpose(1, 2)[rows_N, slots_N].reshape(-1, a.q_size)
+
+        x = F.embedding(input_ids_BT[rows_N, positions_N], self._embed)
+        cos, sin = self._rope_cos[positions_N], self._rope_sin[positions_N]
+        for layer in range(a.num_layers):
+            x = self._layer(layer, x, cos, sin, attend)
+        last_B = torch.cumsum(input_lengths_B, 0) - 1
+        return self._logits(x[last_B])
 
     def decode(
         self, tokens_B: torch.Tensor, positions_B: torch.Tensor, cache: KVCache, num_slots: int
@@ -421,30 +480,25 @@ class DecoderLM:
         a = self.arch
         num_rows = tokens_B.shape[0]
         slot = num_slots - 1
-        cos = self._rope_cos[positions_B]  # [B, 1, D]
-        sin = self._rope_sin[positions_B]
         mask_R1S = cache.mask_BK1S[:num_rows, :, :, :num_slots].flatten(0, 1)  # R = B * K (row, kv head)
         scale = a.head_dim**-0.5
         group = a.num_heads // a.num_kv_heads
-        x = F.embedding(tokens_B, self._embed)
-        for layer, w in enumerate(self._layers):
-            h = _rms_norm(x, w["ln1"], a.rms_norm_eps)  # type: ignore[arg-type]
-            q_BND, k_BKD, v_BKD = self._qkv(h, w, cos, sin)
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             keys, values = cache.keys[layer], cache.values[layer]
-            keys[:num_rows, :, slot] = k_BKD
-            values[:num_rows, :, slot] = v_BKD
-            keys_RSD = keys[:num_rows, :, :num_slots].flatten(0, 1)
-            values_RSD = values[:num_rows, :, :num_slots].flatten(0, 1)
+            keys[:num_rows, :, slot] = k
+            values[:num_rows, :, slot] = v
             # Grouped-query attention without repeating keys: the G query heads of a key/value head are the
             # rows of one small matmul, and scale and mask come with it. Plain batched matmuls beat the fused
             # CPU kernels at one query position, where reading the cache is the whole cost.
-            q_RGD = q_BND.reshape(num_rows * a.num_kv_heads, group, a.head_dim)
+            q_RGD = q.reshape(num_rows * a.num_kv_heads, group, a.head_dim)
+            keys_RSD = keys[:num_rows, :, :num_slots].flatten(0, 1)
             scores_RGS = torch.baddbmm(mask_R1S, q_RGD, keys_RSD.transpose(1, 2), alpha=scale)
-            attn = torch.bmm(torch.softmax(scores_RGS, dim=-1), values_RSD)
-            x = _residual_linear(x, attn.view(num_rows, a.q_size), w["o_w"], w["o_b"])  # type: ignore[arg-type]
-            h = _rms_norm(x, w["ln2"], a.rms_norm_eps)  # type: ignore[arg-type]
-            gate_up = F.linear(h, w["gu_w"], w["gu_b"])  # type: ignore[arg-type]
-            i = a.intermediate_size
-            act = F.silu(gate_up[:, :i], inplace=True).mul_(gate_up[:, i:])
-            x = _residual_linear(x, act, w["down_w"], w["down_b"])  # type: ignore[arg-type]
+            values_RSD = values[:num_rows, :, :num_slots].flatten(0, 1)
+            return torch.bmm(torch.softmax(scores_RGS, dim=-1), values_RSD).view(num_rows, a.q_size)
+
+        x = F.embedding(tokens_B, self._embed)
+        cos, sin = self._rope_cos[positions_B], self._rope_sin[positions_B]  # [B, 1, D]
+        for layer in range(a.num_layers):
+            x = self._layer(layer, x, cos, sin, attend)
         return self._logits(x)
