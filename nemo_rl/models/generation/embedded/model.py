@@ -8,10 +8,14 @@ conversion. For speed the projections that read the same input are stored fused:
 loading a named weight writes straight into the fused storage and nothing has to be re-fused after a refit.
 
 The model knows nothing about batching policy or sampling (that is the engine's job); it offers a prefill
-over right-padded prompts that fills a KV cache, and a one-token decode step over rows of that cache.
+over right-padded prompts that fills a KV cache (only the real tokens run through the layers, and the rows
+are left-aligned in the cache, see :class:`KVCache`), and a one-token decode step over rows of that cache.
+All three forward passes (``forward``, ``prefill``, ``decode``) share one layer body over token rows
+``[M, H]`` and differ only in how attention reads keys and values.
 
 Tensor legend: B = rows (sequences), T = tokens, H = hidden size, V = vocabulary, N = attention heads,
-K = key/value heads, G = N // K query heads per key/value head, D = head dim, L = layers.
+K = key/value heads, G = N // K query heads per key/value head, D = head dim, L = layers, S = cache slots,
+R = B * K (a row's key/value head), M = token rows (B * T, or the packed real tokens of a prefill).
 """
 
 from __future__ import annotations
@@ -54,24 +58,24 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * x32.to(x.dtype)
 
 
-def _linear(x_NI: torch.Tensor, weight_IO: torch.Tensor, bias_O: torch.Tensor | None) -> torch.Tensor:
+def _linear(x_MI: torch.Tensor, weight_IO: torch.Tensor, bias_O: torch.Tensor | None) -> torch.Tensor:
     """``linear`` over token rows with a weight already transposed to ``[in, out]``: one ``mm``/``addmm``."""
     if bias_O is None:
-        return torch.mm(x_NI, weight_IO)
-    return torch.addmm(bias_O, x_NI, weight_IO)
+        return torch.mm(x_MI, weight_IO)
+    return torch.addmm(bias_O, x_MI, weight_IO)
 
 
 def _residual_linear(
-    x_NH: torch.Tensor, input_NI: torch.Tensor, weight_IH: torch.Tensor, bias_H: torch.Tensor | None
+    x_MH: torch.Tensor, input_MI: torch.Tensor, weight_IH: torch.Tensor, bias_H: torch.Tensor | None
 ) -> torch.Tensor:
     """``x + linear(input)``; without a bias one ``addmm``, the residual added inside the matmul."""
     if bias_H is None:
-        return torch.addmm(x_NH, input_NI, weight_IH)
-    return x_NH + torch.addmm(bias_H, input_NI, weight_IH)
+        return torch.addmm(x_MH, input_MI, weight_IH)
+    return x_MH + torch.addmm(bias_H, input_MI, weight_IH)
 
 
 _Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-"""``(layer, q [N, heads, D], k [N, K, D], v [N, K, D]) -> attention output [N, heads * D]``."""
+"""``(layer, q [M, N, D], k [M, K, D], v [M, K, D]) -> attention output [M, N * D]``."""
 
 
 @dataclass(frozen=True)
@@ -372,12 +376,12 @@ class DecoderLM:
             self._build_rope_table(max(num_positions, 2 * self._rope_cos.shape[0]))
 
     def _layer(
-        self, layer: int, x_NH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: _Attend
+        self, layer: int, x_MH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: _Attend
     ) -> torch.Tensor:
-        """Decoder layer ``layer`` over token rows ``x [N, H]``; ``attend(layer, q [N, heads, D], k, v [N, K, D])``
-        returns the attention output ``[N, heads * D]`` (the three forward passes differ only there)."""
+        """Decoder layer ``layer`` over token rows ``x [M, H]``; ``attend(layer, q [M, N, D], k, v [M, K, D])``
+        returns the attention output ``[M, N * D]`` (the three forward passes differ only there)."""
         a, w = self.arch, self._layers[layer]
-        h = _rms_norm(x_NH, w.ln1, a.rms_norm_eps)
+        h = _rms_norm(x_MH, w.ln1, a.rms_norm_eps)
         heads = _linear(h, w.qkv_t, w.qkv_b).view(-1, a.num_heads + 2 * a.num_kv_heads, a.head_dim)
         n, k = a.num_heads, a.num_kv_heads
         if a.qk_norm:
@@ -387,14 +391,14 @@ class DecoderLM:
         else:
             qk = _rotate(heads[:, : n + k], cos, sin)
             q, key = qk[:, :n], qk[:, n:]
-        x_NH = _residual_linear(x_NH, attend(layer, q, key, heads[:, n + k :]), w.o_t, w.o_b)
-        gate_up = _linear(_rms_norm(x_NH, w.ln2, a.rms_norm_eps), w.gate_up_t, w.gate_up_b)
+        x_MH = _residual_linear(x_MH, attend(layer, q, key, heads[:, n + k :]), w.o_t, w.o_b)
+        gate_up = _linear(_rms_norm(x_MH, w.ln2, a.rms_norm_eps), w.gate_up_t, w.gate_up_b)
         i = a.intermediate_size
         act = F.silu(gate_up[:, :i], inplace=True).mul_(gate_up[:, i:])
-        return _residual_linear(x_NH, act, w.down_t, w.down_b)
+        return _residual_linear(x_MH, act, w.down_t, w.down_b)
 
-    def _logits(self, x_NH: torch.Tensor) -> torch.Tensor:
-        return torch.mm(_rms_norm(x_NH, self._final_norm, self.arch.rms_norm_eps), self._lm_head_t)
+    def _logits(self, x_MH: torch.Tensor) -> torch.Tensor:
+        return torch.mm(_rms_norm(x_MH, self._final_norm, self.arch.rms_norm_eps), self._lm_head_t)
 
     def forward(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, T, V]`` of a right-padded batch (no cache); for tests and scoring."""
@@ -425,7 +429,7 @@ class DecoderLM:
 
         The rows are left-aligned in the cache so that every prompt's last token sits in slot ``T - 1``
         (``T`` = the input width, at most the cache's slots); the next :meth:`decode` writes slot ``T``.
-        Only the real tokens go through the layers (packed into ``N = sum(lengths)`` rows); attention reads
+        Only the real tokens go through the layers (packed into ``M = sum(lengths)`` rows); attention reads
         them back from the cache, causal over slots and blind to the slots before each row's start.
         """
         a = self.arch
@@ -433,12 +437,12 @@ class DecoderLM:
         self.ensure_positions(width)
         start_B = width - input_lengths_B
         cache.set_starts(start_B)
-        rows_N, positions_N = (
+        rows_M, positions_M = (
             (torch.arange(width, device=input_ids_BT.device)[None, :] < input_lengths_B[:, None])
             .nonzero()
             .unbind(1)
         )
-        slots_N = start_B[rows_N] + positions_N
+        slots_M = start_B[rows_M] + positions_M
         slots_T = torch.arange(width, device=input_ids_BT.device)
         # Query slot i sees key slots start..i; a pad query (i < start) sees only itself, to stay finite.
         causal_TT = slots_T[None, :] <= slots_T[:, None]
@@ -448,10 +452,10 @@ class DecoderLM:
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             keys, values = cache.keys[layer], cache.values[layer]
-            keys[rows_N, :, slots_N] = k
-            values[rows_N, :, slots_N] = v
+            keys[rows_M, :, slots_M] = k
+            values[rows_M, :, slots_M] = v
             q_BTND = q.new_zeros((num_rows, width, a.num_heads, a.head_dim))
-            q_BTND[rows_N, slots_N] = q
+            q_BTND[rows_M, slots_M] = q
             attn = F.scaled_dot_product_attention(
                 q_BTND.transpose(1, 2),
                 keys[:num_rows, :, :width],
@@ -460,10 +464,10 @@ class DecoderLM:
                 scale=a.head_dim**-0.5,
                 enable_gqa=a.num_kv_heads != a.num_heads,
             )
-            return attn.transpose(1, 2)[rows_N, slots_N].reshape(-1, a.q_size)
+            return attn.transpose(1, 2)[rows_M, slots_M].reshape(-1, a.q_size)
 
-        x = F.embedding(input_ids_BT[rows_N, positions_N], self._embed)
-        cos, sin = self._rope_cos[positions_N], self._rope_sin[positions_N]
+        x = F.embedding(input_ids_BT[rows_M, positions_M], self._embed)
+        cos, sin = self._rope_cos[positions_M], self._rope_sin[positions_M]
         for layer in range(a.num_layers):
             x = self._layer(layer, x, cos, sin, attend)
         last_B = torch.cumsum(input_lengths_B, 0) - 1
