@@ -290,7 +290,7 @@ def setup(
         train_loader=train_loader,
         val_dataset=val_dataset,
         loss_fn=ClippedPGLossFn(
-            config.loss_fn, prev_logprobs_from_forward=prev_logprobs_from_training_forward(config)
+            config.loss_fn, prev_logprobs_from_forward=prev_logprobs_from_training_forward(config, policy)
         ),
         task_to_env=dict(task_to_env),
         val_task_to_env=dict(val_task_to_env),
@@ -301,12 +301,15 @@ def setup(
     )
 
 
-def prev_logprobs_from_training_forward(config: GRPOMasterConfig) -> bool:
+def prev_logprobs_from_training_forward(config: GRPOMasterConfig, policy: Policy | None = None) -> bool:
     """Whether the training forward itself gives the previous policy's log-probs, so no separate scoring pass
     is needed: one optimizer step per batch (all of its forward passes run on the weights the batch would be
     scored with) and a training forward equal to the scoring one (no dropout)."""
     samples = config.grpo.num_prompts_per_step * config.grpo.num_generations_per_prompt
-    return samples == config.policy.train_global_batch_size and not trains_with_dropout(config.policy)
+    if samples != config.policy.train_global_batch_size:
+        return False
+    # The started policy answers from its workers; without one the driver loads the model's config itself.
+    return not (policy.trains_with_dropout() if policy is not None else trains_with_dropout(config.policy))
 
 
 def refit_generation(s: GRPOSetup) -> dict[str, float]:

@@ -67,6 +67,9 @@ def test_policy_scores_and_trains_like_one_process(policy: Policy, model_dir: Pa
     assert "grad_norm" not in eval_result
     assert_close(policy.get_logprobs(score_data)["logprobs"], trained, rtol=1e-4)  # eval changed nothing
 
+    # Answered by the workers from the loaded config (the tiny model has no dropout; GRPO asks this).
+    assert policy.trains_with_dropout() is False
+
     manifest = policy.weights_manifest(torch.bfloat16)
     assert manifest["lm_head.weight"] == ((128, 64), "bfloat16")
     assert set(manifest) == set(initial.state_dict())

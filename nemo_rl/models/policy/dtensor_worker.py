@@ -43,7 +43,7 @@ from nemo_rl.distributed.device import (
     get_device,
     init_process_group_from_env,
 )
-from nemo_rl.models.policy.hf_io import export_hf_checkpoint, load_sharded_model
+from nemo_rl.models.policy.hf_io import config_has_dropout, export_hf_checkpoint, load_sharded_model
 from nemo_rl.models.policy.interfaces import TrainResult
 from nemo_rl.models.policy.loss_interface import LossFunction
 from nemo_rl.models.policy.optim import build_optimizer, build_scheduler, clip_grad_norm_, freeze_parameters
@@ -364,6 +364,11 @@ class DTensorPolicyWorker:
                 reshard_all(self.model)
             log.end_step(step, step_loss, mb_metrics, self.dp_group, self.device)
         return log.result(eval_mode)
+
+    def trains_with_dropout(self) -> bool:
+        """Whether the model's config (with ``policy.hf_config_overrides``) sets a positive dropout probability
+        (see ``hf_io.trains_with_dropout``; asked here, where the config is loaded, not in the driver)."""
+        return config_has_dropout(self.model.config)
 
     def _defer_gradient_sync(self, last_micro_batch: bool) -> None:
         """On CPU, reduce the gradients and reshard the parameters after the step's last micro-batch only.

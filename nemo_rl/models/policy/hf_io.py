@@ -104,6 +104,11 @@ def trains_with_dropout(cfg: PolicyConfig) -> bool:
     hf_config = hf_config_io.load_hf_config(
         cfg.model_name, trust_remote_code=cfg.trust_remote_code, overrides=cfg.hf_config_overrides
     )
+    return config_has_dropout(hf_config)
+
+
+def config_has_dropout(hf_config: Any) -> bool:
+    """Whether a Hugging Face config sets a positive dropout probability (``*dropout*`` / ``*pdrop*``)."""
     return any(
         isinstance(value, int | float) and not isinstance(value, bool) and value > 0
         for key, value in hf_config.to_dict().items()

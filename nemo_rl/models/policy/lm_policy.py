@@ -242,6 +242,14 @@ class Policy(WorkerGroupFacade):
         manifest: dict[str, tuple[tuple[int, ...], str]] = self._on_rank_0("weights_manifest", dtype)
         return manifest
 
+    def trains_with_dropout(self) -> bool:
+        """Whether the training forward differs from the scoring forward (see ``hf_io.trains_with_dropout``),
+        answered by a worker, which has the model's config loaded: loading it in the driver imports
+        transformers' model code there. The Megatron backend builds its models with dropout off."""
+        if not self.cfg.dtensor_cfg.enabled:
+            return False
+        return bool(self._on_rank_0("trains_with_dropout"))
+
     def refit_streams(self) -> list[int]:
         """The refit stream each worker sends, in rank order: its pipeline stage (Megatron; each stage sends
         its own layers), or 0 for every worker (DTensor; one stream of the whole model)."""
