@@ -41,7 +41,7 @@ class MathEnvironment(EnvironmentInterface[MathMetadata]):
     def __init__(self, cfg: MathEnvConfig | Mapping[str, Any]) -> None:
         # math-verify (and sympy, seconds of CPU) is imported in the actor, not with this module: the driver
         # imports the module to start the actor and never scores an answer.
-        from nemo_rl.environments.math_verifier import score_math_response
+        from nemo_rl.environments.math_verifier import MATH_VERIFY_WARM_UP, score_math_response
 
         self.cfg = cfg if isinstance(cfg, MathEnvConfig) else MathEnvConfig.model_validate(dict(cfg))
         self._pool = VerifierPool(
@@ -50,6 +50,7 @@ class MathEnvironment(EnvironmentInterface[MathMetadata]):
             timeout_s=self.cfg.verify_timeout_s,
             memory_limit_mb=self.cfg.verify_memory_limit_mb,
             max_response_chars=self.cfg.max_response_chars,
+            warm_up=MATH_VERIFY_WARM_UP,
         )
         self.num_quick_verdicts = 0
         """Answers scored without math-verify (see ``quick_verdict``) since the environment started."""

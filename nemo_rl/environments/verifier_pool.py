@@ -52,7 +52,12 @@ class VerifyOutcome:
     """The answer the verifier extracted, when it returns one."""
 
 
-def _worker_main(conn: Connection, verify_fn: VerifyFn, memory_limit_bytes: int | None) -> None:
+def _worker_main(
+    conn: Connection,
+    verify_fn: VerifyFn,
+    memory_limit_bytes: int | None,
+    warm_up: Sequence[tuple[str, str]] = (),
+) -> None:
     """Loop of one verifier process: receive (index, response, ground truth), send (index, score, error,
     answer)."""
     # The parent handles Ctrl-C and kills us; a KeyboardInterrupt traceback per worker is only noise.
@@ -61,7 +66,11 @@ def _worker_main(conn: Connection, verify_fn: VerifyFn, memory_limit_bytes: int 
         # An answer that makes the verifier allocate without bound gets a MemoryError (scored 0), not the
         # whole machine: the limit is on this process's address space.
         resource.setrlimit(resource.RLIMIT_AS, (memory_limit_bytes, memory_limit_bytes))
-    # ``verify_fn``'s module (and its heavy imports) was loaded while unpickling the arguments: we are ready.
+    # ``verify_fn``'s module (and its heavy imports) was loaded while unpickling the arguments. Its first calls
+    # also build parsers and import more lazily (0.3 s each for math-verify's first fraction or symbol): done
+    # here, before the pool is waited on, not on a training step's answers.
+    for response, ground_truth in warm_up:
+        verify_fn(response, ground_truth)
     conn.send(_READY)
     while True:
         try:
@@ -100,6 +109,8 @@ class VerifierPool:
             needs more scores 0.
         max_response_chars: Responses longer than this are cut to their last ``max_response_chars``
             characters (where a final answer is) before verifying (``None``: no cap).
+        warm_up: ``(response, ground_truth)`` pairs each process verifies once when it starts, results
+            discarded, so first-call costs (lazy imports, parser construction) are not paid on real answers.
     """
 
     def __init__(
@@ -110,6 +121,7 @@ class VerifierPool:
         timeout_s: float,
         memory_limit_mb: int | None = None,
         max_response_chars: int | None = None,
+        warm_up: Sequence[tuple[str, str]] = (),
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"a verifier pool needs at least one worker, got num_workers={num_workers}")
@@ -119,6 +131,7 @@ class VerifierPool:
         self._timeout_s = timeout_s
         self._memory_limit_bytes = None if memory_limit_mb is None else memory_limit_mb * 2**20
         self._max_response_chars = max_response_chars
+        self._warm_up = list(warm_up)
         # forkserver, not fork: the parent may be a threaded Ray actor, and a child forked from it could
         # inherit locks held by other threads. The fork server is single-threaded and preloads the verifier's
         # module, so replacing a killed worker costs a fork, not a fresh interpreter importing sympy.
@@ -134,7 +147,7 @@ class VerifierPool:
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
         process = self._ctx.Process(
             target=_worker_main,
-            args=(child_conn, self._verify_fn, self._memory_limit_bytes),
+            args=(child_conn, self._verify_fn, self._memory_limit_bytes, self._warm_up),
             daemon=True,
             name="nemo-rl-verifier",
         )

@@ -43,6 +43,9 @@ NEMO_RL_STEP_METRICS = [
     "train/truncation_rate",
     "train/gen_kl_error",
     "train/token_mult_prob_error",
+    # The math environment's own metrics, collected after training.
+    "train/math/accuracy",
+    "train/math/pass@samples_per_prompt",
     "timing/train/total_step_time",
     "timing/train/generation",
     "timing/train/refit",
