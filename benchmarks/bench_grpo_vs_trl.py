@@ -229,17 +229,12 @@ def _our_prompts(num_rows: int) -> list[dict[str, Any]]:
     return rows
 
 
-def _our_side(
-    num_prompts: int, group: int, new_tokens: int, threads: int, num_steps: int, out_dir: Path
-) -> dict[str, Any]:
-    """``examples/run_grpo_math.py`` on the same work; per-step metrics from its ``metrics.jsonl``."""
+def grpo_overrides(
+    num_prompts: int, group: int, new_tokens: int, threads: int, num_steps: int, log_dir: Path
+) -> list[str]:
+    """The overrides of ``grpo_math_tiny.yaml`` that make this project's run the compared work."""
     num_samples = num_prompts * group
-    log_dir = out_dir / "logs"
-    cmd = [
-        sys.executable,
-        str(SCRIPT),
-        "--config",
-        str(CONFIG),
+    return [
         f"grpo.num_prompts_per_step={num_prompts}",
         f"grpo.num_generations_per_prompt={group}",
         f"grpo.max_num_steps={num_steps}",
@@ -261,6 +256,20 @@ def _our_side(
         "logger.progress_bar=false",
         "logger.monitor_gpus=false",
         "logger.plot_metrics=[]",
+    ]
+
+
+def _our_side(
+    num_prompts: int, group: int, new_tokens: int, threads: int, num_steps: int, out_dir: Path
+) -> dict[str, Any]:
+    """``examples/run_grpo_math.py`` on the same work; per-step metrics from its ``metrics.jsonl``."""
+    log_dir = out_dir / "logs"
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        "--config",
+        str(CONFIG),
+        *grpo_overrides(num_prompts, group, new_tokens, threads, num_steps, log_dir),
     ]
     metrics_file = log_dir / "metrics.jsonl"
     start = time.time()

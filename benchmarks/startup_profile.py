@@ -1,0 +1,164 @@
+"""Where a GRPO run's start-up time goes: timestamps of the driver's phases and every process's CPU time.
+
+Runs ``examples/run_grpo_math.py`` (``grpo_math_tiny.yaml`` with the 64x32 overrides of
+``bench_grpo_vs_trl.py``, DP=``--threads``, two steps) in a subprocess that marks, in seconds since that
+process started and with the driver's own CPU time, the end of its imports, the tokenizer and data, Ray's
+start, the environment, generation and policy actors' creation, the wait until all of them are up, and the
+end of each step. Meanwhile it polls the CPU time of every process the run starts (Ray's own, the workers,
+the environment and its verifier processes) and prints them when the run ends, with the total:
+
+    uv run python benchmarks/startup_profile.py [--threads 1] [key=value ...]
+
+Extra ``key=value`` arguments are passed on as config overrides. On a shared machine the timestamps and CPU
+times are inflated by other work; compare versions by running them alternately, and quote idle numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import os
+import runpy
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_grpo_vs_trl import CONFIG, SCRIPT, grpo_overrides  # noqa: E402
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _process_start_s(pid: int | str = "self") -> float:
+    """When process ``pid`` started, in seconds since the epoch (from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    boot_s = float(Path("/proc/stat").read_text().split("btime ")[1].split()[0])
+    return boot_s + int(fields[19]) / _CLOCK_TICKS
+
+
+# ---------------------------------------------------------------------------- inside the traced driver
+def _traced_driver(script_args: list[str]) -> None:
+    """Run the example script in this process with phase marks on stderr."""
+    start_s = _process_start_s()
+
+    def mark(what: str) -> None:
+        print(
+            f"[startup {time.time() - start_s:7.2f} s, driver CPU {time.process_time():6.2f} s] {what}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    mark("interpreter up")
+    import nemo_rl.algorithms.grpo as grpo
+    import nemo_rl.data.datasets as datasets
+    import nemo_rl.models.tokenizer as tokenizer
+    from nemo_rl.utils.logger import Logger
+
+    mark("driver imports done")
+
+    def timed(module: Any, name: str) -> None:
+        original: Callable[..., Any] = getattr(module, name)
+
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            mark(f"{name} done")
+            return result
+
+        setattr(module, name, wrapper)
+
+    for name in ("init_ray", "RayVirtualCluster", "create_task_envs", "create_generation", "Policy", "setup"):
+        timed(grpo, name)
+    timed(datasets, "setup_rl_data")
+    timed(tokenizer, "get_policy_tokenizer")
+    start_together = grpo.start_together
+
+    @contextlib.contextmanager
+    def marked_start_together(*args: Any, **kwargs: Any) -> Iterator[None]:
+        with start_together(*args, **kwargs):
+            yield
+            mark("all worker actors created")
+        mark("all workers up")
+
+    grpo.start_together = marked_start_together  # type: ignore[assignment]
+    log_metrics = Logger.log_metrics
+
+    def marked_log_metrics(
+        self: Logger, metrics: dict[str, Any], step: int, *args: Any, **kwargs: Any
+    ) -> None:
+        total = [value for key, value in metrics.items() if key.endswith("total_step_time")]
+        if total:
+            mark(f"step {step} done ({total[0]:.2f} s)")
+        log_metrics(self, metrics, step, *args, **kwargs)
+
+    Logger.log_metrics = marked_log_metrics  # type: ignore[method-assign]
+    sys.argv = [str(SCRIPT), *script_args]
+    runpy.run_path(str(SCRIPT), run_name="__main__")
+
+
+# ------------------------------------------------------------------------------------- the observer
+def _cpu_by_process(root: int) -> dict[int, tuple[float, str]]:
+    """CPU seconds and command line of ``root`` and every process below it."""
+    parents: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            parents[int(entry)] = int(fields[1])
+            cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+    family, grew = {root}, True
+    while grew:
+        grew = False
+        for pid, parent in parents.items():
+            if parent in family and pid not in family:
+                family.add(pid)
+                grew = True
+    found = {}
+    for pid in family & cpu.keys():
+        with contextlib.suppress(OSError):
+            command = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ").strip()
+            found[pid] = (cpu[pid], command or Path(f"/proc/{pid}/comm").read_text().strip())
+    return found
+
+
+def main() -> None:
+    """Run the traced driver, poll its processes' CPU time, print both."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--threads", type=int, default=1, help="policy and generation workers (DP size)")
+    parser.add_argument("--traced-driver", action="store_true", help=argparse.SUPPRESS)
+    args, extra = parser.parse_known_args()
+    if args.traced_driver:
+        _traced_driver(extra)
+        return
+    with tempfile.TemporaryDirectory(prefix="startup_profile_") as tmp:
+        overrides = grpo_overrides(8, 8, 32, args.threads, 2, Path(tmp) / "logs")
+        command = [sys.executable, __file__, "--traced-driver", "--config", str(CONFIG), *overrides, *extra]
+        seen: dict[int, tuple[float, str]] = {}
+        with open(Path(tmp) / "run.log", "w") as log:
+            proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+            while proc.poll() is None:
+                seen.update(_cpu_by_process(proc.pid))
+                time.sleep(0.5)
+        text = (Path(tmp) / "run.log").read_text()
+        if proc.returncode != 0:
+            raise SystemExit(f"the run failed (exit {proc.returncode}):\n{text[-4000:]}")
+    print("\n".join(line for line in text.splitlines() if line.startswith("[startup ")))
+    print(f"CPU seconds per process (load average {os.getloadavg()[0]:.1f}):")
+    for cpu_s, command in sorted(seen.values(), reverse=True):
+        if cpu_s >= 0.2:
+            print(f"  {cpu_s:6.2f}  {command[:110]}")
+    print(f"  {sum(c for c, _ in seen.values()):6.2f}  in all ({len(seen)} processes)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""The driver of a run imports only what it uses: no model-parallel, checkpointing or compiler stacks.
+
+The driver imports the algorithm loops, the data stack and the worker classes (Ray needs the classes to start
+the actors), but it never shards, checkpoints or builds a model. FSDP2 / DTensor, torch.distributed.checkpoint,
+torch._dynamo (pulled in by transformers' auto model classes, its model code and optimizer construction) and
+math-verify cost seconds of CPU to import; every second spent there delays the first step.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Loading the example scripts' stack as a run does: the algorithm, the data, the tokenizer, the policy and
+# generation facades and the environments, then what setup and the loop call before and around the workers.
+DRIVER = """
+import sys
+import tempfile
+from pathlib import Path
+
+from nemo_rl.algorithms import distillation, dpo, grpo, rm, sft  # noqa: F401
+from nemo_rl.config.loader import load_and_validate
+from nemo_rl.config.master import GRPOMasterConfig
+from nemo_rl.data.datasets import setup_rl_data
+from nemo_rl.environments.registry import get_env_class
+from nemo_rl.models.generation.embedded.worker import EmbeddedGenerationWorker  # noqa: F401
+from nemo_rl.models.policy.dtensor_worker import DTensorPolicyWorker  # noqa: F401
+from nemo_rl.models.tokenizer import get_policy_tokenizer
+
+config = load_and_validate(
+    Path("examples/configs/grpo_math_tiny.yaml"), GRPOMasterConfig, ["checkpointing.enabled=false"]
+)
+tokenizer = get_policy_tokenizer(config.policy)
+setup_rl_data(config.data, tokenizer, max_total_sequence_length=config.policy.max_total_sequence_length)
+grpo.check_run_setup(
+    config.policy, config.checkpointing, "/tmp", policy_world_size=1, run_name="GRPO",
+    metric_names={"val_accuracy"}
+)
+get_env_class("math")
+heavy = ["torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.checkpoint", "torch._dynamo",
+         "transformers.models.auto.modeling_auto", "transformers.modeling_utils", "math_verify", "sympy"]
+print(sorted(m for m in heavy if m in sys.modules))
+"""
+
+
+def test_the_driver_imports_no_training_or_compiler_stack() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", DRIVER], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
