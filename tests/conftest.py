@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import ray
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.distributed.virtual_cluster import default_ray_temp_dir, worker_pythonpath
@@ -35,6 +36,9 @@ os.environ.setdefault("RAY_raylet_start_wait_time_s", "120")
 # The scripts and Ray workers the tests start cache the bytecode they compile: with PYTHONDONTWRITEBYTECODE
 # inherited, each of those processes would compile whatever the install did not precompile again.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+# In-process reference computations get one torch thread, like every worker: on a shared 2-core machine two
+# threads contend with the test's own Ray workers (a reference that takes 0.5 s on one thread took 14 s on two).
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
