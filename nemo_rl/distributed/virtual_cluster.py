@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
 import sys
 import tempfile
@@ -156,11 +157,35 @@ class BundleLocation:
     """IP address of that node."""
 
 
+# Ports handed out by free_port start here: above Ray's default worker ports (10002-19999).
+_FREE_PORT_LOW = 20000
+
+
+def _ephemeral_port_start() -> int:
+    """First port of the range the kernel gives sockets bound to port 0 (Linux's default range starts at 32768)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            return int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A TCP port that is free on this machine."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])
+    """A TCP port that is free on this machine, for a rendezvous another process binds later.
+
+    Taken below the kernel's ephemeral range where there is room: between this choice and the bind, any
+    connection's automatic port (gloo opens many) could otherwise land on it.
+    """
+    high = _ephemeral_port_start()
+    candidates = [random.randrange(_FREE_PORT_LOW, high) for _ in range(32)] if high > _FREE_PORT_LOW else []
+    for port in [*candidates, 0]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("", port))
+            except OSError:
+                continue
+            return int(sock.getsockname()[1])
+    raise OSError("no free TCP port on this machine")
 
 
 _find_free_port = ray.remote(num_cpus=0)(free_port)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 import traceback
 from pathlib import Path
@@ -34,6 +33,7 @@ from nemo_rl.algorithms.loss_functions import ClippedPGLossFn, DPOLossFn, Prefer
 from nemo_rl.config.loss import ClippedPGLossConfig, DPOLossConfig
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.distributed.virtual_cluster import free_port
 
 WORLD_SIZE = 2
 VOCAB = 128
@@ -329,12 +329,6 @@ def _spawn_entry(rank: int, port: int, model_dir: str, out_dir: str) -> None:
         raise
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tiny_qwen2")
@@ -348,7 +342,7 @@ def results(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out_dir = tmp_path_factory.mktemp("dtensor_results")
     context = mp.start_processes(
         _spawn_entry,
-        args=(_free_port(), str(model_dir), str(out_dir)),
+        args=(free_port(), str(model_dir), str(out_dir)),
         nprocs=WORLD_SIZE,
         join=False,
         start_method="spawn",

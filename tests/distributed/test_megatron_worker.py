@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -39,6 +38,7 @@ from nemo_rl.algorithms.loss_functions import ClippedPGLossFn, DPOLossFn, NLLLos
 from nemo_rl.config.loss import ClippedPGLossConfig
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.distributed.virtual_cluster import free_port
 
 pytest.importorskip("megatron.core", reason="needs megatron-core (uv sync --extra mcore)")
 pytestmark = pytest.mark.mcore
@@ -307,12 +307,6 @@ def _entry(rank: int, world_size: int, port: int, scenarios: str, model_dir: str
         raise
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tiny_qwen2")
@@ -336,7 +330,7 @@ def results(model_dir: Path, hf_model: torch.nn.Module, tmp_path_factory: pytest
     groups = [("megatron", 2), ("megatron4", 4), ("reference", 1)]
     processes = []
     for scenarios, world_size in groups:
-        port = _free_port()
+        port = free_port()
         for rank in range(world_size):
             process = context.Process(
                 target=_entry, args=(rank, world_size, port, scenarios, str(model_dir), str(out_dir))

@@ -9,7 +9,6 @@ cast to the generation dtype), and the policy's default process group must still
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -22,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from nemo_rl.distributed.device import configure_worker_threads
+from nemo_rl.distributed.virtual_cluster import free_port
 from nemo_rl.weight_sync import (
     RefitError,
     TransferStats,
@@ -69,12 +69,6 @@ def tp_split_dim(name: str) -> int | None:
     if name.endswith(("o_proj.weight", "down_proj.weight")):
         return 1
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class PolicySender:
@@ -181,7 +175,7 @@ class GenerationReceiver:
 
 
 def _start_senders(world_size: int, seed: int) -> list[Any]:
-    port = _free_port()
+    port = free_port()
     actor = ray.remote(num_cpus=0.5)(PolicySender)
     senders = [actor.remote(rank, world_size, port, seed) for rank in range(world_size)]
     ray.get([s.full_weights.remote() for s in senders], timeout=TIMEOUT_S)

@@ -184,7 +184,12 @@ def test_scripts_fail_with_one_line_on_bad_input(
         + json.dumps({"prompt": "What is 2+2?", "chosen": "4"})
         + "\n"
     )
-    preference_files = ["data.dataset_name=binary_preference", "data.val_data_path=null"]
+    # rm_tiny_math.yaml draws several wrong answers per tiny_math problem, a key only that dataset takes.
+    preference_files = [
+        "data.dataset_name=binary_preference",
+        "data.val_data_path=null",
+        "data.tiny_math_rejected_per_problem=1",
+    ]
     missing = tmp_path / "missing.jsonl"
     cases: list[tuple[list[str], list[str]]] = [
         (["policy.no_such_key=1"], ["policy.no_such_key"]),
