@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -32,6 +31,7 @@ import torch.multiprocessing as mp
 
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.distributed.virtual_cluster import free_port
 
 LR = 1e-4
 
@@ -165,12 +165,6 @@ def _rank_main(
         raise
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def main() -> None:
     """Build the model, run both backends in ``--workers`` processes, print the comparison."""
     parser = argparse.ArgumentParser(
@@ -193,7 +187,7 @@ def main() -> None:
         build_model(model_dir, args.hidden, args.layers, args.vocab)
         mp.start_processes(
             _rank_main,
-            args=(args.workers, _free_port(), str(model_dir), out, args),
+            args=(args.workers, free_port(), str(model_dir), out, args),
             nprocs=args.workers,
             start_method="spawn",
         )

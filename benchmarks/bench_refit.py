@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -31,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from nemo_rl.distributed.virtual_cluster import free_port
 from nemo_rl.weight_sync import CollectiveTransport, SharedMemoryTransport, WeightManifest
 from nemo_rl.weight_sync.interfaces import RefitTransport
 from nemo_rl.weight_sync.manifest import dtype_from_name
@@ -109,12 +109,6 @@ def _worker(
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _time_refit(conns: list[Connection], transport: RefitTransport, refit_id: str) -> tuple[float, int]:
     senders, receivers = transport.endpoints(refit_id)
     start = time.perf_counter()
@@ -147,7 +141,7 @@ def main() -> None:
     print(f"{len(shapes)} tensors, {wire_bytes / 1e9:.3f} GB in {args.dtype}, {args.bucket_mb} MiB buckets")
 
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     pipes = [ctx.Pipe() for _ in range(2)]
     procs = [ctx.Process(target=_worker, args=(r, pipes[r][1], shapes, dtype, port)) for r in range(2)]
     for proc in procs:

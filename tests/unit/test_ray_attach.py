@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 import pytest
@@ -9,7 +10,7 @@ from ray.exceptions import AuthenticationError
 
 from nemo_rl.config.errors import UserError
 from nemo_rl.distributed import virtual_cluster
-from nemo_rl.distributed.virtual_cluster import RayAuthenticationError, init_ray
+from nemo_rl.distributed.virtual_cluster import RayAuthenticationError, free_port, init_ray
 
 
 def test_refused_token_names_the_variables_to_set(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -69,3 +70,14 @@ def test_a_refusal_quoted_by_the_gcs_client_is_a_user_error_and_others_pass_thro
     with pytest.raises(RayAuthenticationError if refused else ConnectionError) as info:
         init_ray()
     assert isinstance(info.value, RayAuthenticationError) == refused
+
+
+def test_free_port_is_below_the_kernels_automatic_ports_and_bindable() -> None:
+    """A rendezvous port must not be one a connection can be given automatically between choice and bind."""
+    start = virtual_cluster._ephemeral_port_start()
+    ports = {free_port() for _ in range(8)}
+    for port in ports:
+        if start > virtual_cluster._FREE_PORT_LOW:
+            assert virtual_cluster._FREE_PORT_LOW <= port < start
+        with socket.socket() as sock:
+            sock.bind(("", port))
