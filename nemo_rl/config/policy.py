@@ -147,6 +147,31 @@ class DynamicBatchingConfig(ConfigModel):
     """Padded sequence lengths are rounded up to a multiple of this."""
 
 
+class SharedPrefixConfig(ConfigModel):
+    """Shared-prompt forward ("prefix sharing", as in Prefix Grouper for GRPO): rows whose prompts are identical
+    run as one row per prompt, the prompt once followed by every row's response.
+
+    Position ids restart after the prompt for each response and attention runs in blocks (the prompt over
+    itself, each response over the whole prompt and its own earlier tokens), so logits, log-probs, losses and
+    gradients are those of the unshared forward (float rounding aside). Groups are found in the data
+    (identical tokens before a row's first trained token, ``token_mask``), so any algorithm that sends several
+    samples per prompt benefits; rows without a partner run as ordinary rows. Applies to training and to every
+    log-prob pass (reference, previous policy, top-k) of the DTensor backend; token budgets
+    (``dynamic_batching``) count a shared prompt once and keep a group's rows in one micro-batch unless its
+    group row alone exceeds the budget.
+
+    It pays with groups of samples per prompt (GRPO's ``num_generations_per_prompt``) and prompts that are
+    long relative to the responses: every layer but attention computes a prompt's tokens once instead of once
+    per sample (about 1.3-1.4x training tokens/s on the tiny math GRPO batches, ``benchmarks/README.md``). With
+    no shared prompts it costs only the grouping check. Needs Hugging Face's sdpa attention (the default) and
+    no sliding-window layers. Exclusive with ``sequence_packing`` (a group row already holds no repeated
+    prompt; packing would need attention blocks across packed groups); refused on the Megatron backend and
+    for reward models."""
+
+    enabled: bool = False
+    """Compute each shared prompt once per micro-batch (see the class docstring for when it pays)."""
+
+
 class ColocatedResources(ConfigModel):
     """Resources for generation workers when they do not share the policy's bundles."""
 
@@ -459,6 +484,9 @@ class PolicyConfig(ConfigModel):
     sequence_packing: SequencePackingConfig = Field(default_factory=SequencePackingConfig)
     """Packed micro-batches: several sequences per row, no compute spent on padding (DTensor backend)."""
 
+    shared_prefix: SharedPrefixConfig = Field(default_factory=SharedPrefixConfig)
+    """Compute each prompt shared by several rows once (DTensor backend; exact, see ``SharedPrefixConfig``)."""
+
     draft: dict[str, Any] | None = None
     """Speculative-decoding draft model; not built here: must be null or have ``enabled: false``."""
 
@@ -502,6 +530,8 @@ class PolicyConfig(ConfigModel):
                     "policy.reward_model_cfg.enabled=true needs the DTensor backend (the Megatron backend builds "
                     "causal LMs only): set policy.dtensor_cfg.enabled=true and policy.megatron_cfg.enabled=false"
                 )
+        if self.shared_prefix.enabled:
+            self._check_shared_prefix()
         if self.sequence_packing.enabled and self.dynamic_batching.enabled:
             raise ValueError(
                 "policy.sequence_packing and policy.dynamic_batching are both enabled: pick one (packing "
@@ -528,6 +558,23 @@ class PolicyConfig(ConfigModel):
         if len(entries) > 1 and not milestones:
             raise ValueError("policy.scheduler chains several schedulers: add a `milestones: [...]` entry")
         return self
+
+    def _check_shared_prefix(self) -> None:
+        if self.megatron_cfg.enabled:
+            raise ValueError(
+                "policy.shared_prefix.enabled=true is implemented by the DTensor backend only: set "
+                "policy.shared_prefix.enabled=false or use policy.dtensor_cfg.enabled=true"
+            )
+        if self.sequence_packing.enabled:
+            raise ValueError(
+                "policy.shared_prefix and policy.sequence_packing are both enabled: pick one (with groups of "
+                "samples per prompt, shared_prefix saves the repeated prompts; packing saves padding)"
+            )
+        if self.reward_model_cfg.enabled:
+            raise ValueError(
+                "policy.shared_prefix.enabled=true needs next-token logits, but this policy is a reward model: "
+                "set policy.shared_prefix.enabled=false"
+            )
 
     @property
     def tokenizer_name(self) -> str:

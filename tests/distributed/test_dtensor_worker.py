@@ -130,7 +130,16 @@ def policy_cfg(model_dir: Path, dtensor: dict[str, Any] | None = None, **overrid
 
 
 def train_data() -> BatchedDataDict[Any]:
-    return make_batch(seed=1, num_rows=GLOBAL_BATCH * NUM_STEPS)
+    """Each global batch's rows in groups that share a 3-token prompt, as GRPO sends them: rows 0-2, row 3 alone
+    and rows 4-7 (dp=2 gives rank 0 a group of 3 and one of 1, rank 1 a group of 4); rows 3 and 5 masked out."""
+    data = make_batch(seed=1, num_rows=GLOBAL_BATCH * NUM_STEPS)
+    for start in range(0, data.size, GLOBAL_BATCH):
+        for first, size in ((start, 3), (start + 4, 4)):
+            data["input_ids"][first : first + size, :3] = data["input_ids"][first, :3]
+    positions = torch.arange(SEQ_LEN)[None, :]
+    data["token_mask"] = ((positions >= 3) & (positions < data["input_lengths"][:, None])).float()
+    data["sample_mask"][5::GLOBAL_BATCH] = 0.0
+    return data
 
 
 # Preference pairs: GLOBAL_BATCH rows (GLOBAL_BATCH // 2 pairs) per step, (chosen, rejected) interleaved.
@@ -219,6 +228,17 @@ def _scenarios(rank: int, model_dir: Path, out_dir: Path) -> None:
     save("packed_train", worker.train(_shard(data, worker.dp_rank, worker.dp_size), loss_fn))
     worker.shutdown()
 
+    # Shared prompts over 2 dp ranks with token budgets: each prompt computed once per micro-batch; training
+    # micro-batches hold both of rank 0's groups, the scoring budget splits the group of 4.
+    shared = {"enabled": True, "train_mb_tokens": 64, "logprob_mb_tokens": 16, "sequence_length_round": 4}
+    worker = DTensorPolicyWorker(
+        policy_cfg(model_dir, dynamic_batching=shared, shared_prefix={"enabled": True})
+    )
+    save("shared_logprobs_init", worker.get_logprobs(data.slice(0, GLOBAL_BATCH)))
+    save("shared_train", worker.train(_shard(data, worker.dp_rank, worker.dp_size), loss_fn))
+    save("shared_attention", worker.model.config._attn_implementation)  # set by the first shared forward
+    worker.shutdown()
+
     # Tensor parallel (dp=1): scoring before/after training, reference logprobs, export and refit stream.
     worker = DTensorPolicyWorker(policy_cfg(model_dir, {"tensor_parallel_size": 2}))
     save("tp2_logprobs_init", worker.get_logprobs(score_data))
@@ -231,11 +251,13 @@ def _scenarios(rank: int, model_dir: Path, out_dir: Path) -> None:
     save("tp2_refit", {"weights": weights, "manifest": worker.weights_manifest(torch.bfloat16)})
     worker.shutdown()
 
-    # Sequence parallel + activation checkpointing, on padded (odd) sequences.
+    # Sequence parallel + activation checkpointing, on padded (odd) sequences; training shares each
+    # micro-batch's prompts (fixed micro-batches of 4 rows: groups of 3 + 1 and 4), scoring has none to share.
     sp = {"tensor_parallel_size": 2, "sequence_parallel": True, "activation_checkpointing": True}
-    worker = DTensorPolicyWorker(policy_cfg(model_dir, sp))
+    worker = DTensorPolicyWorker(policy_cfg(model_dir, sp, shared_prefix={"enabled": True}))
     save("sp2_logprobs_init", worker.get_logprobs(score_data))
     save("sp2_train", worker.train(_shard(data, worker.dp_rank, worker.dp_size), loss_fn, mbs=4))
+    save("sp2_attention", worker.model.config._attn_implementation)
     worker.shutdown()
 
     # DPO on preference pairs (dp=2 deals whole pairs, as Policy does; tp=2), with the reference log-probs of
@@ -380,6 +402,7 @@ def single_process_reference(model_dir: Path) -> dict[str, Any]:
     model.load_state_dict(AutoModelForCausalLM.from_pretrained(model_dir).state_dict())
     score_data = make_batch(seed=2, num_rows=6)
     init_lp = reference_logprobs(model, score_data)
+    grouped_init_lp = reference_logprobs(model, train_data().slice(0, GLOBAL_BATCH))
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.SequentialLR(
         optimizer,
@@ -408,6 +431,7 @@ def single_process_reference(model_dir: Path) -> dict[str, Any]:
         "grad_norm": torch.tensor(grad_norms),
         "lr": torch.tensor(lrs),
         "init_logprobs": init_lp,
+        "grouped_init_logprobs": grouped_init_lp,
         "trained_logprobs": reference_logprobs(model, score_data),
         "trained_model": model,
     }
@@ -517,7 +541,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-
 
 
 # ------------------------------------------------------------------------------------------------ tests
-@pytest.mark.parametrize("scenario", ["dp2_mbs1", "dp2_mbs4", "dynamic", "packed", "tp2", "sp2"])
+@pytest.mark.parametrize("scenario", ["dp2_mbs1", "dp2_mbs4", "dynamic", "packed", "shared", "tp2", "sp2"])
 def test_training_matches_single_process(results: Path, reference: dict[str, Any], scenario: str) -> None:
     for rank in range(WORLD_SIZE):
         out = load(results, f"{scenario}_train", rank)
@@ -551,6 +575,17 @@ def test_logprobs_match_hf_forward(results: Path, reference: dict[str, Any]) -> 
     for name in ("tp2_logprobs_init", "sp2_logprobs_init", "dynamic_logprobs_init", "packed_logprobs_init"):
         assert_close(load(results, name)["logprobs"], reference["init_logprobs"])
     assert_close(load(results, "tp2_logprobs_trained")["logprobs"], reference["trained_logprobs"], rtol=1e-4)
+    for rank in range(WORLD_SIZE):
+        shared = load(results, "shared_logprobs_init", rank)["logprobs"]
+        assert_close(shared, reference["grouped_init_logprobs"])
+
+
+def test_shared_prefix_scenarios_ran_the_shared_forward(results: Path) -> None:
+    from nemo_rl.models.policy.shared_prefix import ATTENTION
+
+    for rank in range(WORLD_SIZE):
+        assert load(results, "shared_attention", rank) == ATTENTION
+        assert load(results, "sp2_attention", rank) == ATTENTION
 
 
 def test_reference_logprobs_are_the_initial_model(results: Path, reference: dict[str, Any]) -> None:

@@ -48,6 +48,12 @@ from nemo_rl.models.policy.interfaces import TrainResult
 from nemo_rl.models.policy.loss_interface import LossFunction
 from nemo_rl.models.policy.optim import build_optimizer, build_scheduler, clip_grad_norm_, freeze_parameters
 from nemo_rl.models.policy.parallelize import fsdp_units_of_parameters, reshard_all
+from nemo_rl.models.policy.shared_prefix import (
+    SharedPrefixRows,
+    prompt_lengths,
+    shared_prefix_groups,
+    use_shared_prefix_attention,
+)
 from nemo_rl.models.policy.utils import (
     PRECISION_DTYPES,
     PackedRows,
@@ -189,15 +195,24 @@ class DTensorPolicyWorker:
     def _logits(self, mb: BatchedDataDict[Any]) -> torch.Tensor:
         """[B, T, V] float32 full-vocab logits of the sampling distribution (temperature, top-k, top-p; see
         ``nemo_rl.models.sampling.sampling_logits``). With ``policy.sequence_packing`` the rows run as one
-        packed row and the logits are unpacked (zeros at padding)."""
-        packing = self.cfg.packs_sequences
-        if packing:
+        packed row and the logits are unpacked (zeros at padding); with ``policy.shared_prefix`` rows sharing a
+        prompt run as one row per prompt (:class:`SharedPrefixRows`) and the logits are mapped back."""
+        packed = shared = None
+        if self.cfg.packs_sequences:
             multiple = math.lcm(self.cfg.sequence_packing.sequence_length_round, self.seq_multiple)
             packed = PackedRows.pack(mb["input_ids"], mb["input_lengths"], multiple)
             # Hugging Face keeps attention within each packed sequence (restarting position ids) only when
             # no KV cache is passed: use_cache=False is what makes the packed forward exact.
             output = self.model(
                 input_ids=packed.input_ids_1L, position_ids=packed.position_ids_1L, use_cache=False
+            )
+        elif self.cfg.shared_prefix.enabled and (shared := self._shared_prefix_rows(mb)) is not None:
+            # The layout reaches every attention layer through Hugging Face's forward keywords.
+            output = self.model(
+                input_ids=shared.input_ids_GS,
+                position_ids=shared.position_ids_GS,
+                use_cache=False,
+                shared_prefix_layout=shared.layout,
             )
         else:
             output = self.model(input_ids=mb["input_ids"], use_cache=False)
@@ -206,11 +221,27 @@ class DTensorPolicyWorker:
 
         if isinstance(logits_BTV, DTensor):  # a custom TP plan may leave the LM head's output sharded
             logits_BTV = logits_BTV.full_tensor()
-        if packing:
+        if packed is not None:
             logits_BTV = packed.unpack(logits_BTV)
+        elif shared is not None:
+            logits_BTV = shared.unpack(logits_BTV)
         generation = self.cfg.generation
         return sampling_logits(
             logits_BTV.float(), mb["input_ids"], generation.temperature, generation.top_k, generation.top_p
+        )
+
+    def _shared_prefix_rows(self, mb: BatchedDataDict[Any]) -> SharedPrefixRows | None:
+        """``mb``'s rows laid out one row per shared prompt, or None when no two rows share one (or the
+        micro-batch has no ``token_mask`` to tell prompts from responses): then the plain forward runs."""
+        if "token_mask" not in mb:
+            return None
+        prompts = prompt_lengths(mb["token_mask"], mb["input_lengths"])
+        groups = shared_prefix_groups(mb["input_ids"], prompts)
+        if len(groups) == mb.size:
+            return None
+        use_shared_prefix_attention(self.model)
+        return SharedPrefixRows.build(
+            mb["input_ids"], mb["input_lengths"], prompts, groups, self.seq_multiple
         )
 
     @torch.no_grad()
@@ -250,6 +281,7 @@ class DTensorPolicyWorker:
             device=self.device,
             dp_group=self.dp_group,
             packing=self.cfg.sequence_packing if self.cfg.packs_sequences else None,
+            shared_prefix=self.cfg.shared_prefix.enabled,
         )
 
     def _mb_tokens(self, train: bool) -> int:

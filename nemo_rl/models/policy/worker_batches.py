@@ -24,6 +24,7 @@ from nemo_rl.config.policy import DynamicBatchingConfig, PolicyConfig, SequenceP
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.models.policy.interfaces import TrainResult
 from nemo_rl.models.policy.loss_interface import group_metrics, metric_reduction, reduce_metrics
+from nemo_rl.models.policy.shared_prefix import prompt_lengths, shared_prefix_groups, shared_prefix_units
 from nemo_rl.models.policy.utils import (
     fixed_size_parts,
     global_valid_counts,
@@ -85,6 +86,7 @@ def micro_batches(
     device: torch.device,
     dp_group: dist.ProcessGroup | None,
     packing: SequencePackingConfig | None = None,
+    shared_prefix: bool = False,
 ) -> Iterator[tuple[list[int], BatchedDataDict[Any]]]:
     """``(row indices, micro-batch on the device)`` pairs covering ``batch``.
 
@@ -93,6 +95,11 @@ def micro_batches(
     given ``packing`` (the policy packs sequences), the rows of one pack of at most ``max_tokens`` tokens (the worker lays them end
     to end for the forward pass). Every dp rank runs the same number of micro-batches (forward passes are
     collectives over dp), so the count is agreed on first.
+
+    With ``shared_prefix`` (the worker computes each shared prompt once, ``policy.shared_prefix``) token
+    budgets count a group's shared row (its prompt once, then every response) instead of its rows, and keep a
+    group in one micro-batch unless its shared row alone exceeds the budget; fixed-size micro-batches are
+    unchanged (consecutive rows, so groups of consecutive samples share within each micro-batch).
     """
     if not dynamic.enabled and packing is None:
         for rows in fixed_size_parts(batch.size, micro_batch_size):
@@ -104,6 +111,14 @@ def micro_batches(
     if packing is not None:
         parts = packing_parts(lengths, max_tokens, in_order=packing.algorithm == "concatenative")
         round_to = seq_multiple
+    elif shared_prefix and "token_mask" in batch:
+        prompts = prompt_lengths(batch["token_mask"], batch["input_lengths"])
+        groups = shared_prefix_groups(batch["input_ids"], prompts)
+        units, unit_lengths = shared_prefix_units(groups, lengths, prompts, max_tokens)
+        parts = [
+            [row for unit in part for row in units[unit]]
+            for part in token_budget_parts(unit_lengths, max_tokens, round_to)
+        ]
     else:
         parts = token_budget_parts(lengths, max_tokens, round_to)
     count = torch.tensor(len(parts), device=device)

@@ -1,0 +1,291 @@
+"""The shared-prompt forward (``policy.shared_prefix``): rows that share a prompt compute it once.
+
+GRPO samples G responses per prompt, so a batch holds every prompt G times. Here the rows of one prompt run
+as ONE row, ``[prompt, response_1, ..., response_G]``, with position ids 0..P-1 over the prompt and P..P+L-1
+again for every response, so every linear layer, norm and MLP sees each prompt token once. Attention is
+the only part that mixes tokens: :func:`shared_prefix_attention` (a Hugging Face attention implementation)
+runs it in blocks, the prompt causally over itself and each response over the whole prompt plus its own
+earlier tokens, which is exactly what that response sees in its own unshared row. So the logits of every
+row, read back with :meth:`SharedPrefixRows.unpack`, are those of the unshared forward, and their gradients
+sum into the shared prompt's activations as they would through G copies (as in the Prefix Grouper method).
+The attention is never computed densely over the whole group row: its cost stays that of the unshared rows
+(each response against prompt + itself), while the rest of the model saves (G - 1) x P tokens per group.
+
+Groups are found in the data: rows whose tokens before their first trained token (``token_mask``) are
+identical. Rows without a partner are groups of one, laid out as their ordinary row.
+
+Tensor legend: B = rows, T = tokens, G = group rows, S = group-row length, H = heads, D = head dim,
+P = longest prompt, L = longest response, R = responses (rows with at least one response token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from nemo_rl.models.policy.utils import round_up
+
+ATTENTION = "nemo_rl_shared_prefix"
+"""The Hugging Face attention implementation name of :func:`shared_prefix_attention`."""
+
+
+def prompt_lengths(token_mask_BT: torch.Tensor, input_lengths_B: torch.Tensor) -> list[int]:
+    """Each row's prompt length: the position of its first trained token (``token_mask``), or its whole length
+    when it has none (a row with no response is all prompt)."""
+    lengths_B = input_lengths_B.to(token_mask_BT.device)
+    trained_BT = token_mask_BT > 0
+    first_B = torch.where(trained_BT.any(dim=1), trained_BT.int().argmax(dim=1), lengths_B)
+    return [int(n) for n in torch.minimum(first_B, lengths_B).tolist()]
+
+
+def shared_prefix_groups(input_ids_BT: torch.Tensor, prompt_lengths_B: list[int]) -> list[list[int]]:
+    """Rows grouped by identical prompts (same length, same tokens), in order of first appearance.
+
+    A row with an empty prompt, or whose prompt no other row has, is a group of its own.
+    """
+    ids = input_ids_BT.cpu()
+    groups: dict[tuple[int, ...] | int, list[int]] = {}
+    for row, length in enumerate(prompt_lengths_B):
+        key: tuple[int, ...] | int = tuple(ids[row, :length].tolist()) if length > 0 else -1 - row
+        groups.setdefault(key, []).append(row)
+    return list(groups.values())
+
+
+def shared_prefix_units(
+    groups: list[list[int]], input_lengths: list[int], prompt_lengths_B: list[int], max_tokens: int
+) -> tuple[list[list[int]], list[int]]:
+    """``(units, unit lengths)``: ``groups`` cut so that each unit's group row (its prompt once, then every
+    row's response) holds at most ``max_tokens`` tokens; a row longer than that is a unit of its own."""
+    units: list[list[int]] = []
+    lengths: list[int] = []
+    for group in groups:
+        prompt = prompt_lengths_B[group[0]]
+        current: list[int] = []
+        current_len = prompt
+        for row in group:
+            response = input_lengths[row] - prompt
+            if current and current_len + response > max_tokens:
+                units.append(current)
+                lengths.append(current_len)
+                current, current_len = [], prompt
+            current.append(row)
+            current_len += response
+        units.append(current)
+        lengths.append(current_len)
+    return units, lengths
+
+
+@dataclass(frozen=True)
+class SharedPrefixLayout:
+    """Where :func:`shared_prefix_attention` reads its blocks in the flattened ``[G * S]`` group rows."""
+
+    prompt_index_GP: torch.Tensor
+    """Slot of each group's prompt token (the row's own slots past its prompt: masked)."""
+    prompt_allowed_G1PP: torch.Tensor
+    """bool: prompt query p may attend prompt key p' (causal, within the prompt; padding attends itself)."""
+    response_index_RL: torch.Tensor
+    """Slot of each response token (the row's last slot past the response: masked)."""
+    response_kv_index_RK: torch.Tensor
+    """Keys of each response: its group's prompt slots, then its own (K = P + L)."""
+    response_allowed_R1LK: torch.Tensor
+    """bool: response query l may attend the whole prompt and its own response up to l."""
+    prompt_slots: torch.Tensor
+    """Flattened slots of the real prompt tokens (where the prompt blocks' outputs go)."""
+    prompt_valid_GP: torch.Tensor
+    response_slots: torch.Tensor
+    """Flattened slots of the real response tokens."""
+    response_valid_RL: torch.Tensor
+
+
+@dataclass(frozen=True)
+class SharedPrefixRows:
+    """Rows that share prompts laid out one row per group, ``[G, S]``, and the way back to ``[B, T]``.
+
+    Row ``b``'s position ``t`` is its group's prompt slot ``t`` for ``t < P`` (so the last prompt position,
+    which predicts the first response token, is shared too) and its response's slot beyond.
+    """
+
+    input_ids_GS: torch.Tensor
+    position_ids_GS: torch.Tensor
+    layout: SharedPrefixLayout
+    group_B: torch.Tensor
+    """The group row of each row."""
+    index_BT: torch.Tensor
+    """Slot in the group row of each row's token (0 where the row is padding)."""
+    valid_BT: torch.Tensor
+
+    @staticmethod
+    def build(
+        input_ids_BT: torch.Tensor,
+        input_lengths_B: torch.Tensor,
+        prompt_lengths_B: list[int],
+        groups: list[list[int]],
+        multiple: int,
+    ) -> SharedPrefixRows:
+        """Lay out ``groups`` (row indices sharing a prompt of ``prompt_lengths_B[row]`` tokens) of the rows'
+        first ``input_lengths_B[b]`` tokens; S is the longest group row rounded up to ``multiple``."""
+        device = input_ids_BT.device
+        num_rows, seq_len = input_ids_BT.shape
+        lengths = [int(n) for n in input_lengths_B.tolist()]
+        responses = [lengths[b] - prompt_lengths_B[b] for b in range(num_rows)]
+        group_of = [0] * num_rows
+        start_of = [0] * num_rows  # the slot where the row's response starts in its group row
+        group_lens, group_prompts = [], []
+        for g, group in enumerate(groups):
+            offset = prompt_lengths_B[group[0]]
+            group_prompts.append(offset)
+            for row in group:
+                group_of[row], start_of[row] = g, offset
+                offset += responses[row]
+            group_lens.append(offset)
+        width = round_up(max(max(group_lens), 1), multiple)
+
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        t_T = torch.arange(seq_len, device=device)
+        lengths_B, prompt_B, group_B = tensor(lengths), tensor(prompt_lengths_B), tensor(group_of)
+        valid_BT = t_T[None, :] < lengths_B[:, None]
+        in_prompt_BT = t_T[None, :] < prompt_B[:, None]
+        response_slot_BT = tensor(start_of)[:, None] + t_T[None, :] - prompt_B[:, None]
+        index_BT = torch.where(valid_BT, torch.where(in_prompt_BT, t_T[None, :], response_slot_BT), 0)
+        group_slots = group_B[:, None].expand(-1, seq_len)[valid_BT], index_BT[valid_BT]
+        input_ids_GS = input_ids_BT.new_zeros(len(groups), width)
+        input_ids_GS[group_slots] = input_ids_BT[valid_BT]
+        position_ids_GS = torch.arange(width, device=device).expand(len(groups), -1).clone()
+        position_ids_GS[group_slots] = t_T.expand(num_rows, -1)[valid_BT]
+
+        # Prompt blocks: each group's prompt, causally over itself.
+        max_prompt = max(max(group_prompts), 1)
+        p_P = torch.arange(max_prompt, device=device)
+        prompt_valid_GP = p_P[None, :] < tensor(group_prompts)[:, None]
+        prompt_index_GP = torch.arange(len(groups), device=device)[:, None] * width + p_P[None, :]
+        causal_PP = p_P[None, :] <= p_P[:, None]
+        # A padding query attends itself only (an all-masked row would be NaN in the softmax and its backward).
+        prompt_allowed_G1PP = (causal_PP & prompt_valid_GP[:, None, :]) | torch.eye(
+            max_prompt, dtype=torch.bool, device=device
+        )
+        # Response blocks: each response over its group's prompt and causally over itself.
+        rows_R = [b for b in range(num_rows) if responses[b] > 0]
+        max_response = max([responses[b] for b in rows_R], default=1)
+        l_L = torch.arange(max_response, device=device)
+        response_valid_RL = l_L[None, :] < tensor([responses[b] for b in rows_R])[:, None]
+        groups_R = tensor([group_of[b] for b in rows_R])
+        starts_R = groups_R * width + tensor([start_of[b] for b in rows_R])
+        response_index_RL = torch.where(
+            response_valid_RL, starts_R[:, None] + l_L[None, :], starts_R[:, None]
+        )
+        response_kv_index_RK = torch.cat([prompt_index_GP[groups_R], response_index_RL], dim=1)
+        causal_LL = l_L[None, :] <= l_L[:, None]
+        response_allowed_R1LK = torch.cat(
+            [
+                prompt_valid_GP[groups_R][:, None, :].expand(-1, max_response, -1),
+                causal_LL[None] & response_valid_RL[:, None, :],
+            ],
+            dim=2,
+        )[:, None]
+        layout = SharedPrefixLayout(
+            prompt_index_GP=prompt_index_GP,
+            prompt_allowed_G1PP=prompt_allowed_G1PP[:, None],
+            response_index_RL=response_index_RL,
+            response_kv_index_RK=response_kv_index_RK,
+            response_allowed_R1LK=response_allowed_R1LK,
+            prompt_slots=prompt_index_GP[prompt_valid_GP],
+            prompt_valid_GP=prompt_valid_GP,
+            response_slots=response_index_RL[response_valid_RL],
+            response_valid_RL=response_valid_RL,
+        )
+        return SharedPrefixRows(input_ids_GS, position_ids_GS, layout, group_B, index_BT, valid_BT)
+
+    def unpack(self, values_GS: torch.Tensor) -> torch.Tensor:
+        """``[G, S, ...]`` per-token values back to ``[B, T, ...]`` (zeros at the rows' padding)."""
+        values_BT = values_GS[self.group_B[:, None], self.index_BT]
+        mask = self.valid_BT.reshape(*self.valid_BT.shape, *([1] * (values_BT.ndim - 2)))
+        return torch.where(mask, values_BT, torch.zeros((), dtype=values_BT.dtype, device=values_BT.device))
+
+
+def shared_prefix_attention(
+    module: torch.nn.Module,
+    query_GHSD: torch.Tensor,
+    key_GHSD: torch.Tensor,
+    value_GHSD: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    shared_prefix_layout: SharedPrefixLayout | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """A Hugging Face attention implementation: blockwise attention over group rows given
+    ``shared_prefix_layout`` (the model's forward keyword), else plain sdpa attention.
+
+    Returns ``[G, S, H, D]`` as Hugging Face's implementations do; slots past a group's tokens get zeros.
+    """
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    layout = shared_prefix_layout
+    if layout is None:
+        return sdpa_attention_forward(
+            module,
+            query_GHSD,
+            key_GHSD,
+            value_GHSD,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            **kwargs,
+        )
+    num_groups, num_heads, width, head_dim = query_GHSD.shape
+    kv_groups = int(getattr(module, "num_key_value_groups", 1))
+    if kv_groups > 1:
+        key_GHSD, value_GHSD = repeat_kv(key_GHSD, kv_groups), repeat_kv(value_GHSD, kv_groups)
+
+    def flat(x_GHSD: torch.Tensor) -> torch.Tensor:
+        return x_GHSD.transpose(1, 2).reshape(num_groups * width, num_heads, head_dim)
+
+    q, k, v = flat(query_GHSD), flat(key_GHSD), flat(value_GHSD)
+
+    def block(q_index: torch.Tensor, kv_index: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        out_NHWD = torch.nn.functional.scaled_dot_product_attention(
+            q[q_index].transpose(1, 2),
+            k[kv_index].transpose(1, 2),
+            v[kv_index].transpose(1, 2),
+            attn_mask=allowed,
+            dropout_p=dropout,
+            scale=scaling,
+        )
+        return out_NHWD.transpose(1, 2)
+
+    prompt_out = block(layout.prompt_index_GP, layout.prompt_index_GP, layout.prompt_allowed_G1PP)
+    out = q.new_zeros(q.shape).index_copy(0, layout.prompt_slots, prompt_out[layout.prompt_valid_GP])
+    if layout.response_slots.numel():
+        response_out = block(
+            layout.response_index_RL, layout.response_kv_index_RK, layout.response_allowed_R1LK
+        )
+        out = out.index_copy(0, layout.response_slots, response_out[layout.response_valid_RL])
+    return out.reshape(num_groups, width, num_heads, head_dim), None
+
+
+def use_shared_prefix_attention(model: torch.nn.Module) -> None:
+    """Make ``model`` (a Hugging Face model with sdpa attention) run :func:`shared_prefix_attention`: plain sdpa
+    for ordinary forwards (the same masks and kernels), blockwise for forwards given a layout."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    config: Any = getattr(model, "config", None)
+    if config is None:
+        raise ValueError("policy.shared_prefix.enabled=true needs a Hugging Face model with a config")
+    if config._attn_implementation == ATTENTION:
+        return
+    sliding = [kind for kind in getattr(config, "layer_types", None) or () if kind != "full_attention"]
+    if config._attn_implementation != "sdpa" or sliding:
+        raise ValueError(
+            "policy.shared_prefix.enabled=true needs full attention through the sdpa implementation, but this "
+            f"model uses {config._attn_implementation!r} attention"
+            + (f" and {sorted(set(sliding))} layers" if sliding else "")
+            + ": set policy.shared_prefix.enabled=false"
+        )
+    AttentionInterface.register(ATTENTION, shared_prefix_attention)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+    config._attn_implementation = ATTENTION
