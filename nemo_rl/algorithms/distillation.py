@@ -51,7 +51,8 @@ from nemo_rl.distributed.virtual_cluster import RayVirtualCluster, init_ray
 from nemo_rl.distributed.worker_groups import start_together
 from nemo_rl.environments.registry import create_task_envs, stop_envs
 from nemo_rl.experience.rollouts import run_multi_turn_rollout
-from nemo_rl.models.generation.factory import create_generation
+from nemo_rl.models.generation.embedded.in_policy import InPolicyEmbeddedGeneration
+from nemo_rl.models.generation.factory import create_generation, refit_from_policy
 from nemo_rl.models.generation.interfaces import GenerationInterface
 from nemo_rl.models.policy.lm_policy import Policy, check_policy_layout
 from nemo_rl.models.tokenizer import get_policy_tokenizer
@@ -60,7 +61,6 @@ from nemo_rl.utils.logger import Logger
 from nemo_rl.utils.timer import Timer
 from nemo_rl.weight_sync.factory import create_refit_transport
 from nemo_rl.weight_sync.interfaces import RefitTransport
-from nemo_rl.weight_sync.refit import refit
 
 MasterConfig = DistillationMasterConfig
 """The config of a distillation run, under NeMo RL's name."""
@@ -95,7 +95,8 @@ class DistillationSetup:
     teacher: Policy
     generation: GenerationInterface
     """The student's generation workers."""
-    refit_transport: RefitTransport
+    refit_transport: RefitTransport | None
+    """``None`` when the generation engines live in the student's workers (an in-process refit)."""
     train_loader: StatefulDataLoader[Any, BatchedDataDict[Any]]
     val_dataset: ProcessedDataset | None
     loss_fn: DistillationLossFn
@@ -114,7 +115,8 @@ class DistillationSetup:
         self.generation.shutdown()
         self.teacher.shutdown()
         self.student.shutdown()
-        self.refit_transport.shutdown()
+        if self.refit_transport is not None:
+            self.refit_transport.shutdown()
         stop_envs(self.owned_envs, _ENV_TIMEOUT_S)
         self.cluster.shutdown()
 
@@ -198,12 +200,15 @@ def setup(
     # embedded engine's workers start together with the student's and the teacher's (see grpo.setup).
     colocated = config.policy.generation.colocated.enabled
     together = config.policy.generation.backend != "vllm"
+    in_policy = config.policy.generation.embedded_cfg.in_policy_workers
+    generation: GenerationInterface
     with start_together(enabled=together):
-        generation = create_generation(
-            cluster, config.policy, tokenizer, seed=cfg.seed, bundle_indices=generation_bundles
-        )
-        if colocated and not together:
-            generation.finish_generation()
+        if not in_policy:
+            generation = create_generation(
+                cluster, config.policy, tokenizer, seed=cfg.seed, bundle_indices=generation_bundles
+            )
+            if colocated and not together:
+                generation.finish_generation()
         student = Policy(
             cluster,
             config.policy,
@@ -219,18 +224,24 @@ def setup(
             bundle_indices=policy_bundles,
             init_reference_model=False,
         )
+    if in_policy:
+        generation = InPolicyEmbeddedGeneration(student, tokenizer, seed=cfg.seed)
     if colocated and together:
         generation.finish_generation()
     # The per-call sampling seeds continue where the checkpoint left them.
     checkpointer.track("generation", generation)
     teacher.offload_after_refit()
     locations = cluster.bundle_locations()
-    refit_transport = create_refit_transport(
-        config.policy,
-        config.policy.refit,
-        policy_node_ids=[locations[b].node_id for b in policy_bundles],
-        generation_node_ids=[locations[b].node_id for b in generation_bundles],
-        policy_streams=student.refit_streams(),
+    refit_transport = (
+        None
+        if in_policy
+        else create_refit_transport(
+            config.policy,
+            config.policy.refit,
+            policy_node_ids=[locations[b].node_id for b in policy_bundles],
+            generation_node_ids=[locations[b].node_id for b in generation_bundles],
+            policy_streams=student.refit_streams(),
+        )
     )
     started = create_task_envs(to_start, config.env)
     task_to_env = started if task_to_env is None else task_to_env
@@ -261,11 +272,8 @@ def setup(
 def refit_generation(s: DistillationSetup) -> dict[str, float]:
     """Copy the student's current weights into its generation workers."""
     s.student.offload_before_refit()
-    metrics = refit(
-        s.student.workers,
-        s.generation.workers,
-        s.refit_transport,
-        timeout_s=s.config.policy.refit.timeout_s,
+    metrics = refit_from_policy(
+        s.student, s.generation, s.refit_transport, timeout_s=s.config.policy.refit.timeout_s
     )
     s.student.offload_after_refit()
     s.generation_stale = False

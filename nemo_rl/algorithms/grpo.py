@@ -60,7 +60,8 @@ from nemo_rl.environments.registry import (
     wait_envs_started,
 )
 from nemo_rl.experience.rollouts import run_multi_turn_rollout
-from nemo_rl.models.generation.factory import create_generation
+from nemo_rl.models.generation.embedded.in_policy import InPolicyEmbeddedGeneration
+from nemo_rl.models.generation.factory import create_generation, refit_from_policy
 from nemo_rl.models.generation.interfaces import GenerationInterface
 from nemo_rl.models.policy.hf_io import trains_with_dropout
 from nemo_rl.models.policy.lm_policy import Policy
@@ -69,7 +70,6 @@ from nemo_rl.utils.logger import Logger
 from nemo_rl.utils.timer import Timer
 from nemo_rl.weight_sync.factory import create_refit_transport
 from nemo_rl.weight_sync.interfaces import RefitTransport
-from nemo_rl.weight_sync.refit import refit
 
 MasterConfig = GRPOMasterConfig
 """The config of a GRPO run, under NeMo RL's name (``from nemo_rl.algorithms.grpo import MasterConfig``)."""
@@ -102,7 +102,8 @@ class GRPOSetup:
     cluster: RayVirtualCluster
     policy: Policy
     generation: GenerationInterface
-    refit_transport: RefitTransport
+    refit_transport: RefitTransport | None
+    """``None`` when the generation engines live in the policy workers (an in-process refit)."""
     train_loader: StatefulDataLoader[Any, BatchedDataDict[Any]]
     val_dataset: ProcessedDataset | None
     loss_fn: ClippedPGLossFn
@@ -123,7 +124,8 @@ class GRPOSetup:
         self.logger.close()
         self.generation.shutdown()
         self.policy.shutdown()
-        self.refit_transport.shutdown()
+        if self.refit_transport is not None:
+            self.refit_transport.shutdown()
         stop_envs(self.owned_envs, _ENV_TIMEOUT_S)
         self.cluster.shutdown()
 
@@ -240,17 +242,24 @@ def setup(
     # the policy's start together.
     colocated = config.policy.generation.colocated.enabled
     together = config.policy.generation.backend != "vllm"
+    in_policy = config.policy.generation.embedded_cfg.in_policy_workers
+    generation: GenerationInterface
     started: dict[str, Any] = {}
     try:
         # The environment actors start first, so their imports overlap the workers' start instead of
         # delaying the first step; setup waits for them after the workers.
         started = create_task_envs(to_start, config.env)
         with start_together(enabled=together):
-            generation = create_generation(
-                cluster, config.policy, tokenizer, seed=config.grpo.seed, bundle_indices=generation_bundles
-            )
-            if colocated and not together:
-                generation.finish_generation()
+            if not in_policy:
+                generation = create_generation(
+                    cluster,
+                    config.policy,
+                    tokenizer,
+                    seed=config.grpo.seed,
+                    bundle_indices=generation_bundles,
+                )
+                if colocated and not together:
+                    generation.finish_generation()
             policy = Policy(
                 cluster,
                 config.policy,
@@ -259,6 +268,8 @@ def setup(
                 weights_path=resume.weights_path,
                 optimizer_path=resume.optimizer_path,
             )
+        if in_policy:
+            generation = InPolicyEmbeddedGeneration(policy, tokenizer, seed=config.grpo.seed)
         wait_envs_started(started.values(), _ENV_TIMEOUT_S)
     except BaseException:
         stop_envs(started.values(), _ENV_TIMEOUT_S)
@@ -268,12 +279,16 @@ def setup(
     # The per-call sampling seeds continue where the checkpoint left them.
     checkpointer.track("generation", generation)
     locations = cluster.bundle_locations()
-    refit_transport = create_refit_transport(
-        config.policy,
-        config.policy.refit,
-        policy_node_ids=[locations[b].node_id for b in policy_bundles],
-        generation_node_ids=[locations[b].node_id for b in generation_bundles],
-        policy_streams=policy.refit_streams(),
+    refit_transport = (
+        None
+        if in_policy
+        else create_refit_transport(
+            config.policy,
+            config.policy.refit,
+            policy_node_ids=[locations[b].node_id for b in policy_bundles],
+            generation_node_ids=[locations[b].node_id for b in generation_bundles],
+            policy_streams=policy.refit_streams(),
+        )
     )
     task_to_env = started if task_to_env is None else task_to_env
     val_task_to_env = task_to_env if val_task_to_env is None else val_task_to_env
@@ -315,11 +330,8 @@ def prev_logprobs_from_training_forward(config: GRPOMasterConfig, policy: Policy
 def refit_generation(s: GRPOSetup) -> dict[str, float]:
     """Copy the policy's current weights into the generation workers."""
     s.policy.offload_before_refit()
-    metrics = refit(
-        s.policy.workers,
-        s.generation.workers,
-        s.refit_transport,
-        timeout_s=s.config.policy.refit.timeout_s,
+    metrics = refit_from_policy(
+        s.policy, s.generation, s.refit_transport, timeout_s=s.config.policy.refit.timeout_s
     )
     s.policy.offload_after_refit()
     s.generation_stale = False

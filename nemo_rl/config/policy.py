@@ -275,6 +275,14 @@ class EmbeddedEngineConfig(ConfigModel):
     data_parallel_size: int | None = None
     """Number of engine replicas; ``None`` uses one replica per generation bundle."""
 
+    in_policy_workers: bool = False
+    """Host the engine inside the DTensor policy workers instead of separate generation workers. Applies to
+    ``backend: embedded`` with colocated generation and the DTensor policy (anything else is refused):
+    each data-parallel group of the policy holds one replica (on its first tensor-parallel rank) and a refit
+    is an in-process copy of the gathered full weights, with no generation processes to start and no refit
+    transport. Sampling equals that of separate workers for the same weights and seed. ``data_parallel_size``
+    must then be unset (the replicas follow the policy's data-parallel size)."""
+
 
 class GenerationConfig(ConfigModel):
     """Sampling settings and the generation backend."""
@@ -507,6 +515,31 @@ class PolicyConfig(ConfigModel):
             and not self.dtensor_cfg.sequence_parallel
             and not self.reward_model_cfg.enabled
         )
+
+    @model_validator(mode="after")
+    def _check_in_policy_generation(self) -> Self:
+        generation = self.generation
+        if not generation.embedded_cfg.in_policy_workers:
+            return self
+        key = "policy.generation.embedded_cfg.in_policy_workers=true"
+        if generation.backend != "embedded":
+            raise ValueError(
+                f"{key} hosts the embedded engine, but the backend is {generation.backend}: set it false"
+            )
+        if not generation.colocated.enabled:
+            raise ValueError(
+                f"{key} needs colocated generation: set policy.generation.colocated.enabled=true or set it false"
+            )
+        if not self.dtensor_cfg.enabled:
+            raise ValueError(
+                f"{key} is built for the DTensor policy workers only: set it false for the Megatron backend"
+            )
+        if generation.embedded_cfg.data_parallel_size is not None:
+            raise ValueError(
+                f"{key} runs one replica per policy data-parallel group: unset "
+                "policy.generation.embedded_cfg.data_parallel_size"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check(self) -> PolicyConfig:

@@ -135,6 +135,8 @@ class RayWorkerGroup:
         self._tp_size = world_size // dp
         self._ref_owners: dict[str, tuple[int, str]] = {}
         self._shut_down = False
+        self.death_note: str | None = None
+        """Added to every :class:`WorkerDiedError` of this group (e.g. the other roles its workers play)."""
 
         cluster.reserve_bundles(bundles, name)
         try:
@@ -373,7 +375,10 @@ class RayWorkerGroup:
             return ray.get(ref)
         except RayActorError as error:
             rank = self._actor_ranks.get(error.actor_id or "", owner[0] if owner else None)
-            raise WorkerDiedError(self.name, rank, _ANSI_ESCAPE.sub("", str(error))) from error
+            died = WorkerDiedError(self.name, rank, _ANSI_ESCAPE.sub("", str(error)))
+            if self.death_note is not None:
+                died.add_note(self.death_note)
+            raise died from error
         except RayTaskError as error:
             where = f"rank {owner[0]}, method {owner[1]!r}" if owner else "a worker"
             error.add_note(f"raised in {where} of worker group {self.name!r}")

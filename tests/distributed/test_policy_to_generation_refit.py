@@ -1,5 +1,8 @@
 """Refit from the real DTensor policy (FSDP2 dp=2, or TP=2) into the embedded generation engine.
 
+The engines hosted in the policy workers (``in_policy_workers``) refit in process to the policy's full
+weights and sample exactly what a separate generation worker samples with the same weights and seeds.
+
 For both transports: every generation weight equals the policy's full weight bit for bit; a training step
 changes the policy, the refit carries the change, and greedy generation afterwards equals greedy generation
 from the exported policy checkpoint. The engine's sampled-token log-probs match the policy's: under the full
@@ -24,7 +27,9 @@ from nemo_rl.data.llm_message_utils import message_logs_to_batch
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.models.generation.embedded.generation import EmbeddedGeneration
+from nemo_rl.models.generation.embedded.in_policy import InPolicyEmbeddedGeneration
 from nemo_rl.models.generation.factory import create_generation
+from nemo_rl.models.generation.interfaces import GENERATION_OUTPUT_KEYS
 from nemo_rl.models.policy.lm_policy import Policy
 from nemo_rl.models.tokenizer import get_policy_tokenizer
 from nemo_rl.weight_sync.factory import create_refit_transport
@@ -50,7 +55,13 @@ def _policy_cfg(tp_size: int, model_name: str = str(TINY_MODEL)) -> PolicyConfig
             "precision": "float32",
             "dtensor_cfg": {"tensor_parallel_size": tp_size},
             "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2}},
-            "generation": {"max_new_tokens": 16, "embedded_cfg": {"precision": "float32"}, **sampling},
+            # The key lets the policy's workers host engines too (InPolicyEmbeddedGeneration); the separate
+            # generation workers ignore it.
+            "generation": {
+                "max_new_tokens": 16,
+                "embedded_cfg": {"precision": "float32", "in_policy_workers": True},
+                **sampling,
+            },
         }
     )
 
@@ -175,3 +186,45 @@ def test_refit_carries_a_training_step(
         end = int(sampled["unpadded_sequence_lengths"][row])
         diff = (sampled["logprobs"][row, start:end] - policy_logprobs[row, start:end]).abs().max()
         assert diff <= 1e-4, f"row {row}: engine and policy log-probs differ by {diff}"
+
+
+def test_in_policy_engine_refits_in_process_and_samples_as_separate_workers(
+    stack: tuple[Policy, EmbeddedGeneration, Any, RayVirtualCluster], tmp_path: Path
+) -> None:
+    import ray
+
+    policy, generation, tokenizer, _ = stack
+    in_policy = InPolicyEmbeddedGeneration(policy, tokenizer, seed=0)
+    policy.train(_sft_batch(tokenizer), NLLLoss())
+    metrics = in_policy.refit()
+    policy_weights = _policy_weights(policy, tmp_path / "export")
+    # Every replica (the first tensor-parallel rank of each data-parallel group) holds the full weights.
+    group = policy.worker_group
+    for rank in group.dp_leader_ranks:
+        ref = group.run_single_worker("embedded_generation_weights", rank)
+        _assert_bit_equal(ray.get(ref, timeout=TIMEOUT_S), policy_weights)
+    assert metrics["refit/bytes"] == sum(t.numel() * t.element_size() for t in policy_weights.values())
+    assert metrics["refit/bytes_received"] == metrics["refit/bytes"] * policy.dp_size
+
+    # Bit-identical sampling: the separate worker (data-parallel rank 0) given the same weights, shard and
+    # call seed samples what the hosted replica of rank 0 sampled.
+    generation.update_weights(policy_weights.items())
+    prompts = _prompt_batch(tokenizer)
+    in_policy.finish_generation()
+    in_policy.prepare_for_generation()
+    call_seed = 0 * 1_000_003 + in_policy.num_generate_calls
+    sampled = in_policy.generate(prompts)
+    rows = prompts.shard_indices(
+        policy.dp_size, allow_uneven_shards=True, balance_by_length_key="input_lengths"
+    )[0]
+    expected = ray.get(
+        generation.workers[0].generate.remote(prompts.select_indices(rows), False, call_seed),
+        timeout=TIMEOUT_S,
+    )
+    for key in GENERATION_OUTPUT_KEYS:
+        got = sampled[key][rows]
+        if got.dim() == 2:
+            width = expected[key].shape[1]
+            assert not got[:, width:].any() or key == "output_ids", key
+            got = got[:, :width]
+        assert torch.equal(got, expected[key]), f"{key} differs from the separate worker's"

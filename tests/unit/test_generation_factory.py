@@ -41,3 +41,36 @@ def test_create_generation_checks_before_starting_workers() -> None:
     cluster: Any = CpuCluster()
     with pytest.raises(UserError, match="backend=embedded"):
         create_generation(cluster, cfg("vllm"), tokenizer=None, seed=0)  # type: ignore[arg-type]
+
+
+IN_POLICY = {"embedded_cfg": {"in_policy_workers": True}}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"generation": {"backend": "vllm", **IN_POLICY}}, r"backend is vllm: set it false"),
+        (
+            {"generation": {"colocated": {"enabled": False, "resources": {"gpus_per_node": 1}}, **IN_POLICY}},
+            r"needs colocated generation: set policy\.generation\.colocated\.enabled=true",
+        ),
+        (
+            {"dtensor_cfg": {"enabled": False}, "megatron_cfg": {"enabled": True}, "generation": IN_POLICY},
+            r"DTensor policy workers only: set it false for the Megatron backend",
+        ),
+        (
+            {"generation": {"embedded_cfg": {"in_policy_workers": True, "data_parallel_size": 1}}},
+            r"unset policy\.generation\.embedded_cfg\.data_parallel_size",
+        ),
+    ],
+    ids=["vllm", "not_colocated", "megatron", "data_parallel_size"],
+)
+def test_in_policy_workers_refuses_what_it_cannot_host(overrides: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=r"in_policy_workers=true .*" + message):
+        PolicyConfig.model_validate({"model_name": "unused", **overrides})
+
+
+def test_in_policy_workers_accepts_the_colocated_dtensor_embedded_default() -> None:
+    cfg = PolicyConfig.model_validate({"model_name": "unused", "generation": IN_POLICY})
+    assert cfg.generation.embedded_cfg.in_policy_workers
+    assert not PolicyConfig.model_validate({"model_name": "unused"}).generation.embedded_cfg.in_policy_workers

@@ -12,7 +12,8 @@ from transformers import PreTrainedTokenizerBase, Qwen2ForCausalLM
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.data.tiny import build_tiny_model
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.models.generation.embedded.worker import EmbeddedGenerationWorker, eos_token_ids
+from nemo_rl.models.generation.embedded.replica import eos_token_ids
+from nemo_rl.models.generation.embedded.worker import EmbeddedGenerationWorker
 
 TEXTS = ["What is 1+1?", "Hi", "What is 12+30? Answer:", "7-3=", "abc"]
 

@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
+from nemo_rl.models.generation.embedded.in_policy import InPolicyEmbeddedGeneration
 from nemo_rl.models.generation.interfaces import GenerationInterface
+from nemo_rl.weight_sync.interfaces import RefitTransport
+from nemo_rl.weight_sync.refit import refit
+
+if TYPE_CHECKING:
+    from nemo_rl.models.policy.lm_policy import Policy
 
 
 def check_backend_available(
@@ -66,3 +73,19 @@ def create_generation(
     return EmbeddedGeneration(
         cluster, cfg, tokenizer, seed=seed, bundle_indices=bundle_indices, model_path=model_path
     )
+
+
+def refit_from_policy(
+    policy: Policy, generation: GenerationInterface, transport: RefitTransport | None, *, timeout_s: float
+) -> dict[str, float]:
+    """Copy ``policy``'s current weights into ``generation``; returns ``refit/*`` metrics.
+
+    Engines hosted in the policy's own workers (``policy.generation.embedded_cfg.in_policy_workers``) copy in
+    process and need no ``transport``; separate generation workers receive through ``transport``
+    (:func:`nemo_rl.weight_sync.refit.refit`).
+    """
+    if isinstance(generation, InPolicyEmbeddedGeneration):
+        return generation.refit()
+    if transport is None:
+        raise ValueError("separate generation workers need a refit transport (create_refit_transport)")
+    return refit(policy.workers, generation.workers, transport, timeout_s=timeout_s)

@@ -18,7 +18,7 @@ import torch
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
-from nemo_rl.distributed.worker_groups import WorkerGroupFacade
+from nemo_rl.distributed.worker_groups import RayWorkerGroup, WorkerGroupFacade
 from nemo_rl.models.generation.interfaces import (
     WeightManifestDict,
     check_generation_input,
@@ -34,7 +34,76 @@ WORKER_CALL_TIMEOUT_S = 6 * 3600.0
 LENGTH_KEY = "input_lengths"
 
 
-class ReplicatedGeneration(WorkerGroupFacade):
+class SeededReplicas:
+    """What every driver of data-parallel generation replicas shares: the per-call seeds (and their place in
+    checkpoints), dealing rows to the replicas and gathering them back in input order, and the check of a
+    refit sender's manifest. :class:`ReplicatedGeneration` drives replicas in generation workers of their own,
+    :class:`~nemo_rl.models.generation.embedded.in_policy.InPolicyEmbeddedGeneration` replicas hosted in the
+    policy workers; the same calls on the same replicas sample the same tokens.
+
+    Args:
+        pad_token_id: what ``output_ids`` are right-padded with.
+        seed: call ``k`` of :meth:`generate` samples with a seed derived from ``(seed, k)``, so a run replays
+            when it makes the same calls with the same data.
+    """
+
+    backend_name: ClassVar[str]
+    """The backend as error messages name it."""
+    precision_key: ClassVar[str]
+    """The ``policy.generation`` subsection whose ``precision`` the refit must cast to."""
+
+    def __init__(self, *, pad_token_id: int, seed: int) -> None:
+        self.pad_token_id = pad_token_id
+        self._seed = seed
+        self.num_generate_calls = 0
+        """Calls of :meth:`generate` so far (saved with checkpoints: see :meth:`state_dict`)."""
+
+    def _generate_on(
+        self,
+        worker_group: RayWorkerGroup,
+        method: str,
+        data: BatchedDataDict[Any],
+        greedy: bool,
+        timeout_s: float,
+    ) -> BatchedDataDict[Any]:
+        """Deal ``data``'s rows to ``worker_group``'s dp groups by prompt length, call ``method(shard, greedy,
+        call_seed)`` on every worker, and gather the dp leaders' outputs in input order."""
+        check_generation_input(data)
+        seed = self._seed * 1_000_003 + self.num_generate_calls
+        self.num_generate_calls += 1
+        indices = data.shard_indices(
+            worker_group.dp_size, allow_uneven_shards=True, balance_by_length_key=LENGTH_KEY
+        )
+        shards = [data.select_indices(rows) for rows in indices]
+        # Every rank of a replica gets its shard: model-parallel ranks run the same requests in lockstep.
+        refs = worker_group.run_all_workers_sharded_data(method, shards, greedy, seed)
+        results = worker_group.get_dp_leader_results(refs, timeout_s)
+        return BatchedDataDict.from_shards(results, indices, pad_value_dict={"output_ids": self.pad_token_id})
+
+    def state_dict(self) -> dict[str, int]:
+        """The sampling seed's position: a resumed run that loads it samples what the uninterrupted run would."""
+        return {"num_generate_calls": self.num_generate_calls}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Continue the per-call seeds from a :meth:`state_dict`."""
+        self.num_generate_calls = int(state["num_generate_calls"])
+
+    def expected_weights_manifest(self) -> WeightManifestDict:
+        """``{hf_name: (full shape, dtype name)}`` the replicas expect."""
+        raise NotImplementedError
+
+    def prepare_refit_info(self, manifest: WeightManifestDict) -> None:
+        """Fail early, with every difference named, when a sender's manifest does not fit the workers."""
+        problems = compare_manifests(self.expected_weights_manifest(), manifest)
+        if problems:
+            raise ValueError(
+                f"the policy's weights do not fit the {self.backend_name} generation model (is policy.model_name "
+                f"the same architecture, and does the refit cast to policy.generation.{self.precision_key}"
+                ".precision?):\n  " + "\n  ".join(problems)
+            )
+
+
+class ReplicatedGeneration(SeededReplicas, WorkerGroupFacade):
     """Replicas of one generation model on ``bundles`` of ``cluster``; one ``worker_cls`` actor per bundle.
 
     ``dp_size`` replicas (default one per bundle) each span ``len(bundles) // dp_size`` consecutive workers,
@@ -56,11 +125,6 @@ class ReplicatedGeneration(WorkerGroupFacade):
         env_vars: environment variables set in every worker.
     """
 
-    backend_name: ClassVar[str]
-    """The backend as error messages name it."""
-    precision_key: ClassVar[str]
-    """The ``policy.generation`` subsection whose ``precision`` the refit must cast to."""
-
     def __init__(
         self,
         cluster: RayVirtualCluster,
@@ -76,12 +140,10 @@ class ReplicatedGeneration(WorkerGroupFacade):
         env_vars: Mapping[str, str] | None = None,
     ) -> None:
         self.cfg = cfg
-        self.pad_token_id = pad_token_id
-        self._seed = seed
-        self.num_generate_calls = 0
-        """Calls of :meth:`generate` so far (saved with checkpoints: see :meth:`state_dict`)."""
+        SeededReplicas.__init__(self, pad_token_id=pad_token_id, seed=seed)
         self._node_ids = [cluster.bundle_locations()[b].node_id for b in bundles]
-        super().__init__(
+        WorkerGroupFacade.__init__(
+            self,
             cluster,
             worker_cls,
             name=name,
@@ -99,23 +161,7 @@ class ReplicatedGeneration(WorkerGroupFacade):
 
     def generate(self, data: BatchedDataDict[Any], greedy: bool = False) -> BatchedDataDict[Any]:
         """Sample a response per row; see :class:`~nemo_rl.models.generation.interfaces.GenerationInterface`."""
-        check_generation_input(data)
-        seed = self._seed * 1_000_003 + self.num_generate_calls
-        self.num_generate_calls += 1
-        indices = data.shard_indices(self.dp_size, allow_uneven_shards=True, balance_by_length_key=LENGTH_KEY)
-        shards = [data.select_indices(rows) for rows in indices]
-        # Every rank of a replica gets its shard: model-parallel ranks run the same requests in lockstep.
-        refs = self.worker_group.run_all_workers_sharded_data("generate", shards, greedy, seed)
-        results = self.worker_group.get_dp_leader_results(refs, self.call_timeout_s)
-        return BatchedDataDict.from_shards(results, indices, pad_value_dict={"output_ids": self.pad_token_id})
-
-    def state_dict(self) -> dict[str, int]:
-        """The sampling seed's position: a resumed run that loads it samples what the uninterrupted run would."""
-        return {"num_generate_calls": self.num_generate_calls}
-
-    def load_state_dict(self, state: Mapping[str, int]) -> None:
-        """Continue the per-call seeds from a :meth:`state_dict`."""
-        self.num_generate_calls = int(state["num_generate_calls"])
+        return self._generate_on(self.worker_group, "generate", data, greedy, self.call_timeout_s)
 
     def prepare_for_generation(self) -> None:
         """Weights (and whatever cache memory the backend freed) back onto the devices."""
@@ -130,16 +176,6 @@ class ReplicatedGeneration(WorkerGroupFacade):
         """``{hf_name: (full shape, dtype name)}`` the workers expect (every worker loads full tensors)."""
         manifest: WeightManifestDict = self._on_rank_0("expected_weights_manifest")
         return manifest
-
-    def prepare_refit_info(self, manifest: WeightManifestDict) -> None:
-        """Fail early, with every difference named, when a sender's manifest does not fit the workers."""
-        problems = compare_manifests(self.expected_weights_manifest(), manifest)
-        if problems:
-            raise ValueError(
-                f"the policy's weights do not fit the {self.backend_name} generation model (is policy.model_name "
-                f"the same architecture, and does the refit cast to policy.generation.{self.precision_key}"
-                ".precision?):\n  " + "\n  ".join(problems)
-            )
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full weights from the driver into every worker (each weight exactly once)."""

@@ -71,10 +71,13 @@ from nemo_rl.models.policy.worker_batches import (
 from nemo_rl.models.sampling import sampling_logits
 from nemo_rl.utils.rng import get_rng_state, set_rng_state
 from nemo_rl.weight_sync.interfaces import TransferStats, WeightSender
-from nemo_rl.weight_sync.manifest import dtype_name
+from nemo_rl.weight_sync.manifest import dtype_from_name, dtype_name
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
+    from transformers import PreTrainedTokenizerBase
+
+    from nemo_rl.models.generation.embedded.replica import EmbeddedReplica
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +161,10 @@ class DTensorPolicyWorker:
         )
         if weights_path is not None:
             self.load_checkpoint(weights_path, optimizer_path)
+        # The embedded engine replica this worker hosts (see init_embedded_generation); None on the ranks
+        # that generate for no one.
+        self._hosts_generation = False
+        self._generation_replica: EmbeddedReplica | None = None
 
     # ----------------------------------------------------------------------------------------- forward
     @property
@@ -572,6 +579,76 @@ class DTensorPolicyWorker:
     def refit_send(self, sender: WeightSender) -> TransferStats:
         """Stream this policy's weights through ``sender`` (every rank calls it with its own sender)."""
         return sender.send(self.iter_hf_weights(sender.dtype))
+
+    # ------------------------------------------------- the embedded engine hosted here (in_policy_workers)
+    def init_embedded_generation(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        """Hold a replica of the embedded engine (``policy.generation.embedded_cfg.in_policy_workers``).
+
+        Only the first tensor-parallel rank of each data-parallel group holds one and generates; the other
+        ranks take part in the refit's gathers only. Its weights arrive with the first refit.
+        """
+        from nemo_rl.models.generation.embedded.replica import EmbeddedReplica
+
+        tp_rank = self.mesh.get_local_rank("tp")
+        self._hosts_generation = True
+        self._generation_replica = (
+            EmbeddedReplica.without_weights(self.cfg, tokenizer, dp_rank=self.dp_rank, device=self.device)
+            if tp_rank == 0
+            else None
+        )
+
+    def _embedded_replica(self) -> EmbeddedReplica | None:
+        if not self._hosts_generation:
+            raise RuntimeError(
+                "this policy worker holds no embedded engine: start it with InPolicyEmbeddedGeneration "
+                "(policy.generation.embedded_cfg.in_policy_workers=true)"
+            )
+        return self._generation_replica
+
+    def generate(self, data: BatchedDataDict[Any], greedy: bool, seed: int) -> BatchedDataDict[Any]:
+        """Generate for this data-parallel group's shard with the hosted engine (``EmbeddedReplica.generate``);
+        the other tensor-parallel ranks return an empty batch."""
+        from nemo_rl.models.generation.interfaces import empty_generation_output
+
+        replica = self._embedded_replica()
+        return replica.generate(data, greedy, seed) if replica is not None else empty_generation_output(data)
+
+    def prepare_for_generation(self) -> None:
+        """The hosted engine's weights back onto the device."""
+        if (replica := self._embedded_replica()) is not None:
+            replica.prepare_for_generation()
+
+    def finish_generation(self) -> None:
+        """Drop the hosted engine's KV cache (and offload its weights on CUDA) before training."""
+        if (replica := self._embedded_replica()) is not None:
+            replica.finish_generation()
+
+    def refit_embedded_generation(self) -> int:
+        """Copy this policy's current full weights into the hosted engine; the bytes loaded (0 on the ranks
+        that hold none). A collective: every rank gathers each FSDP unit's weights in turn."""
+        replica = self._embedded_replica()
+        weights = self.iter_hf_weights(dtype_from_name(self.cfg.generation.embedded_cfg.precision))
+        if replica is None:
+            for _ in weights:  # the gathers are collectives: this rank takes part and drops the weights
+                pass
+            return 0
+        return replica.load_weights_from_stream(weights)
+
+    def load_embedded_generation_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
+        """Load full weights given by the driver into the hosted engine (``GenerationInterface.update_weights``)."""
+        replica = self._embedded_replica()
+        return replica.load_weights_from_stream(named_tensors) if replica is not None else 0
+
+    def embedded_generation_weights(self) -> dict[str, torch.Tensor]:
+        """Host copies of the hosted engine's weights (empty on ranks that hold none), for checks."""
+        replica = self._embedded_replica()
+        return replica.named_weights() if replica is not None else {}
+
+    def embedded_weights_manifest(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """``{hf_name: (full shape, dtype name)}`` the hosted engine expects (asked of a dp leader)."""
+        replica = self._embedded_replica()
+        assert replica is not None, "asked of a rank that holds no engine"
+        return replica.expected_weights_manifest()
 
     # --------------------------------------------------------------------------- memory / placement
     def _move_optimizer_state(self, device: torch.device | str) -> None:

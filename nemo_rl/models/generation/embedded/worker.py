@@ -9,23 +9,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable
-from pathlib import Path
-from typing import Any
 
-import torch
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.config.policy import PolicyConfig
-from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.distributed.device import configure_worker_threads, cuda_available, get_device
-from nemo_rl.models.generation.embedded.engine import EmbeddedEngine, SamplingParams
+from nemo_rl.distributed.device import configure_worker_threads, get_device
 from nemo_rl.models.generation.embedded.model import DecoderLM
-from nemo_rl.models.generation.interfaces import (
-    WeightManifestDict,
-    check_generation_input,
-    empty_generation_output,
-)
+from nemo_rl.models.generation.embedded.replica import EmbeddedReplica
 from nemo_rl.models.hf_decoder import resolve_checkpoint_dir
 from nemo_rl.models.tokenizer import require_pad_token_id
 from nemo_rl.weight_sync.interfaces import TransferStats, WeightReceiver
@@ -33,25 +23,9 @@ from nemo_rl.weight_sync.manifest import dtype_from_name
 
 logger = logging.getLogger(__name__)
 
-# Mixes (call seed, dp rank, chunk) into one generator seed; a large odd multiplier keeps them apart.
-_SEED_MIX = 1_000_003
 
-
-def eos_token_ids(tokenizer: PreTrainedTokenizerBase, checkpoint_dir: Path | None) -> list[int]:
-    """Token ids that end a response: the tokenizer's EOS plus the model's ``generation_config.json`` EOS list."""
-    ids: list[int] = []
-    if tokenizer.eos_token_id is not None:
-        ids.append(int(tokenizer.eos_token_id))
-    if checkpoint_dir is not None and (checkpoint_dir / "generation_config.json").exists():
-        from transformers import GenerationConfig
-
-        extra = GenerationConfig.from_pretrained(checkpoint_dir).eos_token_id
-        ids.extend([extra] if isinstance(extra, int) else list(extra or []))
-    return sorted(set(ids))
-
-
-class EmbeddedGenerationWorker:
-    """A Ray actor running one :class:`EmbeddedEngine` replica.
+class EmbeddedGenerationWorker(EmbeddedReplica):
+    """A Ray actor running one :class:`~.replica.EmbeddedReplica` (the whole model, loaded from a checkpoint).
 
     Args:
         cfg: the ``policy`` section (model, sampling settings, generation dtype, sequence limits).
@@ -62,23 +36,22 @@ class EmbeddedGenerationWorker:
 
     def __init__(self, cfg: PolicyConfig, tokenizer: PreTrainedTokenizerBase, model_path: str | None = None):
         configure_worker_threads()
-        pad_token_id = require_pad_token_id(tokenizer)
-        self.cfg = cfg
-        self.tokenizer = tokenizer
-        self.dp_rank = int(os.environ.get("NEMO_RL_DP_RANK", "0"))
-        self.device = get_device()
-        self.dtype = dtype_from_name(cfg.generation.embedded_cfg.precision)
+        require_pad_token_id(tokenizer)
+        device = get_device()
+        dtype = dtype_from_name(cfg.generation.embedded_cfg.precision)
         checkpoint_dir = resolve_checkpoint_dir(model_path or cfg.model_name)
-        self.model = DecoderLM.from_pretrained(
-            checkpoint_dir, dtype=self.dtype, device=self.device, config_overrides=cfg.hf_config_overrides
+        model = DecoderLM.from_pretrained(
+            checkpoint_dir, dtype=dtype, device=device, config_overrides=cfg.hf_config_overrides
         )
-        self.sampling = SamplingParams.from_policy_config(cfg, eos_token_ids(tokenizer, checkpoint_dir))
-        self.engine = EmbeddedEngine(
-            self.model,
-            pad_token_id=pad_token_id,
-            max_sequence_length=cfg.max_total_sequence_length,
-            decode_fn=self._decode,
+        super().__init__(
+            cfg,
+            tokenizer,
+            model,
+            checkpoint_dir=checkpoint_dir,
+            dp_rank=int(os.environ.get("NEMO_RL_DP_RANK", "0")),
+            device=device,
         )
+        self.dtype = dtype
         logger.info(
             "embedded generation replica %d: %s, %.1f MB of %s weights on %s",
             self.dp_rank,
@@ -87,75 +60,6 @@ class EmbeddedGenerationWorker:
             self.dtype,
             self.device,
         )
-
-    def _decode(self, token_ids: list[int]) -> str:
-        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
-
-    # ---------------------------------------------------------------------------------------- generate
-    def generate(self, data: BatchedDataDict[Any], greedy: bool, seed: int) -> BatchedDataDict[Any]:
-        """Generate for this replica's shard (see ``GenerationInterface.generate``), in chunks of
-        ``policy.generation_batch_size`` rows; ``seed`` is the driver's per-call seed."""
-        if data.size == 0:
-            return empty_generation_output(data)
-        check_generation_input(data)
-        chunk_size = self.cfg.generation_batch_size or data.size
-        outputs = []
-        for chunk_index, chunk in enumerate(data.make_microbatch_iterator(chunk_size)):
-            chunk_seed = ((seed * _SEED_MIX + self.dp_rank) * _SEED_MIX + chunk_index) % (2**63)
-            result = self.engine.generate(
-                chunk["input_ids"],
-                chunk["input_lengths"],
-                self.sampling,
-                greedy=greedy,
-                seed=chunk_seed,
-                stop_strings=chunk.get("stop_strings"),
-            )
-            outputs.append(BatchedDataDict(vars(result)))
-        if len(outputs) == 1:
-            return outputs[0]
-        return BatchedDataDict.from_batches(outputs, pad_value_dict={"output_ids": self.engine.pad_token_id})
-
-    def prepare_for_generation(self) -> None:
-        """Move offloaded weights back onto the device."""
-        self.model.to(self.device)
-
-    def finish_generation(self) -> None:
-        """Drop the KV cache; on CUDA also offload the weights to host memory for colocated training."""
-        self.engine.release_cache()
-        if cuda_available():
-            self.model.to("cpu")
-            torch.cuda.empty_cache()
-
-    # ------------------------------------------------------------------------------- refit receiver
-    def expected_weights_manifest(self) -> WeightManifestDict:
-        """``{hf_name: (full shape, dtype name)}`` of every weight a refit must deliver (tied ones once)."""
-        return {
-            name: (shape, str(dtype).removeprefix("torch."))
-            for name, (shape, dtype) in self.model.weights_manifest().items()
-        }
-
-    def named_weights(self) -> dict[str, torch.Tensor]:
-        """Host copies of the held weights under their Hugging Face names (for checks and debugging)."""
-        return {name: tensor.detach().to("cpu", copy=True) for name, tensor in self.model.named_weights()}
-
-    def load_hf_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy a stream of Hugging Face-named full tensors into the model (the refit ``LoadFn``)."""
-        self.model.load_weights(named_tensors)
-
-    def load_weights_from_stream(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Load ``named_tensors`` and check every expected weight arrived exactly once; return bytes loaded."""
-        expected = set(self.model.weights_manifest())
-        seen: set[str] = set()
-        num_bytes = 0
-        for name, tensor in named_tensors:
-            if name in seen:
-                raise ValueError(f"weight {name!r} was sent twice")
-            num_bytes += self.model.load_weight(name, tensor)
-            seen.add(name)
-        missing = sorted(expected - seen)
-        if missing:
-            raise ValueError(f"the weight update lacks {len(missing)} weights, e.g. {missing[:5]}")
-        return num_bytes
 
     def refit_receive(self, receiver: WeightReceiver) -> TransferStats:
         """The generation side of a refit: receive, check and load the weights (``nemo_rl.weight_sync``)."""

@@ -29,7 +29,7 @@ from nemo_rl.distributed.device import (
     get_device,
     init_process_group_from_env,
 )
-from nemo_rl.models.generation.embedded.worker import eos_token_ids
+from nemo_rl.models.generation.embedded.replica import eos_token_ids
 from nemo_rl.models.generation.interfaces import (
     WeightManifestDict,
     check_generation_input,
