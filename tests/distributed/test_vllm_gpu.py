@@ -430,6 +430,7 @@ def test_grpo_steps_with_vllm_sampling_agree_with_the_policy(tmp_path: Path) -> 
         "policy.train_micro_batch_size=32",
         "policy.logprob_batch_size=32",
         "policy.generation.backend=vllm",
+        "policy.generation.embedded_cfg.in_policy_workers=false",
         "policy.generation.vllm_cfg.precision=float32",
         "policy.generation.vllm_cfg.gpu_memory_utilization=0.3",
         "checkpointing.enabled=false",

@@ -131,6 +131,8 @@ def test_colocated_dp2_survives_a_dead_worker_and_resumes_bit_exact(tmp_path: Pa
         # The run ends within a minute, naming the dead worker, with its last checkpoint intact...
         assert proc.returncode != 0 and ended_s < 60, (proc.returncode, ended_s, text[-4000:])
         assert re.search(r"(rank \d of worker group 'policy'|policy worker \d) died", text), text[-4000:]
+        # The recipe's policy workers also host the generation engine, and the error says so.
+        assert "also host the embedded generation engine" in text, text[-4000:]
         assert not (tmp_path / "dp2" / "ckpt" / "step_4").exists(), "the kill came after the run's end"
         # ...and leaves no process of its Ray session and no shared-memory refit segment behind.
         gone_by = time.monotonic() + 15

@@ -27,6 +27,26 @@ class _PolicyStarted(Exception):
 def test_generation_starts_first_and_sleeps_when_colocated(
     colocated: bool, backend: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    events = _setup_events(monkeypatch, tmp_path, backend, colocated, in_policy=False)
+    if colocated and backend == "vllm":
+        assert events == ["generation on [0, 1]", "generation sleeps", "policy on [0, 1]"]
+    elif colocated:
+        # The embedded engine sleeps once both groups are up (here the policy's start ends the test first).
+        assert events == ["generation on [0, 1]", "policy on [0, 1]"]
+    else:
+        assert events == ["generation on [1]", "policy on [0]"]
+
+
+def test_engines_in_the_policy_workers_start_no_generation_workers(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    assert _setup_events(monkeypatch, tmp_path, "embedded", True, in_policy=True) == ["policy on [0, 1]"]
+
+
+def _setup_events(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, backend: str, colocated: bool, *, in_policy: bool
+) -> list[str]:
+    """What ``grpo.setup`` starts, in order, up to the policy's start."""
     events: list[str] = []
 
     class FakeGeneration:
@@ -64,7 +84,11 @@ def test_generation_starts_first_and_sleeps_when_colocated(
                 "model_name": "m",
                 "train_global_batch_size": 2,
                 "train_micro_batch_size": 1,
-                "generation": {"backend": backend, "colocated": placement},
+                "generation": {
+                    "backend": backend,
+                    "colocated": placement,
+                    "embedded_cfg": {"in_policy_workers": in_policy},
+                },
             },
             "checkpointing": {"enabled": False, "checkpoint_dir": str(tmp_path / "ckpt")},
             "logger": {"log_dir": str(tmp_path / "logs")},
@@ -74,10 +98,4 @@ def test_generation_starts_first_and_sleeps_when_colocated(
     with pytest.raises(_PolicyStarted):
         grpo.setup(config, None, [{"prompt": "x", "task_name": "math"}], None, task_to_env={"math": object()})  # type: ignore[arg-type]
     assert started_together == [backend == "embedded"]
-    if colocated and backend == "vllm":
-        assert events == ["generation on [0, 1]", "generation sleeps", "policy on [0, 1]"]
-    elif colocated:
-        # The embedded engine sleeps once both groups are up (here the policy's start ends the test first).
-        assert events == ["generation on [0, 1]", "policy on [0, 1]"]
-    else:
-        assert events == ["generation on [1]", "policy on [0]"]
+    return events
