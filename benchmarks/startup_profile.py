@@ -2,9 +2,11 @@
 
 Runs ``examples/run_grpo_math.py`` (``grpo_math_tiny.yaml`` with the 64x32 overrides of
 ``bench_grpo_vs_trl.py``, DP=``--threads``, two steps) in a subprocess that marks, in seconds since that
-process started and with the driver's own CPU time, the end of its imports, the tokenizer and data, Ray's
-start, the environment, generation and policy actors' creation, the wait until all of them are up, and the
-end of each step. Meanwhile it polls the CPU time of every process the run starts (Ray's own, the workers,
+process started and with the driver's own CPU time, the request to start Ray in the background
+(``start_ray_in_background``), the end of its imports, the tokenizer and data, Ray up (``_init_ray_now``, on
+the thread that started it) and ``init_ray`` (where ``setup`` waits for it), the environment, generation and
+policy actors' creation, the wait until all of them are up, and the end of each step. The marks are hooked
+in as the script imports each module, so the script's own import order is what gets measured. Meanwhile it polls the CPU time of every process the run starts (Ray's own, the workers,
 the environment and its verifier processes) and prints them when the run ends, with the total:
 
     uv run python benchmarks/startup_profile.py [--threads 1] [key=value ...]
@@ -18,14 +20,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib.abc
+import importlib.machinery
 import os
 import runpy
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,6 +48,35 @@ def _process_start_s(pid: int | str = "self") -> float:
 
 
 # ---------------------------------------------------------------------------- inside the traced driver
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Calls ``hooks[name](module)`` right after module ``name`` first runs, before anyone can import from it.
+
+    The script's own import order is kept (it starts Ray before its heavy imports), and the hooks still
+    wrap the functions the script binds with ``from module import name``.
+    """
+
+    def __init__(self, hooks: dict[str, Callable[[ModuleType], None]]) -> None:
+        self._hooks = hooks
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        hook = self._hooks.pop(fullname, None)
+        if hook is None:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_hook(module: ModuleType) -> None:
+            exec_module(module)
+            hook(module)
+
+        spec.loader.exec_module = exec_then_hook  # type: ignore[method-assign]
+        return spec
+
+
 def _traced_driver(script_args: list[str]) -> None:
     """Run the example script in this process with phase marks on stderr."""
     start_s = _process_start_s()
@@ -54,50 +88,76 @@ def _traced_driver(script_args: list[str]) -> None:
             flush=True,
         )
 
-    mark("interpreter up")
-    import nemo_rl.algorithms.grpo as grpo
-    import nemo_rl.data.datasets as datasets
-    import nemo_rl.models.tokenizer as tokenizer
-    from nemo_rl.utils.logger import Logger
+    def timed(module: ModuleType, name: str, before: str | None = None) -> None:
+        original: Callable[..., Any] | None = getattr(module, name, None)
+        if original is None:
+            return
 
-    mark("driver imports done")
-
-    def timed(module: Any, name: str) -> None:
-        original: Callable[..., Any] = getattr(module, name)
+        first_call = [True]
 
         @functools.wraps(original)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if before is not None and first_call[0]:
+                mark(before)
+            first_call[0] = False
             result = original(*args, **kwargs)
             mark(f"{name} done")
             return result
 
         setattr(module, name, wrapper)
 
-    for name in ("init_ray", "RayVirtualCluster", "create_task_envs", "create_generation", "Policy", "setup"):
-        timed(grpo, name)
-    timed(datasets, "setup_rl_data")
-    timed(tokenizer, "get_policy_tokenizer")
-    start_together = grpo.start_together
+    def on_virtual_cluster(module: ModuleType) -> None:
+        timed(module, "start_ray_in_background")
+        # The local start or the attach itself, on whichever thread runs it.
+        timed(module, "_init_ray_now")
 
-    @contextlib.contextmanager
-    def marked_start_together(*args: Any, **kwargs: Any) -> Iterator[None]:
-        with start_together(*args, **kwargs):
-            yield
-            mark("all worker actors created")
-        mark("all workers up")
+    def on_grpo(module: ModuleType) -> None:
+        for name in (
+            "init_ray",
+            "RayVirtualCluster",
+            "create_task_envs",
+            "create_generation",
+            "Policy",
+            "setup",
+        ):
+            timed(module, name)
+        start_together = module.start_together
 
-    grpo.start_together = marked_start_together  # type: ignore[assignment]
-    log_metrics = Logger.log_metrics
+        @contextlib.contextmanager
+        def marked_start_together(*args: Any, **kwargs: Any) -> Iterator[None]:
+            with start_together(*args, **kwargs):
+                yield
+                mark("all worker actors created")
+            mark("all workers up")
 
-    def marked_log_metrics(
-        self: Logger, metrics: dict[str, Any], step: int, *args: Any, **kwargs: Any
-    ) -> None:
-        total = [value for key, value in metrics.items() if key.endswith("total_step_time")]
-        if total:
-            mark(f"step {step} done ({total[0]:.2f} s)")
-        log_metrics(self, metrics, step, *args, **kwargs)
+        module.start_together = marked_start_together
 
-    Logger.log_metrics = marked_log_metrics  # type: ignore[method-assign]
+    def on_logger(module: ModuleType) -> None:
+        log_metrics = module.Logger.log_metrics
+
+        def marked_log_metrics(
+            self: Any, metrics: dict[str, Any], step: int, *args: Any, **kwargs: Any
+        ) -> None:
+            total = [value for key, value in metrics.items() if key.endswith("total_step_time")]
+            if total:
+                mark(f"step {step} done ({total[0]:.2f} s)")
+            log_metrics(self, metrics, step, *args, **kwargs)
+
+        module.Logger.log_metrics = marked_log_metrics
+
+    hooks: dict[str, Callable[[ModuleType], None]] = {
+        "nemo_rl.distributed.virtual_cluster": on_virtual_cluster,
+        "nemo_rl.algorithms.grpo": on_grpo,
+        "nemo_rl.data.datasets": lambda module: timed(module, "setup_rl_data"),
+        "nemo_rl.models.tokenizer": lambda module: timed(module, "get_policy_tokenizer"),
+        # The script's first call after its heavy imports.
+        "nemo_rl.models.generation.factory": lambda module: timed(
+            module, "check_backend_available", before="driver imports done"
+        ),
+        "nemo_rl.utils.logger": on_logger,
+    }
+    sys.meta_path.insert(0, _AfterImport(hooks))
+    mark("interpreter up")
     sys.argv = [str(SCRIPT), *script_args]
     runpy.run_path(str(SCRIPT), run_name="__main__")
 

@@ -21,6 +21,13 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "grpo_math_1B.yaml"
 def main() -> None:
     """Load and check the config, then set up and run GRPO."""
     config, _ = parse_args_and_load(GRPOMasterConfig, DEFAULT_CONFIG)
+    if config.policy.generation.backend != "vllm":
+        # Ray's processes come up while this process imports torch and loads the data; setup waits for them.
+        # Not for vLLM, whose start takes far longer anyway: a machine without a GPU must refuse it (below)
+        # as quickly as possible, without starting Ray.
+        from nemo_rl.distributed.virtual_cluster import start_ray_in_background
+
+        start_ray_in_background(config.cluster)
 
     # Heavy imports only after the config is known to be valid, so config mistakes fail within seconds.
     from nemo_rl.algorithms.grpo import grpo_train, setup

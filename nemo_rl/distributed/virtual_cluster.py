@@ -19,9 +19,11 @@ from __future__ import annotations
 import logging
 import os
 import random
+import signal
 import socket
 import sys
 import tempfile
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -32,13 +34,72 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from nemo_rl.config.cluster import ClusterConfig
 from nemo_rl.config.errors import UserError
-from nemo_rl.distributed.device import cuda_available
 
 logger = logging.getLogger(__name__)
 
 # Logical CPUs a local Ray gets on top of the worker slots, for driver-side actors (environments, loggers,
 # dataloader helpers) that must not wait for a slot.
 DRIVER_SIDE_CPUS = 8
+
+
+class _BackgroundStart:
+    """An :func:`init_ray` running on a thread of its own, and what it raised."""
+
+    def __init__(self, cluster_cfg: ClusterConfig | None) -> None:
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        # A daemon: a driver that fails before it needs Ray (bad data, a backend this machine lacks) exits at
+        # once, and the processes Ray started so far die with it (see below).
+        self._thread = threading.Thread(
+            target=self._run, args=(cluster_cfg,), name="nemo-rl-ray-start", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, cluster_cfg: ClusterConfig | None) -> None:
+        ray_worker_logger = logging.getLogger("ray._private.worker")
+        ray_worker_logger.addFilter(_drop_sigterm_warning)
+        try:
+            _init_ray_now(cluster_cfg)
+        except BaseException as err:  # re-raised on the caller's thread by init_ray
+            self.error = err
+            return
+        finally:
+            ray_worker_logger.removeFilter(_drop_sigterm_warning)
+            self.done.set()
+        # Ray starts its processes with PR_SET_PDEATHSIG, which kills them when the *thread* that started them
+        # ends, not the process: this thread lives as long as the driver.
+        threading.Event().wait()
+
+
+_background_start: _BackgroundStart | None = None
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    """Ray's SIGTERM handler for drivers: exit, so that its atexit hook stops a local cluster."""
+    sys.exit(signum)
+
+
+def _drop_sigterm_warning(record: logging.LogRecord) -> bool:
+    """Drop Ray's warning that ray.init off the main thread set no SIGTERM handler: the caller set it."""
+    return not record.getMessage().startswith("SIGTERM handler is not set")
+
+
+def start_ray_in_background(cluster_cfg: ClusterConfig | None = None) -> None:
+    """Begin :func:`init_ray` on a background thread and return at once; the next :func:`init_ray` waits for it.
+
+    Starting a local Ray takes seconds in which the caller only waits for Ray's own processes (GCS, raylet,
+    dashboard, agents) to start, while a driver's imports (torch, transformers) and data loading are its own
+    CPU: a driver that knows its cluster config calls this first, so the two overlap. Attaching through
+    ``RAY_ADDRESS`` runs on the thread the same way. Whatever the start raises, the next :func:`init_ray`
+    (``setup`` calls it) raises. A no-op when Ray is initialised or a start is under way.
+    """
+    global _background_start
+    if _background_start is not None or ray.is_initialized():
+        return
+    if threading.current_thread() is threading.main_thread():
+        # ray.init installs this handler only when it runs on the main thread.
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    _background_start = _BackgroundStart(cluster_cfg)
 
 
 def init_ray(cluster_cfg: ClusterConfig | None = None) -> None:
@@ -50,7 +111,19 @@ def init_ray(cluster_cfg: ClusterConfig | None = None) -> None:
     a local Ray with ``max(os.cpu_count(), slots + DRIVER_SIDE_CPUS)`` logical CPUs, ``slots`` being
     ``cluster_cfg.world_size`` (0 without a config): worker processes use one thread each, so logical CPUs may
     outnumber cores. Ray's session files and logs go to ``$NEMO_RL_RAY_TEMP_DIR`` or a per-user temp dir.
+
+    After :func:`start_ray_in_background`, waits for that start instead and raises what it raised.
     """
+    global _background_start
+    if _background_start is not None:
+        started, _background_start = _background_start, None
+        started.done.wait()
+        if started.error is not None:
+            raise started.error
+    _init_ray_now(cluster_cfg)
+
+
+def _init_ray_now(cluster_cfg: ClusterConfig | None) -> None:
     if ray.is_initialized():
         return
     address = os.environ.get("RAY_ADDRESS")
@@ -66,12 +139,7 @@ def init_ray(cluster_cfg: ClusterConfig | None = None) -> None:
     slots = cluster_cfg.world_size if cluster_cfg is not None else 0
     num_cpus = max(os.cpu_count() or 1, slots + DRIVER_SIDE_CPUS)
     temp_dir = os.environ.get("NEMO_RL_RAY_TEMP_DIR") or default_ray_temp_dir()
-    logger.info(
-        "starting a local Ray with %d logical CPUs (CUDA: %s), logs in %s",
-        num_cpus,
-        cuda_available(),
-        temp_dir,
-    )
+    logger.info("starting a local Ray with %d logical CPUs, logs in %s", num_cpus, temp_dir)
     ray.init(
         address="local",
         num_cpus=num_cpus,

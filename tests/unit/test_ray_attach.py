@@ -81,3 +81,38 @@ def test_free_port_is_below_the_kernels_automatic_ports_and_bindable() -> None:
             assert virtual_cluster._FREE_PORT_LOW <= port < start
         with socket.socket() as sock:
             sock.bind(("", port))
+
+
+def test_a_background_start_is_waited_for_and_its_error_raised_on_the_callers_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """start_ray_in_background runs ray.init off the main thread; init_ray waits for it and raises its error."""
+    import signal
+    import threading
+
+    release = threading.Event()
+    calls: list[str] = []
+
+    def refuse_after_release(**kwargs: Any) -> None:
+        calls.append(threading.current_thread().name)
+        release.wait(timeout=30)
+        raise AuthenticationError("RPC error: InvalidAuthToken: Authentication token is missing or incorrect")
+
+    monkeypatch.setattr(virtual_cluster.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(virtual_cluster.ray, "init", refuse_after_release)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:1200")
+    monkeypatch.setattr(virtual_cluster, "_background_start", None)
+    previous_handler = signal.getsignal(signal.SIGTERM)
+    try:
+        virtual_cluster.start_ray_in_background()
+        # The caller goes on while ray.init runs on another thread; Ray's SIGTERM handler (exit, so that
+        # atexit stops the cluster) is installed on the main thread, where only it can be.
+        assert signal.getsignal(signal.SIGTERM) is virtual_cluster._exit_on_sigterm
+        virtual_cluster.start_ray_in_background()  # a second request while one runs is a no-op
+        release.set()
+        with pytest.raises(RayAuthenticationError, match=r"10\.0\.0\.1:1200"):
+            init_ray()
+    finally:
+        signal.signal(signal.SIGTERM, previous_handler)
+    assert calls == ["nemo-rl-ray-start"]
+    assert virtual_cluster._background_start is None
