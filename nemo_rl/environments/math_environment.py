@@ -16,6 +16,12 @@ import torch
 from nemo_rl.config.env import MathEnvConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.environments.interfaces import EnvironmentInterface, EnvironmentReturn, Message
+from nemo_rl.environments.math_verifier import (
+    extract_last_boxed,
+    gold_answer,
+    quick_verdict,
+    score_math_response,
+)
 from nemo_rl.environments.metrics import (
     assistant_text,
     batch_rewards,
@@ -39,18 +45,16 @@ class MathEnvironment(EnvironmentInterface[MathMetadata]):
     """
 
     def __init__(self, cfg: MathEnvConfig | Mapping[str, Any]) -> None:
-        # math-verify (and sympy, seconds of CPU) is imported in the actor, not with this module: the driver
-        # imports the module to start the actor and never scores an answer.
-        from nemo_rl.environments.math_verifier import MATH_VERIFY_WARM_UP, score_math_response
-
         self.cfg = cfg if isinstance(cfg, MathEnvConfig) else MathEnvConfig.model_validate(dict(cfg))
+        # math-verify and sympy are imported and warmed up once, in the verifier processes' fork server;
+        # this actor decides only certain verdicts and never imports them.
         self._pool = VerifierPool(
             score_math_response,
             num_workers=self.cfg.num_workers,
             timeout_s=self.cfg.verify_timeout_s,
             memory_limit_mb=self.cfg.verify_memory_limit_mb,
             max_response_chars=self.cfg.max_response_chars,
-            warm_up=MATH_VERIFY_WARM_UP,
+            preload=["nemo_rl.environments.math_verifier_warm_up"],
         )
         self.num_quick_verdicts = 0
         """Answers scored without math-verify (see ``quick_verdict``) since the environment started."""
@@ -59,8 +63,6 @@ class MathEnvironment(EnvironmentInterface[MathMetadata]):
         self, message_log_batch: Sequence[Sequence[Message]], metadata: Sequence[MathMetadata]
     ) -> EnvironmentReturn[MathMetadata]:
         """Score the last assistant message of each conversation against its ``ground_truth``."""
-        from nemo_rl.environments.math_verifier import extract_last_boxed, gold_answer, quick_verdict
-
         if len(message_log_batch) != len(metadata):
             raise ValueError(f"{len(message_log_batch)} conversations but {len(metadata)} metadata entries")
         missing = [i for i, m in enumerate(metadata) if m is None or "ground_truth" not in m]

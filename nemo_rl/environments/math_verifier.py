@@ -3,20 +3,32 @@
 :func:`verify_math_answer` has no time limit of its own (math-verify's ``signal.alarm`` timeouts are turned
 off because they fail outside a main thread): run it in a :class:`~nemo_rl.environments.verifier_pool.
 VerifierPool`, which enforces one.
+
+math-verify (and sympy, half a second of CPU) is imported on the first answer that needs it, not with this
+module: the math environment's actor imports the module for the certain verdicts it decides itself
+(:func:`quick_verdict`) and never runs math-verify; its verifier processes are forked from a server that
+imported and warmed it up once (:mod:`nemo_rl.environments.math_verifier_warm_up`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
-
-from math_verify import LatexExtractionConfig, parse, verify
+from typing import Any
 
 # math-verify warns on every call that its timeouts are disabled; the pool enforces ours.
 logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_LATEX_ONLY = [LatexExtractionConfig(boxed_match_priority=0)]
+
+
+@functools.cache
+def _latex_only() -> list[Any]:
+    """math-verify's extraction config for a bare boxed LaTeX answer."""
+    from math_verify import LatexExtractionConfig
+
+    return [LatexExtractionConfig(boxed_match_priority=0)]
 
 
 def extract_last_boxed(text: str) -> str | None:
@@ -50,8 +62,8 @@ _INTEGER = re.compile(r"[-+]?\d+")
 
 
 MATH_VERIFY_WARM_UP = (("\\boxed{1/2}", "0.5"), ("\\boxed{x+1}", "4"), ("\\boxed{3.0}", "3"))
-"""Answers a verifier process checks once at start: math-verify's first fraction, symbol and decimal each
-take about 0.3 s (parser construction, lazy sympy imports), later ones microseconds to milliseconds."""
+"""Answers verified once before any real one: math-verify's first fraction, symbol and decimal each take
+about 0.3 s (parser construction, lazy sympy imports), later ones microseconds to milliseconds."""
 
 
 def gold_answer(ground_truth: str) -> str:
@@ -97,8 +109,10 @@ def verify_math_answer(response: str, ground_truth: str) -> float:
     verdict = quick_verdict(answer, gold_answer_text)
     if verdict is not None:
         return verdict
-    gold = parse(f"\\boxed{{{gold_answer_text}}}", extraction_config=_LATEX_ONLY, parsing_timeout=None)
-    predicted = parse(f"\\boxed{{{answer}}}", extraction_config=_LATEX_ONLY, parsing_timeout=None)
+    from math_verify import parse, verify
+
+    gold = parse(f"\\boxed{{{gold_answer_text}}}", extraction_config=_latex_only(), parsing_timeout=None)
+    predicted = parse(f"\\boxed{{{answer}}}", extraction_config=_latex_only(), parsing_timeout=None)
     if not gold or not predicted:
         return 0.0
     return 1.0 if verify(gold, predicted, timeout_seconds=None) else 0.0

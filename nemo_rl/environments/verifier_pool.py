@@ -111,6 +111,10 @@ class VerifierPool:
             characters (where a final answer is) before verifying (``None``: no cap).
         warm_up: ``(response, ground_truth)`` pairs each process verifies once when it starts, results
             discarded, so first-call costs (lazy imports, parser construction) are not paid on real answers.
+        preload: Modules the fork server imports, after ``verify_fn``'s, before it forks any verifier
+            process: what they import or compute at import time is paid once and shared by every process
+            (a module can warm a verifier up there, as ``nemo_rl.environments.math_verifier_warm_up``).
+            The fork server is one per process: only the first pool that starts it chooses its modules.
     """
 
     def __init__(
@@ -122,6 +126,7 @@ class VerifierPool:
         memory_limit_mb: int | None = None,
         max_response_chars: int | None = None,
         warm_up: Sequence[tuple[str, str]] = (),
+        preload: Sequence[str] = (),
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"a verifier pool needs at least one worker, got num_workers={num_workers}")
@@ -136,7 +141,7 @@ class VerifierPool:
         # inherit locks held by other threads. The fork server is single-threaded and preloads the verifier's
         # module, so replacing a killed worker costs a fork, not a fresh interpreter importing sympy.
         self._ctx = multiprocessing.get_context("forkserver")
-        self._ctx.set_forkserver_preload([verify_fn.__module__])
+        self._ctx.set_forkserver_preload([verify_fn.__module__, *preload])
         self._workers: list[_Worker] = [self._start_worker() for _ in range(num_workers)]
         self.num_timeouts = 0
         """Answers that exceeded the time limit since the pool started."""

@@ -3,7 +3,8 @@
 The driver imports the algorithm loops, the data stack and the worker classes (Ray needs the classes to start
 the actors), but it never shards, checkpoints or builds a model. FSDP2 / DTensor, torch.distributed.checkpoint,
 torch._dynamo (pulled in by transformers' auto model classes, its model code and optimizer construction) and
-math-verify cost seconds of CPU to import; every second spent there delays the first step.
+math-verify cost seconds of CPU to import; every second spent there delays the first step. The math
+environment's actor, which imports what the driver imports of it, does not import math-verify either.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ grpo.check_run_setup(
     metric_names={"val_accuracy"}
 )
 get_env_class("math")
+# What the math environment's actor imports to decide certain verdicts itself and to hand its verifier
+# processes their function: math-verify and sympy are imported (and warmed up) in their fork server only.
+from nemo_rl.environments.math_verifier import gold_answer, quick_verdict, score_math_response  # noqa: F401
 heavy = ["torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.checkpoint", "torch._dynamo",
          "transformers.models.auto.modeling_auto", "transformers.modeling_utils", "math_verify", "sympy"]
 print(sorted(m for m in heavy if m in sys.modules))
