@@ -24,6 +24,7 @@ Tensor legend: B = sequences, T = tokens, V = vocabulary, K = top-k.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -624,15 +625,25 @@ class DTensorPolicyWorker:
             replica.finish_generation()
 
     def refit_embedded_generation(self) -> int:
-        """Copy this policy's current full weights into the hosted engine; the bytes loaded (0 on the ranks
-        that hold none). A collective: every rank gathers each FSDP unit's weights in turn."""
+        """Copy this policy's current full weights into the hosted engine; the bytes it holds, in the
+        generation dtype (0 on the ranks that hold none). A collective: every rank gathers each FSDP unit's
+        weights in turn."""
         replica = self._embedded_replica()
-        weights = self.iter_hf_weights(dtype_from_name(self.cfg.generation.embedded_cfg.precision))
+        weights: Iterator[tuple[str, torch.Tensor]]
+        if self.world_size == 1 and replica is not None:
+            # One rank holds every weight whole: its local tensors are the full ones, so the replica copies
+            # (and casts) them directly, with no gather; tied weights once, then the persistent buffers.
+            reshard_all(self.model)
+            params = ((name, _local(p).detach()) for name, p in self.model.named_parameters())
+            weights = itertools.chain(params, self._persistent_buffers())
+        else:
+            weights = self.iter_hf_weights(dtype_from_name(self.cfg.generation.embedded_cfg.precision))
         if replica is None:
             for _ in weights:  # the gathers are collectives: this rank takes part and drops the weights
                 pass
             return 0
-        return replica.load_weights_from_stream(weights)
+        replica.load_weights_from_stream(weights)
+        return replica.model.num_weight_bytes
 
     def load_embedded_generation_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
         """Load full weights given by the driver into the hosted engine (``GenerationInterface.update_weights``)."""
