@@ -139,9 +139,11 @@ class VerifierPool:
         self._warm_up = list(warm_up)
         # forkserver, not fork: the parent may be a threaded Ray actor, and a child forked from it could
         # inherit locks held by other threads. The fork server is single-threaded and preloads the verifier's
-        # module, so replacing a killed worker costs a fork, not a fresh interpreter importing sympy.
+        # module, so replacing a killed worker costs a fork, not a fresh interpreter importing sympy. It also
+        # preloads Ray: every process multiprocessing starts re-runs the parent's main script, which in a Ray
+        # actor is Ray's worker script, and importing Ray there cost 0.5 s of CPU per verifier process.
         self._ctx = multiprocessing.get_context("forkserver")
-        self._ctx.set_forkserver_preload([verify_fn.__module__, *preload])
+        self._ctx.set_forkserver_preload(["ray", verify_fn.__module__, *preload])
         self._workers: list[_Worker] = [self._start_worker() for _ in range(num_workers)]
         self.num_timeouts = 0
         """Answers that exceeded the time limit since the pool started."""
