@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import (
     AutoConfig,
@@ -335,7 +336,50 @@ def _scenarios(rank: int, model_dir: Path, out_dir: Path) -> None:
     worker.shutdown()
 
 
-def _spawn_entry(rank: int, port: int, model_dir: str, out_dir: str) -> None:
+def _one_rank_scenarios(model_dir: Path, out_dir: Path) -> None:
+    """A one-rank float32 policy trains as a plain module (no FSDP); its checkpoint resumes under FSDP."""
+    from torch.distributed.tensor import DTensor
+
+    from nemo_rl.models.policy import hf_io
+    from nemo_rl.models.policy.dtensor_worker import DTensorPolicyWorker
+
+    def save(name: str, value: Any) -> None:
+        torch.save(value, out_dir / f"{name}.rank0.pt")
+
+    data, score_data = train_data(), make_batch(seed=2, num_rows=6)
+    worker = DTensorPolicyWorker(policy_cfg(model_dir))
+    save("one_rank_dtensors", sum(isinstance(p, DTensor) for p in worker.model.parameters()))
+    save("one_rank_logprobs_init", worker.get_logprobs(score_data))
+    save("one_rank_train", worker.train(data.slice(0, 2 * GLOBAL_BATCH), TinyNLLLoss()))
+    save("one_rank_ref_logprobs", worker.get_reference_policy_logprobs(score_data))
+    # The refit's weights are copies: the next step must not change what was sent.
+    sent = dict(worker.iter_hf_weights(torch.float32))
+    save(
+        "one_rank_refit_shares_storage",
+        any(
+            sent[name].untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
+            for name, p in worker.model.named_parameters()
+        ),
+    )
+    worker.save_checkpoint(str(out_dir / "one_rank_weights"), str(out_dir / "one_rank_optim"))
+    worker.shutdown()
+    needs_fsdp = hf_io.needs_fsdp
+    hf_io.needs_fsdp = lambda *args: True  # type: ignore[assignment]  # the layout this one-rank run had before
+    worker = DTensorPolicyWorker(
+        policy_cfg(model_dir),
+        weights_path=str(out_dir / "one_rank_weights"),
+        optimizer_path=str(out_dir / "one_rank_optim"),
+    )
+    save("one_rank_fsdp_dtensors", sum(isinstance(p, DTensor) for p in worker.model.parameters()))
+    save(
+        "one_rank_fsdp_resumed_train",
+        worker.train(data.slice(2 * GLOBAL_BATCH, 3 * GLOBAL_BATCH), TinyNLLLoss()),
+    )
+    worker.shutdown()
+    hf_io.needs_fsdp = needs_fsdp
+
+
+def _spawn_entry(rank: int, port: int, one_rank_port: int, model_dir: str, out_dir: str) -> None:
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -345,6 +389,12 @@ def _spawn_entry(rank: int, port: int, model_dir: str, out_dir: str) -> None:
         NEMO_RL_TORCH_THREADS="1",
     )
     try:
+        if rank == 0:
+            # A world of its own first (rank 1 waits at the rendezvous meanwhile).
+            os.environ.update(WORLD_SIZE="1", MASTER_PORT=str(one_rank_port))
+            _one_rank_scenarios(Path(model_dir), Path(out_dir))
+            dist.destroy_process_group()
+            os.environ.update(WORLD_SIZE=str(WORLD_SIZE), MASTER_PORT=str(port))
         _scenarios(rank, Path(model_dir), Path(out_dir))
     except BaseException:
         (Path(out_dir) / f"error.rank{rank}.txt").write_text(traceback.format_exc())
@@ -364,7 +414,7 @@ def results(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out_dir = tmp_path_factory.mktemp("dtensor_results")
     context = mp.start_processes(
         _spawn_entry,
-        args=(free_port(), str(model_dir), str(out_dir)),
+        args=(free_port(), free_port(), str(model_dir), str(out_dir)),
         nprocs=WORLD_SIZE,
         join=False,
         start_method="spawn",
@@ -586,6 +636,23 @@ def test_shared_prefix_scenarios_ran_the_shared_forward(results: Path) -> None:
     for rank in range(WORLD_SIZE):
         assert load(results, "shared_attention", rank) == ATTENTION
         assert load(results, "sp2_attention", rank) == ATTENTION
+
+
+def test_one_rank_policy_trains_without_fsdp_and_resumes_under_it(
+    results: Path, reference: dict[str, Any]
+) -> None:
+    assert load(results, "one_rank_dtensors") == 0
+    assert_close(load(results, "one_rank_logprobs_init")["logprobs"], reference["init_logprobs"])
+    trained = load(results, "one_rank_train")
+    for key in ("loss", "grad_norm", "lr"):
+        assert_close(trained[key], reference[key][:2])
+    assert_close(load(results, "one_rank_ref_logprobs")["reference_logprobs"], reference["init_logprobs"])
+    assert load(results, "one_rank_refit_shares_storage") is False
+    # The plain module's checkpoint loads into the FSDP layout and the third step matches the reference.
+    assert load(results, "one_rank_fsdp_dtensors") > 0
+    resumed = load(results, "one_rank_fsdp_resumed_train")
+    for key in ("loss", "grad_norm", "lr"):
+        assert_close(resumed[key], reference[key][2:])
 
 
 def test_reference_logprobs_are_the_initial_model(results: Path, reference: dict[str, Any]) -> None:

@@ -546,8 +546,9 @@ class DTensorPolicyWorker:
             if isinstance(p, DTensor):
                 yield name, p.full_tensor().to(dtype)
             else:
-                # An unsharded parameter lives in the unit's all-gather buffer, which resharding frees: copy.
-                yield name, p.detach().to(dtype, copy=unit is not None)
+                # An unsharded parameter lives in the unit's all-gather buffer, which resharding frees, and a
+                # one-rank policy's plain parameter changes with the next step: copy.
+                yield name, p.detach().to(dtype, copy=True)
         reshard_all(self.model)
         for name, buffer in self._persistent_buffers():
             yield name, buffer.to(dtype) if buffer.is_floating_point() else buffer

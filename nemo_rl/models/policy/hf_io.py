@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from nemo_rl.config.policy import PolicyConfig, TokenizerConfig
 from nemo_rl.models import hf_config as hf_config_io
 from nemo_rl.models.policy.optim import frozen_names
-from nemo_rl.models.policy.parallelize import apply_fsdp, apply_tensor_parallel
+from nemo_rl.models.policy.parallelize import apply_fsdp, apply_tensor_parallel, needs_fsdp
 from nemo_rl.models.policy.utils import PRECISION_DTYPES
 from nemo_rl.models.tokenizer import get_tokenizer
 
@@ -142,15 +142,20 @@ def load_sharded_model(cfg: PolicyConfig, mesh: DeviceMesh, device: torch.device
     apply_tensor_parallel(model, mesh["tp"], dtensor_cfg.sequence_parallel, dtensor_cfg.custom_parallel_plan)
     # On CPU the "device" is host memory, which holds the full model: gather each layer once per pass (see
     # apply_fsdp), since on CPU every collective costs compute time the ranks share with the gloo threads.
-    apply_fsdp(
-        model,
-        mesh["dp"],
-        PRECISION_DTYPES[cfg.precision],
-        dtensor_cfg.cpu_offload,
-        reshard_after_forward=device.type != "cpu",
-    )
+    fsdp = needs_fsdp(mesh, PRECISION_DTYPES[cfg.precision], dtensor_cfg.cpu_offload)
+    if fsdp:
+        apply_fsdp(
+            model,
+            mesh["dp"],
+            PRECISION_DTYPES[cfg.precision],
+            dtensor_cfg.cpu_offload,
+            reshard_after_forward=device.type != "cpu",
+        )
     # With CPU offload FSDP keeps the sharded parameters on the host; only buffers go to the device.
     model.to_empty(device="cpu" if dtensor_cfg.cpu_offload else device)
+    if not fsdp:
+        # to_empty gives each module its own tensor; FSDP keeps a tied parameter one, a plain module re-ties.
+        model.tie_weights()
     if dtensor_cfg.cpu_offload:
         for module in model.modules():
             for name, buffer in module._buffers.items():

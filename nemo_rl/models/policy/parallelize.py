@@ -9,7 +9,8 @@ Two independent steps, applied in this order to a model (usually still on the me
    RMSNorms) along the sequence dim. The LM head's output is all-gathered, so callers always see full-vocab
    logits as a plain tensor; a reward head is split over its input and its partial scores summed.
 2. :func:`apply_fsdp` wraps every decoder layer and then the root with FSDP2 ``fully_shard`` over the ``dp``
-   mesh axis and makes gradient reduction a plain SUM (see the function for why).
+   mesh axis and makes gradient reduction a plain SUM (see the function for why). A one-rank float32 policy
+   skips it (:func:`needs_fsdp`) and trains as a plain module.
 
 Tensor legend: B = batch, T = sequence, H = hidden, V = vocabulary.
 """
@@ -198,6 +199,20 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
             f"cannot find the decoder layers of {type(model).__name__}: it declares no `_no_split_modules`"
         )
     return layers
+
+
+def needs_fsdp(mesh: DeviceMesh, param_dtype: torch.dtype, cpu_offload: bool) -> bool:
+    """Whether :func:`apply_fsdp` must wrap the model: more than one rank, compute in a dtype other than the
+    float32 master weights (FSDP's mixed precision casts them), or CPU offload.
+
+    On a one-rank mesh in float32 FSDP2 only turns every parameter into a DTensor and "all-gathers" it to the
+    same rank: per-op DTensor dispatch and the hooks cost about an eighth of a small model's step on CPU, and
+    the plain module computes the same numbers. Everything downstream takes either kind of parameter:
+    checkpoints (``torch.distributed.checkpoint`` saves plain tensors as whole ones and loads them into any
+    later layout), the refit (:meth:`iter_hf_weights` copies plain parameters), the reference snapshot and
+    gradient clipping.
+    """
+    return mesh.size() > 1 or param_dtype != torch.float32 or cpu_offload
 
 
 def apply_fsdp(
