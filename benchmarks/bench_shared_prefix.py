@@ -8,7 +8,8 @@ clipped policy-gradient loss. Each shape runs twice on fresh copies of the same 
 ``policy.shared_prefix.enabled``. Printed per shape: tokens/s (real tokens of the unshared rows, prompts
 counted once per sample) of a training step (forward, backward, AdamW step) and of a log-prob pass, the
 ratio shared / unshared, and the first step's loss of each (they must agree: the shared forward computes the
-same function)::
+same function). A third run, ``shared, FSDP``, wraps the one-rank model in FSDP2 as it was before one-rank
+float32 policies ran as plain modules (``parallelize.needs_fsdp``), to measure what that costs::
 
     uv run python benchmarks/bench_shared_prefix.py [--shapes 8x8x32 32x16x24] [--repeats 5]
 """
@@ -78,29 +79,50 @@ def grpo_batch(prompt_ids: list[list[int]], group: int, new_tokens: int, vocab: 
     )
 
 
-def run(cfg: PolicyConfig, batch: BatchedDataDict[Any], repeats: int) -> dict[str, float]:
-    """Median seconds of a training step and of a log-prob pass, and the first step's loss."""
+def build(cfg: PolicyConfig, fsdp: bool) -> Any:
+    """A one-rank worker; ``fsdp`` wraps it in FSDP2 although it has one rank (the layout before)."""
+    from nemo_rl.models.policy import hf_io
     from nemo_rl.models.policy.dtensor_worker import DTensorPolicyWorker
 
-    worker = DTensorPolicyWorker(cfg, init_reference_model=False)
+    needs_fsdp = hf_io.needs_fsdp
+    if fsdp:
+        hf_io.needs_fsdp = lambda *args: True
+    try:
+        return DTensorPolicyWorker(cfg, init_reference_model=False)
+    finally:
+        hf_io.needs_fsdp = needs_fsdp
+
+
+def measure(
+    workers: dict[str, Any], batch: BatchedDataDict[Any], repeats: int
+) -> dict[str, dict[str, float]]:
+    """Median seconds of a training step and of a log-prob pass of each worker, and its first step's loss.
+
+    The workers take turns within each repeat, so a change in the machine's load hits all of them alike; the
+    first repeat (allocator and kernel warm-up) is not counted.
+    """
     loss_fn = ClippedPGLossFn(
         ClippedPGLossConfig(reference_policy_kl_penalty=0.0, token_level_loss=True),
         prev_logprobs_from_forward=True,
     )
-    train_s, score_s, losses = [], [], []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        losses.append(float(worker.train(batch, loss_fn)["loss"][0]))
-        train_s.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        worker.get_logprobs(batch)
-        score_s.append(time.perf_counter() - start)
-    worker.shutdown()
-    # The first repeat warms the allocator and the kernels up: medians of the rest.
+    times: dict[str, dict[str, list[float]]] = {name: {"train": [], "score": []} for name in workers}
+    losses: dict[str, float] = {}
+    for _ in range(repeats + 1):
+        for name, worker in workers.items():
+            start = time.perf_counter()
+            loss = float(worker.train(batch, loss_fn)["loss"][0])
+            times[name]["train"].append(time.perf_counter() - start)
+            losses.setdefault(name, loss)
+            start = time.perf_counter()
+            worker.get_logprobs(batch)
+            times[name]["score"].append(time.perf_counter() - start)
     return {
-        "train_s": statistics.median(train_s[1:]),
-        "score_s": statistics.median(score_s[1:]),
-        "loss": losses[0],
+        name: {
+            "train_s": statistics.median(t["train"][1:]),
+            "score_s": statistics.median(t["score"][1:]),
+            "loss": losses[name],
+        }
+        for name, t in times.items()
     }
 
 
@@ -133,16 +155,23 @@ def main() -> None:
             f"{prompt_tokens // group} once shared), micro-batch budgets "
             f"{config.policy.dynamic_batching.train_mb_tokens} / {config.policy.dynamic_batching.logprob_mb_tokens} tokens"
         )
-        results = {}
-        for shared in (False, True):
+        workers = {}
+        for name, shared, fsdp in (
+            ("unshared", False, False),
+            ("shared", True, False),
+            ("shared, FSDP", True, True),
+        ):
             policy = config.policy.model_copy(deep=True)
             policy.train_global_batch_size = rows
             policy.shared_prefix.enabled = shared
-            results[shared] = run(PolicyConfig.model_validate(policy.model_dump()), batch, args.repeats)
-        base = results[False]
-        for shared, r in results.items():
+            workers[name] = build(PolicyConfig.model_validate(policy.model_dump()), fsdp)
+        results = measure(workers, batch, args.repeats)
+        for worker in workers.values():
+            worker.shutdown()
+        base = results["unshared"]
+        for name, r in results.items():
             print(
-                f"  {'shared' if shared else 'unshared':8s} training {real_tokens / r['train_s']:8.0f} tok/s "
+                f"  {name:12s} training {real_tokens / r['train_s']:8.0f} tok/s "
                 f"({r['train_s']:.3f} s, {base['train_s'] / r['train_s']:.2f}x)   log-probs "
                 f"{real_tokens / r['score_s']:8.0f} tok/s ({r['score_s']:.3f} s, "
                 f"{base['score_s'] / r['score_s']:.2f}x)   first loss {r['loss']:.7f}"
