@@ -259,10 +259,17 @@ def grpo_overrides(
     ]
 
 
-def _our_side(
-    num_prompts: int, group: int, new_tokens: int, threads: int, num_steps: int, out_dir: Path
+def run_our_side(
+    num_prompts: int,
+    group: int,
+    new_tokens: int,
+    threads: int,
+    num_steps: int,
+    out_dir: Path,
+    extra_overrides: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """``examples/run_grpo_math.py`` on the same work; per-step metrics from its ``metrics.jsonl``."""
+    """``examples/run_grpo_math.py`` on the same work (plus ``extra_overrides``); per-step metrics from its
+    ``metrics.jsonl``."""
     log_dir = out_dir / "logs"
     cmd = [
         sys.executable,
@@ -270,6 +277,7 @@ def _our_side(
         "--config",
         str(CONFIG),
         *grpo_overrides(num_prompts, group, new_tokens, threads, num_steps, log_dir),
+        *extra_overrides,
     ]
     metrics_file = log_dir / "metrics.jsonl"
     start = time.time()
@@ -356,7 +364,7 @@ def run_pair(
         raise SystemExit(f"the TRL side failed (exit {done.returncode}); see {case_dir / 'trl' / 'run.log'}")
     trl_result = json.loads(result_file.read_text())
     trl_result["start"] = start
-    ours = _our_side(num_prompts, group, new_tokens, threads, num_steps, case_dir / "ours")
+    ours = run_our_side(num_prompts, group, new_tokens, threads, num_steps, case_dir / "ours")
 
     # Agreement: TRL saw the prompts this project's loader yields, step by step, in order.
     expected = [

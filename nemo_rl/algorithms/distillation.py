@@ -271,11 +271,9 @@ def setup(
 
 def refit_generation(s: DistillationSetup) -> dict[str, float]:
     """Copy the student's current weights into its generation workers."""
-    s.student.offload_before_refit()
     metrics = refit_from_policy(
         s.student, s.generation, s.refit_transport, timeout_s=s.config.policy.refit.timeout_s
     )
-    s.student.offload_after_refit()
     s.generation_stale = False
     return metrics
 

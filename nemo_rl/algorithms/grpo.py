@@ -329,11 +329,9 @@ def prev_logprobs_from_training_forward(config: GRPOMasterConfig, policy: Policy
 
 def refit_generation(s: GRPOSetup) -> dict[str, float]:
     """Copy the policy's current weights into the generation workers."""
-    s.policy.offload_before_refit()
     metrics = refit_from_policy(
         s.policy, s.generation, s.refit_transport, timeout_s=s.config.policy.refit.timeout_s
     )
-    s.policy.offload_after_refit()
     s.generation_stale = False
     return metrics
 

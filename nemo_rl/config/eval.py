@@ -101,6 +101,11 @@ class EvalGenerationConfig(GenerationConfig):
             raise ValueError(
                 "generation.num_prompts_per_step must be -1 (all problems at once) or at least 1"
             )
+        if self.embedded_cfg.in_policy_workers:
+            raise ValueError(
+                "generation.embedded_cfg.in_policy_workers=true: evaluation trains no policy whose workers "
+                "could host the engine; set it false"
+            )
         return self
 
 

@@ -169,6 +169,8 @@ def test_eval_config_checks() -> None:
         EvalDataConfig(dataset_name="my.jsonl", data_path="other.jsonl")
     with pytest.raises(ValueError, match="tiny_math is generated"):
         EvalDataConfig(dataset_name="tiny_math", data_path="x.jsonl")
+    with pytest.raises(ValueError, match=r"in_policy_workers=true: evaluation trains no policy"):
+        EvalMasterConfig.model_validate({"generation": {"embedded_cfg": {"in_policy_workers": True}}})
     ok = EvalMasterConfig.model_validate(
         {"eval": {"num_tests_per_prompt": 4, "k_value": 2}, "generation": {"temperature": 0.6}}
     )

@@ -80,12 +80,17 @@ def refit_from_policy(
 ) -> dict[str, float]:
     """Copy ``policy``'s current weights into ``generation``; returns ``refit/*`` metrics.
 
-    Engines hosted in the policy's own workers (``policy.generation.embedded_cfg.in_policy_workers``) copy in
-    process and need no ``transport``; separate generation workers receive through ``transport``
-    (:func:`nemo_rl.weight_sync.refit.refit`).
+    The policy's optimizer state goes to host memory first (room for the gathers) and its weights after
+    (the devices are left to generation). Engines hosted in the policy's own workers
+    (``policy.generation.embedded_cfg.in_policy_workers``) copy in process, the offloads around the copy
+    included, in one call to the workers and with no ``transport``; separate generation workers receive
+    through ``transport`` (:func:`nemo_rl.weight_sync.refit.refit`).
     """
     if isinstance(generation, InPolicyEmbeddedGeneration):
         return generation.refit()
     if transport is None:
         raise ValueError("separate generation workers need a refit transport (create_refit_transport)")
-    return refit(policy.workers, generation.workers, transport, timeout_s=timeout_s)
+    policy.offload_before_refit()
+    metrics = refit(policy.workers, generation.workers, transport, timeout_s=timeout_s)
+    policy.offload_after_refit()
+    return metrics

@@ -626,9 +626,16 @@ class DTensorPolicyWorker:
             replica.finish_generation()
 
     def refit_embedded_generation(self) -> int:
-        """Copy this policy's current full weights into the hosted engine; the bytes it holds, in the
-        generation dtype (0 on the ranks that hold none). A collective: every rank gathers each FSDP unit's
-        weights in turn."""
+        """Copy this policy's current full weights into the hosted engine between ``offload_before_refit``
+        and ``offload_after_refit`` (what a refit through a transport does around it); the bytes the engine
+        holds, in the generation dtype (0 on the ranks that hold none). A collective: every rank gathers each
+        FSDP unit's weights in turn."""
+        self.offload_before_refit()
+        num_bytes = self._copy_into_embedded_engine()
+        self.offload_after_refit()
+        return num_bytes
+
+    def _copy_into_embedded_engine(self) -> int:
         replica = self._embedded_replica()
         weights: Iterator[tuple[str, torch.Tensor]]
         if self.world_size == 1 and replica is not None:

@@ -93,8 +93,9 @@ class InPolicyEmbeddedGeneration(SeededReplicas):
 
     # --------------------------------------------------------------------------------------- refit
     def refit(self) -> dict[str, float]:
-        """Copy the policy's current weights into every replica, in process; returns ``refit/*`` metrics
-        (``refit/bytes``: one replica's weights; ``refit/bytes_received``: summed over the replicas)."""
+        """Copy the policy's current weights into every replica, in process, with the policy's offload hooks
+        around the copy (one call to the workers); returns ``refit/*`` metrics (``refit/bytes``: one
+        replica's weights; ``refit/bytes_received``: summed over the replicas)."""
         start_s = time.perf_counter()
         loaded = [int(n) for n in self._on_all("refit_embedded_generation")]
         time_s = time.perf_counter() - start_s
