@@ -162,7 +162,7 @@ class SharedPrefixConfig(ConfigModel):
 
     It pays with groups of samples per prompt (GRPO's ``num_generations_per_prompt``) and prompts that are
     long relative to the responses: every layer but attention computes a prompt's tokens once instead of once
-    per sample (about 1.3-1.4x training tokens/s on the tiny math GRPO batches, ``benchmarks/README.md``). With
+    per sample (about 1.3-1.6x training tokens/s on the tiny math GRPO batches, ``benchmarks/README.md``). With
     no shared prompts it costs only the grouping check. Needs Hugging Face's sdpa attention (the default) and
     no sliding-window layers. Exclusive with ``sequence_packing`` (a group row already holds no repeated
     prompt; packing would need attention blocks across packed groups); refused on the Megatron backend and
