@@ -277,7 +277,7 @@ class EmbeddedEngineConfig(ConfigModel):
 
     in_policy_workers: bool = False
     """Host the engine inside the DTensor policy workers instead of separate generation workers. Applies to
-    ``backend: embedded`` with colocated generation and the DTensor policy (anything else is refused):
+    ``backend: embedded`` with colocated generation and a DTensor language model (anything else is refused):
     each data-parallel group of the policy holds one replica (on its first tensor-parallel rank) and a refit
     is an in-process copy of the gathered full weights, with no generation processes to start and no refit
     transport. Sampling equals that of separate workers for the same weights and seed. ``data_parallel_size``
@@ -538,6 +538,10 @@ class PolicyConfig(ConfigModel):
             raise ValueError(
                 f"{key} runs one replica per policy data-parallel group: unset "
                 "policy.generation.embedded_cfg.data_parallel_size"
+            )
+        if self.reward_model_cfg.enabled:
+            raise ValueError(
+                f"{key} needs a language model: a reward model has no head to sample from; set it false"
             )
         return self
 

@@ -62,8 +62,12 @@ IN_POLICY = {"embedded_cfg": {"in_policy_workers": True}}
             {"generation": {"embedded_cfg": {"in_policy_workers": True, "data_parallel_size": 1}}},
             r"unset policy\.generation\.embedded_cfg\.data_parallel_size",
         ),
+        (
+            {"reward_model_cfg": {"enabled": True}, "generation": IN_POLICY},
+            r"needs a language model: a reward model has no head to sample from; set it false",
+        ),
     ],
-    ids=["vllm", "not_colocated", "megatron", "data_parallel_size"],
+    ids=["vllm", "not_colocated", "megatron", "data_parallel_size", "reward_model"],
 )
 def test_in_policy_workers_refuses_what_it_cannot_host(overrides: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=r"in_policy_workers=true .*" + message):
