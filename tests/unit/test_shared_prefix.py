@@ -52,7 +52,7 @@ def test_units_keep_groups_within_the_token_budget() -> None:
     ids_BT, lengths_B, token_mask_BT = grouped_batch()
     prompts = prompt_lengths(token_mask_BT, lengths_B)
     groups = shared_prefix_groups(ids_BT, prompts)
-    # Group rows: 3 + 4 + 9 + 2 = 18, 9, 4 + 2 + 6 = 12, 4, 3 tokens.
+    # Segments: 3 + 4 + 9 + 2 = 18, 9, 4 + 2 + 6 = 12, 4, 3 tokens.
     assert shared_prefix_units(groups, LENGTHS, prompts, max_tokens=64) == (groups, [18, 9, 12, 4, 3])
     units, lengths = shared_prefix_units(groups, LENGTHS, prompts, max_tokens=12)
     assert units == [[0], [1], [2], [3], [4, 5], [6], [7]]  # row 1 (12 tokens) alone; 3 + 4 + 9 > 12
@@ -78,8 +78,8 @@ def test_shared_forward_equals_the_unshared_forward(multiple: int) -> None:
     shared = SharedPrefixRows.build(
         ids_BT, lengths_B, prompts, shared_prefix_groups(ids_BT, prompts), multiple
     )
-    # Five group rows of at most 18 tokens instead of 8 rows of 12.
-    assert shared.input_ids_GS.shape == (5, 18 if multiple == 1 else 24)
+    # One packed row: the 56 tokens of the 8 rows less the repeated prompts (2 x 3 + 4), rounded up.
+    assert shared.input_ids_1L.shape == (1, 46 if multiple == 1 else 48)
     weights_BTV = torch.randn(len(LENGTHS), SEQ_LEN, 32)
     valid_BT = shared.valid_BT
 
@@ -96,7 +96,7 @@ def test_shared_forward_equals_the_unshared_forward(multiple: int) -> None:
     expected, expected_grads = logits_and_grads(input_ids=ids_BT)
     use_shared_prefix_attention(model)
     actual, grads = logits_and_grads(
-        input_ids=shared.input_ids_GS, position_ids=shared.position_ids_GS, shared_prefix_layout=shared.layout
+        input_ids=shared.input_ids_1L, position_ids=shared.position_ids_1L, shared_prefix_layout=shared.layout
     )
     torch.testing.assert_close(actual[valid_BT], expected[valid_BT], rtol=1e-5, atol=1e-5)
     assert (actual[~valid_BT] == 0).all()

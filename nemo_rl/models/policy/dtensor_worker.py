@@ -204,7 +204,7 @@ class DTensorPolicyWorker:
         """[B, T, V] float32 full-vocab logits of the sampling distribution (temperature, top-k, top-p; see
         ``nemo_rl.models.sampling.sampling_logits``). With ``policy.sequence_packing`` the rows run as one
         packed row and the logits are unpacked (zeros at padding); with ``policy.shared_prefix`` rows sharing a
-        prompt run as one row per prompt (:class:`SharedPrefixRows`) and the logits are mapped back."""
+        prompt hold it once in one packed row (:class:`SharedPrefixRows`) and the logits are mapped back."""
         packed = shared = None
         if self.cfg.packs_sequences:
             multiple = math.lcm(self.cfg.sequence_packing.sequence_length_round, self.seq_multiple)
@@ -217,8 +217,8 @@ class DTensorPolicyWorker:
         elif self.cfg.shared_prefix.enabled and (shared := self._shared_prefix_rows(mb)) is not None:
             # The layout reaches every attention layer through Hugging Face's forward keywords.
             output = self.model(
-                input_ids=shared.input_ids_GS,
-                position_ids=shared.position_ids_GS,
+                input_ids=shared.input_ids_1L,
+                position_ids=shared.position_ids_1L,
                 use_cache=False,
                 shared_prefix_layout=shared.layout,
             )
@@ -239,7 +239,7 @@ class DTensorPolicyWorker:
         )
 
     def _shared_prefix_rows(self, mb: BatchedDataDict[Any]) -> SharedPrefixRows | None:
-        """``mb``'s rows laid out one row per shared prompt, or None when no two rows share one (or the
+        """``mb``'s rows packed with each shared prompt once, or None when no two rows share one (or the
         micro-batch has no ``token_mask`` to tell prompts from responses): then the plain forward runs."""
         if "token_mask" not in mb:
             return None

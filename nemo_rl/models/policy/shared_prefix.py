@@ -1,21 +1,24 @@
 """The shared-prompt forward (``policy.shared_prefix``): rows that share a prompt compute it once.
 
 GRPO samples G responses per prompt, so a batch holds every prompt G times. Here the rows of one prompt run
-as ONE row, ``[prompt, response_1, ..., response_G]``, with position ids 0..P-1 over the prompt and P..P+L-1
-again for every response, so every linear layer, norm and MLP sees each prompt token once. Attention is
+as ONE segment, ``[prompt, response_1, ..., response_G]``, with position ids 0..P-1 over the prompt and
+P..P+L-1 again for every response, so every linear layer, norm and MLP sees each prompt token once; the
+segments of a micro-batch are packed end to end in one row, with no padding between them. Attention is
 the only part that mixes tokens: :func:`shared_prefix_attention` (a Hugging Face attention implementation)
 runs it in blocks, the prompt causally over itself and each response over the whole prompt plus its own
 earlier tokens, which is exactly what that response sees in its own unshared row. So the logits of every
 row, read back with :meth:`SharedPrefixRows.unpack`, are those of the unshared forward, and their gradients
 sum into the shared prompt's activations as they would through G copies (as in the Prefix Grouper method).
-The attention is never computed densely over the whole group row: its cost stays that of the unshared rows
-(each response against prompt + itself), while the rest of the model saves (G - 1) x P tokens per group.
+Attention is never computed densely over a segment or the packed row: its cost stays that of the unshared
+rows (each response against prompt + itself), while the rest of the model saves (G - 1) x P tokens per
+group and all padding.
 
 Groups are found in the data: rows whose tokens before their first trained token (``token_mask``) are
 identical. Rows without a partner are groups of one, laid out as their ordinary row.
 
-Tensor legend: B = rows, T = tokens, G = group rows, S = group-row length, H = heads, D = head dim,
-P = longest prompt, L = longest response, R = responses (rows with at least one response token).
+Tensor legend: B = rows (1 for the packed row), T = tokens, G = groups, L = packed-row length (``_1L``) or
+longest response (``_RL``), S = sequence, H = heads, D = head dim, P = longest prompt, K = P + longest
+response, R = responses (rows with at least one response token).
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ def shared_prefix_groups(input_ids_BT: torch.Tensor, prompt_lengths_B: list[int]
 def shared_prefix_units(
     groups: list[list[int]], input_lengths: list[int], prompt_lengths_B: list[int], max_tokens: int
 ) -> tuple[list[list[int]], list[int]]:
-    """``(units, unit lengths)``: ``groups`` cut so that each unit's group row (its prompt once, then every
+    """``(units, unit lengths)``: ``groups`` cut so that each unit's segment (its prompt once, then every
     row's response) holds at most ``max_tokens`` tokens; a row longer than that is a unit of its own."""
     units: list[list[int]] = []
     lengths: list[int] = []
@@ -79,7 +82,7 @@ def shared_prefix_units(
 
 @dataclass(frozen=True)
 class SharedPrefixLayout:
-    """Where :func:`shared_prefix_attention` reads its blocks in the flattened ``[G * S]`` group rows."""
+    """Where :func:`shared_prefix_attention` reads its blocks in the packed row (slots 0..L-1)."""
 
     prompt_index_GP: torch.Tensor
     """Slot of each group's prompt token (the row's own slots past its prompt: masked)."""
@@ -101,19 +104,20 @@ class SharedPrefixLayout:
 
 @dataclass(frozen=True)
 class SharedPrefixRows:
-    """Rows that share prompts laid out one row per group, ``[G, S]``, and the way back to ``[B, T]``.
+    """Rows that share prompts laid out as one packed row ``[1, L]``: each group's prompt once, then each of
+    its rows' responses, group after group, and the way back to ``[B, T]``.
 
     Row ``b``'s position ``t`` is its group's prompt slot ``t`` for ``t < P`` (so the last prompt position,
-    which predicts the first response token, is shared too) and its response's slot beyond.
+    which predicts the first response token, is shared too) and its response's slot beyond. Attention never
+    crosses a group (:func:`shared_prefix_attention` reads only a group's own blocks), so the groups pack end
+    to end with no padding between them.
     """
 
-    input_ids_GS: torch.Tensor
-    position_ids_GS: torch.Tensor
+    input_ids_1L: torch.Tensor
+    position_ids_1L: torch.Tensor
     layout: SharedPrefixLayout
-    group_B: torch.Tensor
-    """The group row of each row."""
     index_BT: torch.Tensor
-    """Slot in the group row of each row's token (0 where the row is padding)."""
+    """Slot in the packed row of each row's token (0 where the row is padding)."""
     valid_BT: torch.Tensor
 
     @staticmethod
@@ -125,43 +129,48 @@ class SharedPrefixRows:
         multiple: int,
     ) -> SharedPrefixRows:
         """Lay out ``groups`` (row indices sharing a prompt of ``prompt_lengths_B[row]`` tokens) of the rows'
-        first ``input_lengths_B[b]`` tokens; S is the longest group row rounded up to ``multiple``."""
+        first ``input_lengths_B[b]`` tokens; L is their total rounded up to ``multiple``."""
         device = input_ids_BT.device
         num_rows, seq_len = input_ids_BT.shape
         lengths = [int(n) for n in input_lengths_B.tolist()]
         responses = [lengths[b] - prompt_lengths_B[b] for b in range(num_rows)]
         group_of = [0] * num_rows
-        start_of = [0] * num_rows  # the slot where the row's response starts in its group row
-        group_lens, group_prompts = [], []
+        prompt_start_of = [0] * num_rows  # the slot where the row's group (its prompt) starts
+        start_of = [0] * num_rows  # the slot where the row's response starts
+        group_starts, group_prompts = [], []
+        offset = 0
         for g, group in enumerate(groups):
-            offset = prompt_lengths_B[group[0]]
-            group_prompts.append(offset)
+            group_starts.append(offset)
+            group_prompts.append(prompt_lengths_B[group[0]])
+            prompt_start = offset
+            offset += group_prompts[-1]
             for row in group:
-                group_of[row], start_of[row] = g, offset
+                group_of[row], prompt_start_of[row], start_of[row] = g, prompt_start, offset
                 offset += responses[row]
-            group_lens.append(offset)
-        width = round_up(max(max(group_lens), 1), multiple)
+        width = round_up(max(offset, 1), multiple)
 
         def tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=device)
 
         t_T = torch.arange(seq_len, device=device)
-        lengths_B, prompt_B, group_B = tensor(lengths), tensor(prompt_lengths_B), tensor(group_of)
+        lengths_B, prompt_B = tensor(lengths), tensor(prompt_lengths_B)
         valid_BT = t_T[None, :] < lengths_B[:, None]
         in_prompt_BT = t_T[None, :] < prompt_B[:, None]
+        prompt_slot_BT = tensor(prompt_start_of)[:, None] + t_T[None, :]
         response_slot_BT = tensor(start_of)[:, None] + t_T[None, :] - prompt_B[:, None]
-        index_BT = torch.where(valid_BT, torch.where(in_prompt_BT, t_T[None, :], response_slot_BT), 0)
-        group_slots = group_B[:, None].expand(-1, seq_len)[valid_BT], index_BT[valid_BT]
-        input_ids_GS = input_ids_BT.new_zeros(len(groups), width)
-        input_ids_GS[group_slots] = input_ids_BT[valid_BT]
-        position_ids_GS = torch.arange(width, device=device).expand(len(groups), -1).clone()
-        position_ids_GS[group_slots] = t_T.expand(num_rows, -1)[valid_BT]
+        index_BT = torch.where(valid_BT, torch.where(in_prompt_BT, prompt_slot_BT, response_slot_BT), 0)
+        slots = index_BT[valid_BT]
+        input_ids_1L = input_ids_BT.new_zeros(1, width)
+        input_ids_1L[0, slots] = input_ids_BT[valid_BT]
+        # Slots past the last group (rounding) keep their own index as position; nothing attends them.
+        position_ids_1L = torch.arange(width, device=device)[None, :].clone()
+        position_ids_1L[0, slots] = t_T.expand(num_rows, -1)[valid_BT]
 
         # Prompt blocks: each group's prompt, causally over itself.
         max_prompt = max(max(group_prompts), 1)
         p_P = torch.arange(max_prompt, device=device)
         prompt_valid_GP = p_P[None, :] < tensor(group_prompts)[:, None]
-        prompt_index_GP = torch.arange(len(groups), device=device)[:, None] * width + p_P[None, :]
+        prompt_index_GP = (tensor(group_starts)[:, None] + p_P[None, :]).clamp(max=width - 1)
         causal_PP = p_P[None, :] <= p_P[:, None]
         # A padding query attends itself only (an all-masked row would be NaN in the softmax and its backward).
         prompt_allowed_G1PP = (causal_PP & prompt_valid_GP[:, None, :]) | torch.eye(
@@ -173,7 +182,7 @@ class SharedPrefixRows:
         l_L = torch.arange(max_response, device=device)
         response_valid_RL = l_L[None, :] < tensor([responses[b] for b in rows_R])[:, None]
         groups_R = tensor([group_of[b] for b in rows_R])
-        starts_R = groups_R * width + tensor([start_of[b] for b in rows_R])
+        starts_R = tensor([start_of[b] for b in rows_R])
         response_index_RL = torch.where(
             response_valid_RL, starts_R[:, None] + l_L[None, :], starts_R[:, None]
         )
@@ -197,20 +206,20 @@ class SharedPrefixRows:
             response_slots=response_index_RL[response_valid_RL],
             response_valid_RL=response_valid_RL,
         )
-        return SharedPrefixRows(input_ids_GS, position_ids_GS, layout, group_B, index_BT, valid_BT)
+        return SharedPrefixRows(input_ids_1L, position_ids_1L, layout, index_BT, valid_BT)
 
-    def unpack(self, values_GS: torch.Tensor) -> torch.Tensor:
-        """``[G, S, ...]`` per-token values back to ``[B, T, ...]`` (zeros at the rows' padding)."""
-        values_BT = values_GS[self.group_B[:, None], self.index_BT]
+    def unpack(self, values_1L: torch.Tensor) -> torch.Tensor:
+        """``[1, L, ...]`` per-token values back to ``[B, T, ...]`` (zeros at the rows' padding)."""
+        values_BT = values_1L[0][self.index_BT]
         mask = self.valid_BT.reshape(*self.valid_BT.shape, *([1] * (values_BT.ndim - 2)))
         return torch.where(mask, values_BT, torch.zeros((), dtype=values_BT.dtype, device=values_BT.device))
 
 
 def shared_prefix_attention(
     module: torch.nn.Module,
-    query_GHSD: torch.Tensor,
-    key_GHSD: torch.Tensor,
-    value_GHSD: torch.Tensor,
+    query_BHSD: torch.Tensor,
+    key_BHSD: torch.Tensor,
+    value_BHSD: torch.Tensor,
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
@@ -220,7 +229,7 @@ def shared_prefix_attention(
     """A Hugging Face attention implementation: blockwise attention over group rows given
     ``shared_prefix_layout`` (the model's forward keyword), else plain sdpa attention.
 
-    Returns ``[G, S, H, D]`` as Hugging Face's implementations do; slots past a group's tokens get zeros.
+    Returns ``[1, L, H, D]`` as Hugging Face's implementations do; slots past the last group get zeros.
     """
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
@@ -228,23 +237,23 @@ def shared_prefix_attention(
     if layout is None:
         return sdpa_attention_forward(
             module,
-            query_GHSD,
-            key_GHSD,
-            value_GHSD,
+            query_BHSD,
+            key_BHSD,
+            value_BHSD,
             attention_mask,
             dropout=dropout,
             scaling=scaling,
             **kwargs,
         )
-    num_groups, num_heads, width, head_dim = query_GHSD.shape
+    batch, num_heads, width, head_dim = query_BHSD.shape
     kv_groups = int(getattr(module, "num_key_value_groups", 1))
     if kv_groups > 1:
-        key_GHSD, value_GHSD = repeat_kv(key_GHSD, kv_groups), repeat_kv(value_GHSD, kv_groups)
+        key_BHSD, value_BHSD = repeat_kv(key_BHSD, kv_groups), repeat_kv(value_BHSD, kv_groups)
 
-    def flat(x_GHSD: torch.Tensor) -> torch.Tensor:
-        return x_GHSD.transpose(1, 2).reshape(num_groups * width, num_heads, head_dim)
+    def flat(x_BHSD: torch.Tensor) -> torch.Tensor:
+        return x_BHSD.transpose(1, 2).reshape(batch * width, num_heads, head_dim)
 
-    q, k, v = flat(query_GHSD), flat(key_GHSD), flat(value_GHSD)
+    q, k, v = flat(query_BHSD), flat(key_BHSD), flat(value_BHSD)
 
     def block(q_index: torch.Tensor, kv_index: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         out_NHWD = torch.nn.functional.scaled_dot_product_attention(
@@ -264,7 +273,7 @@ def shared_prefix_attention(
             layout.response_index_RL, layout.response_kv_index_RK, layout.response_allowed_R1LK
         )
         out = out.index_copy(0, layout.response_slots, response_out[layout.response_valid_RL])
-    return out.reshape(num_groups, width, num_heads, head_dim), None
+    return out.reshape(batch, width, num_heads, head_dim), None
 
 
 def use_shared_prefix_attention(model: torch.nn.Module) -> None:

@@ -96,10 +96,10 @@ def micro_batches(
     to end for the forward pass). Every dp rank runs the same number of micro-batches (forward passes are
     collectives over dp), so the count is agreed on first.
 
-    With ``shared_prefix`` (the worker computes each shared prompt once, ``policy.shared_prefix``) token
-    budgets count a group's shared row (its prompt once, then every response) instead of its rows, and keep a
-    group in one micro-batch unless its shared row alone exceeds the budget; fixed-size micro-batches are
-    unchanged (consecutive rows, so groups of consecutive samples share within each micro-batch).
+    With ``shared_prefix`` (the worker packs a micro-batch with each shared prompt once,
+    ``policy.shared_prefix``) token budgets count a group's tokens (its prompt once, then every response),
+    first-fit decreasing, and keep a group in one micro-batch unless it alone exceeds the budget; fixed-size
+    micro-batches are unchanged (consecutive rows, so groups of consecutive samples share within each).
     """
     if not dynamic.enabled and packing is None:
         for rows in fixed_size_parts(batch.size, micro_batch_size):
@@ -115,9 +115,10 @@ def micro_batches(
         prompts = prompt_lengths(batch["token_mask"], batch["input_lengths"])
         groups = shared_prefix_groups(batch["input_ids"], prompts)
         units, unit_lengths = shared_prefix_units(groups, lengths, prompts, max_tokens)
+        # The worker packs a micro-batch's units end to end: a budget of their summed tokens.
         parts = [
             [row for unit in part for row in units[unit]]
-            for part in token_budget_parts(unit_lengths, max_tokens, round_to)
+            for part in packing_parts(unit_lengths, max_tokens, in_order=False)
         ]
     else:
         parts = token_budget_parts(lengths, max_tokens, round_to)
