@@ -149,7 +149,8 @@ class DynamicBatchingConfig(ConfigModel):
 
 class SharedPrefixConfig(ConfigModel):
     """Shared-prompt forward ("prefix sharing", as in Prefix Grouper for GRPO): rows whose prompts are identical
-    run as one row per prompt, the prompt once followed by every row's response.
+    hold the prompt once, followed by every row's response, and a micro-batch's groups are packed end to end
+    in one row (no padding).
 
     Position ids restart after the prompt for each response and attention runs in blocks (the prompt over
     itself, each response over the whole prompt and its own earlier tokens), so logits, log-probs, losses and
@@ -157,15 +158,15 @@ class SharedPrefixConfig(ConfigModel):
     (identical tokens before a row's first trained token, ``token_mask``), so any algorithm that sends several
     samples per prompt benefits; rows without a partner run as ordinary rows. Applies to training and to every
     log-prob pass (reference, previous policy, top-k) of the DTensor backend; token budgets
-    (``dynamic_batching``) count a shared prompt once and keep a group's rows in one micro-batch unless its
-    group row alone exceeds the budget.
+    (``dynamic_batching``) count a shared prompt once and keep a group's rows in one micro-batch unless the
+    group alone exceeds the budget.
 
     It pays with groups of samples per prompt (GRPO's ``num_generations_per_prompt``) and prompts that are
     long relative to the responses: every layer but attention computes a prompt's tokens once instead of once
     per sample (about 1.3-1.6x training tokens/s on the tiny math GRPO batches, ``benchmarks/README.md``). With
     no shared prompts it costs only the grouping check. Needs Hugging Face's sdpa attention (the default) and
-    no sliding-window layers. Exclusive with ``sequence_packing`` (a group row already holds no repeated
-    prompt; packing would need attention blocks across packed groups); refused on the Megatron backend and
+    no sliding-window layers. Exclusive with ``sequence_packing`` (it packs each micro-batch
+    already, with no repeated prompt); refused on the Megatron backend and
     for reward models."""
 
     enabled: bool = False
