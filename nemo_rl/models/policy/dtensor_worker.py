@@ -215,10 +215,13 @@ class DTensorPolicyWorker:
                 input_ids=packed.input_ids_1L, position_ids=packed.position_ids_1L, use_cache=False
             )
         elif self.cfg.shared_prefix.enabled and (shared := self._shared_prefix_rows(mb)) is not None:
-            # The layout reaches every attention layer through Hugging Face's forward keywords.
+            # The layout reaches every attention layer through Hugging Face's forward keywords. A placeholder
+            # 4D mask is passed as-is (and ignored by the blockwise attention): otherwise Hugging Face would
+            # build an [L, L] mask from the restarting position ids that nothing reads.
             output = self.model(
                 input_ids=shared.input_ids_1L,
                 position_ids=shared.position_ids_1L,
+                attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=shared.input_ids_1L.device),
                 use_cache=False,
                 shared_prefix_layout=shared.layout,
             )
