@@ -192,6 +192,35 @@ def _shard(data: BatchedDataDict[Any], dp_rank: int, dp_size: int) -> BatchedDat
     return data.shard_by_batch_size(dp_size, batch_size=GLOBAL_BATCH)[dp_rank]
 
 
+def _flat_gather_against_per_unit(worker: Any) -> dict[str, bool]:
+    """Whether the one-all-gather refit (``gather_dim0_shards``) equals the per-unit gather bit for bit, on
+    the trained model and on shards torch.chunk splits unevenly (5 rows: 3 + 2; 1 row: 1 + none)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from nemo_rl.models.policy.parallelize import fsdp_dim0_sharded, gather_dim0_shards, reshard_all
+
+    reshard_all(worker.model)
+    params = list(worker.model.named_parameters())
+    per_unit = {name: t.clone() for name, t in worker.iter_hf_weights(torch.bfloat16)}
+    flat = dict(gather_dim0_shards(params, torch.bfloat16, worker.device))
+    uneven = [
+        (name, torch.arange(rows * 3, dtype=torch.float32).view(rows, 3) / 7)
+        for name, rows in (("a", 5), ("b", 1))
+    ]
+    sharded = [(name, distribute_tensor(t, worker.mesh["dp"], [Shard(0)])) for name, t in uneven]
+    return {
+        "eligible": fsdp_dim0_sharded(params),
+        "model": flat.keys() == {n for n, _ in params}
+        and all(torch.equal(flat[n], per_unit[n]) and flat[n].dtype == per_unit[n].dtype for n in flat),
+        "uneven": all(
+            torch.equal(got, full)
+            for (_, got), (_, full) in zip(
+                gather_dim0_shards(sharded, torch.float32, worker.device), uneven, strict=True
+            )
+        ),
+    }
+
+
 def _scenarios(rank: int, model_dir: Path, out_dir: Path) -> None:
     from nemo_rl.models.policy.dtensor_worker import DTensorPolicyWorker
 
@@ -213,6 +242,8 @@ def _scenarios(rank: int, model_dir: Path, out_dir: Path) -> None:
             grpo_shard["prev_logprobs"] = worker.get_logprobs(grpo_shard)["logprobs"]
         grpo_loss = ClippedPGLossFn(GRPO_LOSS_CFG, prev_logprobs_from_forward=mbs == 4)
         save(f"grpo_prev_{'forward' if mbs == 4 else 'pass'}", worker.train(grpo_shard, grpo_loss, mbs=mbs))
+        if mbs == 4:
+            save("flat_gather", _flat_gather_against_per_unit(worker))
         worker.shutdown()
 
     # Dynamic batching over 2 dp ranks: token-budget micro-batches, cut to their longest row.
@@ -616,6 +647,11 @@ def test_grpo_prev_logprobs_from_the_training_forward_equal_the_scoring_pass(res
         assert_close(torch.tensor(from_forward["metrics"][name]), torch.tensor(values), rtol=1e-4)
     # The importance weights pi_prev / pi_gen were read: the check covers more than the ratio of 1.
     assert separate["metrics"]["sampling_importance_ratio"][0] != pytest.approx(1.0)
+
+
+def test_one_all_gather_refit_equals_the_per_unit_gather(results: Path) -> None:
+    for rank in (0, 1):
+        assert load(results, "flat_gather", rank=rank) == {"eligible": True, "model": True, "uneven": True}
 
 
 def test_metric_min_is_reduced_with_min(results: Path) -> None:

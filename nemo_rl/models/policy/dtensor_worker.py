@@ -48,7 +48,12 @@ from nemo_rl.models.policy.hf_io import config_has_dropout, export_hf_checkpoint
 from nemo_rl.models.policy.interfaces import TrainResult
 from nemo_rl.models.policy.loss_interface import LossFunction
 from nemo_rl.models.policy.optim import build_optimizer, build_scheduler, clip_grad_norm_, freeze_parameters
-from nemo_rl.models.policy.parallelize import fsdp_units_of_parameters, reshard_all
+from nemo_rl.models.policy.parallelize import (
+    fsdp_dim0_sharded,
+    fsdp_units_of_parameters,
+    gather_dim0_shards,
+    reshard_all,
+)
 from nemo_rl.models.policy.shared_prefix import (
     SharedPrefixRows,
     prompt_lengths,
@@ -631,8 +636,8 @@ class DTensorPolicyWorker:
     def refit_embedded_generation(self) -> int:
         """Copy this policy's current full weights into the hosted engine between ``offload_before_refit``
         and ``offload_after_refit`` (what a refit through a transport does around it); the bytes the engine
-        holds, in the generation dtype (0 on the ranks that hold none). A collective: every rank gathers each
-        FSDP unit's weights in turn."""
+        holds, in the generation dtype (0 on the ranks that hold none). A collective: with FSDP alone every
+        rank all-gathers every weight at once, with TP each weight's shards in turn."""
         self.offload_before_refit()
         num_bytes = self._copy_into_embedded_engine()
         self.offload_after_refit()
@@ -648,13 +653,30 @@ class DTensorPolicyWorker:
             params = ((name, _local(p).detach()) for name, p in self.model.named_parameters())
             weights = itertools.chain(params, self._persistent_buffers())
         else:
-            weights = self.iter_hf_weights(dtype_from_name(self.cfg.generation.embedded_cfg.precision))
+            weights = self._iter_full_weights_for_engine(
+                dtype_from_name(self.cfg.generation.embedded_cfg.precision)
+            )
         if replica is None:
             for _ in weights:  # the gathers are collectives: this rank takes part and drops the weights
                 pass
             return 0
         replica.load_weights_from_stream(weights)
         return replica.model.num_weight_bytes
+
+    def _iter_full_weights_for_engine(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """What :meth:`iter_hf_weights` yields, for an engine in this process that holds the whole model
+        anyway: FSDP-only shards come with one all-gather for every parameter (:func:`gather_dim0_shards`)
+        instead of one per FSDP unit; other layouts (TP) gather as :meth:`iter_hf_weights` does."""
+        reshard_all(self.model)
+        params = list(self.model.named_parameters())
+        if not fsdp_dim0_sharded(params):
+            return self.iter_hf_weights(dtype)
+        full = gather_dim0_shards(params, dtype, self.device)
+        buffers = (
+            (name, buffer.to(dtype) if buffer.is_floating_point() else buffer)
+            for name, buffer in self._persistent_buffers()
+        )
+        return itertools.chain(full, buffers)
 
     def load_embedded_generation_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
         """Load full weights given by the driver into the hosted engine (``GenerationInterface.update_weights``)."""
@@ -683,7 +705,10 @@ class DTensorPolicyWorker:
     def _move_model(self, device: torch.device | str) -> None:
         if not self.cfg.dtensor_cfg.cpu_offload:  # with CPU offload, FSDP owns where the shards live
             reshard_all(self.model)
-            self.model.to(device)
+            # A CPU worker's weights never leave the host, and walking the model to move nothing costs
+            # milliseconds a refit.
+            if self.device.type != "cpu":
+                self.model.to(device)
 
     def _release_device_memory(self) -> None:
         if cuda_available():
