@@ -49,7 +49,7 @@ from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.data.collate_fn import rl_collate_fn
 from nemo_rl.data.dataloader import StatefulDataLoader
 from nemo_rl.data.datasets import ProcessedDataset, dataset_task_names
-from nemo_rl.data.llm_message_utils import message_logs_to_batch
+from nemo_rl.data.llm_message_utils import flat_token_positions, message_logs_to_batch
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster, init_ray
 from nemo_rl.distributed.worker_groups import start_together
@@ -348,13 +348,17 @@ def build_train_batch(
     logs = rollout["message_log"]
     batch = message_logs_to_batch(logs, pad_token_id=pad_token_id, train_roles=_TRAIN_ROLES)
     generation_logprobs_BT = torch.zeros_like(batch["token_mask"])
-    for b, log in enumerate(logs):
-        position = 0
-        for message in log:
-            n = int(message["token_ids"].numel())
-            if message["role"] in _TRAIN_ROLES:
-                generation_logprobs_BT[b, position : position + n] = message["generation_logprobs"]
-            position += n
+    # One scatter for the batch: the trained messages' sampling log-probs, zeros for the other tokens.
+    rows_N, cols_N = flat_token_positions(batch["input_lengths"].tolist())
+    generation_logprobs_BT[rows_N, cols_N] = torch.cat(
+        [
+            message["generation_logprobs"].to(generation_logprobs_BT.dtype)
+            if message["role"] in _TRAIN_ROLES
+            else generation_logprobs_BT.new_zeros(int(message["token_ids"].numel()))
+            for log in logs
+            for message in log
+        ]
+    )
     sample_mask_B = rollout["loss_multiplier"].float().clone()
     if overlong_filtering:
         sample_mask_B *= (~rollout["truncated"]).float()

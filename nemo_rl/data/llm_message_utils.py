@@ -155,6 +155,16 @@ def truncate_message_log(message_log: MessageLog, max_tokens: int) -> MessageLog
     return truncated
 
 
+def flat_token_positions(lengths: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (row, column) of every token of a right-padded ``[B, T]`` batch whose rows hold ``lengths``
+    tokens, in row-major order: index a padded tensor with them to scatter the rows' concatenated tokens."""
+    lengths_B = torch.tensor(lengths, dtype=torch.long)
+    rows_N = torch.repeat_interleave(torch.arange(len(lengths)), lengths_B)
+    starts_B = torch.cumsum(lengths_B, 0) - lengths_B
+    cols_N = torch.arange(int(lengths_B.sum())) - starts_B.repeat_interleave(lengths_B)
+    return rows_N, cols_N
+
+
 def message_logs_to_batch(
     message_logs: Sequence[MessageLog],
     *,
@@ -173,14 +183,14 @@ def message_logs_to_batch(
     max_length = max(lengths)
     input_ids_BT = torch.full((len(message_logs), max_length), pad_token_id, dtype=torch.long)
     token_mask_BT = torch.zeros((len(message_logs), max_length), dtype=torch.float32)
-    for b, log in enumerate(message_logs):
-        position = 0
-        for message in log:
-            n = int(message["token_ids"].numel())
-            input_ids_BT[b, position : position + n] = message["token_ids"]
-            if message["role"] in train_roles:
-                token_mask_BT[b, position : position + n] = 1.0
-            position += n
+    messages = [message for log in message_logs for message in log]
+    if messages:
+        # One scatter for the whole batch instead of two slice assignments per message.
+        rows_N, cols_N = flat_token_positions(lengths)
+        input_ids_BT[rows_N, cols_N] = torch.cat([m["token_ids"].to(torch.long) for m in messages])
+        trained_M = torch.tensor([m["role"] in train_roles for m in messages], dtype=torch.float32)
+        num_tokens_M = torch.tensor([int(m["token_ids"].numel()) for m in messages], dtype=torch.long)
+        token_mask_BT[rows_N, cols_N] = trained_M.repeat_interleave(num_tokens_M)
     return BatchedDataDict(
         input_ids=input_ids_BT,
         input_lengths=torch.tensor(lengths, dtype=torch.long),
