@@ -7,8 +7,9 @@ through a transport every step. Here each data-parallel group of the policy hold
 
 - generating deals the rows to the policy's dp groups exactly as separate workers would (same call seeds,
   same per-rank and per-chunk seeds: the same tokens for the same weights);
-- a refit is an in-process copy: every rank gathers each FSDP unit's full weights in turn (the same gathers a
-  refit sender runs) and the replica copies them into its fused storage; nothing crosses a process boundary;
+- a refit is an in-process copy: every rank gathers the full weights (with FSDP alone in one all-gather, with
+  TP as a refit sender does) and the replica copies them into its fused storage; nothing crosses a process
+  boundary;
 - ``prepare_for_generation`` / ``finish_generation`` bring the engine's weights back and drop its KV cache
   (offloading the weights on CUDA), as in separate workers.
 
@@ -81,8 +82,11 @@ class InPolicyEmbeddedGeneration(SeededReplicas):
         )
 
     def prepare_for_generation(self) -> None:
-        """The engines' weights back onto the devices."""
-        self._on_all("prepare_for_generation")
+        """The engines' weights back onto the devices (no call on CPU workers, where they never leave)."""
+        # finish_generation offloads the weights only on CUDA; on CPU the call would move nothing and cost
+        # a round trip to every worker each step.
+        if self.policy.worker_group.cluster.use_gpus:
+            self._on_all("prepare_for_generation")
 
     def finish_generation(self) -> None:
         """Drop the engines' KV caches (and offload their weights on CUDA) so training gets the memory."""
