@@ -16,6 +16,7 @@ group of node ``b // gpus_per_node``. Worker groups share bundles in colocated m
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import random
@@ -123,9 +124,32 @@ def init_ray(cluster_cfg: ClusterConfig | None = None) -> None:
     _init_ray_now(cluster_cfg)
 
 
+def uncached_bytecode_warning(package: str = "torch") -> str | None:
+    """A warning when this interpreter neither caches bytecode nor finds ``package``'s cached, else None.
+
+    Under ``PYTHONDONTWRITEBYTECODE`` Python never writes ``.pyc`` files, so unless the environment was
+    installed with its bytecode compiled, every process (the driver and each Ray worker) compiles torch,
+    transformers and Ray from source at every start: measured here, a DTensor policy worker's start-up took
+    14 s of CPU instead of 6 s.
+    """
+    if not sys.flags.dont_write_bytecode:
+        return None
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None or os.path.exists(importlib.util.cache_from_source(spec.origin)):
+        return None
+    return (
+        f"PYTHONDONTWRITEBYTECODE is set and {package} has no compiled bytecode, so every worker compiles it "
+        "from source at start-up (seconds of CPU each): install with UV_COMPILE_BYTECODE=1 "
+        "(`UV_COMPILE_BYTECODE=1 uv sync` compiles the whole environment) or run `python -m compileall` over "
+        "site-packages once"
+    )
+
+
 def _init_ray_now(cluster_cfg: ClusterConfig | None) -> None:
     if ray.is_initialized():
         return
+    if (warning := uncached_bytecode_warning()) is not None:
+        logger.warning(warning)
     address = os.environ.get("RAY_ADDRESS")
     if address:
         logger.info("attaching to the Ray cluster at %s", address)
