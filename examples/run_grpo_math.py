@@ -14,6 +14,7 @@ from pathlib import Path
 
 from nemo_rl.config.cli import parse_args_and_load, run_cli
 from nemo_rl.config.master import GRPOMasterConfig
+from nemo_rl.config.sources import check_policy_sources
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "grpo_math_1B.yaml"
 
@@ -21,6 +22,8 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "grpo_math_1B.yaml"
 def main() -> None:
     """Load and check the config, then set up and run GRPO."""
     config, _ = parse_args_and_load(GRPOMasterConfig, DEFAULT_CONFIG)
+    # A model folder that does not exist is known from the path: say so before Ray starts.
+    check_policy_sources(config.policy)
     if config.policy.generation.backend != "vllm":
         # Ray's processes come up while this process imports torch and loads the data; setup waits for them.
         # Not for vLLM, whose start takes far longer anyway: a machine without a GPU must refuse it (below)

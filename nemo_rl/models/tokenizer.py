@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import pathlib
 from typing import Any
 
@@ -21,6 +20,7 @@ from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.policy import PolicyConfig, TokenizerConfig
+from nemo_rl.config.sources import check_policy_sources
 
 DEFAULT_CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
@@ -69,14 +69,12 @@ def get_policy_tokenizer(policy: PolicyConfig) -> PreTrainedTokenizerBase:
     """The tokenizer of a ``policy`` section (:func:`get_tokenizer` with the policy's model and trust flag).
 
     Scripts call it before starting Ray, so it first checks that ``policy.model_name`` (and
-    ``policy.tokenizer.name``) can be loaded: see :func:`check_model_source`.
+    ``policy.tokenizer.name``) can be loaded: see :func:`nemo_rl.config.sources.check_model_source`.
     """
-    check_model_source(policy.model_name, "policy.model_name")
+    check_policy_sources(policy)
     key, name = "policy.tokenizer.name", policy.tokenizer.name
     if name is None:
         key, name = "policy.model_name", policy.model_name
-    else:
-        check_model_source(name, key, need_config=False)
     try:
         return get_tokenizer(
             policy.tokenizer, model_name=policy.model_name, trust_remote_code=policy.trust_remote_code
@@ -89,29 +87,6 @@ def get_policy_tokenizer(policy: PolicyConfig) -> PreTrainedTokenizerBase:
             f"{key}={name}: the tokenizer cannot be loaded ({first_line}); give a local folder or a hub name "
             "that this machine can download (or that is in the Hugging Face cache)"
         ) from err
-
-
-def _looks_local(name: str) -> bool:
-    # Hub ids are "name" or "org/name"; anything else with a path shape is meant as a folder.
-    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or pathlib.Path(name).exists()
-
-
-def check_model_source(name: str, key: str, *, need_config: bool = True) -> None:
-    """Raise :class:`UserError` naming ``key`` when ``name`` is meant as a local folder (an absolute,
-    relative or home path, or an existing path) that does not exist, is not a readable folder, or (with
-    ``need_config``) has no ``config.json``. Hub names are left to the loader."""
-    if not _looks_local(name):
-        return
-    path = pathlib.Path(name).expanduser()
-    if not path.exists():
-        raise UserError(f"{key}={name} does not exist; give an existing model folder or a hub name")
-    if not path.is_dir() or not os.access(path, os.R_OK | os.X_OK):
-        raise UserError(f"{key}={name} is not a readable folder; give a Hugging Face model folder")
-    if need_config and not (path / "config.json").is_file():
-        raise UserError(
-            f"{key}={name} has no config.json, so it is not a Hugging Face model folder; point it at the "
-            "folder that holds config.json and the weights"
-        )
 
 
 def require_pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:

@@ -110,3 +110,29 @@ def test_script_exits_2_with_one_line_before_ray(
     stderr = capsys.readouterr().err
     assert "policy.model_name=/nonexistent/model does not exist" in stderr
     assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1, stderr
+
+
+def test_grpo_script_refuses_a_missing_model_folder_before_starting_ray(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The GRPO script starts Ray in the background as soon as its config is valid; a model folder that does
+    # not exist is known from the path alone, so it must be refused before that start.
+    import nemo_rl.distributed.virtual_cluster as virtual_cluster
+
+    starts: list[object] = []
+    monkeypatch.setattr(virtual_cluster, "start_ray_in_background", starts.append)
+    argv = [
+        "run_grpo_math.py",
+        "--config",
+        str(ROOT / "examples" / "configs" / "grpo_math_tiny.yaml"),
+        "policy.model_name=/nonexistent/model",
+        f"logger.log_dir={tmp_path / 'logs'}",
+    ]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(ROOT / "examples" / "run_grpo_math.py"), run_name="__main__")
+    assert exit_info.value.code == 2
+    stderr = capsys.readouterr().err
+    assert "policy.model_name=/nonexistent/model does not exist" in stderr
+    assert len(stderr.strip().splitlines()) == 1, stderr
+    assert starts == []
