@@ -84,6 +84,7 @@ def policy_cfg(model_dir: Path, args: argparse.Namespace) -> PolicyConfig:
             "max_total_sequence_length": args.seq_len,
             "max_grad_norm": 1.0,
             "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": LR, "weight_decay": 0.0}},
+            "dtensor_cfg": {"data_parallel_mode": args.dp_mode},
         }
     )
 
@@ -143,6 +144,12 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps per measurement")
     parser.add_argument("--rounds", type=int, default=2, help="alternations of DP=1 and DP=2")
+    parser.add_argument(
+        "--dp-mode",
+        choices=("fsdp", "replicate"),
+        default="fsdp",
+        help="policy.dtensor_cfg.data_parallel_mode",
+    )
     args = parser.parse_args()
     os.environ.setdefault("NEMO_RL_TORCH_THREADS", "1")
     with tempfile.TemporaryDirectory() as tmp:

@@ -65,6 +65,11 @@ class DTensorConfig(ConfigModel):
     clear_cache_every_n_steps: int | None = None
     """Accepted, no effect here: emptying the allocator cache is a memory knob."""
 
+    data_parallel_mode: Literal["fsdp", "replicate"] = "fsdp"
+    """How data-parallel ranks hold the model: ``fsdp`` shards it with FSDP2; ``replicate`` keeps the whole
+    float32 model as a plain module on every rank and sums the gradients with one all-reduce after a step's
+    last micro-batch (DDP's way: faster for small models on CPU; needs TP=1, no CPU offload, float32)."""
+
     dp_replicate_size: Literal[1] | None = None
     """HSDP replica groups; not built here: must be 1 or null (FSDP shards over every data-parallel rank)."""
 
@@ -88,6 +93,11 @@ class DTensorConfig(ConfigModel):
     def _refuse_automodel_kwargs(self) -> Self:
         if self.automodel_kwargs:
             raise refusal("policy.dtensor_cfg.automodel_kwargs", "set policy.dtensor_cfg.automodel_kwargs={}")
+        if self.data_parallel_mode == "replicate" and (self.tensor_parallel_size > 1 or self.cpu_offload):
+            raise ValueError(
+                "policy.dtensor_cfg.data_parallel_mode=replicate needs tensor_parallel_size=1 and "
+                "cpu_offload=false: set policy.dtensor_cfg.data_parallel_mode=fsdp"
+            )
         return self
 
 
@@ -555,6 +565,12 @@ class PolicyConfig(ConfigModel):
         if self.dtensor_cfg.enabled and self.optimizer is None:
             raise ValueError(
                 "policy.optimizer is null but the DTensor backend needs it: set policy.optimizer"
+            )
+        replicated = self.dtensor_cfg.enabled and self.dtensor_cfg.data_parallel_mode == "replicate"
+        if replicated and self.precision != "float32":
+            raise ValueError(
+                f"policy.dtensor_cfg.data_parallel_mode=replicate trains in float32, not policy.precision="
+                f"{self.precision}: set policy.precision=float32 or data_parallel_mode=fsdp"
             )
         if self.megatron_cfg.enabled:
             self.megatron_cfg.check_with_policy(self.precision, self.max_grad_norm)

@@ -354,10 +354,14 @@ def _scenarios(rank: int, model_dir: Path, out_dir: Path) -> None:
     save("rm_resumed_train", worker.train(rm_shard(range(2, NUM_STEPS)), PreferenceLoss(), mbs=2))
     worker.shutdown()
 
-    # Resume: dp=2 trains two steps, saves, a fresh tp=2 worker loads and takes step three.
+    # Resume across layouts: dp=2 with the model replicated (a plain module on each rank, gradients summed by
+    # one all-reduce) trains two steps, saves, a fresh tp=2 worker loads and takes step three.
     first_two = data.slice(0, 2 * GLOBAL_BATCH)
-    worker = DTensorPolicyWorker(policy_cfg(model_dir))
-    worker.train(_shard(first_two, worker.dp_rank, worker.dp_size), loss_fn)
+    from torch.distributed.tensor import DTensor
+
+    worker = DTensorPolicyWorker(policy_cfg(model_dir, {"data_parallel_mode": "replicate"}))
+    save("replicate_dtensors", sum(isinstance(p, DTensor) for p in worker.model.parameters()))
+    save("replicate_train", worker.train(_shard(first_two, worker.dp_rank, worker.dp_size), loss_fn))
     worker.save_checkpoint(str(out_dir / "ckpt_weights"), str(out_dir / "ckpt_optim"))
     worker.shutdown()
     worker = DTensorPolicyWorker(
@@ -698,6 +702,14 @@ def test_one_rank_policy_trains_without_fsdp_and_resumes_under_it(
 
 def test_reference_logprobs_are_the_initial_model(results: Path, reference: dict[str, Any]) -> None:
     assert_close(load(results, "tp2_ref_logprobs")["reference_logprobs"], reference["init_logprobs"])
+
+
+def test_replicated_dp2_trains_like_one_process(results: Path, reference: dict[str, Any]) -> None:
+    for rank in range(WORLD_SIZE):
+        assert load(results, "replicate_dtensors", rank) == 0
+        out = load(results, "replicate_train", rank)
+        for key in ("loss", "grad_norm", "lr"):
+            assert_close(out[key], reference[key][:2])
 
 
 def test_resume_continues_like_an_uninterrupted_run(results: Path, reference: dict[str, Any]) -> None:

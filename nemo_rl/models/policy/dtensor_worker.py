@@ -400,6 +400,7 @@ class DTensorPolicyWorker:
                 step_loss += float(loss.detach().double())
                 mb_metrics.append(metrics)
             if not eval_mode:
+                self._all_reduce_replicated_grads()
                 grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
                 log.add_update(grad_norm, float(self.optimizer.param_groups[0]["lr"]))
                 if math.isfinite(grad_norm):
@@ -417,6 +418,21 @@ class DTensorPolicyWorker:
         """Whether the model's config (with ``policy.hf_config_overrides``) sets a positive dropout probability
         (see ``hf_io.trains_with_dropout``; asked here, where the config is loaded, not in the driver)."""
         return config_has_dropout(self.model.config)
+
+    def _all_reduce_replicated_grads(self) -> None:
+        """With ``data_parallel_mode=replicate`` at DP>1, sum every gradient over the dp ranks with one
+        all-reduce of one flat buffer (losses are globally normalised, so the step's gradient is the sum)."""
+        if self.cfg.dtensor_cfg.data_parallel_mode != "replicate" or self.dp_size == 1:
+            return
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.dp_group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
 
     def _defer_gradient_sync(self, last_micro_batch: bool) -> None:
         """On CPU, reduce the gradients and reshard the parameters after the step's last micro-batch only.
@@ -646,9 +662,11 @@ class DTensorPolicyWorker:
     def _copy_into_embedded_engine(self) -> int:
         replica = self._embedded_replica()
         weights: Iterator[tuple[str, torch.Tensor]]
-        if self.world_size == 1 and replica is not None:
-            # One rank holds every weight whole: its local tensors are the full ones, so the replica copies
-            # (and casts) them directly, with no gather; tied weights once, then the persistent buffers.
+        replicated = self.cfg.dtensor_cfg.data_parallel_mode == "replicate"
+        if (self.world_size == 1 or replicated) and replica is not None:
+            # One rank, or a replicated model, holds every weight whole: its local tensors are the full ones, so
+            # the replica copies (and casts) them directly, with no gather; tied weights once, then the
+            # persistent buffers.
             reshard_all(self.model)
             params = ((name, _local(p).detach()) for name, p in self.model.named_parameters())
             weights = itertools.chain(params, self._persistent_buffers())

@@ -143,6 +143,8 @@ def load_sharded_model(cfg: PolicyConfig, mesh: DeviceMesh, device: torch.device
     # On CPU the "device" is host memory, which holds the full model: gather each layer once per pass (see
     # apply_fsdp), since on CPU every collective costs compute time the ranks share with the gloo threads.
     fsdp = needs_fsdp(mesh, PRECISION_DTYPES[cfg.precision], dtensor_cfg.cpu_offload)
+    if dtensor_cfg.data_parallel_mode == "replicate":  # float32, TP 1, no offload (checked by the schema)
+        fsdp = False
     if fsdp:
         apply_fsdp(
             model,
