@@ -122,6 +122,30 @@ class Policy(WorkerGroupFacade):
         )
 
     # ------------------------------------------------------------------------------------------ calls
+    def _prompt_run_length(self, data: BatchedDataDict[Any], rows_per_shard: int) -> int:
+        """With ``policy.shared_prefix``, the length ``G`` of the runs of consecutive rows that share a prompt
+        (GRPO's samples of one prompt) when every run has it and it divides ``rows_per_shard``: dealing the
+        rows to the dp ranks in whole runs keeps each prompt's rows on one rank, where they share its forward
+        (dealt one by one by length, a prompt's rows would land on every rank and share nothing). 1 otherwise.
+        """
+        if not self.cfg.shared_prefix.enabled or self.dp_size == 1 or "token_mask" not in data:
+            return 1
+        token_mask_BT, ids_BT = data["token_mask"], data["input_ids"]
+        trained_BT = token_mask_BT > 0
+        # A row's prompt: its tokens before its first trained token (as the workers find them).
+        starts = torch.where(trained_BT.any(dim=1), trained_BT.int().argmax(dim=1), 0).tolist()
+        keys = [tuple(ids_BT[row, :start].tolist()) for row, start in enumerate(starts)]
+        runs: list[int] = []
+        for row, key in enumerate(keys):
+            if row > 0 and key and key == keys[row - 1]:
+                runs[-1] += 1
+            else:
+                runs.append(1)
+        run = runs[0]
+        if run > 1 and all(r == run for r in runs) and rows_per_shard % run == 0:
+            return run
+        return 1
+
     def _score(self, method: str, data: BatchedDataDict[Any], *args: Any) -> BatchedDataDict[Any]:
         """Shard ``data`` over the dp groups, run ``method`` and put the rows back in their original order.
 
@@ -134,7 +158,11 @@ class Policy(WorkerGroupFacade):
         num_padded = -num_rows % self.dp_size
         padded = data.select_indices(list(range(num_rows)) + [num_rows - 1] * num_padded)
         length_key = LENGTH_KEY if LENGTH_KEY in padded else None
-        indices = padded.shard_indices(self.dp_size, balance_by_length_key=length_key)
+        indices = padded.shard_indices(
+            self.dp_size,
+            balance_by_length_key=length_key,
+            group_size=self._prompt_run_length(padded, padded.size // self.dp_size),
+        )
         shards = [padded.select_indices(rows) for rows in indices]
         refs = self.worker_group.run_all_workers_sharded_data(method, shards, *args)
         results = self.worker_group.get_dp_leader_results(refs, self.call_timeout_s)
@@ -170,11 +198,14 @@ class Policy(WorkerGroupFacade):
         length_key = LENGTH_KEY if LENGTH_KEY in data else None
         # Dealing rows within each global batch leaves every step's batch, hence its loss, unchanged; groups
         # of rows the loss reads together (preference pairs) are dealt whole.
+        group_size = loss_fn.rows_per_group
+        if group_size == 1:
+            group_size = self._prompt_run_length(data, global_batch_size // self.dp_size)
         shards = data.shard_by_batch_size(
             self.dp_size,
             batch_size=global_batch_size,
             balance_by_length_key=length_key,
-            group_size=loss_fn.rows_per_group,
+            group_size=group_size,
         )
         refs = self.worker_group.run_all_workers_sharded_data(
             "train", shards, loss_fn=loss_fn, eval_mode=eval_mode, gbs=global_batch_size, mbs=mbs
