@@ -7,7 +7,8 @@ term, rewards scaled by the group's standard deviation, token-level (DAPO) loss 
 step per batch, fp32 on CPU. Shapes: ``64x32`` (8 prompts x 8 samples, 32 new tokens) and ``512x24``
 (32 x 16, 24 new tokens, the README main job's batch). Threads: ``1`` runs TRL on one torch thread and this
 project with one policy worker (DP=1); ``2`` runs TRL on two torch threads and this project with DP=2 (two
-CPU worker slots of one thread each).
+CPU worker slots of one thread each), or with ``--ours-layout threads`` one worker on two torch threads
+(``NEMO_RL_TORCH_THREADS``): the same two cores, used by intra-op threads instead of data parallelism.
 
 TRL lives in its own virtual environment (its dependencies need not agree with this project's lock)::
 
@@ -267,9 +268,10 @@ def run_our_side(
     num_steps: int,
     out_dir: Path,
     extra_overrides: tuple[str, ...] = (),
+    torch_threads: int = 1,
 ) -> dict[str, Any]:
-    """``examples/run_grpo_math.py`` on the same work (plus ``extra_overrides``); per-step metrics from its
-    ``metrics.jsonl``."""
+    """``examples/run_grpo_math.py`` on the same work (plus ``extra_overrides``; each worker on
+    ``torch_threads`` torch threads); per-step metrics from its ``metrics.jsonl``."""
     log_dir = out_dir / "logs"
     cmd = [
         sys.executable,
@@ -283,7 +285,8 @@ def run_our_side(
     start = time.time()
     first_step_end: float | None = None
     with open(out_dir / "run.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        env = {**os.environ, "NEMO_RL_TORCH_THREADS": str(torch_threads)}
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
         while proc.poll() is None:
             if first_step_end is None and metrics_file.exists() and '"step": 1' in metrics_file.read_text():
                 first_step_end = time.time()
@@ -328,7 +331,7 @@ def _median_phases(phases: dict[str, list[float]], warmup: int) -> str:
 
 
 def run_pair(
-    shape: str, threads: int, steps: int, warmup: int, trl_python: str, work: Path
+    shape: str, threads: int, steps: int, warmup: int, trl_python: str, work: Path, layout: str = "dp"
 ) -> dict[str, Any]:
     """Run TRL, then this project, on one shape and thread count; print and return the comparison."""
     num_prompts, group, new_tokens = parse_shape(shape)
@@ -364,7 +367,12 @@ def run_pair(
         raise SystemExit(f"the TRL side failed (exit {done.returncode}); see {case_dir / 'trl' / 'run.log'}")
     trl_result = json.loads(result_file.read_text())
     trl_result["start"] = start
-    ours = run_our_side(num_prompts, group, new_tokens, threads, num_steps, case_dir / "ours")
+    if layout == "threads":
+        ours = run_our_side(
+            num_prompts, group, new_tokens, 1, num_steps, case_dir / "ours", torch_threads=threads
+        )
+    else:
+        ours = run_our_side(num_prompts, group, new_tokens, threads, num_steps, case_dir / "ours")
 
     # Agreement: TRL saw the prompts this project's loader yields, step by step, in order.
     expected = [
@@ -380,6 +388,9 @@ def run_pair(
     report = {
         "shape": shape,
         "threads": threads,
+        "ours_layout": f"DP=1, {threads} torch threads"
+        if layout == "threads"
+        else f"DP={threads}, 1 thread each",
         "median_step_s": median,
         "ratio": median["ours"] / median["trl"],
         "time_to_first_step_s": {
@@ -401,7 +412,8 @@ def run_pair(
         },
     }
     print(
-        f"\n== {shape} ({num_prompts} prompts x {group} samples, {new_tokens} new tokens), {threads} thread(s)"
+        f"\n== {shape} ({num_prompts} prompts x {group} samples, {new_tokens} new tokens), {threads} thread(s); "
+        f"nemo_rl {report['ours_layout']}"
     )
     print(
         f"median step: TRL {median['trl']:.3f} s, nemo_rl {median['ours']:.3f} s, "
@@ -431,6 +443,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="timed steps per side")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per side before them")
     parser.add_argument(
+        "--ours-layout",
+        choices=("dp", "threads"),
+        default="dp",
+        help="this project's use of N threads: DP=N workers of one thread (dp) or one worker of N (threads)",
+    )
+    parser.add_argument(
         "--trl-python",
         default=os.environ.get("TRL_PYTHON", "/work/trl_venv/bin/python"),
         help="the Python of the venv TRL is installed in (or $TRL_PYTHON)",
@@ -451,7 +469,9 @@ def main() -> None:
     reports = []
     for shape in args.shapes:
         for threads in args.threads:
-            reports.append(run_pair(shape, threads, args.steps, args.warmup, args.trl_python, work))
+            reports.append(
+                run_pair(shape, threads, args.steps, args.warmup, args.trl_python, work, args.ours_layout)
+            )
     if args.json_out is not None:
         args.json_out.write_text(json.dumps(reports, indent=2))
     if not all(r["same_prompts"] for r in reports):
