@@ -9,6 +9,7 @@ replicas by prompt length and gathered back in input order, the colocation hooks
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -34,7 +35,7 @@ WORKER_CALL_TIMEOUT_S = 6 * 3600.0
 LENGTH_KEY = "input_lengths"
 
 
-class SeededReplicas:
+class SeededReplicas(abc.ABC):
     """What every driver of data-parallel generation replicas shares: the per-call seeds (and their place in
     checkpoints), dealing rows to the replicas and gathering them back in input order, and the check of a
     refit sender's manifest. :class:`ReplicatedGeneration` drives replicas in generation workers of their own,
@@ -88,9 +89,9 @@ class SeededReplicas:
         """Continue the per-call seeds from a :meth:`state_dict`."""
         self.num_generate_calls = int(state["num_generate_calls"])
 
+    @abc.abstractmethod
     def expected_weights_manifest(self) -> WeightManifestDict:
         """``{hf_name: (full shape, dtype name)}`` the replicas expect."""
-        raise NotImplementedError
 
     def prepare_refit_info(self, manifest: WeightManifestDict) -> None:
         """Fail early, with every difference named, when a sender's manifest does not fit the workers."""
