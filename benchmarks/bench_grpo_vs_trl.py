@@ -20,14 +20,17 @@ TRL lives in its own virtual environment (its dependencies need not agree with t
 Then, from the repository root::
 
     uv run python benchmarks/bench_grpo_vs_trl.py --trl-python /work/trl_venv/bin/python \\
-        [--shapes 64x32 512x24] [--threads 1 2] [--steps 8] [--warmup 2] [--json-out results.json]
+        [--shapes 64x32 512x24] [--threads 1 2] [--steps 8] [--warmup 2] [--rounds 1] [--json-out results.json]
 
 For each shape and thread count, TRL runs first and this project second (``examples/run_grpo_math.py`` in a
 subprocess, the path a user takes); each side takes ``--warmup`` steps that are not timed and then
 ``--steps`` timed ones. Printed: the median step time of each side, the ratio (this project / TRL), each
 side's median phase breakdown, the time from process start to the end of the first step, and the
 agreement checks: the same prompt token ids on both sides, the mean generated tokens per sample, and the
-reward over the first and second half of the steps (with its standard error).
+reward over the first and second half of the steps (with its standard error). With ``--rounds R`` every
+comparison runs R times (TRL then this project, back to back, each time) and a summary lists each round's
+ratio and first-step time with their median and worst: on a small machine two-thread step times move by a
+third between back-to-back runs, so one round's ratio says little about how reliably a target is met.
 
 Phases. TRL: ``generation`` (``_generate``, transformers' ``generate()``), ``reward`` (the reward function),
 ``rollout_other`` (the rest of ``_generate_and_score_completions``: tokenizing, advantages, any log-prob
@@ -331,13 +334,20 @@ def _median_phases(phases: dict[str, list[float]], warmup: int) -> str:
 
 
 def run_pair(
-    shape: str, threads: int, steps: int, warmup: int, trl_python: str, work: Path, layout: str = "dp"
+    shape: str,
+    threads: int,
+    steps: int,
+    warmup: int,
+    trl_python: str,
+    work: Path,
+    layout: str = "dp",
+    round_index: int = 0,
 ) -> dict[str, Any]:
     """Run TRL, then this project, on one shape and thread count; print and return the comparison."""
     num_prompts, group, new_tokens = parse_shape(shape)
     num_steps = warmup + steps
     prompts = _our_prompts(num_prompts * num_steps)
-    case_dir = work / f"{shape}_t{threads}"
+    case_dir = work / f"{shape}_t{threads}" / f"round{round_index}"
     (case_dir / "trl").mkdir(parents=True, exist_ok=True)
     (case_dir / "ours").mkdir(parents=True, exist_ok=True)
     spec = {
@@ -388,6 +398,7 @@ def run_pair(
     report = {
         "shape": shape,
         "threads": threads,
+        "round": round_index,
         "ours_layout": f"DP=1, {threads} torch threads"
         if layout == "threads"
         else f"DP={threads}, 1 thread each",
@@ -413,7 +424,7 @@ def run_pair(
     }
     print(
         f"\n== {shape} ({num_prompts} prompts x {group} samples, {new_tokens} new tokens), {threads} thread(s); "
-        f"nemo_rl {report['ours_layout']}"
+        f"nemo_rl {report['ours_layout']}; round {round_index + 1}"
     )
     print(
         f"median step: TRL {median['trl']:.3f} s, nemo_rl {median['ours']:.3f} s, "
@@ -432,6 +443,29 @@ def run_pair(
     return report
 
 
+def print_round_summary(reports: list[dict[str, Any]]) -> None:
+    """Print, per shape and thread count, every round's ratio and first-step time with their median and worst.
+
+    Each round is its own like-for-like comparison (TRL, then this project, back to back), so a ratio is never
+    taken between sides measured in different rounds; the summary shows how much the ratio moves between
+    rounds, which on a small shared machine is often more than the difference being measured.
+    """
+    print("\n== rounds (each ratio from one back-to-back run of both sides)")
+    cases: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for report in reports:
+        cases.setdefault((report["shape"], report["threads"]), []).append(report)
+    for (shape, threads), rounds in cases.items():
+        ratios = [r["ratio"] for r in rounds]
+        ours_first = [r["time_to_first_step_s"]["ours"] for r in rounds]
+        trl_first = [r["time_to_first_step_s"]["trl"] for r in rounds]
+        print(
+            f"{shape}, {threads} thread(s), nemo_rl {rounds[0]['ours_layout']}: ratio per round "
+            f"{' '.join(f'{x:.2f}' for x in ratios)} (median {statistics.median(ratios):.2f}, "
+            f"worst {max(ratios):.2f}); first step nemo_rl {' '.join(f'{x:.1f}' for x in ours_first)} s "
+            f"(worst {max(ours_first):.1f}), TRL {' '.join(f'{x:.1f}' for x in trl_first)} s"
+        )
+
+
 def main() -> None:
     """Parse the arguments and run every shape x thread count."""
     parser = argparse.ArgumentParser(
@@ -442,6 +476,12 @@ def main() -> None:
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--steps", type=int, default=8, help="timed steps per side")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per side before them")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run each comparison (TRL, then this project) this many times and summarise every round's ratio",
+    )
     parser.add_argument(
         "--ours-layout",
         choices=("dp", "threads"),
@@ -466,12 +506,26 @@ def main() -> None:
         raise SystemExit(f"--trl-python {args.trl_python} does not exist; create the TRL venv (see --help)")
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench_grpo_vs_trl_"))
     print(f"logs of both sides under {work}")
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds {args.rounds}: give at least 1")
     reports = []
     for shape in args.shapes:
         for threads in args.threads:
-            reports.append(
-                run_pair(shape, threads, args.steps, args.warmup, args.trl_python, work, args.ours_layout)
-            )
+            for round_index in range(args.rounds):
+                reports.append(
+                    run_pair(
+                        shape,
+                        threads,
+                        args.steps,
+                        args.warmup,
+                        args.trl_python,
+                        work,
+                        args.ours_layout,
+                        round_index,
+                    )
+                )
+    if args.rounds > 1:
+        print_round_summary(reports)
     if args.json_out is not None:
         args.json_out.write_text(json.dumps(reports, indent=2))
     if not all(r["same_prompts"] for r in reports):
