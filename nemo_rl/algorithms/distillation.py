@@ -52,14 +52,17 @@ from nemo_rl.distributed.worker_groups import start_together
 from nemo_rl.environments.registry import create_task_envs, stop_envs
 from nemo_rl.experience.rollouts import run_multi_turn_rollout
 from nemo_rl.models.generation.embedded.in_policy import InPolicyEmbeddedGeneration
-from nemo_rl.models.generation.factory import create_generation, refit_from_policy
+from nemo_rl.models.generation.factory import (
+    create_generation,
+    create_policy_refit_transport,
+    refit_from_policy,
+)
 from nemo_rl.models.generation.interfaces import GenerationInterface
 from nemo_rl.models.policy.lm_policy import Policy, check_policy_layout
 from nemo_rl.models.tokenizer import get_policy_tokenizer
 from nemo_rl.utils.checkpoint import CheckpointManager
 from nemo_rl.utils.logger import Logger
 from nemo_rl.utils.timer import Timer
-from nemo_rl.weight_sync.factory import create_refit_transport
 from nemo_rl.weight_sync.interfaces import RefitTransport
 
 MasterConfig = DistillationMasterConfig
@@ -231,17 +234,13 @@ def setup(
     # The per-call sampling seeds continue where the checkpoint left them.
     checkpointer.track("generation", generation)
     teacher.offload_after_refit()
-    locations = cluster.bundle_locations()
-    refit_transport = (
-        None
-        if in_policy
-        else create_refit_transport(
-            config.policy,
-            config.policy.refit,
-            policy_node_ids=[locations[b].node_id for b in policy_bundles],
-            generation_node_ids=[locations[b].node_id for b in generation_bundles],
-            policy_streams=student.refit_streams(),
-        )
+    refit_transport = create_policy_refit_transport(
+        cluster,
+        config.policy,
+        student,
+        generation,
+        policy_bundles=policy_bundles,
+        generation_bundles=generation_bundles,
     )
     started = create_task_envs(to_start, config.env)
     task_to_env = started if task_to_env is None else task_to_env

@@ -61,14 +61,17 @@ from nemo_rl.environments.registry import (
 )
 from nemo_rl.experience.rollouts import run_multi_turn_rollout
 from nemo_rl.models.generation.embedded.in_policy import InPolicyEmbeddedGeneration
-from nemo_rl.models.generation.factory import create_generation, refit_from_policy
+from nemo_rl.models.generation.factory import (
+    create_generation,
+    create_policy_refit_transport,
+    refit_from_policy,
+)
 from nemo_rl.models.generation.interfaces import GenerationInterface
 from nemo_rl.models.policy.hf_io import trains_with_dropout
 from nemo_rl.models.policy.lm_policy import Policy
 from nemo_rl.utils.checkpoint import CheckpointManager
 from nemo_rl.utils.logger import Logger
 from nemo_rl.utils.timer import Timer
-from nemo_rl.weight_sync.factory import create_refit_transport
 from nemo_rl.weight_sync.interfaces import RefitTransport
 
 MasterConfig = GRPOMasterConfig
@@ -278,17 +281,13 @@ def setup(
         generation.finish_generation()
     # The per-call sampling seeds continue where the checkpoint left them.
     checkpointer.track("generation", generation)
-    locations = cluster.bundle_locations()
-    refit_transport = (
-        None
-        if in_policy
-        else create_refit_transport(
-            config.policy,
-            config.policy.refit,
-            policy_node_ids=[locations[b].node_id for b in policy_bundles],
-            generation_node_ids=[locations[b].node_id for b in generation_bundles],
-            policy_streams=policy.refit_streams(),
-        )
+    refit_transport = create_policy_refit_transport(
+        cluster,
+        config.policy,
+        policy,
+        generation,
+        policy_bundles=policy_bundles,
+        generation_bundles=generation_bundles,
     )
     task_to_env = started if task_to_env is None else task_to_env
     val_task_to_env = task_to_env if val_task_to_env is None else val_task_to_env

@@ -78,3 +78,36 @@ def test_in_policy_workers_accepts_the_colocated_dtensor_embedded_default() -> N
     cfg = PolicyConfig.model_validate({"model_name": "unused", "generation": IN_POLICY})
     assert cfg.generation.embedded_cfg.in_policy_workers
     assert not PolicyConfig.model_validate({"model_name": "unused"}).generation.embedded_cfg.in_policy_workers
+
+
+def test_policy_refit_transport_is_none_in_policy_and_placed_by_bundles_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from types import SimpleNamespace
+
+    from nemo_rl.models.generation import factory
+    from nemo_rl.models.generation.embedded.in_policy import InPolicyEmbeddedGeneration
+
+    calls: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(
+        factory, "create_refit_transport", lambda *a, **kw: calls.append((a, kw)) or "transport"
+    )
+    nodes = ["n0", "n1", "n2", "n3"]
+    cluster: Any = SimpleNamespace(bundle_locations=lambda: [SimpleNamespace(node_id=n) for n in nodes])
+    policy: Any = SimpleNamespace(refit_streams=lambda: [0, 1])
+    policy_cfg = cfg("embedded")
+    in_policy = object.__new__(InPolicyEmbeddedGeneration)
+    placed = {"policy_bundles": [0, 2], "generation_bundles": [1, 3]}
+    assert factory.create_policy_refit_transport(cluster, policy_cfg, policy, in_policy, **placed) is None
+    assert not calls
+    separate: Any = object()
+    assert (
+        factory.create_policy_refit_transport(cluster, policy_cfg, policy, separate, **placed) == "transport"
+    )
+    (args, kwargs), *_ = calls
+    assert args == (policy_cfg, policy_cfg.refit)
+    assert kwargs == {
+        "policy_node_ids": ["n0", "n2"],
+        "generation_node_ids": ["n1", "n3"],
+        "policy_streams": [0, 1],
+    }

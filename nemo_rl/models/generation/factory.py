@@ -13,6 +13,7 @@ from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.models.generation.embedded.in_policy import InPolicyEmbeddedGeneration
 from nemo_rl.models.generation.interfaces import GenerationInterface
+from nemo_rl.weight_sync.factory import create_refit_transport
 from nemo_rl.weight_sync.interfaces import RefitTransport
 from nemo_rl.weight_sync.refit import refit
 
@@ -75,6 +76,33 @@ def create_generation(
     )
 
 
+def create_policy_refit_transport(
+    cluster: RayVirtualCluster,
+    cfg: PolicyConfig,
+    policy: Policy,
+    generation: GenerationInterface,
+    *,
+    policy_bundles: Sequence[int],
+    generation_bundles: Sequence[int],
+) -> RefitTransport | None:
+    """The transport :func:`refit_from_policy` moves ``policy``'s weights into ``generation`` with.
+
+    None for engines hosted in the policy's own workers (they copy in process); otherwise
+    :func:`nemo_rl.weight_sync.factory.create_refit_transport` for the workers on ``policy_bundles`` and
+    ``generation_bundles`` of ``cluster``, one stream per pipeline stage of ``policy``.
+    """
+    if isinstance(generation, InPolicyEmbeddedGeneration):
+        return None
+    locations = cluster.bundle_locations()
+    return create_refit_transport(
+        cfg,
+        cfg.refit,
+        policy_node_ids=[locations[b].node_id for b in policy_bundles],
+        generation_node_ids=[locations[b].node_id for b in generation_bundles],
+        policy_streams=policy.refit_streams(),
+    )
+
+
 def refit_from_policy(
     policy: Policy, generation: GenerationInterface, transport: RefitTransport | None, *, timeout_s: float
 ) -> dict[str, float]:
@@ -89,7 +117,7 @@ def refit_from_policy(
     if isinstance(generation, InPolicyEmbeddedGeneration):
         return generation.refit()
     if transport is None:
-        raise ValueError("separate generation workers need a refit transport (create_refit_transport)")
+        raise ValueError("separate generation workers need a refit transport (create_policy_refit_transport)")
     policy.offload_before_refit()
     metrics = refit(policy.workers, generation.workers, transport, timeout_s=timeout_s)
     policy.offload_after_refit()
