@@ -7,7 +7,9 @@ process started and with the driver's own CPU time, the request to start Ray in 
 the thread that started it) and ``init_ray`` (where ``setup`` waits for it), the environment, generation and
 policy actors' creation, the wait until all of them are up, and the end of each step. The marks are hooked
 in as the script imports each module, so the script's own import order is what gets measured. Meanwhile it polls the CPU time of every process the run starts (Ray's own, the workers,
-the environment and its verifier processes) and prints them when the run ends, with the total:
+the environment and its verifier processes) and prints them when the run ends, with the total, and again
+split into three phases: until every worker actor is created, until all of them are up, and after (the
+second is where the policy workers' start is the critical path, so what else runs then delays it):
 
     uv run python benchmarks/startup_profile.py [--threads 1] [key=value ...]
 
@@ -204,11 +206,16 @@ def main() -> None:
         overrides = grpo_overrides(8, 8, 32, args.threads, 2, Path(tmp) / "logs")
         command = [sys.executable, __file__, "--traced-driver", "--config", str(CONFIG), *overrides, *extra]
         seen: dict[int, tuple[float, str]] = {}
+        # (seconds since the driver started, each process's CPU seconds then), for the per-phase table.
+        snapshots: list[tuple[float, dict[int, float]]] = []
         with open(Path(tmp) / "run.log", "w") as log:
             proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+            driver_start_s = _process_start_s(proc.pid)
             while proc.poll() is None:
-                seen.update(_cpu_by_process(proc.pid))
-                time.sleep(0.5)
+                found = _cpu_by_process(proc.pid)
+                snapshots.append((time.time() - driver_start_s, {pid: c for pid, (c, _) in found.items()}))
+                seen.update(found)
+                time.sleep(0.25)
         text = (Path(tmp) / "run.log").read_text()
         if proc.returncode != 0:
             raise SystemExit(f"the run failed (exit {proc.returncode}):\n{text[-4000:]}")
@@ -218,6 +225,42 @@ def main() -> None:
         if cpu_s >= 0.2:
             print(f"  {cpu_s:6.2f}  {command[:110]}")
     print(f"  {sum(c for c, _ in seen.values()):6.2f}  in all ({len(seen)} processes)")
+    _print_phase_cpu(text, snapshots, seen)
+
+
+def _print_phase_cpu(
+    log: str, snapshots: list[tuple[float, dict[int, float]]], seen: dict[int, tuple[float, str]]
+) -> None:
+    """CPU seconds each process spent before the actors were created, while the workers started, and after.
+
+    Read from the polls nearest each mark (every 0.25 s), so each figure is good to about 0.25 s of a core.
+    """
+    marks = {}
+    for line in log.splitlines():
+        if line.startswith("[startup "):
+            marks[line.split("] ", 1)[1]] = float(line.split()[1])
+    if "all worker actors created" not in marks or "all workers up" not in marks or not snapshots:
+        return
+
+    def cpu_at(when_s: float, pid: int) -> float:
+        before = [cpus.get(pid, 0.0) for t, cpus in snapshots if t <= when_s]
+        return before[-1] if before else 0.0
+
+    created_s, up_s = marks["all worker actors created"], marks["all workers up"]
+    print(
+        f"CPU seconds per process: to the actors' creation ({created_s:.1f} s), to all workers up "
+        f"({up_s:.1f} s), after"
+    )
+    rows = []
+    for pid, (total_s, command) in seen.items():
+        first, second = cpu_at(created_s, pid), cpu_at(up_s, pid)
+        rows.append((second - first, first, total_s - second, command))
+    for during, before, after, command in sorted(rows, reverse=True):
+        if before + during + after >= 0.2:
+            print(f"  {before:6.2f} {during:6.2f} {after:6.2f}  {command[:90]}")
+    print(
+        f"  {sum(r[1] for r in rows):6.2f} {sum(r[0] for r in rows):6.2f} {sum(r[2] for r in rows):6.2f}  in all"
+    )
 
 
 if __name__ == "__main__":

@@ -115,6 +115,9 @@ class VerifierPool:
             process: what they import or compute at import time is paid once and shared by every process
             (a module can warm a verifier up there, as ``nemo_rl.environments.math_verifier_warm_up``).
             The fork server is one per process: only the first pool that starts it chooses its modules.
+        start_on_first_use: Start the processes (and the fork server) when the first answer arrives, not
+            here. For a caller that settles most answers without the verifier: the start's CPU is not
+            spent while the rest of a job starts, and is never spent if no answer needs the verifier.
     """
 
     def __init__(
@@ -127,6 +130,7 @@ class VerifierPool:
         max_response_chars: int | None = None,
         warm_up: Sequence[tuple[str, str]] = (),
         preload: Sequence[str] = (),
+        start_on_first_use: bool = False,
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"a verifier pool needs at least one worker, got num_workers={num_workers}")
@@ -144,11 +148,22 @@ class VerifierPool:
         # actor is Ray's worker script, and importing Ray there cost 0.5 s of CPU per verifier process.
         self._ctx = multiprocessing.get_context("forkserver")
         self._ctx.set_forkserver_preload(["ray", verify_fn.__module__, *preload])
-        self._workers: list[_Worker] = [self._start_worker() for _ in range(num_workers)]
+        self._num_workers = num_workers
+        self._workers: list[_Worker] = []
+        if not start_on_first_use:
+            self._start_workers()
         self.num_timeouts = 0
         """Answers that exceeded the time limit since the pool started."""
         self.num_restarts = 0
         """Worker processes replaced (after a timeout or a crash) since the pool started."""
+
+    @property
+    def started(self) -> bool:
+        """Whether the verifier processes have been started."""
+        return bool(self._workers)
+
+    def _start_workers(self) -> None:
+        self._workers = [self._start_worker() for _ in range(self._num_workers)]
 
     def _start_worker(self) -> _Worker:
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
@@ -174,6 +189,10 @@ class VerifierPool:
         """Score ``responses[i]`` against ``ground_truths[i]``; always returns within the per-answer limits."""
         if len(responses) != len(ground_truths):
             raise ValueError(f"{len(responses)} responses but {len(ground_truths)} ground truths")
+        if not responses:
+            return []
+        if not self._workers:
+            self._start_workers()
         if self._max_response_chars is not None:
             responses = [r[-self._max_response_chars :] for r in responses]
         outcomes: list[VerifyOutcome | None] = [None] * len(responses)

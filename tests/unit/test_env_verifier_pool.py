@@ -103,8 +103,11 @@ def hungry_verify(response: str, ground_truth: str) -> tuple[float, str]:
 
 
 def test_pool_times_out_a_hanging_answer_and_keeps_working() -> None:
-    with VerifierPool(verify_math_answer, num_workers=2, timeout_s=2.0) as pool:
+    # Started on first use (as the math environment's pool): nothing runs until an answer arrives.
+    with VerifierPool(verify_math_answer, num_workers=2, timeout_s=2.0, start_on_first_use=True) as pool:
+        assert not pool.started and pool.verify([], []) == [] and not pool.started
         pool.verify(["\\boxed{1}"], ["1"])  # warm up: the first start imports math-verify
+        assert pool.started
         start = time.monotonic()
         outcomes = pool.verify(
             ["\\boxed{1}", HANGING_ANSWER, "\\boxed{2}", "\\boxed{3}", "\\boxed{5}"],
