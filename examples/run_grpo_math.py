@@ -24,28 +24,31 @@ def main() -> None:
     config, _ = parse_args_and_load(GRPOMasterConfig, DEFAULT_CONFIG)
     # A model folder that does not exist is known from the path: say so before Ray starts.
     check_policy_sources(config.policy)
+    from nemo_rl.distributed.virtual_cluster import exit_at_once_on_user_error, start_ray_in_background
+
     if config.policy.generation.backend != "vllm":
         # Ray's processes come up while this process imports torch and loads the data; setup waits for them.
         # Not for vLLM, whose start takes far longer anyway: a machine without a GPU must refuse it (below)
         # as quickly as possible, without starting Ray.
-        from nemo_rl.distributed.virtual_cluster import start_ray_in_background
-
         start_ray_in_background(config.cluster)
 
-    # Heavy imports only after the config is known to be valid, so config mistakes fail within seconds.
-    from nemo_rl.algorithms.grpo import grpo_train, setup
-    from nemo_rl.data.datasets import setup_rl_data
-    from nemo_rl.distributed.device import cuda_available
-    from nemo_rl.models.generation.factory import check_backend_available
-    from nemo_rl.models.tokenizer import get_policy_tokenizer
+    # A mistake found before setup takes the background start over (bad data, a task with no environment, a
+    # check that needs the tokenizer) exits 2 at once, stopping the Ray processes started so far.
+    with exit_at_once_on_user_error():
+        # Heavy imports only after the config is known to be valid, so config mistakes fail within seconds.
+        from nemo_rl.algorithms.grpo import grpo_train, setup
+        from nemo_rl.data.datasets import setup_rl_data
+        from nemo_rl.distributed.device import cuda_available
+        from nemo_rl.models.generation.factory import check_backend_available
+        from nemo_rl.models.tokenizer import get_policy_tokenizer
 
-    # Fail before starting any worker when the backend cannot run here (vLLM without a GPU).
-    check_backend_available(config.policy, cluster_has_gpus=cuda_available())
-    tokenizer = get_policy_tokenizer(config.policy)
-    train_dataset, val_dataset = setup_rl_data(
-        config.data, tokenizer, max_total_sequence_length=config.policy.max_total_sequence_length
-    )
-    components = setup(config, tokenizer, train_dataset, val_dataset)
+        # Fail before starting any worker when the backend cannot run here (vLLM without a GPU).
+        check_backend_available(config.policy, cluster_has_gpus=cuda_available())
+        tokenizer = get_policy_tokenizer(config.policy)
+        train_dataset, val_dataset = setup_rl_data(
+            config.data, tokenizer, max_total_sequence_length=config.policy.max_total_sequence_length
+        )
+        components = setup(config, tokenizer, train_dataset, val_dataset)
     try:
         metrics = grpo_train(components)
         print(f"GRPO finished at step {components.state.step}: {metrics}", flush=True)

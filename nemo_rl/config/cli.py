@@ -132,7 +132,8 @@ def parse_args_and_load(
     return model, resolved
 
 
-def _report(err: BaseException) -> None:
+def report_user_error(err: BaseException) -> None:
+    """Print ``err`` as the one line a script's user error ends with: ``<script>: error: <message>``."""
     # A UserError raised inside a Ray actor arrives as a RayTaskError that also derives from the original
     # class; its `cause` is the original error, whose message has no remote traceback in it.
     cause = getattr(err, "cause", None)
@@ -151,7 +152,7 @@ def exit_on_user_error() -> Iterator[None]:
     try:
         yield
     except UserError as err:
-        _report(err)
+        report_user_error(err)
         sys.exit(USER_ERROR_EXIT_CODE)
 
 
@@ -160,5 +161,5 @@ def run_cli(main_fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
     try:
         return main_fn(*args, **kwargs)
     except UserError as err:
-        _report(err)
+        report_user_error(err)
         sys.exit(USER_ERROR_EXIT_CODE)

@@ -16,23 +16,27 @@ group of node ``b // gpus_per_node``. Worker groups share bundles in colocated m
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
 import random
+import shutil
 import signal
 import socket
 import sys
 import tempfile
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+import psutil
 import ray
 from ray.exceptions import AuthenticationError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from nemo_rl.config.cli import USER_ERROR_EXIT_CODE, report_user_error
 from nemo_rl.config.cluster import ClusterConfig
 from nemo_rl.config.errors import UserError
 
@@ -49,8 +53,13 @@ class _BackgroundStart:
     def __init__(self, cluster_cfg: ClusterConfig | None) -> None:
         self.error: BaseException | None = None
         self.done = threading.Event()
-        # A daemon: a driver that fails before it needs Ray (bad data, a backend this machine lacks) exits at
-        # once, and the processes Ray started so far die with it (see below).
+        # What abandon() must leave alone: this process's children from before the start, and a Ray temp dir
+        # that was already there (a local start adds a session folder named after this process's pid to it).
+        self._children_before = {child.pid for child in psutil.Process().children(recursive=True)}
+        self._temp_dir = None if os.environ.get("RAY_ADDRESS") else ray_temp_dir()
+        self._temp_dir_existed = self._temp_dir is not None and os.path.isdir(self._temp_dir)
+        # A daemon: a driver that fails before it needs Ray (bad data, a backend this machine lacks) does not
+        # wait for it; exit_at_once_on_user_error stops the processes it started so far.
         self._thread = threading.Thread(
             target=self._run, args=(cluster_cfg,), name="nemo-rl-ray-start", daemon=True
         )
@@ -70,6 +79,41 @@ class _BackgroundStart:
         # Ray starts its processes with PR_SET_PDEATHSIG, which kills them when the *thread* that started them
         # ends, not the process: this thread lives as long as the driver.
         threading.Event().wait()
+
+    def abandon(self) -> None:
+        """Stop every process this start began (finished or not) and remove the session folder it wrote.
+
+        Ray's processes are this process's children (GCS, raylet, monitors) and the raylet's (its agents, which
+        ignore SIGTERM and outlive a killed raylet): the whole tree is stopped first, so that nothing forks while
+        it is killed, then killed; the children are reaped.
+        """
+        me = psutil.Process()
+        frozen: dict[int, psutil.Process] = {}
+        while new := [
+            child
+            for child in me.children(recursive=True)
+            if child.pid not in self._children_before and child.pid not in frozen
+        ]:
+            for child in new:
+                with contextlib.suppress(psutil.Error):
+                    child.suspend()
+                frozen[child.pid] = child
+        mine = [child for child in me.children() if child.pid in frozen]
+        for child in frozen.values():
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+        psutil.wait_procs(mine, timeout=5)
+        if self._temp_dir is None or not os.path.isdir(self._temp_dir):
+            return
+        latest = os.path.join(self._temp_dir, "session_latest")
+        for entry in os.listdir(self._temp_dir):
+            path = os.path.join(self._temp_dir, entry)
+            if entry.startswith("session_") and entry.endswith(f"_{os.getpid()}"):
+                shutil.rmtree(path, ignore_errors=True)
+        if os.path.islink(latest) and not os.path.exists(latest):
+            os.unlink(latest)
+        if not self._temp_dir_existed and not os.listdir(self._temp_dir):
+            os.rmdir(self._temp_dir)
 
 
 _background_start: _BackgroundStart | None = None
@@ -101,6 +145,31 @@ def start_ray_in_background(cluster_cfg: ClusterConfig | None = None) -> None:
         # ray.init installs this handler only when it runs on the main thread.
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
     _background_start = _BackgroundStart(cluster_cfg)
+
+
+@contextlib.contextmanager
+def exit_at_once_on_user_error() -> Iterator[None]:
+    """Like :func:`nemo_rl.config.cli.exit_on_user_error`, for the part of a driver that runs while
+    :func:`start_ray_in_background`'s start is still this process's own (before ``init_ray`` takes it over).
+
+    A :class:`UserError` raised in the block is reported on stderr as one line; then every process that start
+    began is stopped, the Ray session folder it wrote is removed, and the process ends with status 2 at once:
+    ``os._exit``, because an interpreter that exits normally waits for Ray's half-started client to give up
+    (seconds) and leaves the raylet's agents running. Without a background start (or once ``init_ray`` has
+    taken it over) the error propagates unchanged, and Ray's own exit hook stops a started cluster.
+    """
+    try:
+        yield
+    except UserError as err:
+        started = _background_start
+        if started is None:
+            raise
+        report_user_error(err)
+        started.abandon()
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(USER_ERROR_EXIT_CODE)
 
 
 def init_ray(cluster_cfg: ClusterConfig | None = None) -> None:
@@ -162,7 +231,7 @@ def _init_ray_now(cluster_cfg: ClusterConfig | None) -> None:
         return
     slots = cluster_cfg.world_size if cluster_cfg is not None else 0
     num_cpus = max(os.cpu_count() or 1, slots + DRIVER_SIDE_CPUS)
-    temp_dir = os.environ.get("NEMO_RL_RAY_TEMP_DIR") or default_ray_temp_dir()
+    temp_dir = ray_temp_dir()
     logger.info("starting a local Ray with %d logical CPUs, logs in %s", num_cpus, temp_dir)
     ray.init(
         address="local",
@@ -202,6 +271,11 @@ class RayAuthenticationError(UserError):
             "(ray.sub does this for every step of its job; a cluster started with `ray start` on a host uses "
             "that host's ~/.ray/auth_token), or start the cluster with RAY_AUTH_MODE=disabled"
         )
+
+
+def ray_temp_dir() -> str:
+    """Where a local Ray started here keeps its sessions: ``$NEMO_RL_RAY_TEMP_DIR`` or :func:`default_ray_temp_dir`."""
+    return os.environ.get("NEMO_RL_RAY_TEMP_DIR") or default_ray_temp_dir()
 
 
 def default_ray_temp_dir() -> str:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import runpy
+import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from nemo_rl.algorithms.loop import check_run_setup
@@ -136,3 +141,45 @@ def test_grpo_script_refuses_a_missing_model_folder_before_starting_ray(
     assert "policy.model_name=/nonexistent/model does not exist" in stderr
     assert len(stderr.strip().splitlines()) == 1, stderr
     assert starts == []
+
+
+def test_grpo_script_exits_at_once_on_a_setup_error_and_stops_the_ray_it_began(tmp_path: Path) -> None:
+    # A bad data path is found after Ray's background start began (the tokenizer comes first): the script
+    # prints its one line, stops the Ray processes started so far, removes their session folder and exits 2
+    # at once instead of waiting for the start. Run in a process of its own (it ends with os._exit), from a
+    # folder of its own, so that Ray's processes (which inherit it) are found by their working directory.
+    ray_dir = tmp_path / "ray"
+    cmd = [
+        sys.executable,
+        str(ROOT / "examples" / "run_grpo_math.py"),
+        "--config",
+        str(ROOT / "examples" / "configs" / "grpo_math_tiny.yaml"),
+        f"policy.model_name={ROOT / 'examples' / 'assets' / 'tiny_math_sft'}",
+        "data.dataset_name=openai_format",
+        f"data.train_data_path={tmp_path / 'missing.jsonl'}",
+        f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}",
+        f"logger.log_dir={tmp_path / 'logs'}",
+    ]
+    env = {**os.environ, "NEMO_RL_RAY_TEMP_DIR": str(ray_dir), "PYTHONUNBUFFERED": "1"}
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True)
+    watchdog = threading.Timer(120, proc.kill)
+    watchdog.start()
+    assert proc.stderr is not None
+    lines: list[tuple[float, str]] = [(time.monotonic(), line.rstrip()) for line in proc.stderr]
+    returncode = proc.wait()
+    exited = time.monotonic()
+    watchdog.cancel()
+    # Ray's own log lines (timestamped) may come before it; the script's is one line, and the last.
+    ours = [(at, line) for at, line in lines if not line[:4].isdigit()]
+    assert returncode == 2 and len(ours) == 1, lines
+    reported_at, line = ours[0]
+    assert line == f"run_grpo_math.py: error: data file {tmp_path / 'missing.jsonl'} does not exist", lines
+    assert exited - reported_at < 1.5, f"exited {exited - reported_at:.2f} s after its error line"
+    assert not ray_dir.exists(), list(ray_dir.rglob("*"))
+    leftover = [
+        p.info
+        for p in psutil.process_iter(["pid", "name", "cwd", "status"])
+        if p.info["cwd"] == str(tmp_path) and p.info["status"] != psutil.STATUS_ZOMBIE
+    ]
+    assert not leftover, f"{leftover} still run {exited - started:.1f} s after the start"
