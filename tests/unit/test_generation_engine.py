@@ -111,10 +111,15 @@ def generated_mask(out: EngineOutput, input_lengths: torch.Tensor) -> torch.Tens
 def test_sampled_logprobs_match_a_plain_hf_forward(hf_model: Qwen2ForCausalLM) -> None:
     engine = make_engine(hf_model)
     ids, lengths = prompts([5, 12, 3, 9, 1, 7])
+    # Repeated prompts (as GRPO's groups) are prefilled once and their cache rows copied to the repeats.
+    rows = torch.tensor([0, 1, 2, 3, 4, 5, 1, 1, 4, 1])
+    ids, lengths = ids[rows], lengths[rows]
     # Stop tokens make rows finish at different steps (exercising compaction); the log-probs are those of
     # the top-k/top-p filtered distribution the tokens were drawn from.
     p = params(max_new_tokens=16, top_k=40, top_p=0.95, stop_token_ids=frozenset(range(7, 12)))
     out = engine.generate(ids, lengths, p, greedy=False, seed=3)
+    repeats = out.output_ids[[1, 6, 7, 9]]
+    assert not all(torch.equal(r, repeats[0]) for r in repeats), "repeats should be sampled independently"
     mask = generated_mask(out, lengths)
     assert int(mask.sum()) == int(out.generation_lengths.sum()) > 0
     ref = hf_token_logprobs(hf_model, out, top_k=40, top_p=0.95)

@@ -1,7 +1,8 @@
 """Batched sampling with a preallocated KV cache over :class:`~.model.DecoderLM`.
 
-One :meth:`EmbeddedEngine.generate` call runs the right-padded prompts through one prefill, then decodes one
-token per step for every unfinished sequence. Rows whose sequences finished keep their slot until a
+One :meth:`EmbeddedEngine.generate` call runs the right-padded prompts through one prefill (each distinct
+prompt once: GRPO's repeats of a prompt get copies of its cache row), then decodes one token per step for
+every unfinished sequence. Rows whose sequences finished keep their slot until a
 quarter of the rows are finished, then the cache and the step state are compacted so finished sequences
 stop costing compute (compacting at every finish would copy the cache more often than it saves).
 
@@ -334,7 +335,7 @@ class EmbeddedEngine:
         )
         num_alive = int(rows.alive_B.sum())
 
-        logits_BV = model.prefill(input_ids_BT[:, :max_prompt], lengths_B, cache)
+        logits_BV = self._prefill_distinct(input_ids_BT[:, :max_prompt], lengths_B, cache)
         for step in range(max_budget):
             tokens_B, logprobs_B = sample_tokens(logits_BV, params, greedy=greedy, generator=generator)
             # Every row writes its column; those of finished rows are never copied out.
@@ -353,12 +354,31 @@ class EmbeddedEngine:
             num_slots = max_prompt + step + 1
             if num_rows - num_alive >= max(1, int(num_rows * _COMPACT_FRACTION)):
                 keep = rows.alive_B.nonzero().squeeze(1)
-                cache.compact(keep, num_slots)
+                cache.select_rows(keep, num_slots)
                 rows = rows.select(keep)
                 tokens_B = tokens_B[keep]
             logits_BV = model.decode(tokens_B, rows.positions_B, cache, num_slots)
             # Finished rows still in the batch advance too (their slot is shared); positions stay below slots.
             rows.positions_B += 1
+
+    def _prefill_distinct(
+        self, input_ids_BT: torch.Tensor, lengths_B: torch.Tensor, cache: KVCache
+    ) -> torch.Tensor:
+        """:meth:`DecoderLM.prefill` of each distinct prompt once, its cache row then copied to its repeats.
+
+        GRPO asks for several samples of every prompt, so a batch often holds each prompt 8 or 16 times; the
+        prefill is most of a short generation's compute, and a row's keys, values and last logits depend on
+        its own tokens only.
+        """
+        num_rows, width = input_ids_BT.shape
+        keys_BT = torch.cat((input_ids_BT, lengths_B[:, None]), dim=1)
+        distinct_UT, inverse_B = torch.unique(keys_BT, dim=0, return_inverse=True)
+        num_distinct = distinct_UT.shape[0]
+        if num_distinct == num_rows:
+            return self.model.prefill(input_ids_BT, lengths_B, cache)
+        logits_UV = self.model.prefill(distinct_UT[:, :width], distinct_UT[:, width], cache)
+        cache.select_rows(inverse_B, width)
+        return logits_UV[inverse_B]
 
     @staticmethod
     def _finish_rows(

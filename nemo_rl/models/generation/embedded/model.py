@@ -153,12 +153,13 @@ class KVCache:
         before_BS = slots_S[None, :] < start_B[:, None]
         self.mask_BK1S[:num_rows] = torch.where(before_BS, float("-inf"), 0.0)[:, None, None, :]
 
-    def compact(self, keep_rows: torch.Tensor, num_slots: int) -> None:
-        """Move rows ``keep_rows`` (ascending) to the front, keeping their first ``num_slots`` slots."""
-        n = keep_rows.numel()
-        self.data[:, :, :n, :, :num_slots] = self.data[:, :, keep_rows, :, :num_slots]
-        self.start_B[:n] = self.start_B[keep_rows]
-        self.mask_BK1S[:n] = self.mask_BK1S[keep_rows]
+    def select_rows(self, rows_N: torch.Tensor, num_slots: int) -> None:
+        """Make row ``i`` a copy of old row ``rows_N[i]`` for ``i < N``, first ``num_slots`` slots (rows may repeat:
+        compaction keeps the live rows, a prefill of distinct prompts fans them out to their repeats)."""
+        n = rows_N.numel()
+        self.data[:, :, :n, :, :num_slots] = self.data[:, :, rows_N, :, :num_slots]
+        self.start_B[:n] = self.start_B[rows_N]
+        self.mask_BK1S[:n] = self.mask_BK1S[rows_N]
 
 
 class DecoderLM:
