@@ -119,13 +119,85 @@ def _profile(engine: Any, ids: torch.Tensor, lengths: torch.Tensor, params: Any,
     total = sum(counts.values())
     print(f"  top-level ops in one call: {total} over {num_steps} decode steps (+ prefill): ")
     print("   " + ", ".join(f"{n} {c}" for n, c in counts.most_common(30)))
-    print(f"   ~{total / max(num_steps, 1):.0f} ops per step, ~{total / max(num_steps, 1) / num_layers:.1f} per layer")
+    print(
+        f"   ~{total / max(num_steps, 1):.0f} ops per step, ~{total / max(num_steps, 1) / num_layers:.1f} per layer"
+    )
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
+
+
+def _compare(
+    shape: str, threads: int, ours: Any, ref: Any, ref_mod: ModuleType, eos: list[int], repeats: int
+) -> None:
+    """Alternate the working tree's engine with the reference revision's on the same prompts and seeds."""
+    num_prompts, group, new_tokens = parse_shape(shape)
+    ids, lengths = _prompt_batch(num_prompts, group, ours.pad_token_id)
+    params, ref_params = _params(engine_mod, new_tokens, eos), _params(ref_mod, new_tokens, eos)
+    ours.generate(ids, lengths, params, greedy=False, seed=0)
+    ref.generate(ids, lengths, ref_params, greedy=False, seed=0)
+    wall: dict[str, list[float]] = {"old": [], "new": []}
+    cpu: dict[str, list[float]] = {"old": [], "new": []}
+    for i in range(repeats):
+        for name, engine, p in (("old", ref, ref_params), ("new", ours, params)):
+            start, start_cpu = time.perf_counter(), time.process_time()
+            engine.generate(ids, lengths, p, greedy=False, seed=i)
+            wall[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
+    same = all(
+        torch.equal(
+            ours.generate(ids, lengths, params, greedy=False, seed=i).output_ids,
+            ref.generate(ids, lengths, ref_params, greedy=False, seed=i).output_ids,
+        )
+        for i in range(3)
+    )
+    med = {k: statistics.median(v) * 1e3 for k, v in wall.items()}
+    med_cpu = {k: statistics.median(v) * 1e3 for k, v in cpu.items()}
+    print(
+        f"{shape} threads={threads}: generate() median wall (CPU) old {med['old']:.1f} ({med_cpu['old']:.1f}) ms, "
+        f"new {med['new']:.1f} ({med_cpu['new']:.1f}) ms, ratio new/old {med['new'] / med['old']:.2f} "
+        f"({med_cpu['new'] / med_cpu['old']:.2f}); identical samples: {'yes' if same else 'no'}; "
+        f"load {os.getloadavg()[0]:.2f}",
+        flush=True,
+    )
+
+
+def _measure(
+    shape: str, threads: int, engine: Any, replica: Any, eos: list[int], args: argparse.Namespace
+) -> None:
+    """Time (and with ``--profile`` profile) ``generate()`` and the replica's call on one shape."""
+    from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+
+    num_prompts, group, new_tokens = parse_shape(shape)
+    ids, lengths = _prompt_batch(num_prompts, group, engine.pad_token_id)
+    params = _params(engine_mod, new_tokens, eos)
+    engine.generate(ids, lengths, params, greedy=False, seed=0)
+    cpu: list[float] = []
+    times = _time_calls(
+        lambda i: engine.generate(ids, lengths, params, greedy=False, seed=i), args.repeats, cpu
+    )
+    out = engine.generate(ids, lengths, params, greedy=False, seed=0)
+    print(
+        f"{shape} threads={threads}: generate() median {statistics.median(times) * 1e3:.1f} ms "
+        f"(CPU {statistics.median(cpu) * 1e3:.1f} ms), {float(out.generation_lengths.float().mean()):.1f} "
+        f"tokens/row, load {os.getloadavg()[0]:.2f}",
+        flush=True,
+    )
+    if args.profile:
+        _profile(engine, ids, lengths, params, engine.model.arch.num_layers)
+    # The hosted replica's call: the engine plus the rollout batch it hands back.
+    replica.sampling = params
+    data = BatchedDataDict({"input_ids": ids, "input_lengths": lengths})
+    replica.generate(data, False, 0)
+    times = _time_calls(lambda i: replica.generate(data, False, i), args.repeats)
+    print(
+        f"{shape} threads={threads}: EmbeddedReplica.generate() median {statistics.median(times) * 1e3:.1f} ms"
+    )
 
 
 def main() -> None:
     """Parse the arguments and time (and optionally profile) every shape x thread count."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--shapes", nargs="+", default=["64x32", "512x24"])
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--repeats", type=int, default=20)
@@ -143,82 +215,23 @@ def main() -> None:
     pad_id = int(tokenizer.pad_token_id)
     eos = eos_token_ids(tokenizer, CHECKPOINT)
     ours = _engine(model_mod, engine_mod, pad_id)
-    ref = _engine(*_load_revision(args.compare_ref), pad_id) if args.compare_ref else None
-    ref_engine_mod = sys.modules.get("ref_engine")
     print(f"load average at start {os.getloadavg()[0]:.2f}")
-    for shape in args.shapes:
-        num_prompts, group, new_tokens = parse_shape(shape)
-        ids, lengths = _prompt_batch(num_prompts, group, pad_id)
-        params = _params(engine_mod, new_tokens, eos)
-        for threads in args.threads:
-            torch.set_num_threads(threads)
-
-            def call(i: int, engine: Any = ours, p: Any = params) -> Any:
-                return engine.generate(ids, lengths, p, greedy=False, seed=i)
-
-            call(0)
-            if ref is None:
-                times = _time_calls(call, args.repeats)
-                out = call(0)
-                print(
-                    f"{shape} threads={threads}: generate() median {statistics.median(times) * 1e3:.1f} ms "
-                    f"(min {min(times) * 1e3:.1f}), {float(out.generation_lengths.float().mean()):.1f} "
-                    f"tokens/row, load {os.getloadavg()[0]:.2f}",
-                    flush=True,
-                )
-            else:
-                assert ref_engine_mod is not None
-                ref_params = _params(ref_engine_mod, new_tokens, eos)
-
-                def ref_call(i: int, p: Any = ref_params) -> Any:
-                    return ref.generate(ids, lengths, p, greedy=False, seed=i)
-
-                ref_call(0)
-                new_t: list[float] = []
-                old_t: list[float] = []
-                new_cpu: list[float] = []
-                old_cpu: list[float] = []
-                for i in range(args.repeats):
-                    old_t += _time_calls(lambda _: ref_call(i), 1, old_cpu)
-                    new_t += _time_calls(lambda _: call(i), 1, new_cpu)
-                same = all(
-                    torch.equal(call(i).output_ids, ref_call(i).output_ids) for i in range(min(5, args.repeats))
-                )
-                print(
-                    f"{shape} threads={threads}: generate() median wall (CPU) {args.compare_ref} "
-                    f"{statistics.median(old_t) * 1e3:.1f} ({statistics.median(old_cpu) * 1e3:.1f}) ms, "
-                    f"working tree {statistics.median(new_t) * 1e3:.1f} ({statistics.median(new_cpu) * 1e3:.1f}) ms, "
-                    f"ratio new/old {statistics.median(new_t) / statistics.median(old_t):.2f} "
-                    f"({statistics.median(new_cpu) / statistics.median(old_cpu):.2f}); identical samples: "
-                    f"{'yes' if same else 'NO'}; load {os.getloadavg()[0]:.2f}",
-                    flush=True,
-                )
-            if args.profile:
-                _profile(ours, ids, lengths, params, ours.model.arch.num_layers)
-        # The hosted replica's call: the engine plus the rollout batch it hands back.
-        if ref is None:
-            from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-
-            replica = EmbeddedReplica(
-                config.policy,
-                tokenizer,
-                ours.model,
-                checkpoint_dir=CHECKPOINT,
-                dp_rank=0,
-                device=torch.device("cpu"),
-            )
-            replica.sampling = params
-            replica.engine = ours
-            data = BatchedDataDict({"input_ids": ids, "input_lengths": lengths})
+    if args.compare_ref:
+        ref_model_mod, ref_engine_mod = _load_revision(args.compare_ref)
+        ref = _engine(ref_model_mod, ref_engine_mod, pad_id)
+        for shape in args.shapes:
             for threads in args.threads:
                 torch.set_num_threads(threads)
-                replica.generate(data, False, 0)
-                times = _time_calls(lambda i: replica.generate(data, False, i), args.repeats)
-                print(
-                    f"{shape} threads={threads}: EmbeddedReplica.generate() median "
-                    f"{statistics.median(times) * 1e3:.1f} ms",
-                    flush=True,
-                )
+                _compare(shape, threads, ours, ref, ref_engine_mod, eos, args.repeats)
+        return
+    replica = EmbeddedReplica(
+        config.policy, tokenizer, ours.model, checkpoint_dir=CHECKPOINT, dp_rank=0, device=torch.device("cpu")
+    )
+    replica.engine = ours
+    for shape in args.shapes:
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            _measure(shape, threads, ours, replica, eos, args)
 
 
 if __name__ == "__main__":
