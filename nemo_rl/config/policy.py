@@ -67,8 +67,10 @@ class DTensorConfig(ConfigModel):
 
     data_parallel_mode: Literal["fsdp", "replicate"] = "fsdp"
     """How data-parallel ranks hold the model: ``fsdp`` shards it with FSDP2; ``replicate`` keeps the whole
-    float32 model as a plain module on every rank and sums the gradients with one all-reduce after a step's
-    last micro-batch (DDP's way: faster for small models on CPU; needs TP=1, no CPU offload, float32)."""
+    float32 model as a plain module on every rank and sums the gradients of the trained parameters with one
+    all-reduce after a step's last micro-batch (DDP's way: faster for small models on CPU; needs TP=1, no CPU
+    offload, float32, refused at load otherwise). Checkpoints (model and optimizer) resume in either mode
+    whichever wrote them; ``frozen_parameters`` and ``activation_checkpointing`` work in both."""
 
     dp_replicate_size: Literal[1] | None = None
     """HSDP replica groups; not built here: must be 1 or null (FSDP shards over every data-parallel rank)."""

@@ -334,6 +334,24 @@ def _scenarios(rank: int, model_dir: Path, out_dir: Path) -> None:
     save("rm_frozen_scores_trained", worker.score(score_data))
     worker.export_hf(str(out_dir / "rm_frozen_export"))
     worker.shutdown()
+    # The same replicated over dp=2: only the trained parameters have gradients, and only they are summed.
+    worker = DTensorPolicyWorker(
+        policy_cfg(model_dir, {"data_parallel_mode": "replicate"}, **rm, **GROWN_FROZEN),
+        init_reference_model=False,
+    )
+    shard = pairs.shard_by_batch_size(worker.dp_size, batch_size=GLOBAL_BATCH, group_size=2)[worker.dp_rank]
+    save("rm_frozen_replicate_train", worker.train(shard, PreferenceLoss(), mbs=2))
+    save("rm_frozen_replicate_grads", {n for n, p in worker.model.named_parameters() if p.grad is not None})
+    save("rm_frozen_replicate_scores_trained", worker.score(score_data))
+    # A trained parameter that only rank 0's forward reached is summed into both ranks' gradients; one no
+    # rank reached keeps no gradient (the optimizer skips it, as in one process).
+    one_rank, no_rank, *_ = [p for p in worker.model.parameters() if p.requires_grad]
+    for p in worker.model.parameters():
+        p.grad = None
+    one_rank.grad = torch.ones_like(one_rank) if rank == 0 else None
+    worker._all_reduce_replicated_grads()
+    save("replicate_partial_grads", (one_rank.grad, no_rank.grad))
+    worker.shutdown()
 
     # Reward-model resume: two steps, saved (the scalar head included), then a fresh worker of the same layout
     # loads them and takes step three, bit for bit as the uninterrupted rm_dp2 worker did.
@@ -354,24 +372,40 @@ def _scenarios(rank: int, model_dir: Path, out_dir: Path) -> None:
     save("rm_resumed_train", worker.train(rm_shard(range(2, NUM_STEPS)), PreferenceLoss(), mbs=2))
     worker.shutdown()
 
-    # Resume across layouts: dp=2 with the model replicated (a plain module on each rank, gradients summed by
-    # one all-reduce) trains two steps, saves, a fresh tp=2 worker loads and takes step three.
-    first_two = data.slice(0, 2 * GLOBAL_BATCH)
+    # Resume across layouts, each way (model and optimizer state): FSDP at dp=2 takes step one and saves; dp=2
+    # with the model replicated (a plain module on each rank, gradients summed by one all-reduce; activation
+    # checkpointing on) loads it, takes step two and saves; a fresh FSDP dp=2 worker and a tp=2 worker each
+    # load that and take step three.
     from torch.distributed.tensor import DTensor
 
-    worker = DTensorPolicyWorker(policy_cfg(model_dir, {"data_parallel_mode": "replicate"}))
+    def steps(first: int, last: int, dp_size: int = WORLD_SIZE) -> BatchedDataDict[Any]:
+        return _shard(data.slice(first * GLOBAL_BATCH, last * GLOBAL_BATCH), rank % dp_size, dp_size)
+
+    worker = DTensorPolicyWorker(policy_cfg(model_dir), init_reference_model=False)
+    save("fsdp_step1_train", worker.train(steps(0, 1), loss_fn))
+    worker.save_checkpoint(str(out_dir / "fsdp_ckpt_weights"), str(out_dir / "fsdp_ckpt_optim"))
+    worker.shutdown()
+    replicate = {"data_parallel_mode": "replicate", "activation_checkpointing": True}
+    worker = DTensorPolicyWorker(
+        policy_cfg(model_dir, replicate),
+        weights_path=str(out_dir / "fsdp_ckpt_weights"),
+        optimizer_path=str(out_dir / "fsdp_ckpt_optim"),
+    )
     save("replicate_dtensors", sum(isinstance(p, DTensor) for p in worker.model.parameters()))
-    save("replicate_train", worker.train(_shard(first_two, worker.dp_rank, worker.dp_size), loss_fn))
+    save("replicate_train", worker.train(steps(1, 2), loss_fn))
+    save("replicate_ref_logprobs", worker.get_reference_policy_logprobs(score_data))
     worker.save_checkpoint(str(out_dir / "ckpt_weights"), str(out_dir / "ckpt_optim"))
     worker.shutdown()
-    worker = DTensorPolicyWorker(
-        policy_cfg(model_dir, {"tensor_parallel_size": 2}),
-        weights_path=str(out_dir / "ckpt_weights"),
-        optimizer_path=str(out_dir / "ckpt_optim"),
-    )
-    last = data.slice(2 * GLOBAL_BATCH, 3 * GLOBAL_BATCH)
-    save("resumed_train", worker.train(_shard(last, worker.dp_rank, worker.dp_size), loss_fn))
-    worker.shutdown()
+    for name, dtensor in (("resumed_fsdp", {}), ("resumed", {"tensor_parallel_size": 2})):
+        worker = DTensorPolicyWorker(
+            policy_cfg(model_dir, dtensor),
+            init_reference_model=False,
+            weights_path=str(out_dir / "ckpt_weights"),
+            optimizer_path=str(out_dir / "ckpt_optim"),
+        )
+        save(f"{name}_dtensors", sum(isinstance(p, DTensor) for p in worker.model.parameters()))
+        save(f"{name}_train", worker.train(steps(2, 3, worker.dp_size), loss_fn))
+        worker.shutdown()
 
 
 def _one_rank_scenarios(model_dir: Path, out_dir: Path) -> None:
@@ -704,19 +738,20 @@ def test_reference_logprobs_are_the_initial_model(results: Path, reference: dict
     assert_close(load(results, "tp2_ref_logprobs")["reference_logprobs"], reference["init_logprobs"])
 
 
-def test_replicated_dp2_trains_like_one_process(results: Path, reference: dict[str, Any]) -> None:
+def test_resume_across_fsdp_replicate_and_tp_continues_like_one_process(
+    results: Path, reference: dict[str, Any]
+) -> None:
+    # Step one under FSDP, step two replicated (resumed from FSDP's checkpoint, with activation
+    # checkpointing), step three under FSDP and under TP (each resumed from the replicated checkpoint).
     for rank in range(WORLD_SIZE):
         assert load(results, "replicate_dtensors", rank) == 0
-        out = load(results, "replicate_train", rank)
-        for key in ("loss", "grad_norm", "lr"):
-            assert_close(out[key], reference[key][:2])
-
-
-def test_resume_continues_like_an_uninterrupted_run(results: Path, reference: dict[str, Any]) -> None:
-    resumed = load(results, "resumed_train")
-    assert_close(resumed["loss"], reference["loss"][2:])
-    assert_close(resumed["grad_norm"], reference["grad_norm"][2:])
-    assert_close(resumed["lr"], reference["lr"][2:])
+        assert load(results, "resumed_fsdp_dtensors", rank) > 0
+        for name, done in (("fsdp_step1", 0), ("replicate", 1), ("resumed_fsdp", 2), ("resumed", 2)):
+            out = load(results, f"{name}_train", rank)
+            for key in ("loss", "grad_norm", "lr"):
+                assert_close(out[key], reference[key][done : done + 1])
+        ref_logprobs = load(results, "replicate_ref_logprobs", rank)["reference_logprobs"]
+        assert_close(ref_logprobs, reference["init_logprobs"])
 
 
 def test_reward_model_resumes_bit_for_bit(results: Path) -> None:
@@ -788,10 +823,17 @@ def test_preference_training_matches_single_process(
 def test_frozen_parameters_and_added_layers(results: Path, preference_reference: dict[str, Any]) -> None:
     expected = preference_reference["rm_frozen"]
     for rank in range(WORLD_SIZE):
-        out = load(results, "rm_frozen_train", rank)
-        assert_close(out["loss"], expected["loss"])
-        assert_close(out["grad_norm"], expected["grad_norm"])
-    assert_close(load(results, "rm_frozen_scores_trained")["scores"], expected["scores_trained"], rtol=1e-4)
+        for layout in ("rm_frozen", "rm_frozen_replicate"):
+            out = load(results, f"{layout}_train", rank)
+            assert_close(out["loss"], expected["loss"])
+            assert_close(out["grad_norm"], expected["grad_norm"])
+        trained = load(results, "rm_frozen_replicate_grads", rank)
+        assert trained and not any(n.startswith(("model.embed_tokens.", "model.layers.0.")) for n in trained)
+        one_rank, no_rank = load(results, "replicate_partial_grads", rank)
+        assert torch.equal(one_rank, torch.ones_like(one_rank)) and no_rank is None
+    for layout in ("rm_frozen", "rm_frozen_replicate"):
+        scores = load(results, f"{layout}_scores_trained")["scores"]
+        assert_close(scores, expected["scores_trained"], rtol=1e-4)
     exported = AutoModelForSequenceClassification.from_pretrained(results / "rm_frozen_export")
     assert exported.config.num_hidden_layers == 3
     for name, param in exported.named_parameters():

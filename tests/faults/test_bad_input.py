@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -95,6 +96,26 @@ def test_grpo_needs_a_group_of_responses() -> None:
         validate_dict(
             {"policy": {"model_name": "m"}, "grpo": {"num_generations_per_prompt": 1}}, GRPOMasterConfig
         )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"dtensor_cfg": {"tensor_parallel_size": 2}}, r"replicate needs tensor_parallel_size=1 and cpu_off"),
+        ({"dtensor_cfg": {"cpu_offload": True}}, r"replicate needs tensor_parallel_size=1 and cpu_offload"),
+        ({"precision": "bfloat16"}, r"replicate trains in float32, not policy.precision=bfloat16"),
+    ],
+)
+def test_replicated_data_parallel_refuses_what_it_cannot_build(
+    overrides: dict[str, Any], message: str
+) -> None:
+    # Refused when the config loads, before Ray or any worker starts, with the key to change.
+    policy = {"model_name": "m", "dtensor_cfg": {"data_parallel_mode": "replicate"}}
+    for key, value in overrides.items():
+        policy[key] = {**policy[key], **value} if isinstance(value, dict) else value
+    with pytest.raises(ConfigError, match=message) as err:
+        validate_dict({"policy": policy}, GRPOMasterConfig)
+    assert len(err.value.problems) == 1 and "data_parallel_mode=fsdp" in err.value.problems[0]
 
 
 def test_script_exits_2_with_one_line_before_ray(

@@ -421,17 +421,29 @@ class DTensorPolicyWorker:
 
     def _all_reduce_replicated_grads(self) -> None:
         """With ``data_parallel_mode=replicate`` at DP>1, sum every gradient over the dp ranks with one
-        all-reduce of one flat buffer (losses are globally normalised, so the step's gradient is the sum)."""
+        all-reduce of one flat buffer (losses are globally normalised, so the step's gradient is the sum).
+
+        Only trained parameters take part (``policy.frozen_parameters`` have no gradient and add no traffic).
+        One that got no gradient on this rank (its forward did not reach it) adds zeros, so every rank's buffer
+        has the same layout; the buffer ends with one "had a gradient" flag per parameter, and a parameter no
+        rank reached keeps no gradient, so the optimizer skips it as it would in one process.
+        """
         if self.cfg.dtensor_cfg.data_parallel_mode != "replicate" or self.dp_size == 1:
             return
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if not grads:
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        if not trained:
             return
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        reached = [p.grad is not None for p in trained]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in trained]
+        flags = torch.tensor(reached, dtype=grads[0].dtype, device=grads[0].device)
+        flat = torch.cat([g.reshape(-1) for g in grads] + [flags])
         dist.all_reduce(flat, group=self.dp_group)
         offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        summed_flags = flat[-len(trained) :].tolist()
+        for p, g, reached_anywhere in zip(trained, grads, summed_flags, strict=True):
+            if reached_anywhere:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                p.grad = g
             offset += g.numel()
 
     def _defer_gradient_sync(self, last_micro_batch: bool) -> None:
