@@ -15,12 +15,15 @@ from pathlib import Path
 from nemo_rl.config.cli import parse_args_and_load, run_cli
 from nemo_rl.config.master import GRPOMasterConfig
 from nemo_rl.config.sources import check_policy_sources
+from nemo_rl.distributed.gc_tuning import use_gc_thresholds
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "grpo_math_1B.yaml"
 
 
 def main() -> None:
     """Load and check the config, then set up and run GRPO."""
+    # Fewer garbage collections while torch and transformers are imported (see the module).
+    use_gc_thresholds()
     config, _ = parse_args_and_load(GRPOMasterConfig, DEFAULT_CONFIG)
     # A model folder that does not exist is known from the path: say so before Ray starts.
     check_policy_sources(config.policy)

@@ -25,7 +25,7 @@ import ray
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from nemo_rl.distributed.virtual_cluster import default_ray_temp_dir, worker_pythonpath
+from nemo_rl.distributed.virtual_cluster import default_ray_temp_dir, job_runtime_env
 
 RAY_CLUSTER_NUM_CPUS = 8
 
@@ -52,7 +52,7 @@ def ray_cluster() -> Iterator[dict[str, float]]:
         include_dashboard=False,
         _temp_dir=os.environ.get("NEMO_RL_RAY_TEMP_DIR") or default_ray_temp_dir(),
         # One thread per worker process: the test machine's cores are shared by all workers.
-        runtime_env={"env_vars": {"PYTHONPATH": worker_pythonpath(), "OMP_NUM_THREADS": "1"}},
+        runtime_env=job_runtime_env(OMP_NUM_THREADS="1"),
         log_to_driver=True,
     )
     try:

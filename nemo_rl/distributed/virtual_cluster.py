@@ -39,6 +39,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from nemo_rl.config.cli import USER_ERROR_EXIT_CODE, report_user_error
 from nemo_rl.config.cluster import ClusterConfig
 from nemo_rl.config.errors import UserError
+from nemo_rl.distributed.gc_tuning import WORKER_PROCESS_SETUP_HOOK
 
 logger = logging.getLogger(__name__)
 
@@ -223,7 +224,7 @@ def _init_ray_now(cluster_cfg: ClusterConfig | None) -> None:
     if address:
         logger.info("attaching to the Ray cluster at %s", address)
         try:
-            ray.init(address=address, runtime_env={"env_vars": {"PYTHONPATH": worker_pythonpath()}})
+            ray.init(address=address, runtime_env=job_runtime_env())
         except (AuthenticationError, ConnectionError, RuntimeError) as err:
             if _refused_for_auth(err):
                 raise RayAuthenticationError(address) from err
@@ -242,7 +243,7 @@ def _init_ray_now(cluster_cfg: ClusterConfig | None) -> None:
         # process of its own (its own runtime environment), so those idle workers are never used and only
         # compete with the real workers' start-up for the cores.
         _system_config={"prestart_worker_first_driver": False},
-        runtime_env={"env_vars": {"PYTHONPATH": worker_pythonpath()}},
+        runtime_env=job_runtime_env(),
     )
 
 
@@ -281,6 +282,16 @@ def ray_temp_dir() -> str:
 def default_ray_temp_dir() -> str:
     """A short per-user temp dir for Ray's sessions (Ray's socket paths must stay under ~100 characters)."""
     return os.path.join(tempfile.gettempdir(), f"ray_nemo_rl_{os.getuid()}")
+
+
+def job_runtime_env(**env_vars: str) -> dict[str, object]:
+    """The job-level ``runtime_env`` of ``ray.init``: the workers' ``PYTHONPATH`` (:func:`worker_pythonpath`)
+    and ``env_vars``, and the collector thresholds of :mod:`nemo_rl.distributed.gc_tuning`, set in every
+    worker process before it imports its actor's module."""
+    return {
+        "env_vars": {"PYTHONPATH": worker_pythonpath(), **env_vars},
+        "worker_process_setup_hook": WORKER_PROCESS_SETUP_HOOK,
+    }
 
 
 def worker_pythonpath() -> str:

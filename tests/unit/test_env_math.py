@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch
 
 from nemo_rl.config.env import EnvConfig, MathEnvConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.distributed.gc_tuning import GC_THRESHOLDS
 from nemo_rl.environments.interfaces import EnvironmentReturn
 from nemo_rl.environments.registry import create_env
 
@@ -49,6 +51,11 @@ def test_math_environment_step(math_env: Any) -> None:
     ret: EnvironmentReturn[Any] = ray.get(math_env.step.remote(logs, metadata), timeout=RAY_TIMEOUT_S)
     quick_after = ray.get(math_env.verifier_stats.remote(), timeout=RAY_TIMEOUT_S)["num_quick_verdicts"]
     assert quick_after - quick_before == 4
+    # The job's worker processes collect garbage with its thresholds, set before they import their actor.
+    assert (
+        ray.get(math_env.__ray_call__.remote(lambda _: gc.get_threshold()), timeout=RAY_TIMEOUT_S)
+        == GC_THRESHOLDS
+    )
     assert ret.rewards.tolist() == [1.0, 0.0, 0.0, 1.0, 1.0]  # the last assistant message is the one scored
     assert ret.rewards.dtype == torch.float32
     assert ret.terminateds.tolist() == [True] * 5
