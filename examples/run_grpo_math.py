@@ -36,7 +36,8 @@ def main() -> None:
         start_ray_in_background(config.cluster)
 
     # A mistake found before setup takes the background start over (bad data, a task with no environment, a
-    # check that needs the tokenizer) exits 2 at once, stopping the Ray processes started so far.
+    # check that needs the tokenizer) exits 2 at once, stopping the Ray processes started so far (a bug: its
+    # traceback, status 1).
     with exit_at_once_on_user_error():
         # Heavy imports only after the config is known to be valid, so config mistakes fail within seconds.
         from nemo_rl.algorithms.grpo import grpo_train, setup

@@ -27,6 +27,7 @@ import socket
 import sys
 import tempfile
 import threading
+import traceback
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -156,21 +157,28 @@ def exit_at_once_on_user_error() -> Iterator[None]:
     A :class:`UserError` raised in the block is reported on stderr as one line; then every process that start
     began is stopped, the Ray session folder it wrote is removed, and the process ends with status 2 at once:
     ``os._exit``, because an interpreter that exits normally waits for Ray's half-started client to give up
-    (seconds) and leaves the raylet's agents running. Without a background start (or once ``init_ray`` has
-    taken it over) the error propagates unchanged, and Ray's own exit hook stops a started cluster.
+    (seconds) and leaves the raylet's agents running. Any other exception (a bug, Ctrl-C) prints its traceback
+    and ends the process the same way with status 1 (130 for Ctrl-C). Without a background start (or once
+    ``init_ray`` has taken it over) exceptions propagate unchanged, and Ray's own exit hook stops a started
+    cluster.
     """
     try:
         yield
-    except UserError as err:
+    except (Exception, KeyboardInterrupt) as err:
         started = _background_start
         if started is None:
             raise
-        report_user_error(err)
+        if isinstance(err, UserError):
+            report_user_error(err)
+            status = USER_ERROR_EXIT_CODE
+        else:
+            traceback.print_exc()
+            status = 130 if isinstance(err, KeyboardInterrupt) else 1
         started.abandon()
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(USER_ERROR_EXIT_CODE)
+        os._exit(status)
 
 
 def init_ray(cluster_cfg: ClusterConfig | None = None) -> None:
