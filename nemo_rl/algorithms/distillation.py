@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoConfig, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.algorithms.grpo import environment_metrics, placement, tasks_to_start, validation_rollouts
 from nemo_rl.algorithms.loop import (
@@ -136,6 +136,8 @@ def check_teacher_matches_student(
             f"differently from the student's ({student.tokenizer.name or student.model_name}): on-policy "
             "distillation needs a teacher and student with the same tokenizer"
         )
+    from transformers import AutoConfig  # indexes every transformers model folder: only where it is used
+
     sizes = {
         who: AutoConfig.from_pretrained(cfg.model_name, trust_remote_code=cfg.trust_remote_code).vocab_size
         for who, cfg in (("policy", student), ("teacher", teacher))

@@ -13,8 +13,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoConfig
-
 from nemo_rl.config.errors import UserError
 
 OVERRIDES_KEY = "policy.hf_config_overrides"
@@ -33,6 +31,10 @@ def load_hf_config(
         UserError: an override names an attribute the model's config does not have (a typo, or a key this
             transformers version spells differently, e.g. ``rope_theta`` inside ``rope_parameters``).
     """
+    # Imported here: resolving ``AutoConfig`` makes transformers index every model folder it has (about 0.5 s
+    # of CPU), which a driver that imports the policy workers' classes but builds no model never needs.
+    from transformers import AutoConfig
+
     config, unused = AutoConfig.from_pretrained(
         model_name, trust_remote_code=trust_remote_code, return_unused_kwargs=True, **dict(overrides or {})
     )

@@ -3,7 +3,9 @@
 The driver imports the algorithm loops, the data stack and the worker classes (Ray needs the classes to start
 the actors), but it never shards, checkpoints or builds a model. FSDP2 / DTensor, torch.distributed.checkpoint,
 torch._dynamo (pulled in by transformers' auto model classes, its model code and optimizer construction) and
-math-verify cost seconds of CPU to import; every second spent there delays the first step. The math
+math-verify cost seconds of CPU to import; every second spent there delays the first step. Neither does it
+resolve ``AutoConfig``, which makes transformers index every model folder it has (half a second of CPU): a
+local tokenizer with a plain tokenizers backend loads without it. The math
 environment's actor, which imports what the driver imports of it, does not import math-verify either, and
 the config's schema sections (all a worker reads) import no config-loading stack (OmegaConf, Hydra).
 """
@@ -50,7 +52,8 @@ get_env_class("math")
 # processes their function: math-verify and sympy are imported (and warmed up) in their fork server only.
 from nemo_rl.environments.math_verifier import gold_answer, quick_verdict, score_math_response  # noqa: F401
 heavy = ["torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.checkpoint", "torch._dynamo",
-         "transformers.models.auto.modeling_auto", "transformers.modeling_utils", "math_verify", "sympy"]
+         "transformers.models.auto.modeling_auto", "transformers.modeling_utils", "math_verify", "sympy",
+         "transformers.models.auto.configuration_auto"]
 print(sorted(m for m in heavy if m in sys.modules))
 """
 
