@@ -97,9 +97,13 @@ class SharedPrefixLayout:
     prompt_slots: torch.Tensor
     """Flattened slots of the real prompt tokens (where the prompt blocks' outputs go)."""
     prompt_valid_GP: torch.Tensor
+    prompt_valid_flat: torch.Tensor
+    """Positions of the real prompt tokens in the flattened [G * P] prompt blocks."""
     response_slots: torch.Tensor
     """Flattened slots of the real response tokens."""
     response_valid_RL: torch.Tensor
+    response_valid_flat: torch.Tensor
+    """Positions of the real response tokens in the flattened [R * L] response blocks."""
 
 
 @dataclass(frozen=True)
@@ -203,14 +207,21 @@ class SharedPrefixRows:
             response_allowed_R1LK=response_allowed_R1LK,
             prompt_slots=prompt_index_GP[prompt_valid_GP],
             prompt_valid_GP=prompt_valid_GP,
+            prompt_valid_flat=prompt_valid_GP.reshape(-1).nonzero().squeeze(1),
             response_slots=response_index_RL[response_valid_RL],
             response_valid_RL=response_valid_RL,
+            response_valid_flat=response_valid_RL.reshape(-1).nonzero().squeeze(1),
         )
         return SharedPrefixRows(input_ids_1L, position_ids_1L, layout, index_BT, valid_BT)
 
     def unpack(self, values_1L: torch.Tensor) -> torch.Tensor:
         """``[1, L, ...]`` per-token values back to ``[B, T, ...]`` (zeros at the rows' padding)."""
-        values_BT = values_1L[0][self.index_BT]
+        # index_select (backward: index_add) rather than advanced indexing (an accumulating index_put): the same
+        # values and, on the CPU, a cheaper backward.
+        index_BT = self.index_BT
+        values_BT = (
+            values_1L[0].index_select(0, index_BT.reshape(-1)).view(*index_BT.shape, *values_1L.shape[2:])
+        )
         mask = self.valid_BT.reshape(*self.valid_BT.shape, *([1] * (values_BT.ndim - 2)))
         return torch.where(mask, values_BT, torch.zeros((), dtype=values_BT.dtype, device=values_BT.device))
 
@@ -231,7 +242,7 @@ def shared_prefix_attention(
 
     Returns ``[1, L, H, D]`` as Hugging Face's implementations do; slots past the last group get zeros.
     """
-    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     layout = shared_prefix_layout
     if layout is None:
@@ -246,33 +257,43 @@ def shared_prefix_attention(
             **kwargs,
         )
     batch, num_heads, width, head_dim = query_BHSD.shape
-    kv_groups = int(getattr(module, "num_key_value_groups", 1))
-    if kv_groups > 1:
-        key_BHSD, value_BHSD = repeat_kv(key_BHSD, kv_groups), repeat_kv(value_BHSD, kv_groups)
+    num_kv_heads = key_BHSD.shape[1]
 
     def flat(x_BHSD: torch.Tensor) -> torch.Tensor:
-        return x_BHSD.transpose(1, 2).reshape(batch * width, num_heads, head_dim)
+        return x_BHSD.transpose(1, 2).reshape(batch * width, x_BHSD.shape[1], head_dim)
 
     q, k, v = flat(query_BHSD), flat(key_BHSD), flat(value_BHSD)
 
+    def take(x_SHD: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        # index_select, not x[index]: the same rows, and a backward (index_add) that is cheaper on the CPU than
+        # advanced indexing's accumulating index_put.
+        return x_SHD.index_select(0, index.reshape(-1)).view(*index.shape, *x_SHD.shape[1:])
+
     def block(q_index: torch.Tensor, kv_index: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        # Grouped-query attention reads each key/value head for its query heads (enable_gqa) instead of
+        # materialising the repeated heads and gathering every copy.
         out_NHWD = torch.nn.functional.scaled_dot_product_attention(
-            q[q_index].transpose(1, 2),
-            k[kv_index].transpose(1, 2),
-            v[kv_index].transpose(1, 2),
+            take(q, q_index).transpose(1, 2),
+            take(k, kv_index).transpose(1, 2),
+            take(v, kv_index).transpose(1, 2),
             attn_mask=allowed,
             dropout_p=dropout,
             scale=scaling,
+            enable_gqa=num_kv_heads != num_heads,
         )
-        return out_NHWD.transpose(1, 2)
+        return out_NHWD.transpose(1, 2).reshape(-1, num_heads, head_dim)
 
     prompt_out = block(layout.prompt_index_GP, layout.prompt_index_GP, layout.prompt_allowed_G1PP)
-    out = q.new_zeros(q.shape).index_copy(0, layout.prompt_slots, prompt_out[layout.prompt_valid_GP])
+    out = q.new_zeros(q.shape).index_copy(
+        0, layout.prompt_slots, prompt_out.index_select(0, layout.prompt_valid_flat)
+    )
     if layout.response_slots.numel():
         response_out = block(
             layout.response_index_RL, layout.response_kv_index_RK, layout.response_allowed_R1LK
         )
-        out = out.index_copy(0, layout.response_slots, response_out[layout.response_valid_RL])
+        out = out.index_copy(
+            0, layout.response_slots, response_out.index_select(0, layout.response_valid_flat)
+        )
     return out.reshape(batch, width, num_heads, head_dim), None
 
 
