@@ -186,6 +186,27 @@ def test_warmup_then_constant_schedule() -> None:
     assert optimizer.param_groups[0]["lr"] == pytest.approx(1.0)
 
 
+def test_fused_adamw_of_the_tiny_recipe_takes_the_loop_step_up_to_rounding() -> None:
+    """grpo_math_tiny.yaml picks PyTorch's fused AdamW: the same steps as the default loop to float32 rounding."""
+    torch.manual_seed(0)
+    weights = [torch.randn(64, 32), torch.randn(32)]
+    grads = [[torch.randn_like(w) for w in weights] for _ in range(3)]
+    stepped = []
+    for kwargs in ({"foreach": False, "fused": False}, {"foreach": False, "fused": True}):
+        params = [torch.nn.Parameter(w.clone()) for w in weights]
+        optimizer = build_optimizer(
+            params,
+            OptimizerConfig(name="torch.optim.AdamW", kwargs={"lr": 1e-3, "weight_decay": 0.01, **kwargs}),
+        )
+        for step_grads in grads:
+            for param, grad in zip(params, step_grads, strict=True):
+                param.grad = grad.clone()
+            optimizer.step()
+        stepped.append([p.detach() for p in params])
+    for loop, fused in zip(*stepped, strict=True):
+        torch.testing.assert_close(fused, loop, rtol=1e-6, atol=1e-7)
+
+
 def test_bad_class_paths_are_clear_errors() -> None:
     param = torch.nn.Parameter(torch.zeros(1))
     with pytest.raises(ValueError, match=r"not a torch\.optim\.Optimizer"):
