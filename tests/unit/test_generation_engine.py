@@ -273,6 +273,13 @@ def test_bad_inputs_fail_with_clear_messages(hf_model: Qwen2ForCausalLM) -> None
         params(temperature=0.0)
     with pytest.raises(ValueError, match="top_p"):
         params(top_p=0.0)
+    # Non-finite weights: sampled and greedy calls both refuse instead of returning NaN log-probs.
+    with torch.no_grad():
+        for _, weight in engine.model.named_weights():
+            weight.fill_(float("nan"))
+    for greedy in (False, True):
+        with pytest.raises(FloatingPointError, match="non-finite logits"):
+            engine.generate(ids, lengths, params(), greedy=greedy, seed=0)
 
 
 def probs_to_logits(probs: list[float]) -> torch.Tensor:

@@ -288,6 +288,15 @@ class EmbeddedEngine:
             self._decode_loop(
                 input_ids_BT.to(device), lengths_B, budget_B, params, greedy, seed, row_stops, generated
             )
+            # The sampler skips multinomial's per-step input checks (see _draw); non-finite logits would
+            # otherwise pass silently as NaN log-probs and arbitrary tokens. One check per call instead, over
+            # the tokens rows kept (positions past a row's end may hold what its unused cache slots gave).
+            kept_BT = torch.arange(max_budget, device=device)[None, :] < generated.lengths_B[:, None]
+            if not bool(torch.isfinite(generated.logprobs_BT[kept_BT]).all()):
+                raise FloatingPointError(
+                    "the model produced non-finite logits while generating (NaN/inf weights or activations): "
+                    "check the policy's last training step (train/nonfinite_steps) and its learning rate"
+                )
         return self._assemble(input_ids_BT.to(device), lengths_B, generated)
 
     def _row_stop_strings(
