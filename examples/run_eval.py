@@ -14,12 +14,15 @@ from pathlib import Path
 
 from nemo_rl.config.cli import parse_args_and_load, run_cli
 from nemo_rl.config.master import EvalMasterConfig
+from nemo_rl.distributed.gc_tuning import use_gc_thresholds
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "evals" / "eval.yaml"
 
 
 def main() -> None:
     """Load and check the config, then set up the model and data and run the evaluation."""
+    # Fewer garbage collections while torch and transformers are imported (see the module).
+    use_gc_thresholds()
     config, _ = parse_args_and_load(EvalMasterConfig, DEFAULT_CONFIG)
 
     # Heavy imports only after the config is known to be valid, so config mistakes fail within seconds.
