@@ -58,6 +58,7 @@ from nemo_rl.models.generation.factory import (
     refit_from_policy,
 )
 from nemo_rl.models.generation.interfaces import GenerationInterface
+from nemo_rl.models.hf_config import load_hf_config
 from nemo_rl.models.policy.lm_policy import Policy, check_policy_layout
 from nemo_rl.models.tokenizer import get_policy_tokenizer
 from nemo_rl.utils.checkpoint import CheckpointManager
@@ -136,10 +137,11 @@ def check_teacher_matches_student(
             f"differently from the student's ({student.tokenizer.name or student.model_name}): on-policy "
             "distillation needs a teacher and student with the same tokenizer"
         )
-    from transformers import AutoConfig  # indexes every transformers model folder: only where it is used
-
+    # As the workers build them: each side's hf_config_overrides applied.
     sizes = {
-        who: AutoConfig.from_pretrained(cfg.model_name, trust_remote_code=cfg.trust_remote_code).vocab_size
+        who: load_hf_config(
+            cfg.model_name, trust_remote_code=cfg.trust_remote_code, overrides=cfg.hf_config_overrides
+        ).vocab_size
         for who, cfg in (("policy", student), ("teacher", teacher))
     }
     if sizes["policy"] != sizes["teacher"]:

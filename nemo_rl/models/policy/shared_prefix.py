@@ -216,14 +216,16 @@ class SharedPrefixRows:
 
     def unpack(self, values_1L: torch.Tensor) -> torch.Tensor:
         """``[1, L, ...]`` per-token values back to ``[B, T, ...]`` (zeros at the rows' padding)."""
-        # index_select (backward: index_add) rather than advanced indexing (an accumulating index_put): the same
-        # values and, on the CPU, a cheaper backward.
-        index_BT = self.index_BT
-        values_BT = (
-            values_1L[0].index_select(0, index_BT.reshape(-1)).view(*index_BT.shape, *values_1L.shape[2:])
-        )
+        values_BT = _take_rows(values_1L[0], self.index_BT)
         mask = self.valid_BT.reshape(*self.valid_BT.shape, *([1] * (values_BT.ndim - 2)))
         return torch.where(mask, values_BT, torch.zeros((), dtype=values_BT.dtype, device=values_BT.device))
+
+
+def _take_rows(x_N: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x_N[index]`` (rows of ``x_N`` picked by an index tensor of any shape) by ``index_select``: the same
+    values, and a backward (``index_add``) that is cheaper on the CPU than advanced indexing's accumulating
+    ``index_put``."""
+    return x_N.index_select(0, index.reshape(-1)).view(*index.shape, *x_N.shape[1:])
 
 
 def shared_prefix_attention(
@@ -264,18 +266,13 @@ def shared_prefix_attention(
 
     q, k, v = flat(query_BHSD), flat(key_BHSD), flat(value_BHSD)
 
-    def take(x_SHD: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        # index_select, not x[index]: the same rows, and a backward (index_add) that is cheaper on the CPU than
-        # advanced indexing's accumulating index_put.
-        return x_SHD.index_select(0, index.reshape(-1)).view(*index.shape, *x_SHD.shape[1:])
-
     def block(q_index: torch.Tensor, kv_index: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         # Grouped-query attention reads each key/value head for its query heads (enable_gqa) instead of
         # materialising the repeated heads and gathering every copy.
         out_NHWD = torch.nn.functional.scaled_dot_product_attention(
-            take(q, q_index).transpose(1, 2),
-            take(k, kv_index).transpose(1, 2),
-            take(v, kv_index).transpose(1, 2),
+            _take_rows(q, q_index).transpose(1, 2),
+            _take_rows(k, kv_index).transpose(1, 2),
+            _take_rows(v, kv_index).transpose(1, 2),
             attn_mask=allowed,
             dropout_p=dropout,
             scale=scaling,
