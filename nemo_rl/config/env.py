@@ -24,7 +24,18 @@ from nemo_rl.config.policy import (
 )
 
 
-class MathEnvConfig(ConfigModel):
+class RuleBasedEnvConfig(ConfigModel):
+    """What every rule-based environment (scoring by code, no model) accepts besides its own settings."""
+
+    in_driver: bool = False
+    """Run the environment in the driver process instead of as a Ray actor of its own. That saves the actor's
+    process start (a Ray worker importing torch: seconds of CPU competing with the policy workers' start on a
+    small machine) and a Ray call per step; its ``step`` then runs on the driver's thread, so it fits scoring
+    that takes milliseconds (answer checks that need more, math-verify's, still run in the environment's
+    verifier processes). Environments passed to an algorithm by the caller are used as given."""
+
+
+class MathEnvConfig(RuleBasedEnvConfig):
     """The math environment: the last ``\\boxed{}`` answer checked against the ground truth by math-verify."""
 
     num_workers: int = Field(default=8, ge=1)
@@ -49,7 +60,7 @@ class MathEnvConfig(ConfigModel):
     """Verifier implementation (NeMo RL key); Hugging Face math-verify is the one provided."""
 
 
-class NumberGuessingEnvConfig(ConfigModel):
+class NumberGuessingEnvConfig(RuleBasedEnvConfig):
     """A multi-turn game: the assistant guesses a hidden integer and is told "higher", "lower" or "correct"."""
 
     max_guesses: int = Field(default=5, ge=1)
@@ -94,7 +105,7 @@ class SlidingPuzzleSettings(ConfigModel):
     last."""
 
 
-class SlidingPuzzleEnvConfig(ConfigModel):
+class SlidingPuzzleEnvConfig(RuleBasedEnvConfig):
     """The sliding-puzzle game (multi-turn): the assistant slides tiles until the board is in order."""
 
     cfg: SlidingPuzzleSettings = Field(default_factory=SlidingPuzzleSettings)

@@ -15,7 +15,10 @@ Built in: ``math`` (:class:`~nemo_rl.environments.math_environment.MathEnvironme
     task_to_env = {"my_task": create_env("my_task", MyEnvConfig())}
 
 Algorithms build one environment per task of their data with :func:`create_task_envs`, configured by the
-``env.<task>`` section (a plain mapping for a user environment: ``env.my_task: {threshold: 0.5}``).
+``env.<task>`` section (a plain mapping for a user environment: ``env.my_task: {threshold: 0.5}``). A
+rule-based built-in environment with ``env.<task>.in_driver: true`` (or any environment created with
+``create_env(..., in_driver=True)``) runs in the driver process behind the same handle surface
+(:class:`InDriverEnvironment`).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import importlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, cast
 
 import ray
@@ -36,6 +39,49 @@ from nemo_rl.environments.interfaces import EnvironmentInterface
 
 EnvClass = type[EnvironmentInterface[Any]] | ActorClass[Any]
 """A plain environment class (started with ``ray.remote``), or one already decorated with ``ray.remote``."""
+
+
+class _InDriverMethod:
+    """``method.remote(*args)`` of an :class:`InDriverEnvironment`."""
+
+    def __init__(self, method: Callable[..., Any]) -> None:
+        self._method = method
+
+    def remote(self, *args: Any, **kwargs: Any) -> ray.ObjectRef[Any]:
+        """Call the method now, on this thread, and return a Ray object ref of its result."""
+        return ray.put(self._method(*args, **kwargs))
+
+
+class InDriverEnvironment:
+    """An environment object in the driver process, behind the part of a Ray actor handle that algorithms use.
+
+    ``env.<method>.remote(*args)`` calls the method at once, on the caller's thread, and returns a Ray object
+    ref of its result, so ``ray.get`` and ``ray.wait`` read it as an actor's result; an exception is raised
+    by the ``remote`` call itself. :func:`wait_envs_started` and :func:`stop_envs` take it beside actor
+    handles. It cannot be sent to another process (a Ray task or actor): start an actor for that.
+    """
+
+    def __init__(self, env: EnvironmentInterface[Any]) -> None:
+        self.env = env
+        """The environment object itself."""
+
+    def __getattr__(self, name: str) -> _InDriverMethod:
+        if name.startswith("__"):  # copy/pickle probes, not environment methods
+            raise AttributeError(name)
+        return _InDriverMethod(getattr(self.env, name))
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            f"an in-driver environment ({type(self.env).__name__}) cannot leave the driver process; create it "
+            "as an actor (in_driver=False) to pass it to Ray tasks or actors"
+        )
+
+    def __repr__(self) -> str:
+        return f"InDriverEnvironment({type(self.env).__name__})"
+
+
+EnvHandle = ActorHandle[Any] | InDriverEnvironment
+"""What :func:`create_env` returns: a Ray actor handle, or an :class:`InDriverEnvironment`."""
 
 # Built-ins are import paths so that importing the registry stays cheap (math-verify pulls in sympy).
 _BUILTIN_ENVS: dict[str, str] = {
@@ -129,9 +175,10 @@ def check_task_envs(task_names: Iterable[str], env_cfg: EnvConfig) -> None:
             )
 
 
-def create_task_envs(task_names: Iterable[str], env_cfg: EnvConfig) -> dict[str, ActorHandle[Any]]:
-    """One environment actor per task, each the environment registered under the task's name and configured
-    by ``env.<task>`` (``{}`` for a user environment without a section).
+def create_task_envs(task_names: Iterable[str], env_cfg: EnvConfig) -> dict[str, EnvHandle]:
+    """One environment per task, each the environment registered under the task's name and configured by
+    ``env.<task>`` (``{}`` for a user environment without a section): an actor, or in the driver where the
+    section says ``in_driver: true``.
 
     Raises:
         UserError: an ``env`` section or a task names no registered environment.
@@ -146,36 +193,62 @@ def create_env(
     cfg: Any,
     *,
     actor_options: Mapping[str, Any] | None = None,
-) -> ActorHandle[Any]:
-    """Start the environment registered as ``name`` as a Ray actor and return its handle.
+    in_driver: bool | None = None,
+) -> EnvHandle:
+    """Start the environment registered as ``name`` as a Ray actor and return its handle, or construct it in
+    this process behind an :class:`InDriverEnvironment`.
 
     Args:
         name: A registered name (see :func:`registered_envs`).
         cfg: The whole ``env`` section (its ``name`` subsection is passed on, see :meth:`EnvConfig.section`),
             or the environment's own config, handed to its constructor as is.
         actor_options: Extra ``ray.remote`` options for the actor (``num_cpus``, ``runtime_env``...).
+        in_driver: Construct the environment in this process instead of as an actor; ``None`` reads the
+            config's ``in_driver`` (rule-based built-ins, see
+            :class:`~nemo_rl.config.env.RuleBasedEnvConfig`; false for a config without it).
     """
     env_cls = get_env_class(name)
+    section = _section(name, cfg)
+    if in_driver is None:
+        in_driver = bool(getattr(section, "in_driver", False))
+    if in_driver:
+        if actor_options:
+            raise ValueError(
+                f"create_env({name!r}, ...): actor_options {sorted(actor_options)} apply to an actor, and this "
+                "environment runs in the driver (in_driver); drop one of them"
+            )
+        # ray.remote keeps the class it wrapped: construct that one, not the actor class.
+        plain_cls: Callable[[Any], EnvironmentInterface[Any]] = (
+            env_cls.__ray_actor_class__  # type: ignore[attr-defined]  # set by ray.remote, not typed
+            if isinstance(env_cls, ActorClass)
+            else env_cls
+        )
+        return InDriverEnvironment(plain_cls(section))
     actor_cls = env_cls if isinstance(env_cls, ActorClass) else ray.remote(env_cls)
-    handle = actor_cls.options(**dict(actor_options or {})).remote(_section(name, cfg))
+    handle = actor_cls.options(**dict(actor_options or {})).remote(section)
     return cast(ActorHandle[Any], handle)
 
 
-def wait_envs_started(envs: Iterable[ActorHandle[Any]], timeout_s: float) -> None:
+def wait_envs_started(envs: Iterable[EnvHandle], timeout_s: float) -> None:
     """Wait until every environment actor has finished its constructor (at most ``timeout_s`` in all).
 
     Start the environments before the workers and wait here after them: their starts overlap. A constructor
-    that raised re-raises here (as Ray's ``ActorDiedError`` naming the environment's error).
+    that raised re-raises here (as Ray's ``ActorDiedError`` naming the environment's error). In-driver
+    environments were constructed by :func:`create_env` already.
     """
-    refs = [env.__ray_ready__.remote() for env in envs]
+    refs = [env.__ray_ready__.remote() for env in envs if not isinstance(env, InDriverEnvironment)]
     if refs:
         ray.get(refs, timeout=timeout_s)
 
 
-def stop_envs(envs: Iterable[ActorHandle[Any]], timeout_s: float) -> None:
+def stop_envs(envs: Iterable[EnvHandle], timeout_s: float) -> None:
     """Call each environment actor's ``shutdown`` (waiting at most ``timeout_s``), then kill it. An actor that
-    already died is only killed: the error that ended the run named it, and the others still get stopped."""
+    already died is only killed: the error that ended the run named it, and the others still get stopped.
+    An in-driver environment's ``shutdown`` is called directly."""
     for env in envs:
+        if isinstance(env, InDriverEnvironment):
+            env.env.shutdown()
+            continue
         with contextlib.suppress(RayActorError):
             ray.get(env.shutdown.remote(), timeout=timeout_s)
         ray.kill(env)

@@ -37,7 +37,6 @@ from typing import Any
 
 import ray
 import torch
-from ray.actor import ActorHandle
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.config.errors import UserError
@@ -48,7 +47,7 @@ from nemo_rl.data.collate_fn import rl_collate_fn
 from nemo_rl.data.datasets import ProcessedDataset
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster, init_ray
-from nemo_rl.environments.registry import create_env, registered_envs, stop_envs
+from nemo_rl.environments.registry import EnvHandle, create_env, registered_envs, stop_envs
 from nemo_rl.evals.metrics import CORRECT_REWARD, mean_and_stderr, metric_ks, problem_metrics, summarize
 from nemo_rl.experience.rollouts import run_multi_turn_rollout
 from nemo_rl.models.generation.factory import create_generation
@@ -153,7 +152,7 @@ class EvalSetup:
     model: ModelSource
     cluster: RayVirtualCluster
     generation: GenerationInterface
-    task_to_env: dict[str, ActorHandle[Any]]
+    task_to_env: dict[str, EnvHandle]
     logger: Logger
 
     def shutdown(self) -> None:

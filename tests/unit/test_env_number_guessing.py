@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import pickle
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,7 +23,15 @@ from nemo_rl.environments.games.number_guessing import (
     play_turn,
 )
 from nemo_rl.environments.interfaces import EnvironmentInterface, EnvironmentReturn, Message
-from nemo_rl.environments.registry import create_env, get_env_class, register_env, registered_envs
+from nemo_rl.environments.registry import (
+    InDriverEnvironment,
+    create_env,
+    get_env_class,
+    register_env,
+    registered_envs,
+    stop_envs,
+    wait_envs_started,
+)
 
 RAY_TIMEOUT_S = 120
 
@@ -166,3 +176,47 @@ def test_registry(ray_cluster: dict[str, float]) -> None:
     register_env("broken_path", "nemo_rl.environments.no_such_module:Env")
     with pytest.raises(ImportError, match="broken_path"):
         get_env_class("broken_path")
+
+
+class ShutdownProbe(EchoEnv):
+    """EchoEnv that records where it was built and whether it was shut down."""
+
+    def __init__(self, cfg: float | dict[str, float]) -> None:
+        super().__init__(cfg)
+        self.pid = os.getpid()
+        self.closed = False
+
+    def shutdown(self) -> None:
+        self.closed = True
+
+
+def test_in_driver_environments(ray_cluster: dict[str, float]) -> None:
+    # A rule-based built-in (wrapped with ray.remote) runs in this process when its section says so, behind the
+    # actor-handle surface the algorithms use.
+    env = create_env("number_guessing", EnvConfig(number_guessing=CFG.model_copy(update={"in_driver": True})))
+    assert isinstance(env, InDriverEnvironment)
+    assert type(env.env).__name__ == "NumberGuessingEnvironment" and not isinstance(
+        env.env, ray.actor.ActorHandle
+    )
+    wait_envs_started([env], timeout_s=RAY_TIMEOUT_S)
+    ret: EnvironmentReturn[Any] = get(env.step.remote([chat("4"), chat("5")], [new_game(4), new_game(8)]))
+    assert [o["content"] for o in ret.observations] == ["correct", "higher"]
+    assert ret.rewards.tolist() == [1.0, 0.0] and ret.terminateds.tolist() == [True, False]
+    # An error is raised by the call itself (there is no actor to hold it until ray.get).
+    with pytest.raises(ValueError):
+        env.step.remote([chat("4")], [new_game(4), new_game(8)])
+    with pytest.raises(TypeError, match="cannot leave the driver process"):
+        pickle.dumps(env)
+    stop_envs([env], timeout_s=RAY_TIMEOUT_S)
+
+    # Any registered environment can be asked for in the driver; the default stays an actor.
+    register_env("probe_test", ShutdownProbe, overwrite=True)
+    probe = create_env("probe_test", 0.5, in_driver=True)
+    assert isinstance(probe, InDriverEnvironment) and probe.env.pid == os.getpid()
+    assert get(probe.step.remote([[{"role": "assistant", "content": "abcd"}]], [{}])).rewards.tolist() == [
+        2.0
+    ]
+    stop_envs([probe], timeout_s=RAY_TIMEOUT_S)
+    assert probe.env.closed
+    with pytest.raises(ValueError, match="actor_options"):
+        create_env("probe_test", 0.5, in_driver=True, actor_options={"num_cpus": 1})
