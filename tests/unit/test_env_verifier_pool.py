@@ -103,10 +103,18 @@ def hungry_verify(response: str, ground_truth: str) -> tuple[float, str]:
 
 
 def test_pool_times_out_a_hanging_answer_and_keeps_working() -> None:
-    # Started on first use (as the math environment's pool): nothing runs until an answer arrives.
-    with VerifierPool(verify_math_answer, num_workers=2, timeout_s=2.0, start_on_first_use=True) as pool:
+    # Started on first use (as the math environment's pool): nothing runs until an answer arrives. As there,
+    # the fork server imports and warms up math-verify before it forks the verifier processes: a process that
+    # imported it on its first answer would spend that answer's 2 s limit doing so on a loaded machine.
+    with VerifierPool(
+        verify_math_answer,
+        num_workers=2,
+        timeout_s=2.0,
+        preload=["nemo_rl.environments.math_verifier_warm_up"],
+        start_on_first_use=True,
+    ) as pool:
         assert not pool.started and pool.verify([], []) == [] and not pool.started
-        pool.verify(["\\boxed{1}"], ["1"])  # warm up: the first start imports math-verify
+        pool.verify(["\\boxed{1}"], ["1"])
         assert pool.started
         start = time.monotonic()
         outcomes = pool.verify(
