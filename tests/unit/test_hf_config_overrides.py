@@ -3,6 +3,8 @@ the embedded engine's decoder and vLLM's engine arguments."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -56,3 +58,28 @@ def test_vllm_receives_them_as_hf_overrides() -> None:
     assert kwargs["hf_overrides"] == {"max_position_embeddings": 1024}
     assert "hf_overrides" in OWNED_ENGINE_ARGS
     assert "hf_overrides" not in engine_kwargs(PolicyConfig(model_name="m"), model="m", tokenizer="m", seed=0)
+
+
+# A fresh process: ``import transformers`` scans its model folder (one cache miss per subfolder), and
+# ``transformers.models`` (imported by ``AutoConfig``) scanned it a second time under another cache key.
+ONE_SCAN = """
+import sys
+import transformers
+from transformers.utils import import_utils
+from nemo_rl.models.hf_config import load_hf_config
+scan = import_utils.create_import_structure_from_path
+first = scan.cache_info().misses
+config = load_hf_config(sys.argv[1])
+print(type(config).__name__, first, scan.cache_info().misses - first)
+"""
+
+
+def test_a_worker_scans_the_transformers_model_folder_once() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", ONE_SCAN, str(TINY)], capture_output=True, text=True, timeout=120, check=True
+    ).stdout.split()
+    config_class, first, later = out[0], int(out[1]), int(out[2])
+    assert config_class == "Qwen2Config"
+    assert first > 400  # hundreds of model subfolders
+    # Only the Qwen2 package's own folder is scanned again, not the whole tree.
+    assert later < 10, (first, later)
