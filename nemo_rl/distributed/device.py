@@ -34,6 +34,23 @@ def configure_worker_threads() -> None:
     torch.set_num_threads(int(os.environ.get("NEMO_RL_TORCH_THREADS", "1")))
 
 
+DRIVER_TORCH_THREADS_ENV = "NEMO_RL_DRIVER_TORCH_THREADS"
+"""Environment variable with the driver process's intra-op thread count (default 1, see
+:func:`configure_driver_threads`)."""
+
+
+def configure_driver_threads() -> None:
+    """Give the driver process ``$NEMO_RL_DRIVER_TORCH_THREADS`` intra-op threads, 1 unless set.
+
+    The driver's tensor work is per-step bookkeeping on small tensors (advantages, flattening the rollout into
+    the training batch, rewards, metrics) while the workers keep every core busy. With torch's default of one
+    thread per core, each of those small operations starts a parallel region whose threads wait for cores the
+    workers hold: measured here with both cores busy, building a 64-row batch's token positions took 1.25 ms
+    with two threads and 0.14 ms with one. :func:`~nemo_rl.distributed.virtual_cluster.init_ray` calls this.
+    """
+    torch.set_num_threads(int(os.environ.get(DRIVER_TORCH_THREADS_ENV, "1")))
+
+
 def init_process_group_from_env(timeout_s: float = 600.0) -> None:
     """Join the default process group described by RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT.
 

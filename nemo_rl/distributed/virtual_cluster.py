@@ -191,9 +191,15 @@ def init_ray(cluster_cfg: ClusterConfig | None = None) -> None:
     ``cluster_cfg.world_size`` (0 without a config): worker processes use one thread each, so logical CPUs may
     outnumber cores. Ray's session files and logs go to ``$NEMO_RL_RAY_TEMP_DIR`` or a per-user temp dir.
 
-    After :func:`start_ray_in_background`, waits for that start instead and raises what it raised.
+    After :func:`start_ray_in_background`, waits for that start instead and raises what it raised. The
+    calling (driver) process is left with one torch intra-op thread (see
+    :func:`~nemo_rl.distributed.device.configure_driver_threads`).
     """
     global _background_start
+    # Imported here: this module stays free of torch so that Ray can start while the driver imports it.
+    from nemo_rl.distributed.device import configure_driver_threads
+
+    configure_driver_threads()
     if _background_start is not None:
         started, _background_start = _background_start, None
         started.done.wait()

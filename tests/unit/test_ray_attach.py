@@ -116,3 +116,24 @@ def test_a_background_start_is_waited_for_and_its_error_raised_on_the_callers_th
         signal.signal(signal.SIGTERM, previous_handler)
     assert calls == ["nemo-rl-ray-start"]
     assert virtual_cluster._background_start is None
+
+
+def test_the_driver_keeps_one_torch_thread_unless_told_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """init_ray leaves the driver one intra-op thread (its small per-step tensors would otherwise start parallel
+    regions waiting for cores the workers hold); NEMO_RL_DRIVER_TORCH_THREADS sets another count."""
+    import torch
+
+    monkeypatch.setattr(
+        virtual_cluster.ray, "is_initialized", lambda: True
+    )  # Ray already up: nothing started
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.delenv("NEMO_RL_DRIVER_TORCH_THREADS", raising=False)
+        init_ray()
+        assert torch.get_num_threads() == 1
+        monkeypatch.setenv("NEMO_RL_DRIVER_TORCH_THREADS", "2")
+        init_ray()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
