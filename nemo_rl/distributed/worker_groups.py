@@ -134,6 +134,8 @@ class RayWorkerGroup:
         self._dp_size = dp
         self._tp_size = world_size // dp
         self._ref_owners: dict[str, tuple[int, str]] = {}
+        # Calls made by run_all_workers_deferred that no wait has collected yet.
+        self._deferred: list[ray.ObjectRef] = []
         self._shut_down = False
         self.death_note: str | None = None
         """Added to every :class:`WorkerDiedError` of this group (e.g. the other roles its workers play)."""
@@ -229,6 +231,16 @@ class RayWorkerGroup:
         """Call ``method(*args, **kwargs)`` on every worker; one result ref per worker, in rank order."""
         return [self._call(rank, method, args, kwargs) for rank in range(self._world_size)]
 
+    def run_all_workers_deferred(self, method: str, *args: Any, **kwargs: Any) -> None:
+        """Call ``method(*args, **kwargs)`` on every worker without waiting for it.
+
+        For state changes a waited call follows (``prepare_for_training`` before ``train``): an actor runs one
+        caller's calls in the order they were made, so the workers finish this call before the next one this
+        process makes, and the next :meth:`get_all_worker_results` waits for it too and raises its errors.
+        That saves the driver one round trip to every worker per state change.
+        """
+        self._deferred.extend(self.run_all_workers_single_data(method, *args, **kwargs))
+
     def run_all_workers_sharded_data(
         self, method: str, data_shards: Sequence[Any], *args: Any, **kwargs: Any
     ) -> list[ray.ObjectRef]:
@@ -259,9 +271,11 @@ class RayWorkerGroup:
 
         The first failure is raised as soon as it arrives: a dead worker as :class:`WorkerDiedError`, an
         exception raised by a method as itself (Ray's ``RayTaskError`` subclassing the original type) with a note
-        naming the worker. Raises ``TimeoutError`` naming the workers still running after ``timeout_s``.
+        naming the worker. Raises ``TimeoutError`` naming the workers still running after ``timeout_s``. The
+        calls of :meth:`run_all_workers_deferred` made since the last wait are waited for first, in the same time.
         """
-        ref_list = list(refs)
+        deferred, self._deferred = self._deferred, []
+        ref_list = [*deferred, *refs]
         position = {ref.hex(): i for i, ref in enumerate(ref_list)}
         if len(position) != len(ref_list):
             raise ValueError(f"worker group {self.name!r}: get_all_worker_results got the same ref twice")
@@ -277,7 +291,7 @@ class RayWorkerGroup:
             ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
             for ref in ready:
                 results[position[ref.hex()]] = self._fetch(ref)
-        return results
+        return results[len(deferred) :]
 
     def get_dp_leader_results(self, refs: Sequence[ray.ObjectRef], timeout_s: float) -> list[Any]:
         """Wait for every worker's result, then return those of the dp leaders (first rank of each dp group).
@@ -330,6 +344,7 @@ class RayWorkerGroup:
             ray.kill(worker, no_restart=True)
         self.cluster.release_bundles(self.bundle_indices, self.name)
         self._ref_owners.clear()
+        self._deferred.clear()
 
     def _shut_down_cleanly(self, rank: int, ref: ray.ObjectRef) -> bool:
         """Whether rank ``rank``'s ``shutdown`` call returned (False: the worker was dead)."""
@@ -481,6 +496,11 @@ class WorkerGroupFacade:
         """``method(*args, **kwargs)`` on every worker (a collective call); the results in rank order."""
         refs = self.worker_group.run_all_workers_single_data(method, *args, **kwargs)
         return self.worker_group.get_all_worker_results(refs, self.call_timeout_s)
+
+    def _on_all_deferred(self, method: str) -> None:
+        """``method()`` on every worker, waited for with the next call that waits (see
+        :meth:`RayWorkerGroup.run_all_workers_deferred`)."""
+        self.worker_group.run_all_workers_deferred(method)
 
     def _on_rank_0(self, method: str, *args: Any) -> Any:
         """``method(*args)`` on worker 0 only (a query every worker would answer alike)."""

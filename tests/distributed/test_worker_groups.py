@@ -51,6 +51,13 @@ class EchoWorker:
         if fail_in_init_rank == int(os.environ["RANK"]):
             raise RuntimeError("init failed on purpose")
         self.marker_dir = marker_dir
+        self.log: list[str] = []
+
+    def record(self, entry: str) -> None:
+        self.log.append(entry)
+
+    def records(self) -> list[str]:
+        return list(self.log)
 
     def env(self) -> dict[str, str | None]:
         return {key: os.environ.get(key) for key in ENV_KEYS}
@@ -145,6 +152,23 @@ def test_method_error_names_the_worker(policy_group: RayWorkerGroup) -> None:
     with pytest.raises(ValueError, match="method failed on purpose") as excinfo:
         policy_group.get_all_worker_results([policy_group.run_single_worker("fail", 1)], TIMEOUT_S)
     assert "raised in rank 1, method 'fail' of worker group 'policy'" in excinfo.value.__notes__
+
+
+def test_deferred_calls_run_first_and_fail_at_the_next_wait(policy_group: RayWorkerGroup) -> None:
+    """run_all_workers_deferred does not wait, but the workers run the call before the next one, and the next
+    wait raises its error (once)."""
+    before = policy_group.get_all_worker_results(
+        policy_group.run_all_workers_single_data("records"), TIMEOUT_S
+    )
+    policy_group.run_all_workers_deferred("record", "deferred")
+    policy_group.run_all_workers_deferred("sleep", 0.2)
+    refs = policy_group.run_all_workers_single_data("records")
+    assert policy_group.get_all_worker_results(refs, TIMEOUT_S) == [[*log, "deferred"] for log in before]
+    policy_group.run_all_workers_deferred("fail")
+    with pytest.raises(ValueError, match="method failed on purpose"):
+        policy_group.get_all_worker_results([policy_group.run_single_worker("records", 0)], TIMEOUT_S)
+    # Collected by that wait: the next one does not raise it again.
+    assert policy_group.get_all_worker_results([policy_group.run_single_worker("env", 1)], TIMEOUT_S)
 
 
 def test_timeout_names_pending_workers(policy_group: RayWorkerGroup) -> None:

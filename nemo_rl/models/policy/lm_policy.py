@@ -252,12 +252,14 @@ class Policy(WorkerGroupFacade):
         self._on_all("export_hf", path)
 
     def prepare_for_training(self) -> None:
-        """Weights and optimizer state onto the devices; training mode."""
-        self._on_all("prepare_for_training")
+        """Weights and optimizer state onto the devices; training mode. Not waited for: the workers run it
+        before the next call (``train``), whose wait also raises its errors."""
+        self._on_all_deferred("prepare_for_training")
 
     def prepare_for_lp_inference(self) -> None:
-        """Weights onto the devices, optimizer state to the host; inference mode."""
-        self._on_all("prepare_for_lp_inference")
+        """Weights onto the devices, optimizer state to the host; inference mode. Not waited for, as
+        :meth:`prepare_for_training`."""
+        self._on_all_deferred("prepare_for_lp_inference")
 
     def offload_before_refit(self) -> None:
         """Optimizer state to the host before the weights are sent to generation."""

@@ -89,8 +89,9 @@ class InPolicyEmbeddedGeneration(SeededReplicas):
             self._on_all("prepare_for_generation")
 
     def finish_generation(self) -> None:
-        """Drop the engines' KV caches (and offload their weights on CUDA) so training gets the memory."""
-        self._on_all("finish_generation")
+        """Drop the engines' KV caches (and offload their weights on CUDA) so training gets the memory. Not
+        waited for: the policy workers run it before the next call made on them (the training step)."""
+        self.policy.worker_group.run_all_workers_deferred("finish_generation")
 
     def shutdown(self) -> None:
         """Nothing to stop: the replicas live in the policy's workers and go with ``Policy.shutdown``."""
