@@ -23,12 +23,12 @@ Then, from the repository root::
         [--shapes 64x32 512x24] [--threads 1 2] [--steps 8] [--warmup 2] [--rounds 1] [--json-out results.json]
 
 For each shape and thread count, TRL runs first and this project second (``examples/run_grpo_math.py`` in a
-subprocess, the path a user takes); each side takes ``--warmup`` steps that are not timed and then
+subprocess, the path a user takes; with ``--rounds``, odd rounds run this project first); each side takes ``--warmup`` steps that are not timed and then
 ``--steps`` timed ones. Printed: the median step time of each side, the ratio (this project / TRL), each
 side's median phase breakdown, the time from process start to the end of the first step, and the
 agreement checks: the same prompt token ids on both sides, the mean generated tokens per sample, and the
 reward over the first and second half of the steps (with its standard error). With ``--rounds R`` every
-comparison runs R times (TRL then this project, back to back, each time) and a summary lists each round's
+comparison runs R times (both sides back to back each time, the order alternating between rounds) and a summary lists each round's
 ratio and first-step time with their median and worst: on a small machine two-thread step times move by a
 third between back-to-back runs, so one round's ratio says little about how reliably a target is met.
 
@@ -343,7 +343,8 @@ def run_pair(
     layout: str = "dp",
     round_index: int = 0,
 ) -> dict[str, Any]:
-    """Run TRL, then this project, on one shape and thread count; print and return the comparison."""
+    """Run TRL and this project back to back on one shape and thread count (this project first in odd
+    rounds); print and return the comparison."""
     num_prompts, group, new_tokens = parse_shape(shape)
     num_steps = warmup + steps
     prompts = _our_prompts(num_prompts * num_steps)
@@ -363,26 +364,42 @@ def run_pair(
     spec_file = case_dir / "trl_spec.json"
     spec_file.write_text(json.dumps(spec))
     result_file = case_dir / "trl_result.json"
-    start = time.time()
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
-    with open(case_dir / "trl" / "run.log", "w") as log:
-        done = subprocess.run(
-            [trl_python, __file__, "--side", str(spec_file), str(result_file)],
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-    if done.returncode != 0:
-        raise SystemExit(f"the TRL side failed (exit {done.returncode}); see {case_dir / 'trl' / 'run.log'}")
-    trl_result = json.loads(result_file.read_text())
-    trl_result["start"] = start
-    if layout == "threads":
-        ours = run_our_side(
-            num_prompts, group, new_tokens, 1, num_steps, case_dir / "ours", torch_threads=threads
-        )
+
+    def run_trl() -> dict[str, Any]:
+        start = time.time()
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+        with open(case_dir / "trl" / "run.log", "w") as log:
+            done = subprocess.run(
+                [trl_python, __file__, "--side", str(spec_file), str(result_file)],
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+        if done.returncode != 0:
+            raise SystemExit(
+                f"the TRL side failed (exit {done.returncode}); see {case_dir / 'trl' / 'run.log'}"
+            )
+        result: dict[str, Any] = json.loads(result_file.read_text())
+        result["start"] = start
+        return result
+
+    def run_ours() -> dict[str, Any]:
+        if layout == "threads":
+            return run_our_side(
+                num_prompts, group, new_tokens, 1, num_steps, case_dir / "ours", torch_threads=threads
+            )
+        return run_our_side(num_prompts, group, new_tokens, threads, num_steps, case_dir / "ours")
+
+    # Odd rounds run this project first: a machine whose speed drifts over a minute (a burst after idle, a
+    # neighbour starting) then favours neither side systematically across rounds.
+    ours_first = round_index % 2 == 1
+    if ours_first:
+        ours = run_ours()
+        trl_result = run_trl()
     else:
-        ours = run_our_side(num_prompts, group, new_tokens, threads, num_steps, case_dir / "ours")
+        trl_result = run_trl()
+        ours = run_ours()
 
     # Agreement: TRL saw the prompts this project's loader yields, step by step, in order.
     expected = [
@@ -399,6 +416,7 @@ def run_pair(
         "shape": shape,
         "threads": threads,
         "round": round_index,
+        "first_side": "nemo_rl" if ours_first else "trl",
         "ours_layout": f"DP=1, {threads} torch threads"
         if layout == "threads"
         else f"DP={threads}, 1 thread each",
@@ -424,7 +442,7 @@ def run_pair(
     }
     print(
         f"\n== {shape} ({num_prompts} prompts x {group} samples, {new_tokens} new tokens), {threads} thread(s); "
-        f"nemo_rl {report['ours_layout']}; round {round_index + 1}"
+        f"nemo_rl {report['ours_layout']}; round {round_index + 1} ({report['first_side']} first)"
     )
     print(
         f"median step: TRL {median['trl']:.3f} s, nemo_rl {median['ours']:.3f} s, "
