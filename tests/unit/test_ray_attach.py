@@ -135,5 +135,8 @@ def test_the_driver_keeps_one_torch_thread_unless_told_otherwise(monkeypatch: py
         monkeypatch.setenv("NEMO_RL_DRIVER_TORCH_THREADS", "2")
         init_ray()
         assert torch.get_num_threads() == 2
+        monkeypatch.setenv("NEMO_RL_DRIVER_TORCH_THREADS", "two")
+        with pytest.raises(UserError, match=r"NEMO_RL_DRIVER_TORCH_THREADS='two': give a whole number"):
+            init_ray()
     finally:
         torch.set_num_threads(before)
