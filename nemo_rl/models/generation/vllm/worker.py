@@ -112,6 +112,9 @@ class VllmGenerationWorker:
         self._manifest = hf_weights_manifest(hf_config, self._dtype, trust_remote_code=cfg.trust_remote_code)
         # Pools (vLLM sleep-mode tags) currently released; the engine starts awake.
         self._asleep: set[str] = set()
+        # Whether finish_generation puts the engine to sleep: colocated, on a platform with sleep mode
+        # (vLLM's CPU platform has none; its engine stays resident next to the policy). Set by _start_engine.
+        self._sleeps = False
         self._sampling_params_cls: Any = None
         self.llm: Any = self._start_engine(seed)
         logger.info(
@@ -135,12 +138,15 @@ class VllmGenerationWorker:
             init_process_group_from_env()
         import vllm
         from vllm.engine.arg_utils import EngineArgs
+        from vllm.platforms import current_platform
 
         self._sampling_params_cls = vllm.SamplingParams
         check_engine_arg_names(self.cfg.generation.vllm_kwargs, engine_arg_names(EngineArgs, vllm.LLM))
+        cpu = current_platform.is_cpu()
+        self._sleeps = self.colocated and not cpu
         tokenizer_source = self.cfg.tokenizer.name or self.model_source
         return vllm.LLM(
-            **engine_kwargs(self.cfg, model=self.model_source, tokenizer=tokenizer_source, seed=seed)
+            **engine_kwargs(self.cfg, model=self.model_source, tokenizer=tokenizer_source, seed=seed, cpu=cpu)
         )
 
     # ---------------------------------------------------------------------------------------- generate
@@ -204,9 +210,9 @@ class VllmGenerationWorker:
         self._wake({WEIGHTS_TAG, KV_CACHE_TAG})
 
     def finish_generation(self) -> None:
-        """Colocated: hand the GPU to the policy (weights offloaded to host memory, KV cache dropped).
-        A non-colocated engine keeps its GPU."""
-        if self.colocated and not self._asleep:
+        """Colocated on a GPU: hand the GPU to the policy (weights offloaded to host memory, KV cache
+        dropped). A non-colocated engine keeps its GPU; a CPU engine (no sleep mode) stays resident."""
+        if self._sleeps and not self._asleep:
             self.llm.sleep(level=1)
             self._asleep = {WEIGHTS_TAG, KV_CACHE_TAG}
 
