@@ -20,6 +20,11 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+# Before Ray is imported (it reads this once): under `uv run pytest`, Ray's uv hook would start every worker
+# with `uv run` in an uploaded copy of the checkout, building another environment there (nemo_rl/__init__.py
+# sets the same default, but this file imports Ray first).
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+
 import pytest
 import ray
 import torch

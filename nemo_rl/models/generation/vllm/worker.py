@@ -52,6 +52,7 @@ from nemo_rl.models.generation.vllm.convert import (
     sampling_params_for_rows,
     worker_env,
 )
+from nemo_rl.models.generation.vllm.worker_extension import keep_cpu_linear_weights_in_place
 from nemo_rl.models.hf_config import load_hf_config
 from nemo_rl.models.tokenizer import require_pad_token_id
 from nemo_rl.weight_sync.interfaces import TransferStats, WeightReceiver
@@ -144,6 +145,8 @@ class VllmGenerationWorker:
         check_engine_arg_names(self.cfg.generation.vllm_kwargs, engine_arg_names(EngineArgs, vllm.LLM))
         cpu = current_platform.is_cpu()
         self._sleeps = self.colocated and not cpu
+        if cpu:
+            keep_cpu_linear_weights_in_place()
         tokenizer_source = self.cfg.tokenizer.name or self.model_source
         return vllm.LLM(
             **engine_kwargs(self.cfg, model=self.model_source, tokenizer=tokenizer_source, seed=seed, cpu=cpu)

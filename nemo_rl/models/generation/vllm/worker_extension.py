@@ -67,6 +67,33 @@ def check_all_loaded(expected: set[str], reported: set[str] | None, where: str) 
         )
 
 
+def keep_cpu_linear_weights_in_place() -> None:
+    """On vLLM's CPU platform, run 2-D linear layers on their own weight parameters (call before the engine).
+
+    vLLM's CPU build packs each linear weight into a kernel-private buffer after loading (oneDNN or SGL
+    kernels) and empties the parameter. Its in-place reload then writes new values that those kernels never
+    read: a refitted CPU engine would keep generating from its first weights. Routing 2-D linear layers
+    through ``torch.nn.functional.linear`` on ``layer.weight`` keeps the parameters the kernels use, so a
+    reload updates what generation reads. Other layers (MoE expert tensors, convolutions) keep vLLM's dispatch.
+    """
+    from vllm.model_executor.layers import utils as layer_utils
+
+    packing_dispatch = layer_utils.dispatch_cpu_unquantized_gemm
+    if getattr(packing_dispatch, "nemo_rl_in_place", False):
+        return
+
+    def dispatch_in_place(layer: torch.nn.Module, remove_weight: bool) -> None:
+        weight = getattr(layer, "weight", None)
+        if weight is None or weight.is_meta or weight.ndim != 2:
+            packing_dispatch(layer, remove_weight)
+            return
+        layer.cpu_linear = torch.nn.functional.linear  # called as (x, layer.weight, bias)
+
+    dispatch_in_place.nemo_rl_in_place = True  # type: ignore[attr-defined]
+    # linear.py and vocab_parallel_embedding.py import the dispatch from this module at each call.
+    layer_utils.dispatch_cpu_unquantized_gemm = dispatch_in_place
+
+
 class VllmWorkerExtension:
     """Refit hook mixed into vLLM's GPU worker (see the module docstring)."""
 

