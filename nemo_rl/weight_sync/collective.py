@@ -2,12 +2,17 @@
 
 For each stream (one per pipeline stage of the policy), the stream's first policy rank and every generation
 worker form a *dedicated* process group, built directly from the refit store (``ProcessGroupGloo`` on CPU,
-``ProcessGroupNCCL`` when every member has a GPU). It never goes through ``torch.distributed.init_process_group``,
+``ProcessGroupNCCL`` when every member has a GPU of its own). It never goes through ``torch.distributed.init_process_group``,
 so the policy's default (training) group is untouched, and it is built once per transport and reused by
 every refit. The stream's root broadcasts each bucket as a small header (length, then JSON) followed by the
 flat payload; it packs the next bucket into a second buffer while the current payload is in flight, and
 receivers load one bucket while the next arrives (double buffering). Receivers take the streams one after
 the other. The other policy ranks only take part in gathering the weights.
+
+Members announce their device through the store before the group is built. NCCL refuses two ranks on one
+GPU ("Duplicate GPU detected"), which is what a colocated layout gives when its refit goes through this
+transport (forced, or picked by ``auto`` when shared memory cannot serve every generation node): when two
+members name the same GPU UUID the group is built on gloo instead (:func:`choose_group_backend`).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import Literal, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -77,10 +82,9 @@ class RefitGroup:
         store = connect_store(spec.store, spec.timeout_s)
         store.set_timeout(datetime.timedelta(seconds=spec.timeout_s))
         group_store = dist.PrefixStore(f"refit_group/{spec.name}/", store)
-        # NCCL only when every member has a GPU; one CPU-only member puts the whole group on gloo.
-        group_store.set(f"backend/{rank}", "nccl" if cuda_available() else "gloo")
-        backends = {group_store.get(f"backend/{r}").decode() for r in range(spec.world_size)}
-        self.backend = "nccl" if backends == {"nccl"} else "gloo"
+        group_store.set(f"device/{rank}", local_device_key())
+        keys = [group_store.get(f"device/{r}").decode() for r in range(spec.world_size)]
+        self.backend = choose_group_backend(keys)
         timeout = datetime.timedelta(seconds=spec.timeout_s)
         pg_store = dist.PrefixStore("pg/", group_store)
         self.pg: _Broadcaster
@@ -122,6 +126,31 @@ class RefitGroup:
             payload = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
         self.broadcast(payload).wait()
         return message if message is not None else decode_message(payload.cpu().numpy().tobytes())
+
+
+_CPU_DEVICE_KEY = "cpu"
+
+
+def local_device_key() -> str:
+    """What this process announces to its refit group: ``cuda:<GPU UUID>`` for the GPU it computes on,
+    or ``cpu`` without CUDA."""
+    if not cuda_available():
+        return _CPU_DEVICE_KEY
+    return f"cuda:{torch.cuda.get_device_properties(get_device()).uuid}"
+
+
+def choose_group_backend(device_keys: Sequence[str]) -> Literal["nccl", "gloo"]:
+    """The refit group's backend from its members' :func:`local_device_key` values, in rank order.
+
+    NCCL only when every member has a GPU and no two members share one: one CPU-only member, or two ranks
+    on the same GPU (NCCL fails with "Duplicate GPU detected"), put the whole group on gloo, which moves the
+    payload through host memory.
+    """
+    if any(key == _CPU_DEVICE_KEY for key in device_keys):
+        return "gloo"
+    if len(set(device_keys)) < len(device_keys):
+        return "gloo"
+    return "nccl"
 
 
 _groups: dict[tuple[str, int, int, int], RefitGroup] = {}

@@ -336,6 +336,36 @@ def test_factory_picks_the_transport_from_placement_and_config() -> None:
         transport.shutdown()
 
 
+@pytest.mark.parametrize(
+    ("device_keys", "backend"),
+    [
+        (["cuda:GPU-aaaa", "cuda:GPU-bbbb", "cuda:GPU-cccc"], "nccl"),
+        # Colocated: the policy root and a generation worker on one GPU; NCCL would refuse the group.
+        (["cuda:GPU-aaaa", "cuda:GPU-aaaa"], "gloo"),
+        (["cuda:GPU-aaaa", "cuda:GPU-bbbb", "cuda:GPU-aaaa"], "gloo"),
+        (["cuda:GPU-aaaa", "cpu"], "gloo"),
+        (["cpu", "cpu"], "gloo"),
+    ],
+)
+def test_refit_group_uses_nccl_only_with_one_gpu_per_member(device_keys: list[str], backend: str) -> None:
+    assert collective_module.choose_group_backend(device_keys) == backend
+
+
+def test_refit_group_of_two_ranks_on_one_gpu_is_built_on_gloo(workers: Workers, monkeypatch) -> None:
+    """Members exchange their GPU UUIDs through the refit store; a shared GPU puts the group on gloo."""
+    monkeypatch.setattr(collective_module, "local_device_key", lambda: "cuda:GPU-0000-shared")
+    transport = _make_transport("collective", 1, 1, torch.float32)
+    weights = _weights()
+    manifest = WeightManifest.from_named_tensors(weights.items(), torch.float32)
+    sinks = [Sink()]
+    _refit(workers, transport, weights, manifest, sinks)
+    assert all(torch.equal(sinks[0].tensors[name], tensor) for name, tensor in weights.items())
+    spec = transport.endpoints("r1")[1][0].groups[0]  # type: ignore[attr-defined]
+    backends = workers.run([lambda r=r: collective_module.connect_group(spec, r).backend for r in (0, 1)])
+    assert backends == ["gloo", "gloo"]
+    transport.shutdown()
+
+
 def test_driver_abort_wakes_waiting_shm_endpoints_and_unlinks(workers: Workers) -> None:
     """A dead peer never acknowledges or announces: the driver's abort must wake the survivors."""
     weights = _weights()
