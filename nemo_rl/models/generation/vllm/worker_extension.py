@@ -87,7 +87,8 @@ def keep_cpu_linear_weights_in_place() -> None:
         if weight is None or weight.is_meta or weight.ndim != 2:
             packing_dispatch(layer, remove_weight)
             return
-        layer.cpu_linear = torch.nn.functional.linear  # called as (x, layer.weight, bias)
+        # Called as (x, layer.weight, bias). setattr: nn.Module's attribute typing admits tensors and modules.
+        setattr(layer, "cpu_linear", torch.nn.functional.linear)  # noqa: B010
 
     dispatch_in_place.nemo_rl_in_place = True  # type: ignore[attr-defined]
     # linear.py and vocab_parallel_embedding.py import the dispatch from this module at each call.
