@@ -382,6 +382,5 @@ def distillation_train(s: DistillationSetup) -> dict[str, float]:
     )
     for batch in loop:
         metrics = distillation_step(s, batch, loop.timer)
-        num_tokens = metrics["mean_conversation_tokens"] * batch.size * cfg.num_generations_per_prompt
-        loop.end_step(metrics, num_tokens=num_tokens)
+        loop.end_step(metrics, num_tokens=metrics["mean_conversation_tokens"] * cfg.samples_per_step)
     return metrics

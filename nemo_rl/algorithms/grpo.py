@@ -161,7 +161,7 @@ def placement(policy: PolicyConfig, cluster: ClusterConfig) -> tuple[list[int], 
 
 
 def _check_batch_sizes(config: GRPOMasterConfig) -> None:
-    samples = config.grpo.num_prompts_per_step * config.grpo.num_generations_per_prompt
+    samples = config.grpo.samples_per_step
     if samples % config.policy.train_global_batch_size != 0:
         raise UserError(
             f"grpo.num_prompts_per_step x grpo.num_generations_per_prompt = {samples} responses per step must "
@@ -319,7 +319,7 @@ def prev_logprobs_from_training_forward(config: GRPOMasterConfig, policy: Policy
     """Whether the training forward itself gives the previous policy's log-probs, so no separate scoring pass
     is needed: one optimizer step per batch (all of its forward passes run on the weights the batch would be
     scored with) and a training forward equal to the scoring one (no dropout)."""
-    samples = config.grpo.num_prompts_per_step * config.grpo.num_generations_per_prompt
+    samples = config.grpo.samples_per_step
     if samples != config.policy.train_global_batch_size:
         return False
     # The started policy answers from its workers; without one the driver loads the model's config itself.
@@ -547,7 +547,7 @@ def grpo_step(
                 batch,
                 next_batch,
                 lambda b: _roll_out_and_wait(s, b, timer),
-                num_samples=cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt,
+                num_samples=cfg.grpo.samples_per_step,
                 group_size=cfg.grpo.num_generations_per_prompt,
                 max_gen_batches=cfg.grpo.dynamic_sampling_max_gen_batches,
             )
@@ -614,10 +614,5 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
     )
     for batch in loop:
         metrics = grpo_step(s, batch, loop.timer, next_batch=lambda: next(batches))
-        num_tokens = (
-            metrics["mean_conversation_tokens"]
-            * cfg.grpo.num_prompts_per_step
-            * cfg.grpo.num_generations_per_prompt
-        )
-        loop.end_step(metrics, num_tokens=num_tokens)
+        loop.end_step(metrics, num_tokens=metrics["mean_conversation_tokens"] * cfg.grpo.samples_per_step)
     return metrics

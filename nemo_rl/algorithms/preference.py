@@ -30,7 +30,7 @@ from nemo_rl.algorithms.loop import (
 )
 from nemo_rl.config.algorithms import DPOConfig, RMConfig
 from nemo_rl.config.loader import save_config
-from nemo_rl.config.master import DPOMasterConfig, RMMasterConfig
+from nemo_rl.config.master import PreferenceMasterConfig
 from nemo_rl.data.collate_fn import make_preference_collate_fn
 from nemo_rl.data.dataloader import StatefulDataLoader
 from nemo_rl.data.datasets import ProcessedDataset
@@ -69,7 +69,7 @@ class PreferenceState:
 class PreferenceRun:
     """Everything a DPO or reward-model loop needs, built by :func:`setup_preference_run`."""
 
-    config: DPOMasterConfig | RMMasterConfig
+    config: PreferenceMasterConfig
     loop_cfg: DPOConfig | RMConfig
     """The algorithm's own section (``dpo`` or ``rm``)."""
     tokenizer: PreTrainedTokenizerBase
@@ -90,7 +90,7 @@ class PreferenceRun:
 
 
 def setup_preference_run(
-    config: DPOMasterConfig | RMMasterConfig,
+    config: PreferenceMasterConfig,
     loop_cfg: DPOConfig | RMConfig,
     tokenizer: PreTrainedTokenizerBase,
     train_dataset: ProcessedDataset,
