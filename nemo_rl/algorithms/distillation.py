@@ -28,18 +28,17 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from nemo_rl.algorithms.grpo import environment_metrics, placement, tasks_to_start, validation_rollouts
-from nemo_rl.algorithms.loop import (
-    TrainLoop,
-    check_run_setup,
-    find_resume,
-    save_training_checkpoint,
-    step_budget,
-    train_metrics,
-)
+from nemo_rl.algorithms.loop import TrainLoop, save_training_checkpoint, step_budget, train_metrics
 from nemo_rl.algorithms.loss_functions import DistillationLossFn
+from nemo_rl.algorithms.rl_startup import (
+    RLWorkers,
+    ScoringPolicy,
+    placement,
+    start_rl_workers,
+    tasks_to_start,
+)
+from nemo_rl.algorithms.run_setup import make_train_loader, open_run, start_logger
 from nemo_rl.config.errors import UserError
-from nemo_rl.config.loader import save_config
 from nemo_rl.config.master import DistillationMasterConfig
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.data.collate_fn import rl_collate_fn
@@ -47,31 +46,19 @@ from nemo_rl.data.dataloader import StatefulDataLoader
 from nemo_rl.data.datasets import ProcessedDataset, dataset_task_names
 from nemo_rl.data.llm_message_utils import message_logs_to_batch
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.distributed.virtual_cluster import RayVirtualCluster, init_ray
-from nemo_rl.distributed.worker_groups import start_together
-from nemo_rl.environments.registry import create_task_envs, stop_envs
 from nemo_rl.experience.rollouts import run_multi_turn_rollout
-from nemo_rl.models.generation.embedded.in_policy import InPolicyEmbeddedGeneration
-from nemo_rl.models.generation.factory import (
-    create_generation,
-    create_policy_refit_transport,
-    refit_from_policy,
-)
-from nemo_rl.models.generation.interfaces import GenerationInterface
+from nemo_rl.experience.validation import environment_metrics, validation_rollouts
 from nemo_rl.models.hf_config import load_hf_config
 from nemo_rl.models.policy.lm_policy import Policy, check_policy_layout
 from nemo_rl.models.tokenizer import get_policy_tokenizer
 from nemo_rl.utils.checkpoint import CheckpointManager
 from nemo_rl.utils.logger import Logger
 from nemo_rl.utils.timer import Timer
-from nemo_rl.weight_sync.interfaces import RefitTransport
 
 MasterConfig = DistillationMasterConfig
 """The config of a distillation run, under NeMo RL's name."""
 
 _TRAIN_ROLES = ("assistant",)
-# Longest wait for an environment actor's shutdown.
-_ENV_TIMEOUT_S = 600.0
 
 
 @dataclasses.dataclass
@@ -88,41 +75,29 @@ class DistillationState:
     """Latest validation accuracy of the student."""
 
 
-@dataclasses.dataclass
-class DistillationSetup:
-    """Everything ``distillation_train`` needs, built by ``setup``."""
+@dataclasses.dataclass(kw_only=True)
+class DistillationSetup(RLWorkers):
+    """Everything ``distillation_train`` needs, built by ``setup``: the workers (see :class:`RLWorkers`; the
+    trained ``policy`` is the student and ``scorers`` holds the teacher) and these."""
 
     config: DistillationMasterConfig
     tokenizer: PreTrainedTokenizerBase
-    cluster: RayVirtualCluster
-    student: Policy
-    teacher: Policy
-    generation: GenerationInterface
-    """The student's generation workers."""
-    refit_transport: RefitTransport | None
-    """``None`` when the generation engines live in the student's workers (an in-process refit)."""
     train_loader: StatefulDataLoader[Any, BatchedDataDict[Any]]
     val_dataset: ProcessedDataset | None
     loss_fn: DistillationLossFn
-    task_to_env: dict[str, Any]
-    val_task_to_env: dict[str, Any]
     logger: Logger
     checkpointer: CheckpointManager
     state: DistillationState
-    owned_envs: list[Any] = dataclasses.field(default_factory=list)
-    """Environment actors ``setup`` started (and ``shutdown`` stops); those passed in stay the caller's."""
-    generation_stale: bool = True
+
+    @property
+    def teacher(self) -> Policy:
+        """The frozen teacher that scores the student's samples."""
+        return self.scorers[0]
 
     def shutdown(self) -> None:
         """Stop the workers and the environments ``setup`` started, flush the loggers, release the slots."""
         self.logger.close()
-        self.generation.shutdown()
-        self.teacher.shutdown()
-        self.student.shutdown()
-        if self.refit_transport is not None:
-            self.refit_transport.shutdown()
-        stop_envs(self.owned_envs, _ENV_TIMEOUT_S)
-        self.cluster.shutdown()
+        self.shutdown_workers()
 
 
 def check_teacher_matches_student(
@@ -172,113 +147,59 @@ def setup(
     """
     cfg = config.distillation
     # Input checks that need no workers, before Ray starts.
-    policy_bundles, generation_bundles = placement(config.policy, config.cluster)
-    check_run_setup(
-        config.policy,
-        config.checkpointing,
-        config.logger.log_dir,
-        policy_world_size=len(policy_bundles),
+    policy_world_size = len(placement(config.policy, config.cluster)[0])
+    check_policy_layout(config.teacher, policy_world_size)
+    check_teacher_matches_student(config.policy, config.teacher, tokenizer, cfg.topk_logits_k)
+    envs_to_start = tasks_to_start(
+        config.env,
+        dataset_task_names(train_dataset),
+        dataset_task_names(val_dataset),
+        task_to_env,
+        val_task_to_env,
+    )
+    run = open_run(
+        config,
+        DistillationState,
         run_name="distillation",
         metric_names={"val_accuracy", "validation/accuracy", "val:accuracy"},
+        policy_world_size=policy_world_size,
     )
-    check_policy_layout(config.teacher, len(policy_bundles))
-    check_teacher_matches_student(config.policy, config.teacher, tokenizer, cfg.topk_logits_k)
-    train_tasks = dataset_task_names(train_dataset)
-    val_tasks = dataset_task_names(val_dataset)
-    to_start = tasks_to_start(config.env, train_tasks, val_tasks, task_to_env, val_task_to_env)
-    checkpointer = CheckpointManager(config.checkpointing)
-    resume = find_resume(checkpointer, "distillation", config)
-    state = resume.state(DistillationState)
-
-    train_loader: StatefulDataLoader[Any, BatchedDataDict[Any]] = StatefulDataLoader(
+    train_loader = make_train_loader(
         train_dataset,
+        run.resume,
         batch_size=cfg.num_prompts_per_step,
         shuffle=config.data.shuffle,
         seed=cfg.seed,
-        drop_last=True,
         collate_fn=rl_collate_fn,
     )
-    resume.restore_loader(train_loader)
-
-    init_ray(config.cluster)
-    # Student, teacher and (colocated) generation share each slot and take turns on it.
-    cluster = RayVirtualCluster(config.cluster, name="distillation", max_colocated_worker_groups=3)
-    # vLLM first, asleep before the policies load (it needs its GPU memory share free to start); the
-    # embedded engine's workers start together with the student's and the teacher's (see grpo.setup).
-    colocated = config.policy.generation.colocated.enabled
-    together = config.policy.generation.backend != "vllm"
-    in_policy = config.policy.generation.embedded_cfg.in_policy_workers
-    generation: GenerationInterface
-    with start_together(enabled=together):
-        if not in_policy:
-            generation = create_generation(
-                cluster, config.policy, tokenizer, seed=cfg.seed, bundle_indices=generation_bundles
-            )
-            if colocated and not together:
-                generation.finish_generation()
-        student = Policy(
-            cluster,
-            config.policy,
-            bundle_indices=policy_bundles,
-            init_reference_model=False,
-            weights_path=resume.weights_path,
-            optimizer_path=resume.optimizer_path,
-        )
-        teacher = Policy(
-            cluster,
-            config.teacher,
-            name_prefix="teacher",
-            bundle_indices=policy_bundles,
-            init_reference_model=False,
-        )
-    if in_policy:
-        generation = InPolicyEmbeddedGeneration(student, tokenizer, seed=cfg.seed)
-    if colocated and together:
-        generation.finish_generation()
-    # The per-call sampling seeds continue where the checkpoint left them.
-    checkpointer.track("generation", generation)
-    teacher.offload_after_refit()
-    refit_transport = create_policy_refit_transport(
-        cluster,
-        config.policy,
-        student,
-        generation,
-        policy_bundles=policy_bundles,
-        generation_bundles=generation_bundles,
+    workers = start_rl_workers(
+        config,
+        tokenizer,
+        run.checkpointer,
+        run.resume,
+        name="distillation",
+        seed=cfg.seed,
+        envs_to_start=envs_to_start,
+        task_to_env=task_to_env,
+        val_task_to_env=val_task_to_env,
+        scorers=[ScoringPolicy(config.teacher, name_prefix="teacher")],
     )
-    started = create_task_envs(to_start, config.env)
-    task_to_env = started if task_to_env is None else task_to_env
-    val_task_to_env = task_to_env if val_task_to_env is None else val_task_to_env
-    logger = Logger(config.logger)
-    logger.log_hyperparams(config.model_dump(mode="json"))
-    save_config(config, config.logger.log_dir)
     return DistillationSetup(
+        **workers.worker_fields(),
         config=config,
         tokenizer=tokenizer,
-        cluster=cluster,
-        student=student,
-        teacher=teacher,
-        generation=generation,
-        refit_transport=refit_transport,
         train_loader=train_loader,
         val_dataset=val_dataset,
         loss_fn=DistillationLossFn(config.loss_fn),
-        task_to_env=dict(task_to_env),
-        val_task_to_env=dict(val_task_to_env),
-        logger=logger,
-        checkpointer=checkpointer,
-        state=state,
-        owned_envs=list(started.values()),
+        logger=start_logger(config),
+        checkpointer=run.checkpointer,
+        state=run.state,
     )
 
 
 def refit_generation(s: DistillationSetup) -> dict[str, float]:
     """Copy the student's current weights into its generation workers."""
-    metrics = refit_from_policy(
-        s.student, s.generation, s.refit_transport, timeout_s=s.config.policy.refit.timeout_s
-    )
-    s.generation_stale = False
-    return metrics
+    return s.refit_generation(s.config.policy.refit.timeout_s)
 
 
 def validate(s: DistillationSetup, step: int) -> dict[str, float]:
@@ -311,7 +232,7 @@ def save_checkpoint(s: DistillationSetup) -> Path:
         s.checkpointer,
         state=s.state,
         run_config=s.config,
-        policy=s.student,
+        policy=s.policy,
         train_loader=s.train_loader,
         metric_value=s.state.val_accuracy,
     )
@@ -355,8 +276,8 @@ def distillation_step(s: DistillationSetup, batch: BatchedDataDict[Any], timer: 
     with timer.time("teacher_topk_logits"):
         teacher_topk(s, train_data)
     with timer.time("policy_training"):
-        s.student.prepare_for_training()
-        train_result = s.student.train(train_data, s.loss_fn)
+        s.policy.prepare_for_training()
+        train_result = s.policy.train(train_data, s.loss_fn)
     s.generation_stale = True
     s.state.total_valid_tokens += float(train_result["global_valid_toks"].sum())
     return train_metrics(train_result, {"reward": float(rollout["total_reward"].mean()), **rollout_metrics})

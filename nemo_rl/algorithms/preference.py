@@ -21,21 +21,22 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.algorithms.interfaces import LossFunction
-from nemo_rl.algorithms.loop import (
-    TrainLoop,
-    check_run_setup,
-    find_resume,
-    save_training_checkpoint,
-    train_metrics,
+from nemo_rl.algorithms.loop import TrainLoop, save_training_checkpoint, train_metrics
+from nemo_rl.algorithms.run_setup import (
+    make_train_loader,
+    make_val_loader,
+    open_run,
+    start_cluster,
+    start_logger,
+    start_policy,
 )
 from nemo_rl.config.algorithms import DPOConfig, RMConfig
-from nemo_rl.config.loader import save_config
 from nemo_rl.config.master import PreferenceMasterConfig
 from nemo_rl.data.collate_fn import make_preference_collate_fn
 from nemo_rl.data.dataloader import StatefulDataLoader
 from nemo_rl.data.datasets import ProcessedDataset
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.distributed.virtual_cluster import RayVirtualCluster, init_ray
+from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.models.policy.lm_policy import Policy
 from nemo_rl.utils.checkpoint import CheckpointManager
 from nemo_rl.utils.logger import Logger
@@ -102,53 +103,29 @@ def setup_preference_run(
 ) -> PreferenceRun:
     """Start Ray and the policy workers, build the loaders of preference pairs, and restore the latest
     checkpoint if any. ``keep_reference_model`` keeps the initial weights for reference log-probabilities."""
-    # Input checks that need no workers, before Ray starts.
-    check_run_setup(
-        config.policy,
-        config.checkpointing,
-        config.logger.log_dir,
-        policy_world_size=config.cluster.gpus_per_node * config.cluster.num_nodes,
+    run = open_run(
+        config,
+        PreferenceState,
         run_name=name.upper(),
         metric_names={"val_loss", "val:val_loss", "val:validation-default_loss"},
+        policy_world_size=config.cluster.gpus_per_node * config.cluster.num_nodes,
     )
-    checkpointer = CheckpointManager(config.checkpointing)
-    resume = find_resume(checkpointer, name.upper(), config)
-    state = resume.state(PreferenceState)
     collate = make_preference_collate_fn(
         tokenizer, config.data.max_input_seq_length or config.policy.max_total_sequence_length
     )
-    train_loader: PreferenceLoader = StatefulDataLoader(
+    train_loader = make_train_loader(
         train_dataset,
+        run.resume,
         batch_size=config.policy.train_global_batch_size,
         shuffle=config.data.shuffle,
         seed=loop_cfg.seed,
-        drop_last=True,
         collate_fn=collate,
     )
-    val_loader: PreferenceLoader | None = None
-    if val_dataset is not None and len(val_dataset) > 0:
-        val_loader = StatefulDataLoader(
-            val_dataset,
-            batch_size=loop_cfg.val_global_batch_size,
-            shuffle=False,
-            seed=loop_cfg.seed,
-            drop_last=False,
-            collate_fn=collate,
-        )
-    resume.restore_loader(train_loader)
-
-    init_ray(config.cluster)
-    cluster = RayVirtualCluster(config.cluster, name=name)
-    policy = Policy(
-        cluster,
-        config.policy,
-        init_reference_model=keep_reference_model,
-        weights_path=resume.weights_path,
-        optimizer_path=resume.optimizer_path,
+    val_loader = make_val_loader(
+        val_dataset, batch_size=loop_cfg.val_global_batch_size, seed=loop_cfg.seed, collate_fn=collate
     )
-    logger = Logger(config.logger)
-    logger.log_hyperparams(config.model_dump(mode="json"))
-    save_config(config, config.logger.log_dir)
+    cluster = start_cluster(config, name)
+    policy = start_policy(cluster, config.policy, run.resume, init_reference_model=keep_reference_model)
     return PreferenceRun(
         config=config,
         loop_cfg=loop_cfg,
@@ -158,9 +135,9 @@ def setup_preference_run(
         train_loader=train_loader,
         val_loader=val_loader,
         loss_fn=loss_fn,
-        logger=logger,
-        checkpointer=checkpointer,
-        state=state,
+        logger=start_logger(config),
+        checkpointer=run.checkpointer,
+        state=run.state,
     )
 
 

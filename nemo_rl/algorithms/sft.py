@@ -15,22 +15,22 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from nemo_rl.algorithms.loop import (
-    TrainLoop,
-    check_run_setup,
-    find_resume,
-    save_training_checkpoint,
-    step_budget,
-    train_metrics,
-)
+from nemo_rl.algorithms.loop import TrainLoop, save_training_checkpoint, step_budget, train_metrics
 from nemo_rl.algorithms.loss_functions import NLLLoss
-from nemo_rl.config.loader import save_config
+from nemo_rl.algorithms.run_setup import (
+    make_train_loader,
+    make_val_loader,
+    open_run,
+    start_cluster,
+    start_logger,
+    start_policy,
+)
 from nemo_rl.config.master import SFTMasterConfig
 from nemo_rl.data.collate_fn import make_sft_collate_fn
 from nemo_rl.data.dataloader import StatefulDataLoader
 from nemo_rl.data.datasets import ProcessedDataset
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.distributed.virtual_cluster import RayVirtualCluster, init_ray
+from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.models.policy.lm_policy import Policy
 from nemo_rl.utils.checkpoint import CheckpointManager
 from nemo_rl.utils.logger import Logger
@@ -80,52 +80,27 @@ def setup(
     val_dataset: ProcessedDataset | None,
 ) -> SFTSetup:
     """Start Ray and the policy workers, build the loaders, and restore the latest checkpoint if any."""
-    # Input checks that need no workers, before Ray starts.
-    check_run_setup(
-        config.policy,
-        config.checkpointing,
-        config.logger.log_dir,
-        policy_world_size=config.cluster.gpus_per_node * config.cluster.num_nodes,
+    run = open_run(
+        config,
+        SFTState,
         run_name="SFT",
         metric_names={"val_loss", "validation/val_loss", "val:val_loss"},
+        policy_world_size=config.cluster.gpus_per_node * config.cluster.num_nodes,
     )
-    checkpointer = CheckpointManager(config.checkpointing)
-    resume = find_resume(checkpointer, "SFT", config)
-    state = resume.state(SFTState)
-
     collate = make_sft_collate_fn(tokenizer, _max_seq_len(config))
-    train_loader: StatefulDataLoader[Any, BatchedDataDict[Any]] = StatefulDataLoader(
+    train_loader = make_train_loader(
         train_dataset,
+        run.resume,
         batch_size=config.policy.train_global_batch_size,
         shuffle=config.data.shuffle,
         seed=config.sft.seed,
-        drop_last=True,
         collate_fn=collate,
     )
-    val_loader = None
-    if val_dataset is not None and len(val_dataset) > 0:
-        val_loader = StatefulDataLoader(
-            val_dataset,
-            batch_size=config.sft.val_global_batch_size,
-            shuffle=False,
-            seed=config.sft.seed,
-            drop_last=False,
-            collate_fn=collate,
-        )
-    resume.restore_loader(train_loader)
-
-    init_ray(config.cluster)
-    cluster = RayVirtualCluster(config.cluster, name="sft")
-    policy = Policy(
-        cluster,
-        config.policy,
-        init_reference_model=False,
-        weights_path=resume.weights_path,
-        optimizer_path=resume.optimizer_path,
+    val_loader = make_val_loader(
+        val_dataset, batch_size=config.sft.val_global_batch_size, seed=config.sft.seed, collate_fn=collate
     )
-    logger = Logger(config.logger)
-    logger.log_hyperparams(config.model_dump(mode="json"))
-    save_config(config, config.logger.log_dir)
+    cluster = start_cluster(config, "sft")
+    policy = start_policy(cluster, config.policy, run.resume)
     return SFTSetup(
         config=config,
         tokenizer=tokenizer,
@@ -134,9 +109,9 @@ def setup(
         train_loader=train_loader,
         val_loader=val_loader,
         loss_fn=NLLLoss(),
-        logger=logger,
-        checkpointer=checkpointer,
-        state=state,
+        logger=start_logger(config),
+        checkpointer=run.checkpointer,
+        state=run.state,
     )
 
 
