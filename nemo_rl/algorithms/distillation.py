@@ -23,36 +23,30 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from nemo_rl.algorithms.loop import TrainLoop, save_training_checkpoint, step_budget, train_metrics
+from nemo_rl.algorithms.loop import TrainLoop, step_budget, train_metrics
 from nemo_rl.algorithms.loss_functions import DistillationLossFn
 from nemo_rl.algorithms.rl_startup import (
-    RLWorkers,
+    RLRun,
+    RLState,
     ScoringPolicy,
     placement,
-    start_rl_workers,
-    tasks_to_start,
+    start_rl_run,
 )
-from nemo_rl.algorithms.run_setup import make_train_loader, open_run, start_logger
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.master import DistillationMasterConfig
 from nemo_rl.config.policy import PolicyConfig
-from nemo_rl.data.collate_fn import rl_collate_fn
-from nemo_rl.data.dataloader import StatefulDataLoader
-from nemo_rl.data.datasets import ProcessedDataset, dataset_task_names
+from nemo_rl.data.datasets import ProcessedDataset
 from nemo_rl.data.llm_message_utils import message_logs_to_batch
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.experience.rollouts import run_multi_turn_rollout
-from nemo_rl.experience.validation import environment_metrics, validation_rollouts
+from nemo_rl.experience.validation import environment_metrics
 from nemo_rl.models.hf_config import load_hf_config
 from nemo_rl.models.policy.lm_policy import Policy, check_policy_layout
 from nemo_rl.models.tokenizer import get_policy_tokenizer
-from nemo_rl.utils.checkpoint import CheckpointManager
-from nemo_rl.utils.logger import Logger
 from nemo_rl.utils.timer import Timer
 
 MasterConfig = DistillationMasterConfig
@@ -61,43 +55,23 @@ MasterConfig = DistillationMasterConfig
 _TRAIN_ROLES = ("assistant",)
 
 
-@dataclasses.dataclass
-class DistillationState:
-    """What a checkpoint records about the loop's progress."""
-
-    step: int = 0
-    """Distillation steps taken."""
-
-    total_valid_tokens: float = 0.0
-    """Response tokens trained on so far."""
-
-    val_accuracy: float | None = None
-    """Latest validation accuracy of the student."""
+class DistillationState(RLState):
+    """What a checkpoint records about the distillation loop's progress (steps, response tokens trained on,
+    the student's validation accuracy)."""
 
 
 @dataclasses.dataclass(kw_only=True)
-class DistillationSetup(RLWorkers):
-    """Everything ``distillation_train`` needs, built by ``setup``: the workers (see :class:`RLWorkers`; the
-    trained ``policy`` is the student and ``scorers`` holds the teacher) and these."""
+class DistillationSetup(RLRun):
+    """Everything ``distillation_train`` needs, built by ``setup``: the run (see :class:`RLRun`; the trained
+    ``policy`` is the student and ``scorers`` holds the teacher) and its loss."""
 
     config: DistillationMasterConfig
-    tokenizer: PreTrainedTokenizerBase
-    train_loader: StatefulDataLoader[Any, BatchedDataDict[Any]]
-    val_dataset: ProcessedDataset | None
     loss_fn: DistillationLossFn
-    logger: Logger
-    checkpointer: CheckpointManager
-    state: DistillationState
 
     @property
     def teacher(self) -> Policy:
         """The frozen teacher that scores the student's samples."""
         return self.scorers[0]
-
-    def shutdown(self) -> None:
-        """Stop the workers and the environments ``setup`` started, flush the loggers, release the slots."""
-        self.logger.close()
-        self.shutdown_workers()
 
 
 def check_teacher_matches_student(
@@ -150,91 +124,31 @@ def setup(
     policy_world_size = len(placement(config.policy, config.cluster)[0])
     check_policy_layout(config.teacher, policy_world_size)
     check_teacher_matches_student(config.policy, config.teacher, tokenizer, cfg.topk_logits_k)
-    envs_to_start = tasks_to_start(
-        config.env,
-        dataset_task_names(train_dataset),
-        dataset_task_names(val_dataset),
-        task_to_env,
-        val_task_to_env,
-    )
-    run = open_run(
-        config,
-        DistillationState,
-        run_name="distillation",
-        metric_names={"val_accuracy", "validation/accuracy", "val:accuracy"},
-        policy_world_size=policy_world_size,
-    )
-    train_loader = make_train_loader(
-        train_dataset,
-        run.resume,
-        batch_size=cfg.num_prompts_per_step,
-        shuffle=config.data.shuffle,
-        seed=cfg.seed,
-        collate_fn=rl_collate_fn,
-    )
-    workers = start_rl_workers(
+    run = start_rl_run(
         config,
         tokenizer,
-        run.checkpointer,
-        run.resume,
+        train_dataset,
+        val_dataset,
+        task_to_env,
+        val_task_to_env,
+        DistillationState,
         name="distillation",
         seed=cfg.seed,
-        envs_to_start=envs_to_start,
-        task_to_env=task_to_env,
-        val_task_to_env=val_task_to_env,
+        batch_size=cfg.num_prompts_per_step,
         scorers=[ScoringPolicy(config.teacher, name_prefix="teacher")],
     )
-    return DistillationSetup(
-        **workers.worker_fields(),
-        config=config,
-        tokenizer=tokenizer,
-        train_loader=train_loader,
-        val_dataset=val_dataset,
-        loss_fn=DistillationLossFn(config.loss_fn),
-        logger=start_logger(config),
-        checkpointer=run.checkpointer,
-        state=run.state,
-    )
-
-
-def refit_generation(s: DistillationSetup) -> dict[str, float]:
-    """Copy the student's current weights into its generation workers."""
-    return s.refit_generation(s.config.policy.refit.timeout_s)
+    return DistillationSetup(**run.run_fields(), loss_fn=DistillationLossFn(config.loss_fn))
 
 
 def validate(s: DistillationSetup, step: int) -> dict[str, float]:
     """The student's sampled accuracy on up to ``distillation.max_val_samples`` held-out prompts."""
-    if s.val_dataset is None or len(s.val_dataset) == 0:
-        return {}
-    if s.generation_stale:
-        refit_generation(s)
     cfg = s.config.distillation
-    metrics, samples = validation_rollouts(
-        s.generation,
-        s.val_dataset,
-        s.tokenizer,
-        s.val_task_to_env,
+    return s.validate_accuracy(
+        step,
         max_val_samples=cfg.max_val_samples,
         val_batch_size=cfg.val_batch_size,
-        max_seq_len=s.config.policy.max_total_sequence_length,
         max_rollout_turns=cfg.max_rollout_turns,
         greedy=False,
-    )
-    s.logger.print_samples(samples, step)
-    s.logger.log_metrics(metrics, step, prefix="validation")
-    s.state.val_accuracy = metrics["accuracy"]
-    return metrics
-
-
-def save_checkpoint(s: DistillationSetup) -> Path:
-    """Write the student (weights, optimizer, scheduler), the loader position and the loop state."""
-    return save_training_checkpoint(
-        s.checkpointer,
-        state=s.state,
-        run_config=s.config,
-        policy=s.policy,
-        train_loader=s.train_loader,
-        metric_value=s.state.val_accuracy,
     )
 
 
@@ -253,7 +167,7 @@ def distillation_step(s: DistillationSetup, batch: BatchedDataDict[Any], timer: 
     repeated = batch.repeat_interleave(cfg.distillation.num_generations_per_prompt)
     if s.generation_stale:
         with timer.time("refit"):
-            refit_metrics = refit_generation(s)
+            refit_metrics = s.refit()
         s.logger.log_metrics(refit_metrics, s.state.step + 1)
     s.generation.prepare_for_generation()
     rollout, rollout_metrics = run_multi_turn_rollout(
@@ -295,7 +209,7 @@ def distillation_train(s: DistillationSetup) -> dict[str, float]:
         total_steps=step_budget(cfg.max_num_steps, cfg.max_num_epochs, len(s.train_loader)),
         logger=s.logger,
         checkpointer=s.checkpointer,
-        save_checkpoint=lambda: save_checkpoint(s),
+        save_checkpoint=s.save_checkpoint,
         validate=lambda step: validate(s, step),
         val_period=cfg.val_period,
         val_at_start=cfg.val_at_start,

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,25 +26,20 @@ from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.algorithms.advantages import compute_advantages
 from nemo_rl.algorithms.dynamic_sampling import EndlessBatches, sample_until_full
-from nemo_rl.algorithms.loop import TrainLoop, save_training_checkpoint, step_budget, train_metrics
+from nemo_rl.algorithms.loop import TrainLoop, step_budget, train_metrics
 from nemo_rl.algorithms.loss_functions import ClippedPGLossFn
 from nemo_rl.algorithms.rewards import first_response_lengths, scale_rewards, shape_rewards
-from nemo_rl.algorithms.rl_startup import RLWorkers, placement, start_rl_workers, tasks_to_start
-from nemo_rl.algorithms.run_setup import make_train_loader, open_run, start_logger
+from nemo_rl.algorithms.rl_startup import RLRun, RLState, start_rl_run
 from nemo_rl.config.algorithms import GRPOConfig
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.master import GRPOMasterConfig
-from nemo_rl.data.collate_fn import rl_collate_fn
-from nemo_rl.data.dataloader import StatefulDataLoader
-from nemo_rl.data.datasets import ProcessedDataset, dataset_task_names
+from nemo_rl.data.datasets import ProcessedDataset
 from nemo_rl.data.llm_message_utils import flat_token_positions, message_logs_to_batch
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.experience.rollouts import run_multi_turn_rollout
-from nemo_rl.experience.validation import request_environment_metrics, validation_rollouts
+from nemo_rl.experience.validation import request_environment_metrics
 from nemo_rl.models.policy.hf_io import trains_with_dropout
 from nemo_rl.models.policy.lm_policy import Policy
-from nemo_rl.utils.checkpoint import CheckpointManager
-from nemo_rl.utils.logger import Logger
 from nemo_rl.utils.timer import Timer
 
 MasterConfig = GRPOMasterConfig
@@ -54,38 +48,17 @@ MasterConfig = GRPOMasterConfig
 _TRAIN_ROLES = ("assistant",)
 
 
-@dataclasses.dataclass
-class GRPOState:
-    """What a checkpoint records about the loop's progress."""
-
-    step: int = 0
-    """GRPO steps taken."""
-
-    total_valid_tokens: float = 0.0
-    """Tokens trained on so far."""
-
-    val_accuracy: float | None = None
-    """Latest validation accuracy."""
+class GRPOState(RLState):
+    """What a checkpoint records about the GRPO loop's progress (steps, tokens trained on, validation
+    accuracy)."""
 
 
 @dataclasses.dataclass(kw_only=True)
-class GRPOSetup(RLWorkers):
-    """Everything ``grpo_train`` needs, built by ``setup``: the workers (see :class:`RLWorkers`) and these."""
+class GRPOSetup(RLRun):
+    """Everything ``grpo_train`` needs, built by ``setup``: the run (see :class:`RLRun`) and its loss."""
 
     config: GRPOMasterConfig
-    tokenizer: PreTrainedTokenizerBase
-    train_loader: StatefulDataLoader[Any, BatchedDataDict[Any]]
-    val_dataset: ProcessedDataset | None
     loss_fn: ClippedPGLossFn
-    logger: Logger
-    checkpointer: CheckpointManager
-    state: GRPOState
-
-    def shutdown(self) -> None:
-        """Stop the workers and the environments ``setup`` started, flush the loggers, release the placement
-        groups. Environments passed to ``setup`` in ``task_to_env`` / ``val_task_to_env`` are left running."""
-        self.logger.close()
-        self.shutdown_workers()
 
 
 def _check_batch_sizes(config: GRPOMasterConfig) -> None:
@@ -115,54 +88,23 @@ def setup(
     """
     # Input checks that need no workers, before Ray starts.
     _check_batch_sizes(config)
-    envs_to_start = tasks_to_start(
-        config.env,
-        dataset_task_names(train_dataset),
-        dataset_task_names(val_dataset),
-        task_to_env,
-        val_task_to_env,
-    )
-    run = open_run(
-        config,
-        GRPOState,
-        run_name="GRPO",
-        metric_names={"val_accuracy", "validation/accuracy", "val:accuracy"},
-        policy_world_size=len(placement(config.policy, config.cluster)[0]),
-    )
-    train_loader = make_train_loader(
-        train_dataset,
-        run.resume,
-        batch_size=config.grpo.prompts_per_generation_batch,
-        shuffle=config.data.shuffle,
-        seed=config.grpo.seed,
-        collate_fn=rl_collate_fn,
-    )
-    workers = start_rl_workers(
+    run = start_rl_run(
         config,
         tokenizer,
-        run.checkpointer,
-        run.resume,
-        name="grpo",
+        train_dataset,
+        val_dataset,
+        task_to_env,
+        val_task_to_env,
+        GRPOState,
+        name="GRPO",
         seed=config.grpo.seed,
-        envs_to_start=envs_to_start,
-        task_to_env=task_to_env,
-        val_task_to_env=val_task_to_env,
+        batch_size=config.grpo.prompts_per_generation_batch,
         init_reference_model=config.loss_fn.reference_policy_kl_penalty > 0,
     )
-    return GRPOSetup(
-        **workers.worker_fields(),
-        config=config,
-        tokenizer=tokenizer,
-        train_loader=train_loader,
-        val_dataset=val_dataset,
-        loss_fn=ClippedPGLossFn(
-            config.loss_fn,
-            prev_logprobs_from_forward=prev_logprobs_from_training_forward(config, workers.policy),
-        ),
-        logger=start_logger(config),
-        checkpointer=run.checkpointer,
-        state=run.state,
+    loss_fn = ClippedPGLossFn(
+        config.loss_fn, prev_logprobs_from_forward=prev_logprobs_from_training_forward(config, run.policy)
     )
+    return GRPOSetup(**run.run_fields(), loss_fn=loss_fn)
 
 
 def prev_logprobs_from_training_forward(config: GRPOMasterConfig, policy: Policy | None = None) -> bool:
@@ -174,11 +116,6 @@ def prev_logprobs_from_training_forward(config: GRPOMasterConfig, policy: Policy
         return False
     # The started policy answers from its workers; without one the driver loads the model's config itself.
     return not (policy.trains_with_dropout() if policy is not None else trains_with_dropout(config.policy))
-
-
-def refit_generation(s: GRPOSetup) -> dict[str, float]:
-    """Copy the policy's current weights into the generation workers."""
-    return s.refit_generation(s.config.policy.refit.timeout_s)
 
 
 def build_train_batch(
@@ -215,36 +152,13 @@ def build_train_batch(
 
 def validate(s: GRPOSetup, step: int) -> dict[str, float]:
     """Accuracy on up to ``grpo.max_val_samples`` held-out prompts (one response each); logged at ``step``."""
-    if s.val_dataset is None or len(s.val_dataset) == 0:
-        return {}
-    if s.generation_stale:
-        refit_generation(s)
-    metrics, samples = validation_rollouts(
-        s.generation,
-        s.val_dataset,
-        s.tokenizer,
-        s.val_task_to_env,
-        max_val_samples=s.config.grpo.max_val_samples,
-        val_batch_size=s.config.grpo.val_batch_size,
-        max_seq_len=s.config.policy.max_total_sequence_length,
-        max_rollout_turns=s.config.grpo.max_rollout_turns,
-        greedy=s.config.grpo.val_greedy,
-    )
-    s.logger.print_samples(samples, step)
-    s.logger.log_metrics(metrics, step, prefix="validation")
-    s.state.val_accuracy = metrics["accuracy"]
-    return metrics
-
-
-def save_checkpoint(s: GRPOSetup) -> Path:
-    """Write the policy, optimizer, scheduler, loader position and loop state as ``step_<N>`` (atomically)."""
-    return save_training_checkpoint(
-        s.checkpointer,
-        state=s.state,
-        run_config=s.config,
-        policy=s.policy,
-        train_loader=s.train_loader,
-        metric_value=s.state.val_accuracy,
+    cfg = s.config.grpo
+    return s.validate_accuracy(
+        step,
+        max_val_samples=cfg.max_val_samples,
+        val_batch_size=cfg.val_batch_size,
+        max_rollout_turns=cfg.max_rollout_turns,
+        greedy=cfg.val_greedy,
     )
 
 
@@ -298,7 +212,7 @@ def grpo_step(
     cfg = s.config
     if s.generation_stale:
         with timer.time("refit"):
-            refit_metrics = refit_generation(s)
+            refit_metrics = s.refit()
         s.logger.log_metrics(refit_metrics, s.state.step + 1)
     s.generation.prepare_for_generation()
     if cfg.grpo.use_dynamic_sampling:
@@ -368,7 +282,7 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
         total_steps=step_budget(cfg.grpo.max_num_steps, cfg.grpo.max_num_epochs, len(s.train_loader)),
         logger=s.logger,
         checkpointer=s.checkpointer,
-        save_checkpoint=lambda: save_checkpoint(s),
+        save_checkpoint=s.save_checkpoint,
         validate=lambda step: validate(s, step),
         val_period=cfg.grpo.val_period,
         val_at_start=cfg.grpo.val_at_start,

@@ -13,29 +13,39 @@ take, the workers started together, the refit transport between them, and the en
 4. it waits for the environments; if anything failed so far, the environments it started are stopped;
 5. the refit transport that moves the policy's weights into the generation workers.
 
-The result, :class:`RLWorkers`, is the base of each RL loop's setup dataclass, and :meth:`RLWorkers.shutdown_workers`
-stops what it started.
+The result, :class:`RLWorkers`, is the base of :class:`RLRun`, which adds what every RL loop's setup holds
+(loader, logger, checkpoints, state) and what it does besides its step: refit, validate, save and shut down.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.algorithms.loop import Resume
-from nemo_rl.algorithms.run_setup import start_cluster
+from nemo_rl.algorithms.run_setup import (
+    Loader,
+    make_train_loader,
+    open_run,
+    save_run_checkpoint,
+    start_cluster,
+    start_logger,
+)
 from nemo_rl.config.cluster import ClusterConfig
 from nemo_rl.config.env import EnvConfig
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.master import DistillationMasterConfig, GRPOMasterConfig
 from nemo_rl.config.policy import PolicyConfig
+from nemo_rl.data.collate_fn import rl_collate_fn
+from nemo_rl.data.datasets import ProcessedDataset, dataset_task_names
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.distributed.worker_groups import start_together
 from nemo_rl.environments.registry import check_task_envs, create_task_envs, stop_envs, wait_envs_started
-from nemo_rl.experience.validation import ENV_TIMEOUT_S
+from nemo_rl.experience.validation import ENV_TIMEOUT_S, validation_rollouts
 from nemo_rl.models.generation.embedded.in_policy import InPolicyEmbeddedGeneration
 from nemo_rl.models.generation.factory import (
     create_generation,
@@ -45,6 +55,7 @@ from nemo_rl.models.generation.factory import (
 from nemo_rl.models.generation.interfaces import GenerationInterface
 from nemo_rl.models.policy.lm_policy import Policy
 from nemo_rl.utils.checkpoint import CheckpointManager
+from nemo_rl.utils.logger import Logger
 from nemo_rl.weight_sync.interfaces import RefitTransport
 
 RLConfig = GRPOMasterConfig | DistillationMasterConfig
@@ -268,4 +279,141 @@ def start_rl_workers(
         task_to_env=dict(task_to_env),
         val_task_to_env=dict(val_task_to_env),
         owned_envs=list(started.values()),
+    )
+
+
+@dataclasses.dataclass
+class RLState:
+    """What a checkpoint records about an RL loop's progress."""
+
+    step: int = 0
+    """Steps taken."""
+
+    total_valid_tokens: float = 0.0
+    """Tokens trained on so far."""
+
+    val_accuracy: float | None = None
+    """Latest validation accuracy."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class RLRun(RLWorkers):
+    """The workers of an RL run and what its loop needs besides them; each loop's setup dataclass adds its
+    loss function and narrows ``config``."""
+
+    config: RLConfig
+    tokenizer: PreTrainedTokenizerBase
+    train_loader: Loader
+    val_dataset: ProcessedDataset | None
+    logger: Logger
+    checkpointer: CheckpointManager
+    state: RLState
+
+    def refit(self) -> dict[str, float]:
+        """Copy the policy's current weights into the generation workers; returns the ``refit/*`` metrics."""
+        return self.refit_generation(self.config.policy.refit.timeout_s)
+
+    def validate_accuracy(
+        self, step: int, *, max_val_samples: int, val_batch_size: int, max_rollout_turns: int, greedy: bool
+    ) -> dict[str, float]:
+        """Sampled accuracy on up to ``max_val_samples`` held-out prompts (one response each), logged at
+        ``step`` with the samples, and kept in ``state.val_accuracy``."""
+        if self.val_dataset is None or len(self.val_dataset) == 0:
+            return {}
+        if self.generation_stale:
+            self.refit()
+        metrics, samples = validation_rollouts(
+            self.generation,
+            self.val_dataset,
+            self.tokenizer,
+            self.val_task_to_env,
+            max_val_samples=max_val_samples,
+            val_batch_size=val_batch_size,
+            max_seq_len=self.config.policy.max_total_sequence_length,
+            max_rollout_turns=max_rollout_turns,
+            greedy=greedy,
+        )
+        self.logger.print_samples(samples, step)
+        self.logger.log_metrics(metrics, step, prefix="validation")
+        self.state.val_accuracy = metrics["accuracy"]
+        return metrics
+
+    def run_fields(self) -> dict[str, Any]:
+        """This object's fields by name, to build a loop's setup dataclass (a subclass) from it."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(RLRun)}
+
+    def save_checkpoint(self) -> Path:
+        """Write the policy (weights, optimizer, scheduler), the loader position and the loop state."""
+        return save_run_checkpoint(self, self.state.val_accuracy)
+
+    def shutdown(self) -> None:
+        """Stop the workers and the environments ``setup`` started, flush the loggers, release the placement
+        groups. Environments passed to ``setup`` in ``task_to_env`` / ``val_task_to_env`` are left running."""
+        self.logger.close()
+        self.shutdown_workers()
+
+
+def start_rl_run(
+    config: RLConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    train_dataset: ProcessedDataset,
+    val_dataset: ProcessedDataset | None,
+    task_to_env: Mapping[str, Any] | None,
+    val_task_to_env: Mapping[str, Any] | None,
+    state_cls: type[RLState],
+    *,
+    name: str,
+    seed: int,
+    batch_size: int,
+    init_reference_model: bool = False,
+    scorers: Sequence[ScoringPolicy] = (),
+) -> RLRun:
+    """Check the inputs (environments for every task of the data, see :func:`tasks_to_start`, and
+    :func:`open_run`'s checks), find the checkpoint to resume, build the prompt loader (``batch_size`` prompts
+    per batch), start the workers (:func:`start_rl_workers`) and the logger. ``name`` labels the cluster and
+    the run in messages; runs rank checkpoints by validation accuracy."""
+    envs_to_start = tasks_to_start(
+        config.env,
+        dataset_task_names(train_dataset),
+        dataset_task_names(val_dataset),
+        task_to_env,
+        val_task_to_env,
+    )
+    run = open_run(
+        config,
+        state_cls,
+        run_name=name,
+        metric_names={"val_accuracy", "validation/accuracy", "val:accuracy"},
+        policy_world_size=len(placement(config.policy, config.cluster)[0]),
+    )
+    train_loader = make_train_loader(
+        train_dataset,
+        run.resume,
+        batch_size=batch_size,
+        shuffle=config.data.shuffle,
+        seed=seed,
+        collate_fn=rl_collate_fn,
+    )
+    workers = start_rl_workers(
+        config,
+        tokenizer,
+        run.checkpointer,
+        run.resume,
+        name=name.lower(),
+        seed=seed,
+        envs_to_start=envs_to_start,
+        task_to_env=task_to_env,
+        val_task_to_env=val_task_to_env,
+        init_reference_model=init_reference_model,
+        scorers=scorers,
+    )
+    return RLRun(
+        **workers.worker_fields(),
+        config=config,
+        tokenizer=tokenizer,
+        train_loader=train_loader,
+        val_dataset=val_dataset,
+        logger=start_logger(config),
+        checkpointer=run.checkpointer,
+        state=run.state,
     )

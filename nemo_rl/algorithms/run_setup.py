@@ -17,9 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Collection
-from typing import Any, Generic, TypeVar
+from pathlib import Path
+from typing import Any, Generic, Protocol, TypeVar
 
-from nemo_rl.algorithms.loop import Resume, check_run_setup, find_resume
+from pydantic import BaseModel
+from transformers import PreTrainedTokenizerBase
+
+from nemo_rl.algorithms.loop import LoopState, Resume, check_run_setup, find_resume, save_training_checkpoint
 from nemo_rl.config.loader import save_config
 from nemo_rl.config.master import (
     DistillationMasterConfig,
@@ -32,6 +36,7 @@ from nemo_rl.data.dataloader import StatefulDataLoader
 from nemo_rl.data.datasets import ProcessedDataset
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster, init_ray
+from nemo_rl.models.policy.interfaces import PolicyInterface
 from nemo_rl.models.policy.lm_policy import Policy
 from nemo_rl.utils.checkpoint import CheckpointManager
 from nemo_rl.utils.logger import Logger
@@ -143,3 +148,116 @@ def start_logger(config: TrainingConfig) -> Logger:
     logger.log_hyperparams(config.model_dump(mode="json"))
     save_config(config, config.logger.log_dir)
     return logger
+
+
+@dataclasses.dataclass
+class SupervisedState:
+    """What a checkpoint records about the progress of a loop trained on a fixed data set (SFT, DPO, RM)."""
+
+    step: int = 0
+    """Optimizer steps taken."""
+
+    epoch: int = 0
+    """Epochs begun."""
+
+    val_loss: float | None = None
+    """Latest validation loss (what ``checkpointing.metric_name: val_loss`` ranks checkpoints by)."""
+
+
+class TrainingRun(Protocol):
+    """What :func:`save_run_checkpoint` reads of a loop's setup."""
+
+    @property
+    def config(self) -> BaseModel: ...
+    @property
+    def checkpointer(self) -> CheckpointManager: ...
+    @property
+    def state(self) -> LoopState: ...
+    @property
+    def policy(self) -> PolicyInterface: ...
+    @property
+    def train_loader(self) -> Loader: ...
+
+
+def save_run_checkpoint(run: TrainingRun, metric_value: float | None) -> Path:
+    """Write the run's policy (weights, optimizer, scheduler), loader position and loop state as ``step_<N>``
+    (atomically), ranked by ``metric_value``; see :func:`save_training_checkpoint`."""
+    return save_training_checkpoint(
+        run.checkpointer,
+        state=run.state,
+        run_config=run.config,
+        policy=run.policy,
+        train_loader=run.train_loader,
+        metric_value=metric_value,
+    )
+
+
+@dataclasses.dataclass(kw_only=True)
+class SupervisedRun:
+    """A started loop on a fixed data set (SFT, DPO, RM): the policy on every slot, the loaders, the logger and
+    the checkpoints; each loop's setup dataclass adds its config and loss function."""
+
+    tokenizer: PreTrainedTokenizerBase
+    cluster: RayVirtualCluster
+    policy: Policy
+    train_loader: Loader
+    val_loader: Loader | None
+    logger: Logger
+    checkpointer: CheckpointManager
+    state: SupervisedState
+
+    def run_fields(self) -> dict[str, Any]:
+        """This object's fields by name, to build a loop's setup dataclass (a subclass) from it."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(SupervisedRun)}
+
+    def shutdown(self) -> None:
+        """Stop the policy workers, flush the loggers, release the placement groups."""
+        self.logger.close()
+        self.policy.shutdown()
+        self.cluster.shutdown()
+
+
+def start_supervised_run(
+    config: TrainingConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    train_dataset: ProcessedDataset,
+    val_dataset: ProcessedDataset | None,
+    state_cls: type[SupervisedState],
+    *,
+    name: str,
+    metric_names: Collection[str],
+    seed: int,
+    val_batch_size: int,
+    collate_fn: Collate,
+    init_reference_model: bool = False,
+) -> SupervisedRun:
+    """Check the inputs, find the checkpoint to resume, build the loaders (``policy.train_global_batch_size``
+    rows per training batch), then start Ray and the policy on every slot; ``name`` labels the cluster and,
+    upper-cased, the run in messages."""
+    run = open_run(
+        config,
+        state_cls,
+        run_name=name.upper(),
+        metric_names=metric_names,
+        policy_world_size=config.cluster.gpus_per_node * config.cluster.num_nodes,
+    )
+    train_loader = make_train_loader(
+        train_dataset,
+        run.resume,
+        batch_size=config.policy.train_global_batch_size,
+        shuffle=config.data.shuffle,
+        seed=seed,
+        collate_fn=collate_fn,
+    )
+    val_loader = make_val_loader(val_dataset, batch_size=val_batch_size, seed=seed, collate_fn=collate_fn)
+    cluster = start_cluster(config, name)
+    return SupervisedRun(
+        tokenizer=tokenizer,
+        cluster=cluster,
+        policy=start_policy(cluster, config.policy, run.resume, init_reference_model=init_reference_model),
+        train_loader=train_loader,
+        val_loader=val_loader,
+        logger=start_logger(config),
+        checkpointer=run.checkpointer,
+        state=run.state,
+    )

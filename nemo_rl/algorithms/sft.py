@@ -11,62 +11,35 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from nemo_rl.algorithms.loop import TrainLoop, save_training_checkpoint, step_budget, train_metrics
+from nemo_rl.algorithms.loop import TrainLoop, step_budget, train_metrics
 from nemo_rl.algorithms.loss_functions import NLLLoss
 from nemo_rl.algorithms.run_setup import (
-    make_train_loader,
-    make_val_loader,
-    open_run,
-    start_cluster,
-    start_logger,
-    start_policy,
+    SupervisedRun,
+    SupervisedState,
+    save_run_checkpoint,
+    start_supervised_run,
 )
 from nemo_rl.config.master import SFTMasterConfig
 from nemo_rl.data.collate_fn import make_sft_collate_fn
-from nemo_rl.data.dataloader import StatefulDataLoader
 from nemo_rl.data.datasets import ProcessedDataset
-from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
-from nemo_rl.models.policy.lm_policy import Policy
-from nemo_rl.utils.checkpoint import CheckpointManager
-from nemo_rl.utils.logger import Logger
 
 MasterConfig = SFTMasterConfig
 """The config of an SFT run, under NeMo RL's name (``from nemo_rl.algorithms.sft import MasterConfig``)."""
 
 
-@dataclasses.dataclass
-class SFTState:
-    """What a checkpoint records about the loop's progress."""
-
-    step: int = 0
-    """Optimizer steps taken."""
-
-    epoch: int = 0
-    """Epochs begun."""
-
-    val_loss: float | None = None
-    """Latest validation loss."""
+class SFTState(SupervisedState):
+    """What a checkpoint records about the SFT loop's progress (steps, epoch, validation loss)."""
 
 
-@dataclasses.dataclass
-class SFTSetup:
-    """Everything ``sft_train`` needs, built by ``setup``."""
+@dataclasses.dataclass(kw_only=True)
+class SFTSetup(SupervisedRun):
+    """Everything ``sft_train`` needs, built by ``setup``: the run (see :class:`SupervisedRun`) and its loss."""
 
     config: SFTMasterConfig
-    tokenizer: PreTrainedTokenizerBase
-    cluster: RayVirtualCluster
-    policy: Policy
-    train_loader: StatefulDataLoader[Any, BatchedDataDict[Any]]
-    val_loader: StatefulDataLoader[Any, BatchedDataDict[Any]] | None
     loss_fn: NLLLoss
-    logger: Logger
-    checkpointer: CheckpointManager
-    state: SFTState
 
 
 def _max_seq_len(cfg: SFTMasterConfig) -> int:
@@ -80,39 +53,19 @@ def setup(
     val_dataset: ProcessedDataset | None,
 ) -> SFTSetup:
     """Start Ray and the policy workers, build the loaders, and restore the latest checkpoint if any."""
-    run = open_run(
+    run = start_supervised_run(
         config,
-        SFTState,
-        run_name="SFT",
-        metric_names={"val_loss", "validation/val_loss", "val:val_loss"},
-        policy_world_size=config.cluster.gpus_per_node * config.cluster.num_nodes,
-    )
-    collate = make_sft_collate_fn(tokenizer, _max_seq_len(config))
-    train_loader = make_train_loader(
+        tokenizer,
         train_dataset,
-        run.resume,
-        batch_size=config.policy.train_global_batch_size,
-        shuffle=config.data.shuffle,
+        val_dataset,
+        SFTState,
+        name="sft",
+        metric_names={"val_loss", "validation/val_loss", "val:val_loss"},
         seed=config.sft.seed,
-        collate_fn=collate,
+        val_batch_size=config.sft.val_global_batch_size,
+        collate_fn=make_sft_collate_fn(tokenizer, _max_seq_len(config)),
     )
-    val_loader = make_val_loader(
-        val_dataset, batch_size=config.sft.val_global_batch_size, seed=config.sft.seed, collate_fn=collate
-    )
-    cluster = start_cluster(config, "sft")
-    policy = start_policy(cluster, config.policy, run.resume)
-    return SFTSetup(
-        config=config,
-        tokenizer=tokenizer,
-        cluster=cluster,
-        policy=policy,
-        train_loader=train_loader,
-        val_loader=val_loader,
-        loss_fn=NLLLoss(),
-        logger=start_logger(config),
-        checkpointer=run.checkpointer,
-        state=run.state,
-    )
+    return SFTSetup(**run.run_fields(), config=config, loss_fn=NLLLoss())
 
 
 def validate(s: SFTSetup, step: int) -> float | None:
@@ -143,14 +96,7 @@ def validate(s: SFTSetup, step: int) -> float | None:
 
 def save_checkpoint(s: SFTSetup) -> Path:
     """Write the policy, optimizer, scheduler, loader position and loop state as ``step_<N>`` (atomically)."""
-    return save_training_checkpoint(
-        s.checkpointer,
-        state=s.state,
-        run_config=s.config,
-        policy=s.policy,
-        train_loader=s.train_loader,
-        metric_value=s.state.val_loss,
-    )
+    return save_run_checkpoint(s, s.state.val_loss)
 
 
 def sft_train(s: SFTSetup) -> dict[str, float]:
