@@ -27,7 +27,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from nemo_rl.algorithms.loop import TrainLoop, step_budget, train_metrics
+from nemo_rl.algorithms.loop import train_metrics
 from nemo_rl.algorithms.loss_functions import DistillationLossFn
 from nemo_rl.algorithms.rl_startup import (
     RLRun,
@@ -36,6 +36,7 @@ from nemo_rl.algorithms.rl_startup import (
     placement,
     start_rl_run,
 )
+from nemo_rl.algorithms.run_setup import make_train_loop
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.master import DistillationMasterConfig
 from nemo_rl.config.policy import PolicyConfig
@@ -143,13 +144,7 @@ def setup(
 def validate(s: DistillationSetup, step: int) -> dict[str, float]:
     """The student's sampled accuracy on up to ``distillation.max_val_samples`` held-out prompts."""
     cfg = s.config.distillation
-    return s.validate_accuracy(
-        step,
-        max_val_samples=cfg.max_val_samples,
-        val_batch_size=cfg.val_batch_size,
-        max_rollout_turns=cfg.max_rollout_turns,
-        greedy=False,
-    )
+    return s.validate_accuracy(step, cfg, greedy=False)
 
 
 def teacher_topk(s: DistillationSetup, train_data: BatchedDataDict[Any]) -> None:
@@ -165,11 +160,7 @@ def distillation_step(s: DistillationSetup, batch: BatchedDataDict[Any], timer: 
     """One distillation step on a batch of prompts; returns its ``train/`` metrics."""
     cfg = s.config
     repeated = batch.repeat_interleave(cfg.distillation.num_generations_per_prompt)
-    if s.generation_stale:
-        with timer.time("refit"):
-            refit_metrics = s.refit()
-        s.logger.log_metrics(refit_metrics, s.state.step + 1)
-    s.generation.prepare_for_generation()
+    s.refit_if_stale(timer)
     rollout, rollout_metrics = run_multi_turn_rollout(
         s.generation,
         repeated,
@@ -202,18 +193,8 @@ def distillation_train(s: DistillationSetup) -> dict[str, float]:
     metrics."""
     cfg = s.config.distillation
     metrics: dict[str, float] = {}
-    loop = TrainLoop(
-        "distillation",
-        loader=s.train_loader,
-        state=s.state,
-        total_steps=step_budget(cfg.max_num_steps, cfg.max_num_epochs, len(s.train_loader)),
-        logger=s.logger,
-        checkpointer=s.checkpointer,
-        save_checkpoint=s.save_checkpoint,
-        validate=lambda step: validate(s, step),
-        val_period=cfg.val_period,
-        val_at_start=cfg.val_at_start,
-        val_at_end=cfg.val_at_end,
+    loop = make_train_loop(
+        "distillation", s, cfg, save_checkpoint=s.save_checkpoint, validate=lambda step: validate(s, step)
     )
     for batch in loop:
         metrics = distillation_step(s, batch, loop.timer)

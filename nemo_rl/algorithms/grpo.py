@@ -26,10 +26,11 @@ from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.algorithms.advantages import compute_advantages
 from nemo_rl.algorithms.dynamic_sampling import EndlessBatches, sample_until_full
-from nemo_rl.algorithms.loop import TrainLoop, step_budget, train_metrics
+from nemo_rl.algorithms.loop import train_metrics
 from nemo_rl.algorithms.loss_functions import ClippedPGLossFn
 from nemo_rl.algorithms.rewards import first_response_lengths, scale_rewards, shape_rewards
 from nemo_rl.algorithms.rl_startup import RLRun, RLState, start_rl_run
+from nemo_rl.algorithms.run_setup import make_train_loop
 from nemo_rl.config.algorithms import GRPOConfig
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.master import GRPOMasterConfig
@@ -153,13 +154,7 @@ def build_train_batch(
 def validate(s: GRPOSetup, step: int) -> dict[str, float]:
     """Accuracy on up to ``grpo.max_val_samples`` held-out prompts (one response each); logged at ``step``."""
     cfg = s.config.grpo
-    return s.validate_accuracy(
-        step,
-        max_val_samples=cfg.max_val_samples,
-        val_batch_size=cfg.val_batch_size,
-        max_rollout_turns=cfg.max_rollout_turns,
-        greedy=cfg.val_greedy,
-    )
+    return s.validate_accuracy(step, cfg, greedy=cfg.val_greedy)
 
 
 def transformed_rewards(rollout: BatchedDataDict[Any], cfg: GRPOConfig) -> torch.Tensor:
@@ -210,11 +205,7 @@ def grpo_step(
     """One GRPO step on a batch of prompts; returns its ``train/`` metrics. Under dynamic sampling,
     ``next_batch`` gives the further prompt batches the step draws."""
     cfg = s.config
-    if s.generation_stale:
-        with timer.time("refit"):
-            refit_metrics = s.refit()
-        s.logger.log_metrics(refit_metrics, s.state.step + 1)
-    s.generation.prepare_for_generation()
+    s.refit_if_stale(timer)
     if cfg.grpo.use_dynamic_sampling:
         if next_batch is None:
             raise ValueError("grpo.use_dynamic_sampling needs grpo_step(..., next_batch=...) to draw batches")
@@ -275,18 +266,13 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
     metrics: dict[str, float] = {}
     # One stream of prompt batches: the loop takes one per step, dynamic sampling may draw more.
     batches = EndlessBatches(s.train_loader)
-    loop = TrainLoop(
+    loop = make_train_loop(
         "grpo",
-        loader=batches,
-        state=s.state,
-        total_steps=step_budget(cfg.grpo.max_num_steps, cfg.grpo.max_num_epochs, len(s.train_loader)),
-        logger=s.logger,
-        checkpointer=s.checkpointer,
+        s,
+        cfg.grpo,
         save_checkpoint=s.save_checkpoint,
         validate=lambda step: validate(s, step),
-        val_period=cfg.grpo.val_period,
-        val_at_start=cfg.grpo.val_at_start,
-        val_at_end=cfg.grpo.val_at_end,
+        loader=batches,
     )
     for batch in loop:
         metrics = grpo_step(s, batch, loop.timer, next_batch=lambda: next(batches))

@@ -21,10 +21,11 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.algorithms.interfaces import LossFunction
-from nemo_rl.algorithms.loop import TrainLoop, train_metrics
+from nemo_rl.algorithms.loop import train_metrics
 from nemo_rl.algorithms.run_setup import (
     SupervisedRun,
     SupervisedState,
+    make_train_loop,
     save_run_checkpoint,
     start_supervised_run,
 )
@@ -154,18 +155,13 @@ def train_on_preferences(
     ``train/*`` metrics."""
     cfg = run.loop_cfg
     metrics: dict[str, float] = {}
-    loop = TrainLoop(
+    loop = make_train_loop(
         name,
-        loader=run.train_loader,
-        state=run.state,
-        total_steps=total_steps,
-        logger=run.logger,
-        checkpointer=run.checkpointer,
+        run,
+        cfg,
         save_checkpoint=lambda: save_checkpoint(run),
         validate=lambda step: validate(run, step, prepare),
-        val_period=cfg.val_period,
-        val_at_start=cfg.val_at_start,
-        val_at_end=cfg.val_at_end,
+        total_steps=total_steps,
     )
     policy_cfg = run.config.policy
     for batch in loop:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from transformers import PreTrainedTokenizerBase
 
@@ -56,6 +56,7 @@ from nemo_rl.models.generation.interfaces import GenerationInterface
 from nemo_rl.models.policy.lm_policy import Policy
 from nemo_rl.utils.checkpoint import CheckpointManager
 from nemo_rl.utils.logger import Logger
+from nemo_rl.utils.timer import Timer
 from nemo_rl.weight_sync.interfaces import RefitTransport
 
 RLConfig = GRPOMasterConfig | DistillationMasterConfig
@@ -282,6 +283,17 @@ def start_rl_workers(
     )
 
 
+class ValidationConfig(Protocol):
+    """What :meth:`RLRun.validate_accuracy` reads of an RL loop's config section (``grpo``, ``distillation``)."""
+
+    @property
+    def max_val_samples(self) -> int: ...
+    @property
+    def val_batch_size(self) -> int: ...
+    @property
+    def max_rollout_turns(self) -> int: ...
+
+
 @dataclasses.dataclass
 class RLState:
     """What a checkpoint records about an RL loop's progress."""
@@ -313,11 +325,18 @@ class RLRun(RLWorkers):
         """Copy the policy's current weights into the generation workers; returns the ``refit/*`` metrics."""
         return self.refit_generation(self.config.policy.refit.timeout_s)
 
-    def validate_accuracy(
-        self, step: int, *, max_val_samples: int, val_batch_size: int, max_rollout_turns: int, greedy: bool
-    ) -> dict[str, float]:
-        """Sampled accuracy on up to ``max_val_samples`` held-out prompts (one response each), logged at
-        ``step`` with the samples, and kept in ``state.val_accuracy``."""
+    def refit_if_stale(self, timer: Timer) -> None:
+        """Before sampling: refit the generation workers when the policy trained since they were last
+        updated (its ``refit/*`` metrics are logged at the coming step), then wake them."""
+        if self.generation_stale:
+            with timer.time("refit"):
+                refit_metrics = self.refit()
+            self.logger.log_metrics(refit_metrics, self.state.step + 1)
+        self.generation.prepare_for_generation()
+
+    def validate_accuracy(self, step: int, loop_cfg: ValidationConfig, *, greedy: bool) -> dict[str, float]:
+        """Sampled accuracy on up to ``loop_cfg.max_val_samples`` held-out prompts (one response each),
+        logged at ``step`` with the samples, and kept in ``state.val_accuracy``."""
         if self.val_dataset is None or len(self.val_dataset) == 0:
             return {}
         if self.generation_stale:
@@ -327,10 +346,10 @@ class RLRun(RLWorkers):
             self.val_dataset,
             self.tokenizer,
             self.val_task_to_env,
-            max_val_samples=max_val_samples,
-            val_batch_size=val_batch_size,
+            max_val_samples=loop_cfg.max_val_samples,
+            val_batch_size=loop_cfg.val_batch_size,
             max_seq_len=self.config.policy.max_total_sequence_length,
-            max_rollout_turns=max_rollout_turns,
+            max_rollout_turns=loop_cfg.max_rollout_turns,
             greedy=greedy,
         )
         self.logger.print_samples(samples, step)

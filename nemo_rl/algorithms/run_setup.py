@@ -16,14 +16,22 @@ process exists.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
 from pydantic import BaseModel
 from transformers import PreTrainedTokenizerBase
 
-from nemo_rl.algorithms.loop import LoopState, Resume, check_run_setup, find_resume, save_training_checkpoint
+from nemo_rl.algorithms.loop import (
+    LoopState,
+    Resume,
+    TrainLoop,
+    check_run_setup,
+    find_resume,
+    save_training_checkpoint,
+    step_budget,
+)
 from nemo_rl.config.loader import save_config
 from nemo_rl.config.master import (
     DistillationMasterConfig,
@@ -165,7 +173,7 @@ class SupervisedState:
 
 
 class TrainingRun(Protocol):
-    """What :func:`save_run_checkpoint` reads of a loop's setup."""
+    """What :func:`save_run_checkpoint` and :func:`make_train_loop` read of a loop's setup."""
 
     @property
     def config(self) -> BaseModel: ...
@@ -177,6 +185,8 @@ class TrainingRun(Protocol):
     def policy(self) -> PolicyInterface: ...
     @property
     def train_loader(self) -> Loader: ...
+    @property
+    def logger(self) -> Logger: ...
 
 
 def save_run_checkpoint(run: TrainingRun, metric_value: float | None) -> Path:
@@ -260,4 +270,49 @@ def start_supervised_run(
         logger=start_logger(config),
         checkpointer=run.checkpointer,
         state=run.state,
+    )
+
+
+class LoopConfig(Protocol):
+    """What :func:`make_train_loop` reads of a loop's config section (``sft``, ``grpo``, ``dpo``...)."""
+
+    @property
+    def max_num_steps(self) -> int: ...
+    @property
+    def max_num_epochs(self) -> int: ...
+    @property
+    def val_period(self) -> int: ...
+    @property
+    def val_at_start(self) -> bool: ...
+    @property
+    def val_at_end(self) -> bool: ...
+
+
+def make_train_loop(
+    name: str,
+    run: TrainingRun,
+    loop_cfg: LoopConfig,
+    *,
+    save_checkpoint: Callable[[], object],
+    validate: Callable[[int], object],
+    loader: Iterable[BatchedDataDict[Any]] | None = None,
+    total_steps: int | None = None,
+) -> TrainLoop[BatchedDataDict[Any]]:
+    """The :class:`TrainLoop` of a run over ``loader`` (the run's training loader unless given), to
+    ``total_steps`` (by default the step budget of ``loop_cfg``: its steps, or its epochs of the training
+    loader if fewer), validating as ``loop_cfg`` says."""
+    if total_steps is None:
+        total_steps = step_budget(loop_cfg.max_num_steps, loop_cfg.max_num_epochs, len(run.train_loader))
+    return TrainLoop(
+        name,
+        loader=run.train_loader if loader is None else loader,
+        state=run.state,
+        total_steps=total_steps,
+        logger=run.logger,
+        checkpointer=run.checkpointer,
+        save_checkpoint=save_checkpoint,
+        validate=validate,
+        val_period=loop_cfg.val_period,
+        val_at_start=loop_cfg.val_at_start,
+        val_at_end=loop_cfg.val_at_end,
     )

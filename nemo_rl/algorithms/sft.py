@@ -14,11 +14,12 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
-from nemo_rl.algorithms.loop import TrainLoop, step_budget, train_metrics
+from nemo_rl.algorithms.loop import train_metrics
 from nemo_rl.algorithms.loss_functions import NLLLoss
 from nemo_rl.algorithms.run_setup import (
     SupervisedRun,
     SupervisedState,
+    make_train_loop,
     save_run_checkpoint,
     start_supervised_run,
 )
@@ -103,18 +104,8 @@ def sft_train(s: SFTSetup) -> dict[str, float]:
     """Run SFT to ``sft.max_num_steps`` (or ``max_num_epochs``); returns the last step's metrics."""
     cfg = s.config
     last_metrics: dict[str, float] = {}
-    loop = TrainLoop(
-        "sft",
-        loader=s.train_loader,
-        state=s.state,
-        total_steps=step_budget(cfg.sft.max_num_steps, cfg.sft.max_num_epochs, len(s.train_loader)),
-        logger=s.logger,
-        checkpointer=s.checkpointer,
-        save_checkpoint=lambda: save_checkpoint(s),
-        validate=lambda step: validate(s, step),
-        val_period=cfg.sft.val_period,
-        val_at_start=cfg.sft.val_at_start,
-        val_at_end=cfg.sft.val_at_end,
+    loop = make_train_loop(
+        "sft", s, cfg.sft, save_checkpoint=lambda: save_checkpoint(s), validate=lambda step: validate(s, step)
     )
     for batch in loop:
         s.state.epoch = s.train_loader.epoch

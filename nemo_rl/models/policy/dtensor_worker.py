@@ -66,7 +66,7 @@ from nemo_rl.models.policy.utils import (
     valid_token_mask,
 )
 from nemo_rl.models.policy.worker_base import PolicyWorkerBase, ScoreFn
-from nemo_rl.models.policy.worker_batches import StepBatch, TrainLog, merge_rows, micro_batches
+from nemo_rl.models.policy.worker_batches import StepBatch, TrainLog, merge_rows
 from nemo_rl.models.sampling import sampling_logits
 from nemo_rl.utils.rng import get_rng_state, set_rng_state
 from nemo_rl.weight_sync.interfaces import TransferStats, WeightSender
@@ -246,21 +246,11 @@ class DTensorPolicyWorker(PolicyWorkerBase):
         reshard_all(self.model)
         return merge_rows(outputs, data.size, int(data["input_ids"].shape[1]))
 
-    def _micro_batches(
-        self, batch: BatchedDataDict[Any], micro_batch_size: int, max_tokens: int
-    ) -> Iterator[tuple[list[int], BatchedDataDict[Any]]]:
-        """``(row indices, micro-batch on the device)`` pairs covering ``batch`` (see ``worker_batches``)."""
-        return micro_batches(
-            batch,
-            micro_batch_size=micro_batch_size,
-            max_tokens=max_tokens,
-            dynamic=self.cfg.dynamic_batching,
-            seq_multiple=self.seq_multiple,
-            device=self.device,
-            dp_group=self.dp_group,
-            packing=self.cfg.sequence_packing if self.cfg.packs_sequences else None,
-            shared_prefix=self.cfg.shared_prefix.enabled,
-        )
+    def _micro_batch_options(self) -> dict[str, Any]:
+        return {
+            "packing": self.cfg.sequence_packing if self.cfg.packs_sequences else None,
+            "shared_prefix": self.cfg.shared_prefix.enabled,
+        }
 
     def _mb_tokens(self, train: bool) -> int:
         """The token budget of a training or scoring micro-batch (packing's, or dynamic batching's)."""

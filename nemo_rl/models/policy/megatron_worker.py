@@ -66,7 +66,7 @@ from nemo_rl.models.policy.utils import (
     pad_sequence_dim,
 )
 from nemo_rl.models.policy.worker_base import PolicyWorkerBase, ScoreFn
-from nemo_rl.models.policy.worker_batches import StepBatch, TrainLog, merge_rows, micro_batches
+from nemo_rl.models.policy.worker_batches import StepBatch, TrainLog, merge_rows
 from nemo_rl.models.sampling import sampling_logits
 from nemo_rl.weight_sync.interfaces import TransferStats, WeightSender
 
@@ -159,21 +159,6 @@ class MegatronPolicyWorker(PolicyWorkerBase):
             generation.top_p,
         )
 
-    def _micro_batches(
-        self, batch: BatchedDataDict[Any], micro_batch_size: int, max_tokens: int
-    ) -> list[tuple[list[int], BatchedDataDict[Any]]]:
-        return list(
-            micro_batches(
-                batch,
-                micro_batch_size=micro_batch_size,
-                max_tokens=max_tokens,
-                dynamic=self.cfg.dynamic_batching,
-                seq_multiple=self.seq_multiple,
-                device=self.device,
-                dp_group=self.dp_group,
-            )
-        )
-
     def _run_pipeline(
         self,
         mbs: list[BatchedDataDict[Any]],
@@ -233,7 +218,7 @@ class MegatronPolicyWorker(PolicyWorkerBase):
             raise ValueError("every data-parallel rank needs at least one sequence to score")
         mbs = micro_batch_size or self.cfg.logprob_batch_size or self.cfg.train_micro_batch_size
         batch = pad_sequence_dim(data, self.seq_multiple)
-        parts = self._micro_batches(batch, mbs, self.cfg.dynamic_batching.logprob_mb_tokens)
+        parts = list(self._micro_batches(batch, mbs, self.cfg.dynamic_batching.logprob_mb_tokens))
         self.model.eval()
 
         def collect(mb: BatchedDataDict[Any], output: torch.Tensor, non_loss_data: bool = True) -> Any:
@@ -279,8 +264,8 @@ class MegatronPolicyWorker(PolicyWorkerBase):
         if not eval_mode:
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
-        parts = self._micro_batches(
-            step.batch, step.micro_batch_size, self.cfg.dynamic_batching.train_mb_tokens
+        parts = list(
+            self._micro_batches(step.batch, step.micro_batch_size, self.cfg.dynamic_batching.train_mb_tokens)
         )
         with torch.set_grad_enabled(not eval_mode):
             outputs = self._run_pipeline([mb for _, mb in parts], loss_func, forward_only=eval_mode)
@@ -340,14 +325,15 @@ class MegatronPolicyWorker(PolicyWorkerBase):
             "precision": self.cfg.precision,
         }
 
+    def _checkpoint_parts(self) -> tuple[StageWeights, Any, Any, dict[str, Any]]:
+        """What a checkpoint holds of this rank: its stage's weights, the optimizer, the schedule, the layout."""
+        return self.weights, self.optimizer, self.scheduler, self._layout()
+
     def save_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
         """Save the weights as Hugging Face safetensors (any layout loads them) and, with ``optimizer_path``,
         each rank's optimizer state and the schedule (see :mod:`nemo_rl.models.megatron.checkpoint`)."""
         checkpoint.save(
-            self.weights,
-            self.optimizer,
-            self.scheduler,
-            self._layout(),
+            *self._checkpoint_parts(),
             weights_path=weights_path,
             optimizer_path=optimizer_path,
             writer=self._is_stage_writer,
@@ -359,12 +345,7 @@ class MegatronPolicyWorker(PolicyWorkerBase):
         """Load what :meth:`save_checkpoint` wrote (optimizer and schedule only with ``optimizer_path``)."""
         with cpu_compat.device_redirect():
             checkpoint.load(
-                self.weights,
-                self.optimizer,
-                self.scheduler,
-                self._layout(),
-                weights_path=weights_path,
-                optimizer_path=optimizer_path,
+                *self._checkpoint_parts(), weights_path=weights_path, optimizer_path=optimizer_path
             )
 
     @property

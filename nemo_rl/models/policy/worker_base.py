@@ -17,7 +17,7 @@ Every public method is a collective: all ranks of the policy call it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -28,7 +28,7 @@ from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.models.policy.interfaces import TrainResult
 from nemo_rl.models.policy.loss_interface import LossFunction
 from nemo_rl.models.policy.utils import token_logprobs, topk_logits
-from nemo_rl.models.policy.worker_batches import StepBatch, TrainLog, step_batches
+from nemo_rl.models.policy.worker_batches import StepBatch, TrainLog, micro_batches, step_batches
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +110,25 @@ class PolicyWorkerBase:
 
     def _after_eval_step(self) -> None:
         """What a backend does after a step computed without gradients (nothing unless it says so)."""
+
+    def _micro_batch_options(self) -> dict[str, Any]:
+        """Backend options of :func:`micro_batches` (sequence packing, shared prefixes); none by default."""
+        return {}
+
+    def _micro_batches(
+        self, batch: BatchedDataDict[Any], micro_batch_size: int, max_tokens: int
+    ) -> Iterator[tuple[list[int], BatchedDataDict[Any]]]:
+        """``(row indices, micro-batch on the device)`` pairs covering ``batch`` (see ``worker_batches``)."""
+        return micro_batches(
+            batch,
+            micro_batch_size=micro_batch_size,
+            max_tokens=max_tokens,
+            dynamic=self.cfg.dynamic_batching,
+            seq_multiple=self.seq_multiple,
+            device=self.device,
+            dp_group=self.dp_group,
+            **self._micro_batch_options(),
+        )
 
     # ---------------------------------------------------------------------------------------- scoring
     @property
