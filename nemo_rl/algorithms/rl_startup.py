@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -35,6 +35,7 @@ from nemo_rl.algorithms.run_setup import (
     start_cluster,
     start_logger,
 )
+from nemo_rl.config.algorithms import DistillationConfig, GRPOConfig
 from nemo_rl.config.cluster import ClusterConfig
 from nemo_rl.config.env import EnvConfig
 from nemo_rl.config.errors import UserError
@@ -283,17 +284,6 @@ def start_rl_workers(
     )
 
 
-class ValidationConfig(Protocol):
-    """What :meth:`RLRun.validate_accuracy` reads of an RL loop's config section (``grpo``, ``distillation``)."""
-
-    @property
-    def max_val_samples(self) -> int: ...
-    @property
-    def val_batch_size(self) -> int: ...
-    @property
-    def max_rollout_turns(self) -> int: ...
-
-
 @dataclasses.dataclass
 class RLState:
     """What a checkpoint records about an RL loop's progress."""
@@ -334,7 +324,9 @@ class RLRun(RLWorkers):
             self.logger.log_metrics(refit_metrics, self.state.step + 1)
         self.generation.prepare_for_generation()
 
-    def validate_accuracy(self, step: int, loop_cfg: ValidationConfig, *, greedy: bool) -> dict[str, float]:
+    def validate_accuracy(
+        self, step: int, loop_cfg: GRPOConfig | DistillationConfig, *, greedy: bool
+    ) -> dict[str, float]:
         """Sampled accuracy on up to ``loop_cfg.max_val_samples`` held-out prompts (one response each),
         logged at ``step`` with the samples, and kept in ``state.val_accuracy``."""
         if self.val_dataset is None or len(self.val_dataset) == 0:

@@ -32,6 +32,7 @@ from nemo_rl.algorithms.loop import (
     save_training_checkpoint,
     step_budget,
 )
+from nemo_rl.config.algorithms import DistillationConfig, DPOConfig, GRPOConfig, RMConfig, SFTConfig
 from nemo_rl.config.loader import save_config
 from nemo_rl.config.master import (
     DistillationMasterConfig,
@@ -273,19 +274,9 @@ def start_supervised_run(
     )
 
 
-class LoopConfig(Protocol):
-    """What :func:`make_train_loop` reads of a loop's config section (``sft``, ``grpo``, ``dpo``...)."""
-
-    @property
-    def max_num_steps(self) -> int: ...
-    @property
-    def max_num_epochs(self) -> int: ...
-    @property
-    def val_period(self) -> int: ...
-    @property
-    def val_at_start(self) -> bool: ...
-    @property
-    def val_at_end(self) -> bool: ...
+LoopConfig = SFTConfig | GRPOConfig | DistillationConfig | DPOConfig | RMConfig
+"""A loop's own config section: its step budget (``max_num_steps``, ``max_num_epochs``) and when it
+validates (``val_period``, ``val_at_start``, ``val_at_end``)."""
 
 
 def make_train_loop(

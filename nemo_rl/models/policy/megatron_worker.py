@@ -325,15 +325,15 @@ class MegatronPolicyWorker(PolicyWorkerBase):
             "precision": self.cfg.precision,
         }
 
-    def _checkpoint_parts(self) -> tuple[StageWeights, Any, Any, dict[str, Any]]:
+    def _checkpoint_parts(self) -> checkpoint.CheckpointParts:
         """What a checkpoint holds of this rank: its stage's weights, the optimizer, the schedule, the layout."""
-        return self.weights, self.optimizer, self.scheduler, self._layout()
+        return checkpoint.CheckpointParts(self.weights, self.optimizer, self.scheduler, self._layout())
 
     def save_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
         """Save the weights as Hugging Face safetensors (any layout loads them) and, with ``optimizer_path``,
         each rank's optimizer state and the schedule (see :mod:`nemo_rl.models.megatron.checkpoint`)."""
         checkpoint.save(
-            *self._checkpoint_parts(),
+            self._checkpoint_parts(),
             weights_path=weights_path,
             optimizer_path=optimizer_path,
             writer=self._is_stage_writer,
@@ -345,7 +345,7 @@ class MegatronPolicyWorker(PolicyWorkerBase):
         """Load what :meth:`save_checkpoint` wrote (optimizer and schedule only with ``optimizer_path``)."""
         with cpu_compat.device_redirect():
             checkpoint.load(
-                *self._checkpoint_parts(), weights_path=weights_path, optimizer_path=optimizer_path
+                self._checkpoint_parts(), weights_path=weights_path, optimizer_path=optimizer_path
             )
 
     @property
