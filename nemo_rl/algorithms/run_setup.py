@@ -174,20 +174,19 @@ class SupervisedState:
 
 
 class TrainingRun(Protocol):
-    """What :func:`save_run_checkpoint` and :func:`make_train_loop` read of a loop's setup."""
+    """What :func:`save_run_checkpoint` and :func:`make_train_loop` read of a loop's setup (the loops'
+    setup dataclasses have these fields; those whose type each loop narrows are read-only here)."""
+
+    checkpointer: CheckpointManager
+    logger: Logger
+    train_loader: Loader
 
     @property
     def config(self) -> BaseModel: ...
     @property
-    def checkpointer(self) -> CheckpointManager: ...
-    @property
     def state(self) -> LoopState: ...
     @property
     def policy(self) -> PolicyInterface: ...
-    @property
-    def train_loader(self) -> Loader: ...
-    @property
-    def logger(self) -> Logger: ...
 
 
 def save_run_checkpoint(run: TrainingRun, metric_value: float | None) -> Path:

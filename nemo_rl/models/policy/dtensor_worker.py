@@ -44,6 +44,7 @@ from nemo_rl.distributed.device import (
     get_device,
     init_process_group_from_env,
 )
+from nemo_rl.models.dtypes import PRECISION_DTYPES
 from nemo_rl.models.policy.hf_io import config_has_dropout, export_hf_checkpoint, load_sharded_model
 from nemo_rl.models.policy.loss_interface import LossFunction
 from nemo_rl.models.policy.optim import build_optimizer, build_scheduler, clip_grad_norm_, freeze_parameters
@@ -60,7 +61,6 @@ from nemo_rl.models.policy.shared_prefix import (
     use_shared_prefix_attention,
 )
 from nemo_rl.models.policy.utils import (
-    PRECISION_DTYPES,
     PackedRows,
     pad_sequence_dim,
     valid_token_mask,

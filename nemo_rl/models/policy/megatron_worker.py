@@ -50,6 +50,7 @@ from nemo_rl.distributed.device import (
     get_device,
     init_process_group_from_env,
 )
+from nemo_rl.models.dtypes import PRECISION_DTYPES
 from nemo_rl.models.hf_config import load_hf_config
 from nemo_rl.models.hf_decoder import DecoderArch, SafetensorsReader, resolve_checkpoint_dir
 from nemo_rl.models.megatron import checkpoint, cpu_compat, setup
@@ -62,7 +63,6 @@ from nemo_rl.models.megatron.weights import (
 )
 from nemo_rl.models.policy.loss_interface import LossFunction
 from nemo_rl.models.policy.utils import (
-    PRECISION_DTYPES,
     pad_sequence_dim,
 )
 from nemo_rl.models.policy.worker_base import PolicyWorkerBase, ScoreFn
