@@ -34,6 +34,7 @@ from nemo_rl.algorithms.run_setup import (
     save_run_checkpoint,
     start_cluster,
     start_logger,
+    start_policy,
 )
 from nemo_rl.config.algorithms import DistillationConfig, GRPOConfig
 from nemo_rl.config.cluster import ClusterConfig
@@ -194,13 +195,12 @@ def _start_policies(
             )
             if colocated and not together:
                 generation.finish_generation()
-        policy = Policy(
+        policy = start_policy(
             cluster,
             config.policy,
-            bundle_indices=policy_bundles,
+            resume,
             init_reference_model=init_reference_model,
-            weights_path=resume.weights_path,
-            optimizer_path=resume.optimizer_path,
+            bundle_indices=policy_bundles,
         )
         started_scorers = [
             Policy(

@@ -16,7 +16,7 @@ process exists.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -140,11 +140,14 @@ def start_policy(
     resume: Resume,
     *,
     init_reference_model: bool = False,
+    bundle_indices: Sequence[int] | None = None,
 ) -> Policy:
-    """The trained policy on every slot of ``cluster``, with the resumed checkpoint's weights and optimizer."""
+    """The trained policy on ``bundle_indices`` of ``cluster`` (all of its slots when ``None``), with the
+    resumed checkpoint's weights and optimizer."""
     return Policy(
         cluster,
         policy_cfg,
+        bundle_indices=bundle_indices,
         init_reference_model=init_reference_model,
         weights_path=resume.weights_path,
         optimizer_path=resume.optimizer_path,

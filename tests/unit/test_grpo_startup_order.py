@@ -74,7 +74,7 @@ def _setup_events(
     monkeypatch.setattr(run_setup, "init_ray", lambda cluster_cfg: None)
     monkeypatch.setattr(run_setup, "RayVirtualCluster", lambda *args, **kwargs: object())
     monkeypatch.setattr(rl_startup, "create_generation", create_generation)
-    monkeypatch.setattr(rl_startup, "Policy", policy)
+    monkeypatch.setattr(run_setup, "Policy", policy)
     monkeypatch.setattr(rl_startup, "start_together", start_together)
     placement: dict[str, Any] = (
         {"enabled": True} if colocated else {"enabled": False, "resources": {"gpus_per_node": 1}}
