@@ -1,8 +1,10 @@
-"""What every policy worker backend shares: the scoring methods and the training step loop.
+"""What every policy worker backend shares: the constructor, the scoring methods and the training step loop.
 
 A backend (``DTensorPolicyWorker``, ``MegatronPolicyWorker``) subclasses :class:`PolicyWorkerBase` and
 keeps only building its model and stepping it, through these hooks:
 
+- :meth:`~PolicyWorkerBase._build`: join the process groups, build the model, optimizer and scheduler, and
+  snapshot the reference weights (the constructor then resumes from a checkpoint when given one);
 - :meth:`~PolicyWorkerBase._score`: the forward pass over a batch in inference mode, calling a function on
   each micro-batch's logits (or a reward model's rewards) and merging its per-row outputs;
 - :meth:`~PolicyWorkerBase._reference_weights`: a context in which the model holds the initial weights;
@@ -16,7 +18,6 @@ Every public method is a collective: all ranks of the policy call it.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
@@ -29,8 +30,6 @@ from nemo_rl.models.policy.interfaces import TrainResult
 from nemo_rl.models.policy.loss_interface import LossFunction
 from nemo_rl.models.policy.utils import token_logprobs, topk_logits
 from nemo_rl.models.policy.worker_batches import StepBatch, TrainLog, micro_batches, step_batches
-
-logger = logging.getLogger(__name__)
 
 ScoreFn = Callable[[torch.Tensor, BatchedDataDict[Any]], dict[str, torch.Tensor]]
 """Maps a micro-batch's model output (logits [B, T, V], or rewards [B]) and the micro-batch to per-row outputs."""
