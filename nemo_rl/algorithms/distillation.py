@@ -23,106 +23,56 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from nemo_rl.algorithms.grpo import environment_metrics, placement, tasks_to_start, validation_rollouts
-from nemo_rl.algorithms.loop import (
-    TrainLoop,
-    check_run_setup,
-    find_resume,
-    save_training_checkpoint,
-    step_budget,
-    train_metrics,
-)
+from nemo_rl.algorithms.loop import train_metrics
 from nemo_rl.algorithms.loss_functions import DistillationLossFn
+from nemo_rl.algorithms.rl_startup import (
+    RLRun,
+    RLState,
+    ScoringPolicy,
+    placement,
+    start_rl_run,
+)
+from nemo_rl.algorithms.run_setup import make_train_loop
 from nemo_rl.config.errors import UserError
-from nemo_rl.config.loader import save_config
 from nemo_rl.config.master import DistillationMasterConfig
 from nemo_rl.config.policy import PolicyConfig
-from nemo_rl.data.collate_fn import rl_collate_fn
-from nemo_rl.data.dataloader import StatefulDataLoader
-from nemo_rl.data.datasets import ProcessedDataset, dataset_task_names
+from nemo_rl.data.datasets import ProcessedDataset
 from nemo_rl.data.llm_message_utils import message_logs_to_batch
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.distributed.virtual_cluster import RayVirtualCluster, init_ray
-from nemo_rl.distributed.worker_groups import start_together
-from nemo_rl.environments.registry import create_task_envs, stop_envs
 from nemo_rl.experience.rollouts import run_multi_turn_rollout
-from nemo_rl.models.generation.embedded.in_policy import InPolicyEmbeddedGeneration
-from nemo_rl.models.generation.factory import (
-    create_generation,
-    create_policy_refit_transport,
-    refit_from_policy,
-)
-from nemo_rl.models.generation.interfaces import GenerationInterface
+from nemo_rl.experience.validation import environment_metrics
 from nemo_rl.models.hf_config import load_hf_config
 from nemo_rl.models.policy.lm_policy import Policy, check_policy_layout
 from nemo_rl.models.tokenizer import get_policy_tokenizer
-from nemo_rl.utils.checkpoint import CheckpointManager
-from nemo_rl.utils.logger import Logger
 from nemo_rl.utils.timer import Timer
-from nemo_rl.weight_sync.interfaces import RefitTransport
 
 MasterConfig = DistillationMasterConfig
 """The config of a distillation run, under NeMo RL's name."""
 
 _TRAIN_ROLES = ("assistant",)
-# Longest wait for an environment actor's shutdown.
-_ENV_TIMEOUT_S = 600.0
 
 
-@dataclasses.dataclass
-class DistillationState:
-    """What a checkpoint records about the loop's progress."""
-
-    step: int = 0
-    """Distillation steps taken."""
-
-    total_valid_tokens: float = 0.0
-    """Response tokens trained on so far."""
-
-    val_accuracy: float | None = None
-    """Latest validation accuracy of the student."""
+class DistillationState(RLState):
+    """What a checkpoint records about the distillation loop's progress (steps, response tokens trained on,
+    the student's validation accuracy)."""
 
 
-@dataclasses.dataclass
-class DistillationSetup:
-    """Everything ``distillation_train`` needs, built by ``setup``."""
+@dataclasses.dataclass(kw_only=True)
+class DistillationSetup(RLRun):
+    """Everything ``distillation_train`` needs, built by ``setup``: the run (see :class:`RLRun`; the trained
+    ``policy`` is the student and ``scorers`` holds the teacher) and its loss."""
 
     config: DistillationMasterConfig
-    tokenizer: PreTrainedTokenizerBase
-    cluster: RayVirtualCluster
-    student: Policy
-    teacher: Policy
-    generation: GenerationInterface
-    """The student's generation workers."""
-    refit_transport: RefitTransport | None
-    """``None`` when the generation engines live in the student's workers (an in-process refit)."""
-    train_loader: StatefulDataLoader[Any, BatchedDataDict[Any]]
-    val_dataset: ProcessedDataset | None
     loss_fn: DistillationLossFn
-    task_to_env: dict[str, Any]
-    val_task_to_env: dict[str, Any]
-    logger: Logger
-    checkpointer: CheckpointManager
-    state: DistillationState
-    owned_envs: list[Any] = dataclasses.field(default_factory=list)
-    """Environment actors ``setup`` started (and ``shutdown`` stops); those passed in stay the caller's."""
-    generation_stale: bool = True
 
-    def shutdown(self) -> None:
-        """Stop the workers and the environments ``setup`` started, flush the loggers, release the slots."""
-        self.logger.close()
-        self.generation.shutdown()
-        self.teacher.shutdown()
-        self.student.shutdown()
-        if self.refit_transport is not None:
-            self.refit_transport.shutdown()
-        stop_envs(self.owned_envs, _ENV_TIMEOUT_S)
-        self.cluster.shutdown()
+    @property
+    def teacher(self) -> Policy:
+        """The frozen teacher that scores the student's samples."""
+        return self.scorers[0]
 
 
 def check_teacher_matches_student(
@@ -172,149 +122,29 @@ def setup(
     """
     cfg = config.distillation
     # Input checks that need no workers, before Ray starts.
-    policy_bundles, generation_bundles = placement(config.policy, config.cluster)
-    check_run_setup(
-        config.policy,
-        config.checkpointing,
-        config.logger.log_dir,
-        policy_world_size=len(policy_bundles),
-        run_name="distillation",
-        metric_names={"val_accuracy", "validation/accuracy", "val:accuracy"},
-    )
-    check_policy_layout(config.teacher, len(policy_bundles))
+    policy_world_size = len(placement(config.policy, config.cluster)[0])
+    check_policy_layout(config.teacher, policy_world_size)
     check_teacher_matches_student(config.policy, config.teacher, tokenizer, cfg.topk_logits_k)
-    train_tasks = dataset_task_names(train_dataset)
-    val_tasks = dataset_task_names(val_dataset)
-    to_start = tasks_to_start(config.env, train_tasks, val_tasks, task_to_env, val_task_to_env)
-    checkpointer = CheckpointManager(config.checkpointing)
-    resume = find_resume(checkpointer, "distillation", config)
-    state = resume.state(DistillationState)
-
-    train_loader: StatefulDataLoader[Any, BatchedDataDict[Any]] = StatefulDataLoader(
+    run = start_rl_run(
+        config,
+        tokenizer,
         train_dataset,
-        batch_size=cfg.num_prompts_per_step,
-        shuffle=config.data.shuffle,
+        val_dataset,
+        task_to_env,
+        val_task_to_env,
+        DistillationState,
+        name="distillation",
         seed=cfg.seed,
-        drop_last=True,
-        collate_fn=rl_collate_fn,
+        batch_size=cfg.num_prompts_per_step,
+        scorers=[ScoringPolicy(config.teacher, name_prefix="teacher")],
     )
-    resume.restore_loader(train_loader)
-
-    init_ray(config.cluster)
-    # Student, teacher and (colocated) generation share each slot and take turns on it.
-    cluster = RayVirtualCluster(config.cluster, name="distillation", max_colocated_worker_groups=3)
-    # vLLM first, asleep before the policies load (it needs its GPU memory share free to start); the
-    # embedded engine's workers start together with the student's and the teacher's (see grpo.setup).
-    colocated = config.policy.generation.colocated.enabled
-    together = config.policy.generation.backend != "vllm"
-    in_policy = config.policy.generation.embedded_cfg.in_policy_workers
-    generation: GenerationInterface
-    with start_together(enabled=together):
-        if not in_policy:
-            generation = create_generation(
-                cluster, config.policy, tokenizer, seed=cfg.seed, bundle_indices=generation_bundles
-            )
-            if colocated and not together:
-                generation.finish_generation()
-        student = Policy(
-            cluster,
-            config.policy,
-            bundle_indices=policy_bundles,
-            init_reference_model=False,
-            weights_path=resume.weights_path,
-            optimizer_path=resume.optimizer_path,
-        )
-        teacher = Policy(
-            cluster,
-            config.teacher,
-            name_prefix="teacher",
-            bundle_indices=policy_bundles,
-            init_reference_model=False,
-        )
-    if in_policy:
-        generation = InPolicyEmbeddedGeneration(student, tokenizer, seed=cfg.seed)
-    if colocated and together:
-        generation.finish_generation()
-    # The per-call sampling seeds continue where the checkpoint left them.
-    checkpointer.track("generation", generation)
-    teacher.offload_after_refit()
-    refit_transport = create_policy_refit_transport(
-        cluster,
-        config.policy,
-        student,
-        generation,
-        policy_bundles=policy_bundles,
-        generation_bundles=generation_bundles,
-    )
-    started = create_task_envs(to_start, config.env)
-    task_to_env = started if task_to_env is None else task_to_env
-    val_task_to_env = task_to_env if val_task_to_env is None else val_task_to_env
-    logger = Logger(config.logger)
-    logger.log_hyperparams(config.model_dump(mode="json"))
-    save_config(config, config.logger.log_dir)
-    return DistillationSetup(
-        config=config,
-        tokenizer=tokenizer,
-        cluster=cluster,
-        student=student,
-        teacher=teacher,
-        generation=generation,
-        refit_transport=refit_transport,
-        train_loader=train_loader,
-        val_dataset=val_dataset,
-        loss_fn=DistillationLossFn(config.loss_fn),
-        task_to_env=dict(task_to_env),
-        val_task_to_env=dict(val_task_to_env),
-        logger=logger,
-        checkpointer=checkpointer,
-        state=state,
-        owned_envs=list(started.values()),
-    )
-
-
-def refit_generation(s: DistillationSetup) -> dict[str, float]:
-    """Copy the student's current weights into its generation workers."""
-    metrics = refit_from_policy(
-        s.student, s.generation, s.refit_transport, timeout_s=s.config.policy.refit.timeout_s
-    )
-    s.generation_stale = False
-    return metrics
+    return DistillationSetup(**run.run_fields(), loss_fn=DistillationLossFn(config.loss_fn))
 
 
 def validate(s: DistillationSetup, step: int) -> dict[str, float]:
     """The student's sampled accuracy on up to ``distillation.max_val_samples`` held-out prompts."""
-    if s.val_dataset is None or len(s.val_dataset) == 0:
-        return {}
-    if s.generation_stale:
-        refit_generation(s)
     cfg = s.config.distillation
-    metrics, samples = validation_rollouts(
-        s.generation,
-        s.val_dataset,
-        s.tokenizer,
-        s.val_task_to_env,
-        max_val_samples=cfg.max_val_samples,
-        val_batch_size=cfg.val_batch_size,
-        max_seq_len=s.config.policy.max_total_sequence_length,
-        max_rollout_turns=cfg.max_rollout_turns,
-        greedy=False,
-    )
-    s.logger.print_samples(samples, step)
-    s.logger.log_metrics(metrics, step, prefix="validation")
-    s.state.val_accuracy = metrics["accuracy"]
-    return metrics
-
-
-def save_checkpoint(s: DistillationSetup) -> Path:
-    """Write the student (weights, optimizer, scheduler), the loader position and the loop state."""
-    return save_training_checkpoint(
-        s.checkpointer,
-        state=s.state,
-        run_config=s.config,
-        policy=s.student,
-        train_loader=s.train_loader,
-        metric_value=s.state.val_accuracy,
-    )
+    return s.validate_accuracy(step, cfg, greedy=False)
 
 
 def teacher_topk(s: DistillationSetup, train_data: BatchedDataDict[Any]) -> None:
@@ -330,11 +160,7 @@ def distillation_step(s: DistillationSetup, batch: BatchedDataDict[Any], timer: 
     """One distillation step on a batch of prompts; returns its ``train/`` metrics."""
     cfg = s.config
     repeated = batch.repeat_interleave(cfg.distillation.num_generations_per_prompt)
-    if s.generation_stale:
-        with timer.time("refit"):
-            refit_metrics = refit_generation(s)
-        s.logger.log_metrics(refit_metrics, s.state.step + 1)
-    s.generation.prepare_for_generation()
+    s.refit_if_stale(timer)
     rollout, rollout_metrics = run_multi_turn_rollout(
         s.generation,
         repeated,
@@ -355,8 +181,8 @@ def distillation_step(s: DistillationSetup, batch: BatchedDataDict[Any], timer: 
     with timer.time("teacher_topk_logits"):
         teacher_topk(s, train_data)
     with timer.time("policy_training"):
-        s.student.prepare_for_training()
-        train_result = s.student.train(train_data, s.loss_fn)
+        s.policy.prepare_for_training()
+        train_result = s.policy.train(train_data, s.loss_fn)
     s.generation_stale = True
     s.state.total_valid_tokens += float(train_result["global_valid_toks"].sum())
     return train_metrics(train_result, {"reward": float(rollout["total_reward"].mean()), **rollout_metrics})
@@ -367,21 +193,10 @@ def distillation_train(s: DistillationSetup) -> dict[str, float]:
     metrics."""
     cfg = s.config.distillation
     metrics: dict[str, float] = {}
-    loop = TrainLoop(
-        "distillation",
-        loader=s.train_loader,
-        state=s.state,
-        total_steps=step_budget(cfg.max_num_steps, cfg.max_num_epochs, len(s.train_loader)),
-        logger=s.logger,
-        checkpointer=s.checkpointer,
-        save_checkpoint=lambda: save_checkpoint(s),
-        validate=lambda step: validate(s, step),
-        val_period=cfg.val_period,
-        val_at_start=cfg.val_at_start,
-        val_at_end=cfg.val_at_end,
+    loop = make_train_loop(
+        "distillation", s, cfg, save_checkpoint=s.save_checkpoint, validate=lambda step: validate(s, step)
     )
     for batch in loop:
         metrics = distillation_step(s, batch, loop.timer)
-        num_tokens = metrics["mean_conversation_tokens"] * batch.size * cfg.num_generations_per_prompt
-        loop.end_step(metrics, num_tokens=num_tokens)
+        loop.end_step(metrics, num_tokens=metrics["mean_conversation_tokens"] * cfg.samples_per_step)
     return metrics

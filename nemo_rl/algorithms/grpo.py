@@ -18,180 +18,57 @@ there is one) and ``grpo_train`` runs the loop.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
-import ray
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.algorithms.advantages import compute_advantages
 from nemo_rl.algorithms.dynamic_sampling import EndlessBatches, sample_until_full
-from nemo_rl.algorithms.loop import (
-    TrainLoop,
-    check_run_setup,
-    find_resume,
-    save_training_checkpoint,
-    step_budget,
-    train_metrics,
-)
+from nemo_rl.algorithms.loop import train_metrics
 from nemo_rl.algorithms.loss_functions import ClippedPGLossFn
 from nemo_rl.algorithms.rewards import first_response_lengths, scale_rewards, shape_rewards
+from nemo_rl.algorithms.rl_startup import RLRun, RLState, start_rl_run
+from nemo_rl.algorithms.run_setup import make_train_loop
 from nemo_rl.config.algorithms import GRPOConfig
-from nemo_rl.config.cluster import ClusterConfig
-from nemo_rl.config.env import EnvConfig
 from nemo_rl.config.errors import UserError
-from nemo_rl.config.loader import save_config
 from nemo_rl.config.master import GRPOMasterConfig
-from nemo_rl.config.policy import PolicyConfig
-from nemo_rl.data.collate_fn import rl_collate_fn
-from nemo_rl.data.dataloader import StatefulDataLoader
-from nemo_rl.data.datasets import ProcessedDataset, dataset_task_names
+from nemo_rl.data.datasets import ProcessedDataset
 from nemo_rl.data.llm_message_utils import flat_token_positions, message_logs_to_batch
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.distributed.virtual_cluster import RayVirtualCluster, init_ray
-from nemo_rl.distributed.worker_groups import start_together
-from nemo_rl.environments.registry import (
-    check_task_envs,
-    create_task_envs,
-    stop_envs,
-    wait_envs_started,
-)
 from nemo_rl.experience.rollouts import run_multi_turn_rollout
-from nemo_rl.models.generation.embedded.in_policy import InPolicyEmbeddedGeneration
-from nemo_rl.models.generation.factory import (
-    create_generation,
-    create_policy_refit_transport,
-    refit_from_policy,
-)
-from nemo_rl.models.generation.interfaces import GenerationInterface
+from nemo_rl.experience.validation import request_environment_metrics
 from nemo_rl.models.policy.hf_io import trains_with_dropout
 from nemo_rl.models.policy.lm_policy import Policy
-from nemo_rl.utils.checkpoint import CheckpointManager
-from nemo_rl.utils.logger import Logger
 from nemo_rl.utils.timer import Timer
-from nemo_rl.weight_sync.interfaces import RefitTransport
 
 MasterConfig = GRPOMasterConfig
 """The config of a GRPO run, under NeMo RL's name (``from nemo_rl.algorithms.grpo import MasterConfig``)."""
 
 _TRAIN_ROLES = ("assistant",)
-# Longest wait for an environment actor's metrics or shutdown.
-_ENV_TIMEOUT_S = 600.0
 
 
-@dataclasses.dataclass
-class GRPOState:
-    """What a checkpoint records about the loop's progress."""
-
-    step: int = 0
-    """GRPO steps taken."""
-
-    total_valid_tokens: float = 0.0
-    """Tokens trained on so far."""
-
-    val_accuracy: float | None = None
-    """Latest validation accuracy."""
+class GRPOState(RLState):
+    """What a checkpoint records about the GRPO loop's progress (steps, tokens trained on, validation
+    accuracy)."""
 
 
-@dataclasses.dataclass
-class GRPOSetup:
-    """Everything ``grpo_train`` needs, built by ``setup``."""
+@dataclasses.dataclass(kw_only=True)
+class GRPOSetup(RLRun):
+    """Everything ``grpo_train`` needs, built by ``setup``: the run (see :class:`RLRun`) and its loss."""
 
     config: GRPOMasterConfig
-    tokenizer: PreTrainedTokenizerBase
-    cluster: RayVirtualCluster
-    policy: Policy
-    generation: GenerationInterface
-    refit_transport: RefitTransport | None
-    """``None`` when the generation engines live in the policy workers (an in-process refit)."""
-    train_loader: StatefulDataLoader[Any, BatchedDataDict[Any]]
-    val_dataset: ProcessedDataset | None
     loss_fn: ClippedPGLossFn
-    task_to_env: dict[str, Any]
-    """Environment actor per task for training rollouts."""
-    val_task_to_env: dict[str, Any]
-    """Environment actor per task for validation rollouts (the training ones unless given separately)."""
-    logger: Logger
-    checkpointer: CheckpointManager
-    state: GRPOState
-    owned_envs: list[Any] = dataclasses.field(default_factory=list)
-    """Environment actors ``setup`` started (and ``shutdown`` stops); those passed in stay the caller's."""
-    generation_stale: bool = True
-
-    def shutdown(self) -> None:
-        """Stop the workers and the environments ``setup`` started, flush the loggers, release the placement
-        groups. Environments passed to ``setup`` in ``task_to_env`` / ``val_task_to_env`` are left running."""
-        self.logger.close()
-        self.generation.shutdown()
-        self.policy.shutdown()
-        if self.refit_transport is not None:
-            self.refit_transport.shutdown()
-        stop_envs(self.owned_envs, _ENV_TIMEOUT_S)
-        self.cluster.shutdown()
-
-
-def placement(policy: PolicyConfig, cluster: ClusterConfig) -> tuple[list[int], list[int]]:
-    """Bundle indices of the policy and the generation workers.
-
-    Colocated: both use every bundle and take turns. Otherwise the last
-    ``policy.generation.colocated.resources.gpus_per_node`` bundles of each node go to generation.
-    """
-    total = cluster.gpus_per_node * cluster.num_nodes
-    if policy.generation.colocated.enabled:
-        return list(range(total)), list(range(total))
-    gen_per_node = policy.generation.colocated.resources.gpus_per_node
-    assert gen_per_node is not None  # checked by the master config
-    if gen_per_node >= cluster.gpus_per_node:
-        raise UserError(
-            f"non-colocated generation takes policy.generation.colocated.resources.gpus_per_node="
-            f"{gen_per_node} of cluster.gpus_per_node={cluster.gpus_per_node} slots per node, leaving "
-            "none for the policy: raise cluster.gpus_per_node or lower the generation slots"
-        )
-    policy_bundles: list[int] = []
-    generation_bundles: list[int] = []
-    for node in range(cluster.num_nodes):
-        first = node * cluster.gpus_per_node
-        split = first + cluster.gpus_per_node - gen_per_node
-        policy_bundles += range(first, split)
-        generation_bundles += range(split, first + cluster.gpus_per_node)
-    return policy_bundles, generation_bundles
 
 
 def _check_batch_sizes(config: GRPOMasterConfig) -> None:
-    samples = config.grpo.num_prompts_per_step * config.grpo.num_generations_per_prompt
+    samples = config.grpo.samples_per_step
     if samples % config.policy.train_global_batch_size != 0:
         raise UserError(
             f"grpo.num_prompts_per_step x grpo.num_generations_per_prompt = {samples} responses per step must "
             f"be a multiple of policy.train_global_batch_size={config.policy.train_global_batch_size}"
         )
-
-
-def tasks_to_start(
-    env: EnvConfig,
-    train_tasks: set[str],
-    val_tasks: set[str],
-    task_to_env: Mapping[str, Any] | None,
-    val_task_to_env: Mapping[str, Any] | None,
-) -> set[str]:
-    """The tasks ``setup`` starts environments for (those not passed in); fails before anything starts when
-    a task of the data would have no environment."""
-    to_start: set[str] = set()
-    for name, tasks, given in (
-        ("train_dataset", train_tasks, task_to_env),
-        ("val_dataset", val_tasks, val_task_to_env if val_task_to_env is not None else task_to_env),
-    ):
-        if given is None:
-            to_start |= tasks
-        elif tasks - given.keys():
-            raise UserError(
-                f"{name} has samples of task {sorted(tasks - given.keys())[0]!r}, which the environments passed "
-                f"to setup do not cover (they cover {sorted(given)}); add an environment for it"
-            )
-    check_task_envs(to_start, env)
-    return to_start
 
 
 def setup(
@@ -210,129 +87,36 @@ def setup(
     per task (``task_name``), the one registered under the task's name, configured by ``env.<task>``; those
     are the ones :meth:`GRPOSetup.shutdown` stops.
     """
-    _check_batch_sizes(config)
     # Input checks that need no workers, before Ray starts.
-    check_run_setup(
-        config.policy,
-        config.checkpointing,
-        config.logger.log_dir,
-        policy_world_size=len(placement(config.policy, config.cluster)[0]),
-        run_name="GRPO",
-        metric_names={"val_accuracy", "validation/accuracy", "val:accuracy"},
-    )
-    train_tasks = dataset_task_names(train_dataset)
-    val_tasks = dataset_task_names(val_dataset)
-    to_start = tasks_to_start(config.env, train_tasks, val_tasks, task_to_env, val_task_to_env)
-    checkpointer = CheckpointManager(config.checkpointing)
-    resume = find_resume(checkpointer, "GRPO", config)
-    state = resume.state(GRPOState)
-
-    train_loader: StatefulDataLoader[Any, BatchedDataDict[Any]] = StatefulDataLoader(
+    _check_batch_sizes(config)
+    run = start_rl_run(
+        config,
+        tokenizer,
         train_dataset,
-        batch_size=config.grpo.prompts_per_generation_batch,
-        shuffle=config.data.shuffle,
+        val_dataset,
+        task_to_env,
+        val_task_to_env,
+        GRPOState,
+        name="GRPO",
         seed=config.grpo.seed,
-        drop_last=True,
-        collate_fn=rl_collate_fn,
+        batch_size=config.grpo.prompts_per_generation_batch,
+        init_reference_model=config.loss_fn.reference_policy_kl_penalty > 0,
     )
-    resume.restore_loader(train_loader)
-
-    init_ray(config.cluster)
-    cluster = RayVirtualCluster(config.cluster, name="grpo", max_colocated_worker_groups=2)
-    policy_bundles, generation_bundles = placement(config.policy, config.cluster)
-    # vLLM first: it starts only when gpu_memory_utilization of each GPU is free, and colocated engines then
-    # sleep (weights to host memory, caches freed) while the policy loads. The embedded engine's workers and
-    # the policy's start together.
-    colocated = config.policy.generation.colocated.enabled
-    together = config.policy.generation.backend != "vllm"
-    in_policy = config.policy.generation.embedded_cfg.in_policy_workers
-    generation: GenerationInterface
-    started: dict[str, Any] = {}
-    try:
-        # The environment actors start first, so their imports overlap the workers' start instead of
-        # delaying the first step; setup waits for them after the workers.
-        started = create_task_envs(to_start, config.env)
-        with start_together(enabled=together):
-            if not in_policy:
-                generation = create_generation(
-                    cluster,
-                    config.policy,
-                    tokenizer,
-                    seed=config.grpo.seed,
-                    bundle_indices=generation_bundles,
-                )
-                if colocated and not together:
-                    generation.finish_generation()
-            policy = Policy(
-                cluster,
-                config.policy,
-                bundle_indices=policy_bundles,
-                init_reference_model=config.loss_fn.reference_policy_kl_penalty > 0,
-                weights_path=resume.weights_path,
-                optimizer_path=resume.optimizer_path,
-            )
-        if in_policy:
-            generation = InPolicyEmbeddedGeneration(policy, tokenizer, seed=config.grpo.seed)
-        wait_envs_started(started.values(), _ENV_TIMEOUT_S)
-    except BaseException:
-        stop_envs(started.values(), _ENV_TIMEOUT_S)
-        raise
-    if colocated and together:
-        generation.finish_generation()
-    # The per-call sampling seeds continue where the checkpoint left them.
-    checkpointer.track("generation", generation)
-    refit_transport = create_policy_refit_transport(
-        cluster,
-        config.policy,
-        policy,
-        generation,
-        policy_bundles=policy_bundles,
-        generation_bundles=generation_bundles,
+    loss_fn = ClippedPGLossFn(
+        config.loss_fn, prev_logprobs_from_forward=prev_logprobs_from_training_forward(config, run.policy)
     )
-    task_to_env = started if task_to_env is None else task_to_env
-    val_task_to_env = task_to_env if val_task_to_env is None else val_task_to_env
-    logger = Logger(config.logger)
-    logger.log_hyperparams(config.model_dump(mode="json"))
-    save_config(config, config.logger.log_dir)
-    return GRPOSetup(
-        config=config,
-        tokenizer=tokenizer,
-        cluster=cluster,
-        policy=policy,
-        generation=generation,
-        refit_transport=refit_transport,
-        train_loader=train_loader,
-        val_dataset=val_dataset,
-        loss_fn=ClippedPGLossFn(
-            config.loss_fn, prev_logprobs_from_forward=prev_logprobs_from_training_forward(config, policy)
-        ),
-        task_to_env=dict(task_to_env),
-        val_task_to_env=dict(val_task_to_env),
-        logger=logger,
-        checkpointer=checkpointer,
-        state=state,
-        owned_envs=list(started.values()),
-    )
+    return GRPOSetup(**run.run_fields(), loss_fn=loss_fn)
 
 
 def prev_logprobs_from_training_forward(config: GRPOMasterConfig, policy: Policy | None = None) -> bool:
     """Whether the training forward itself gives the previous policy's log-probs, so no separate scoring pass
     is needed: one optimizer step per batch (all of its forward passes run on the weights the batch would be
     scored with) and a training forward equal to the scoring one (no dropout)."""
-    samples = config.grpo.num_prompts_per_step * config.grpo.num_generations_per_prompt
+    samples = config.grpo.samples_per_step
     if samples != config.policy.train_global_batch_size:
         return False
     # The started policy answers from its workers; without one the driver loads the model's config itself.
     return not (policy.trains_with_dropout() if policy is not None else trains_with_dropout(config.policy))
-
-
-def refit_generation(s: GRPOSetup) -> dict[str, float]:
-    """Copy the policy's current weights into the generation workers."""
-    metrics = refit_from_policy(
-        s.policy, s.generation, s.refit_transport, timeout_s=s.config.policy.refit.timeout_s
-    )
-    s.generation_stale = False
-    return metrics
 
 
 def build_train_batch(
@@ -367,123 +151,10 @@ def build_train_batch(
     return batch
 
 
-def request_environment_metrics(
-    task_to_env: Mapping[str, Any], rollout: BatchedDataDict[Any]
-) -> Callable[[], dict[str, float]]:
-    """Ask each environment for its own metrics (accuracy, pass@k...) over its samples; the returned function
-    waits for them, as ``<task>/<metric>``. The environments compute them while the caller goes on (GRPO
-    trains meanwhile)."""
-    task_names = list(rollout["task_name"])
-    requests = []
-    for task, env in task_to_env.items():
-        indices = [i for i, name in enumerate(task_names) if name == task]
-        if indices:
-            ref = env.global_post_process_and_metrics.remote(rollout.select_indices(indices))
-            requests.append((task, ref))
-
-    def wait() -> dict[str, float]:
-        metrics: dict[str, float] = {}
-        for task, ref in requests:
-            _, task_metrics = ray.get(ref, timeout=_ENV_TIMEOUT_S)
-            metrics.update({f"{task}/{name}": value for name, value in task_metrics.items()})
-        return metrics
-
-    return wait
-
-
-def environment_metrics(task_to_env: Mapping[str, Any], rollout: BatchedDataDict[Any]) -> dict[str, float]:
-    """Each environment's own metrics (accuracy, pass@k...) over its samples, as ``<task>/<metric>``."""
-    return request_environment_metrics(task_to_env, rollout)()
-
-
-def validation_rollouts(
-    generation: GenerationInterface,
-    val_dataset: ProcessedDataset,
-    tokenizer: PreTrainedTokenizerBase,
-    val_task_to_env: Mapping[str, Any],
-    *,
-    max_val_samples: int,
-    val_batch_size: int,
-    max_seq_len: int,
-    max_rollout_turns: int,
-    greedy: bool,
-) -> tuple[dict[str, float], list[str]]:
-    """Roll out the first ``max_val_samples`` prompts of ``val_dataset`` once each, in batches of
-    ``val_batch_size``; returns the ``validation/`` metrics (accuracy, mean reward and length, the
-    environments' own) and the conversations as text with their rewards."""
-    start_s = time.perf_counter()
-    rewards: list[torch.Tensor] = []
-    lengths: list[float] = []
-    samples: list[str] = []
-    rollouts: list[BatchedDataDict[Any]] = []
-    num_samples = min(max_val_samples, len(val_dataset))
-    generation.prepare_for_generation()
-    for start in range(0, num_samples, val_batch_size):
-        batch = rl_collate_fn(
-            [val_dataset[i] for i in range(start, min(start + val_batch_size, num_samples))]
-        )
-        rollout, rollout_metrics = run_multi_turn_rollout(
-            generation,
-            batch,
-            tokenizer,
-            val_task_to_env,
-            max_seq_len=max_seq_len,
-            max_rollout_turns=max_rollout_turns,
-            greedy=greedy,
-        )
-        rewards.append(rollout["total_reward"])
-        rollouts.append(rollout)
-        lengths.append(rollout_metrics["mean_gen_tokens_per_sample"] * rollout["total_reward"].numel())
-        samples += [
-            "".join(m["content"] for m in log) + f"\n[reward {float(r):.1f}]"
-            for log, r in zip(rollout["message_log"], rollout["total_reward"], strict=True)
-        ]
-    generation.finish_generation()
-    all_rewards = torch.cat(rewards)
-    metrics = {
-        "accuracy": float((all_rewards > 0).float().mean()),
-        "mean_reward": float(all_rewards.mean()),
-        "mean_gen_tokens_per_sample": sum(lengths) / all_rewards.numel(),
-        "num_samples": float(all_rewards.numel()),
-        "time_s": time.perf_counter() - start_s,
-        **environment_metrics(val_task_to_env, BatchedDataDict.from_batches(rollouts)),
-    }
-    return metrics, samples
-
-
 def validate(s: GRPOSetup, step: int) -> dict[str, float]:
     """Accuracy on up to ``grpo.max_val_samples`` held-out prompts (one response each); logged at ``step``."""
-    if s.val_dataset is None or len(s.val_dataset) == 0:
-        return {}
-    if s.generation_stale:
-        refit_generation(s)
-    metrics, samples = validation_rollouts(
-        s.generation,
-        s.val_dataset,
-        s.tokenizer,
-        s.val_task_to_env,
-        max_val_samples=s.config.grpo.max_val_samples,
-        val_batch_size=s.config.grpo.val_batch_size,
-        max_seq_len=s.config.policy.max_total_sequence_length,
-        max_rollout_turns=s.config.grpo.max_rollout_turns,
-        greedy=s.config.grpo.val_greedy,
-    )
-    s.logger.print_samples(samples, step)
-    s.logger.log_metrics(metrics, step, prefix="validation")
-    s.state.val_accuracy = metrics["accuracy"]
-    return metrics
-
-
-def save_checkpoint(s: GRPOSetup) -> Path:
-    """Write the policy, optimizer, scheduler, loader position and loop state as ``step_<N>`` (atomically)."""
-    return save_training_checkpoint(
-        s.checkpointer,
-        state=s.state,
-        run_config=s.config,
-        policy=s.policy,
-        train_loader=s.train_loader,
-        metric_value=s.state.val_accuracy,
-    )
+    cfg = s.config.grpo
+    return s.validate_accuracy(step, cfg, greedy=cfg.val_greedy)
 
 
 def transformed_rewards(rollout: BatchedDataDict[Any], cfg: GRPOConfig) -> torch.Tensor:
@@ -534,11 +205,7 @@ def grpo_step(
     """One GRPO step on a batch of prompts; returns its ``train/`` metrics. Under dynamic sampling,
     ``next_batch`` gives the further prompt batches the step draws."""
     cfg = s.config
-    if s.generation_stale:
-        with timer.time("refit"):
-            refit_metrics = refit_generation(s)
-        s.logger.log_metrics(refit_metrics, s.state.step + 1)
-    s.generation.prepare_for_generation()
+    s.refit_if_stale(timer)
     if cfg.grpo.use_dynamic_sampling:
         if next_batch is None:
             raise ValueError("grpo.use_dynamic_sampling needs grpo_step(..., next_batch=...) to draw batches")
@@ -547,7 +214,7 @@ def grpo_step(
                 batch,
                 next_batch,
                 lambda b: _roll_out_and_wait(s, b, timer),
-                num_samples=cfg.grpo.num_prompts_per_step * cfg.grpo.num_generations_per_prompt,
+                num_samples=cfg.grpo.samples_per_step,
                 group_size=cfg.grpo.num_generations_per_prompt,
                 max_gen_batches=cfg.grpo.dynamic_sampling_max_gen_batches,
             )
@@ -599,25 +266,15 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
     metrics: dict[str, float] = {}
     # One stream of prompt batches: the loop takes one per step, dynamic sampling may draw more.
     batches = EndlessBatches(s.train_loader)
-    loop = TrainLoop(
+    loop = make_train_loop(
         "grpo",
-        loader=batches,
-        state=s.state,
-        total_steps=step_budget(cfg.grpo.max_num_steps, cfg.grpo.max_num_epochs, len(s.train_loader)),
-        logger=s.logger,
-        checkpointer=s.checkpointer,
-        save_checkpoint=lambda: save_checkpoint(s),
+        s,
+        cfg.grpo,
+        save_checkpoint=s.save_checkpoint,
         validate=lambda step: validate(s, step),
-        val_period=cfg.grpo.val_period,
-        val_at_start=cfg.grpo.val_at_start,
-        val_at_end=cfg.grpo.val_at_end,
+        loader=batches,
     )
     for batch in loop:
         metrics = grpo_step(s, batch, loop.timer, next_batch=lambda: next(batches))
-        num_tokens = (
-            metrics["mean_conversation_tokens"]
-            * cfg.grpo.num_prompts_per_step
-            * cfg.grpo.num_generations_per_prompt
-        )
-        loop.end_step(metrics, num_tokens=num_tokens)
+        loop.end_step(metrics, num_tokens=metrics["mean_conversation_tokens"] * cfg.grpo.samples_per_step)
     return metrics

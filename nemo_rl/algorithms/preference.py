@@ -21,24 +21,20 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.algorithms.interfaces import LossFunction
-from nemo_rl.algorithms.loop import (
-    TrainLoop,
-    check_run_setup,
-    find_resume,
-    save_training_checkpoint,
-    train_metrics,
+from nemo_rl.algorithms.loop import train_metrics
+from nemo_rl.algorithms.run_setup import (
+    SupervisedRun,
+    SupervisedState,
+    make_train_loop,
+    save_run_checkpoint,
+    start_supervised_run,
 )
 from nemo_rl.config.algorithms import DPOConfig, RMConfig
-from nemo_rl.config.loader import save_config
-from nemo_rl.config.master import DPOMasterConfig, RMMasterConfig
+from nemo_rl.config.master import PreferenceMasterConfig
 from nemo_rl.data.collate_fn import make_preference_collate_fn
 from nemo_rl.data.dataloader import StatefulDataLoader
 from nemo_rl.data.datasets import ProcessedDataset
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.distributed.virtual_cluster import RayVirtualCluster, init_ray
-from nemo_rl.models.policy.lm_policy import Policy
-from nemo_rl.utils.checkpoint import CheckpointManager
-from nemo_rl.utils.logger import Logger
 
 ROWS_PER_PAIR = 2
 
@@ -51,46 +47,23 @@ def _unchanged(batch: BatchedDataDict[Any]) -> BatchedDataDict[Any]:
     return batch
 
 
-@dataclasses.dataclass
-class PreferenceState:
-    """What a checkpoint records about a DPO or reward-model loop's progress."""
-
-    step: int = 0
-    """Optimizer steps taken."""
-
-    epoch: int = 0
-    """Epochs begun."""
-
-    val_loss: float | None = None
-    """Latest validation loss (what ``checkpointing.metric_name: val_loss`` ranks checkpoints by)."""
+class PreferenceState(SupervisedState):
+    """What a checkpoint records about a DPO or reward-model loop's progress (steps, epoch, validation loss)."""
 
 
-@dataclasses.dataclass
-class PreferenceRun:
-    """Everything a DPO or reward-model loop needs, built by :func:`setup_preference_run`."""
+@dataclasses.dataclass(kw_only=True)
+class PreferenceRun(SupervisedRun):
+    """Everything a DPO or reward-model loop needs, built by :func:`setup_preference_run`: the run (see
+    :class:`SupervisedRun`), its config and its loss."""
 
-    config: DPOMasterConfig | RMMasterConfig
+    config: PreferenceMasterConfig
     loop_cfg: DPOConfig | RMConfig
     """The algorithm's own section (``dpo`` or ``rm``)."""
-    tokenizer: PreTrainedTokenizerBase
-    cluster: RayVirtualCluster
-    policy: Policy
-    train_loader: PreferenceLoader
-    val_loader: PreferenceLoader | None
     loss_fn: LossFunction
-    logger: Logger
-    checkpointer: CheckpointManager
-    state: PreferenceState
-
-    def shutdown(self) -> None:
-        """Stop the policy workers, flush the loggers, release the placement groups."""
-        self.logger.close()
-        self.policy.shutdown()
-        self.cluster.shutdown()
 
 
 def setup_preference_run(
-    config: DPOMasterConfig | RMMasterConfig,
+    config: PreferenceMasterConfig,
     loop_cfg: DPOConfig | RMConfig,
     tokenizer: PreTrainedTokenizerBase,
     train_dataset: ProcessedDataset,
@@ -102,66 +75,22 @@ def setup_preference_run(
 ) -> PreferenceRun:
     """Start Ray and the policy workers, build the loaders of preference pairs, and restore the latest
     checkpoint if any. ``keep_reference_model`` keeps the initial weights for reference log-probabilities."""
-    # Input checks that need no workers, before Ray starts.
-    check_run_setup(
-        config.policy,
-        config.checkpointing,
-        config.logger.log_dir,
-        policy_world_size=config.cluster.gpus_per_node * config.cluster.num_nodes,
-        run_name=name.upper(),
-        metric_names={"val_loss", "val:val_loss", "val:validation-default_loss"},
-    )
-    checkpointer = CheckpointManager(config.checkpointing)
-    resume = find_resume(checkpointer, name.upper(), config)
-    state = resume.state(PreferenceState)
-    collate = make_preference_collate_fn(
-        tokenizer, config.data.max_input_seq_length or config.policy.max_total_sequence_length
-    )
-    train_loader: PreferenceLoader = StatefulDataLoader(
+    run = start_supervised_run(
+        config,
+        tokenizer,
         train_dataset,
-        batch_size=config.policy.train_global_batch_size,
-        shuffle=config.data.shuffle,
+        val_dataset,
+        PreferenceState,
+        name=name,
+        metric_names={"val_loss", "val:val_loss", "val:validation-default_loss"},
         seed=loop_cfg.seed,
-        drop_last=True,
-        collate_fn=collate,
-    )
-    val_loader: PreferenceLoader | None = None
-    if val_dataset is not None and len(val_dataset) > 0:
-        val_loader = StatefulDataLoader(
-            val_dataset,
-            batch_size=loop_cfg.val_global_batch_size,
-            shuffle=False,
-            seed=loop_cfg.seed,
-            drop_last=False,
-            collate_fn=collate,
-        )
-    resume.restore_loader(train_loader)
-
-    init_ray(config.cluster)
-    cluster = RayVirtualCluster(config.cluster, name=name)
-    policy = Policy(
-        cluster,
-        config.policy,
+        val_batch_size=loop_cfg.val_global_batch_size,
+        collate_fn=make_preference_collate_fn(
+            tokenizer, config.data.max_input_seq_length or config.policy.max_total_sequence_length
+        ),
         init_reference_model=keep_reference_model,
-        weights_path=resume.weights_path,
-        optimizer_path=resume.optimizer_path,
     )
-    logger = Logger(config.logger)
-    logger.log_hyperparams(config.model_dump(mode="json"))
-    save_config(config, config.logger.log_dir)
-    return PreferenceRun(
-        config=config,
-        loop_cfg=loop_cfg,
-        tokenizer=tokenizer,
-        cluster=cluster,
-        policy=policy,
-        train_loader=train_loader,
-        val_loader=val_loader,
-        loss_fn=loss_fn,
-        logger=logger,
-        checkpointer=checkpointer,
-        state=state,
-    )
+    return PreferenceRun(**run.run_fields(), config=config, loop_cfg=loop_cfg, loss_fn=loss_fn)
 
 
 def pad_to_whole_pairs_per_rank(batch: BatchedDataDict[Any], dp_size: int) -> BatchedDataDict[Any]:
@@ -215,14 +144,7 @@ def validate(run: PreferenceRun, step: int, prepare: PrepareBatch = _unchanged) 
 
 def save_checkpoint(run: PreferenceRun) -> Path:
     """Write the policy, optimizer, scheduler, loader position and loop state as ``step_<N>`` (atomically)."""
-    return save_training_checkpoint(
-        run.checkpointer,
-        state=run.state,
-        run_config=run.config,
-        policy=run.policy,
-        train_loader=run.train_loader,
-        metric_value=run.state.val_loss,
-    )
+    return save_run_checkpoint(run, run.state.val_loss)
 
 
 def train_on_preferences(
@@ -233,18 +155,13 @@ def train_on_preferences(
     ``train/*`` metrics."""
     cfg = run.loop_cfg
     metrics: dict[str, float] = {}
-    loop = TrainLoop(
+    loop = make_train_loop(
         name,
-        loader=run.train_loader,
-        state=run.state,
-        total_steps=total_steps,
-        logger=run.logger,
-        checkpointer=run.checkpointer,
+        run,
+        cfg,
         save_checkpoint=lambda: save_checkpoint(run),
         validate=lambda step: validate(run, step, prepare),
-        val_period=cfg.val_period,
-        val_at_start=cfg.val_at_start,
-        val_at_end=cfg.val_at_end,
+        total_steps=total_steps,
     )
     policy_cfg = run.config.policy
     for batch in loop:

@@ -11,62 +11,36 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from nemo_rl.algorithms.loop import (
-    TrainLoop,
-    check_run_setup,
-    find_resume,
-    save_training_checkpoint,
-    step_budget,
-    train_metrics,
-)
+from nemo_rl.algorithms.loop import train_metrics
 from nemo_rl.algorithms.loss_functions import NLLLoss
-from nemo_rl.config.loader import save_config
+from nemo_rl.algorithms.run_setup import (
+    SupervisedRun,
+    SupervisedState,
+    make_train_loop,
+    save_run_checkpoint,
+    start_supervised_run,
+)
 from nemo_rl.config.master import SFTMasterConfig
 from nemo_rl.data.collate_fn import make_sft_collate_fn
-from nemo_rl.data.dataloader import StatefulDataLoader
 from nemo_rl.data.datasets import ProcessedDataset
-from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.distributed.virtual_cluster import RayVirtualCluster, init_ray
-from nemo_rl.models.policy.lm_policy import Policy
-from nemo_rl.utils.checkpoint import CheckpointManager
-from nemo_rl.utils.logger import Logger
 
 MasterConfig = SFTMasterConfig
 """The config of an SFT run, under NeMo RL's name (``from nemo_rl.algorithms.sft import MasterConfig``)."""
 
 
-@dataclasses.dataclass
-class SFTState:
-    """What a checkpoint records about the loop's progress."""
-
-    step: int = 0
-    """Optimizer steps taken."""
-
-    epoch: int = 0
-    """Epochs begun."""
-
-    val_loss: float | None = None
-    """Latest validation loss."""
+class SFTState(SupervisedState):
+    """What a checkpoint records about the SFT loop's progress (steps, epoch, validation loss)."""
 
 
-@dataclasses.dataclass
-class SFTSetup:
-    """Everything ``sft_train`` needs, built by ``setup``."""
+@dataclasses.dataclass(kw_only=True)
+class SFTSetup(SupervisedRun):
+    """Everything ``sft_train`` needs, built by ``setup``: the run (see :class:`SupervisedRun`) and its loss."""
 
     config: SFTMasterConfig
-    tokenizer: PreTrainedTokenizerBase
-    cluster: RayVirtualCluster
-    policy: Policy
-    train_loader: StatefulDataLoader[Any, BatchedDataDict[Any]]
-    val_loader: StatefulDataLoader[Any, BatchedDataDict[Any]] | None
     loss_fn: NLLLoss
-    logger: Logger
-    checkpointer: CheckpointManager
-    state: SFTState
 
 
 def _max_seq_len(cfg: SFTMasterConfig) -> int:
@@ -80,64 +54,19 @@ def setup(
     val_dataset: ProcessedDataset | None,
 ) -> SFTSetup:
     """Start Ray and the policy workers, build the loaders, and restore the latest checkpoint if any."""
-    # Input checks that need no workers, before Ray starts.
-    check_run_setup(
-        config.policy,
-        config.checkpointing,
-        config.logger.log_dir,
-        policy_world_size=config.cluster.gpus_per_node * config.cluster.num_nodes,
-        run_name="SFT",
-        metric_names={"val_loss", "validation/val_loss", "val:val_loss"},
-    )
-    checkpointer = CheckpointManager(config.checkpointing)
-    resume = find_resume(checkpointer, "SFT", config)
-    state = resume.state(SFTState)
-
-    collate = make_sft_collate_fn(tokenizer, _max_seq_len(config))
-    train_loader: StatefulDataLoader[Any, BatchedDataDict[Any]] = StatefulDataLoader(
+    run = start_supervised_run(
+        config,
+        tokenizer,
         train_dataset,
-        batch_size=config.policy.train_global_batch_size,
-        shuffle=config.data.shuffle,
+        val_dataset,
+        SFTState,
+        name="sft",
+        metric_names={"val_loss", "validation/val_loss", "val:val_loss"},
         seed=config.sft.seed,
-        drop_last=True,
-        collate_fn=collate,
+        val_batch_size=config.sft.val_global_batch_size,
+        collate_fn=make_sft_collate_fn(tokenizer, _max_seq_len(config)),
     )
-    val_loader = None
-    if val_dataset is not None and len(val_dataset) > 0:
-        val_loader = StatefulDataLoader(
-            val_dataset,
-            batch_size=config.sft.val_global_batch_size,
-            shuffle=False,
-            seed=config.sft.seed,
-            drop_last=False,
-            collate_fn=collate,
-        )
-    resume.restore_loader(train_loader)
-
-    init_ray(config.cluster)
-    cluster = RayVirtualCluster(config.cluster, name="sft")
-    policy = Policy(
-        cluster,
-        config.policy,
-        init_reference_model=False,
-        weights_path=resume.weights_path,
-        optimizer_path=resume.optimizer_path,
-    )
-    logger = Logger(config.logger)
-    logger.log_hyperparams(config.model_dump(mode="json"))
-    save_config(config, config.logger.log_dir)
-    return SFTSetup(
-        config=config,
-        tokenizer=tokenizer,
-        cluster=cluster,
-        policy=policy,
-        train_loader=train_loader,
-        val_loader=val_loader,
-        loss_fn=NLLLoss(),
-        logger=logger,
-        checkpointer=checkpointer,
-        state=state,
-    )
+    return SFTSetup(**run.run_fields(), config=config, loss_fn=NLLLoss())
 
 
 def validate(s: SFTSetup, step: int) -> float | None:
@@ -168,32 +97,15 @@ def validate(s: SFTSetup, step: int) -> float | None:
 
 def save_checkpoint(s: SFTSetup) -> Path:
     """Write the policy, optimizer, scheduler, loader position and loop state as ``step_<N>`` (atomically)."""
-    return save_training_checkpoint(
-        s.checkpointer,
-        state=s.state,
-        run_config=s.config,
-        policy=s.policy,
-        train_loader=s.train_loader,
-        metric_value=s.state.val_loss,
-    )
+    return save_run_checkpoint(s, s.state.val_loss)
 
 
 def sft_train(s: SFTSetup) -> dict[str, float]:
     """Run SFT to ``sft.max_num_steps`` (or ``max_num_epochs``); returns the last step's metrics."""
     cfg = s.config
     last_metrics: dict[str, float] = {}
-    loop = TrainLoop(
-        "sft",
-        loader=s.train_loader,
-        state=s.state,
-        total_steps=step_budget(cfg.sft.max_num_steps, cfg.sft.max_num_epochs, len(s.train_loader)),
-        logger=s.logger,
-        checkpointer=s.checkpointer,
-        save_checkpoint=lambda: save_checkpoint(s),
-        validate=lambda step: validate(s, step),
-        val_period=cfg.sft.val_period,
-        val_at_start=cfg.sft.val_at_start,
-        val_at_end=cfg.sft.val_at_end,
+    loop = make_train_loop(
+        "sft", s, cfg.sft, save_checkpoint=lambda: save_checkpoint(s), validate=lambda step: validate(s, step)
     )
     for batch in loop:
         s.state.epoch = s.train_loader.epoch

@@ -235,6 +235,11 @@ class GRPOConfig(ConfigModel):
         return self
 
     @property
+    def samples_per_step(self) -> int:
+        """Responses trained on per step: ``num_prompts_per_step`` x ``num_generations_per_prompt``."""
+        return self.num_prompts_per_step * self.num_generations_per_prompt
+
+    @property
     def prompts_per_generation_batch(self) -> int:
         """Prompts the loader yields per generation batch: ``num_prompts_per_step``, times
         ``batch_multiplier`` under dynamic sampling."""
@@ -296,6 +301,11 @@ class DistillationConfig(ConfigModel):
 
     seed: int = 42
     """Seed of prompt shuffling, sampling and initialisation."""
+
+    @property
+    def samples_per_step(self) -> int:
+        """Responses trained on per step: ``num_prompts_per_step`` x ``num_generations_per_prompt``."""
+        return self.num_prompts_per_step * self.num_generations_per_prompt
 
 
 class DPOConfig(DPOLossConfig):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar, Self
 
 from pydantic import Field, model_validator
 
@@ -162,7 +162,7 @@ class DistillationMasterConfig(ConfigModel):
                 f"policy.generation.temperature={self.policy.generation.temperature}: the teacher's logits and "
                 "the student's are divided by these before the KL; set them equal"
             )
-        samples = self.distillation.num_prompts_per_step * self.distillation.num_generations_per_prompt
+        samples = self.distillation.samples_per_step
         if samples % self.policy.train_global_batch_size != 0:
             raise ValueError(
                 f"distillation.num_prompts_per_step x distillation.num_generations_per_prompt = {samples} "
@@ -196,11 +196,15 @@ def _check_preference_run(algorithm: str, policy: PolicyConfig, data: DataConfig
         )
 
 
-class DPOMasterConfig(ConfigModel):
-    """Everything ``examples/run_dpo.py`` reads."""
+class PreferenceMasterConfig(ConfigModel):
+    """What DPO and reward-model training both read: a policy trained on preference pairs.
 
-    dpo: DPOConfig = Field(default_factory=DPOConfig)
-    """The DPO loop and its loss."""
+    :class:`DPOMasterConfig` and :class:`RMMasterConfig` add their loop's section (``dpo`` / ``rm``) and name
+    the head the policy trains (``_REWARD_MODEL``).
+    """
+
+    _ALGORITHM: ClassVar[str] = "Preference training"
+    _REWARD_MODEL: ClassVar[bool] = False
 
     policy: PolicyConfig
     """The trained model; its batch sizes count preference pairs."""
@@ -218,36 +222,29 @@ class DPOMasterConfig(ConfigModel):
     """Worker slots (GPUs, or CPU slots without CUDA) and nodes."""
 
     @model_validator(mode="after")
-    def _check(self) -> DPOMasterConfig:
-        _check_preference_run("DPO", self.policy, self.data, reward_model=False)
+    def _check(self) -> Self:
+        _check_preference_run(self._ALGORITHM, self.policy, self.data, reward_model=self._REWARD_MODEL)
         return self
 
 
-class RMMasterConfig(ConfigModel):
-    """Everything ``examples/run_rm.py`` reads."""
+class DPOMasterConfig(PreferenceMasterConfig):
+    """Everything ``examples/run_dpo.py`` reads."""
+
+    _ALGORITHM: ClassVar[str] = "DPO"
+
+    dpo: DPOConfig = Field(default_factory=DPOConfig)
+    """The DPO loop and its loss."""
+
+
+class RMMasterConfig(PreferenceMasterConfig):
+    """Everything ``examples/run_rm.py`` reads; the policy is the trained reward model
+    (``policy.reward_model_cfg.enabled: true``)."""
+
+    _ALGORITHM: ClassVar[str] = "Reward-model training"
+    _REWARD_MODEL: ClassVar[bool] = True
 
     rm: RMConfig = Field(default_factory=RMConfig)
     """The reward-model loop."""
-
-    policy: PolicyConfig
-    """The trained reward model (``reward_model_cfg.enabled: true``); its batch sizes count preference pairs."""
-
-    data: DataConfig = Field(default_factory=lambda: DataConfig(dataset_name="HelpSteer3"))
-    """Preference pairs for training and validation."""
-
-    logger: LoggerConfig = Field(default_factory=LoggerConfig)
-    """Metric logging backends."""
-
-    checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
-    """Checkpoint saving, retention and resume."""
-
-    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
-    """Worker slots (GPUs, or CPU slots without CUDA) and nodes."""
-
-    @model_validator(mode="after")
-    def _check(self) -> RMMasterConfig:
-        _check_preference_run("Reward-model training", self.policy, self.data, reward_model=True)
-        return self
 
 
 class EvalMasterConfig(ConfigModel):

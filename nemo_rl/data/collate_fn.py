@@ -64,13 +64,19 @@ def sft_collate_fn(
     return data
 
 
+def _bound(
+    collate: Callable[..., BatchedDataDict[Any]], tokenizer: PreTrainedTokenizerBase, max_seq_length: int
+) -> Callable[[Sequence[DatumSpec]], BatchedDataDict[Any]]:
+    return functools.partial(
+        collate, pad_token_id=require_pad_token_id(tokenizer), max_seq_length=max_seq_length
+    )
+
+
 def make_sft_collate_fn(
     tokenizer: PreTrainedTokenizerBase, max_seq_length: int
 ) -> Callable[[Sequence[DatumSpec]], BatchedDataDict[Any]]:
     """:func:`sft_collate_fn` bound to the tokenizer's pad token and a length limit, for a dataloader."""
-    return functools.partial(
-        sft_collate_fn, pad_token_id=require_pad_token_id(tokenizer), max_seq_length=max_seq_length
-    )
+    return _bound(sft_collate_fn, tokenizer, max_seq_length)
 
 
 def preference_collate_fn(
@@ -110,6 +116,4 @@ def make_preference_collate_fn(
     tokenizer: PreTrainedTokenizerBase, max_seq_length: int
 ) -> Callable[[Sequence[DatumSpec]], BatchedDataDict[Any]]:
     """:func:`preference_collate_fn` bound to the tokenizer's pad token and a length limit."""
-    return functools.partial(
-        preference_collate_fn, pad_token_id=require_pad_token_id(tokenizer), max_seq_length=max_seq_length
-    )
+    return _bound(preference_collate_fn, tokenizer, max_seq_length)

@@ -68,6 +68,10 @@ class _SampleState:
     answer: str | None = None
 
 
+_StepResult = tuple[float, bool, str | None, list[str] | None, Any, str | None]
+"""An environment's answer for one sample: (reward, terminated, observation, next stop strings, info, answer)."""
+
+
 def _env_step(
     task_to_env: Mapping[str, Any],
     states: list[_SampleState],
@@ -75,7 +79,7 @@ def _env_step(
     task_names: list[str],
     env_info: list[Any],
     timeout_s: float,
-) -> dict[int, tuple[float, bool, str | None, list[str] | None, Any, str | None]]:
+) -> dict[int, _StepResult]:
     """Step every environment on its active samples; returns per-sample (reward, terminated, obs, stops, info,
     answer)."""
     by_task: dict[str, list[int]] = defaultdict(list)
@@ -88,7 +92,7 @@ def _env_step(
         task: task_to_env[task].step.remote([states[i].log for i in idx], [env_info[i] for i in idx])
         for task, idx in by_task.items()
     }
-    results: dict[int, tuple[float, bool, str | None, list[str] | None, Any, str | None]] = {}
+    results: dict[int, _StepResult] = {}
     for task, ref in futures.items():
         ret: EnvironmentReturn = ray.get(ref, timeout=timeout_s)
         for j, i in enumerate(by_task[task]):
@@ -161,50 +165,87 @@ def run_multi_turn_rollout(
         with timer.time("generation") if timer else contextlib.nullcontext():
             output = generation.generate(gen_input, greedy=greedy)
 
-        turn_tokens = 0
-        for j, i in enumerate(active):
-            state = states[i]
-            prompt_len = int(gen_input["input_lengths"][j])
-            gen_len = int(output["generation_lengths"][j])
-            budget = max_seq_len - message_log_length(state.log)
-            keep = min(gen_len, max(budget, 0))
-            ids = output["output_ids"][j, prompt_len : prompt_len + keep].clone()
-            logprobs = output["logprobs"][j, prompt_len : prompt_len + keep].clone().float()
-            message = LLMMessage(
-                role="assistant", content=str(tokenizer.decode(ids, skip_special_tokens=False)), token_ids=ids
-            )
-            message["generation_logprobs"] = logprobs  # type: ignore[typeddict-unknown-key]
-            state.log.append(message)
-            state.turns += 1
-            state.generated_tokens += keep
-            turn_tokens += keep
-            if keep < gen_len or bool(output["truncated"][j]):
-                state.truncated = True
-
+        turn_tokens = _append_responses(states, active, gen_input, output, tokenizer, max_seq_len)
         with timer.time("reward") if timer else contextlib.nullcontext():
             results = _env_step(task_to_env, states, active, task_names, env_info, env_timeout_s)
-        for i in active:
-            state = states[i]
-            reward, terminated, observation, stop_strings, info, answer = results[i]
-            state.reward += reward
-            state.answer = answer
-            env_info[i] = info
-            state.stop_strings = stop_strings
-            out_of_turns = turn == max_rollout_turns - 1
-            if terminated or state.truncated or out_of_turns or observation is None:
-                state.done = True
-                continue
-            text = render_observation_turn(tokenizer, observation)
-            obs_ids = torch.tensor(tokenizer.encode(text, add_special_tokens=False), dtype=torch.long)
-            if message_log_length(state.log) + obs_ids.numel() >= max_seq_len:
-                state.truncated = True
-                state.done = True
-                continue
-            state.log.append(LLMMessage(role="user", content=text, token_ids=obs_ids))
+        out_of_turns = turn == max_rollout_turns - 1
+        _apply_env_results(states, active, results, env_info, tokenizer, max_seq_len, out_of_turns)
 
         turn_metrics[f"turn_{turn + 1}/active_samples"] = float(len(active))
         turn_metrics[f"turn_{turn + 1}/mean_gen_tokens"] = turn_tokens / len(active)
 
+    return _finished_batch(input_batch, states, env_info, turn_metrics)
+
+
+def _append_responses(
+    states: list[_SampleState],
+    active: list[int],
+    gen_input: BatchedDataDict[Any],
+    output: BatchedDataDict[Any],
+    tokenizer: PreTrainedTokenizerBase,
+    max_seq_len: int,
+) -> int:
+    """Append each active sample's response (cut to its remaining token budget) with its sampling log-probs;
+    returns the tokens kept."""
+    turn_tokens = 0
+    for j, i in enumerate(active):
+        state = states[i]
+        prompt_len = int(gen_input["input_lengths"][j])
+        gen_len = int(output["generation_lengths"][j])
+        budget = max_seq_len - message_log_length(state.log)
+        keep = min(gen_len, max(budget, 0))
+        ids = output["output_ids"][j, prompt_len : prompt_len + keep].clone()
+        logprobs = output["logprobs"][j, prompt_len : prompt_len + keep].clone().float()
+        message = LLMMessage(
+            role="assistant", content=str(tokenizer.decode(ids, skip_special_tokens=False)), token_ids=ids
+        )
+        message["generation_logprobs"] = logprobs  # type: ignore[typeddict-unknown-key]
+        state.log.append(message)
+        state.turns += 1
+        state.generated_tokens += keep
+        turn_tokens += keep
+        if keep < gen_len or bool(output["truncated"][j]):
+            state.truncated = True
+    return turn_tokens
+
+
+def _apply_env_results(
+    states: list[_SampleState],
+    active: list[int],
+    results: dict[int, _StepResult],
+    env_info: list[Any],
+    tokenizer: PreTrainedTokenizerBase,
+    max_seq_len: int,
+    out_of_turns: bool,
+) -> None:
+    """Add each active sample's reward and end it, or append the environment's observation as the next user
+    turn when it fits the budget."""
+    for i in active:
+        state = states[i]
+        reward, terminated, observation, stop_strings, info, answer = results[i]
+        state.reward += reward
+        state.answer = answer
+        env_info[i] = info
+        state.stop_strings = stop_strings
+        if terminated or state.truncated or out_of_turns or observation is None:
+            state.done = True
+            continue
+        text = render_observation_turn(tokenizer, observation)
+        obs_ids = torch.tensor(tokenizer.encode(text, add_special_tokens=False), dtype=torch.long)
+        if message_log_length(state.log) + obs_ids.numel() >= max_seq_len:
+            state.truncated = True
+            state.done = True
+            continue
+        state.log.append(LLMMessage(role="user", content=text, token_ids=obs_ids))
+
+
+def _finished_batch(
+    input_batch: BatchedDataDict[Any],
+    states: list[_SampleState],
+    env_info: list[Any],
+    turn_metrics: dict[str, float],
+) -> tuple[BatchedDataDict[Any], dict[str, float]]:
+    """The rolled-out batch (see :func:`run_multi_turn_rollout`) and its metrics."""
     batch_size = len(states)
     result = BatchedDataDict(input_batch.copy())
     # An input of the first turn only; dropping it keeps rollouts of batches with and without it joinable.

@@ -98,6 +98,19 @@ def require_pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
     return int(tokenizer.pad_token_id)
 
 
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase, checkpoint_dir: pathlib.Path | None) -> list[int]:
+    """Token ids that end a response: the tokenizer's EOS plus the model's ``generation_config.json`` EOS list."""
+    ids: list[int] = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    if checkpoint_dir is not None and (checkpoint_dir / "generation_config.json").exists():
+        from transformers import GenerationConfig
+
+        extra = GenerationConfig.from_pretrained(checkpoint_dir).eos_token_id
+        ids.extend([extra] if isinstance(extra, int) else list(extra or []))
+    return sorted(set(ids))
+
+
 def resolve_chat_template(chat_template: str) -> str:
     """The Jinja text of a ``chat_template`` setting: ``"default"``, a path to a ``.jinja`` file, or Jinja."""
     if chat_template == "default":

@@ -30,6 +30,7 @@ import nemo_rl.config.env, nemo_rl.config.master, nemo_rl.config.policy
 print(sorted(m for m in ("omegaconf", "hydra", "nemo_rl.config.cli") if m in sys.modules))
 
 from nemo_rl.algorithms import distillation, dpo, grpo, rm, sft  # noqa: F401
+from nemo_rl.algorithms.loop import check_run_setup
 from nemo_rl.config.loader import load_and_validate
 from nemo_rl.config.master import GRPOMasterConfig
 from nemo_rl.data.datasets import setup_rl_data
@@ -43,7 +44,7 @@ config = load_and_validate(
 )
 tokenizer = get_policy_tokenizer(config.policy)
 setup_rl_data(config.data, tokenizer, max_total_sequence_length=config.policy.max_total_sequence_length)
-grpo.check_run_setup(
+check_run_setup(
     config.policy, config.checkpointing, "/tmp", policy_world_size=1, run_name="GRPO",
     metric_names={"val_accuracy"}
 )

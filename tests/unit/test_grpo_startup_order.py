@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 
 import nemo_rl.algorithms.grpo as grpo
+import nemo_rl.algorithms.rl_startup as rl_startup
+import nemo_rl.algorithms.run_setup as run_setup
 from nemo_rl.config.master import GRPOMasterConfig
 
 
@@ -69,11 +71,11 @@ def _setup_events(
         started_together.append(enabled)
         yield
 
-    monkeypatch.setattr(grpo, "init_ray", lambda cluster_cfg: None)
-    monkeypatch.setattr(grpo, "RayVirtualCluster", lambda *args, **kwargs: object())
-    monkeypatch.setattr(grpo, "create_generation", create_generation)
-    monkeypatch.setattr(grpo, "Policy", policy)
-    monkeypatch.setattr(grpo, "start_together", start_together)
+    monkeypatch.setattr(run_setup, "init_ray", lambda cluster_cfg: None)
+    monkeypatch.setattr(run_setup, "RayVirtualCluster", lambda *args, **kwargs: object())
+    monkeypatch.setattr(rl_startup, "create_generation", create_generation)
+    monkeypatch.setattr(run_setup, "Policy", policy)
+    monkeypatch.setattr(rl_startup, "start_together", start_together)
     placement: dict[str, Any] = (
         {"enabled": True} if colocated else {"enabled": False, "resources": {"gpus_per_node": 1}}
     )

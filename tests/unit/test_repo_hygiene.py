@@ -1,7 +1,9 @@
-"""Repository-level invariants: CI runs exactly the README's test command."""
+"""Repository-level invariants: CI runs exactly the README's test command; no function in the package is
+longer than a reader can hold in view."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -26,3 +28,19 @@ def test_ci_runs_the_readme_test_command_verbatim() -> None:
     test_command = _readme_quick_start_commands()[1]
     ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     assert test_command in ci_lines, f"`.ci/run` must run the README's test command `{test_command}`"
+
+
+MAX_FUNCTION_LINES = 80
+"""Longest function (signature, docstring and body) in ``nemo_rl/``; a longer one is split into named steps."""
+
+
+def test_no_function_in_the_package_is_longer_than_80_lines() -> None:
+    too_long = []
+    for path in sorted((ROOT / "nemo_rl").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                assert node.end_lineno is not None
+                num_lines = node.end_lineno - node.lineno + 1
+                if num_lines > MAX_FUNCTION_LINES:
+                    too_long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({num_lines} lines)")
+    assert not too_long, f"functions over {MAX_FUNCTION_LINES} lines: {too_long}"

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -47,11 +47,19 @@ def _main_params(part: Any) -> list[torch.Tensor]:
     return [p for group in part.optimizer.param_groups for p in group["params"]]
 
 
+class CheckpointParts(NamedTuple):
+    """What a checkpoint holds of one rank."""
+
+    weights: StageWeights
+    """The rank's stage of the model."""
+    optimizer: MegatronOptimizer
+    scheduler: OptimizerParamScheduler
+    layout: dict[str, Any]
+    """The run's parallel layout and optimizer settings, written by rank 0 and checked on load."""
+
+
 def save(
-    weights: StageWeights,
-    optimizer: MegatronOptimizer,
-    scheduler: OptimizerParamScheduler,
-    layout: dict[str, Any],
+    parts: CheckpointParts,
     *,
     weights_path: str,
     optimizer_path: str | None,
@@ -59,8 +67,9 @@ def save(
     stage: int,
     num_stages: int,
 ) -> None:
-    """Write a checkpoint; a collective over all ranks. ``layout`` describes this run's parallel layout and
-    optimizer settings (checked on load); ``writer`` ranks (one per stage) write the stage's weights."""
+    """Write a checkpoint; a collective over all ranks. ``writer`` ranks (one per stage) write the stage's
+    weights."""
+    weights, optimizer, scheduler, layout = parts
     write_stage_safetensors(
         weights, weights_path, dtype=None, writer=writer, stage=stage, num_stages=num_stages
     )
@@ -89,15 +98,13 @@ def save(
 
 @torch.no_grad()
 def load(
-    weights: StageWeights,
-    optimizer: MegatronOptimizer,
-    scheduler: OptimizerParamScheduler,
-    layout: dict[str, Any],
+    parts: CheckpointParts,
     *,
     weights_path: str,
     optimizer_path: str | None,
 ) -> None:
     """Load what :func:`save` wrote (the optimizer part only with ``optimizer_path``)."""
+    weights, optimizer, scheduler, layout = parts
     weights.load(SafetensorsReader(weights_path))
     # Float32 master weights (bfloat16 training, distributed optimizer) follow the loaded weights...
     optimizer.reload_model_params()

@@ -81,12 +81,7 @@ class DecoderFamily:
             WeightRule(m + "self_attention.linear_qkv.weight", tuple(n + ".weight" for n in qkv), Kind.QKV),
             WeightRule(m + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",), Kind.ROW),
             WeightRule(m + mlp_norm, (h + "post_attention_layernorm.weight",), Kind.REPLICATED),
-            WeightRule(
-                m + "mlp.linear_fc1.weight",
-                (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"),
-                Kind.GATE_UP,
-            ),
-            WeightRule(m + "mlp.linear_fc2.weight", (h + "mlp.down_proj.weight",), Kind.ROW),
+            *_mlp_rules(m, h, "weight", down_kind=Kind.ROW),
         ]
         if arch.qkv_bias:
             rules.append(
@@ -97,12 +92,7 @@ class DecoderFamily:
                 WeightRule(
                     m + "self_attention.linear_proj.bias", (h + "self_attn.o_proj.bias",), Kind.REPLICATED
                 ),
-                WeightRule(
-                    m + "mlp.linear_fc1.bias",
-                    (h + "mlp.gate_proj.bias", h + "mlp.up_proj.bias"),
-                    Kind.GATE_UP,
-                ),
-                WeightRule(m + "mlp.linear_fc2.bias", (h + "mlp.down_proj.bias",), Kind.REPLICATED),
+                *_mlp_rules(m, h, "bias", down_kind=Kind.REPLICATED),
             ]
         if arch.qk_norm:
             rules += [
@@ -170,3 +160,16 @@ def family_for(arch: DecoderArch) -> DecoderFamily:
         )
     family.check(arch)
     return family
+
+
+def _mlp_rules(m: str, h: str, suffix: str, *, down_kind: Kind) -> list[WeightRule]:
+    """The MLP's fused gate/up projection and its down projection, for their ``suffix`` (weight or bias):
+    Megatron prefix ``m``, Hugging Face prefix ``h``."""
+    return [
+        WeightRule(
+            m + f"mlp.linear_fc1.{suffix}",
+            (h + f"mlp.gate_proj.{suffix}", h + f"mlp.up_proj.{suffix}"),
+            Kind.GATE_UP,
+        ),
+        WeightRule(m + f"mlp.linear_fc2.{suffix}", (h + f"mlp.down_proj.{suffix}",), down_kind),
+    ]

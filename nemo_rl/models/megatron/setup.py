@@ -41,10 +41,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from nemo_rl.config.megatron import MegatronConfig
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.device import cuda_available, get_device
+from nemo_rl.models.dtypes import PRECISION_DTYPES
 from nemo_rl.models.hf_decoder import DecoderArch
 from nemo_rl.models.megatron.convert import pad_vocab
 from nemo_rl.models.megatron.families import DecoderFamily
-from nemo_rl.models.policy.utils import PRECISION_DTYPES
 
 RANK_ORDER = "tp-cp-ep-pp-dp"
 """Megatron's rank order: the ranks of one data-parallel replica are consecutive."""

@@ -24,8 +24,8 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.policy import PolicyConfig, TokenizerConfig
+from nemo_rl.models.dtypes import PRECISION_DTYPES
 from nemo_rl.models.hf_config import load_hf_config
-from nemo_rl.models.policy.utils import PRECISION_DTYPES
 from nemo_rl.models.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)

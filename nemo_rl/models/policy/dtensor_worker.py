@@ -28,7 +28,7 @@ import itertools
 import logging
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from nemo_rl.config.policy import PolicyConfig, TokenizerConfig
+from nemo_rl.config.policy import TokenizerConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.device import (
     configure_worker_threads,
@@ -44,8 +44,8 @@ from nemo_rl.distributed.device import (
     get_device,
     init_process_group_from_env,
 )
+from nemo_rl.models.dtypes import PRECISION_DTYPES
 from nemo_rl.models.policy.hf_io import config_has_dropout, export_hf_checkpoint, load_sharded_model
-from nemo_rl.models.policy.interfaces import TrainResult
 from nemo_rl.models.policy.loss_interface import LossFunction
 from nemo_rl.models.policy.optim import build_optimizer, build_scheduler, clip_grad_norm_, freeze_parameters
 from nemo_rl.models.policy.parallelize import (
@@ -61,19 +61,12 @@ from nemo_rl.models.policy.shared_prefix import (
     use_shared_prefix_attention,
 )
 from nemo_rl.models.policy.utils import (
-    PRECISION_DTYPES,
     PackedRows,
     pad_sequence_dim,
-    token_logprobs,
-    topk_logits,
     valid_token_mask,
 )
-from nemo_rl.models.policy.worker_batches import (
-    TrainLog,
-    merge_rows,
-    micro_batches,
-    step_batches,
-)
+from nemo_rl.models.policy.worker_base import PolicyWorkerBase, ScoreFn
+from nemo_rl.models.policy.worker_batches import StepBatch, TrainLog, merge_rows
 from nemo_rl.models.sampling import sampling_logits
 from nemo_rl.utils.rng import get_rng_state, set_rng_state
 from nemo_rl.weight_sync.interfaces import TransferStats, WeightSender
@@ -109,38 +102,22 @@ def _to_host(tensor: torch.Tensor) -> torch.Tensor:
     return host
 
 
-class DTensorPolicyWorker:
+class DTensorPolicyWorker(PolicyWorkerBase):
     """One rank of the DTensor policy; run as a Ray actor by ``RayWorkerGroup``."""
 
-    def __init__(
-        self,
-        cfg: PolicyConfig,
-        tokenizer_path: str | None = None,
-        weights_path: str | None = None,
-        optimizer_path: str | None = None,
-        init_reference_model: bool = True,
-    ) -> None:
-        """Join the process group, load and shard ``cfg.model_name``, build the optimizer and scheduler.
-
-        ``tokenizer_path`` is the tokenizer written next to exported checkpoints (default: the tokenizer
-        ``cfg`` names). ``weights_path`` / ``optimizer_path`` resume from :meth:`save_checkpoint` output; the
-        reference policy is always the initial ``cfg.model_name`` weights.
-        """
+    def _build(self, init_reference_model: bool) -> None:
+        """Join the process group, load and shard ``cfg.model_name``, build the optimizer and scheduler."""
+        cfg = self.cfg
         dtensor_cfg = cfg.dtensor_cfg
         if dtensor_cfg.cpu_offload and not cuda_available():
             raise ValueError(
                 "policy.dtensor_cfg.cpu_offload=true needs CUDA (FSDP2's CPUOffloadPolicy does not run on a "
                 "CPU-only machine); set policy.dtensor_cfg.cpu_offload=false"
             )
-        if optimizer_path is not None and weights_path is None:
-            raise ValueError(
-                "optimizer_path was given without weights_path: resume needs both from one checkpoint"
-            )
         if dtensor_cfg.env_vars:
             os.environ.update(dtensor_cfg.env_vars)
         configure_worker_threads()
         init_process_group_from_env()
-        self.cfg = cfg
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         tp_size = dtensor_cfg.tensor_parallel_size
@@ -156,7 +133,6 @@ class DTensorPolicyWorker:
         self.dp_rank = self.mesh.get_local_rank("dp")
         sp_multiple = tp_size if dtensor_cfg.sequence_parallel else 1
         self.seq_multiple = math.lcm(cfg.make_sequence_length_divisible_by, sp_multiple)
-        self.tokenizer_source = tokenizer_path if tokenizer_path is not None else cfg.tokenizer_name
 
         self.model = load_sharded_model(cfg, self.mesh, self.device)
         self.optimizer = build_optimizer(freeze_parameters(self.model, cfg.frozen_parameters), cfg.optimizer)
@@ -165,19 +141,12 @@ class DTensorPolicyWorker:
         self.reference_shards: dict[str, torch.Tensor] | None = (
             self._snapshot_local_shards() if init_reference_model else None
         )
-        if weights_path is not None:
-            self.load_checkpoint(weights_path, optimizer_path)
         # The embedded engine replica this worker hosts (see init_embedded_generation); None on the ranks
         # that generate for no one.
         self._hosts_generation = False
         self._generation_replica: EmbeddedReplica | None = None
 
     # ----------------------------------------------------------------------------------------- forward
-    @property
-    def is_reward_model(self) -> bool:
-        """Whether the model has a scalar reward head (``policy.reward_model_cfg.enabled``)."""
-        return self.cfg.reward_model_cfg.enabled
-
     def _forward(self, mb: BatchedDataDict[Any]) -> torch.Tensor:
         """What the loss reads: next-token logits [B, T, V], or a reward model's rewards [B] (float32)."""
         return self._rewards(mb) if self.is_reward_model else self._logits(mb)
@@ -197,13 +166,6 @@ class DTensorPolicyWorker:
         if isinstance(scores, DTensor):
             scores = scores.full_tensor()
         return scores.float().reshape(ids_BT.shape[0])
-
-    def _require_language_model(self, method: str) -> None:
-        if self.is_reward_model:
-            raise ValueError(
-                f"{method} needs next-token logits, but this policy is a reward model "
-                "(policy.reward_model_cfg.enabled=true); use score() for its rewards"
-            )
 
     def _logits(self, mb: BatchedDataDict[Any]) -> torch.Tensor:
         """[B, T, V] float32 full-vocab logits of the sampling distribution (temperature, top-k, top-p; see
@@ -264,7 +226,7 @@ class DTensorPolicyWorker:
     def _score(
         self,
         data: BatchedDataDict[Any],
-        fn: Callable[[torch.Tensor, BatchedDataDict[Any]], dict[str, torch.Tensor]],
+        fn: ScoreFn,
         micro_batch_size: int | None,
     ) -> BatchedDataDict[Any]:
         """Run ``fn(model output, micro_batch)`` over ``data`` in inference mode and merge its outputs.
@@ -284,21 +246,11 @@ class DTensorPolicyWorker:
         reshard_all(self.model)
         return merge_rows(outputs, data.size, int(data["input_ids"].shape[1]))
 
-    def _micro_batches(
-        self, batch: BatchedDataDict[Any], micro_batch_size: int, max_tokens: int
-    ) -> Iterator[tuple[list[int], BatchedDataDict[Any]]]:
-        """``(row indices, micro-batch on the device)`` pairs covering ``batch`` (see ``worker_batches``)."""
-        return micro_batches(
-            batch,
-            micro_batch_size=micro_batch_size,
-            max_tokens=max_tokens,
-            dynamic=self.cfg.dynamic_batching,
-            seq_multiple=self.seq_multiple,
-            device=self.device,
-            dp_group=self.dp_group,
-            packing=self.cfg.sequence_packing if self.cfg.packs_sequences else None,
-            shared_prefix=self.cfg.shared_prefix.enabled,
-        )
+    def _micro_batch_options(self) -> dict[str, Any]:
+        return {
+            "packing": self.cfg.sequence_packing if self.cfg.packs_sequences else None,
+            "shared_prefix": self.cfg.shared_prefix.enabled,
+        }
 
     def _mb_tokens(self, train: bool) -> int:
         """The token budget of a training or scoring micro-batch (packing's, or dynamic batching's)."""
@@ -315,104 +267,42 @@ class DTensorPolicyWorker:
         # NeMo RL's recipes derive the budgets from the padded micro-batch they replace.
         return budget if budget is not None else cfg.max_total_sequence_length * rows
 
-    def get_logprobs(
-        self, data: BatchedDataDict[Any], micro_batch_size: int | None = None
-    ) -> BatchedDataDict[Any]:
-        """``{"logprobs": [B, T]}`` of ``data["input_ids"]`` (aligned with the tokens, 0 at position 0 / padding)."""
-        self._require_language_model("get_logprobs")
-        return self._score(
-            data,
-            lambda logits, mb: {"logprobs": token_logprobs(logits, mb["input_ids"], mb["input_lengths"])},
-            micro_batch_size,
-        )
-
-    def get_reference_policy_logprobs(
-        self, data: BatchedDataDict[Any], micro_batch_size: int | None = None
-    ) -> BatchedDataDict[Any]:
-        """``{"reference_logprobs": [B, T]}`` under the initial weights."""
-        with self._reference_weights():
-            out = self.get_logprobs(data, micro_batch_size)
-        return BatchedDataDict({"reference_logprobs": out["logprobs"]})
-
-    def get_topk_logits(
-        self, data: BatchedDataDict[Any], k: int, micro_batch_size: int | None = None
-    ) -> BatchedDataDict[Any]:
-        """``{"topk_logits", "topk_indices"}``, each [B, T, K]; see ``PolicyInterface.get_topk_logits``."""
-        self._require_language_model("get_topk_logits")
-
-        def fn(logits: torch.Tensor, mb: BatchedDataDict[Any]) -> dict[str, torch.Tensor]:
-            values, indices = topk_logits(logits, mb["input_lengths"], k)
-            return {"topk_logits": values, "topk_indices": indices}
-
-        return self._score(data, fn, micro_batch_size)
-
-    def score(self, data: BatchedDataDict[Any], micro_batch_size: int | None = None) -> BatchedDataDict[Any]:
-        """``{"scores": [B]}``: a reward model's reward of each sequence of ``data``."""
-        if not self.is_reward_model:
-            raise ValueError(
-                "score() needs a reward model: set policy.reward_model_cfg.enabled=true (this policy is a "
-                "language model; use get_logprobs() for it)"
-            )
-        return self._score(data, lambda rewards_B, mb: {"scores": rewards_B}, micro_batch_size)
-
     # ---------------------------------------------------------------------------------------- training
-    def train(
-        self,
-        data: BatchedDataDict[Any],
-        loss_fn: LossFunction,
-        eval_mode: bool = False,
-        gbs: int | None = None,
-        mbs: int | None = None,
-    ) -> TrainResult:
-        """Take one optimizer step per global batch in this rank's shard ``data``; see the module docstring.
-
-        ``data`` holds ``gbs // dp`` rows per step, in step order (``shard_by_batch_size(dp, batch_size=gbs)``
-        on the driver). ``eval_mode`` computes the loss without gradients or updates.
-        """
-        self.model.train(not eval_mode)
-        log = TrainLog()
-        for step in step_batches(
-            data,
-            self.cfg,
-            gbs=gbs,
-            mbs=mbs,
-            rows_per_group=loss_fn.rows_per_group,
-            dp_size=self.dp_size,
-            seq_multiple=self.seq_multiple,
-            device=self.device,
-            dp_group=self.dp_group,
-        ):
+    def _forward_backward(
+        self, step: StepBatch, loss_fn: LossFunction, eval_mode: bool
+    ) -> tuple[float, list[dict[str, Any]]]:
+        """The step's micro-batches, forward and (training) backward, gradients synced on the last one."""
+        if not eval_mode:
+            self.optimizer.zero_grad(set_to_none=True)
+        step_loss = 0.0
+        mb_metrics: list[dict[str, Any]] = []
+        max_tokens = self._mb_tokens(train=True)
+        batches = list(self._micro_batches(step.batch, step.micro_batch_size, max_tokens))
+        for index, (_, mb) in enumerate(batches):
             if not eval_mode:
-                self.optimizer.zero_grad(set_to_none=True)
-            step_loss = 0.0
-            mb_metrics: list[dict[str, float]] = []
-            max_tokens = self._mb_tokens(train=True)
-            batches = list(self._micro_batches(step.batch, step.micro_batch_size, max_tokens))
-            for index, (_, mb) in enumerate(batches):
+                self._defer_gradient_sync(last_micro_batch=index == len(batches) - 1)
+            with torch.set_grad_enabled(not eval_mode):
+                loss, metrics = loss_fn(self._forward(mb), mb, step.global_valid_seqs, step.global_valid_toks)
                 if not eval_mode:
-                    self._defer_gradient_sync(last_micro_batch=index == len(batches) - 1)
-                with torch.set_grad_enabled(not eval_mode):
-                    loss, metrics = loss_fn(
-                        self._forward(mb), mb, step.global_valid_seqs, step.global_valid_toks
-                    )
-                    if not eval_mode:
-                        loss.backward()
-                step_loss += float(loss.detach().double())
-                mb_metrics.append(metrics)
-            if not eval_mode:
-                self._all_reduce_replicated_grads()
-                grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
-                log.add_update(grad_norm, float(self.optimizer.param_groups[0]["lr"]))
-                if math.isfinite(grad_norm):
-                    self.optimizer.step()
-                    # A skipped step leaves the schedule where it was, as it leaves the weights.
-                    self.scheduler.step()
-                else:
-                    logger.warning("skipping the optimizer step: the gradient norm is %s", grad_norm)
-            else:
-                reshard_all(self.model)
-            log.end_step(step, step_loss, mb_metrics, self.dp_group, self.device)
-        return log.result(eval_mode)
+                    loss.backward()
+            step_loss += float(loss.detach().double())
+            mb_metrics.append(metrics)
+        return step_loss, mb_metrics
+
+    def _optimizer_step(self, log: TrainLog) -> None:
+        """Sum the replicated gradients, clip, then step unless the gradient norm is not finite."""
+        self._all_reduce_replicated_grads()
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        log.add_update(grad_norm, float(self.optimizer.param_groups[0]["lr"]))
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+            # A skipped step leaves the schedule where it was, as it leaves the weights.
+            self.scheduler.step()
+        else:
+            logger.warning("skipping the optimizer step: the gradient norm is %s", grad_norm)
+
+    def _after_eval_step(self) -> None:
+        reshard_all(self.model)
 
     def trains_with_dropout(self) -> bool:
         """Whether the model's config (with ``policy.hf_config_overrides``) sets a positive dropout probability

@@ -26,9 +26,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from nemo_rl.config.policy import PolicyConfig, TokenizerConfig
 from nemo_rl.models import hf_config as hf_config_io
+from nemo_rl.models.dtypes import PRECISION_DTYPES
 from nemo_rl.models.policy.optim import frozen_names
 from nemo_rl.models.policy.parallelize import apply_fsdp, apply_tensor_parallel, needs_fsdp
-from nemo_rl.models.policy.utils import PRECISION_DTYPES
 from nemo_rl.models.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)

@@ -42,7 +42,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from nemo_rl.config.megatron import no_effect_settings
-from nemo_rl.config.policy import PolicyConfig, TokenizerConfig
+from nemo_rl.config.policy import TokenizerConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.device import (
     configure_worker_threads,
@@ -50,6 +50,7 @@ from nemo_rl.distributed.device import (
     get_device,
     init_process_group_from_env,
 )
+from nemo_rl.models.dtypes import PRECISION_DTYPES
 from nemo_rl.models.hf_config import load_hf_config
 from nemo_rl.models.hf_decoder import DecoderArch, SafetensorsReader, resolve_checkpoint_dir
 from nemo_rl.models.megatron import checkpoint, cpu_compat, setup
@@ -60,57 +61,30 @@ from nemo_rl.models.megatron.weights import (
     write_hf_metadata,
     write_stage_safetensors,
 )
-from nemo_rl.models.policy.interfaces import TrainResult
 from nemo_rl.models.policy.loss_interface import LossFunction
 from nemo_rl.models.policy.utils import (
-    PRECISION_DTYPES,
     pad_sequence_dim,
-    token_logprobs,
-    topk_logits,
 )
-from nemo_rl.models.policy.worker_batches import (
-    StepBatch,
-    TrainLog,
-    merge_rows,
-    micro_batches,
-    step_batches,
-)
+from nemo_rl.models.policy.worker_base import PolicyWorkerBase, ScoreFn
+from nemo_rl.models.policy.worker_batches import StepBatch, TrainLog, merge_rows
 from nemo_rl.models.sampling import sampling_logits
 from nemo_rl.weight_sync.interfaces import TransferStats, WeightSender
 
 logger = logging.getLogger(__name__)
 
-ScoreFn = Callable[[torch.Tensor, BatchedDataDict[Any]], dict[str, torch.Tensor]]
 
-
-class MegatronPolicyWorker:
+class MegatronPolicyWorker(PolicyWorkerBase):
     """One rank of the Megatron policy; run as a Ray actor by ``RayWorkerGroup``."""
 
-    def __init__(
-        self,
-        cfg: PolicyConfig,
-        tokenizer_path: str | None = None,
-        weights_path: str | None = None,
-        optimizer_path: str | None = None,
-        init_reference_model: bool = True,
-    ) -> None:
-        """Join the process groups, build this rank's stage from ``cfg.model_name``, the optimizer and schedule.
-
-        ``tokenizer_path`` is the tokenizer written next to exported checkpoints (default: the tokenizer
-        ``cfg`` names). ``weights_path`` / ``optimizer_path`` resume from :meth:`save_checkpoint` output; the
-        reference policy is always the initial ``cfg.model_name`` weights.
-        """
+    def _build(self, init_reference_model: bool) -> None:
+        """Join the process groups, build this rank's stage from ``cfg.model_name``, the optimizer and schedule."""
+        cfg = self.cfg
         megatron = cfg.megatron_cfg
-        if optimizer_path is not None and weights_path is None:
-            raise ValueError(
-                "optimizer_path was given without weights_path: resume needs both from one checkpoint"
-            )
         if megatron.env_vars:
             os.environ.update(megatron.env_vars)
         configure_worker_threads()
         init_process_group_from_env()
         cpu_compat.install()
-        self.cfg = cfg
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         model_parallel = megatron.tensor_model_parallel_size * megatron.pipeline_model_parallel_size
@@ -120,7 +94,6 @@ class MegatronPolicyWorker:
                 f"pipeline_model_parallel_size = {model_parallel}"
             )
         self.device = get_device()
-        self.tokenizer_source = tokenizer_path if tokenizer_path is not None else cfg.tokenizer_name
         self.hf_config = load_hf_config(
             cfg.model_name, trust_remote_code=cfg.trust_remote_code, overrides=cfg.hf_config_overrides
         )
@@ -172,8 +145,6 @@ class MegatronPolicyWorker:
                     "policy.optimizer / policy.scheduler configure the DTensor backend and are not used; the "
                     "Megatron backend trains with policy.megatron_cfg.optimizer / scheduler"
                 )
-        if weights_path is not None:
-            self.load_checkpoint(weights_path, optimizer_path)
 
     # ----------------------------------------------------------------------------------------- forward
     def _logits(self, output_BTV: torch.Tensor, mb: BatchedDataDict[Any]) -> torch.Tensor:
@@ -186,21 +157,6 @@ class MegatronPolicyWorker:
             generation.temperature,
             generation.top_k,
             generation.top_p,
-        )
-
-    def _micro_batches(
-        self, batch: BatchedDataDict[Any], micro_batch_size: int, max_tokens: int
-    ) -> list[tuple[list[int], BatchedDataDict[Any]]]:
-        return list(
-            micro_batches(
-                batch,
-                micro_batch_size=micro_batch_size,
-                max_tokens=max_tokens,
-                dynamic=self.cfg.dynamic_batching,
-                seq_multiple=self.seq_multiple,
-                device=self.device,
-                dp_group=self.dp_group,
-            )
         )
 
     def _run_pipeline(
@@ -262,7 +218,7 @@ class MegatronPolicyWorker:
             raise ValueError("every data-parallel rank needs at least one sequence to score")
         mbs = micro_batch_size or self.cfg.logprob_batch_size or self.cfg.train_micro_batch_size
         batch = pad_sequence_dim(data, self.seq_multiple)
-        parts = self._micro_batches(batch, mbs, self.cfg.dynamic_batching.logprob_mb_tokens)
+        parts = list(self._micro_batches(batch, mbs, self.cfg.dynamic_batching.logprob_mb_tokens))
         self.model.eval()
 
         def collect(mb: BatchedDataDict[Any], output: torch.Tensor, non_loss_data: bool = True) -> Any:
@@ -281,35 +237,6 @@ class MegatronPolicyWorker:
         result: BatchedDataDict[Any] = self._from_last_stage(merged)
         return result
 
-    def get_logprobs(
-        self, data: BatchedDataDict[Any], micro_batch_size: int | None = None
-    ) -> BatchedDataDict[Any]:
-        """``{"logprobs": [B, T]}`` of ``data["input_ids"]`` (aligned with the tokens, 0 at position 0 / padding)."""
-        return self._score(
-            data,
-            lambda logits, mb: {"logprobs": token_logprobs(logits, mb["input_ids"], mb["input_lengths"])},
-            micro_batch_size,
-        )
-
-    def get_reference_policy_logprobs(
-        self, data: BatchedDataDict[Any], micro_batch_size: int | None = None
-    ) -> BatchedDataDict[Any]:
-        """``{"reference_logprobs": [B, T]}`` under the initial weights."""
-        with self._reference_weights():
-            out = self.get_logprobs(data, micro_batch_size)
-        return BatchedDataDict({"reference_logprobs": out["logprobs"]})
-
-    def get_topk_logits(
-        self, data: BatchedDataDict[Any], k: int, micro_batch_size: int | None = None
-    ) -> BatchedDataDict[Any]:
-        """``{"topk_logits", "topk_indices"}``, each [B, T, K]; see ``PolicyInterface.get_topk_logits``."""
-
-        def fn(logits: torch.Tensor, mb: BatchedDataDict[Any]) -> dict[str, torch.Tensor]:
-            values, indices = topk_logits(logits, mb["input_lengths"], k)
-            return {"topk_logits": values, "topk_indices": indices}
-
-        return self._score(data, fn, micro_batch_size)
-
     def score(self, data: BatchedDataDict[Any], micro_batch_size: int | None = None) -> BatchedDataDict[Any]:
         """Reward models run on the DTensor backend only (the schema refuses them here)."""
         raise ValueError(
@@ -318,69 +245,50 @@ class MegatronPolicyWorker:
         )
 
     # ---------------------------------------------------------------------------------------- training
-    def train(
-        self,
-        data: BatchedDataDict[Any],
-        loss_fn: LossFunction,
-        eval_mode: bool = False,
-        gbs: int | None = None,
-        mbs: int | None = None,
-    ) -> TrainResult:
-        """Take one optimizer step per global batch in this rank's shard ``data``; see the module docstring.
+    def _forward_backward(
+        self, step: StepBatch, loss_fn: LossFunction, eval_mode: bool
+    ) -> tuple[float, list[dict[str, Any]]]:
+        """The step's micro-batches through the pipeline schedule; every stage gets the last stage's loss and
+        metric shares."""
 
-        ``data`` holds ``gbs // dp`` rows per step, in step order (``shard_by_batch_size(dp, batch_size=gbs)``
-        on the driver). ``eval_mode`` computes the loss without gradients or updates.
-        """
-        self.model.train(not eval_mode)
-        log = TrainLog()
-        for step in step_batches(
-            data,
-            self.cfg,
-            gbs=gbs,
-            mbs=mbs,
-            rows_per_group=loss_fn.rows_per_group,
-            dp_size=self.dp_size,
-            seq_multiple=self.seq_multiple,
-            device=self.device,
-            dp_group=self.dp_group,
-        ):
-
-            def loss_func(
-                mb: BatchedDataDict[Any], output: torch.Tensor, step: StepBatch = step
-            ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-                loss, metrics = loss_fn(
-                    self._logits(output, mb), mb, step.global_valid_seqs, step.global_valid_toks
-                )
-                # Megatron's (num_tokens) slot is unused: the loss is already this micro-batch's global share.
-                count = torch.ones((), dtype=torch.int, device=loss.device)
-                return loss, count, {"loss": loss.detach(), "metrics": metrics}
-
-            if not eval_mode:
-                self.model.zero_grad_buffer()
-                self.optimizer.zero_grad()
-            parts = self._micro_batches(
-                step.batch, step.micro_batch_size, self.cfg.dynamic_batching.train_mb_tokens
+        def loss_func(
+            mb: BatchedDataDict[Any], output: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+            loss, metrics = loss_fn(
+                self._logits(output, mb), mb, step.global_valid_seqs, step.global_valid_toks
             )
-            with torch.set_grad_enabled(not eval_mode):
-                outputs = self._run_pipeline([mb for _, mb in parts], loss_func, forward_only=eval_mode)
-            # The loss runs on the last stage; the other stages get its loss and metric shares.
-            step_loss, mb_metrics = self._from_last_stage(
-                (sum(float(out["loss"]) for out in outputs), [out["metrics"] for out in outputs])
-                if self.is_last_stage
-                else None
-            )
-            if not eval_mode:
-                self._release_cached_memory(level=1)
-                with cpu_compat.device_redirect():
-                    stepped = setup.optimizer_step(self.optimizer, self.cfg.megatron_cfg.optimizer.clip_grad)
-                log.add_update(stepped.grad_norm, float(self.optimizer.param_groups[0]["lr"]))
-                if stepped.stepped:
-                    self.scheduler.step(increment=1)
-                else:
-                    logger.warning("skipping the optimizer step: the gradient norm is %s", stepped.grad_norm)
-                self._release_cached_memory(level=2)
-            log.end_step(step, step_loss, mb_metrics, self.dp_group, self.device)
-        return log.result(eval_mode)
+            # Megatron's (num_tokens) slot is unused: the loss is already this micro-batch's global share.
+            count = torch.ones((), dtype=torch.int, device=loss.device)
+            return loss, count, {"loss": loss.detach(), "metrics": metrics}
+
+        if not eval_mode:
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        parts = list(
+            self._micro_batches(step.batch, step.micro_batch_size, self.cfg.dynamic_batching.train_mb_tokens)
+        )
+        with torch.set_grad_enabled(not eval_mode):
+            outputs = self._run_pipeline([mb for _, mb in parts], loss_func, forward_only=eval_mode)
+        step_loss: float
+        mb_metrics: list[dict[str, Any]]
+        step_loss, mb_metrics = self._from_last_stage(
+            (sum(float(out["loss"]) for out in outputs), [out["metrics"] for out in outputs])
+            if self.is_last_stage
+            else None
+        )
+        return step_loss, mb_metrics
+
+    def _optimizer_step(self, log: TrainLog) -> None:
+        """Megatron's optimizer step (clipping inside; skipped for a non-finite gradient norm)."""
+        self._release_cached_memory(level=1)
+        with cpu_compat.device_redirect():
+            stepped = setup.optimizer_step(self.optimizer, self.cfg.megatron_cfg.optimizer.clip_grad)
+        log.add_update(stepped.grad_norm, float(self.optimizer.param_groups[0]["lr"]))
+        if stepped.stepped:
+            self.scheduler.step(increment=1)
+        else:
+            logger.warning("skipping the optimizer step: the gradient norm is %s", stepped.grad_norm)
+        self._release_cached_memory(level=2)
 
     def _release_cached_memory(self, level: int) -> None:
         """``torch.cuda.empty_cache()`` when ``megatron_cfg.empty_unused_memory_level`` is at least ``level``."""
@@ -417,14 +325,15 @@ class MegatronPolicyWorker:
             "precision": self.cfg.precision,
         }
 
+    def _checkpoint_parts(self) -> checkpoint.CheckpointParts:
+        """What a checkpoint holds of this rank: its stage's weights, the optimizer, the schedule, the layout."""
+        return checkpoint.CheckpointParts(self.weights, self.optimizer, self.scheduler, self._layout())
+
     def save_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
         """Save the weights as Hugging Face safetensors (any layout loads them) and, with ``optimizer_path``,
         each rank's optimizer state and the schedule (see :mod:`nemo_rl.models.megatron.checkpoint`)."""
         checkpoint.save(
-            self.weights,
-            self.optimizer,
-            self.scheduler,
-            self._layout(),
+            self._checkpoint_parts(),
             weights_path=weights_path,
             optimizer_path=optimizer_path,
             writer=self._is_stage_writer,
@@ -436,12 +345,7 @@ class MegatronPolicyWorker:
         """Load what :meth:`save_checkpoint` wrote (optimizer and schedule only with ``optimizer_path``)."""
         with cpu_compat.device_redirect():
             checkpoint.load(
-                self.weights,
-                self.optimizer,
-                self.scheduler,
-                self._layout(),
-                weights_path=weights_path,
-                optimizer_path=optimizer_path,
+                self._checkpoint_parts(), weights_path=weights_path, optimizer_path=optimizer_path
             )
 
     @property

@@ -170,48 +170,7 @@ class SharedPrefixRows:
         position_ids_1L = torch.arange(width, device=device)[None, :].clone()
         position_ids_1L[0, slots] = t_T.expand(num_rows, -1)[valid_BT]
 
-        # Prompt blocks: each group's prompt, causally over itself.
-        max_prompt = max(max(group_prompts), 1)
-        p_P = torch.arange(max_prompt, device=device)
-        prompt_valid_GP = p_P[None, :] < tensor(group_prompts)[:, None]
-        prompt_index_GP = (tensor(group_starts)[:, None] + p_P[None, :]).clamp(max=width - 1)
-        causal_PP = p_P[None, :] <= p_P[:, None]
-        # A padding query attends itself only (an all-masked row would be NaN in the softmax and its backward).
-        prompt_allowed_G1PP = (causal_PP & prompt_valid_GP[:, None, :]) | torch.eye(
-            max_prompt, dtype=torch.bool, device=device
-        )
-        # Response blocks: each response over its group's prompt and causally over itself.
-        rows_R = [b for b in range(num_rows) if responses[b] > 0]
-        max_response = max([responses[b] for b in rows_R], default=1)
-        l_L = torch.arange(max_response, device=device)
-        response_valid_RL = l_L[None, :] < tensor([responses[b] for b in rows_R])[:, None]
-        groups_R = tensor([group_of[b] for b in rows_R])
-        starts_R = tensor([start_of[b] for b in rows_R])
-        response_index_RL = torch.where(
-            response_valid_RL, starts_R[:, None] + l_L[None, :], starts_R[:, None]
-        )
-        response_kv_index_RK = torch.cat([prompt_index_GP[groups_R], response_index_RL], dim=1)
-        causal_LL = l_L[None, :] <= l_L[:, None]
-        response_allowed_R1LK = torch.cat(
-            [
-                prompt_valid_GP[groups_R][:, None, :].expand(-1, max_response, -1),
-                causal_LL[None] & response_valid_RL[:, None, :],
-            ],
-            dim=2,
-        )[:, None]
-        layout = SharedPrefixLayout(
-            prompt_index_GP=prompt_index_GP,
-            prompt_allowed_G1PP=prompt_allowed_G1PP[:, None],
-            response_index_RL=response_index_RL,
-            response_kv_index_RK=response_kv_index_RK,
-            response_allowed_R1LK=response_allowed_R1LK,
-            prompt_slots=prompt_index_GP[prompt_valid_GP],
-            prompt_valid_GP=prompt_valid_GP,
-            prompt_valid_flat=prompt_valid_GP.reshape(-1).nonzero().squeeze(1),
-            response_slots=response_index_RL[response_valid_RL],
-            response_valid_RL=response_valid_RL,
-            response_valid_flat=response_valid_RL.reshape(-1).nonzero().squeeze(1),
-        )
+        layout = _block_layout(group_prompts, group_starts, responses, group_of, start_of, width, device)
         return SharedPrefixRows(input_ids_1L, position_ids_1L, layout, index_BT, valid_BT)
 
     def unpack(self, values_1L: torch.Tensor) -> torch.Tensor:
@@ -219,6 +178,64 @@ class SharedPrefixRows:
         values_BT = _take_rows(values_1L[0], self.index_BT)
         mask = self.valid_BT.reshape(*self.valid_BT.shape, *([1] * (values_BT.ndim - 2)))
         return torch.where(mask, values_BT, torch.zeros((), dtype=values_BT.dtype, device=values_BT.device))
+
+
+def _block_layout(
+    group_prompts: list[int],
+    group_starts: list[int],
+    responses: list[int],
+    group_of: list[int],
+    start_of: list[int],
+    width: int,
+    device: torch.device,
+) -> SharedPrefixLayout:
+    """The attention blocks of a packed row: each group's prompt causally over itself, each response over
+    its group's prompt and causally over itself (see :class:`SharedPrefixLayout`)."""
+    num_rows = len(responses)
+
+    def tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    # Prompt blocks: each group's prompt, causally over itself.
+    max_prompt = max(max(group_prompts), 1)
+    p_P = torch.arange(max_prompt, device=device)
+    prompt_valid_GP = p_P[None, :] < tensor(group_prompts)[:, None]
+    prompt_index_GP = (tensor(group_starts)[:, None] + p_P[None, :]).clamp(max=width - 1)
+    causal_PP = p_P[None, :] <= p_P[:, None]
+    # A padding query attends itself only (an all-masked row would be NaN in the softmax and its backward).
+    prompt_allowed_G1PP = (causal_PP & prompt_valid_GP[:, None, :]) | torch.eye(
+        max_prompt, dtype=torch.bool, device=device
+    )
+    # Response blocks: each response over its group's prompt and causally over itself.
+    rows_R = [b for b in range(num_rows) if responses[b] > 0]
+    max_response = max([responses[b] for b in rows_R], default=1)
+    l_L = torch.arange(max_response, device=device)
+    response_valid_RL = l_L[None, :] < tensor([responses[b] for b in rows_R])[:, None]
+    groups_R = tensor([group_of[b] for b in rows_R])
+    starts_R = tensor([start_of[b] for b in rows_R])
+    response_index_RL = torch.where(response_valid_RL, starts_R[:, None] + l_L[None, :], starts_R[:, None])
+    response_kv_index_RK = torch.cat([prompt_index_GP[groups_R], response_index_RL], dim=1)
+    causal_LL = l_L[None, :] <= l_L[:, None]
+    response_allowed_R1LK = torch.cat(
+        [
+            prompt_valid_GP[groups_R][:, None, :].expand(-1, max_response, -1),
+            causal_LL[None] & response_valid_RL[:, None, :],
+        ],
+        dim=2,
+    )[:, None]
+    return SharedPrefixLayout(
+        prompt_index_GP=prompt_index_GP,
+        prompt_allowed_G1PP=prompt_allowed_G1PP[:, None],
+        response_index_RL=response_index_RL,
+        response_kv_index_RK=response_kv_index_RK,
+        response_allowed_R1LK=response_allowed_R1LK,
+        prompt_slots=prompt_index_GP[prompt_valid_GP],
+        prompt_valid_GP=prompt_valid_GP,
+        prompt_valid_flat=prompt_valid_GP.reshape(-1).nonzero().squeeze(1),
+        response_slots=response_index_RL[response_valid_RL],
+        response_valid_RL=response_valid_RL,
+        response_valid_flat=response_valid_RL.reshape(-1).nonzero().squeeze(1),
+    )
 
 
 def _take_rows(x_N: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

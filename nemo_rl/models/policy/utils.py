@@ -13,12 +13,6 @@ import torch
 
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
-PRECISION_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-
 
 def valid_token_mask(input_lengths_B: torch.Tensor, seq_len: int) -> torch.Tensor:
     """[B, T] bool: position ``t`` holds a real (non-padding) token of its sequence."""

@@ -27,24 +27,11 @@ from nemo_rl.models.generation.interfaces import (
     empty_generation_output,
 )
 from nemo_rl.models.hf_decoder import DecoderArch, resolve_checkpoint_dir
-from nemo_rl.models.tokenizer import require_pad_token_id
+from nemo_rl.models.tokenizer import eos_token_ids, require_pad_token_id
 from nemo_rl.weight_sync.manifest import dtype_from_name
 
 # Mixes (call seed, dp rank, chunk) into one generator seed; a large odd multiplier keeps them apart.
 _SEED_MIX = 1_000_003
-
-
-def eos_token_ids(tokenizer: PreTrainedTokenizerBase, checkpoint_dir: Path | None) -> list[int]:
-    """Token ids that end a response: the tokenizer's EOS plus the model's ``generation_config.json`` EOS list."""
-    ids: list[int] = []
-    if tokenizer.eos_token_id is not None:
-        ids.append(int(tokenizer.eos_token_id))
-    if checkpoint_dir is not None and (checkpoint_dir / "generation_config.json").exists():
-        from transformers import GenerationConfig
-
-        extra = GenerationConfig.from_pretrained(checkpoint_dir).eos_token_id
-        ids.extend([extra] if isinstance(extra, int) else list(extra or []))
-    return sorted(set(ids))
 
 
 class EmbeddedReplica:
