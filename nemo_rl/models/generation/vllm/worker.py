@@ -29,7 +29,6 @@ from nemo_rl.distributed.device import (
     get_device,
     init_process_group_from_env,
 )
-from nemo_rl.models.generation.embedded.replica import eos_token_ids
 from nemo_rl.models.generation.interfaces import (
     WeightManifestDict,
     check_generation_input,
@@ -54,7 +53,7 @@ from nemo_rl.models.generation.vllm.convert import (
 )
 from nemo_rl.models.generation.vllm.worker_extension import keep_cpu_linear_weights_in_place
 from nemo_rl.models.hf_config import load_hf_config
-from nemo_rl.models.tokenizer import require_pad_token_id
+from nemo_rl.models.tokenizer import eos_token_ids, require_pad_token_id
 from nemo_rl.weight_sync.interfaces import TransferStats, WeightReceiver
 from nemo_rl.weight_sync.manifest import WeightManifest, dtype_from_name
 
