@@ -97,7 +97,17 @@ def test_engine_kwargs_follow_the_config() -> None:
         "worker_extension_cls": WORKER_EXTENSION_CLS,
         "logprobs_mode": "processed_logprobs",
         "enable_sleep_mode": True,  # colocated by default
+        "sleep_mode_offload_cudagraph": False,  # eager: no CUDA graphs to back up
     }
+    graphs = engine_kwargs(policy_cfg(), model="m", tokenizer="m", seed=0)
+    assert graphs["enable_sleep_mode"] and graphs["sleep_mode_offload_cudagraph"]
+    # vLLM's CPU platform: no sleep mode, a KV cache of cpu_kv_cache_gib, every prompt prefilled whole.
+    cpu = engine_kwargs(
+        policy_cfg(vllm_cfg={"cpu_kv_cache_gib": 0.5}), model="m", tokenizer="m", seed=0, cpu=True
+    )
+    assert not cpu["enable_sleep_mode"] and not cpu["sleep_mode_offload_cudagraph"]
+    assert cpu["kv_cache_memory_bytes"] == 2**29
+    assert cpu["enable_chunked_prefill"] is False and cpu["max_num_batched_tokens"] >= cpu["max_model_len"]
     # The extension path must resolve to the class (vLLM imports it by name in its worker).
     module_name, class_name = WORKER_EXTENSION_CLS.rsplit(".", 1)
     assert getattr(importlib.import_module(module_name), class_name) is VllmWorkerExtension

@@ -84,6 +84,7 @@ OWNED_ENGINE_ARGS: dict[str, str] = {
     "hf_overrides": "policy.hf_config_overrides",
     "seed": "the run's seed (grpo.seed)",
     "enable_sleep_mode": "policy.generation.colocated.enabled (colocated engines sleep while the policy trains)",
+    "sleep_mode_offload_cudagraph": "policy.generation.colocated.enabled (with CUDA graphs)",
     "kv_cache_memory_bytes": "policy.generation.vllm_cfg.cpu_kv_cache_gib (CPU engines; GPU engines size it "
     "from gpu_memory_utilization)",
     "logprobs_mode": "nothing: the log-probability contract needs processed_logprobs",
@@ -240,6 +241,11 @@ def engine_kwargs(
         # Sleep mode allocates weights and KV cache from vLLM's own pool so that `sleep` can hand the GPU to
         # the colocated policy; a non-colocated engine never sleeps.
         "enable_sleep_mode": cfg.generation.colocated.enabled and not cpu,
+        # While asleep, the memory CUDA graphs captured is backed up to host memory too (vLLM keeps it on the
+        # GPU by default, next to the training policy).
+        "sleep_mode_offload_cudagraph": cfg.generation.colocated.enabled
+        and not cpu
+        and not vllm_cfg.enforce_eager,
     }
     if cpu:
         kwargs["kv_cache_memory_bytes"] = int(vllm_cfg.cpu_kv_cache_gib * 2**30)
