@@ -180,13 +180,17 @@ def cluster(ray_cluster: dict[str, float]) -> Iterator[RayVirtualCluster]:
         cluster.shutdown()
 
 
-@pytest.fixture(scope="class")
+SAMPLING = {"temperature": 0.7, "top_k": 8}
+"""The engines' and the policies' sampling settings: the log-probability contract includes both."""
+
+
+@pytest.fixture(scope="module")
 def engine(tiny: dict[str, Any], cluster: RayVirtualCluster) -> Iterator[Any]:
-    """One fp32 engine (eager) on bundle 0, sampling at temperature 0.7 with top-k 8; freed after the class
-    (a bundle holds at most two worker groups)."""
+    """One colocated fp32 engine (eager) on bundle 0 with weights A, sampling with :data:`SAMPLING`; the refit
+    tests reuse it as their colocated engine."""
     from nemo_rl.models.generation.vllm.generation import VllmGeneration
 
-    cfg = _cfg(tiny["dirs"]["a"], temperature=0.7, top_k=8)
+    cfg = _cfg(tiny["dirs"]["a"], **SAMPLING)
     generation = VllmGeneration(cluster, cfg, tiny["tokenizer"], seed=5, bundle_indices=[0])
     try:
         yield generation
@@ -345,7 +349,7 @@ def _placement(colocated: bool) -> dict[str, Any]:
 
 
 def _policy_cfg(tiny: dict[str, Any], backend: str) -> PolicyConfig:
-    cfg = _cfg(tiny["dirs"]["a"])
+    cfg = _cfg(tiny["dirs"]["a"], **SAMPLING)
     if backend == "dtensor":
         return cfg
     dumped = cfg.model_dump()
@@ -361,24 +365,24 @@ def _policy_cfg(tiny: dict[str, Any], backend: str) -> PolicyConfig:
 
 
 @pytest.fixture(scope="module")
-def refit_parts(tiny: dict[str, Any], cluster: RayVirtualCluster) -> Iterator[dict[str, Any]]:
+def refit_parts(tiny: dict[str, Any], cluster: RayVirtualCluster, engine: Any) -> Iterator[dict[str, Any]]:
     """Engines and policies the refit tests share, each started on first use and stopped at the module's end.
 
-    ``engine(colocated)``: vLLM on bundle 0 (colocated, started before any policy and put to sleep on a GPU,
-    as ``grpo.setup`` orders them) or on bundle 1 (its own slot). ``policy(backend)``: a DTensor or Megatron
+    ``engine(colocated)``: the module's engine on bundle 0 (colocated, started before any policy and put to
+    sleep on a GPU, as ``grpo.setup`` orders them) or one on bundle 1 (its own slot). ``policy(backend)``: a DTensor or Megatron
     policy on bundle 0 holding weights A.
     """
     from nemo_rl.models.generation.vllm.generation import VllmGeneration
     from nemo_rl.models.policy.lm_policy import Policy
 
-    engines: dict[bool, Any] = {}
+    engines: dict[bool, Any] = {True: engine}
     policies: dict[str, Any] = {}
 
     def engine(colocated: bool) -> Any:
         if colocated not in engines:
             engines[colocated] = VllmGeneration(
                 cluster,
-                _cfg(tiny["dirs"]["a"], colocated=_placement(colocated)),
+                _cfg(tiny["dirs"]["a"], colocated=_placement(colocated), **SAMPLING),
                 tiny["tokenizer"],
                 seed=0,
                 bundle_indices=[0] if colocated else [1],
@@ -402,7 +406,7 @@ def refit_parts(tiny: dict[str, Any], cluster: RayVirtualCluster) -> Iterator[di
     try:
         yield {"engine": engine, "policy": policy}
     finally:
-        for started in [*policies.values(), *engines.values()]:
+        for started in [*policies.values(), *[e for c, e in engines.items() if not c]]:
             started.shutdown()
 
 
@@ -429,8 +433,6 @@ def test_refit_from_the_policy(
     from nemo_rl.weight_sync.factory import create_refit_transport
     from nemo_rl.weight_sync.refit import refit
 
-    # The colocated engine starts before any policy (on a GPU it then sleeps while the policy starts).
-    refit_parts["engine"](True)
     generation = refit_parts["engine"](colocated)
     policy = refit_parts["policy"](backend)
     # The engine holds weights B; the policy A: only a working refit gives A's greedy outputs.
