@@ -242,7 +242,7 @@ class Logger:
         bar: tqdm[None] = tqdm(total=total, initial=initial, desc=desc, disable=disable, dynamic_ncols=True)
         if self._console is not None:
             with self._lock:
-                self._console.start_loop(desc, total)
+                _print(self._console.start_loop(desc, total))
         return StepProgress(bar, self._finish_step)
 
     def _finish_step(self) -> str:

@@ -26,3 +26,16 @@ def test_ci_runs_the_readme_test_command_verbatim() -> None:
     test_command = _readme_quick_start_commands()[1]
     ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     assert test_command in ci_lines, f"`.ci/run` must run the README's test command `{test_command}`"
+
+
+def test_the_other_algorithms_are_near_the_top() -> None:
+    """A reader finds how to run an algorithm other than the main job without scrolling past a page."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    quick_start = lines.index("## Quick start")
+    main_job = _readme_quick_start_commands()[0].split("&&")[-1].strip()
+    first = next(
+        number
+        for number, line in enumerate(lines[quick_start:], start=quick_start + 1)
+        if re.match(r"uv run (--\S+ )*python examples/run_\w+\.py", line.strip()) and line.strip() != main_job
+    )
+    assert first <= 60, f"README line {first} is the first command running another algorithm"

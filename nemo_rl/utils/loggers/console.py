@@ -116,7 +116,9 @@ class _Run:
     open_steps: dict[int, dict[str, float]] = field(default_factory=dict)
     """Steps whose metrics are still arriving: ``train/*``, ``timing/train/*``, ``performance/*`` by name."""
     held_validations: list[_Validation] = field(default_factory=list)
-    """Validations of a step still open, printed after its step line."""
+    """Validations of a step still open, printed after its step line (or, before the loop starts, with it)."""
+    started: bool = False
+    """Whether :meth:`Console.start_loop` was called; validations before it wait for the loop's name."""
     last_finished_step: int = -1
     figures: dict[str, list[float]] = field(default_factory=dict)
     """Per finished step, each step-line figure it had (``train/reward``, ``tokens/s``...)."""
@@ -137,10 +139,14 @@ class Console:
         self._width = width
         self._run = _Run()
 
-    def start_loop(self, name: str, total_steps: int | None) -> None:
-        """A training loop named ``name`` begins (its progress bar is created); it runs to ``total_steps``."""
+    def start_loop(self, name: str, total_steps: int | None) -> list[str]:
+        """A training loop named ``name`` begins (its progress bar is created); it runs to ``total_steps``.
+        Returns the validations logged before it (the loop's validation at step 0), now tagged with its name."""
         self._run.name = name
         self._run.total_steps = total_steps
+        self._run.started = True
+        held, self._run.held_validations = self._run.held_validations, []
+        return [self._validation_line(v) for v in held] if self.mode == "compact" else []
 
     def log_metrics(self, metrics: Mapping[str, float], step: int, prefix: str) -> list[str]:
         """Take one ``Logger.log_metrics`` call; returns what to print now."""
@@ -159,8 +165,9 @@ class Console:
             validation = _Validation(step, dict(metrics))
             self._run.validations.append(validation)
             if self.mode == "compact":
-                if step > self._run.last_finished_step and step > 0 and self._run.total_steps is not None:
-                    self._run.held_validations.append(validation)  # shown after its step's line
+                # Shown after its step's line; or, logged before the loop began, once the loop has its name.
+                if not self._run.started or step > self._run.last_finished_step:
+                    self._run.held_validations.append(validation)
                 else:
                     lines.append(self._validation_line(validation))
         return lines
@@ -265,8 +272,10 @@ class Console:
         return " · ".join(parts)
 
     def close(self) -> list[str]:
-        """The lines of steps still open (a loop that logged without a progress bar)."""
-        return self._finish_steps(before=None)
+        """The lines of steps still open (a loop that logged without a progress bar) and held validations."""
+        lines = self._finish_steps(before=None)
+        held, self._run.held_validations = self._run.held_validations, []
+        return lines + ([self._validation_line(v) for v in held] if self.mode == "compact" else [])
 
     def summary(self, files: Sequence[tuple[str, str]] = ()) -> list[str]:
         """The end-of-run table; ``files`` are ``(what, path)`` pairs named below it. Empty without steps."""
