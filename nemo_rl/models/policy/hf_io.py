@@ -236,7 +236,12 @@ def export_hf_checkpoint(
         for name, value in state.items():
             if name in keep:
                 assert isinstance(value, torch.Tensor), f"{name} is a {type(value).__name__}, not a tensor"
-                tensors[name] = value.to(dtype) if value.is_floating_point() else value
+                value = value.to(dtype) if value.is_floating_point() else value
+                if value.untyped_storage().nbytes() > value.numel() * value.element_size():
+                    # A view into a larger gathered buffer (a reward model's head under FSDP): safetensors
+                    # writes whole storages and refuses one the tensor does not cover.
+                    value = value.clone()
+                tensors[name] = value
         os.makedirs(path, exist_ok=True)
         save_torch_state_dict(tensors, path, metadata={"format": "pt"})
         hf_config: Any = copy.deepcopy(model.config)

@@ -183,7 +183,7 @@ class Console:
             if before is not None and step >= before:
                 break
             record = run.open_steps.pop(step)
-            if "train/" not in "".join(record):
+            if not any(name.startswith("train/") for name in record):
                 continue  # timings without a training step (a loop's own extra logging)
             run.last_finished_step = max(run.last_finished_step, step)
             figures = self._step_figures(record)
@@ -320,7 +320,10 @@ class Console:
             lines.append(("  " + "  ".join(cells) + "  " + row[3]).rstrip())
         notes = f"train: means of the first and last {window} step{'s' if window > 1 else ''}"
         if validation_names:
-            notes += f"; validation: steps {run.validations[0].step} and {run.validations[-1].step}"
+            first, last = run.validations[0].step, run.validations[-1].step
+            notes += (
+                f"; validation: steps {first} and {last}" if first != last else f"; validation: step {last}"
+            )
         lines.append(f"  ({notes})")
         lines += [f"  {what}: {path}" for what, path in files]
         return lines
