@@ -44,8 +44,8 @@ def main() -> None:
     )
     components = setup(config, tokenizer, train_dataset, val_dataset)
     try:
-        metrics = distillation_train(components)
-        print(f"Distillation finished at step {components.state.step}: {metrics}", flush=True)
+        distillation_train(components)
+        print(f"Distillation finished at step {components.state.step}", flush=True)
     finally:
         components.shutdown()
 

@@ -36,8 +36,8 @@ def main() -> None:
     )
     run = setup(config, tokenizer, train_dataset, val_dataset)
     try:
-        metrics = dpo_train(run)
-        print(f"DPO finished at step {run.state.step}: {metrics}", flush=True)
+        dpo_train(run)
+        print(f"DPO finished at step {run.state.step}", flush=True)
     finally:
         run.shutdown()
 

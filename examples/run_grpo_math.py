@@ -54,8 +54,8 @@ def main() -> None:
         )
         components = setup(config, tokenizer, train_dataset, val_dataset)
     try:
-        metrics = grpo_train(components)
-        print(f"GRPO finished at step {components.state.step}: {metrics}", flush=True)
+        grpo_train(components)
+        print(f"GRPO finished at step {components.state.step}", flush=True)
     finally:
         components.shutdown()
 

@@ -207,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     components = setup(master, tokenizer, dataset, val_dataset, task_to_env, val_task_to_env)
     try:
         metrics = grpo_train(components)
-        print(f"GRPO finished at step {components.state.step}: {metrics}", flush=True)
+        print(f"GRPO finished at step {components.state.step}", flush=True)
     finally:
         components.shutdown()
         for env in task_to_env.values():

@@ -37,8 +37,8 @@ def main() -> None:
     )
     run = setup(config, tokenizer, train_dataset, val_dataset)
     try:
-        metrics = rm_train(run)
-        print(f"Reward-model training finished at step {run.state.step}: {metrics}", flush=True)
+        rm_train(run)
+        print(f"Reward-model training finished at step {run.state.step}", flush=True)
     finally:
         run.shutdown()
 

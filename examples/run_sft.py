@@ -35,8 +35,8 @@ def main() -> None:
     )
     components = setup(config, tokenizer, train_dataset, val_dataset)
     try:
-        metrics = sft_train(components)
-        print(f"SFT finished at step {components.state.step}: {metrics}", flush=True)
+        sft_train(components)
+        print(f"SFT finished at step {components.state.step}", flush=True)
     finally:
         components.logger.close()
         components.policy.shutdown()

@@ -108,7 +108,12 @@ class LoggerConfig(ConfigModel):
     """Log to SwanLab (see ``swanlab``)."""
 
     console_enabled: bool = True
-    """Print a compact table of each step's metrics to stdout."""
+    """Print the run's progress to stdout (what, ``console`` says) and a summary table at the end."""
+
+    console: Literal["compact", "full"] = "compact"
+    """What the console prints: ``compact``, one line per training step (its reward or loss, the loop's key
+    metric, learning rate, tokens/s, step time) and one per validation; ``full``, a table of every metric of
+    every ``log_metrics`` call instead. Either way every metric reaches the other backends unchanged."""
 
     jsonl_enabled: bool = True
     """Append every logged metric dict as one JSON object to ``<log_dir>/metrics.jsonl``."""
@@ -120,7 +125,8 @@ class LoggerConfig(ConfigModel):
     """How many validation samples (prompt + response) to print at each validation."""
 
     progress_bar: bool = True
-    """Show a tqdm progress bar over the training steps."""
+    """Show a tqdm progress bar over the training steps (step/total, ETA, key figures) when stderr is a
+    terminal."""
 
     plot_metrics: list[str] = Field(
         default_factory=lambda: ["train/loss", "train/reward", "validation/accuracy", "validation/val_loss"]

@@ -57,8 +57,8 @@ def configure_driver_threads() -> None:
     The driver's tensor work is per-step bookkeeping on small tensors (advantages, flattening the rollout into
     the training batch, rewards, metrics) while the workers keep every core busy. With torch's default of one
     thread per core, each of those small operations starts a parallel region whose threads wait for cores the
-    workers hold: measured here with both cores busy, building a 64-row batch's token positions took 1.25 ms
-    with two threads and 0.14 ms with one. :func:`~nemo_rl.distributed.virtual_cluster.init_ray` calls this.
+    workers hold, and one thread is several times faster (benchmarks/README.md, "The step's overheads at
+    64x32"). :func:`~nemo_rl.distributed.virtual_cluster.init_ray` calls this.
     """
     torch.set_num_threads(_threads_from_env(DRIVER_TORCH_THREADS_ENV))
 

@@ -1,10 +1,10 @@
 """The garbage collector's thresholds in the processes a run starts.
 
 Importing torch and transformers creates about a million long-lived objects, and with Python's default
-thresholds (700, 10, 10) the collector runs about a thousand young collections and six or seven full ones
-over them while they are imported: about 1.1 s of a policy worker's 6-7 s of start-up CPU and 0.6 s of the
-driver's imports (measured with ``gc.callbacks``). With a first threshold of 10,000 the same imports spend
-0.35 s collecting and no full collection runs. Every Ray worker process of the job (through Ray's
+thresholds (700, 10, 10) the collector runs about a thousand young collections and several full ones over
+them while they are imported, a sizeable share of a policy worker's start-up CPU; with a first threshold of
+10,000 the same imports collect far less and no full collection runs (benchmarks/README.md, "What runs while
+the policy workers start; garbage collection during imports", has the measurements). Every Ray worker process of the job (through Ray's
 ``worker_process_setup_hook``, which runs before the actor's module is imported) and the example scripts'
 drivers use these thresholds for their whole life: cyclic garbage is still collected, after 10,000 container
 allocations instead of 700, a difference of kilobytes.

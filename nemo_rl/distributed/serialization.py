@@ -1,12 +1,12 @@
 """How torch tensors cross Ray's process boundaries: as numpy arrays, not through ``torch.save``.
 
-Ray pickles a CPU tensor the way torch does, which runs ``torch.save`` on the tensor's whole storage: about
-0.1 ms per tensor however small, and a view pickles the storage it is cut from. A GRPO step sends every
+Ray pickles a CPU tensor the way torch does, which runs ``torch.save`` on the tensor's whole storage: a fixed
+cost per tensor however small, and a view pickles the storage it is cut from. A GRPO step sends every
 sample's message log to the environments (a prompt, a response and its log-probs: three tensors per sample,
-1,500 at 512 samples) and the training batch to the policy, so that cost was a third of a second per step.
-:func:`register_tensor_serializer` makes Ray send a plain CPU tensor as the numpy array over its memory
-instead: pickle protocol 5 then moves the bytes out of band (shared memory for large ones), 20-30x faster, and
-only the view's own elements travel.
+1,500 at 512 samples) and the training batch to the policy, so that cost added up to a visible share of a
+step (benchmarks/README.md, "Tensors through Ray"). :func:`register_tensor_serializer` makes Ray send a plain
+CPU tensor as the numpy array over its memory instead: pickle protocol 5 then moves the bytes out of band
+(shared memory for large ones), many times faster for small tensors, and only the view's own elements travel.
 
 The receiver gets an ordinary writable tensor with the same dtype, shape and values (arrays Ray hands out
 read-only are copied once). What differs from torch's own pickling: tensors that shared a storage on the

@@ -213,8 +213,9 @@ def uncached_bytecode_warning(package: str = "torch") -> str | None:
 
     Under ``PYTHONDONTWRITEBYTECODE`` Python never writes ``.pyc`` files, so unless the environment was
     installed with its bytecode compiled, every process (the driver and each Ray worker) compiles torch,
-    transformers and Ray from source at every start: measured here, a DTensor policy worker's start-up took
-    14 s of CPU instead of 6 s.
+    transformers and Ray from source at every start (benchmarks/README.md has the cost). The project's
+    ``[tool.uv] compile-bytecode`` makes ``uv sync`` / ``uv run`` compile it; an environment installed some
+    other way may lack it.
     """
     if not sys.flags.dont_write_bytecode:
         return None
@@ -223,9 +224,9 @@ def uncached_bytecode_warning(package: str = "torch") -> str | None:
         return None
     return (
         f"PYTHONDONTWRITEBYTECODE is set and {package} has no compiled bytecode, so every worker compiles it "
-        "from source at start-up (seconds of CPU each): install with UV_COMPILE_BYTECODE=1 "
-        "(`UV_COMPILE_BYTECODE=1 uv sync` compiles the whole environment) or run `python -m compileall` over "
-        "site-packages once"
+        "from source at start-up (seconds of CPU each): run `uv sync` in the project (its [tool.uv] "
+        "compile-bytecode setting compiles the whole environment), or `python -m compileall -q` over "
+        "site-packages once for an environment installed otherwise"
     )
 
 
@@ -247,6 +248,7 @@ def _init_ray_now(cluster_cfg: ClusterConfig | None) -> None:
     slots = cluster_cfg.world_size if cluster_cfg is not None else 0
     num_cpus = max(os.cpu_count() or 1, slots + DRIVER_SIDE_CPUS)
     temp_dir = ray_temp_dir()
+    _quiet_local_token_notices()
     logger.info("starting a local Ray with %d logical CPUs, logs in %s", num_cpus, temp_dir)
     ray.init(
         address="local",
@@ -259,6 +261,28 @@ def _init_ray_now(cluster_cfg: ClusterConfig | None) -> None:
         _system_config={"prestart_worker_first_driver": False},
         runtime_env=job_runtime_env(),
     )
+
+
+# Ray's notices when a local ray.init() turns token authentication on (its default) and, the first time on a
+# machine, writes the token to ~/.ray/auth_token. Nothing is asked of the user for a Ray this process starts;
+# docs/cluster.md ("Ray token authentication") explains them, and where a token matters (attaching to a
+# cluster) a refusal raises RayAuthenticationError instead.
+_LOCAL_TOKEN_NOTICES = (
+    "Token authentication is enabled for this Ray cluster",
+    "Generated new authentication token",
+)
+_RAY_TOKEN_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+class _DropLocalTokenNotices(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(_LOCAL_TOKEN_NOTICES)
+
+
+def _quiet_local_token_notices() -> None:
+    token_logger = logging.getLogger(_RAY_TOKEN_LOGGER)
+    if not any(isinstance(f, _DropLocalTokenNotices) for f in token_logger.filters):
+        token_logger.addFilter(_DropLocalTokenNotices())
 
 
 def _refused_for_auth(err: BaseException) -> bool:
@@ -299,11 +323,15 @@ def default_ray_temp_dir() -> str:
 
 
 def job_runtime_env(**env_vars: str) -> dict[str, object]:
-    """The job-level ``runtime_env`` of ``ray.init``: the workers' ``PYTHONPATH`` (:func:`worker_pythonpath`)
-    and ``env_vars``, and the collector thresholds of :mod:`nemo_rl.distributed.gc_tuning`, set in every
-    worker process before it imports its actor's module."""
+    """The job-level ``runtime_env`` of ``ray.init``: the workers' ``PYTHONPATH`` (:func:`worker_pythonpath`),
+    no Hugging Face progress bars in workers (unless the driver's environment asks for them) and
+    ``env_vars``, and the collector thresholds of :mod:`nemo_rl.distributed.gc_tuning`, set in every worker
+    process before it imports its actor's module."""
+    # A worker's "Loading weights" bar reaches the driver's console through Ray's log forwarding as lines
+    # full of terminal escapes, one set per worker and model load.
+    hub_bars = {"HF_HUB_DISABLE_PROGRESS_BARS": os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS", "1")}
     return {
-        "env_vars": {"PYTHONPATH": worker_pythonpath(), **env_vars},
+        "env_vars": {"PYTHONPATH": worker_pythonpath(), **hub_bars, **env_vars},
         "worker_process_setup_hook": WORKER_PROCESS_SETUP_HOOK,
     }
 

@@ -48,8 +48,9 @@ class MathEnvironment(EnvironmentInterface[MathMetadata]):
         self.cfg = cfg if isinstance(cfg, MathEnvConfig) else MathEnvConfig.model_validate(dict(cfg))
         # math-verify and sympy are imported and warmed up once, in the verifier processes' fork server;
         # this actor decides only certain verdicts and never imports them. The processes start with the first
-        # answer a certain verdict does not settle: their start (about 1.3 s of CPU) then does not compete with
-        # the policy workers' start, and the first such answer waits for it once (about a second).
+        # answer a certain verdict does not settle: their start then does not compete with the policy
+        # workers' start, and the first such answer waits for it once (benchmarks/README.md, "Time to the
+        # first step").
         self._pool = VerifierPool(
             score_math_response,
             num_workers=self.cfg.num_workers,

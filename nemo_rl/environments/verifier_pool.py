@@ -67,8 +67,8 @@ def _worker_main(
         # whole machine: the limit is on this process's address space.
         resource.setrlimit(resource.RLIMIT_AS, (memory_limit_bytes, memory_limit_bytes))
     # ``verify_fn``'s module (and its heavy imports) was loaded while unpickling the arguments. Its first calls
-    # also build parsers and import more lazily (0.3 s each for math-verify's first fraction or symbol): done
-    # here, before the pool is waited on, not on a training step's answers.
+    # also build parsers and import more lazily (a noticeable pause for math-verify's first fraction or symbol;
+    # benchmarks/README.md): done here, before the pool is waited on, not on a training step's answers.
     for response, ground_truth in warm_up:
         verify_fn(response, ground_truth)
     conn.send(_READY)
@@ -145,7 +145,7 @@ class VerifierPool:
         # inherit locks held by other threads. The fork server is single-threaded and preloads the verifier's
         # module, so replacing a killed worker costs a fork, not a fresh interpreter importing sympy. It also
         # preloads Ray: every process multiprocessing starts re-runs the parent's main script, which in a Ray
-        # actor is Ray's worker script, and importing Ray there cost 0.5 s of CPU per verifier process.
+        # actor is Ray's worker script, and importing Ray there cost each verifier process CPU (benchmarks/README.md).
         self._ctx = multiprocessing.get_context("forkserver")
         self._ctx.set_forkserver_preload(["ray", verify_fn.__module__, *preload])
         self._num_workers = num_workers

@@ -58,7 +58,7 @@ def index_model_folders_once() -> None:
     """Make ``import transformers.models`` reuse the index of model folders ``import transformers`` built.
 
     transformers builds its lazy module tables by reading the ``__all__`` of every file under
-    ``transformers/models`` (about 3,000 files, 0.35 s of CPU here). Its package ``__init__`` scans that folder
+    ``transformers/models`` (about 3,000 files; benchmarks/README.md has its CPU cost). Its package ``__init__`` scans that folder
     by path and ``transformers.models``' ``__init__`` scans it again by the path of its ``__init__.py``: the
     scan is cached, but the two spellings are two cache keys, so every process that builds a model (each policy
     worker) scanned the folder twice. This wraps the scan so the second spelling hits the first one's cache

@@ -1,42 +1,47 @@
 """The training loop's logger: one object fanning metrics out to every enabled backend.
 
-``Logger(cfg)`` builds the backends the ``logger`` section enables (console table, ``metrics.jsonl``,
-TensorBoard, W&B, SwanLab, MLflow), starts the resource monitor, and on :meth:`Logger.close` writes
-``<log_dir>/training_curves.png``. With every backend off it is a null object: every call is a no-op.
+``Logger(cfg)`` builds the backends the ``logger`` section enables (``metrics.jsonl``, TensorBoard, W&B,
+SwanLab, MLflow) and the console (:mod:`nemo_rl.utils.loggers.console`: a line per step by default, every
+metric with ``logger.console=full``), starts the resource monitor, and on :meth:`Logger.close` writes
+``<log_dir>/training_curves.png`` and prints the run's summary. With every backend off it is a null object:
+every call is a no-op.
 
 Example::
 
     logger = Logger(cfg.logger)
     logger.log_hyperparams(cfg.model_dump())
-    for step in logger.progress_bar(range(start, max_steps), total=max_steps, initial=start):
+    progress = logger.progress_bar(total=max_steps, initial=start, desc="grpo")
+    for step in range(start + 1, max_steps + 1):
         ...
         logger.log_metrics({"loss": loss, "reward": reward}, step, prefix="train")   # "train/loss"
         logger.log_metrics(timer.get_timing_metrics("sum"), step, prefix="timing/train")
+        progress.update(1)  # advances the bar and prints the step's line
+    progress.close()
     logger.close()
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any
 
 from tqdm import tqdm
 
 from nemo_rl.config.logger import LoggerConfig
 from nemo_rl.utils.loggers.base import LoggerBackend, prefixed, require_package
-from nemo_rl.utils.loggers.console import ConsoleBackend
+from nemo_rl.utils.loggers.console import Console
 from nemo_rl.utils.loggers.jsonl import METRICS_FILE, JsonlBackend
 from nemo_rl.utils.plotting import load_metrics_jsonl, plot_training_curves
 from nemo_rl.utils.resource_monitor import ResourceMonitor
 
-__all__ = ["PLOT_FILE", "Logger", "LoggerBackend", "to_scalar"]
+__all__ = ["PLOT_FILE", "Logger", "LoggerBackend", "StepProgress", "to_scalar"]
 
 PLOT_FILE = "training_curves.png"
-T = TypeVar("T")
 
 
 def to_scalar(name: str, value: Any) -> float:
@@ -112,7 +117,7 @@ class Logger:
     def __init__(self, cfg: LoggerConfig, extra_backends: Sequence[LoggerBackend] = ()) -> None:
         self.cfg = cfg
         self.log_dir = Path(cfg.log_dir)
-        self._console: ConsoleBackend | None = ConsoleBackend() if cfg.console_enabled else None
+        self._console: Console | None = Console(cfg.console) if cfg.console_enabled else None
         self._backends: list[LoggerBackend] = [*_build_backends(cfg, self.log_dir), *extra_backends]
         self._lock = threading.RLock()
         self._last_step = 0
@@ -164,7 +169,7 @@ class Logger:
                 raise RuntimeError("Logger.log_metrics() called after close().")
             self._last_step = max(self._last_step, step)
             if to_console and self._console is not None:
-                self._console.log_metrics(metrics, step, prefix)
+                _print(self._console.log_metrics(metrics, step, prefix))
             for backend in self._backends:
                 backend.log_metrics(metrics, step, prefix)
             if not self.cfg.jsonl_enabled and self.cfg.plot_metrics:
@@ -226,20 +231,27 @@ class Logger:
             tqdm.write(f"── sample {index} ──\n{sample}")
 
     # ------------------------------------------------------------- progress
-    def progress_bar(
-        self,
-        iterable: Iterable[T] | None = None,
-        *,
-        total: int | None = None,
-        initial: int = 0,
-        desc: str = "step",
-    ) -> tqdm[T]:
-        """A tqdm bar over the step loop (a silent pass-through when ``progress_bar`` is off).
+    def progress_bar(self, *, total: int | None = None, initial: int = 0, desc: str = "step") -> StepProgress:
+        """The progress of a training loop named ``desc`` over ``total`` steps: a tqdm bar (step/total, ETA, the
+        key figures) that, on each :meth:`StepProgress.update`, also prints the finished step's console line.
 
-        Also hidden when stderr is not a terminal (batch jobs), where a bar would only fill the log file.
+        The bar is hidden when ``progress_bar`` is off and when stderr is not a terminal (batch jobs), where
+        it would only fill the log file; the step lines are printed either way while the console is on.
         """
         disable: bool | None = None if self.cfg.progress_bar else True
-        return tqdm(iterable, total=total, initial=initial, desc=desc, disable=disable, dynamic_ncols=True)
+        bar: tqdm[None] = tqdm(total=total, initial=initial, desc=desc, disable=disable, dynamic_ncols=True)
+        if self._console is not None:
+            with self._lock:
+                _print(self._console.start_loop(desc, total))
+        return StepProgress(bar, self._finish_step)
+
+    def _finish_step(self) -> str:
+        """Print the lines of the step just finished; returns the bar's key figures."""
+        if self._console is None:
+            return ""
+        with self._lock:
+            _print(self._console.finish_step())
+            return self._console.postfix()
 
     # -------------------------------------------------------------- closing
     def close(self) -> Path | None:
@@ -254,6 +266,10 @@ class Logger:
             plot_path = self._write_plot()
             for backend in self._backends:
                 backend.close()
+            if self._console is not None:
+                files = [("metrics", str(self.metrics_path))] if self.cfg.jsonl_enabled else []
+                files += [("curves", str(plot_path))] if plot_path is not None else []
+                _print(self._console.close() + self._console.summary(files))
             return plot_path
 
     def _write_plot(self) -> Path | None:
@@ -272,3 +288,48 @@ class Logger:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def _print(lines: list[str]) -> None:
+    # tqdm.write keeps a progress bar on the terminal below the printed lines.
+    for line in lines:
+        tqdm.write(line)
+    if lines:
+        sys.stdout.flush()
+
+
+class StepProgress:
+    """A training loop's progress bar (:meth:`Logger.progress_bar`): :meth:`update` after each step."""
+
+    def __init__(self, bar: tqdm[None], finish_step: Callable[[], str]) -> None:
+        self.bar = bar
+        """The tqdm bar (disabled when hidden)."""
+        self._finish_step = finish_step
+        self._n = int(bar.n)
+
+    def update(self, n: int = 1) -> None:
+        """Count ``n`` finished steps: print their console lines, then advance the bar with its key figures."""
+        postfix = self._finish_step()
+        if postfix:
+            self.bar.set_postfix_str(postfix, refresh=False)
+        self.bar.update(n)
+        self._n += n
+
+    def close(self) -> None:
+        """Remove the bar from the terminal (the printed lines stay)."""
+        self.bar.close()
+
+    @property
+    def disable(self) -> bool:
+        """Whether the bar is hidden."""
+        return bool(self.bar.disable)
+
+    @property
+    def n(self) -> int:
+        """Steps counted so far, the initial ones included."""
+        return self._n  # a hidden tqdm bar does not count
+
+    @property
+    def total(self) -> int | None:
+        """Steps of the whole run."""
+        return None if self.bar.total is None else int(self.bar.total)

@@ -1,4 +1,4 @@
-"""examples/run_sft.py end to end on the tiny model: learning, kill-and-resume, export, bad overrides.
+"""examples/run_sft.py end to end on the tiny model: learning, kill-and-resume, export, bad overrides, the console.
 
 Runs the real script in subprocesses, as a user would, and reads what it logged (metrics.jsonl) and wrote
 (checkpoints, the exported Hugging Face folder).
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -133,3 +134,48 @@ def test_unknown_key_fails_fast_without_traceback() -> None:
     assert "policy.no_such_key" in result.stderr
     assert "Traceback" not in result.stderr
     assert time.monotonic() - start < 30
+
+
+CONSOLE_STEP_LINE = re.compile(r"^\[sft (\d)/4\] loss \S+ · lr \S+ · [\d,]+ tok/s · \d+\.\d\d s$")
+CONSOLE_VALIDATION_LINE = re.compile(
+    r"^\[sft (\d)/4\] validation: val_loss \S+( \(step 0: \S+, best \S+\))? · [\d,]+ tokens$"
+)
+
+
+@pytest.mark.slow
+def test_sft_console_is_one_line_per_step_and_a_summary(tmp_path: Path) -> None:
+    """What a user sees: the compact console (the default ``logger.console``) prints one line per step and per
+    validation and a summary table at the end; Ray's token notices, the workers' weight-loading bars and the
+    bytecode warning stay off it."""
+    console = [
+        "logger.console_enabled=true",
+        "checkpointing.enabled=false",
+        f"sft.export_dir={tmp_path / 'export'}",
+    ]
+    result = _run(_command(tmp_path, "console", 4, *console))
+    lines = result.stdout.splitlines()
+    log_dir = tmp_path / "console" / "logs"
+
+    steps = [int(m.group(1)) for line in lines if (m := CONSOLE_STEP_LINE.match(line))]
+    validations = [int(m.group(1)) for line in lines if (m := CONSOLE_VALIDATION_LINE.match(line))]
+    assert steps == [1, 2, 3, 4], result.stdout
+    assert validations == [0, 2, 4], result.stdout
+    summary = lines[lines.index(next(line for line in lines if line.startswith("── sft: steps 1-4 of 4"))) :]
+    assert [row.split()[0] for row in summary[2:]][:3] == ["train/loss", "tokens/s", "validation/val_loss"]
+    assert summary[-2] == f"  metrics: {log_dir / 'metrics.jsonl'}"
+    # Steps, validations, the export, "finished", then the summary (header, column names, three rows, the
+    # note, the two files): nothing else on stdout.
+    assert len(lines) == 4 + 3 + 2 + 8, result.stdout
+    for noise in (
+        "Token authentication",
+        "authentication token",
+        "Loading weights",
+        "PYTHONDONTWRITEBYTECODE",
+    ):
+        assert noise not in result.stdout + result.stderr, noise
+
+    # The console left the metrics alone: every one of them is in metrics.jsonl.
+    records = read_records(log_dir)
+    train = [r for r in records if "train/loss" in r]
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    assert {"train/grad_norm", "train/num_valid_tokens", "train/lr"} <= train[0].keys()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import py_compile
 import sys
+import tomllib
 import types
 from pathlib import Path
 
@@ -37,8 +38,15 @@ def test_warns_only_without_cached_bytecode_when_none_is_written(
     monkeypatch.setattr(sys, "flags", _flags(True))
     warning = uncached_bytecode_warning("uncompiled_pkg")
     assert warning is not None
-    assert "uncompiled_pkg" in warning and "UV_COMPILE_BYTECODE=1" in warning
+    assert "uncompiled_pkg" in warning and "uv sync" in warning and "compileall" in warning
 
     py_compile.compile(str(source))
     assert uncached_bytecode_warning("uncompiled_pkg") is None
     assert uncached_bytecode_warning("no_such_package_here") is None
+
+
+def test_the_project_compiles_bytecode_at_install() -> None:
+    """The README's commands set no UV_COMPILE_BYTECODE: the project's own uv setting compiles the environment,
+    which is what the warning above tells a user to rely on."""
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    assert pyproject["tool"]["uv"]["compile-bytecode"] is True

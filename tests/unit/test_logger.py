@@ -48,8 +48,8 @@ class RecordingBackend:
         self.calls.append(("close", None))
 
 
-def test_jsonl_console_and_prefixes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    logger = Logger(_cfg(tmp_path))
+def test_jsonl_full_console_and_prefixes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    logger = Logger(_cfg(tmp_path, console="full"))
     logger.log_metrics(
         {"loss": torch.tensor(0.5), "reward": np.float32(0.25), "num_samples": 8}, 1, prefix="train"
     )
@@ -85,7 +85,9 @@ def test_null_logger_writes_nothing(tmp_path: Path, capsys: pytest.CaptureFixtur
     logger.log_metrics({"loss": 1.0}, 1, prefix="train")
     logger.log_hyperparams({"a": 1})
     assert logger.log_batched_dict_as_jsonl({"text": ["x"]}, "samples.jsonl") is None
-    assert list(logger.progress_bar(range(3))) == [0, 1, 2]
+    progress = logger.progress_bar(total=3)
+    progress.update(1)
+    progress.close()
     assert logger.close() is None
     assert not (tmp_path / "logs").exists()
     assert capsys.readouterr().out == ""
@@ -212,13 +214,14 @@ def test_progress_bar_on_a_terminal_only(tmp_path: Path, monkeypatch: pytest.Mon
     bar.close()
     assert "grpo" in terminal.getvalue() and "6/10" in terminal.getvalue()
 
-    # Batch jobs (stderr not a terminal) and progress_bar=false get a silent pass-through.
+    # Batch jobs (stderr not a terminal) and progress_bar=false get no bar.
     monkeypatch.setattr(sys, "stderr", io.StringIO())
     assert logger.progress_bar(total=3).disable
     quiet = Logger(_cfg(tmp_path, console_enabled=False, progress_bar=False))
     monkeypatch.setattr(sys, "stderr", terminal)
-    silent = quiet.progress_bar(range(2), total=2)
-    assert silent.disable and list(silent) == [0, 1]
+    silent = quiet.progress_bar(total=2)
+    silent.update(2)
+    assert silent.disable and silent.n == 2
     logger.close()
     quiet.close()
 

@@ -44,3 +44,16 @@ def test_no_function_in_the_package_is_longer_than_80_lines() -> None:
                 if num_lines > MAX_FUNCTION_LINES:
                     too_long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({num_lines} lines)")
     assert not too_long, f"functions over {MAX_FUNCTION_LINES} lines: {too_long}"
+
+
+def test_the_other_algorithms_are_near_the_top() -> None:
+    """A reader finds how to run an algorithm other than the main job without scrolling past a page."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    quick_start = lines.index("## Quick start")
+    main_job = _readme_quick_start_commands()[0].split("&&")[-1].strip()
+    first = next(
+        number
+        for number, line in enumerate(lines[quick_start:], start=quick_start + 1)
+        if re.match(r"uv run (--\S+ )*python examples/run_\w+\.py", line.strip()) and line.strip() != main_job
+    )
+    assert first <= 60, f"README line {first} is the first command running another algorithm"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import re
 from typing import Any
 
 import torch
@@ -116,6 +117,37 @@ def config_has_dropout(hf_config: Any) -> bool:
     )
 
 
+def _from_pretrained(auto_class: Any, model_name: str, hf_config: Any, trust_remote_code: bool) -> nn.Module:
+    """``auto_class.from_pretrained`` with transformers' multi-line load report (a table per worker, with
+    terminal colours) replaced by one line per kind of key: weights the checkpoint lacks start fresh (a reward
+    model's head, layers ``hf_config_overrides`` adds), weights it has that the model does not are dropped."""
+    report_logger = logging.getLogger("transformers.modeling_utils")
+    level = report_logger.level
+    report_logger.setLevel(logging.ERROR)
+    try:
+        model, info = auto_class.from_pretrained(
+            model_name,
+            config=hf_config,
+            dtype=torch.float32,
+            trust_remote_code=trust_remote_code,
+            output_loading_info=True,
+        )
+    finally:
+        report_logger.setLevel(level)
+    for key, what in (("missing_keys", "start fresh (seeded)"), ("unexpected_keys", "are not used")):
+        if info.get(key):
+            logger.warning(
+                "%d weights of %s %s: %s", len(info[key]), model_name, what, _weight_groups(info[key])
+            )
+    return model
+
+
+def _weight_groups(names: list[str]) -> str:
+    """``model.layers.4.mlp.up_proj.weight, ...`` as ``model.layers.4, model.layers.5, score.weight``."""
+    groups = {re.sub(r"(\.layers\.\d+)\..*", r"\1", name) for name in names}
+    return ", ".join(sorted(groups))
+
+
 def load_sharded_model(cfg: PolicyConfig, mesh: DeviceMesh, device: torch.device) -> nn.Module:
     """Load ``cfg.model_name`` (local path or hub name), sharded over ``mesh`` (axes ``dp``, ``tp``).
 
@@ -128,9 +160,7 @@ def load_sharded_model(cfg: PolicyConfig, mesh: DeviceMesh, device: torch.device
     if dist.get_rank() == 0:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(_NEW_HEAD_SEED)
-            full_model = auto_class.from_pretrained(
-                cfg.model_name, config=hf_config, dtype=torch.float32, trust_remote_code=trust
-            )
+            full_model = _from_pretrained(auto_class, cfg.model_name, hf_config, trust)
     with torch.device("meta"):
         model = auto_class.from_config(hf_config, dtype=torch.float32, trust_remote_code=trust)
     # What HF's own save_pretrained records, so an export names the class it was trained as.
@@ -206,7 +236,12 @@ def export_hf_checkpoint(
         for name, value in state.items():
             if name in keep:
                 assert isinstance(value, torch.Tensor), f"{name} is a {type(value).__name__}, not a tensor"
-                tensors[name] = value.to(dtype) if value.is_floating_point() else value
+                value = value.to(dtype) if value.is_floating_point() else value
+                if value.untyped_storage().nbytes() > value.numel() * value.element_size():
+                    # A view into a larger gathered buffer (a reward model's head under FSDP): safetensors
+                    # writes whole storages and refuses one the tensor does not cover.
+                    value = value.clone()
+                tensors[name] = value
         os.makedirs(path, exist_ok=True)
         save_torch_state_dict(tensors, path, metadata={"format": "pt"})
         hf_config: Any = copy.deepcopy(model.config)

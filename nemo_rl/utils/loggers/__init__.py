@@ -4,12 +4,13 @@ The heavy backends (W&B, SwanLab, MLflow, TensorBoard) import their library only
 """
 
 from nemo_rl.utils.loggers.base import LoggerBackend, flatten_params, prefixed, require_package
-from nemo_rl.utils.loggers.console import ConsoleBackend
+from nemo_rl.utils.loggers.console import Console, ConsoleMode
 from nemo_rl.utils.loggers.jsonl import METRICS_FILE, JsonlBackend
 
 __all__ = [
     "METRICS_FILE",
-    "ConsoleBackend",
+    "Console",
+    "ConsoleMode",
     "JsonlBackend",
     "LoggerBackend",
     "flatten_params",

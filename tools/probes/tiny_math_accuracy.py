@@ -1,6 +1,6 @@
 """Held-out sampled accuracy of tiny checkpoints, with many samples per problem and standard errors.
 
-    uv run python benchmarks/tiny_math_accuracy.py MODEL_DIR [MODEL_DIR ...] [--samples 16] [--temperature 1]
+    uv run python tools/probes/tiny_math_accuracy.py MODEL_DIR [MODEL_DIR ...] [--samples 16] [--temperature 1]
 
 Each ``MODEL_DIR`` is a Hugging Face folder (``examples/assets/tiny_math_sft``, or a training checkpoint's
 ``step_<N>/consolidated`` export). The problems are the 256 held-out ``tiny_math`` validation problems
@@ -37,7 +37,7 @@ from nemo_rl.data.tiny import tiny_math_splits
 from nemo_rl.environments.math_verifier import verify_math_answer
 from nemo_rl.models.tokenizer import get_policy_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "examples" / "configs" / "distillation_tiny_math.yaml"
 
 

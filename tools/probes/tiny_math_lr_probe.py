@@ -1,7 +1,7 @@
 """How far, and how fast, can a fresh optimizer move the tiny arithmetic checkpoint? An in-process probe.
 
-    uv run python benchmarks/tiny_math_lr_probe.py --objective grpo --lr 1e-4 --steps 30
-    uv run python benchmarks/tiny_math_lr_probe.py --objective sft --lr 3e-4 --steps 20 --prompts 64
+    uv run python tools/probes/tiny_math_lr_probe.py --objective grpo --lr 1e-4 --steps 30
+    uv run python tools/probes/tiny_math_lr_probe.py --objective sft --lr 3e-4 --steps 20 --prompts 64
 
 Trains ``examples/assets/tiny_math_sft`` (or ``--model``) on the tiny_math training problems, in this process
 with ``transformers`` and ``torch.optim`` (no Ray, none of the project's workers), with one of two objectives:

@@ -8,7 +8,7 @@ log-probs taken from the training forward, as the GRPO run does. One ``DTensorPo
 process (world size 1, gloo) and its ``train()`` step is timed piece by piece, as ``train()`` runs it:
 forward, loss, backward, gradient clipping, optimizer step, zero_grad, step and micro-batch assembly, logs.
 
-    uv run python benchmarks/profile_policy_step.py [--shape 64x32] [--threads 1 2] [--steps 15]
+    uv run python tools/probes/profile_policy_step.py [--shape 64x32] [--threads 1 2] [--steps 15]
         [--alternate policy.optimizer.kwargs.fused=false ...]
 
 ``--alternate OVERRIDE ...`` builds a second optimizer from the config with those ``policy.optimizer.kwargs``
@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The GRPO bench's work (prompts, config, shapes) comes from benchmarks/bench_grpo_vs_trl.py.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from bench_grpo_vs_trl import CONFIG, MAX_SEQ_LEN, _our_prompts, parse_shape
 
 PIECES = ("assembly", "zero_grad", "forward", "loss", "backward", "clip", "optimizer", "logs")

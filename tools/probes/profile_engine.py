@@ -7,7 +7,7 @@ it times whole ``generate()`` calls (median of ``--repeats`` after a warm-up) an
 (``EmbeddedReplica.generate``: the engine plus building the rollout batch), and with ``--profile`` counts the
 torch ops of one call with ``torch.profiler`` (ops per decode step and per layer, time by op).
 
-    uv run python benchmarks/profile_engine.py [--shapes 64x32 512x24] [--threads 1 2] [--repeats 20] [--profile]
+    uv run python tools/probes/profile_engine.py [--shapes 64x32 512x24] [--threads 1 2] [--repeats 20] [--profile]
 
 ``--compare-ref REF`` also times the engine of git revision ``REF`` (its ``engine.py`` and ``model.py``
 loaded from ``git show``) in alternation with the working tree's on the same prompts and seeds, prints the
@@ -31,8 +31,9 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parents[2]
+# The GRPO bench's work (prompts, config, shapes) comes from benchmarks/bench_grpo_vs_trl.py.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from bench_grpo_vs_trl import CONFIG, MAX_SEQ_LEN, _our_prompts, parse_shape  # noqa: E402
 
 from nemo_rl.models.generation.embedded import engine as engine_mod  # noqa: E402
