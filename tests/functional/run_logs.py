@@ -36,3 +36,15 @@ def wait_until_step_logged(proc: subprocess.Popen[bytes], log_dir: Path, step: i
             pytest.fail(f"run ended before its step {step}:\n{output[-6000:]}")
         assert time.monotonic() < deadline, f"no step {step} within {timeout_s:.0f} s"
         time.sleep(0.05)
+
+
+def wait_until_exists(proc: subprocess.Popen[bytes], path: Path, timeout_s: float) -> None:
+    """Block until the running script ``proc`` has written ``path`` (a checkpoint, say); fail the test with its
+    output if it ends first, or after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if proc.poll() is not None:
+            output = proc.stdout.read().decode() if proc.stdout else ""
+            pytest.fail(f"run ended before it wrote {path}:\n{output[-6000:]}")
+        assert time.monotonic() < deadline, f"no {path} within {timeout_s:.0f} s"
+        time.sleep(0.1)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from run_logs import read_records, wait_until_step_logged
+from run_logs import read_records, wait_until_exists, wait_until_step_logged
 
 from nemo_rl.models.generation.vllm import convert as vllm_convert
 from nemo_rl.weight_sync.shm import SEGMENT_NAME_PREFIX, SHM_DIR
@@ -226,13 +226,7 @@ def test_megatron_pipeline_non_colocated_resumes_after_a_dead_generation_worker(
     ckpt = tmp_path / "noncoloc" / "ckpt" / "step_2"
     try:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + TIMEOUT_S
-        while not ckpt.exists():
-            if proc.poll() is not None:
-                output = proc.stdout.read().decode() if proc.stdout else ""
-                pytest.fail(f"run ended before its step-2 checkpoint:\n{output[-6000:]}")
-            assert time.monotonic() < deadline, "no checkpoint within the time limit"
-            time.sleep(0.2)
+        wait_until_exists(proc, ckpt, TIMEOUT_S)
         run_pids = _ray_worker_pids(ray_dir)
         generation_pids = [
             p for p, title in run_pids.items() if title.startswith("ray::EmbeddedGenerationWorker")
@@ -302,13 +296,7 @@ def test_vllm_sampling_agrees_with_the_policy_and_resumes_after_kill_9(tmp_path:
     ckpt = tmp_path / "vllm" / "ckpt" / "step_2" / "training_info.json"
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env())
     try:
-        deadline = time.monotonic() + TIMEOUT_S
-        while not ckpt.exists():
-            if proc.poll() is not None:
-                output = proc.stdout.read().decode() if proc.stdout else ""
-                pytest.fail(f"run ended before its step-2 checkpoint:\n{output[-6000:]}")
-            assert time.monotonic() < deadline, "no step-2 checkpoint within the time limit"
-            time.sleep(0.1)
+        wait_until_exists(proc, ckpt, TIMEOUT_S)
         proc.send_signal(signal.SIGKILL)
         proc.communicate(timeout=60)
     finally:
