@@ -66,6 +66,8 @@ WORKER_ENV_VARS = {
     # FlashInfer all-reduce for tensor parallelism by default, and both open the peers' GPUs.
     "VLLM_ALLREDUCE_USE_SYMM_MEM": "0",
     "VLLM_ALLREDUCE_USE_FLASHINFER": "0",
+    # vLLM logs every engine's configuration at INFO (about 30 lines a worker); warnings still show.
+    "VLLM_LOGGING_LEVEL": "WARNING",
 }
 """Environment of every vLLM worker (``policy.generation.vllm_cfg.env_vars`` overrides it)."""
 

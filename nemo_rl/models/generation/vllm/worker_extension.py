@@ -95,6 +95,20 @@ def keep_cpu_linear_weights_in_place() -> None:
     layer_utils.dispatch_cpu_unquantized_gemm = dispatch_in_place
 
 
+LAYERWISE_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+"""vLLM's in-place reload, which warns "<Layer>: Failed to load weights" for every layer the stream holds no
+tensor for (a tied output head, a rotary cache) and then keeps that layer's current tensors."""
+
+
+class _DropExpectedReloadWarnings(logging.Filter):
+    """Drops the layer-level "Failed to load weights" warnings of vLLM's reload: on each refit they name the
+    tied head and the rotary cache, which a Hugging Face stream never carries. Parameters the stream should
+    have loaded are still caught, by :func:`check_all_loaded`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Failed to load weights" not in str(record.msg)
+
+
 class VllmWorkerExtension:
     """Refit hook mixed into vLLM's GPU worker (see the module docstring)."""
 
@@ -132,6 +146,9 @@ class VllmWorkerExtension:
                 # layer-wise reload holds every tensor of a layer until the whole layer has arrived.
                 yield name, tensor.to(device=device, copy=True)
 
+        reload_logger = logging.getLogger(LAYERWISE_RELOAD_LOGGER)
+        if not any(isinstance(f, _DropExpectedReloadWarnings) for f in reload_logger.filters):
+            reload_logger.addFilter(_DropExpectedReloadWarnings())
         with reported_loaded_names(model) as reported:
             self.reload_weights(weights_iterator=on_device(), is_checkpoint_format=True)
         if self.vllm_config.model_config.quantization is None:
