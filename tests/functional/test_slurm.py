@@ -67,6 +67,13 @@ def slurm_nodes() -> Iterator[list[str]]:
             _run(["bash", str(LOCAL_CLUSTER), "stop"])
 
 
+# What the jobs' processes import: the driver, Ray's workers, the policy, generation and environment actors.
+WARM_IMPORTS = (
+    "import ray._private.workers.default_worker, nemo_rl.algorithms.grpo, nemo_rl.models.policy.dtensor_worker, "
+    "nemo_rl.models.generation.embedded.worker, nemo_rl.environments.math_environment"
+)
+
+
 @pytest.fixture(scope="module")
 def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A fresh clone of this checkout, with its uncommitted changes, and its own locked environment."""
@@ -83,16 +90,24 @@ def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for name in untracked:
         (dest / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / name, dest / name)
-    # The project's [tool.uv] compile-bytecode compiles the environment here (minutes on two cores), as a
-    # user's clone does; every `uv run` in the jobs would otherwise do it first.
-    sync = _run([uv, "sync", "--locked", "--quiet"], cwd=dest, env=_job_env(), timeout=900)
+    # Without the project's [tool.uv] compile-bytecode: compiling all of site-packages takes about a minute
+    # on two cores, while the jobs need the bytecode of a few modules only, written here by importing them
+    # once (_job_env keeps the jobs' `uv run` from syncing, and so compiling, again). CI's own sync compiles
+    # as a user's does.
+    sync = _run(
+        [uv, "sync", "--locked", "--quiet", "--no-compile-bytecode"], cwd=dest, env=_job_env(), timeout=900
+    )
     assert sync.returncode == 0, sync.stderr[-3000:]
+    warm = _run([str(dest / ".venv" / "bin" / "python"), "-c", WARM_IMPORTS], cwd=dest, env=_job_env())
+    assert warm.returncode == 0, warm.stderr[-3000:]
     return dest
 
 
 def _job_env(**extra: str) -> dict[str, str]:
-    """The submitting shell: this process's environment without its own virtual environment or Ray session."""
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "RAY_ADDRESS", "PYTHONPATH")}
+    """The submitting shell: this process's environment without its own virtual environment, Ray session or
+    PYTHONDONTWRITEBYTECODE."""
+    skip = ("VIRTUAL_ENV", "RAY_ADDRESS", "PYTHONPATH", "PYTHONDONTWRITEBYTECODE")
+    env = {k: v for k, v in os.environ.items() if k not in skip}
     venv_bin = str(Path(sys.prefix) / "bin")
     path = [p for p in env.get("PATH", "").split(os.pathsep) if p and p != venv_bin]
     uv = os.environ.get("UV") or shutil.which("uv")
@@ -101,6 +116,8 @@ def _job_env(**extra: str) -> dict[str, str]:
     env["PATH"] = os.pathsep.join(path)
     env.update(
         PYTHONUNBUFFERED="1",
+        # The clone's environment is synced (the fixture) and compiles its bytecode lazily.
+        UV_NO_SYNC="1",
         INCLUDE_DASHBOARD="0",
         RAY_NUM_CPUS="4",
         # Ray's raylet gives its agents a fixed 15 s to start, which a busy 2-core machine can miss: retry.
