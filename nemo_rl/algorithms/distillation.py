@@ -22,7 +22,6 @@ checkpoint when there is one) and ``distillation_train`` runs the loop.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -30,6 +29,7 @@ from transformers import PreTrainedTokenizerBase
 from nemo_rl.algorithms.loop import train_metrics
 from nemo_rl.algorithms.loss_functions import DistillationLossFn
 from nemo_rl.algorithms.rl_startup import (
+    RLLoop,
     RLRun,
     RLState,
     ScoringPolicy,
@@ -111,33 +111,25 @@ def setup(
     tokenizer: PreTrainedTokenizerBase,
     train_dataset: ProcessedDataset,
     val_dataset: ProcessedDataset | None,
-    task_to_env: Mapping[str, Any] | None = None,
-    val_task_to_env: Mapping[str, Any] | None = None,
 ) -> DistillationSetup:
     """Start Ray, the student (policy and generation), the teacher and the environments; restore the latest
     checkpoint if any.
 
     The teacher runs on its own workers on the student's policy slots, like a reference model, and keeps its
-    weights off the device except while scoring. Environments: as in :func:`nemo_rl.algorithms.grpo.setup`.
+    weights off the device except while scoring. Environments: one per task (``task_name``) of the data, the
+    one registered under the task's name (``nemo_rl.environments.registry.register_env``), configured by
+    ``env.<task>``.
     """
     cfg = config.distillation
     # Input checks that need no workers, before Ray starts.
     policy_world_size = len(placement(config.policy, config.cluster)[0])
     check_policy_layout(config.teacher, policy_world_size)
     check_teacher_matches_student(config.policy, config.teacher, tokenizer, cfg.topk_logits_k)
-    run = start_rl_run(
-        config,
-        tokenizer,
-        train_dataset,
-        val_dataset,
-        task_to_env,
-        val_task_to_env,
-        DistillationState,
-        name="distillation",
-        seed=cfg.seed,
-        batch_size=cfg.num_prompts_per_step,
-        scorers=[ScoringPolicy(config.teacher, name_prefix="teacher")],
+    loop = RLLoop(
+        DistillationState, "distillation", seed=cfg.seed, prompts_per_batch=cfg.num_prompts_per_step
     )
+    teacher = ScoringPolicy(config.teacher, name_prefix="teacher")
+    run = start_rl_run(config, tokenizer, train_dataset, val_dataset, loop, scorers=[teacher])
     return DistillationSetup(**run.run_fields(), loss_fn=DistillationLossFn(config.loss_fn))
 
 

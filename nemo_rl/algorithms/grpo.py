@@ -29,7 +29,7 @@ from nemo_rl.algorithms.dynamic_sampling import EndlessBatches, sample_until_ful
 from nemo_rl.algorithms.loop import train_metrics
 from nemo_rl.algorithms.loss_functions import ClippedPGLossFn
 from nemo_rl.algorithms.rewards import first_response_lengths, scale_rewards, shape_rewards
-from nemo_rl.algorithms.rl_startup import RLRun, RLState, start_rl_run
+from nemo_rl.algorithms.rl_startup import RLLoop, RLRun, RLState, start_rl_run
 from nemo_rl.algorithms.run_setup import make_train_loop
 from nemo_rl.config.algorithms import GRPOConfig
 from nemo_rl.config.errors import UserError
@@ -89,17 +89,16 @@ def setup(
     """
     # Input checks that need no workers, before Ray starts.
     _check_batch_sizes(config)
+    grpo = config.grpo
+    loop = RLLoop(GRPOState, "GRPO", seed=grpo.seed, prompts_per_batch=grpo.prompts_per_generation_batch)
     run = start_rl_run(
         config,
         tokenizer,
         train_dataset,
         val_dataset,
-        task_to_env,
-        val_task_to_env,
-        GRPOState,
-        name="GRPO",
-        seed=config.grpo.seed,
-        batch_size=config.grpo.prompts_per_generation_batch,
+        loop,
+        task_to_env=task_to_env,
+        val_task_to_env=val_task_to_env,
         init_reference_model=config.loss_fn.reference_policy_kl_penalty > 0,
     )
     loss_fn = ClippedPGLossFn(

@@ -364,25 +364,38 @@ class RLRun(RLWorkers):
         self.shutdown_workers()
 
 
+@dataclasses.dataclass(frozen=True)
+class RLLoop:
+    """What an RL loop tells the shared start-up about itself."""
+
+    state_cls: type[RLState]
+    """The loop's checkpointed progress (a subclass of :class:`RLState`)."""
+
+    name: str
+    """Labels the cluster, the run and the workers in messages."""
+
+    seed: int
+    """Seeds the prompt loader's shuffle and the workers."""
+
+    prompts_per_batch: int
+    """Prompts per batch of the training loader."""
+
+
 def start_rl_run(
     config: RLConfig,
     tokenizer: PreTrainedTokenizerBase,
     train_dataset: ProcessedDataset,
     val_dataset: ProcessedDataset | None,
-    task_to_env: Mapping[str, Any] | None,
-    val_task_to_env: Mapping[str, Any] | None,
-    state_cls: type[RLState],
+    loop: RLLoop,
     *,
-    name: str,
-    seed: int,
-    batch_size: int,
+    task_to_env: Mapping[str, Any] | None = None,
+    val_task_to_env: Mapping[str, Any] | None = None,
     init_reference_model: bool = False,
     scorers: Sequence[ScoringPolicy] = (),
 ) -> RLRun:
     """Check the inputs (environments for every task of the data, see :func:`tasks_to_start`, and
-    :func:`open_run`'s checks), find the checkpoint to resume, build the prompt loader (``batch_size`` prompts
-    per batch), start the workers (:func:`start_rl_workers`) and the logger. ``name`` labels the cluster and
-    the run in messages; runs rank checkpoints by validation accuracy."""
+    :func:`open_run`'s checks), find the checkpoint to resume, build the prompt loader, start the workers
+    (:func:`start_rl_workers`) and the logger. Runs rank checkpoints by validation accuracy."""
     envs_to_start = tasks_to_start(
         config.env,
         dataset_task_names(train_dataset),
@@ -392,17 +405,17 @@ def start_rl_run(
     )
     run = open_run(
         config,
-        state_cls,
-        run_name=name,
+        loop.state_cls,
+        run_name=loop.name,
         metric_names={"val_accuracy", "validation/accuracy", "val:accuracy"},
         policy_world_size=len(placement(config.policy, config.cluster)[0]),
     )
     train_loader = make_train_loader(
         train_dataset,
         run.resume,
-        batch_size=batch_size,
+        batch_size=loop.prompts_per_batch,
         shuffle=config.data.shuffle,
-        seed=seed,
+        seed=loop.seed,
         collate_fn=rl_collate_fn,
     )
     workers = start_rl_workers(
@@ -410,8 +423,8 @@ def start_rl_run(
         tokenizer,
         run.checkpointer,
         run.resume,
-        name=name.lower(),
-        seed=seed,
+        name=loop.name.lower(),
+        seed=loop.seed,
         envs_to_start=envs_to_start,
         task_to_env=task_to_env,
         val_task_to_env=val_task_to_env,
