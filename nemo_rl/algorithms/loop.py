@@ -120,60 +120,60 @@ def batches_until(loader: Iterable[B], steps_done: Callable[[], int], total_step
             yield batch
 
 
+@dataclasses.dataclass(eq=False)
 class TrainLoop(Generic[B]):
-    """Iterate over the training batches; call :meth:`end_step` once per batch (see the module docstring).
+    """Iterate over the training batches; call :meth:`end_step` once per batch (see the module docstring)."""
 
-    Args:
-        name: Label of the progress bar (``"sft"``, ``"grpo"``...).
-        loader: Training batches; iterated epoch after epoch (a resumed loader continues where it stood).
-        state: The loop's state; ``state.step`` counts finished steps and :meth:`end_step` increments it.
-        total_steps: Stop when ``state.step`` reaches it (see :func:`step_budget`).
-        logger: Receives ``train/*``, ``timing/train/*`` and ``performance/*`` metrics and the progress bar.
-        checkpointer: Decides when to save (``checkpointing.enabled``, ``save_period``,
-            ``checkpoint_must_save_by`` of its config).
-        save_checkpoint: Writes a checkpoint of the current step (e.g. :func:`save_training_checkpoint`).
-        validate: Called with the step number when validation is due; it logs its own metrics.
-        val_period: Validate every this many steps (0: never during training).
-        val_at_start: Validate at step 0 before the first step of a fresh run.
-        val_at_end: Also validate after the last step when ``val_period`` does not fall on it (before the
-            final checkpoint, which then records the validation metric).
-    """
+    name: str
+    """Label of the progress bar (``"sft"``, ``"grpo"``...)."""
 
-    def __init__(
-        self,
-        name: str,
-        *,
-        loader: Iterable[B],
-        state: LoopState,
-        total_steps: int,
-        logger: Logger,
-        checkpointer: CheckpointManager,
-        save_checkpoint: Callable[[], object],
-        validate: Callable[[int], object] | None = None,
-        val_period: int = 0,
-        val_at_start: bool = False,
-        val_at_end: bool = False,
-    ) -> None:
-        self.name = name
-        self.loader = loader
-        self.state = state
-        self.total_steps = total_steps
-        self.logger = logger
-        self.checkpointer = checkpointer
-        self.save_checkpoint = save_checkpoint
-        self.validate = validate
-        self.val_period = val_period
-        self.val_at_start = val_at_start
-        self.val_at_end = val_at_end
-        self.timer = Timer()
-        """Times the current step; labels it records are logged as ``timing/train/<label>``."""
-        self.out_of_time = False
-        """Whether ``checkpointing.checkpoint_must_save_by`` ran out or a SIGTERM came (the loop stops after
-        this step)."""
-        self._deadline: TimeoutChecker | None = None
-        self._step_open = False
+    _: dataclasses.KW_ONLY
+
+    loader: Iterable[B]
+    """Training batches; iterated epoch after epoch (a resumed loader continues where it stood)."""
+
+    state: LoopState
+    """The loop's state; ``state.step`` counts finished steps and :meth:`end_step` increments it."""
+
+    total_steps: int
+    """Stop when ``state.step`` reaches it (see :func:`step_budget`)."""
+
+    logger: Logger
+    """Receives ``train/*``, ``timing/train/*`` and ``performance/*`` metrics and the progress bar."""
+
+    checkpointer: CheckpointManager
+    """Decides when to save (``checkpointing.enabled``, ``save_period``, ``checkpoint_must_save_by`` of its
+    config)."""
+
+    save_checkpoint: Callable[[], object]
+    """Writes a checkpoint of the current step (e.g. :func:`save_training_checkpoint`)."""
+
+    validate: Callable[[int], object] | None = None
+    """Called with the step number when validation is due; it logs its own metrics."""
+
+    val_period: int = 0
+    """Validate every this many steps (0: never during training)."""
+
+    val_at_start: bool = False
+    """Validate at step 0 before the first step of a fresh run."""
+
+    val_at_end: bool = False
+    """Also validate after the last step when ``val_period`` does not fall on it (before the final
+    checkpoint, which then records the validation metric)."""
+
+    timer: Timer = dataclasses.field(init=False, default_factory=Timer)
+    """Times the current step; labels it records are logged as ``timing/train/<label>``."""
+
+    out_of_time: bool = dataclasses.field(init=False, default=False)
+    """Whether ``checkpointing.checkpoint_must_save_by`` ran out or a SIGTERM came (the loop stops after this
+    step)."""
+
+    _deadline: TimeoutChecker | None = dataclasses.field(init=False, default=None, repr=False)
+    _step_open: bool = dataclasses.field(init=False, default=False, repr=False)
+
+    def __post_init__(self) -> None:
         # The driver's RNG continues from the checkpoint the run resumed from (restored here, after setup).
-        checkpointer.track("driver_rng", _DRIVER_RNG)
+        self.checkpointer.track("driver_rng", _DRIVER_RNG)
 
     def __iter__(self) -> Iterator[B]:
         if self.validate is not None and self.val_at_start and self.state.step == 0:

@@ -10,6 +10,7 @@ Typical use by an algorithm's ``setup``::
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from typing import overload
 
@@ -46,22 +47,24 @@ __all__ = [
 ]
 
 
+@dataclasses.dataclass(eq=False)
 class ProcessedDataset(Sequence[DatumSpec]):
     """Records turned into samples by a processor, on access (each sample is tokenized when read)."""
 
-    def __init__(
-        self,
-        records: Sequence[Record],
-        processor: Processor,
-        spec: TaskDataSpec,
-        tokenizer: PreTrainedTokenizerBase,
-        max_seq_length: int,
-    ) -> None:
-        self.records = records
-        self.processor = processor
-        self.spec = spec
-        self.tokenizer = tokenizer
-        self.max_seq_length = max_seq_length
+    records: Sequence[Record]
+    """The raw rows."""
+
+    processor: Processor
+    """Turns one row into a sample (``processor(record, spec, tokenizer, max_seq_length, idx)``)."""
+
+    spec: TaskDataSpec
+    """The task's prompt and system-prompt settings and its ``task_name``."""
+
+    tokenizer: PreTrainedTokenizerBase
+    """Tokenizes the samples."""
+
+    max_seq_length: int
+    """The processor's length limit."""
 
     def __len__(self) -> int:
         return len(self.records)
