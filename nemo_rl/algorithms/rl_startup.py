@@ -372,13 +372,19 @@ class RLLoop:
     """The loop's checkpointed progress (a subclass of :class:`RLState`)."""
 
     name: str
-    """Labels the cluster, the run and the workers in messages."""
+    """Labels the cluster, the run and the workers in messages; lower-cased, it is the loop's config section."""
 
     seed: int
     """Seeds the prompt loader's shuffle and the workers."""
 
     prompts_per_batch: int
     """Prompts per batch of the training loader."""
+
+    @property
+    def prompts_per_batch_key(self) -> str:
+        """The key that sets ``prompts_per_batch`` (in the loop's config section, ``name`` lower-cased), named
+        in the error for data smaller than one batch."""
+        return f"{self.name.lower()}.num_prompts_per_step"
 
 
 def start_rl_run(
@@ -414,6 +420,7 @@ def start_rl_run(
         train_dataset,
         run.resume,
         batch_size=loop.prompts_per_batch,
+        batch_size_key=loop.prompts_per_batch_key,
         shuffle=config.data.shuffle,
         seed=loop.seed,
         collate_fn=rl_collate_fn,

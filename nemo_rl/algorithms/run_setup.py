@@ -4,7 +4,7 @@ cluster, the policy, the logger and the saved config.
 A loop's ``setup`` reads as its own story with these steps::
 
     run = open_run(config, SFTState, run_name="SFT", metric_names={"val_loss"}, policy_world_size=2)
-    train_loader = make_train_loader(train_dataset, run.resume, batch_size=..., shuffle=..., seed=..., collate_fn=...)
+    train_loader = make_train_loader(train_dataset, run.resume, batch_size=..., batch_size_key=..., ...)
     cluster = start_cluster(config, "sft")
     policy = start_policy(cluster, config.policy, run.resume)
     logger = start_logger(config)
@@ -43,6 +43,7 @@ from nemo_rl.config.master import (
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.data.dataloader import StatefulDataLoader
 from nemo_rl.data.datasets import ProcessedDataset
+from nemo_rl.data.errors import DataError
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster, init_ray
 from nemo_rl.models.policy.interfaces import PolicyInterface
@@ -98,11 +99,18 @@ def make_train_loader(
     resume: Resume,
     *,
     batch_size: int,
+    batch_size_key: str,
     shuffle: bool,
     seed: int,
     collate_fn: Collate,
 ) -> Loader:
-    """The training loader (whole batches only), put where the resumed checkpoint left it."""
+    """The training loader (whole batches only), put where the resumed checkpoint left it; ``batch_size_key``
+    names the key that sets ``batch_size`` in the error for data smaller than one batch."""
+    if len(dataset) < batch_size:
+        raise DataError(
+            f"the training data has {len(dataset)} samples, fewer than one batch ({batch_size_key}="
+            f"{batch_size}): lower {batch_size_key} or give more training data"
+        )
     loader: Loader = StatefulDataLoader(
         dataset, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=True, collate_fn=collate_fn
     )
@@ -258,6 +266,7 @@ def start_supervised_run(
         train_dataset,
         run.resume,
         batch_size=config.policy.train_global_batch_size,
+        batch_size_key="policy.train_global_batch_size",
         shuffle=config.data.shuffle,
         seed=seed,
         collate_fn=collate_fn,

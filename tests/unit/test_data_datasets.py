@@ -248,6 +248,24 @@ def test_file_errors(tmp_path: pathlib.Path) -> None:
         )
 
 
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".csv"])
+def test_a_file_that_is_not_utf8_names_its_line(tmp_path: pathlib.Path, suffix: str) -> None:
+    # Latin-1 text, as a spreadsheet export often is: the third line holds a byte UTF-8 does not allow.
+    path = tmp_path / f"latin1{suffix}"
+    path.write_bytes(b'problem,expected_answer\n"1+1",2\n"caf\xe9",3\n')
+    with pytest.raises(
+        UserError, match=rf"latin1\{suffix}: line 3 is not UTF-8 text .*save the file as UTF-8"
+    ):
+        read_local_rows(path)
+
+
+def test_a_broken_parquet_file_is_a_data_error(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "broken.parquet"
+    path.write_bytes(b"PAR1 not really parquet")
+    with pytest.raises(UserError, match=r"broken\.parquet is not a readable Parquet file"):
+        read_local_rows(path)
+
+
 def test_config_validation() -> None:
     with pytest.raises(ValidationError, match="has no default source"):
         DataConfig(dataset_name="openai_format")

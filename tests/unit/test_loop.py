@@ -20,6 +20,7 @@ from nemo_rl.algorithms.loop import (
     training_info,
 )
 from nemo_rl.config.checkpointing import CheckpointingConfig
+from nemo_rl.config.errors import UserError
 from nemo_rl.config.logger import LoggerConfig
 from nemo_rl.data.dataloader import StatefulDataLoader
 from nemo_rl.models.policy.interfaces import TrainResult
@@ -273,3 +274,19 @@ def test_batches_until_reads_the_step_counter_before_each_batch() -> None:
         out.append(batch)
         done[0] += 1
     assert out == [1, 2, 3, 1, 2]
+
+
+def test_training_data_smaller_than_one_batch_names_the_key() -> None:
+    from nemo_rl.algorithms.loop import Resume
+    from nemo_rl.algorithms.run_setup import make_train_loader
+
+    with pytest.raises(UserError, match=r"3 samples, fewer than one batch \(grpo.num_prompts_per_step=4\)"):
+        make_train_loader(
+            [{"idx": i} for i in range(3)],  # type: ignore[arg-type]
+            Resume(None, {}),
+            batch_size=4,
+            batch_size_key="grpo.num_prompts_per_step",
+            shuffle=False,
+            seed=0,
+            collate_fn=list,
+        )

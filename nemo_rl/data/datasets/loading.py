@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 import json
 import math
 import pathlib
@@ -116,6 +117,19 @@ class DatasetSplits:
     validation: RecordDataset | None
 
 
+def _read_utf8(file: pathlib.Path) -> str:
+    """The file's text; a byte that is not UTF-8 is a :class:`DataError` naming its line."""
+    data = file.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        raise DataError(
+            f"{file}: line {line} is not UTF-8 text (byte {data[err.start]:#04x} at offset {err.start}): "
+            "save the file as UTF-8"
+        ) from err
+
+
 def read_local_rows(path: str | pathlib.Path) -> list[dict[str, Any]]:
     """Rows of a local ``.jsonl`` / ``.json`` (JSON Lines, or one JSON array), ``.parquet`` or ``.csv`` (with a
     header row; every value is a string) file."""
@@ -125,14 +139,17 @@ def read_local_rows(path: str | pathlib.Path) -> list[dict[str, Any]]:
     if not file.is_file():
         raise MissingDataFileError(f"data file {file} does not exist")
     if file.suffix == ".parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        rows: list[dict[str, Any]] = pq.read_table(file).to_pylist()
+        try:
+            rows: list[dict[str, Any]] = pq.read_table(file).to_pylist()
+        except (pa.ArrowException, OSError) as err:
+            raise DataError(f"{file} is not a readable Parquet file ({err})") from err
         return rows
+    text = _read_utf8(file)
     if file.suffix == ".csv":
-        with file.open(newline="", encoding="utf-8") as f:
-            return [dict(row) for row in csv.DictReader(f)]
-    text = file.read_text(encoding="utf-8")
+        return [dict(row) for row in csv.DictReader(io.StringIO(text, newline=""))]
     if text.lstrip().startswith("["):
         try:
             loaded = json.loads(text)
