@@ -43,7 +43,6 @@ from nemo_rl.config.master import (
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.data.dataloader import StatefulDataLoader
 from nemo_rl.data.datasets import ProcessedDataset
-from nemo_rl.data.errors import DataError
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster, init_ray
 from nemo_rl.models.policy.interfaces import PolicyInterface
@@ -106,13 +105,14 @@ def make_train_loader(
 ) -> Loader:
     """The training loader (whole batches only), put where the resumed checkpoint left it; ``batch_size_key``
     names the key that sets ``batch_size`` in the error for data smaller than one batch."""
-    if len(dataset) < batch_size:
-        raise DataError(
-            f"the training data has {len(dataset)} samples, fewer than one batch ({batch_size_key}="
-            f"{batch_size}): lower {batch_size_key} or give more training data"
-        )
     loader: Loader = StatefulDataLoader(
-        dataset, batch_size=batch_size, shuffle=shuffle, seed=seed, drop_last=True, collate_fn=collate_fn
+        dataset,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=True,
+        collate_fn=collate_fn,
+        batch_size_key=batch_size_key,
     )
     resume.restore_loader(loader)
     return loader

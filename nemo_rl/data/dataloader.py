@@ -13,6 +13,8 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
+from nemo_rl.data.errors import DataError
+
 T = TypeVar("T")
 B = TypeVar("B")
 
@@ -31,6 +33,8 @@ class StatefulDataLoader(Generic[T, B]):
         seed: Seed of the shuffling.
         drop_last: Drop the last batch of an epoch when it is smaller than ``batch_size``.
         collate_fn: Turns a list of samples into a batch.
+        batch_size_key: The config key that sets ``batch_size``, named in the error for data smaller than
+            one batch.
     """
 
     def __init__(
@@ -42,15 +46,17 @@ class StatefulDataLoader(Generic[T, B]):
         seed: int,
         drop_last: bool,
         collate_fn: Callable[[list[T]], B],
+        batch_size_key: str = "batch_size",
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        # The data's own defects are the user's to fix: DataError ends a script with one line (exit 2).
         if len(dataset) == 0:
-            raise ValueError("the dataset is empty: check the data section of the config")
+            raise DataError("the dataset is empty: check the data section of the config")
         if drop_last and len(dataset) < batch_size:
-            raise ValueError(
-                f"the dataset has {len(dataset)} samples, fewer than one batch of {batch_size}, and "
-                "drop_last is set: use a smaller batch size or more data"
+            raise DataError(
+                f"the data has {len(dataset)} samples, fewer than one batch ({batch_size_key}={batch_size}): "
+                f"lower {batch_size_key} or give more data"
             )
         self.dataset = dataset
         self.batch_size = batch_size
