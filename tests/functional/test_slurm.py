@@ -104,9 +104,10 @@ def clone(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _job_env(**extra: str) -> dict[str, str]:
-    """The submitting shell: this process's environment without its own virtual environment, Ray session or
-    PYTHONDONTWRITEBYTECODE."""
-    skip = ("VIRTUAL_ENV", "RAY_ADDRESS", "PYTHONPATH", "PYTHONDONTWRITEBYTECODE")
+    """The submitting shell: this process's environment without its own virtual environment, Ray session,
+    PYTHONDONTWRITEBYTECODE or UV_COMPILE_BYTECODE (CI exports it, and uv refuses it beside the clone's
+    `--no-compile-bytecode`)."""
+    skip = ("VIRTUAL_ENV", "RAY_ADDRESS", "PYTHONPATH", "PYTHONDONTWRITEBYTECODE", "UV_COMPILE_BYTECODE")
     env = {k: v for k, v in os.environ.items() if k not in skip}
     venv_bin = str(Path(sys.prefix) / "bin")
     path = [p for p in env.get("PATH", "").split(os.pathsep) if p and p != venv_bin]
