@@ -17,16 +17,21 @@ there is one) and ``grpo_train`` runs the loop.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Mapping
-from typing import Any
+import itertools
+import json
+from collections.abc import Callable, Iterable, Mapping
+from functools import partial
+from pathlib import Path
+from typing import Any, cast
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.algorithms.advantages import compute_advantages
 from nemo_rl.algorithms.dynamic_sampling import EndlessBatches, sample_until_full
-from nemo_rl.algorithms.loop import train_metrics
+from nemo_rl.algorithms.loop import step_budget, train_metrics
 from nemo_rl.algorithms.loss_functions import ClippedPGLossFn
 from nemo_rl.algorithms.rewards import first_response_lengths, scale_rewards, shape_rewards
 from nemo_rl.algorithms.rl_startup import RLLoop, RLRun, RLState, start_rl_run
@@ -37,8 +42,11 @@ from nemo_rl.config.master import GRPOMasterConfig
 from nemo_rl.data.datasets import ProcessedDataset
 from nemo_rl.data.llm_message_utils import flat_token_positions, message_logs_to_batch
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.experience.async_rollouts import AsyncRollouts, InFlightUpdatable, RolloutBatch
 from nemo_rl.experience.rollouts import run_multi_turn_rollout
 from nemo_rl.experience.validation import request_environment_metrics
+from nemo_rl.models.generation.interfaces import GenerationInterface
+from nemo_rl.models.generation.replicated import WORKER_CALL_TIMEOUT_S
 from nemo_rl.models.policy.hf_io import trains_with_dropout
 from nemo_rl.models.policy.lm_policy import Policy
 from nemo_rl.utils.timer import Timer
@@ -49,9 +57,13 @@ MasterConfig = GRPOMasterConfig
 _TRAIN_ROLES = ("assistant",)
 
 
+@dataclasses.dataclass
 class GRPOState(RLState):
     """What a checkpoint records about the GRPO loop's progress (steps, tokens trained on, validation
-    accuracy)."""
+    accuracy, and under asynchronous GRPO the prompts consumed)."""
+
+    consumed_prompts: int = 0
+    """Prompts trained on or dropped as too old by asynchronous GRPO (its loader reads ahead of training)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -60,6 +72,7 @@ class GRPOSetup(RLRun):
 
     config: GRPOMasterConfig
     loss_fn: ClippedPGLossFn
+    state: GRPOState
 
 
 def _check_batch_sizes(config: GRPOMasterConfig) -> None:
@@ -150,10 +163,12 @@ def build_train_batch(
     return batch
 
 
-def validate(s: GRPOSetup, step: int) -> dict[str, float]:
-    """Accuracy on up to ``grpo.max_val_samples`` held-out prompts (one response each); logged at ``step``."""
+def validate(s: GRPOSetup, step: int, rollouts: AsyncRollouts | None = None) -> dict[str, float]:
+    """Accuracy on up to ``grpo.max_val_samples`` held-out prompts (one response each); logged at ``step``.
+    Under asynchronous GRPO it runs between two of the generation thread's calls."""
     cfg = s.config.grpo
-    return s.validate_accuracy(step, cfg, greedy=cfg.val_greedy)
+    with contextlib.nullcontext() if rollouts is None else rollouts.exclusive():
+        return s.validate_accuracy(step, cfg, greedy=cfg.val_greedy)
 
 
 def transformed_rewards(rollout: BatchedDataDict[Any], cfg: GRPOConfig) -> torch.Tensor:
@@ -167,14 +182,18 @@ def transformed_rewards(rollout: BatchedDataDict[Any], cfg: GRPOConfig) -> torch
 
 
 def roll_out(
-    s: GRPOSetup, batch: BatchedDataDict[Any], timer: Timer
+    s: GRPOSetup,
+    batch: BatchedDataDict[Any],
+    timer: Timer,
+    generation: GenerationInterface | None = None,
 ) -> tuple[BatchedDataDict[Any], dict[str, float], Callable[[], dict[str, float]]]:
     """Sample ``num_generations_per_prompt`` responses per prompt of ``batch`` and score them; the rollout's
     ``total_reward`` holds the transformed rewards (see :func:`transformed_rewards`), its metrics ``reward``
-    (their mean); the function returned last waits for the environments' own metrics."""
+    (their mean); the function returned last waits for the environments' own metrics. ``generation``
+    defaults to the run's generation workers."""
     cfg = s.config
     rollout, metrics = run_multi_turn_rollout(
-        s.generation,
+        s.generation if generation is None else generation,
         batch.repeat_interleave(cfg.grpo.num_generations_per_prompt),
         s.tokenizer,
         s.task_to_env,
@@ -189,9 +208,9 @@ def roll_out(
 
 
 def _roll_out_and_wait(
-    s: GRPOSetup, batch: BatchedDataDict[Any], timer: Timer
+    s: GRPOSetup, batch: BatchedDataDict[Any], timer: Timer, generation: GenerationInterface | None = None
 ) -> tuple[BatchedDataDict[Any], dict[str, float]]:
-    rollout, metrics, env_metrics = roll_out(s, batch, timer)
+    rollout, metrics, env_metrics = roll_out(s, batch, timer, generation)
     return rollout, {**metrics, **env_metrics()}
 
 
@@ -221,7 +240,19 @@ def grpo_step(
     else:
         rollout, rollout_metrics, env_metrics = roll_out(s, batch, timer)
     s.generation.finish_generation()
+    return train_on_rollout(s, rollout, rollout_metrics, timer, env_metrics)
 
+
+def train_on_rollout(
+    s: GRPOSetup,
+    rollout: BatchedDataDict[Any],
+    rollout_metrics: Mapping[str, float],
+    timer: Timer,
+    env_metrics: Callable[[], dict[str, float]] = dict,
+) -> dict[str, float]:
+    """The training half of a step: advantages, the log-probs the loss needs, the optimizer step(s); returns
+    the step's ``train/`` metrics (``env_metrics`` is waited for after training)."""
+    cfg = s.config
     advantages_B = compute_advantages(
         rollout["total_reward"],
         group_size=cfg.grpo.num_generations_per_prompt,
@@ -259,21 +290,101 @@ def grpo_step(
     )
 
 
+def start_async_rollouts(s: GRPOSetup, total_steps: int) -> AsyncRollouts:
+    """Refit the generation workers with the current policy, then start generation running ahead of training
+    (``grpo.async_grpo``) for the steps left to ``total_steps``."""
+    cfg = s.config.grpo.async_grpo
+    if s.generation_stale:
+        s.logger.log_metrics(s.refit(), s.state.step + 1)
+    s.generation.prepare_for_generation()
+    if cfg.in_flight_weight_updates:
+        cast(InFlightUpdatable, s.generation).enable_in_flight_weight_updates(
+            cfg.recompute_kv_cache_after_weight_updates
+        )
+    # The rollout thread's own timer: the step's timings are the trainer's.
+    rollout_timer = Timer()
+    rollouts = AsyncRollouts(
+        s.generation,
+        lambda generation, batch: _roll_out_and_wait(s, batch, rollout_timer, generation),
+        s.refit,
+        batches=EndlessBatches(s.train_loader),
+        loader_state=s.train_loader.state_dict,
+        start_version=s.state.step,
+        num_batches=max(total_steps - s.state.step, 0),
+        max_age=cfg.max_trajectory_age_steps,
+        in_flight=cfg.in_flight_weight_updates,
+        max_failures=cfg.max_generation_failures,
+        take_timeout_s=WORKER_CALL_TIMEOUT_S,
+    )
+    rollouts.start()
+    return rollouts
+
+
+def async_grpo_step(s: GRPOSetup, rollouts: AsyncRollouts, timer: Timer) -> dict[str, float]:
+    """One step of asynchronous GRPO: train on the next batch that generation finished (no older than
+    ``max_trajectory_age_steps``), then hand the new weights to the generation workers; returns the step's
+    ``train/`` metrics, ``async/*`` among them. Each step's prompts, versions and drops are appended to
+    ``<logger.log_dir>/async_trajectories.jsonl``."""
+    step = s.state.step + 1
+    with timer.time("wait_for_rollouts"):
+        batch, async_metrics, dropped = rollouts.take(step)
+    s.state.consumed_prompts += batch.num_prompts + sum(d.num_prompts for d in dropped)
+    _record_trajectories(s, step, batch, dropped)
+    metrics = train_on_rollout(s, batch.rollout, batch.metrics, timer)
+    with timer.time("refit"):
+        refit_metrics = rollouts.publish_weights(step)
+    s.logger.log_metrics(refit_metrics, step + 1)
+    return {**metrics, **async_metrics, "async/consumed_prompts": float(s.state.consumed_prompts)}
+
+
+def _record_trajectories(s: GRPOSetup, step: int, batch: RolloutBatch, dropped: list[RolloutBatch]) -> None:
+    group_size = s.config.grpo.num_generations_per_prompt
+    record = {
+        "step": step,
+        "version": batch.version,
+        "age": step - 1 - batch.version,
+        "prompt_idx": batch.rollout["idx"][::group_size].tolist(),
+        "dropped": [
+            {"version": d.version, "prompt_idx": d.rollout["idx"][::group_size].tolist()} for d in dropped
+        ],
+    }
+    path = Path(s.logger.log_dir) / "async_trajectories.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+
+
 def grpo_train(s: GRPOSetup) -> dict[str, float]:
-    """Run GRPO to ``grpo.max_num_steps`` (or ``max_num_epochs``); returns the last step's metrics."""
+    """Run GRPO to ``grpo.max_num_steps`` (or ``max_num_epochs``); returns the last step's metrics. With
+    ``grpo.async_grpo.enabled`` each step's batch comes from generation running ahead (see
+    :mod:`nemo_rl.experience.async_rollouts`) instead of being sampled in the step."""
     cfg = s.config
     metrics: dict[str, float] = {}
-    # One stream of prompt batches: the loop takes one per step, dynamic sampling may draw more.
+    total_steps = step_budget(cfg.grpo.max_num_steps, cfg.grpo.max_num_epochs, len(s.train_loader))
+    rollouts = start_async_rollouts(s, total_steps) if cfg.grpo.async_grpo.enabled else None
+    # One stream of prompt batches: the loop takes one per step, dynamic sampling may draw more. Under async
+    # GRPO the generation thread draws them, and the loop only counts steps.
     batches = EndlessBatches(s.train_loader)
     loop = make_train_loop(
         "grpo",
         s,
         cfg.grpo,
-        save_checkpoint=s.save_checkpoint,
-        validate=lambda step: validate(s, step),
-        loader=batches,
+        save_checkpoint=s.save_checkpoint
+        if rollouts is None
+        else partial(s.save_checkpoint, rollouts.position),
+        validate=lambda step: validate(s, step, rollouts),
+        # Async: the loop's "batches" only count steps (each step takes its batch from the rollouts).
+        loader=batches if rollouts is None else cast(Iterable[BatchedDataDict[Any]], itertools.count()),
+        total_steps=total_steps,
     )
-    for batch in loop:
-        metrics = grpo_step(s, batch, loop.timer, next_batch=lambda: next(batches))
-        loop.end_step(metrics, num_tokens=metrics["mean_conversation_tokens"] * cfg.grpo.samples_per_step)
+    try:
+        for batch in loop:
+            if rollouts is None:
+                metrics = grpo_step(s, batch, loop.timer, next_batch=lambda: next(batches))
+            else:
+                metrics = async_grpo_step(s, rollouts, loop.timer)
+            loop.end_step(metrics, num_tokens=metrics["mean_conversation_tokens"] * cfg.grpo.samples_per_step)
+    finally:
+        if rollouts is not None:
+            rollouts.close()
     return metrics

@@ -407,13 +407,20 @@ def training_info(state: LoopState, metric_name: str | None, metric_value: float
     return info
 
 
+class SupportsStateDict(Protocol):
+    """What a checkpoint saves as the training loader's position (a loader, or a stand-in for one)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position a resumed loader continues from (see ``StatefulDataLoader.load_state_dict``)."""
+
+
 def save_training_checkpoint(
     checkpointer: CheckpointManager,
     *,
     state: LoopState,
     run_config: BaseModel,
     policy: PolicyInterface,
-    train_loader: StatefulDataLoader[Any, Any],
+    train_loader: SupportsStateDict,
     metric_value: float | None = None,
 ) -> Path:
     """Write the policy (weights, optimizer, scheduler), the loader position and the loop state as

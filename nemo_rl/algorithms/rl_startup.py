@@ -26,7 +26,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from nemo_rl.algorithms.loop import Resume
+from nemo_rl.algorithms.loop import Resume, SupportsStateDict
 from nemo_rl.algorithms.run_setup import (
     Loader,
     make_train_loader,
@@ -172,6 +172,14 @@ class RLWorkers:
         self.cluster.shutdown()
 
 
+def _refits_in_flight(config: RLConfig) -> bool:
+    """Whether the generation workers take refits while they generate (asynchronous GRPO's
+    ``in_flight_weight_updates``)."""
+    return isinstance(config, GRPOMasterConfig) and (
+        config.grpo.async_grpo.enabled and config.grpo.async_grpo.in_flight_weight_updates
+    )
+
+
 def _start_policies(
     cluster: RayVirtualCluster,
     config: RLConfig,
@@ -191,7 +199,12 @@ def _start_policies(
     with start_together(enabled=together):
         if not in_policy:
             generation = create_generation(
-                cluster, config.policy, tokenizer, seed=seed, bundle_indices=generation_bundles
+                cluster,
+                config.policy,
+                tokenizer,
+                seed=seed,
+                bundle_indices=generation_bundles,
+                concurrent_refit=_refits_in_flight(config),
             )
             if colocated and not together:
                 generation.finish_generation()
@@ -353,9 +366,10 @@ class RLRun(RLWorkers):
         """This object's fields by name, to build a loop's setup dataclass (a subclass) from it."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(RLRun)}
 
-    def save_checkpoint(self) -> Path:
-        """Write the policy (weights, optimizer, scheduler), the loader position and the loop state."""
-        return save_run_checkpoint(self, self.state.val_accuracy)
+    def save_checkpoint(self, loader_position: SupportsStateDict | None = None) -> Path:
+        """Write the policy (weights, optimizer, scheduler), the loader position (``loader_position``'s state
+        when given) and the loop state."""
+        return save_run_checkpoint(self, self.state.val_accuracy, loader_position)
 
     def shutdown(self) -> None:
         """Stop the workers and the environments ``setup`` started, flush the loggers, release the placement

@@ -26,6 +26,7 @@ from transformers import PreTrainedTokenizerBase
 from nemo_rl.algorithms.loop import (
     LoopState,
     Resume,
+    SupportsStateDict,
     TrainLoop,
     check_run_setup,
     find_resume,
@@ -200,15 +201,18 @@ class TrainingRun(Protocol):
     def policy(self) -> PolicyInterface: ...
 
 
-def save_run_checkpoint(run: TrainingRun, metric_value: float | None) -> Path:
+def save_run_checkpoint(
+    run: TrainingRun, metric_value: float | None, loader_position: SupportsStateDict | None = None
+) -> Path:
     """Write the run's policy (weights, optimizer, scheduler), loader position and loop state as ``step_<N>``
-    (atomically), ranked by ``metric_value``; see :func:`save_training_checkpoint`."""
+    (atomically), ranked by ``metric_value``; see :func:`save_training_checkpoint`. ``loader_position``
+    replaces the training loader's own state (asynchronous GRPO's loader reads ahead of training)."""
     return save_training_checkpoint(
         run.checkpointer,
         state=run.state,
         run_config=run.config,
         policy=run.policy,
-        train_loader=run.train_loader,
+        train_loader=run.train_loader if loader_position is None else loader_position,
         metric_value=metric_value,
     )
 

@@ -7,7 +7,7 @@ from typing import Any, Literal, Self
 from pydantic import Field, model_validator
 
 from nemo_rl.config.base import ConfigModel
-from nemo_rl.config.compat import AdvantageEstimatorConfig, AsyncGRPOConfig
+from nemo_rl.config.compat import AdvantageEstimatorConfig
 from nemo_rl.config.loss import DPOLossConfig
 
 
@@ -115,6 +115,46 @@ class RewardScalingConfig(ConfigModel):
         return self
 
 
+class AsyncGRPOConfig(ConfigModel):
+    """NeMo RL's ``grpo.async_grpo``: generation runs ahead of training on its own slots.
+
+    The generation workers keep sampling prompt groups into a bounded buffer while the policy trains; each
+    group carries the policy version (optimizer steps taken) of the weights that sampled it. A step trains on
+    groups at most ``max_trajectory_age_steps`` versions older than the weights it updates and drops older
+    ones. Needs non-colocated generation (``policy.generation.colocated.enabled=false``) and the
+    importance-sampling correction of the loss (``loss_fn.use_importance_sampling_correction=true``); see
+    ``docs/algorithms/grpo.md``."""
+
+    enabled: bool = False
+    """Overlap generation with training (asynchronous GRPO)."""
+
+    max_trajectory_age_steps: int = Field(default=1, ge=1)
+    """Oldest trajectories trained on, in optimizer steps between the weights that sampled them and the
+    weights being updated; older groups are dropped (and counted). Also bounds how far generation runs ahead:
+    the buffer holds ``max_trajectory_age_steps`` steps' worth of groups."""
+
+    in_flight_weight_updates: bool = False
+    """Apply new weights between decode steps of the requests already running, without draining them (the
+    embedded engine and vLLM); otherwise they are applied at the next generation call."""
+
+    recompute_kv_cache_after_weight_updates: bool = False
+    """After an in-flight update, recompute the running requests' KV cache with the new weights instead of
+    keeping the keys and values the old weights computed. Needs ``in_flight_weight_updates``."""
+
+    max_generation_failures: int = Field(default=0, ge=0)
+    """Failed generation or scoring batches tolerated in a run; a failed batch's prompts are sampled again,
+    and the failure after this many ends the run with its error."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if self.recompute_kv_cache_after_weight_updates and not self.in_flight_weight_updates:
+            raise ValueError(
+                "grpo.async_grpo.recompute_kv_cache_after_weight_updates applies to in-flight weight updates: "
+                "set grpo.async_grpo.in_flight_weight_updates=true or recompute_kv_cache_after_weight_updates=false"
+            )
+        return self
+
+
 class GRPOConfig(ConfigModel):
     """The GRPO loop: sampling, scoring, advantage estimation and policy updates."""
 
@@ -181,7 +221,7 @@ class GRPOConfig(ConfigModel):
     """Linear reward scaling, applied before ``reward_shaping`` and advantages."""
 
     async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)
-    """Asynchronous GRPO (not built here; ``enabled`` must be false)."""
+    """Asynchronous GRPO: generation overlapping training, with a bound on the trained trajectories' age."""
 
     adv_estimator: AdvantageEstimatorConfig = Field(default_factory=AdvantageEstimatorConfig)
     """The advantage estimator (only ``grpo`` is built)."""
@@ -224,6 +264,15 @@ class GRPOConfig(ConfigModel):
         if isinstance(data, dict) and "async_grpo" in data and data["async_grpo"] is None:
             data = {**data, "async_grpo": {}}
         return data
+
+    @model_validator(mode="after")
+    def _check_async(self) -> Self:
+        if self.async_grpo.enabled and self.use_dynamic_sampling:
+            raise ValueError(
+                "grpo.async_grpo.enabled=true and grpo.use_dynamic_sampling=true cannot be combined (a step's "
+                "groups come from the trajectory buffer): turn one of them off"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_batch_multiplier(self) -> Self:

@@ -98,24 +98,6 @@ class LoraConfig(_Switchable):
     """Triton LoRA kernels (unused while ``enabled`` is false)."""
 
 
-class AsyncGRPOConfig(_Switchable):
-    """NeMo RL's ``grpo.async_grpo`` (generation running ahead of training); not built here."""
-
-    KEY: ClassVar[str] = "grpo.async_grpo"
-
-    max_trajectory_age_steps: int = 1
-    """Oldest trajectory age used for training (unused while ``enabled`` is false)."""
-
-    max_generation_failures: int = 0
-    """Generation-worker failures tolerated (unused while ``enabled`` is false)."""
-
-    in_flight_weight_updates: bool = False
-    """Refit while generating (unused while ``enabled`` is false)."""
-
-    recompute_kv_cache_after_weight_updates: bool = False
-    """Recompute the KV cache after a refit (unused while ``enabled`` is false)."""
-
-
 class AdvantageEstimatorConfig(ConfigModel):
     """NeMo RL's ``grpo.adv_estimator``: which advantage estimator; GRPO's is the one built here."""
 

@@ -89,12 +89,31 @@ class GRPOMasterConfig(ConfigModel):
     @model_validator(mode="after")
     def _check(self) -> GRPOMasterConfig:
         _check_generation_placement(self.policy, self.cluster)
+        _check_async_grpo(self)
         if self.data.env_name == "reward_model" and not self.env.reward_model.enabled:
             raise ValueError(
                 "data.env_name=reward_model scores the prompts with a reward model: set "
                 "env.reward_model.enabled=true and env.reward_model.model_name (e.g. the export of run_rm.py)"
             )
         return self
+
+
+def _check_async_grpo(config: GRPOMasterConfig) -> None:
+    """Asynchronous GRPO needs generation slots of its own and the loss's correction for stale samples."""
+    if not config.grpo.async_grpo.enabled:
+        return
+    generation = config.policy.generation
+    if generation.colocated.enabled or generation.embedded_cfg.in_policy_workers:
+        raise ValueError(
+            "grpo.async_grpo.enabled=true overlaps generation with training, which colocated generation cannot "
+            "do: set policy.generation.colocated.enabled=false (and its resources.gpus_per_node) and "
+            "policy.generation.embedded_cfg.in_policy_workers=false"
+        )
+    if not config.loss_fn.use_importance_sampling_correction:
+        raise ValueError(
+            "grpo.async_grpo.enabled=true trains on responses sampled by older weights: set "
+            "loss_fn.use_importance_sampling_correction=true"
+        )
 
 
 def _check_generation_placement(policy: PolicyConfig, cluster: ClusterConfig) -> None:

@@ -85,6 +85,8 @@ class RayWorkerGroup:
     the bundles (colocated mode). ``bundle_indices`` picks the bundles (global indices of ``cluster``, one
     worker each, ranks in that order; default: all of them), so disjoint lists give non-colocated groups.
     ``dp_size`` (default: ``world_size``, i.e. no tensor parallelism) sets the (dp, tp) mesh.
+    ``max_concurrency`` above 1 makes threaded actors that run that many calls at once (a generation worker
+    taking a refit while it decodes).
 
     Construction does not wait for the actors; :meth:`wait_until_ready` does, and any method call surfaces a
     failed ``__init__`` as :class:`WorkerDiedError`.
@@ -101,6 +103,7 @@ class RayWorkerGroup:
         bundle_indices: Sequence[int] | None = None,
         dp_size: int | None = None,
         env_vars: Mapping[str, str] | None = None,
+        max_concurrency: int = 1,
     ) -> None:
         if isinstance(worker_cls, ActorClass):
             raise TypeError(
@@ -130,6 +133,7 @@ class RayWorkerGroup:
         self.cluster = cluster
         self.bundle_indices = bundles
         self._worker_cls = worker_cls
+        self._max_concurrency = max_concurrency
         self._world_size = world_size
         self._dp_size = dp
         self._tp_size = world_size // dp
@@ -182,6 +186,7 @@ class RayWorkerGroup:
                     "NEMO_RL_BUNDLE_INDEX": str(bundle),
                 }
                 worker: ActorHandle = actor_cls.options(
+                    max_concurrency=self._max_concurrency,
                     num_cpus=resources["num_cpus"],
                     num_gpus=resources["num_gpus"],
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -461,6 +466,7 @@ class WorkerGroupFacade:
         bundle_indices: Sequence[int] | None = None,
         dp_size: int | None = None,
         env_vars: Mapping[str, str] | None = None,
+        max_concurrency: int = 1,
     ) -> None:
         self.call_timeout_s = call_timeout_s
         self.worker_group = RayWorkerGroup(
@@ -471,6 +477,7 @@ class WorkerGroupFacade:
             bundle_indices=bundle_indices,
             dp_size=dp_size,
             env_vars=env_vars,
+            max_concurrency=max_concurrency,
         )
         starting_together = _STARTING_TOGETHER.get()
         if starting_together is not None:

@@ -49,22 +49,36 @@ def create_generation(
     seed: int,
     bundle_indices: Sequence[int] | None = None,
     model_path: str | None = None,
+    concurrent_refit: bool = False,
 ) -> GenerationInterface:
     """Start the generation backend ``cfg.generation.backend`` on ``cluster`` (or its ``bundle_indices``).
 
-    ``seed`` seeds the sampling; ``model_path`` loads a local checkpoint folder instead of ``cfg.model_name``.
+    ``seed`` seeds the sampling; ``model_path`` loads a local checkpoint folder instead of ``cfg.model_name``;
+    ``concurrent_refit`` lets the workers take a refit while they generate (in-flight weight updates).
     """
     check_backend_available(cfg, cluster.use_gpus)
     if cfg.generation.backend == "vllm":
         from nemo_rl.models.generation.vllm.generation import VllmGeneration
 
         return VllmGeneration(
-            cluster, cfg, tokenizer, seed=seed, bundle_indices=bundle_indices, model_path=model_path
+            cluster,
+            cfg,
+            tokenizer,
+            seed=seed,
+            bundle_indices=bundle_indices,
+            model_path=model_path,
+            concurrent_refit=concurrent_refit,
         )
     from nemo_rl.models.generation.embedded.generation import EmbeddedGeneration
 
     return EmbeddedGeneration(
-        cluster, cfg, tokenizer, seed=seed, bundle_indices=bundle_indices, model_path=model_path
+        cluster,
+        cfg,
+        tokenizer,
+        seed=seed,
+        bundle_indices=bundle_indices,
+        model_path=model_path,
+        concurrent_refit=concurrent_refit,
     )
 
 

@@ -124,6 +124,8 @@ class ReplicatedGeneration(SeededReplicas, WorkerGroupFacade):
         name: the worker group's name.
         dp_size: the number of replicas (default: one per bundle).
         env_vars: environment variables set in every worker.
+        concurrent_refit: workers take a refit while they generate (threaded actors; asynchronous GRPO's
+            in-flight weight updates, see :meth:`enable_in_flight_weight_updates`).
     """
 
     def __init__(
@@ -139,6 +141,7 @@ class ReplicatedGeneration(SeededReplicas, WorkerGroupFacade):
         name: str,
         dp_size: int | None = None,
         env_vars: Mapping[str, str] | None = None,
+        concurrent_refit: bool = False,
     ) -> None:
         self.cfg = cfg
         SeededReplicas.__init__(self, pad_token_id=pad_token_id, seed=seed)
@@ -153,7 +156,9 @@ class ReplicatedGeneration(SeededReplicas, WorkerGroupFacade):
             bundle_indices=bundles,
             dp_size=dp_size,
             env_vars=env_vars,
+            max_concurrency=2 if concurrent_refit else 1,
         )
+        self.concurrent_refit = concurrent_refit
 
     @property
     def worker_node_ids(self) -> list[str]:
@@ -171,6 +176,16 @@ class ReplicatedGeneration(SeededReplicas, WorkerGroupFacade):
     def finish_generation(self) -> None:
         """Free the devices for colocated training (KV caches dropped, weights offloaded as the backend does)."""
         self._on_all("finish_generation")
+
+    def enable_in_flight_weight_updates(self, recompute_kv_cache: bool) -> None:
+        """From now on a refit that arrives while the workers generate is applied between two decode steps of
+        the running requests, their KV cache recomputed with the new weights when ``recompute_kv_cache``."""
+        if not self.concurrent_refit:
+            raise ValueError(
+                f"the {self.backend_name} generation workers were started without concurrent_refit=True, so a "
+                "refit cannot reach them while they generate"
+            )
+        self._on_all("enable_in_flight_weight_updates", recompute_kv_cache)
 
     # ------------------------------------------------------------------------------- refit receiver
     def expected_weights_manifest(self) -> WeightManifestDict:

@@ -24,7 +24,8 @@ Tensor legend: B = sequences (or cache rows), T = tokens, V = vocabulary.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -216,10 +217,39 @@ class EmbeddedEngine:
         self.max_sequence_length = max_sequence_length
         self.decode_fn = decode_fn
         self._cache: KVCache | None = None
+        # In-flight weight updates (asynchronous GRPO): a refit running in another thread of the worker while
+        # this engine decodes stages its weights here; the decode loop applies them between two steps.
+        self._weights_lock = threading.Lock()
+        self._generating = False
+        self._pending_weights: list[tuple[str, torch.Tensor]] | None = None
+        self.recompute_kv_cache = False
+        """After an in-flight update, recompute the running rows' keys and values with the new weights."""
+        self.in_flight_updates = 0
+        """Weight updates applied between two decode steps so far."""
 
     def release_cache(self) -> None:
         """Drop the preallocated KV cache (it is reallocated by the next call)."""
         self._cache = None
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load a stream of Hugging Face-named full tensors: at once when no generation call runs, otherwise
+        staged (copied) and applied by the running call between two decode steps (or as it ends)."""
+        staged = [(name, tensor.detach().clone()) for name, tensor in named_tensors]
+        with self._weights_lock:
+            if not self._generating:
+                self.model.load_weights(staged)
+                return
+            self._pending_weights = [*(self._pending_weights or []), *staged]
+
+    def _apply_pending_weights(self) -> bool:
+        """Apply weights staged during the running call; whether there were any."""
+        with self._weights_lock:
+            pending, self._pending_weights = self._pending_weights, None
+            if pending is None:
+                return False
+            self.model.load_weights(pending)
+            self.in_flight_updates += 1
+            return True
 
     def _cache_for(self, num_rows: int, num_positions: int) -> KVCache:
         """The retained cache if it is large enough, else a new one at least as large as both."""
@@ -271,13 +301,40 @@ class EmbeddedEngine:
             stop_strings: optional per-sequence stop strings, added to ``params.stop_strings``.
         """
         self._check_inputs(input_ids_BT, input_lengths_B)
-        device, pad = self.model.device, self.pad_token_id
+        device = self.model.device
         num_seqs = input_ids_BT.shape[0]
         lengths_B = input_lengths_B.to(device=device, dtype=torch.long)
         budget_B = (self.max_sequence_length - lengths_B).clamp(min=0, max=params.max_new_tokens)
         row_stops = self._row_stop_strings(params, stop_strings, num_seqs)
 
         max_budget = int(budget_B.max()) if num_seqs else 0
+        with self._weights_lock:
+            self._generating = True
+        try:
+            return self._generate(
+                input_ids_BT, lengths_B, budget_B, max_budget, params, greedy, seed, row_stops
+            )
+        finally:
+            # Weights that arrived after the last decode step are loaded before a later refit may load at once.
+            with self._weights_lock:
+                pending, self._pending_weights = self._pending_weights, None
+                if pending is not None:
+                    self.model.load_weights(pending)
+                self._generating = False
+
+    def _generate(
+        self,
+        input_ids_BT: torch.Tensor,
+        lengths_B: torch.Tensor,
+        budget_B: torch.Tensor,
+        max_budget: int,
+        params: SamplingParams,
+        greedy: bool,
+        seed: int,
+        row_stops: list[tuple[str, ...]],
+    ) -> EngineOutput:
+        device, pad = self.model.device, self.pad_token_id
+        num_seqs = input_ids_BT.shape[0]
         generated = _Generated(
             tokens_BT=torch.full((num_seqs, max_budget), pad, dtype=torch.long, device=device),
             logprobs_BT=torch.zeros((num_seqs, max_budget), dtype=torch.float32, device=device),
@@ -381,9 +438,26 @@ class EmbeddedEngine:
                 cache.select_rows(keep, num_slots)
                 rows = rows.select(keep)
                 tokens_B = tokens_B[keep]
+            if (
+                self._pending_weights is not None
+                and self._apply_pending_weights()
+                and self.recompute_kv_cache
+            ):
+                self._recompute_cache(input_ids_BT[:, :max_prompt], lengths_B, rows, step, cache)
             logits_BV = model.decode(tokens_B, rows.positions_B, cache, num_slots)
             # Finished rows still in the batch advance too (their slot is shared); positions stay below slots.
             rows.positions_B += 1
+
+    def _recompute_cache(
+        self, prompts_BT: torch.Tensor, lengths_B: torch.Tensor, rows: _Rows, step: int, cache: KVCache
+    ) -> None:
+        """Rebuild the keys and values of ``rows`` (prompt, then the tokens sampled before ``step``) with the
+        current weights, in the slots the decode loop put them in."""
+        model = self.model
+        max_prompt = prompts_BT.shape[1]
+        model.prefill(prompts_BT[rows.orig_B], lengths_B[rows.orig_B], cache)
+        for j in range(step):
+            model.decode(rows.tokens_BT[:, j], rows.positions_B - (step - j), cache, max_prompt + j + 1)
 
     def _prefill_distinct(
         self, input_ids_BT: torch.Tensor, lengths_B: torch.Tensor, cache: KVCache

@@ -29,6 +29,7 @@ class EmbeddedGeneration(ReplicatedGeneration):
         bundle_indices: bundles to run on (default: all of the cluster's); the policy's bundles when colocated.
         model_path: a local checkpoint folder to load instead of ``cfg.model_name``.
         name: the worker group's name.
+        concurrent_refit: workers take a refit while they generate (in-flight weight updates).
     """
 
     backend_name = "embedded"
@@ -43,6 +44,7 @@ class EmbeddedGeneration(ReplicatedGeneration):
         seed: int,
         bundle_indices: Sequence[int] | None = None,
         model_path: str | None = None,
+        concurrent_refit: bool = False,
         name: str = "embedded_generation",
     ) -> None:
         bundles = list(range(cluster.world_size)) if bundle_indices is None else list(bundle_indices)
@@ -61,4 +63,5 @@ class EmbeddedGeneration(ReplicatedGeneration):
             seed=seed,
             init_kwargs={"cfg": cfg, "tokenizer": tokenizer, "model_path": model_path},
             name=name,
+            concurrent_refit=concurrent_refit,
         )

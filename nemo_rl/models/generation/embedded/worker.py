@@ -52,6 +52,7 @@ class EmbeddedGenerationWorker(EmbeddedReplica):
             device=device,
         )
         self.dtype = dtype
+        self._in_flight = False
         logger.info(
             "embedded generation replica %d: %s, %.1f MB of %s weights on %s",
             self.dp_rank,
@@ -62,8 +63,22 @@ class EmbeddedGenerationWorker(EmbeddedReplica):
         )
 
     def refit_receive(self, receiver: WeightReceiver) -> TransferStats:
-        """The generation side of a refit: receive, check and load the weights (``nemo_rl.weight_sync``)."""
-        return receiver.receive(self.load_hf_weights, self.expected_weights_manifest())
+        """The generation side of a refit: receive, check and load the weights (``nemo_rl.weight_sync``).
+        With in-flight updates on, weights that arrive while the worker generates are applied between two
+        decode steps (see :meth:`enable_in_flight_weight_updates`)."""
+        load = self.engine.load_weights if self._in_flight else self.load_hf_weights
+        return receiver.receive(load, self.expected_weights_manifest())
+
+    def enable_in_flight_weight_updates(self, recompute_kv_cache: bool) -> None:
+        """Let refits (run in a second thread of this actor) reach the engine while it decodes: they are
+        staged and applied between two decode steps, with the running rows' KV cache recomputed when
+        ``recompute_kv_cache``."""
+        self._in_flight = True
+        self.engine.recompute_kv_cache = recompute_kv_cache
+
+    def in_flight_updates(self) -> int:
+        """Weight updates applied between two decode steps so far."""
+        return self.engine.in_flight_updates
 
     def shutdown(self) -> None:
         """Free the cache and the weights."""

@@ -47,6 +47,7 @@ class VllmGeneration(ReplicatedGeneration):
         bundle_indices: bundles to run on (default: all of the cluster's); the policy's bundles when colocated.
         model_path: a local checkpoint folder to load instead of ``cfg.model_name``.
         name: the worker group's name.
+        concurrent_refit: workers take a refit while they generate (in-flight weight updates).
     """
 
     backend_name = "vLLM"
@@ -61,6 +62,7 @@ class VllmGeneration(ReplicatedGeneration):
         seed: int,
         bundle_indices: Sequence[int] | None = None,
         model_path: str | None = None,
+        concurrent_refit: bool = False,
         name: str = "vllm_generation",
     ) -> None:
         check_vllm_config(cfg)
@@ -92,4 +94,5 @@ class VllmGeneration(ReplicatedGeneration):
             name=name,
             dp_size=len(bundles) // tp_size,
             env_vars={**WORKER_ENV_VARS, **cfg.generation.vllm_cfg.env_vars},
+            concurrent_refit=concurrent_refit,
         )
