@@ -114,6 +114,22 @@ def _check_async_grpo(config: GRPOMasterConfig) -> None:
             "grpo.async_grpo.enabled=true trains on responses sampled by older weights: set "
             "loss_fn.use_importance_sampling_correction=true"
         )
+    async_cfg = config.grpo.async_grpo
+    if generation.backend == "vllm" and async_cfg.recompute_kv_cache_after_weight_updates:
+        raise ValueError(
+            "grpo.async_grpo.recompute_kv_cache_after_weight_updates is built for the embedded engine: with "
+            "policy.generation.backend=vllm set it false"
+        )
+    if (
+        generation.backend == "vllm"
+        and async_cfg.in_flight_weight_updates
+        and generation.vllm_cfg.tensor_parallel_size > 1
+    ):
+        raise ValueError(
+            "grpo.async_grpo.in_flight_weight_updates with policy.generation.vllm_cfg.tensor_parallel_size > 1 "
+            "could load new weights at different steps on the ranks of one engine: set "
+            "in_flight_weight_updates=false or tensor_parallel_size=1"
+        )
 
 
 def _check_generation_placement(policy: PolicyConfig, cluster: ClusterConfig) -> None:

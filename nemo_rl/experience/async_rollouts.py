@@ -152,6 +152,7 @@ class _VersionedGeneration:
         self.first_version: int | None = None
 
     def generate(self, data: BatchedDataDict[Any], greedy: bool = False) -> BatchedDataDict[Any]:
+        self._owner.wait_for_waiting_refit()
         with self._owner.generation_lock:
             version = self._owner.version
             if self.first_version is None:
@@ -211,6 +212,9 @@ class AsyncRollouts:
         self.generation_lock = threading.Lock()
         """Held by each generation call, by validation and, without in-flight updates, by each refit."""
         self._version_changed = threading.Condition()
+        # A refit waiting for the generation lock goes before the next generation call (the lock is not fair).
+        self._refits_waiting = 0
+        self._refit_turn = threading.Condition()
         self.buffer = TrajectoryBuffer(capacity=max_age + 1)
         self._counters = _Counters()
         self._counters_lock = threading.Lock()
@@ -332,14 +336,27 @@ class AsyncRollouts:
         Without in-flight updates it first waits for the generation call in progress (counted as training
         idle time at the next :meth:`take`)."""
         start = time.perf_counter()
-        lock = contextlib.nullcontext() if self.in_flight else self.generation_lock
-        with lock:
-            self._refit_waited_s += time.perf_counter() - start
-            metrics = self._refit()
-            with self._version_changed:
-                self.version = version
-                self._version_changed.notify_all()
+        with self._refit_turn:
+            self._refits_waiting += 1
+        try:
+            with contextlib.nullcontext() if self.in_flight else self.generation_lock:
+                self._refit_waited_s += time.perf_counter() - start
+                metrics = self._refit()
+                with self._version_changed:
+                    self.version = version
+                    self._version_changed.notify_all()
+        finally:
+            with self._refit_turn:
+                self._refits_waiting -= 1
+                self._refit_turn.notify_all()
         return metrics
+
+    def wait_for_waiting_refit(self) -> None:
+        """Let a refit that waits for the generation lock go first (called before each generation call)."""
+        start = time.perf_counter()
+        with self._refit_turn:
+            self._refit_turn.wait_for(lambda: self._refits_waiting == 0 or self.in_flight)
+        self._count(generation_idle_s=time.perf_counter() - start)
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:

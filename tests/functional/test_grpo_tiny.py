@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "run_grpo_math.py"
 CONFIG = ROOT / "examples" / "configs" / "grpo_math_tiny.yaml"
 MEGATRON_CONFIG = ROOT / "examples" / "configs" / "grpo_math_tiny_megatron.yaml"
+ASYNC_CONFIG = ROOT / "examples" / "configs" / "grpo_math_tiny_async.yaml"
 TINY_SFT = ROOT / "examples" / "assets" / "tiny_math_sft"
 TIMEOUT_S = 900
 
@@ -315,3 +316,87 @@ def test_vllm_sampling_agrees_with_the_policy_and_resumes_after_kill_9(tmp_path:
         assert metrics[step]["refit/bytes"] > 0, step
     assert "validation/accuracy" in metrics[2]
     assert (tmp_path / "vllm" / "ckpt" / "step_3" / "training_info.json").exists()
+
+
+def _async_run(tmp_path: Path, name: str, *extra: str) -> tuple[list[str], Path]:
+    cmd = _command(
+        tmp_path,
+        name,
+        "grpo.max_num_steps=5",
+        "grpo.val_at_start=false",
+        # A validation while generation runs ahead: it waits for the generation call in progress.
+        "grpo.val_period=3",
+        *extra,
+        config=ASYNC_CONFIG,
+    )
+    return cmd, tmp_path / name
+
+
+def _trained_prompts(log_dir: Path) -> dict[int, list[int]]:
+    """Prompt indices each step trained on (a step the killed run trained after its checkpoint is trained
+    again by the rerun, on the same prompts)."""
+    steps: dict[int, list[int]] = {}
+    for line in (log_dir / "async_trajectories.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        assert not record["dropped"], record
+        assert steps.setdefault(record["step"], record["prompt_idx"]) == record["prompt_idx"], record
+    return steps
+
+
+def _expected_prompt_order(num_prompts: int) -> list[int]:
+    # The recipe's loader: the 4946 training problems shuffled with seed 42 (StatefulDataLoader's epoch 0).
+    from nemo_rl.data.dataloader import StatefulDataLoader
+
+    loader = StatefulDataLoader(
+        range(4946), batch_size=1, shuffle=True, seed=42, drop_last=True, collate_fn=list
+    )
+    return loader.epoch_order(0)[:num_prompts]
+
+
+@pytest.mark.slow
+def test_async_grpo_bounds_trajectory_age_and_resumes_after_kill_9_without_losing_a_prompt(
+    tmp_path: Path,
+) -> None:
+    # The async recipe (one generation slot, one training slot) with in-flight weight updates and the KV cache
+    # recomputed after them. The driver is killed (SIGKILL) once the step-2 checkpoint exists, while the
+    # generation thread has already drawn and sampled later prompts; the rerun resumes from the checkpoint's
+    # consumed position, so the steps together train on the loader's prompts in order, each exactly once.
+    cmd, run_dir = _async_run(
+        tmp_path,
+        "async",
+        "grpo.async_grpo.in_flight_weight_updates=true",
+        "grpo.async_grpo.recompute_kv_cache_after_weight_updates=true",
+    )
+    ckpt = run_dir / "ckpt" / "step_2" / "training_info.json"
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env())
+    try:
+        wait_until_exists(proc, ckpt, TIMEOUT_S)
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert json.loads(ckpt.read_text())["consumed_prompts"] == 8
+    resumed = _run(cmd)
+    assert "Resuming GRPO from" in resumed.stdout and "(step 2)" in resumed.stdout, resumed.stdout[-3000:]
+    metrics = _metrics(run_dir / "logs")
+    for step in range(1, 6):
+        m = metrics[step]
+        # Nothing older than max_trajectory_age_steps=1 was trained on, and nothing was dropped.
+        assert m["train/async/trajectory_age_max"] <= 1 and m["train/async/trajectory_age_mean"] <= 1, step
+        assert m["train/async/dropped_stale_groups"] == 0, step
+        assert m["train/async/samples_per_s"] > 0, step
+        assert m["train/sampling_importance_ratio"] > 0, step
+    # Generation ran ahead: after the first step of each run, steps train on the previous weights' samples.
+    assert (
+        metrics[2]["train/async/trajectory_age_max"] == 1
+        and metrics[5]["train/async/trajectory_age_max"] == 1
+    )
+    assert "validation/accuracy" in metrics[3]
+    trained = _trained_prompts(run_dir / "logs")
+    assert sorted(trained) == [1, 2, 3, 4, 5]
+    flat = [i for step in sorted(trained) for i in trained[step]]
+    assert flat == _expected_prompt_order(20), "a prompt was lost or repeated across the kill"
+    assert (
+        json.loads((run_dir / "ckpt" / "step_5" / "training_info.json").read_text())["consumed_prompts"] == 20
+    )

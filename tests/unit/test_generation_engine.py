@@ -392,3 +392,62 @@ def test_policy_scores_sampled_tokens_under_the_sampling_distribution() -> None:
     lp_BT.sum().backward()
     assert torch.isfinite(lp_BT).all() and torch.isfinite(leaf_BTV.grad).all()  # type: ignore[arg-type]
     assert torch.isfinite(token_entropy(sampling_logits(logits_BTV, ids_BT, 1.0, 2, 0.5))).all()
+
+
+def _new_weights(hf: Qwen2ForCausalLM) -> tuple[Qwen2ForCausalLM, list[tuple[str, torch.Tensor]]]:
+    """A copy of ``hf`` with every weight perturbed, and its state dict as a refit would send it."""
+    new = Qwen2ForCausalLM(hf.config).eval()
+    new.load_state_dict(hf.state_dict())
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    return new, list(new.state_dict().items())
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_in_flight_weights_apply_between_two_decode_steps(
+    hf_model: Qwen2ForCausalLM, recompute: bool
+) -> None:
+    """Weights a refit delivers while the engine decodes are staged and applied before the next decode step
+    (asynchronous GRPO's in-flight updates); with the cache recomputed, every later token's log-prob is the
+    new model's on the whole sequence, otherwise the prompt's keys and values still come from the old one."""
+    new_hf, new_weights = _new_weights(hf_model)
+    engine = make_engine(hf_model)
+    engine.recompute_kv_cache = recompute
+    decode = engine.model.decode
+    calls = {"n": 0}
+
+    def decode_and_refit_at_step_2(*args: Any) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] == 3:  # the refit's thread would call this while the engine decodes
+            engine.load_weights(new_weights)
+        return decode(*args)
+
+    engine.model.decode = decode_and_refit_at_step_2  # type: ignore[method-assign]
+    ids, lengths = prompts([6, 6], seed=4)
+    out = engine.generate(ids, lengths, params(max_new_tokens=10), greedy=True, seed=0)
+    assert engine.in_flight_updates == 1
+    assert int(out.generation_lengths.min()) == 10
+    # Decode call 3 (step 2) still ran on the old weights and gave token 3's logits; tokens 4.. come after.
+    new_logprobs = hf_token_logprobs(new_hf, out)
+    old_logprobs = hf_token_logprobs(hf_model, out)
+    first_new = 6 + 4
+    assert (out.logprobs - old_logprobs)[:, 6:first_new].abs().max().item() <= 1e-4
+    error = (out.logprobs - new_logprobs)[:, first_new:16].abs().max().item()
+    assert (error <= 1e-4) is recompute
+    # The weights stay updated after the call.
+    assert torch.equal(
+        dict(engine.model.named_weights())["model.embed_tokens.weight"], new_hf.model.embed_tokens.weight
+    )
+
+
+def test_weights_loaded_between_calls_apply_at_once(hf_model: Qwen2ForCausalLM) -> None:
+    new_hf, new_weights = _new_weights(hf_model)
+    engine = make_engine(hf_model)
+    engine.load_weights(new_weights)
+    assert engine.in_flight_updates == 0
+    ids, lengths = prompts([5], seed=2)
+    out = engine.generate(ids, lengths, params(max_new_tokens=6), greedy=True, seed=0)
+    mask = generated_mask(out, lengths)
+    assert (out.logprobs - hf_token_logprobs(new_hf, out))[mask].abs().max().item() <= 1e-4

@@ -24,7 +24,6 @@ Tensor legend: B = sequences (or cache rows), T = tokens, V = vocabulary.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -32,6 +31,7 @@ import torch
 
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.models.generation.embedded.model import DecoderLM, KVCache
+from nemo_rl.models.generation.in_flight import InFlightWeights
 from nemo_rl.models.sampling import top_k_top_p_candidates
 
 # Compact the active rows once this fraction of them has finished.
@@ -217,15 +217,11 @@ class EmbeddedEngine:
         self.max_sequence_length = max_sequence_length
         self.decode_fn = decode_fn
         self._cache: KVCache | None = None
-        # In-flight weight updates (asynchronous GRPO): a refit running in another thread of the worker while
-        # this engine decodes stages its weights here; the decode loop applies them between two steps.
-        self._weights_lock = threading.Lock()
-        self._generating = False
-        self._pending_weights: list[tuple[str, torch.Tensor]] | None = None
+        self.in_flight = InFlightWeights(model.load_weights)
+        """Stages weights a refit delivers while this engine decodes; the decode loop applies them between
+        two steps (asynchronous GRPO's in-flight updates)."""
         self.recompute_kv_cache = False
         """After an in-flight update, recompute the running rows' keys and values with the new weights."""
-        self.in_flight_updates = 0
-        """Weight updates applied between two decode steps so far."""
 
     def release_cache(self) -> None:
         """Drop the preallocated KV cache (it is reallocated by the next call)."""
@@ -233,23 +229,13 @@ class EmbeddedEngine:
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load a stream of Hugging Face-named full tensors: at once when no generation call runs, otherwise
-        staged (copied) and applied by the running call between two decode steps (or as it ends)."""
-        staged = [(name, tensor.detach().clone()) for name, tensor in named_tensors]
-        with self._weights_lock:
-            if not self._generating:
-                self.model.load_weights(staged)
-                return
-            self._pending_weights = [*(self._pending_weights or []), *staged]
+        between two of its decode steps (see :class:`~nemo_rl.models.generation.in_flight.InFlightWeights`)."""
+        self.in_flight.receive(named_tensors)
 
-    def _apply_pending_weights(self) -> bool:
-        """Apply weights staged during the running call; whether there were any."""
-        with self._weights_lock:
-            pending, self._pending_weights = self._pending_weights, None
-            if pending is None:
-                return False
-            self.model.load_weights(pending)
-            self.in_flight_updates += 1
-            return True
+    @property
+    def in_flight_updates(self) -> int:
+        """Weight updates applied between two decode steps so far."""
+        return self.in_flight.updates_between_steps
 
     def _cache_for(self, num_rows: int, num_positions: int) -> KVCache:
         """The retained cache if it is large enough, else a new one at least as large as both."""
@@ -308,19 +294,10 @@ class EmbeddedEngine:
         row_stops = self._row_stop_strings(params, stop_strings, num_seqs)
 
         max_budget = int(budget_B.max()) if num_seqs else 0
-        with self._weights_lock:
-            self._generating = True
-        try:
+        with self.in_flight.generating():
             return self._generate(
                 input_ids_BT, lengths_B, budget_B, max_budget, params, greedy, seed, row_stops
             )
-        finally:
-            # Weights that arrived after the last decode step are loaded before a later refit may load at once.
-            with self._weights_lock:
-                pending, self._pending_weights = self._pending_weights, None
-                if pending is not None:
-                    self.model.load_weights(pending)
-                self._generating = False
 
     def _generate(
         self,
@@ -438,11 +415,8 @@ class EmbeddedEngine:
                 cache.select_rows(keep, num_slots)
                 rows = rows.select(keep)
                 tokens_B = tokens_B[keep]
-            if (
-                self._pending_weights is not None
-                and self._apply_pending_weights()
-                and self.recompute_kv_cache
-            ):
+            # Weights a refit delivered during this call (asynchronous GRPO's in-flight updates).
+            if self.in_flight.has_pending and self.in_flight.apply_pending() and self.recompute_kv_cache:
                 self._recompute_cache(input_ids_BT[:, :max_prompt], lengths_B, rows, step, cache)
             logits_BV = model.decode(tokens_B, rows.positions_B, cache, num_slots)
             # Finished rows still in the batch advance too (their slot is shared); positions stay below slots.

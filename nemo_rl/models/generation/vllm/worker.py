@@ -29,6 +29,7 @@ from nemo_rl.distributed.device import (
     get_device,
     init_process_group_from_env,
 )
+from nemo_rl.models.generation.in_flight import InFlightWeights
 from nemo_rl.models.generation.interfaces import (
     WeightManifestDict,
     check_generation_input,
@@ -117,6 +118,8 @@ class VllmGenerationWorker:
         self._sleeps = False
         self._sampling_params_cls: Any = None
         self.llm: Any = self._start_engine(seed)
+        # Asynchronous GRPO's in-flight updates: off until enable_in_flight_weight_updates.
+        self._in_flight: InFlightWeights | None = None
         logger.info(
             "vLLM generation rank %d (dp rank %d): %s in %s, tensor parallel %d",
             self.rank,
@@ -186,10 +189,8 @@ class VllmGenerationWorker:
                     attempt,
                     MAX_REQUEST_RETRIES,
                 )
-            outputs = self.llm.generate(
-                [{"prompt_token_ids": prompts[row]} for row in pending],
-                [params[row] for row in pending],
-                use_tqdm=False,
+            outputs = self._run_requests(
+                [{"prompt_token_ids": prompts[row]} for row in pending], [params[row] for row in pending]
             )
             if len(outputs) != len(pending):
                 raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(pending)} prompts")
@@ -199,6 +200,36 @@ class VllmGenerationWorker:
             pending = [pending[i] for i in rows_to_retry(finished)]
         # Rows still failing after the retries make assemble_outputs raise, naming the finish reason.
         return assemble_outputs(input_ids, input_lengths, completions, self.pad_token_id)
+
+    def _run_requests(self, prompts: list[dict[str, Any]], params: list[Any]) -> list[Any]:
+        """vLLM's outputs for ``prompts``, in order. With in-flight updates the engine is stepped here (as
+        ``LLM.generate`` does) so that weights a refit staged meanwhile are loaded between two steps."""
+        if self._in_flight is None:
+            return list(self.llm.generate(prompts, params, use_tqdm=False))
+        with self._in_flight.generating():
+            self.llm.enqueue(prompts, params, use_tqdm=False)
+            engine = self.llm.llm_engine
+            finished: list[Any] = []
+            while engine.has_unfinished_requests():
+                if self._in_flight.has_pending:
+                    self._in_flight.apply_pending()
+                finished.extend(output for output in engine.step() if output.finished)
+        return sorted(finished, key=lambda output: int(output.request_id))
+
+    def enable_in_flight_weight_updates(self, recompute_kv_cache: bool) -> None:
+        """Let refits (run in a second thread of this actor) reach the engine while it generates: their
+        weights are staged and loaded between two engine steps. The running requests keep the keys and values
+        computed so far: recomputing them is built for the embedded engine only."""
+        if recompute_kv_cache:
+            raise ValueError(
+                "grpo.async_grpo.recompute_kv_cache_after_weight_updates is built for the embedded engine: with "
+                "vLLM set it false"
+            )
+        self._in_flight = InFlightWeights(self._load)
+
+    def in_flight_updates(self) -> int:
+        """Weight updates loaded between two engine steps so far."""
+        return 0 if self._in_flight is None else self._in_flight.updates_between_steps
 
     def _wake(self, tags: set[str]) -> None:
         """Bring back the released pools among ``tags`` (vLLM warns and does nothing for awake ones)."""
@@ -247,8 +278,10 @@ class VllmGenerationWorker:
         return self._load(tensors)
 
     def refit_receive(self, receiver: WeightReceiver) -> TransferStats:
-        """The generation side of a refit: receive, check and load the weights (``nemo_rl.weight_sync``)."""
-        return receiver.receive(self.load_hf_weights, self._manifest)
+        """The generation side of a refit: receive, check and load the weights (``nemo_rl.weight_sync``);
+        with in-flight updates on, weights arriving during a generation call are loaded between two steps."""
+        load = self.load_hf_weights if self._in_flight is None else self._in_flight.receive
+        return receiver.receive(load, self._manifest)
 
     def shutdown(self) -> None:
         """Drop the engine and free its GPU memory."""

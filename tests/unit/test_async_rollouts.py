@@ -1,0 +1,279 @@
+"""Asynchronous GRPO's rollout side without workers: the trajectory buffer, the age rule that keeps generation
+at most ``max_trajectory_age_steps`` ahead, version tags, refits at request boundaries, failures, and the
+consumed loader position a checkpoint saves."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from nemo_rl.config.master import GRPOMasterConfig
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.experience.async_rollouts import AsyncRollouts, RolloutBatch, TrajectoryBuffer
+
+TIMEOUT_S = 60.0
+PROMPTS = 2
+
+
+def rollout_batch(version: int, index: int = 0) -> RolloutBatch:
+    return RolloutBatch(
+        rollout=BatchedDataDict(idx=torch.arange(4)),
+        metrics={},
+        version=version,
+        index=index,
+        loader_state={"batch_index": index + 1},
+        num_prompts=PROMPTS,
+    )
+
+
+def test_take_drops_batches_older_than_the_age_bound_and_returns_them() -> None:
+    buffer = TrajectoryBuffer(capacity=3)
+    for version in (0, 1, 2):
+        buffer.put(rollout_batch(version))
+    batch, dropped, _ = buffer.take(min_version=2, timeout_s=TIMEOUT_S)
+    assert batch.version == 2
+    assert [d.version for d in dropped] == [0, 1]
+    assert len(buffer) == 0
+
+
+def test_a_failure_of_the_generation_thread_is_raised_in_the_trainer() -> None:
+    buffer = TrajectoryBuffer(capacity=1)
+    buffer.fail(RuntimeError("worker died"))
+    with pytest.raises(RuntimeError, match="worker died"):
+        buffer.take(min_version=0, timeout_s=TIMEOUT_S)
+
+
+def test_take_times_out_when_nothing_arrives() -> None:
+    with pytest.raises(TimeoutError, match="no rollout batch arrived"):
+        TrajectoryBuffer(capacity=1).take(min_version=0, timeout_s=0.05)
+
+
+class FakeGeneration:
+    """Records the call order; a call can be held until released (to check refit boundaries)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.hold: threading.Event | None = None
+        self.entered = threading.Event()
+
+    def generate(self, data: BatchedDataDict[Any], greedy: bool = False) -> BatchedDataDict[Any]:
+        self.calls.append("generate")
+        self.entered.set()
+        if self.hold is not None:
+            assert self.hold.wait(TIMEOUT_S)
+        return data
+
+
+def prompt_batches() -> Iterator[BatchedDataDict[Any]]:
+    index = 0
+    while True:
+        yield BatchedDataDict(
+            idx=torch.arange(index * PROMPTS, (index + 1) * PROMPTS), message_log=[[]] * PROMPTS
+        )
+        index += 1
+
+
+class Harness:
+    """An :class:`AsyncRollouts` over :class:`FakeGeneration` with a counting loader and refit."""
+
+    def __init__(
+        self, *, max_age: int, num_batches: int = 6, start_version: int = 0, failures: int = 0, **kw: Any
+    ):
+        self.generation = FakeGeneration()
+        self.drawn = 0
+        self.fail_next = failures
+        self.refits = 0
+        batches = prompt_batches()
+
+        def draw() -> BatchedDataDict[Any]:
+            self.drawn += 1
+            return next(batches)
+
+        self.rollouts = AsyncRollouts(
+            self.generation,  # type: ignore[arg-type]
+            self.roll_out,
+            self.refit,
+            batches=iter(draw, None),
+            loader_state=lambda: {"batch_index": self.drawn},
+            start_version=start_version,
+            num_batches=num_batches,
+            max_age=max_age,
+            in_flight=kw.pop("in_flight", False),
+            max_failures=kw.pop("max_failures", 0),
+            take_timeout_s=TIMEOUT_S,
+        )
+
+    def roll_out(
+        self, generation: Any, batch: BatchedDataDict[Any]
+    ) -> tuple[BatchedDataDict[Any], dict[str, float]]:
+        out = generation.generate(batch)
+        if self.fail_next:
+            self.fail_next -= 1
+            raise ConnectionError("environment unreachable")
+        return out, {"reward": 1.0}
+
+    def refit(self) -> dict[str, float]:
+        self.generation.calls.append("refit")
+        self.refits += 1
+        return {"refit/bytes": 1.0}
+
+
+@pytest.mark.parametrize("max_age", [1, 2])
+def test_generation_runs_at_most_max_age_steps_ahead_and_every_trained_batch_is_young_enough(
+    max_age: int,
+) -> None:
+    h = Harness(max_age=max_age)
+    rollouts = h.rollouts
+    rollouts.start()
+    try:
+        ages = []
+        for step in range(1, 7):
+            batch, metrics, dropped = rollouts.take(step)
+            assert not dropped
+            assert metrics["async/trajectory_age_max"] == step - 1 - batch.version
+            ages.append(metrics["async/trajectory_age_max"])
+            # The prompts come in loader order and the consumed position follows the batch trained on.
+            assert batch.rollout["idx"].tolist() == list(range((step - 1) * PROMPTS, step * PROMPTS))
+            assert rollouts.consumed_loader_state() == {"batch_index": step}
+            rollouts.publish_weights(step)
+        assert max(ages) == max_age  # generation did run ahead, and no further
+        assert ages[0] == 0
+    finally:
+        rollouts.close()
+
+
+def test_before_its_first_refit_generation_draws_only_the_batches_the_age_bound_allows() -> None:
+    h = Harness(max_age=1)
+    h.rollouts.start()
+    try:
+        batch, _, _ = h.rollouts.take(1)
+        second, _, _ = h.rollouts.take(2)
+        assert (batch.version, second.version) == (0, 0)
+        # Batch 2 would be trained at step 3 with age 2: it is not even drawn before the weights of step 1.
+        assert h.drawn == 2
+        h.rollouts.publish_weights(1)
+        third, _, _ = h.rollouts.take(3)
+        assert third.version == 1
+    finally:
+        h.rollouts.close()
+
+
+def test_a_refit_waits_for_the_generation_call_in_progress_unless_in_flight() -> None:
+    for in_flight in (False, True):
+        h = Harness(max_age=2, in_flight=in_flight)
+        h.generation.hold = threading.Event()
+        h.rollouts.start()
+        try:
+            assert h.generation.entered.wait(TIMEOUT_S)
+            refit = threading.Thread(target=h.rollouts.publish_weights, args=(1,))
+            refit.start()
+            refit.join(timeout=0.5 if not in_flight else TIMEOUT_S)
+            # Without in-flight updates the refit is still blocked behind the held call.
+            assert refit.is_alive() is (not in_flight)
+            h.generation.hold.set()
+            refit.join(TIMEOUT_S)
+            assert h.refits == 1
+            calls = h.generation.calls
+            assert calls.index("refit") == (1 if in_flight else calls.index("generate") + 1)
+        finally:
+            h.generation.hold.set()
+            h.rollouts.close()
+
+
+def test_failed_batches_are_sampled_again_up_to_max_generation_failures() -> None:
+    h = Harness(max_age=1, failures=1, max_failures=1)
+    h.rollouts.start()
+    try:
+        batch, metrics, _ = h.rollouts.take(1)
+        assert batch.rollout["idx"].tolist() == [0, 1]  # the same prompts, not lost
+        assert metrics["async/generation_failures"] == 1
+    finally:
+        h.rollouts.close()
+
+    h = Harness(max_age=1, failures=1, max_failures=0)
+    h.rollouts.start()
+    try:
+        with pytest.raises(RuntimeError, match="max_generation_failures=0: environment unreachable"):
+            h.rollouts.take(1)
+    finally:
+        h.rollouts.close()
+
+
+def test_a_resumed_run_continues_its_versions_and_ages() -> None:
+    h = Harness(max_age=1, start_version=10)
+    h.rollouts.start()
+    try:
+        batch, metrics, _ = h.rollouts.take(11)
+        assert batch.version == 10 and metrics["async/trajectory_age_mean"] == 0
+    finally:
+        h.rollouts.close()
+
+
+BASE = {
+    "policy": {
+        "model_name": "m",
+        "generation": {"colocated": {"enabled": False, "resources": {"gpus_per_node": 1, "num_nodes": 1}}},
+    },
+    "cluster": {"gpus_per_node": 2},
+    "grpo": {"async_grpo": {"enabled": True}},
+    "loss_fn": {"use_importance_sampling_correction": True},
+}
+
+
+def config(**changes: Any) -> dict[str, Any]:
+    import copy
+
+    cfg = copy.deepcopy(BASE)
+    for dotted, value in changes.items():
+        node = cfg
+        *parents, leaf = dotted.split("__")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return cfg
+
+
+def test_a_valid_async_config_loads() -> None:
+    cfg = GRPOMasterConfig.model_validate(config())
+    assert cfg.grpo.async_grpo.enabled and cfg.grpo.async_grpo.max_trajectory_age_steps == 1
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"policy__generation__colocated": {"enabled": True}}, "policy.generation.colocated.enabled=false"),
+        (
+            {"loss_fn__use_importance_sampling_correction": False},
+            "loss_fn.use_importance_sampling_correction",
+        ),
+        ({"grpo__async_grpo__max_trajectory_age_steps": 0}, "max_trajectory_age_steps"),
+        (
+            {"grpo__async_grpo__recompute_kv_cache_after_weight_updates": True},
+            "in_flight_weight_updates=true",
+        ),
+        ({"grpo__use_dynamic_sampling": True}, "grpo.use_dynamic_sampling"),
+        (
+            {
+                "policy__generation__backend": "vllm",
+                "grpo__async_grpo__in_flight_weight_updates": True,
+                "grpo__async_grpo__recompute_kv_cache_after_weight_updates": True,
+            },
+            "built for the embedded engine",
+        ),
+        (
+            {
+                "policy__generation__backend": "vllm",
+                "policy__generation__vllm_cfg": {"tensor_parallel_size": 2},
+                "grpo__async_grpo__in_flight_weight_updates": True,
+            },
+            "tensor_parallel_size=1",
+        ),
+    ],
+)
+def test_combinations_that_cannot_work_fail_at_config_time(changes: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        GRPOMasterConfig.model_validate(config(**changes))
