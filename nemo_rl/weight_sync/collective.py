@@ -18,7 +18,6 @@ members name the same GPU UUID the group is built on gloo instead (:func:`choose
 from __future__ import annotations
 
 import datetime
-import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -159,10 +158,11 @@ _groups: dict[tuple[str, int, int, int], RefitGroup] = {}
 def connect_group(spec: GroupSpec, rank: int) -> RefitGroup:
     """This process's member of the refit group ``spec`` (created on first use, then reused).
 
-    A process keeps one group per refit store and stream (per thread, for single-process tests): when the
-    driver moves to a new group (after a failed refit) the old one is dropped.
+    A process keeps one group per refit store, stream and rank (several ranks in one process are the threads
+    of single-process tests; one rank may receive on different threads of a threaded actor, which take turns):
+    when the driver moves to a new group (after a failed refit) the old one is dropped.
     """
-    key = (spec.store.host, spec.store.port, threading.get_ident(), spec.stream)
+    key = (spec.store.host, spec.store.port, rank, spec.stream)
     group = _groups.get(key)
     if group is None or group.spec != spec or group.rank != rank:
         _groups.pop(key, None)

@@ -187,11 +187,14 @@ SAMPLING = {"temperature": 0.7, "top_k": 8}
 @pytest.fixture(scope="module")
 def engine(tiny: dict[str, Any], cluster: RayVirtualCluster) -> Iterator[Any]:
     """One colocated fp32 engine (eager) on bundle 0 with weights A, sampling with :data:`SAMPLING`; the refit
-    tests reuse it as their colocated engine."""
+    tests reuse it as their colocated engine. Its actor takes a refit while it generates (asynchronous GRPO's
+    in-flight updates, enabled by the last test of :class:`TestOneEngine`)."""
     from nemo_rl.models.generation.vllm.generation import VllmGeneration
 
     cfg = _cfg(tiny["dirs"]["a"], **SAMPLING)
-    generation = VllmGeneration(cluster, cfg, tiny["tokenizer"], seed=5, bundle_indices=[0])
+    generation = VllmGeneration(
+        cluster, cfg, tiny["tokenizer"], seed=5, bundle_indices=[0], concurrent_refit=True
+    )
     try:
         yield generation
     finally:
@@ -292,6 +295,32 @@ class TestOneEngine:
         assert int(out["generation_lengths"][2]) <= 4
         assert int(out["unpadded_sequence_lengths"][2]) <= MAX_LEN
         assert bool(out["truncated"][2]) == (int(out["generation_lengths"][2]) == 4)
+
+    def test_in_flight_update_reaches_a_running_generation_between_engine_steps(
+        self, engine: Any, tiny: dict[str, Any]
+    ) -> None:
+        # Weights B arrive while the engine decodes a large batch: they are staged and loaded between two of
+        # its steps (the call keeps running), and the engine generates with B afterwards. (The refit tests
+        # below then run with in-flight updates on, through the stepped engine loop.)
+        engine.enable_in_flight_weight_updates(False)
+        worker = engine.workers[0]
+        hf_b = tiny["hf"]["b"]
+        weights_b = [(name, p.detach().clone()) for name, p in hf_b.named_parameters()]
+        big = _prompts(tiny["tokenizer"], [PROMPTS[i % len(PROMPTS)] for i in range(256)])
+        before = ray.get(worker.in_flight_updates.remote(), timeout=TIMEOUT_S)
+        for _ in range(3):  # the update must land while the call runs; a larger batch gives it longer
+            running = worker.generate.remote(big, True, 0)
+            ray.get(worker.load_weights_from_stream.remote(weights_b), timeout=TIMEOUT_S)
+            out = ray.get(running, timeout=TIMEOUT_S)
+            if ray.get(worker.in_flight_updates.remote(), timeout=TIMEOUT_S) > before:
+                break
+            big = BatchedDataDict.from_batches([big, big], pad_value_dict={"input_ids": 0})
+        assert ray.get(worker.in_flight_updates.remote(), timeout=TIMEOUT_S) > before
+        assert out.size == big.size
+        data = _prompts(tiny["tokenizer"], PROMPTS)
+        _check_greedy_parity(hf_b, engine.generate(data, greedy=True), data["input_lengths"])
+        engine.update_weights(tiny["hf"]["a"].named_parameters())
+        _check_greedy_parity(tiny["hf"]["a"], engine.generate(data, greedy=True), data["input_lengths"])
 
 
 # ------------------------------------------------------------------------------------ other layouts

@@ -275,6 +275,9 @@ class VllmGenerationWorker:
         )
         if problems:
             raise ValueError("the weight update does not fit the vLLM model: " + "; ".join(problems))
+        if self._in_flight is not None:
+            self._in_flight.receive(tensors)
+            return sum(t.numel() * t.element_size() for _, t in tensors)
         return self._load(tensors)
 
     def refit_receive(self, receiver: WeightReceiver) -> TransferStats:
