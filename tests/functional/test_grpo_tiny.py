@@ -200,14 +200,15 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.mcore
-def test_megatron_pipeline_non_colocated_resumes_after_a_dead_generation_worker(tmp_path: Path) -> None:
-    # The Megatron recipe (the tiny model in two pipeline stages) with generation on a slot of its own:
-    # each stage broadcasts its own layers over its own collective group. Its generation worker is killed
-    # (SIGKILL) once the step-2 checkpoint exists (step 3 still needs it); the run ends naming it, and the
-    # rerun resumes. The model is
-    # a local folder, SwanLab logs offline, and two optimizer steps per batch make the previous policy's
+def test_megatron_pipeline_async_grpo_resumes_after_a_dead_generation_worker(tmp_path: Path) -> None:
+    # The Megatron recipe (the tiny model in two pipeline stages) with generation on a slot of its own,
+    # running ahead of training (asynchronous GRPO, one step at most): each stage broadcasts its own layers
+    # over its own collective group after every step. The generation worker is killed (SIGKILL) once the
+    # step-2 checkpoint exists, while it samples for a later step; the run ends naming it (no generation
+    # failure is tolerated), and the rerun resumes from the checkpoint's consumed prompts. The model is a
+    # local folder, SwanLab logs offline, and two optimizer steps per batch make the previous policy's
     # log-probs a scoring pass of their own. (The DTensor worker's non-colocated refit is covered in
-    # tests/distributed/test_policy_to_generation_refit.py; a killed driver in test_sft_tiny.py.)
+    # tests/distributed/test_policy_to_generation_refit.py; a killed driver in the async test below.)
     pytest.importorskip("megatron.core", reason="needs megatron-core (uv sync --extra mcore)")
     ray_dir = Path(f"/tmp/ray_t{uuid.uuid4().hex[:8]}")
     env = {**_env(), "NEMO_RL_RAY_TEMP_DIR": str(ray_dir)}
@@ -216,6 +217,8 @@ def test_megatron_pipeline_non_colocated_resumes_after_a_dead_generation_worker(
         "noncoloc",
         "grpo.max_num_steps=3",
         "grpo.val_at_start=false",
+        "grpo.async_grpo.enabled=true",
+        "loss_fn.use_importance_sampling_correction=true",
         "cluster.gpus_per_node=3",
         "policy.train_global_batch_size=8",
         "policy.generation.colocated.enabled=false",
@@ -245,9 +248,12 @@ def test_megatron_pipeline_non_colocated_resumes_after_a_dead_generation_worker(
         shutil.rmtree(ray_dir, ignore_errors=True)
     assert "Resuming GRPO from" in resumed.stdout and "(step 2)" in resumed.stdout, resumed.stdout[-3000:]
     metrics = _metrics(tmp_path / "noncoloc" / "logs")
-    # The engine samples from exactly the weights the pipeline scores with: before the first update, after
-    # it, and after the resumed run's first refit.
-    for step in (1, 2, 3):
+    ages = {step: metrics[step]["train/async/trajectory_age_max"] for step in (1, 2, 3)}
+    # Step 2 trains on responses of the initial weights; step 1, and step 3 (the rerun's first, sampled
+    # after its first refit), on responses of the weights they update.
+    assert ages == {1: 0, 2: 1, 3: 0}, ages
+    for step in (1, 3):
+        # The engine samples from exactly the weights the pipeline scores with at age 0.
         assert metrics[step]["train/gen_kl_error"] == pytest.approx(0.0, abs=1e-4), step
         assert metrics[step]["train/token_mult_prob_error"] == pytest.approx(1.0, abs=1e-3), step
     assert metrics[1]["timing/train/logprobs"] > 0 and metrics[3]["timing/train/logprobs"] > 0
@@ -255,6 +261,10 @@ def test_megatron_pipeline_non_colocated_resumes_after_a_dead_generation_worker(
     assert metrics[3]["refit/num_buckets"] >= 2
     assert metrics[3]["refit/bytes"] == metrics[2]["refit/bytes"] > 0
     assert "validation/accuracy" in metrics[2]
+    # The prompts generated ahead of the checkpoint were not lost: the steps trained on the loader's first
+    # 12 prompts, in order.
+    trained = _trained_prompts(tmp_path / "noncoloc" / "logs")
+    assert [i for step in (1, 2, 3) for i in trained[step]] == _expected_prompt_order(12)
     assert (tmp_path / "noncoloc" / "ckpt" / "step_3" / "training_info.json").exists()
     swanlab_files = [p for p in (tmp_path / "noncoloc" / "logs" / "swanlab").rglob("*") if p.is_file()]
     assert swanlab_files, "SwanLab (offline) wrote no run files under <log_dir>/swanlab"
