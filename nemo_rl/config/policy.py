@@ -233,7 +233,8 @@ class VllmConfig(ConfigModel):
     """Disable CUDA graphs."""
 
     async_engine: bool = False
-    """Use vLLM's async engine."""
+    """Accepted, no effect here: the worker drives vLLM's synchronous engine (stepping it itself between
+    in-flight weight updates under asynchronous GRPO), which NeMo RL's async recipes reach with ``true``."""
 
     env_vars: dict[str, str] = Field(default_factory=dict)
     """Environment variables set in every vLLM worker before vLLM starts. They override the backend's own:

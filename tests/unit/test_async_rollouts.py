@@ -84,6 +84,8 @@ class Harness:
         self, *, max_age: int, num_batches: int = 6, start_version: int = 0, failures: int = 0, **kw: Any
     ):
         self.generation = FakeGeneration()
+        self.generated = 0
+        self._generated_cond = threading.Condition()
         self.drawn = 0
         self.fail_next = failures
         self.refits = 0
@@ -111,10 +113,17 @@ class Harness:
         self, generation: Any, batch: BatchedDataDict[Any]
     ) -> tuple[BatchedDataDict[Any], dict[str, float]]:
         out = generation.generate(batch)
+        with self._generated_cond:
+            self.generated += 1
+            self._generated_cond.notify_all()
         if self.fail_next:
             self.fail_next -= 1
             raise ConnectionError("environment unreachable")
         return out, {"reward": 1.0}
+
+    def wait_generated(self, count: int) -> None:
+        with self._generated_cond:
+            assert self._generated_cond.wait_for(lambda: self.generated >= count, timeout=TIMEOUT_S)
 
     def refit(self) -> dict[str, float]:
         self.generation.calls.append("refit")
@@ -139,6 +148,8 @@ def test_generation_runs_at_most_max_age_steps_ahead_and_every_trained_batch_is_
             # The prompts come in loader order and the consumed position follows the batch trained on.
             assert batch.rollout["idx"].tolist() == list(range((step - 1) * PROMPTS, step * PROMPTS))
             assert rollouts.consumed_loader_state() == {"batch_index": step}
+            # Let generation sample every batch the age rule allows before the new weights arrive.
+            h.wait_generated(min(step + max_age, 6))
             rollouts.publish_weights(step)
         assert max(ages) == max_age  # generation did run ahead, and no further
         assert ages[0] == 0

@@ -102,7 +102,8 @@ def test_grpo_recipe_reports_what_has_no_effect_and_dry_run_prints_it(
     ("override", "message"),
     [
         ("grpo.batch_multiplier=3", "grpo.batch_multiplier=3.0 over-generates prompts for dynamic sampling"),
-        ("grpo.async_grpo.enabled=true", "grpo.async_grpo.enabled selects behaviour nemo_rl does not build"),
+        # NeMo RL's recipe generates colocated: asynchronous GRPO needs generation slots of its own.
+        ("grpo.async_grpo.enabled=true", "which colocated generation cannot do"),
         ("policy.dtensor_cfg.lora_cfg.enabled=true", "policy.dtensor_cfg.lora_cfg.enabled"),
         ("grpo.adv_estimator.name=reinforce_plus_plus", "grpo.adv_estimator.name"),
         (
@@ -118,6 +119,25 @@ def test_unbuilt_or_unknown_keys_fail_with_one_line_naming_them(override: str, m
             RECIPES / "main" / "grpo_math_1B.yaml", master_configs.GRPOMasterConfig, override.split("|")
         )
     assert message in str(err.value)
+
+
+def test_nemo_rl_async_grpo_settings_load() -> None:
+    # The settings NeMo RL's async GRPO guide asks for, on its main recipe.
+    overrides = [
+        "grpo.async_grpo.enabled=true",
+        "grpo.async_grpo.max_trajectory_age_steps=2",
+        "grpo.async_grpo.in_flight_weight_updates=true",
+        "loss_fn.use_importance_sampling_correction=true",
+        "policy.generation.vllm_cfg.async_engine=true",
+        "policy.generation.colocated.enabled=false",
+        "policy.generation.colocated.resources.num_nodes=1",
+        "policy.generation.colocated.resources.gpus_per_node=4",
+        "cluster.gpus_per_node=8",
+    ]
+    cfg = load_and_validate(
+        RECIPES / "main" / "grpo_math_1B.yaml", master_configs.GRPOMasterConfig, overrides
+    )
+    assert cfg.grpo.async_grpo.enabled and cfg.grpo.async_grpo.max_trajectory_age_steps == 2
 
 
 def test_porting_guide_lists_every_key_with_no_effect() -> None:

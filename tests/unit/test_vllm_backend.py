@@ -199,7 +199,6 @@ def test_engine_kwargs_tensor_parallel_and_not_colocated() -> None:
     ("vllm_cfg", "message"),
     [
         ({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
-        ({"async_engine": True}, "async_engine"),
         ({"max_model_len": 1}, "max_model_len"),
     ],
 )

@@ -166,11 +166,6 @@ def check_vllm_config(cfg: PolicyConfig) -> None:
             "runs vLLM ranks as SPMD workers, which vLLM supports with tensor parallelism only; set it to 1 "
             "and use policy.generation.vllm_cfg.tensor_parallel_size"
         )
-    if vllm_cfg.async_engine:
-        raise UserError(
-            "policy.generation.vllm_cfg.async_engine=true is not supported by nemo_rl's vLLM backend "
-            "(it drives vLLM's synchronous LLM engine); set it to false"
-        )
     if vllm_cfg.max_model_len is not None and vllm_cfg.max_model_len < 2:
         raise UserError(
             f"policy.generation.vllm_cfg.max_model_len={vllm_cfg.max_model_len} leaves no room for a prompt "
