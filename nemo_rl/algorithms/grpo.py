@@ -60,10 +60,11 @@ _TRAIN_ROLES = ("assistant",)
 @dataclasses.dataclass
 class GRPOState(RLState):
     """What a checkpoint records about the GRPO loop's progress (steps, tokens trained on, validation
-    accuracy, and under asynchronous GRPO the prompts consumed)."""
+    accuracy, prompts consumed)."""
 
     consumed_prompts: int = 0
-    """Prompts trained on or dropped as too old by asynchronous GRPO (its loader reads ahead of training)."""
+    """Prompts drawn by the steps taken: trained on, dropped by dynamic sampling or, under asynchronous GRPO,
+    dropped as too old (its loader reads ahead of training, and only what the steps took counts)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -223,6 +224,7 @@ def grpo_step(
     """One GRPO step on a batch of prompts; returns its ``train/`` metrics. Under dynamic sampling,
     ``next_batch`` gives the further prompt batches the step draws."""
     cfg = s.config
+    s.state.consumed_prompts += len(batch["message_log"])
     s.refit_if_stale(timer)
     if cfg.grpo.use_dynamic_sampling:
         if next_batch is None:
@@ -354,6 +356,12 @@ def _record_trajectories(s: GRPOSetup, step: int, batch: RolloutBatch, dropped: 
         f.write(json.dumps(record) + "\n")
 
 
+def _drawn(s: GRPOSetup, batch: BatchedDataDict[Any]) -> BatchedDataDict[Any]:
+    """A further prompt batch drawn within a step (dynamic sampling), counted as consumed."""
+    s.state.consumed_prompts += len(batch["message_log"])
+    return batch
+
+
 def grpo_train(s: GRPOSetup) -> dict[str, float]:
     """Run GRPO to ``grpo.max_num_steps`` (or ``max_num_epochs``); returns the last step's metrics. With
     ``grpo.async_grpo.enabled`` each step's batch comes from generation running ahead (see
@@ -380,7 +388,7 @@ def grpo_train(s: GRPOSetup) -> dict[str, float]:
     try:
         for batch in loop:
             if rollouts is None:
-                metrics = grpo_step(s, batch, loop.timer, next_batch=lambda: next(batches))
+                metrics = grpo_step(s, batch, loop.timer, next_batch=lambda: _drawn(s, next(batches)))
             else:
                 metrics = async_grpo_step(s, rollouts, loop.timer)
             loop.end_step(metrics, num_tokens=metrics["mean_conversation_tokens"] * cfg.grpo.samples_per_step)

