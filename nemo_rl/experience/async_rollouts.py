@@ -324,13 +324,6 @@ class AsyncRollouts:
         }
         return batch, metrics, dropped
 
-    def steps(self, start_step: int) -> Iterator[tuple[RolloutBatch, dict[str, float], list[RolloutBatch]]]:
-        """:meth:`take` for steps ``start_step + 1``, ``start_step + 2``..., as the training loop's batches."""
-        step = start_step
-        while True:
-            step += 1
-            yield self.take(step)
-
     def publish_weights(self, version: int) -> dict[str, float]:
         """Refit the generation workers with the policy's weights of ``version``; returns the refit's metrics.
         Without in-flight updates it first waits for the generation call in progress (counted as training
