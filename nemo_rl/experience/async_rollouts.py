@@ -10,8 +10,8 @@ carries the version of the weights its first generation call ran on (a later tur
 only makes its tokens newer). Step ``t`` updates version ``t - 1``, so a batch of version ``v`` trained at
 step ``t`` has age ``t - 1 - v``. Batch ``b`` of this run (counted from 0; it feeds step ``start + b + 1``)
 is only started once the weights are recent enough for it to be trained at age ``<= max_age``, so generation
-never runs more than ``max_age`` steps ahead; a batch that is older when its step takes it anyway (after a
-failure, or in a buffer filled by a caller) is dropped and counted.
+never runs more than ``max_age`` steps ahead; the trainer still checks every batch it takes, and drops and
+counts one that is older (none, while the rule holds).
 
 Weight updates. Without in-flight updates a refit waits for the generation call in progress to end (the
 "request boundary"): generation calls and refits hold the same lock. With them the refit runs while the
