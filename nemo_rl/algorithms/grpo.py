@@ -296,9 +296,7 @@ def start_async_rollouts(s: GRPOSetup, total_steps: int) -> AsyncRollouts:
     """Refit the generation workers with the current policy, then start generation running ahead of training
     (``grpo.async_grpo``) for the steps left to ``total_steps``."""
     cfg = s.config.grpo.async_grpo
-    if s.generation_stale:
-        s.logger.log_metrics(s.refit(), s.state.step + 1)
-    s.generation.prepare_for_generation()
+    s.refit_if_stale(Timer())
     if cfg.in_flight_weight_updates:
         cast(InFlightUpdatable, s.generation).enable_in_flight_weight_updates(
             cfg.recompute_kv_cache_after_weight_updates

@@ -58,8 +58,6 @@ class RolloutBatch:
     """The rollout's metrics (rewards, lengths, the environments' own)."""
     version: int
     """Policy version of the weights the batch's first generation call ran on."""
-    index: int
-    """Position of the batch in this run's stream of prompt batches (0 = the first one drawn)."""
     loader_state: dict[str, Any]
     """The prompt loader's state right after this batch was drawn (a checkpoint's position once it is used)."""
     num_prompts: int
@@ -282,7 +280,6 @@ class AsyncRollouts:
                 rollout=rollout,
                 metrics=metrics,
                 version=version,
-                index=index,
                 loader_state=loader_state,
                 num_prompts=len(batch["message_log"]),
             )

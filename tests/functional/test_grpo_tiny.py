@@ -91,6 +91,18 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
     return result
 
 
+def _kill_driver_once_written(cmd: list[str], path: Path) -> None:
+    """Run ``cmd`` until ``path`` exists (e.g. a checkpoint's ``training_info.json``), then SIGKILL it."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env())
+    try:
+        wait_until_exists(proc, path, TIMEOUT_S)
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def _metrics(log_dir: Path) -> dict[int, dict[str, Any]]:
     """All metrics logged at each step, merged."""
     by_step: dict[int, dict[str, Any]] = {}
@@ -312,14 +324,7 @@ def test_vllm_sampling_agrees_with_the_policy_and_resumes_after_kill_9_as_async_
     )
     log_dir = tmp_path / "vllm" / "logs"
     ckpt = tmp_path / "vllm" / "ckpt" / "step_2" / "training_info.json"
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env())
-    try:
-        wait_until_exists(proc, ckpt, TIMEOUT_S)
-        proc.send_signal(signal.SIGKILL)
-        proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    _kill_driver_once_written(cmd, ckpt)
     assert json.loads(ckpt.read_text())["consumed_prompts"] == 8
     resumed = _run([*cmd, "grpo.async_grpo.enabled=true", "grpo.async_grpo.in_flight_weight_updates=true"])
     assert "Resuming GRPO from" in resumed.stdout and "(step 2)" in resumed.stdout, resumed.stdout[-3000:]
@@ -398,14 +403,7 @@ def test_async_grpo_bounds_trajectory_age_and_resumes_after_kill_9_without_losin
         "grpo.async_grpo.recompute_kv_cache_after_weight_updates=true",
     )
     ckpt = run_dir / "ckpt" / "step_2" / "training_info.json"
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env())
-    try:
-        wait_until_exists(proc, ckpt, TIMEOUT_S)
-        proc.send_signal(signal.SIGKILL)
-        proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    _kill_driver_once_written(cmd, ckpt)
     assert json.loads(ckpt.read_text())["consumed_prompts"] == 8
     resumed = _run(cmd)
     assert "Resuming GRPO from" in resumed.stdout and "(step 2)" in resumed.stdout, resumed.stdout[-3000:]

@@ -19,13 +19,12 @@ TIMEOUT_S = 60.0
 PROMPTS = 2
 
 
-def rollout_batch(version: int, index: int = 0) -> RolloutBatch:
+def rollout_batch(version: int) -> RolloutBatch:
     return RolloutBatch(
         rollout=BatchedDataDict(idx=torch.arange(4)),
         metrics={},
         version=version,
-        index=index,
-        loader_state={"batch_index": index + 1},
+        loader_state={"batch_index": 1},
         num_prompts=PROMPTS,
     )
 

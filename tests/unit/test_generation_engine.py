@@ -427,7 +427,7 @@ def test_in_flight_weights_apply_between_two_decode_steps(
     engine.model.decode = decode_and_refit_at_step_2  # type: ignore[method-assign]
     ids, lengths = prompts([6, 6], seed=4)
     out = engine.generate(ids, lengths, params(max_new_tokens=10), greedy=True, seed=0)
-    assert engine.in_flight_updates == 1
+    assert engine.in_flight.updates_between_steps == 1
     assert int(out.generation_lengths.min()) == 10
     # Decode call 3 (step 2) still ran on the old weights and gave token 3's logits; tokens 4.. come after.
     new_logprobs = hf_token_logprobs(new_hf, out)
@@ -446,7 +446,7 @@ def test_weights_loaded_between_calls_apply_at_once(hf_model: Qwen2ForCausalLM) 
     new_hf, new_weights = _new_weights(hf_model)
     engine = make_engine(hf_model)
     engine.load_weights(new_weights)
-    assert engine.in_flight_updates == 0
+    assert engine.in_flight.updates_between_steps == 0
     ids, lengths = prompts([5], seed=2)
     out = engine.generate(ids, lengths, params(max_new_tokens=6), greedy=True, seed=0)
     mask = generated_mask(out, lengths)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from transformers import PreTrainedTokenizerBase
@@ -57,21 +57,17 @@ def create_generation(
     ``concurrent_refit`` lets the workers take a refit while they generate (in-flight weight updates).
     """
     check_backend_available(cfg, cluster.use_gpus)
+    # The backends' facades take the same arguments; each is imported only when chosen (vLLM is heavy).
+    backend_cls: Callable[..., GenerationInterface]
     if cfg.generation.backend == "vllm":
         from nemo_rl.models.generation.vllm.generation import VllmGeneration
 
-        return VllmGeneration(
-            cluster,
-            cfg,
-            tokenizer,
-            seed=seed,
-            bundle_indices=bundle_indices,
-            model_path=model_path,
-            concurrent_refit=concurrent_refit,
-        )
-    from nemo_rl.models.generation.embedded.generation import EmbeddedGeneration
+        backend_cls = VllmGeneration
+    else:
+        from nemo_rl.models.generation.embedded.generation import EmbeddedGeneration
 
-    return EmbeddedGeneration(
+        backend_cls = EmbeddedGeneration
+    return backend_cls(
         cluster,
         cfg,
         tokenizer,

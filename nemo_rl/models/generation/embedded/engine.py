@@ -232,11 +232,6 @@ class EmbeddedEngine:
         between two of its decode steps (see :class:`~nemo_rl.models.generation.in_flight.InFlightWeights`)."""
         self.in_flight.receive(named_tensors)
 
-    @property
-    def in_flight_updates(self) -> int:
-        """Weight updates applied between two decode steps so far."""
-        return self.in_flight.updates_between_steps
-
     def _cache_for(self, num_rows: int, num_positions: int) -> KVCache:
         """The retained cache if it is large enough, else a new one at least as large as both."""
         old = self._cache

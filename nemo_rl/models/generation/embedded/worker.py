@@ -76,10 +76,6 @@ class EmbeddedGenerationWorker(EmbeddedReplica):
         self._in_flight = True
         self.engine.recompute_kv_cache = recompute_kv_cache
 
-    def in_flight_updates(self) -> int:
-        """Weight updates applied between two decode steps so far."""
-        return self.engine.in_flight_updates
-
     def shutdown(self) -> None:
         """Free the cache and the weights."""
         self.engine.release_cache()
