@@ -65,39 +65,6 @@ class SequencePackingConfig(ConfigModel):
     """Each pack's length is rounded up to a multiple of this."""
 
 
-class LoraConfig(_Switchable):
-    """NeMo RL's ``policy.dtensor_cfg.lora_cfg`` (LoRA adapters); not built here."""
-
-    KEY: ClassVar[str] = "policy.dtensor_cfg.lora_cfg"
-
-    target_modules: list[str] = Field(default_factory=list)
-    """Modules to adapt (unused while ``enabled`` is false)."""
-
-    exclude_modules: list[str] = Field(default_factory=list)
-    """Modules not to adapt (unused while ``enabled`` is false)."""
-
-    match_all_linear: bool = True
-    """Adapt every linear layer (unused while ``enabled`` is false)."""
-
-    dim: int = 8
-    """LoRA rank (unused while ``enabled`` is false)."""
-
-    alpha: int = 32
-    """LoRA scaling numerator (unused while ``enabled`` is false)."""
-
-    dropout: float = 0.0
-    """LoRA dropout (unused while ``enabled`` is false)."""
-
-    dropout_position: str = "post"
-    """Where LoRA dropout applies (unused while ``enabled`` is false)."""
-
-    lora_A_init: str = "xavier"
-    """Initialisation of the A matrices (unused while ``enabled`` is false)."""
-
-    use_triton: bool = True
-    """Triton LoRA kernels (unused while ``enabled`` is false)."""
-
-
 class AdvantageEstimatorConfig(ConfigModel):
     """NeMo RL's ``grpo.adv_estimator``: which advantage estimator; GRPO's is the one built here."""
 

@@ -7,7 +7,8 @@ from typing import Any, Literal, Self
 from pydantic import Field, field_validator, model_validator
 
 from nemo_rl.config.base import ConfigModel
-from nemo_rl.config.compat import LoraConfig, SequencePackingConfig
+from nemo_rl.config.compat import SequencePackingConfig
+from nemo_rl.config.lora import LoraConfig
 from nemo_rl.config.megatron import MegatronConfig
 from nemo_rl.config.no_effect import refusal
 
@@ -80,7 +81,7 @@ class DTensorConfig(ConfigModel):
     ``transformers``)."""
 
     lora_cfg: LoraConfig = Field(default_factory=LoraConfig)
-    """LoRA adapters (not built here; ``enabled`` must be false)."""
+    """LoRA adapters on the linear layers (``nemo_rl.config.lora``); off by default (full fine-tuning)."""
 
     @model_validator(mode="before")
     @classmethod

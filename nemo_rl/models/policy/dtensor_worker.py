@@ -28,7 +28,7 @@ import itertools
 import logging
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +45,20 @@ from nemo_rl.distributed.device import (
     init_process_group_from_env,
 )
 from nemo_rl.models.dtypes import PRECISION_DTYPES
-from nemo_rl.models.policy.hf_io import config_has_dropout, export_hf_checkpoint, load_sharded_model
+from nemo_rl.models.lora import (
+    adapters_disabled,
+    is_adapter_name,
+    lora_modules,
+    merged_weights,
+    read_lora_metadata,
+    write_lora_metadata,
+)
+from nemo_rl.models.policy.hf_io import (
+    LoraExport,
+    config_has_dropout,
+    export_hf_checkpoint,
+    load_sharded_model,
+)
 from nemo_rl.models.policy.loss_interface import LossFunction
 from nemo_rl.models.policy.optim import build_optimizer, build_scheduler, clip_grad_norm_, freeze_parameters
 from nemo_rl.models.policy.parallelize import (
@@ -137,9 +150,12 @@ class DTensorPolicyWorker(PolicyWorkerBase):
         self.model = load_sharded_model(cfg, self.mesh, self.device)
         self.optimizer = build_optimizer(freeze_parameters(self.model, cfg.frozen_parameters), cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.scheduler)
-        # The reference policy is a host copy of this rank's initial shards, swapped in only while scoring.
+        self.lora_targets = [name for name, _ in lora_modules(self.model)]
+        self.has_reference = init_reference_model
+        # The reference policy is a host copy of this rank's initial shards, swapped in only while scoring;
+        # with LoRA it is the frozen base model itself (the adapters switched off), so no copy is kept.
         self.reference_shards: dict[str, torch.Tensor] | None = (
-            self._snapshot_local_shards() if init_reference_model else None
+            self._snapshot_local_shards() if init_reference_model and not self.lora_targets else None
         )
         # The embedded engine replica this worker hosts (see init_embedded_generation); None on the ranks
         # that generate for no one.
@@ -360,7 +376,12 @@ class DTensorPolicyWorker(PolicyWorkerBase):
 
     @contextmanager
     def _reference_weights(self) -> Iterator[None]:
-        """Swap the reference weights into the model's shards for the duration of the block."""
+        """Swap the reference weights into the model's shards for the duration of the block (with LoRA:
+        switch the adapters off)."""
+        if self.lora_targets and self.has_reference:
+            with adapters_disabled(self.model):
+                yield
+            return
         if self.reference_shards is None:
             raise RuntimeError(
                 "this policy was built with init_reference_model=False, so it has no reference weights"
@@ -390,7 +411,9 @@ class DTensorPolicyWorker(PolicyWorkerBase):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         reshard_all(self.model)
-        dcp.save(get_model_state_dict(self.model), checkpoint_id=weights_path)
+        dcp.save(self._checkpointed(get_model_state_dict(self.model)), checkpoint_id=weights_path)
+        if self.lora_targets and self.rank == 0:
+            write_lora_metadata(weights_path, self.cfg.dtensor_cfg.lora_cfg, self.cfg.model_name)
         if optimizer_path is not None:
             optim_state = get_optimizer_state_dict(self.model, self.optimizer)
             dcp.save({"optim": optim_state}, checkpoint_id=optimizer_path)
@@ -403,6 +426,7 @@ class DTensorPolicyWorker(PolicyWorkerBase):
         """Load what :meth:`save_checkpoint` wrote (optimizer and scheduler only with ``optimizer_path``)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
             get_model_state_dict,
             get_optimizer_state_dict,
             set_model_state_dict,
@@ -410,9 +434,10 @@ class DTensorPolicyWorker(PolicyWorkerBase):
         )
 
         reshard_all(self.model)
-        model_state = get_model_state_dict(self.model)
+        model_state = self._checkpointed(get_model_state_dict(self.model))
+        self._check_checkpoint_kind(weights_path)
         dcp.load(model_state, checkpoint_id=weights_path)
-        set_model_state_dict(self.model, model_state)
+        set_model_state_dict(self.model, model_state, options=StateDictOptions(strict=not self.lora_targets))
         if optimizer_path is not None:
             optim_state = {"optim": get_optimizer_state_dict(self.model, self.optimizer)}
             dcp.load(optim_state, checkpoint_id=optimizer_path)
@@ -425,6 +450,24 @@ class DTensorPolicyWorker(PolicyWorkerBase):
                 set_rng_state(torch.load(rng_file, weights_only=True))
         dist.barrier()
 
+    def _checkpointed(self, state: dict[str, Any]) -> dict[str, Any]:
+        """What a checkpoint holds of the model's state: everything, or with LoRA the adapters only (the
+        frozen base is ``policy.model_name``'s, recorded in the checkpoint's ``lora.json``)."""
+        if not self.lora_targets:
+            return state
+        return {name: value for name, value in state.items() if is_adapter_name(name)}
+
+    def _check_checkpoint_kind(self, weights_path: str) -> None:
+        """Refuse to load a full checkpoint into a LoRA policy or adapters into a full one (a clear error
+        instead of DCP's missing-key report)."""
+        metadata = read_lora_metadata(weights_path)
+        if bool(metadata) != bool(self.lora_targets):
+            kind = "LoRA adapters" if metadata else "a full model"
+            raise ValueError(
+                f"{weights_path} holds {kind}, but this policy has policy.dtensor_cfg.lora_cfg.enabled="
+                f"{bool(self.lora_targets)}: resume with the setting the checkpoint was written with"
+            )
+
     def export_hf(self, path: str) -> None:
         """Write a Hugging Face checkpoint in ``policy.precision`` (rank 0 writes; all ranks must call)."""
         reshard_all(self.model)
@@ -434,7 +477,22 @@ class DTensorPolicyWorker(PolicyWorkerBase):
             PRECISION_DTYPES[self.cfg.precision],
             TokenizerConfig(name=self.tokenizer_source, chat_template=self.cfg.tokenizer.chat_template),
             self.cfg.trust_remote_code,
+            lora=self._lora_export(),
         )
+
+    def _lora_export(self) -> LoraExport | None:
+        if not self.lora_targets:
+            return None
+        return LoraExport(self.cfg.dtensor_cfg.lora_cfg, self.lora_targets, self.cfg.model_name)
+
+    def _merged(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``named`` (full weights) with the LoRA adapters folded into their layers' weights; unchanged
+        without LoRA. What a generation engine receives: it holds no adapters."""
+        if not self.lora_targets:
+            yield from named
+            return
+        cfg = self.cfg.dtensor_cfg.lora_cfg
+        yield from merged_weights(named, cfg.alpha / cfg.dim, set(self.lora_targets))
 
     # -------------------------------------------------------------------------------- refit (sender)
     def _persistent_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -452,6 +510,12 @@ class DTensorPolicyWorker(PolicyWorkerBase):
         holds the full tensor. Tied weights appear once (under the input embedding's name); persistent
         buffers follow the parameters.
         """
+        yield from self._merged(self._iter_full_parameters(dtype))
+        for name, buffer in self._persistent_buffers():
+            yield name, buffer.to(dtype) if buffer.is_floating_point() else buffer
+
+    def _iter_full_parameters(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter as a full tensor cast to ``dtype``, gathered unit by unit (a collective)."""
         from torch.distributed.tensor import DTensor
 
         reshard_all(self.model)
@@ -476,8 +540,6 @@ class DTensorPolicyWorker(PolicyWorkerBase):
                 # one-rank policy's plain parameter changes with the next step: copy.
                 yield name, p.detach().to(dtype, copy=True)
         reshard_all(self.model)
-        for name, buffer in self._persistent_buffers():
-            yield name, buffer.to(dtype) if buffer.is_floating_point() else buffer
 
     def _refit_unshards(self, dtype: torch.dtype) -> bool:
         """Whether the refit may gather through FSDP's unshard, which all-gathers in ``policy.precision``:
@@ -493,7 +555,9 @@ class DTensorPolicyWorker(PolicyWorkerBase):
     def weights_manifest(self, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], str]]:
         """``{hf_name: (full shape, dtype name)}`` of what :meth:`iter_hf_weights` yields; no communication."""
         manifest: dict[str, tuple[tuple[int, ...], str]] = {
-            name: (tuple(p.shape), dtype_name(dtype)) for name, p in self.model.named_parameters()
+            name: (tuple(p.shape), dtype_name(dtype))
+            for name, p in self.model.named_parameters()
+            if not is_adapter_name(name)
         }
         for name, buffer in self._persistent_buffers():
             out_dtype = dtype if buffer.is_floating_point() else buffer.dtype
@@ -571,7 +635,7 @@ class DTensorPolicyWorker(PolicyWorkerBase):
             # persistent buffers.
             reshard_all(self.model)
             params = ((name, _local(p).detach()) for name, p in self.model.named_parameters())
-            weights = itertools.chain(params, self._persistent_buffers())
+            weights = itertools.chain(self._merged(params), self._persistent_buffers())
         else:
             weights = self._iter_full_weights_for_engine(
                 dtype_from_name(self.cfg.generation.embedded_cfg.precision)
@@ -591,7 +655,7 @@ class DTensorPolicyWorker(PolicyWorkerBase):
         params = list(self.model.named_parameters())
         if not fsdp_dim0_sharded(params):
             return self.iter_hf_weights(dtype)
-        full = gather_dim0_shards(params, dtype, self.device)
+        full = self._merged(gather_dim0_shards(params, dtype, self.device))
         buffers = (
             (name, buffer.to(dtype) if buffer.is_floating_point() else buffer)
             for name, buffer in self._persistent_buffers()

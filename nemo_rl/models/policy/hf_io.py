@@ -14,6 +14,7 @@ copied from rank 0's loaded model and broadcast as well.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 import re
@@ -25,9 +26,18 @@ from huggingface_hub import save_torch_state_dict
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from nemo_rl.config.lora import LoraConfig
 from nemo_rl.config.policy import PolicyConfig, TokenizerConfig
 from nemo_rl.models import hf_config as hf_config_io
 from nemo_rl.models.dtypes import PRECISION_DTYPES
+from nemo_rl.models.lora import (
+    apply_lora,
+    is_adapter_name,
+    lora_targets,
+    merged_weights,
+    peft_target_modules,
+    save_peft_adapter,
+)
 from nemo_rl.models.policy.optim import frozen_names
 from nemo_rl.models.policy.parallelize import apply_fsdp, apply_tensor_parallel, needs_fsdp
 from nemo_rl.models.tokenizer import get_tokenizer
@@ -157,12 +167,18 @@ def load_sharded_model(cfg: PolicyConfig, mesh: DeviceMesh, device: torch.device
     hf_config = load_hf_config(cfg)
     auto_class = model_auto_class(cfg)
     full_model: nn.Module | None = None
+    lora_cfg = cfg.dtensor_cfg.lora_cfg
     if dist.get_rank() == 0:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(_NEW_HEAD_SEED)
             full_model = _from_pretrained(auto_class, cfg.model_name, hf_config, trust)
+            if lora_cfg.enabled:
+                # Drawn here, from the seeded RNG, and broadcast with the base weights below.
+                apply_lora(full_model, lora_cfg)
     with torch.device("meta"):
         model = auto_class.from_config(hf_config, dtype=torch.float32, trust_remote_code=trust)
+        if lora_cfg.enabled:
+            apply_lora(model, lora_cfg)
     # What HF's own save_pretrained records, so an export names the class it was trained as.
     model.config.architectures = [type(model).__name__]
     dtensor_cfg = cfg.dtensor_cfg
@@ -206,6 +222,29 @@ def load_sharded_model(cfg: PolicyConfig, mesh: DeviceMesh, device: torch.device
     return model
 
 
+LORA_ADAPTER_SUBDIR = "lora_adapter"
+"""Where, inside a LoRA run's Hugging Face export, the PEFT adapter folder goes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraExport:
+    """What an export of a LoRA-adapted model needs besides the model: the adapters' settings and layers."""
+
+    cfg: LoraConfig
+    targets: list[str]
+    """The adapted layers' module names."""
+    base_model: str
+    """``policy.model_name``, recorded as the PEFT adapter's base model."""
+
+    def save_adapter(self, model: nn.Module, state: dict[str, Any], path: str) -> None:
+        """Write the adapters in ``state`` (full tensors) as a PEFT folder at ``path``."""
+        adapters = {name: value for name, value in state.items() if is_adapter_name(name)}
+        all_linear = lora_targets(model, LoraConfig(match_all_linear=True))
+        save_peft_adapter(
+            path, adapters, self.cfg, self.base_model, peft_target_modules(self.targets, all_linear)
+        )
+
+
 def _hf_weight_names(model: nn.Module) -> set[str]:
     """Names a HF checkpoint stores: parameters (tied duplicates removed) and persistent buffers."""
     names = {name for name, _ in model.named_parameters()}
@@ -220,8 +259,13 @@ def export_hf_checkpoint(
     dtype: torch.dtype,
     tokenizer_cfg: TokenizerConfig | None,
     trust_remote_code: bool,
+    lora: LoraExport | None = None,
 ) -> None:
     """Write ``model`` as a HF checkpoint at ``path``; a collective, rank 0 writes.
+
+    With ``lora`` (a model :func:`~nemo_rl.models.lora.apply_lora` adapted) the checkpoint holds the merged
+    weights (``W + (alpha / r) B A``), and ``path``/:data:`LORA_ADAPTER_SUBDIR` the adapters alone as a PEFT
+    folder (``peft.PeftModel.from_pretrained(base_model, that_folder)``).
 
     The full state dict is gathered to rank 0's CPU, cast to ``dtype`` and saved as (sharded) safetensors
     with the model's config and generation config, and the tokenizer ``tokenizer_cfg`` names (with its chat
@@ -232,6 +276,9 @@ def export_hf_checkpoint(
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
         keep = _hf_weight_names(model)
+        if lora is not None:
+            lora.save_adapter(model, state, os.path.join(path, LORA_ADAPTER_SUBDIR))
+            state = dict(merged_weights(state.items(), lora.cfg.alpha / lora.cfg.dim, set(lora.targets)))
         tensors: dict[str, torch.Tensor] = {}
         for name, value in state.items():
             if name in keep:

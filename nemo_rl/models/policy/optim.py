@@ -51,7 +51,7 @@ def freeze_parameters(model: torch.nn.Module, patterns: Sequence[str]) -> list[t
     for name, param in model.named_parameters():
         if name in frozen:
             param.requires_grad_(False)
-        else:
+        elif param.requires_grad:  # not frozen before (LoRA freezes the base model)
             trainable.append(param)
     return trainable
 
