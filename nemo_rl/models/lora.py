@@ -260,3 +260,16 @@ def read_lora_metadata(path: str | Path) -> dict[str, Any] | None:
     """What :func:`write_lora_metadata` wrote in ``path``, or None for a full checkpoint."""
     file = Path(path) / LORA_METADATA_FILE
     return json.loads(file.read_text()) if file.is_file() else None
+
+
+@torch.no_grad()
+def merge_and_unload(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its layer's weight and turn the layer back into a plain ``nn.Linear``, in place
+    (a model any Hugging Face tool loads); returns ``model``."""
+    for _, module in list(lora_modules(model)):
+        module.weight.copy_(merge_lora(module.weight, module.lora_A, module.lora_B, module.lora_scale))
+        del module.lora_A, module.lora_B
+        module.__class__ = nn.Linear
+    for param in model.parameters():
+        param.requires_grad_(True)
+    return model

@@ -100,6 +100,7 @@ def _scenarios(rank: int, model_dir: Path, out_dir: Path) -> None:
 
     worker = DTensorPolicyWorker(lora_policy(model_dir))
     worker.train(steps(0, 2), loss_fn)
+    save("ckpt_logprobs", worker.get_logprobs(score_data))
     worker.save_checkpoint(str(out_dir / "ckpt_weights"), str(out_dir / "ckpt_optim"))
     worker.shutdown()
     worker = DTensorPolicyWorker(
@@ -294,3 +295,18 @@ def test_refit_and_exports_hold_the_trained_model(
     assert_close(reference_logprobs(AutoModelForCausalLM.from_pretrained(export), score_data), trained)
     adapted = peft.PeftModel.from_pretrained(base_model(model_dir), str(export / LORA_ADAPTER_SUBDIR))
     assert_close(reference_logprobs(adapted, score_data), trained)
+
+
+def test_converter_writes_the_checkpoint_merged_and_as_a_peft_adapter(
+    results: Path, model_dir: Path, tmp_path: Path
+) -> None:
+    from nemo_rl.models.policy.dcp_io import TrainingCheckpoint, convert_dcp_to_hf, convert_dcp_to_peft
+
+    checkpoint = TrainingCheckpoint(weights_dir=results / "ckpt_weights", policy=lora_policy(model_dir))
+    score_data = make_batch(seed=2, num_rows=6)
+    expected = load(results, "ckpt_logprobs")["logprobs"]
+    merged = convert_dcp_to_hf(checkpoint, tmp_path / "merged")
+    assert_close(reference_logprobs(AutoModelForCausalLM.from_pretrained(merged), score_data), expected)
+    adapter = convert_dcp_to_peft(checkpoint, tmp_path / "adapter")
+    adapted = peft.PeftModel.from_pretrained(base_model(model_dir), str(adapter))
+    assert_close(reference_logprobs(adapted, score_data), expected)
