@@ -21,7 +21,7 @@ import json
 import math
 from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -123,12 +123,13 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
         if weight.device.type != "meta":
             _init_lora_A(lora_A, cfg.lora_A_init)
         module.__class__ = LoRALinear
-        module.register_parameter("lora_A", nn.Parameter(lora_A))
-        module.register_parameter("lora_B", nn.Parameter(lora_B))
-        module.lora_scale = cfg.alpha / cfg.dim
-        module.lora_dropout = cfg.dropout
-        module.lora_dropout_position = cfg.dropout_position
-        module.lora_enabled = True
+        adapted = cast(LoRALinear, module)
+        adapted.register_parameter("lora_A", nn.Parameter(lora_A))
+        adapted.register_parameter("lora_B", nn.Parameter(lora_B))
+        adapted.lora_scale = cfg.alpha / cfg.dim
+        adapted.lora_dropout = cfg.dropout
+        adapted.lora_dropout_position = cfg.dropout_position
+        adapted.lora_enabled = True
     return targets
 
 
@@ -269,7 +270,7 @@ def merge_and_unload(model: nn.Module) -> nn.Module:
     for _, module in list(lora_modules(model)):
         module.weight.copy_(merge_lora(module.weight, module.lora_A, module.lora_B, module.lora_scale))
         del module.lora_A, module.lora_B
-        module.__class__ = nn.Linear
+        cast(nn.Module, module).__class__ = nn.Linear
     for param in model.parameters():
         param.requires_grad_(True)
     return model

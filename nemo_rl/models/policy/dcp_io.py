@@ -132,7 +132,9 @@ def load_dcp_model(checkpoint: TrainingCheckpoint) -> PreTrainedModel:
         policy.model_name, trust_remote_code=policy.trust_remote_code, overrides=policy.hf_config_overrides
     )
     if checkpoint.lora is not None:
-        return merge_and_unload(load_lora_model(checkpoint, hf_config))
+        model = load_lora_model(checkpoint, hf_config)
+        merge_and_unload(model)
+        return model
     model = AutoModelForCausalLM.from_config(
         hf_config, dtype=torch.float32, trust_remote_code=policy.trust_remote_code
     )

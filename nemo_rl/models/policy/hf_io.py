@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import os
 import re
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -278,7 +278,8 @@ def export_hf_checkpoint(
         keep = _hf_weight_names(model)
         if lora is not None:
             lora.save_adapter(model, state, os.path.join(path, LORA_ADAPTER_SUBDIR))
-            state = dict(merged_weights(state.items(), lora.cfg.alpha / lora.cfg.dim, set(lora.targets)))
+            tensors_in = ((name, cast(torch.Tensor, value)) for name, value in state.items())
+            state = dict(merged_weights(tensors_in, lora.cfg.alpha / lora.cfg.dim, set(lora.targets)))
         tensors: dict[str, torch.Tensor] = {}
         for name, value in state.items():
             if name in keep:
