@@ -567,6 +567,23 @@ class PolicyConfig(ConfigModel):
         return self
 
     @model_validator(mode="after")
+    def _check_lora(self) -> Self:
+        if not self.dtensor_cfg.lora_cfg.enabled:
+            return self
+        key = "policy.dtensor_cfg.lora_cfg.enabled=true"
+        if not self.dtensor_cfg.enabled:
+            raise ValueError(
+                f"{key} adapts the DTensor policy: on the Megatron backend set policy.megatron_cfg.peft.enabled"
+                "=true instead"
+            )
+        if self.reward_model_cfg.enabled:
+            raise ValueError(
+                f"{key} with a reward model would leave its new scalar head untrained: set it false (train the "
+                "reward model fully)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _check(self) -> PolicyConfig:
         if self.dtensor_cfg.enabled == self.megatron_cfg.enabled:
             raise ValueError(

@@ -272,3 +272,14 @@ def check_checkpoint_kind(weights_path: str | Path, has_lora: bool, setting: str
             f"{weights_path} holds {kind}, but this policy has {setting}={has_lora}: resume with the setting "
             "the checkpoint was written with"
         )
+@torch.no_grad()
+def merge_and_unload(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its layer's weight and turn the layer back into a plain ``nn.Linear``, in place
+    (a model any Hugging Face tool loads); returns ``model``."""
+    for _, module in list(lora_modules(model)):
+        module.weight.copy_(merge_lora(module.weight, module.lora_A, module.lora_B, module.lora_scale))
+        del module.lora_A, module.lora_B
+        module.__class__ = nn.Linear
+    for param in model.parameters():
+        param.requires_grad_(True)
+    return model

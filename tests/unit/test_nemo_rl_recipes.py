@@ -104,7 +104,6 @@ def test_grpo_recipe_reports_what_has_no_effect_and_dry_run_prints_it(
         ("grpo.batch_multiplier=3", "grpo.batch_multiplier=3.0 over-generates prompts for dynamic sampling"),
         # NeMo RL's recipe generates colocated: asynchronous GRPO needs generation slots of its own.
         ("grpo.async_grpo.enabled=true", "which colocated generation cannot do"),
-        ("policy.dtensor_cfg.lora_cfg.enabled=true", "policy.dtensor_cfg.lora_cfg.enabled"),
         ("grpo.adv_estimator.name=reinforce_plus_plus", "grpo.adv_estimator.name"),
         (
             "~data.train|+data.train=[{dataset_name: squad},{dataset_name: squad}]",
@@ -119,6 +118,16 @@ def test_unbuilt_or_unknown_keys_fail_with_one_line_naming_them(override: str, m
             RECIPES / "main" / "grpo_math_1B.yaml", master_configs.GRPOMasterConfig, override.split("|")
         )
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize("recipe", ["grpo_math_1B.yaml", "sft.yaml"])
+def test_nemo_rl_lora_settings_load(recipe: str) -> None:
+    # NeMo RL's LoRA guide turns LoRA on with one override of its recipes' own lora_cfg section.
+    master = master_configs.GRPOMasterConfig if recipe.startswith("grpo") else master_configs.SFTMasterConfig
+    cfg = load_and_validate(RECIPES / "main" / recipe, master, ["policy.dtensor_cfg.lora_cfg.enabled=true"])
+    lora = cfg.policy.dtensor_cfg.lora_cfg  # type: ignore[attr-defined]
+    assert lora.enabled and lora.match_all_linear and (lora.dim, lora.alpha) == (8, 32)
+    assert lora.dropout_position == "post" and lora.lora_A_init == "xavier"
 
 
 def test_nemo_rl_async_grpo_settings_load() -> None:

@@ -6,6 +6,9 @@ resolved ``config.yaml``, whose ``policy`` section names the base model (its arc
 tokenizer. :func:`find_training_checkpoint` locates both from either folder; :func:`load_dcp_model` rebuilds
 the Hugging Face model in one process (no process group), and :func:`convert_dcp_to_hf` writes it as a
 Hugging Face folder (what ``examples/converters/convert_dcp_to_hf.py`` runs).
+
+A LoRA run's checkpoint holds only the adapters (and ``lora.json``): the model is the base model's weights
+with the adapters merged in, and :func:`convert_dcp_to_peft` writes the adapters alone as a PEFT folder.
 """
 
 from __future__ import annotations
@@ -23,9 +26,20 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from nemo_rl.config.errors import UserError
+from nemo_rl.config.lora import LoraConfig
 from nemo_rl.config.policy import PolicyConfig, TokenizerConfig
 from nemo_rl.models.dtypes import PRECISION_DTYPES
 from nemo_rl.models.hf_config import load_hf_config
+from nemo_rl.models.lora import (
+    apply_lora,
+    is_adapter_name,
+    lora_modules,
+    lora_targets,
+    merge_and_unload,
+    peft_target_modules,
+    read_lora_metadata,
+    save_peft_adapter,
+)
 from nemo_rl.models.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -59,6 +73,13 @@ class TrainingCheckpoint:
 
     policy: PolicyConfig
     """The run's ``policy`` section: base model (architecture), tokenizer, precision."""
+
+    @property
+    def lora(self) -> LoraConfig | None:
+        """The adapters' settings when the checkpoint holds LoRA adapters only (the base model is
+        ``policy.model_name``'s), else None."""
+        metadata = read_lora_metadata(self.weights_dir)
+        return None if metadata is None else LoraConfig.model_validate(metadata["lora_cfg"])
 
     @property
     def tokenizer_config(self) -> TokenizerConfig:
@@ -110,6 +131,8 @@ def load_dcp_model(checkpoint: TrainingCheckpoint) -> PreTrainedModel:
     hf_config = load_hf_config(
         policy.model_name, trust_remote_code=policy.trust_remote_code, overrides=policy.hf_config_overrides
     )
+    if checkpoint.lora is not None:
+        return merge_and_unload(load_lora_model(checkpoint, hf_config))
     model = AutoModelForCausalLM.from_config(
         hf_config, dtype=torch.float32, trust_remote_code=policy.trust_remote_code
     )
@@ -131,6 +154,48 @@ def load_dcp_model(checkpoint: TrainingCheckpoint) -> PreTrainedModel:
     if tied:
         model.tie_weights()
     return model
+
+
+def load_lora_model(checkpoint: TrainingCheckpoint, hf_config: Any) -> PreTrainedModel:
+    """The run's base model (``policy.model_name``'s weights) with the checkpoint's LoRA adapters loaded."""
+    policy, lora = checkpoint.policy, checkpoint.lora
+    assert lora is not None
+    model = AutoModelForCausalLM.from_pretrained(
+        policy.model_name, config=hf_config, dtype=torch.float32, trust_remote_code=policy.trust_remote_code
+    )
+    apply_lora(model, lora)
+    adapters = {name: p.detach() for name, p in model.named_parameters() if is_adapter_name(name)}
+    missing = sorted(set(adapters) - _checkpoint_keys(checkpoint.weights_dir))
+    if missing:
+        raise CheckpointFormatError(
+            f"{checkpoint.weights_dir} lacks {len(missing)} LoRA adapters of {policy.model_name}, e.g. "
+            f"{missing[:3]}: does the run config's lora_cfg match the run that wrote it?"
+        )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(adapters, checkpoint_id=str(checkpoint.weights_dir), no_dist=True)
+    return model
+
+
+def convert_dcp_to_peft(checkpoint: TrainingCheckpoint, path: str | Path) -> Path:
+    """Write a LoRA checkpoint's adapters as a PEFT adapter folder at ``path`` (``adapter_config.json`` and
+    ``adapter_model.safetensors``, for ``peft.PeftModel.from_pretrained`` on the base model) and return it."""
+    lora = checkpoint.lora
+    if lora is None:
+        raise UserError(
+            f"{checkpoint.weights_dir} holds a full model, not LoRA adapters: convert it without --adapter-only"
+        )
+    policy = checkpoint.policy
+    hf_config = load_hf_config(
+        policy.model_name, trust_remote_code=policy.trust_remote_code, overrides=policy.hf_config_overrides
+    )
+    model = load_lora_model(checkpoint, hf_config)
+    adapters = {name: p.detach() for name, p in model.named_parameters() if is_adapter_name(name)}
+    targets = [name for name, _ in lora_modules(model)]
+    all_linear = lora_targets(model, LoraConfig(match_all_linear=True))
+    save_peft_adapter(path, adapters, lora, policy.model_name, peft_target_modules(targets, all_linear))
+    logger.info("wrote the LoRA adapters of %s as a PEFT folder at %s", checkpoint.weights_dir, path)
+    return Path(path)
 
 
 def _tied_names(model: nn.Module) -> set[str]:
