@@ -21,7 +21,7 @@ import json
 import math
 from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -123,12 +123,13 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> list[str]:
         if weight.device.type != "meta":
             _init_lora_A(lora_A, cfg.lora_A_init)
         module.__class__ = LoRALinear
-        module.register_parameter("lora_A", nn.Parameter(lora_A))
-        module.register_parameter("lora_B", nn.Parameter(lora_B))
-        module.lora_scale = cfg.alpha / cfg.dim
-        module.lora_dropout = cfg.dropout
-        module.lora_dropout_position = cfg.dropout_position
-        module.lora_enabled = True
+        adapted = cast(LoRALinear, module)
+        adapted.register_parameter("lora_A", nn.Parameter(lora_A))
+        adapted.register_parameter("lora_B", nn.Parameter(lora_B))
+        adapted.lora_scale = cfg.alpha / cfg.dim
+        adapted.lora_dropout = cfg.dropout
+        adapted.lora_dropout_position = cfg.dropout_position
+        adapted.lora_enabled = True
     return targets
 
 
@@ -272,6 +273,8 @@ def check_checkpoint_kind(weights_path: str | Path, has_lora: bool, setting: str
             f"{weights_path} holds {kind}, but this policy has {setting}={has_lora}: resume with the setting "
             "the checkpoint was written with"
         )
+
+
 @torch.no_grad()
 def merge_and_unload(model: nn.Module) -> nn.Module:
     """Fold every adapter into its layer's weight and turn the layer back into a plain ``nn.Linear``, in place

@@ -111,7 +111,7 @@ def load(
 ) -> None:
     """Load what :func:`save` wrote (the optimizer part only with ``optimizer_path``)."""
     weights, optimizer, scheduler, layout = parts
-    weights.load(SafetensorsReader(weights_path), weights.trained_rules)
+    weights.load(SafetensorsReader(weights_path).get, weights.trained_rules)
     # Float32 master weights (bfloat16 training, distributed optimizer) follow the loaded weights...
     optimizer.reload_model_params()
     if optimizer_path is not None:

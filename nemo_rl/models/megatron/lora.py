@@ -30,7 +30,7 @@ import contextlib
 import fnmatch
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -135,7 +135,8 @@ class ParallelLoRA(nn.Module):
         self.dropout = cfg.dropout
         self.dropout_position = cfg.dropout_position
         self.lora_enabled = True
-        self.pairs = nn.ModuleDict()
+        self.parts = [hf.rsplit(".", 1)[-1] for hf in linear.hf]
+        """The Hugging Face layers' last names (``q_proj``...), each the name of its :class:`LoRAPair` child."""
         for hf in linear.hf:
             out_features, in_features = shapes[hf.rsplit(".", 1)[-1]]
             if linear.column_parallel:
@@ -151,7 +152,7 @@ class ParallelLoRA(nn.Module):
                 )
                 set_tensor_model_parallel_attributes(pair.lora_A, True, 1, 1)
                 pair.lora_B.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
-            self.pairs[hf.rsplit(".", 1)[-1]] = pair
+            self.add_module(hf.rsplit(".", 1)[-1], pair)
 
     def _dropout(self, x: torch.Tensor, whole: bool) -> torch.Tensor:
         """Dropout with the same mask on every TP rank for an activation each rank holds ``whole``."""
@@ -166,7 +167,7 @@ class ParallelLoRA(nn.Module):
         # The input of a column-parallel layer is whole on every rank (without SP), a row-parallel one's split.
         if dropout and self.dropout_position == "pre":
             x = self._dropout(x, whole=self.column_parallel and not self.sequence_parallel)
-        pairs = list(self.pairs.values())
+        pairs = [cast(LoRAPair, self.get_submodule(part)) for part in self.parts]
         if self.column_parallel:
             updates = []
             for pair in pairs:
@@ -191,7 +192,7 @@ class ParallelLoRA(nn.Module):
 
 def _add_update(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
     """Forward hook of an adapted linear layer: its ``(output, bias)`` plus the adapters' update."""
-    adapter = module.lora
+    adapter = cast(ParallelLoRA, module.lora)
     if not adapter.lora_enabled:
         return output
     x = args[0] if args else kwargs["input_"]

@@ -14,9 +14,9 @@ import copy
 import json
 import logging
 import os
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,14 +32,6 @@ from nemo_rl.models.tokenizer import get_tokenizer
 from nemo_rl.weight_sync.manifest import dtype_name
 
 logger = logging.getLogger(__name__)
-
-
-class TensorSource(Protocol):
-    """Where full Hugging Face tensors are read from by name (a checkpoint folder, a dict of tensors)."""
-
-    def get(self, name: str) -> torch.Tensor:
-        """The full tensor named ``name``."""
-        ...
 
 
 class StageWeights:
@@ -99,15 +91,15 @@ class StageWeights:
         return [name for rule in self.rules if rule.exported for name in rule.hf]
 
     @torch.no_grad()
-    def load(self, reader: TensorSource, rules: Sequence[WeightRule] | None = None) -> None:
+    def load(self, get: Callable[[str], torch.Tensor], rules: Sequence[WeightRule] | None = None) -> None:
         """Copy this rank's slice of the Hugging Face tensors of ``rules`` (default: all of the stage's) into
-        the model's parameters; ``reader.get(name)`` gives a full Hugging Face tensor."""
+        the model's parameters; ``get(name)`` reads a full Hugging Face tensor (``SafetensorsReader.get``)."""
         attention = self.family.attention_shape(self.arch)
         padded = pad_vocab(self.arch.vocab_size, self.tp_size)
         for rule in self.rules if rules is None else rules:
             local = to_megatron(
                 rule,
-                [reader.get(name) for name in rule.hf],
+                [get(name) for name in rule.hf],
                 tp_rank=self.tp_rank,
                 tp_size=self.tp_size,
                 attention=attention,

@@ -18,7 +18,7 @@ import dataclasses
 import logging
 import os
 import re
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -294,7 +294,8 @@ def export_hf_checkpoint(
         keep = _hf_weight_names(model)
         if lora is not None:
             lora.save_adapter(model, state, os.path.join(path, LORA_ADAPTER_SUBDIR))
-            state = dict(merged_weights(state.items(), lora.cfg.alpha / lora.cfg.dim, set(lora.targets)))
+            named = cast(dict[str, torch.Tensor], state).items()
+            state = dict(merged_weights(named, lora.cfg.alpha / lora.cfg.dim, set(lora.targets)))
         tensors: dict[str, torch.Tensor] = {}
         for name, value in state.items():
             if name in keep:

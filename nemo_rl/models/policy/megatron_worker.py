@@ -143,9 +143,9 @@ class MegatronPolicyWorker(PolicyWorkerBase):
                 tp_group=self.tp_group,
                 adapted=self.lora.selected if self.lora is not None else None,
             )
-            self.weights.load(SafetensorsReader(self.checkpoint_dir), self.weights.base_rules)
+            self.weights.load(SafetensorsReader(self.checkpoint_dir).get, self.weights.base_rules)
             if self.lora is not None:
-                self.weights.load(self._initial_adapters(), self.weights.adapter_rules)
+                self.weights.load(self._initial_adapters().__getitem__, self.weights.adapter_rules)
             self.model = setup.wrap_for_training(self.gpt, cfg, self.config)
             self.optimizer = setup.build_optimizer(cfg, self.model)
             self.scheduler = setup.build_scheduler(cfg, self.optimizer)
@@ -171,7 +171,8 @@ class MegatronPolicyWorker(PolicyWorkerBase):
         assert self.lora is not None
         box = [initial_lora_adapters(self.cfg, self.lora.lora_config) if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
-        adapters: dict[str, torch.Tensor] = box[0]
+        adapters = box[0]
+        assert adapters is not None
         return adapters
 
     # ----------------------------------------------------------------------------------------- forward
