@@ -61,13 +61,15 @@ assert tuple(ADAPTED_LINEARS) == MEGATRON_LINEARS
 
 
 def _matches(path: str, key: str, patterns: Iterable[str]) -> bool:
-    return any(pattern == key or fnmatch.fnmatchcase(path, pattern) for pattern in patterns)
+    return any(
+        fnmatch.fnmatchcase(key, pattern) or fnmatch.fnmatchcase(path, pattern) for pattern in patterns
+    )
 
 
 def select_linears(cfg: MegatronPeftConfig, num_layers: int) -> dict[int, list[str]]:
     """``{global layer: [adapted linear names]}`` of ``cfg`` on a ``num_layers``-layer decoder.
 
-    A pattern matches a name of :data:`~nemo_rl.config.lora.MEGATRON_LINEARS` or, as a glob, the path
+    A pattern (a glob) matches a name of :data:`~nemo_rl.config.lora.MEGATRON_LINEARS` or the path
     ``decoder.layers.<i>.<module>``; one that matches no layer raises ``ValueError``.
     """
     paths = [
