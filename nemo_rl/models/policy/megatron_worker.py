@@ -124,28 +124,7 @@ class MegatronPolicyWorker(PolicyWorkerBase):
             self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
             self.pp_size = parallel_state.get_pipeline_model_parallel_world_size()
             self.is_last_stage = parallel_state.is_pipeline_last_stage()
-            self.config = setup.transformer_config(self.arch, self.family, cfg)
-            self.gpt = setup.build_model(self.arch, cfg, self.config)
-            self.lora = (
-                MegatronLoRA.from_config(megatron.peft, self.arch.num_layers)
-                if megatron.peft.enabled
-                else None
-            )
-            if self.lora is not None:
-                self.lora.attach(self.gpt, self.arch, self.config)
-            self.weights = StageWeights(
-                self.gpt,
-                self.arch,
-                self.family,
-                first_stage=parallel_state.is_pipeline_first_stage(),
-                last_stage=self.is_last_stage,
-                te_norms=setup.uses_transformer_engine(megatron),
-                tp_group=self.tp_group,
-                adapted=self.lora.selected if self.lora is not None else None,
-            )
-            self.weights.load(SafetensorsReader(self.checkpoint_dir).get, self.weights.base_rules)
-            if self.lora is not None:
-                self.weights.load(self._initial_adapters().__getitem__, self.weights.adapter_rules)
+            self._build_stage()
             self.model = setup.wrap_for_training(self.gpt, cfg, self.config)
             self.optimizer = setup.build_optimizer(cfg, self.model)
             self.scheduler = setup.build_scheduler(cfg, self.optimizer)
@@ -163,6 +142,31 @@ class MegatronPolicyWorker(PolicyWorkerBase):
                     "policy.optimizer / policy.scheduler configure the DTensor backend and are not used; the "
                     "Megatron backend trains with policy.megatron_cfg.optimizer / scheduler"
                 )
+
+    def _build_stage(self) -> None:
+        """This rank's stage of the ``GPTModel`` with its weights (and LoRA adapters) loaded; unwrapped."""
+        cfg = self.cfg
+        megatron = cfg.megatron_cfg
+        self.config = setup.transformer_config(self.arch, self.family, cfg)
+        self.gpt = setup.build_model(self.arch, cfg, self.config)
+        self.lora = (
+            MegatronLoRA.from_config(megatron.peft, self.arch.num_layers) if megatron.peft.enabled else None
+        )
+        if self.lora is not None:
+            self.lora.attach(self.gpt, self.arch, self.config)
+        self.weights = StageWeights(
+            self.gpt,
+            self.arch,
+            self.family,
+            first_stage=parallel_state.is_pipeline_first_stage(),
+            last_stage=self.is_last_stage,
+            te_norms=setup.uses_transformer_engine(megatron),
+            tp_group=self.tp_group,
+            adapted=self.lora.selected if self.lora is not None else None,
+        )
+        self.weights.load(SafetensorsReader(self.checkpoint_dir).get, self.weights.base_rules)
+        if self.lora is not None:
+            self.weights.load(self._initial_adapters().__getitem__, self.weights.adapter_rules)
 
     def _initial_adapters(self) -> dict[str, torch.Tensor]:
         """The initial LoRA adapters (full, Hugging Face names), drawn on rank 0 as the DTensor backend draws
