@@ -282,7 +282,7 @@ def merge_and_unload(model: nn.Module) -> nn.Module:
     for _, module in list(lora_modules(model)):
         module.weight.copy_(merge_lora(module.weight, module.lora_A, module.lora_B, module.lora_scale))
         del module.lora_A, module.lora_B
-        module.__class__ = nn.Linear
+        cast(nn.Module, module).__class__ = nn.Linear
     for param in model.parameters():
         param.requires_grad_(True)
     return model

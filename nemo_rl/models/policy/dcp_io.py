@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -132,7 +132,7 @@ def load_dcp_model(checkpoint: TrainingCheckpoint) -> PreTrainedModel:
         policy.model_name, trust_remote_code=policy.trust_remote_code, overrides=policy.hf_config_overrides
     )
     if checkpoint.lora is not None:
-        return merge_and_unload(load_lora_model(checkpoint, hf_config))
+        return cast("PreTrainedModel", merge_and_unload(load_lora_model(checkpoint, hf_config)))
     model = AutoModelForCausalLM.from_config(
         hf_config, dtype=torch.float32, trust_remote_code=policy.trust_remote_code
     )
