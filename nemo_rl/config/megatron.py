@@ -6,7 +6,7 @@ Every key NeMo RL's ``megatron_cfg`` has is accepted here, so its recipes load. 
   ``scheduler`` and ``distributed_data_parallel_config`` sections, ``transformer_impl``, ``env_vars``... are
   honoured by the worker (``nemo_rl.models.policy.megatron_worker``).
 - **Rejected when not neutral**: a key that selects behaviour this backend does not build (context
-  parallelism, expert parallelism, FP8, LoRA, multi-token prediction, custom FSDP...) fails validation with
+  parallelism, expert parallelism, FP8, multi-token prediction, custom FSDP...) fails validation with
   a one-line message naming the key and the value to set (:meth:`MegatronConfig._reject_unbuilt`).
 - **Accepted, no effect here**: pure performance and memory knobs (fusions, overlap flags, CUDA graphs,
   async checkpoint saves...) and MoE-only keys (the supported model families are dense). Each field's
@@ -22,6 +22,7 @@ from typing import Any, Literal, Self
 from pydantic import Field, model_validator
 
 from nemo_rl.config.base import ConfigModel
+from nemo_rl.config.lora import MegatronPeftConfig
 from nemo_rl.config.no_effect import no_effect_keys
 from nemo_rl.config.no_effect import no_effect_settings as find_no_effect_settings
 
@@ -142,43 +143,6 @@ class MegatronDDPConfig(ConfigModel):
 
     data_parallel_sharding_strategy: str = "no_shard"
     """Accepted, no effect here (only read by Megatron's FSDP, which is not built)."""
-
-
-class MegatronPeftConfig(ConfigModel):
-    """LoRA adapters on the Megatron model (NeMo RL's ``megatron_cfg.peft``); not built here."""
-
-    enabled: bool = False
-    """Train LoRA adapters; not built here: must be false."""
-
-    target_modules: list[str] = Field(default_factory=list)
-    """Modules to adapt (unused while ``enabled`` is false)."""
-
-    exclude_modules: list[str] = Field(default_factory=list)
-    """Modules not to adapt (unused while ``enabled`` is false)."""
-
-    dim: int = Field(default=8, ge=1)
-    """LoRA rank (unused while ``enabled`` is false)."""
-
-    alpha: int = Field(default=32, ge=1)
-    """LoRA scaling numerator (unused while ``enabled`` is false)."""
-
-    dropout: float = Field(default=0.0, ge=0.0, le=1.0)
-    """LoRA dropout (unused while ``enabled`` is false)."""
-
-    dropout_position: Literal["pre", "post"] = "post"
-    """Where LoRA dropout applies (unused while ``enabled`` is false)."""
-
-    lora_A_init_method: str = "xavier"
-    """Initialisation of the A matrices (unused while ``enabled`` is false)."""
-
-    lora_B_init_method: str = "zero"
-    """Initialisation of the B matrices (unused while ``enabled`` is false)."""
-
-    a2a_experimental: bool = False
-    """Experimental all-to-all for MoE LoRA (unused while ``enabled`` is false)."""
-
-    lora_dtype: str | None = None
-    """Adapter dtype (unused while ``enabled`` is false)."""
 
 
 class MegatronFp8Config(ConfigModel):
@@ -322,7 +286,8 @@ class MegatronConfig(ConfigModel):
     """The data-parallel gradient reduction."""
 
     peft: MegatronPeftConfig = Field(default_factory=MegatronPeftConfig)
-    """LoRA (not built here; ``enabled`` must be false)."""
+    """LoRA adapters on the decoder's linear layers (``nemo_rl.config.lora``); off by default (full
+    fine-tuning)."""
 
     fp8_cfg: MegatronFp8Config = Field(default_factory=MegatronFp8Config)
     """FP8 training (not built here; ``enabled`` must be false)."""
@@ -539,6 +504,7 @@ class MegatronConfig(ConfigModel):
                 f"policy.megatron_cfg.pipeline_dtype={self.pipeline_dtype!r} differs from policy.precision="
                 f"{precision!r}: set pipeline_dtype to {precision!r} (or null)"
             )
+        self.peft.check_dtype(precision)
         clip = max_grad_norm or 0.0
         if optimizer.clip_grad != clip:
             raise ValueError(
@@ -564,7 +530,6 @@ def _unbuilt_settings(cfg: MegatronConfig) -> list[tuple[str, bool, str]]:
             "the supported model families are dense; set expert_tensor_parallel_size=1",
         ),
         ("fp8_cfg.enabled", cfg.fp8_cfg.enabled, "set fp8_cfg.enabled=false (train in bfloat16 or float32)"),
-        ("peft.enabled", cfg.peft.enabled, "set peft.enabled=false (full fine-tuning)"),
         ("mtp_num_layers", cfg.mtp_num_layers != 0, "set mtp_num_layers=0"),
         (
             "distributed_data_parallel_config.use_custom_fsdp",

@@ -263,6 +263,18 @@ def read_lora_metadata(path: str | Path) -> dict[str, Any] | None:
     return json.loads(file.read_text()) if file.is_file() else None
 
 
+def check_checkpoint_kind(weights_path: str | Path, has_lora: bool, setting: str) -> None:
+    """Refuse to load a full checkpoint into a LoRA policy or adapters into a full one (a clear error instead
+    of a missing-weight report); ``setting`` is the config key that enables LoRA on the policy's backend."""
+    metadata = read_lora_metadata(weights_path)
+    if bool(metadata) != has_lora:
+        kind = "LoRA adapters" if metadata else "a full model"
+        raise ValueError(
+            f"{weights_path} holds {kind}, but this policy has {setting}={has_lora}: resume with the setting "
+            "the checkpoint was written with"
+        )
+
+
 @torch.no_grad()
 def merge_and_unload(model: nn.Module) -> nn.Module:
     """Fold every adapter into its layer's weight and turn the layer back into a plain ``nn.Linear``, in place

@@ -82,12 +82,13 @@ def megatron_cfg(
     )
 
 
-def dtensor_cfg(model_dir: Path) -> PolicyConfig:
+def dtensor_cfg(model_dir: Path, dtensor: dict[str, Any] | None = None) -> PolicyConfig:
     """One-process DTensor worker: AdamW without weight decay (Megatron does not decay norms and biases), the
     learning rate warming up linearly from LR / 2 to LR over two steps, as ``megatron_cfg`` does."""
     return PolicyConfig.model_validate(
         {
             "model_name": str(model_dir),
+            "dtensor_cfg": dtensor or {},
             "train_global_batch_size": GLOBAL_BATCH,
             "train_micro_batch_size": 2,
             "logprob_batch_size": 3,
@@ -282,7 +283,13 @@ def _four_rank_scenarios(save: Callable[[str, Any], None], model_dir: Path, out_
     worker.shutdown()
 
 
-def _entry(rank: int, world_size: int, port: int, scenarios: str, model_dir: str, out_dir: str) -> None:
+Scenarios = Callable[[Callable[[str, Any], None], Path, Path], None]
+"""A group's scenarios: called on every rank with ``save(name, value)``, the model and the output folder."""
+
+
+def _entry(
+    rank: int, world_size: int, port: int, scenarios: str, run: Scenarios, model_dir: str, out_dir: str
+) -> None:
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -296,11 +303,6 @@ def _entry(rank: int, world_size: int, port: int, scenarios: str, model_dir: str
         torch.save(value, Path(out_dir) / f"{scenarios}.{name}.rank{rank}.pt")
 
     try:
-        run = {
-            "reference": _reference_scenarios,
-            "megatron": _megatron_scenarios,
-            "megatron4": _four_rank_scenarios,
-        }[scenarios]
         run(save, Path(model_dir), Path(out_dir))
     except BaseException:
         (Path(out_dir) / f"error.{scenarios}.rank{rank}.txt").write_text(traceback.format_exc())
@@ -320,20 +322,17 @@ def hf_model(model_dir: Path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(model_dir).eval()
 
 
-@pytest.fixture(scope="module")
-def results(model_dir: Path, hf_model: torch.nn.Module, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out_dir = tmp_path_factory.mktemp("megatron_results")
-    torch.save(pg_data(reference_logprobs(hf_model, train_data())), out_dir / "pg_data.pt")
+def run_groups(groups: list[tuple[str, int, Scenarios]], model_dir: Path, out_dir: Path) -> None:
+    """Run each group's scenarios on its own ``world_size`` ranks, all groups at once; raise on any failure."""
     context = multiprocessing.get_context("forkserver")
     # The server imports torch, transformers and megatron-core once; every rank forks from it.
     context.set_forkserver_preload(PRELOAD)
-    groups = [("megatron", 2), ("megatron4", 4), ("reference", 1)]
     processes = []
-    for scenarios, world_size in groups:
+    for scenarios, world_size, run in groups:
         port = free_port()
         for rank in range(world_size):
             process = context.Process(
-                target=_entry, args=(rank, world_size, port, scenarios, str(model_dir), str(out_dir))
+                target=_entry, args=(rank, world_size, port, scenarios, run, str(model_dir), str(out_dir))
             )
             process.start()
             processes.append(process)
@@ -352,6 +351,18 @@ def results(model_dir: Path, hf_model: torch.nn.Module, tmp_path_factory: pytest
         raise RuntimeError(
             f"scenario processes exited with {[p.exitcode for p in processes]} (timeout {SPAWN_TIMEOUT_S} s)"
         )
+
+
+@pytest.fixture(scope="module")
+def results(model_dir: Path, hf_model: torch.nn.Module, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out_dir = tmp_path_factory.mktemp("megatron_results")
+    torch.save(pg_data(reference_logprobs(hf_model, train_data())), out_dir / "pg_data.pt")
+    groups = [
+        ("megatron", 2, _megatron_scenarios),
+        ("megatron4", 4, _four_rank_scenarios),
+        ("reference", 1, _reference_scenarios),
+    ]
+    run_groups(groups, model_dir, out_dir)
     return out_dir
 
 

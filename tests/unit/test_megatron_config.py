@@ -113,7 +113,6 @@ def test_nemo_rl_1b_megatron_block_loads_and_reports_its_no_effect_keys() -> Non
         ({"expert_model_parallel_size": 4}, "expert_model_parallel_size"),
         ({"expert_tensor_parallel_size": 2}, "expert_tensor_parallel_size"),
         ({"fp8_cfg": {"enabled": True}}, "fp8_cfg.enabled"),
-        ({"peft": {"enabled": True}}, "peft.enabled"),
         ({"mtp_num_layers": 1}, "mtp_num_layers"),
         ({"distributed_data_parallel_config": {"use_custom_fsdp": True}}, "use_custom_fsdp"),
         ({"model_overrides": {"hidden_dropout": 0.1}}, "model_overrides"),
@@ -180,3 +179,30 @@ def test_no_effect_list_is_the_single_source() -> None:
             value = getattr(value, part)
     assert _documented_no_effect(MegatronConfig) <= set(NO_EFFECT_KEYS)
     assert no_effect_settings(default) == []
+
+
+def test_lora_is_built_with_nemo_rl_keys() -> None:
+    peft = {
+        "enabled": True,
+        "target_modules": ["linear_qkv", "*.layers.0.*.linear_fc1"],
+        "lora_dtype": "bfloat16",
+    }
+    cfg = megatron_policy({"enabled": True, "peft": peft, "optimizer": {"bf16": True}}, precision="bfloat16")
+    lora = cfg.megatron_cfg.peft.lora_config(["model.layers.0.self_attn.q_proj"])
+    assert (lora.dim, lora.alpha, lora.match_all_linear) == (8, 32, False)
+
+
+@pytest.mark.parametrize(
+    ("peft", "match"),
+    [
+        ({"target_modules": ["q_proj"]}, r"'q_proj' names no Megatron linear layer"),
+        ({"target_modules": ["linear_qkv"], "exclude_modules": ["linear_fc2"]}, r"exclude_modules needs"),
+        ({"lora_A_init_method": "normal"}, r"lora_A_init_method='normal'"),
+        ({"lora_B_init_method": "xavier"}, r"lora_B_init_method='xavier'"),
+        ({"a2a_experimental": True}, r"a2a_experimental"),
+        ({"lora_dtype": "bfloat16"}, r"lora_dtype='bfloat16' differs from policy.precision='float32'"),
+    ],
+)
+def test_lora_settings_not_built_are_refused_in_one_line(peft: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValidationError, match=match):
+        megatron_policy({"enabled": True, "peft": {"enabled": True, **peft}})

@@ -4,7 +4,9 @@ A checkpoint has two parts:
 
 - **weights** (``weights_path``): the model as Hugging Face-named safetensors, one file per pipeline stage, in
   the training dtype (:func:`~nemo_rl.models.megatron.weights.write_stage_safetensors`). Any TP / PP / DP
-  layout loads them, and so does ``from_pretrained``.
+  layout loads them, and so does ``from_pretrained``. With LoRA only the adapters are written (under their
+  Hugging Face names, :attr:`~nemo_rl.models.megatron.weights.StageWeights.trained_rules`); the frozen base
+  is ``policy.model_name``'s, which the worker records next to them.
 - **optimizer** (``optimizer_path``): one file per rank with its optimizer's own state (Adam moments, step,
   float32 master weights, loss scale), the schedule's step count and the rank's random-number state (the
   process's generators and Megatron's named tracker states, which dropout in tensor-parallel regions draws
@@ -71,7 +73,11 @@ def save(
     weights."""
     weights, optimizer, scheduler, layout = parts
     write_stage_safetensors(
-        weights, weights_path, dtype=None, writer=writer, stage=stage, num_stages=num_stages
+        weights.iter_hf_tensors(None, weights.trained_rules),
+        weights_path,
+        writer=writer,
+        stage=stage,
+        num_stages=num_stages,
     )
     if optimizer_path is not None:
         os.makedirs(optimizer_path, exist_ok=True)
@@ -105,7 +111,7 @@ def load(
 ) -> None:
     """Load what :func:`save` wrote (the optimizer part only with ``optimizer_path``)."""
     weights, optimizer, scheduler, layout = parts
-    weights.load(SafetensorsReader(weights_path))
+    weights.load(SafetensorsReader(weights_path).get, weights.trained_rules)
     # Float32 master weights (bfloat16 training, distributed optimizer) follow the loaded weights...
     optimizer.reload_model_params()
     if optimizer_path is not None:

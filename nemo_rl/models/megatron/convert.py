@@ -12,6 +12,8 @@ Megatron layouts (TP = tensor-parallel size, r = this rank):
 - ``linear_fc1`` (SwiGLU): rank r holds ``[gate_r; up_r]``, the r-th row blocks of ``gate_proj`` and
   ``up_proj`` stacked (Megatron's GLU applies the activation to the first half).
 - ``linear_proj`` / ``linear_fc2``: row-parallel, split along the input dim (biases are not split).
+- LoRA adapters (:mod:`nemo_rl.models.megatron.lora`): a column-parallel layer's ``B`` split along its
+  output dim, a row-parallel layer's ``A`` along its input dim, the other matrix replicated.
 - ``word_embeddings`` / ``output_layer``: split along the vocabulary, padded with zero rows to a multiple
   of TP; the padding is cut off again on the way back.
 
@@ -35,6 +37,9 @@ class Kind(enum.Enum):
 
     ROW = "row"
     """One Hugging Face tensor split along dim 1 (the input dim of a row-parallel linear)."""
+
+    COLUMN = "column"
+    """One Hugging Face tensor split along dim 0 (a LoRA ``B`` of a column-parallel linear)."""
 
     VOCAB = "vocab"
     """One Hugging Face tensor padded to the padded vocabulary and split along dim 0."""
@@ -93,6 +98,8 @@ def to_megatron(
         return hf_tensors[0]
     if kind is Kind.ROW:
         return hf_tensors[0].chunk(tp_size, dim=1)[tp_rank]
+    if kind is Kind.COLUMN:
+        return hf_tensors[0].chunk(tp_size, dim=0)[tp_rank]
     if kind is Kind.VOCAB:
         full = hf_tensors[0]
         if full.shape[0] < padded_vocab:
@@ -129,6 +136,8 @@ def to_hugging_face(
         return [shards[0]]
     if kind is Kind.ROW:
         return [torch.cat(list(shards), dim=1)]
+    if kind is Kind.COLUMN:
+        return [torch.cat(list(shards), dim=0)]
     if kind is Kind.VOCAB:
         return [torch.cat(list(shards), dim=0)[:vocab_size]]
     if kind is Kind.GATE_UP:

@@ -13,16 +13,49 @@ SwiGLU, grouped-query attention with rotary embeddings) and differ in their bias
 Megatron names are relative to the unwrapped ``GPTModel``; its decoder layers are numbered per stage (the
 local index), Hugging Face's globally. Transformer Engine's layer spec fuses the pre-attention and pre-MLP
 norms into ``linear_qkv`` / ``linear_fc1`` (``te_norms``), the local spec keeps them as modules.
+
+With LoRA (:mod:`nemo_rl.models.megatron.lora`) an adapted Megatron linear layer carries the adapters of the
+Hugging Face layers it fuses (:data:`ADAPTED_LINEARS`); their rules follow the layer's own, so a weight stream
+brings each layer's adapters right after its weights.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from nemo_rl.models.hf_decoder import DecoderArch
 from nemo_rl.models.megatron.convert import AttentionShape, Kind, WeightRule
+
+
+@dataclass(frozen=True)
+class AdaptedLinear:
+    """A linear layer of a Megatron decoder layer and the Hugging Face layers it computes (fused)."""
+
+    megatron: str
+    """Module path under the decoder layer, e.g. ``self_attention.linear_qkv``."""
+
+    hf: tuple[str, ...]
+    """Module paths under the Hugging Face decoder layer, in the order of the fused output."""
+
+    column_parallel: bool
+    """Output split over tensor-parallel ranks (``linear_qkv``, ``linear_fc1``); else the input is."""
+
+    def adapter_name(self, local: int, hf: str, matrix: str) -> str:
+        """Megatron name of the ``matrix`` (``lora_A`` / ``lora_B``) of Hugging Face layer ``hf``'s adapter."""
+        return f"decoder.layers.{local}.{self.megatron}.lora.{hf.rsplit('.', 1)[-1]}.{matrix}"
+
+
+ADAPTED_LINEARS: dict[str, AdaptedLinear] = {
+    "linear_qkv": AdaptedLinear(
+        "self_attention.linear_qkv", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), True
+    ),
+    "linear_proj": AdaptedLinear("self_attention.linear_proj", ("self_attn.o_proj",), False),
+    "linear_fc1": AdaptedLinear("mlp.linear_fc1", ("mlp.gate_proj", "mlp.up_proj"), True),
+    "linear_fc2": AdaptedLinear("mlp.linear_fc2", ("mlp.down_proj",), False),
+}
+"""The adaptable linear layers by their ``policy.megatron_cfg.peft`` name."""
 
 
 @dataclass(frozen=True)
@@ -69,8 +102,11 @@ class DecoderFamily:
         """The sizes the fused QKV layout depends on."""
         return AttentionShape(arch.num_heads, arch.num_kv_heads, arch.head_dim)
 
-    def layer_rules(self, arch: DecoderArch, local: int, layer: int, te_norms: bool) -> list[WeightRule]:
-        """Rules of decoder layer ``layer`` (global index), held as local layer ``local`` of its stage."""
+    def layer_rules(
+        self, arch: DecoderArch, local: int, layer: int, te_norms: bool, adapted: Collection[str] = ()
+    ) -> list[WeightRule]:
+        """Rules of decoder layer ``layer`` (global index), held as local layer ``local`` of its stage, with the
+        LoRA adapters of its ``adapted`` linear layers (:data:`ADAPTED_LINEARS` names)."""
         m = f"decoder.layers.{local}."
         h = f"model.layers.{layer}."
         attn_norm = "self_attention.linear_qkv.layer_norm_weight" if te_norms else "input_layernorm.weight"
@@ -103,7 +139,7 @@ class DecoderFamily:
                     m + "self_attention.k_layernorm.weight", (h + "self_attn.k_norm.weight",), Kind.REPLICATED
                 ),
             ]
-        return rules
+        return rules + _adapter_rules(local, h, adapted)
 
     def stage_rules(
         self,
@@ -113,15 +149,17 @@ class DecoderFamily:
         first_stage: bool,
         last_stage: bool,
         te_norms: bool,
+        adapted: Mapping[int, Collection[str]] | None = None,
     ) -> list[WeightRule]:
-        """Rules of one pipeline stage holding global decoder layers ``layers`` (in local order)."""
+        """Rules of one pipeline stage holding global decoder layers ``layers`` (in local order); ``adapted``
+        names each global layer's LoRA-adapted linear layers."""
         rules: list[WeightRule] = []
         if first_stage:
             rules.append(
                 WeightRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), Kind.VOCAB)
             )
         for local, layer in enumerate(layers):
-            rules += self.layer_rules(arch, local, layer, te_norms)
+            rules += self.layer_rules(arch, local, layer, te_norms, (adapted or {}).get(layer, ()))
         if last_stage:
             rules.append(
                 WeightRule("decoder.final_layernorm.weight", ("model.norm.weight",), Kind.REPLICATED)
@@ -173,3 +211,22 @@ def _mlp_rules(m: str, h: str, suffix: str, *, down_kind: Kind) -> list[WeightRu
         ),
         WeightRule(m + f"mlp.linear_fc2.{suffix}", (h + f"mlp.down_proj.{suffix}",), down_kind),
     ]
+
+
+def _adapter_rules(local: int, h: str, adapted: Collection[str]) -> list[WeightRule]:
+    """The LoRA matrices of local layer ``local`` (Hugging Face prefix ``h``): per adapted Hugging Face layer,
+    ``A`` replicated and ``B`` split by rows on a column-parallel layer, ``A`` split by columns and ``B``
+    replicated on a row-parallel one."""
+    rules = []
+    for key, linear in ADAPTED_LINEARS.items():
+        if key not in adapted:
+            continue
+        kind_A, kind_B = (
+            (Kind.REPLICATED, Kind.COLUMN) if linear.column_parallel else (Kind.ROW, Kind.REPLICATED)
+        )
+        for hf in linear.hf:
+            rules += [
+                WeightRule(linear.adapter_name(local, hf, "lora_A"), (f"{h}{hf}.lora_A",), kind_A),
+                WeightRule(linear.adapter_name(local, hf, "lora_B"), (f"{h}{hf}.lora_B",), kind_B),
+            ]
+    return rules

@@ -92,9 +92,12 @@ def check_divisibility(arch: DecoderArch, cfg: MegatronConfig) -> None:
 
 
 def uses_transformer_engine(cfg: MegatronConfig) -> bool:
-    """Whether to build Transformer Engine layers: on CUDA, with ``te`` installed, unless ``local`` is asked."""
+    """Whether to build Transformer Engine layers: on CUDA, with ``te`` installed, unless ``local`` is asked
+    or LoRA is on (its adapters need the normalised input, which Transformer Engine's fused norm-linear
+    layers keep to themselves)."""
     return (
         cfg.transformer_impl != "local"
+        and not cfg.peft.enabled
         and cuda_available()
         and importlib.util.find_spec("transformer_engine") is not None
     )

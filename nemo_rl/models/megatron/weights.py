@@ -14,7 +14,7 @@ import copy
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from nemo_rl.config.policy import TokenizerConfig
-from nemo_rl.models.hf_decoder import DecoderArch, SafetensorsReader
+from nemo_rl.models.hf_decoder import DecoderArch
+from nemo_rl.models.lora import is_adapter_name
 from nemo_rl.models.megatron.convert import Kind, WeightRule, pad_vocab, to_hugging_face, to_megatron
 from nemo_rl.models.megatron.families import DecoderFamily
 from nemo_rl.models.tokenizer import get_tokenizer
@@ -46,7 +47,10 @@ class StageWeights:
         last_stage: bool,
         te_norms: bool,
         tp_group: dist.ProcessGroup,
+        adapted: Mapping[int, Collection[str]] | None = None,
     ) -> None:
+        """``adapted``: the LoRA-adapted linear layers by global decoder layer, whose adapters the model
+        carries (:meth:`nemo_rl.models.megatron.lora.MegatronLoRA.attach`)."""
         self.arch = arch
         self.family = family
         self.tp_group = tp_group
@@ -56,8 +60,17 @@ class StageWeights:
         # Megatron numbers layers globally from 1 (``layer_number``) and names them locally.
         self.layers = [int(layer.layer_number) - 1 for layer in decoder.layers]
         self.rules = family.stage_rules(
-            arch, self.layers, first_stage=first_stage, last_stage=last_stage, te_norms=te_norms
+            arch,
+            self.layers,
+            first_stage=first_stage,
+            last_stage=last_stage,
+            te_norms=te_norms,
+            adapted=adapted,
         )
+        self.adapter_rules = [rule for rule in self.rules if is_adapter_name(rule.hf[0])]
+        """Rules of the LoRA adapters (none without LoRA)."""
+        self.base_rules = [rule for rule in self.rules if not is_adapter_name(rule.hf[0])]
+        """Rules of the model's own weights (those of its Hugging Face checkpoint)."""
         self.params = dict(model.named_parameters())
         covered = {rule.megatron for rule in self.rules}
         if covered != set(self.params):
@@ -68,19 +81,25 @@ class StageWeights:
             )
 
     @property
+    def trained_rules(self) -> list[WeightRule]:
+        """Rules of the trained parameters, which a checkpoint holds: the adapters with LoRA, else all."""
+        return self.adapter_rules or self.rules
+
+    @property
     def hf_names(self) -> list[str]:
         """Hugging Face names this stage exports, in stream order."""
         return [name for rule in self.rules if rule.exported for name in rule.hf]
 
     @torch.no_grad()
-    def load(self, reader: SafetensorsReader) -> None:
-        """Copy this rank's slice of every Hugging Face tensor of the stage into the model's parameters."""
+    def load(self, get: Callable[[str], torch.Tensor], rules: Sequence[WeightRule] | None = None) -> None:
+        """Copy this rank's slice of the Hugging Face tensors of ``rules`` (default: all of the stage's) into
+        the model's parameters; ``get(name)`` reads a full Hugging Face tensor (``SafetensorsReader.get``)."""
         attention = self.family.attention_shape(self.arch)
         padded = pad_vocab(self.arch.vocab_size, self.tp_size)
-        for rule in self.rules:
+        for rule in self.rules if rules is None else rules:
             local = to_megatron(
                 rule,
-                [reader.get(name) for name in rule.hf],
+                [get(name) for name in rule.hf],
                 tp_rank=self.tp_rank,
                 tp_size=self.tp_size,
                 attention=attention,
@@ -94,14 +113,17 @@ class StageWeights:
             param.data.copy_(local)
 
     @torch.no_grad()
-    def iter_hf_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """The stage's exported Hugging Face tensors, full, cast to ``dtype`` (floating point; ``None`` keeps it).
+    def iter_hf_tensors(
+        self, dtype: torch.dtype | None = None, rules: Sequence[WeightRule] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The stage's exported Hugging Face tensors (of ``rules``; default all), full, cast to ``dtype``
+        (floating point; ``None`` keeps it).
 
         A collective over the tensor-parallel group: its ranks iterate in lockstep, each parameter is gathered
         when it is reached, and every rank of the group gets the full tensors.
         """
         attention = self.family.attention_shape(self.arch)
-        for rule in self.rules:
+        for rule in self.rules if rules is None else rules:
             if not rule.exported:
                 continue
             shards = self._gather(rule)
@@ -142,22 +164,21 @@ def hf_weights_manifest(hf_config: Any, dtype: torch.dtype) -> dict[str, tuple[t
 
 
 def write_stage_safetensors(
-    weights: StageWeights,
+    named: Iterable[tuple[str, torch.Tensor]],
     path: str,
     *,
-    dtype: torch.dtype | None,
     writer: bool,
     stage: int,
     num_stages: int,
 ) -> None:
-    """Write the model as Hugging Face-named safetensors, one file per pipeline stage, plus the index.
+    """Write Hugging Face-named tensors as safetensors, one file per pipeline stage, plus the index.
 
-    A collective over all ranks: every rank gathers its stage's tensors with its tensor-parallel group,
-    ``writer`` ranks (one per stage) write them (cast to ``dtype``; ``None`` keeps the training dtype), and
-    global rank 0 writes ``model.safetensors.index.json``.
+    A collective over all ranks: every rank consumes its stage's stream ``named`` (e.g.
+    :meth:`StageWeights.iter_hf_tensors`, gathered with its tensor-parallel group), ``writer`` ranks (one per
+    stage) write it, and global rank 0 writes ``model.safetensors.index.json``.
     """
     file_name = f"model-{stage + 1:05d}-of-{num_stages:05d}.safetensors"
-    tensors = {name: tensor.contiguous() for name, tensor in weights.iter_hf_tensors(dtype)}
+    tensors = {name: tensor.contiguous() for name, tensor in named}
     if writer:
         os.makedirs(path, exist_ok=True)
         save_file(tensors, os.path.join(path, file_name), metadata={"format": "pt"})

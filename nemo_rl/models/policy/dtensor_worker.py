@@ -47,10 +47,10 @@ from nemo_rl.distributed.device import (
 from nemo_rl.models.dtypes import PRECISION_DTYPES
 from nemo_rl.models.lora import (
     adapters_disabled,
+    check_checkpoint_kind,
     is_adapter_name,
     lora_modules,
     merged_weights,
-    read_lora_metadata,
     write_lora_metadata,
 )
 from nemo_rl.models.policy.hf_io import (
@@ -460,13 +460,7 @@ class DTensorPolicyWorker(PolicyWorkerBase):
     def _check_checkpoint_kind(self, weights_path: str) -> None:
         """Refuse to load a full checkpoint into a LoRA policy or adapters into a full one (a clear error
         instead of DCP's missing-key report)."""
-        metadata = read_lora_metadata(weights_path)
-        if bool(metadata) != bool(self.lora_targets):
-            kind = "LoRA adapters" if metadata else "a full model"
-            raise ValueError(
-                f"{weights_path} holds {kind}, but this policy has policy.dtensor_cfg.lora_cfg.enabled="
-                f"{bool(self.lora_targets)}: resume with the setting the checkpoint was written with"
-            )
+        check_checkpoint_kind(weights_path, bool(self.lora_targets), "policy.dtensor_cfg.lora_cfg.enabled")
 
     def export_hf(self, path: str) -> None:
         """Write a Hugging Face checkpoint in ``policy.precision`` (rank 0 writes; all ranks must call)."""

@@ -31,6 +31,7 @@ from nemo_rl.config.policy import PolicyConfig, TokenizerConfig
 from nemo_rl.models import hf_config as hf_config_io
 from nemo_rl.models.dtypes import PRECISION_DTYPES
 from nemo_rl.models.lora import (
+    adapter_state,
     apply_lora,
     is_adapter_name,
     lora_targets,
@@ -158,6 +159,25 @@ def _weight_groups(names: list[str]) -> str:
     return ", ".join(sorted(groups))
 
 
+def _load_full_model(cfg: PolicyConfig, hf_config: Any, auto_class: Any, lora_cfg: LoraConfig) -> nn.Module:
+    """``cfg.model_name`` whole on the host in float32, with ``lora_cfg``'s adapters when enabled: weights the
+    checkpoint lacks, then the adapters' ``A``, are drawn from an RNG seeded with ``_NEW_HEAD_SEED``."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(_NEW_HEAD_SEED)
+        model = _from_pretrained(auto_class, cfg.model_name, hf_config, cfg.trust_remote_code)
+        if lora_cfg.enabled:
+            apply_lora(model, lora_cfg)
+    return model
+
+
+def initial_lora_adapters(cfg: PolicyConfig, lora_cfg: LoraConfig) -> dict[str, torch.Tensor]:
+    """The adapters ``lora_cfg`` starts ``cfg.model_name`` with (full tensors by Hugging Face name, e.g.
+    ``model.layers.0.self_attn.q_proj.lora_A``): the same draws as :func:`load_sharded_model`'s, so every
+    backend given the same adapters starts from the same ones. Loads the model on the host (call on one rank)."""
+    model = _load_full_model(cfg, load_hf_config(cfg), model_auto_class(cfg), lora_cfg)
+    return adapter_state((name, param.detach()) for name, param in model.named_parameters())
+
+
 def load_sharded_model(cfg: PolicyConfig, mesh: DeviceMesh, device: torch.device) -> nn.Module:
     """Load ``cfg.model_name`` (local path or hub name), sharded over ``mesh`` (axes ``dp``, ``tp``).
 
@@ -169,12 +189,8 @@ def load_sharded_model(cfg: PolicyConfig, mesh: DeviceMesh, device: torch.device
     full_model: nn.Module | None = None
     lora_cfg = cfg.dtensor_cfg.lora_cfg
     if dist.get_rank() == 0:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(_NEW_HEAD_SEED)
-            full_model = _from_pretrained(auto_class, cfg.model_name, hf_config, trust)
-            if lora_cfg.enabled:
-                # Drawn here, from the seeded RNG, and broadcast with the base weights below.
-                apply_lora(full_model, lora_cfg)
+        # The adapters are drawn here and broadcast with the base weights below.
+        full_model = _load_full_model(cfg, hf_config, auto_class, lora_cfg)
     with torch.device("meta"):
         model = auto_class.from_config(hf_config, dtype=torch.float32, trust_remote_code=trust)
         if lora_cfg.enabled:

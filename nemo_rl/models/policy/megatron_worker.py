@@ -21,6 +21,9 @@ replica are consecutive, as ``RayWorkerGroup`` deals data shards. Every public m
   gradient norm is not finite is skipped.
 - **Refit / export** stream Hugging Face tensors stage by stage: each parameter is gathered over TP when it
   is reached, and each pipeline stage sends (or writes) its own layers.
+- **LoRA** (``megatron_cfg.peft``): the adapters of :mod:`nemo_rl.models.megatron.lora` on the frozen model,
+  the DTensor backend's adapters under their Hugging Face names; the reference policy switches them off,
+  checkpoints hold them alone, refits and exports fold them into the weights.
 
 Tensor legend: B = sequences, T = tokens, V = vocabulary, K = top-k.
 """
@@ -30,7 +33,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -53,14 +56,17 @@ from nemo_rl.distributed.device import (
 from nemo_rl.models.dtypes import PRECISION_DTYPES
 from nemo_rl.models.hf_config import load_hf_config
 from nemo_rl.models.hf_decoder import DecoderArch, SafetensorsReader, resolve_checkpoint_dir
+from nemo_rl.models.lora import adapter_state, check_checkpoint_kind, write_lora_metadata
 from nemo_rl.models.megatron import checkpoint, cpu_compat, setup
 from nemo_rl.models.megatron.families import family_for
+from nemo_rl.models.megatron.lora import MegatronLoRA, adapters_disabled
 from nemo_rl.models.megatron.weights import (
     StageWeights,
     hf_weights_manifest,
     write_hf_metadata,
     write_stage_safetensors,
 )
+from nemo_rl.models.policy.hf_io import LORA_ADAPTER_SUBDIR, initial_lora_adapters
 from nemo_rl.models.policy.loss_interface import LossFunction
 from nemo_rl.models.policy.utils import (
     pad_sequence_dim,
@@ -118,25 +124,16 @@ class MegatronPolicyWorker(PolicyWorkerBase):
             self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
             self.pp_size = parallel_state.get_pipeline_model_parallel_world_size()
             self.is_last_stage = parallel_state.is_pipeline_last_stage()
-            self.config = setup.transformer_config(self.arch, self.family, cfg)
-            self.gpt = setup.build_model(self.arch, cfg, self.config)
-            self.weights = StageWeights(
-                self.gpt,
-                self.arch,
-                self.family,
-                first_stage=parallel_state.is_pipeline_first_stage(),
-                last_stage=self.is_last_stage,
-                te_norms=setup.uses_transformer_engine(megatron),
-                tp_group=self.tp_group,
-            )
-            self.weights.load(SafetensorsReader(self.checkpoint_dir))
+            self._build_stage()
             self.model = setup.wrap_for_training(self.gpt, cfg, self.config)
             self.optimizer = setup.build_optimizer(cfg, self.model)
             self.scheduler = setup.build_scheduler(cfg, self.optimizer)
         sp_multiple = megatron.tensor_model_parallel_size if megatron.sequence_parallel else 1
         self.seq_multiple = math.lcm(cfg.make_sequence_length_divisible_by, sp_multiple)
-        # The reference policy is a host copy of this rank's initial shards, swapped in only while scoring.
-        self.reference_shards = self.weights.snapshot() if init_reference_model else None
+        # The reference policy is a host copy of this rank's initial shards, swapped in only while scoring;
+        # with LoRA it is the frozen base model itself (the adapters switched off), so no copy is kept.
+        self.has_reference = init_reference_model
+        self.reference_shards = self.weights.snapshot() if init_reference_model and not self.lora else None
         if self.rank == 0:
             for setting in no_effect_settings(megatron):
                 logger.warning("policy.megatron_cfg.%s is accepted but has no effect here", setting)
@@ -145,6 +142,42 @@ class MegatronPolicyWorker(PolicyWorkerBase):
                     "policy.optimizer / policy.scheduler configure the DTensor backend and are not used; the "
                     "Megatron backend trains with policy.megatron_cfg.optimizer / scheduler"
                 )
+
+    def _build_stage(self) -> None:
+        """This rank's stage of the ``GPTModel`` with its weights (and LoRA adapters) loaded; unwrapped."""
+        cfg = self.cfg
+        megatron = cfg.megatron_cfg
+        self.config = setup.transformer_config(self.arch, self.family, cfg)
+        self.gpt = setup.build_model(self.arch, cfg, self.config)
+        self.lora = (
+            MegatronLoRA.from_config(megatron.peft, self.arch.num_layers) if megatron.peft.enabled else None
+        )
+        if self.lora is not None:
+            self.lora.attach(self.gpt, self.arch, self.config)
+        self.weights = StageWeights(
+            self.gpt,
+            self.arch,
+            self.family,
+            first_stage=parallel_state.is_pipeline_first_stage(),
+            last_stage=self.is_last_stage,
+            te_norms=setup.uses_transformer_engine(megatron),
+            tp_group=self.tp_group,
+            adapted=self.lora.selected if self.lora is not None else None,
+        )
+        self.weights.load(SafetensorsReader(self.checkpoint_dir).get, self.weights.base_rules)
+        if self.lora is not None:
+            self.weights.load(self._initial_adapters().__getitem__, self.weights.adapter_rules)
+
+    def _initial_adapters(self) -> dict[str, torch.Tensor]:
+        """The initial LoRA adapters (full, Hugging Face names), drawn on rank 0 as the DTensor backend draws
+        them (:func:`~nemo_rl.models.policy.hf_io.initial_lora_adapters`) and broadcast: both backends start
+        from the same adapters."""
+        assert self.lora is not None
+        box = [initial_lora_adapters(self.cfg, self.lora.lora_config) if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        adapters = box[0]
+        assert adapters is not None
+        return adapters
 
     # ----------------------------------------------------------------------------------------- forward
     def _logits(self, output_BTV: torch.Tensor, mb: BatchedDataDict[Any]) -> torch.Tensor:
@@ -298,7 +331,12 @@ class MegatronPolicyWorker(PolicyWorkerBase):
     # ------------------------------------------------------------------------------ reference weights
     @contextmanager
     def _reference_weights(self) -> Iterator[None]:
-        """Swap the reference weights into this rank's parameters for the duration of the block."""
+        """Swap the reference weights into this rank's parameters for the duration of the block (with LoRA:
+        switch the adapters off)."""
+        if self.lora is not None and self.has_reference:
+            with adapters_disabled(self.gpt):
+                yield
+            return
         if self.reference_shards is None:
             raise RuntimeError(
                 "this policy was built with init_reference_model=False, so it has no reference weights"
@@ -323,6 +361,7 @@ class MegatronPolicyWorker(PolicyWorkerBase):
             "optimizer": megatron.optimizer.optimizer,
             "use_distributed_optimizer": megatron.optimizer.use_distributed_optimizer,
             "precision": self.cfg.precision,
+            "lora_layers": self.lora.hf_targets if self.lora is not None else None,
         }
 
     def _checkpoint_parts(self) -> checkpoint.CheckpointParts:
@@ -330,8 +369,12 @@ class MegatronPolicyWorker(PolicyWorkerBase):
         return checkpoint.CheckpointParts(self.weights, self.optimizer, self.scheduler, self._layout())
 
     def save_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
-        """Save the weights as Hugging Face safetensors (any layout loads them) and, with ``optimizer_path``,
-        each rank's optimizer state and the schedule (see :mod:`nemo_rl.models.megatron.checkpoint`)."""
+        """Save the weights as Hugging Face safetensors (any layout loads them; with LoRA the adapters and
+        ``lora.json``) and, with ``optimizer_path``, each rank's optimizer state and the schedule (see
+        :mod:`nemo_rl.models.megatron.checkpoint`)."""
+        if self.lora is not None and self.rank == 0:
+            os.makedirs(weights_path, exist_ok=True)
+            write_lora_metadata(weights_path, self.lora.lora_config, self.cfg.model_name)
         checkpoint.save(
             self._checkpoint_parts(),
             weights_path=weights_path,
@@ -343,6 +386,7 @@ class MegatronPolicyWorker(PolicyWorkerBase):
 
     def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
         """Load what :meth:`save_checkpoint` wrote (optimizer and schedule only with ``optimizer_path``)."""
+        check_checkpoint_kind(weights_path, self.lora is not None, "policy.megatron_cfg.peft.enabled")
         with cpu_compat.device_redirect():
             checkpoint.load(
                 self._checkpoint_parts(), weights_path=weights_path, optimizer_path=optimizer_path
@@ -354,12 +398,20 @@ class MegatronPolicyWorker(PolicyWorkerBase):
         return self.tp_rank == 0 and self.dp_rank == 0
 
     def export_hf(self, path: str) -> None:
-        """Write a Hugging Face checkpoint in ``policy.precision``, one safetensors file per pipeline stage."""
+        """Write a Hugging Face checkpoint in ``policy.precision``, one safetensors file per pipeline stage; with
+        LoRA the merged weights, and the adapters alone as a PEFT folder in ``path``/``lora_adapter``."""
         dtype = PRECISION_DTYPES[self.cfg.precision]
+        named: Iterable[tuple[str, torch.Tensor]] = self.weights.iter_hf_tensors(None if self.lora else dtype)
+        if self.lora is not None:
+            named = list(named)  # the stage's tensors: the adapters go to the PEFT folder, then are merged
+            self.lora.save_peft(
+                os.path.join(path, LORA_ADAPTER_SUBDIR),
+                adapter_state(named) if self._is_stage_writer else {},
+                self.cfg.model_name,
+            )
         write_stage_safetensors(
-            self.weights,
+            ((name, tensor.to(dtype)) for name, tensor in self._merged(named)),
             path,
-            dtype=dtype,
             writer=self._is_stage_writer,
             stage=self.pp_rank,
             num_stages=self.pp_size,
@@ -382,9 +434,16 @@ class MegatronPolicyWorker(PolicyWorkerBase):
         """This rank's pipeline stage's weights under their Hugging Face names, as FULL tensors cast to ``dtype``.
 
         A collective over the tensor-parallel group (each parameter is gathered when it is reached); each
-        pipeline stage yields only its own layers (its refit stream, see :meth:`refit_stream`).
+        pipeline stage yields only its own layers (its refit stream, see :meth:`refit_stream`). With LoRA the
+        adapters are folded into their layers' weights (in the training dtype, then cast).
         """
-        return self.weights.iter_hf_tensors(dtype)
+        if self.lora is None:
+            return self.weights.iter_hf_tensors(dtype)
+        return ((name, tensor.to(dtype)) for name, tensor in self._merged(self.weights.iter_hf_tensors(None)))
+
+    def _merged(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``named`` with the LoRA adapters folded into their layers' weights; unchanged without LoRA."""
+        return iter(named) if self.lora is None else self.lora.merged(named)
 
     def refit_stream(self) -> int:
         """The refit stream this rank belongs to: its pipeline stage (each stage sends its own layers)."""
