@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 
@@ -109,6 +110,17 @@ def base_manifest_for(
     return dict(base)
 
 
+def refuse_after_draining(named: Iterable[tuple[str, torch.Tensor]], engine: str) -> NoReturn:
+    """Refuse an adapters-only refit into ``engine``, which holds no base weights, once the whole stream is
+    taken off the wire: the senders and the other receivers finish the refit instead of waiting on this one."""
+    for _ in named:
+        pass
+    raise RefitIntegrityError(
+        f"an adapters-only refit reached {engine} that holds no base weights (a fresh or restarted engine): "
+        "the driver must send a full refit first"
+    )
+
+
 class MergedAdapters:
     """Folds arriving adapters into their layers' weights, exactly, from a kept copy of each base weight."""
 
@@ -133,10 +145,7 @@ class MergedAdapters:
         one and the adapters consumed; raises :class:`RefitIntegrityError` when an adapters-only refit reaches
         an engine that holds no base weights, or when a layer's parts do not all arrive."""
         if check_scope(scope) == "adapters" and not self.holds_base:
-            raise RefitIntegrityError(
-                "an adapters-only refit reached a generation engine that holds no base weights (a fresh or "
-                "restarted engine): the driver must send a full refit first"
-            )
+            refuse_after_draining(named, "a generation engine")
         if scope == "full":
             self._base.clear()
         parts: dict[str, dict[str, torch.Tensor]] = {}

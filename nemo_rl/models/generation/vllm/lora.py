@@ -88,13 +88,9 @@ class VllmAdapters:
         """The ``LoRARequest`` every generation request carries (``None`` before the first refit)."""
         return self._request
 
-    def check_scope(self, scope: RefitScope) -> None:
-        """Refuse an adapters-only refit before a full one (a fresh engine)."""
-        if scope == "adapters" and not self.holds_base:
-            raise RefitIntegrityError(
-                "an adapters-only refit reached a vLLM engine that holds no base weights (a fresh or restarted "
-                "engine): the driver must send a full refit first"
-            )
+    def refuses(self, scope: RefitScope) -> bool:
+        """Whether a refit of ``scope`` must be refused: adapters alone before a full refit (a fresh engine)."""
+        return scope == "adapters" and not self.holds_base
 
     def install(self, llm: Any, adapters: dict[str, torch.Tensor]) -> None:
         """Write ``adapters`` as a PEFT folder and load it into ``llm`` in place of the previous adapter."""

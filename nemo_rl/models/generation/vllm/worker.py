@@ -11,6 +11,7 @@ vLLM is imported in the constructor only, so this module imports on machines wit
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import logging
@@ -36,7 +37,7 @@ from nemo_rl.models.generation.interfaces import (
     check_generation_input,
     empty_generation_output,
 )
-from nemo_rl.models.generation.lora import AdapterLayout, base_manifest_for
+from nemo_rl.models.generation.lora import AdapterLayout, base_manifest_for, refuse_after_draining
 from nemo_rl.models.generation.vllm.convert import (
     RELOAD_WEIGHTS_RPC,
     RETRIED_FINISH_REASONS,
@@ -316,9 +317,9 @@ class VllmGenerationWorker:
         """The generation side of a refit of ``scope``: receive, check and load the weights
         (``nemo_rl.weight_sync``); with in-flight updates on, weights arriving during a generation call are
         loaded between two steps. With LoRA the adapters are installed as vLLM's adapter (:mod:`.lora`)."""
-        if self._adapters is not None:
-            self._adapters.check_scope(scope)
         load = self.load_hf_weights if self._in_flight is None else self._in_flight.receive
+        if self._adapters is not None and self._adapters.refuses(scope):
+            load = functools.partial(refuse_after_draining, engine="a vLLM engine")
         stats = receiver.receive(load, self.expected_weights_manifest(scope))
         if self._adapters is not None and scope == "full":
             self._adapters.holds_base = True
