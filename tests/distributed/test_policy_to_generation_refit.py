@@ -287,24 +287,28 @@ def test_lora_refits_send_the_adapters_only_after_the_first(
     policy, generation, tokenizer, cluster = lora_stack
     cfg = _policy_cfg(1, lora=True)
     locations = cluster.bundle_locations()
-    transport = create_refit_transport(
-        cfg,
-        RefitConfig.model_validate({"transport": transport_kind, "timeout_s": TIMEOUT_S}),
-        policy_node_ids=[locations[b].node_id for b in range(2)],
-        generation_node_ids=generation.worker_node_ids,
-    )
+
+    def make_transport(generation: EmbeddedGeneration) -> Any:
+        return create_refit_transport(
+            cfg,
+            RefitConfig.model_validate({"transport": transport_kind, "timeout_s": TIMEOUT_S}),
+            policy_node_ids=[locations[b].node_id for b in range(2)],
+            generation_node_ids=generation.worker_node_ids,
+        )
+
     run = RLWorkers(
         cluster=cluster,
         policy=policy,
         scorers=[],
         generation=generation,
-        refit_transport=transport,
+        refit_transport=make_transport(generation),
         task_to_env={},
         val_task_to_env={},
         owned_envs=[],
         refit_scopes=RefitScopePlanner(adapters_only=True),
     )
     full_bytes = sum(4 * math.prod(shape) for shape, _ in policy.weights_manifest(torch.float32).values())
+    fresh = None
     try:
         first = run.refit_generation(TIMEOUT_S)
         assert first["refit/adapters_only"] == 0.0 and first["refit/bytes"] == full_bytes
@@ -313,20 +317,23 @@ def test_lora_refits_send_the_adapters_only_after_the_first(
         assert second["refit/adapters_only"] == 1.0
         assert second["refit/bytes"] == _adapter_bytes(policy) < full_bytes / 10
         _assert_engine_scores_as_policy(policy, generation, tokenizer)
-        # A fresh engine (a restarted or replaced worker) refuses adapters alone, and the driver never sends
-        # them: the refit after the replacement is full.
+        # A fresh engine (a restarted or replaced worker, with a transport of its own: the collective one's
+        # process group names its members) refuses adapters alone, and the driver never sends them: the refit
+        # after the replacement is full.
         fresh = create_generation(cluster, cfg, tokenizer, seed=0, bundle_indices=[1])
-        try:
-            with pytest.raises(RefitError, match="holds no base weights"):
-                refit(policy.workers, fresh.workers, transport, timeout_s=TIMEOUT_S, scope="adapters")
-            run.generation = fresh
-            replaced = run.refit_generation(TIMEOUT_S)
-            assert replaced["refit/adapters_only"] == 0.0 and replaced["refit/bytes"] == full_bytes
-            _assert_engine_scores_as_policy(policy, fresh, tokenizer)
-        finally:
-            fresh.shutdown()
+        assert run.refit_transport is not None
+        run.refit_transport.shutdown()
+        run.generation, run.refit_transport = fresh, make_transport(fresh)
+        with pytest.raises(RefitError, match="holds no base weights"):
+            refit(policy.workers, fresh.workers, run.refit_transport, timeout_s=TIMEOUT_S, scope="adapters")
+        replaced = run.refit_generation(TIMEOUT_S)
+        assert replaced["refit/adapters_only"] == 0.0 and replaced["refit/bytes"] == full_bytes
+        _assert_engine_scores_as_policy(policy, fresh, tokenizer)
     finally:
-        transport.shutdown()
+        if run.refit_transport is not None:
+            run.refit_transport.shutdown()
+        if fresh is not None:
+            fresh.shutdown()
 
 
 def test_lora_in_policy_engine_refits_adapters_in_process(
