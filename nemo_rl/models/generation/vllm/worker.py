@@ -220,9 +220,9 @@ class VllmGenerationWorker:
         """vLLM's outputs for ``prompts``, in order. With in-flight updates the engine is stepped here (as
         ``LLM.generate`` does) so that weights a refit staged meanwhile are loaded between two steps."""
         if self._in_flight is None:
-            return list(self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request()))
+            return list(self.llm.generate(prompts, params, use_tqdm=False, **self._lora_kwargs()))
         with self._in_flight.generating():
-            self.llm.enqueue(prompts, params, use_tqdm=False, lora_request=self._lora_request())
+            self.llm.enqueue(prompts, params, use_tqdm=False, **self._lora_kwargs())
             engine = self.llm.llm_engine
             finished: list[Any] = []
             while engine.has_unfinished_requests():
@@ -231,8 +231,9 @@ class VllmGenerationWorker:
                 finished.extend(output for output in engine.step() if output.finished)
         return sorted(finished, key=lambda output: int(output.request_id))
 
-    def _lora_request(self) -> Any:
-        return None if self._adapters is None else self._adapters.request
+    def _lora_kwargs(self) -> dict[str, Any]:
+        """The policy's adapter for every request (none without LoRA: the calls stay as they were)."""
+        return {} if self._adapters is None else {"lora_request": self._adapters.request}
 
     def enable_in_flight_weight_updates(self, recompute_kv_cache: bool) -> None:
         """Let refits (run in a second thread of this actor) reach the engine while it generates: their
