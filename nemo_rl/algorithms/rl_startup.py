@@ -60,6 +60,7 @@ from nemo_rl.utils.checkpoint import CheckpointManager
 from nemo_rl.utils.logger import Logger
 from nemo_rl.utils.timer import Timer
 from nemo_rl.weight_sync.interfaces import RefitTransport
+from nemo_rl.weight_sync.scope import RefitScopePlanner, worker_identities
 
 RLConfig = GRPOMasterConfig | DistillationMasterConfig
 """The master configs of the RL loops: a policy with generation settings, environments and a cluster."""
@@ -149,16 +150,31 @@ class RLWorkers:
     caller's."""
     generation_stale: bool = True
     """Whether the policy trained since the generation workers last received its weights."""
+    refit_scopes: RefitScopePlanner = dataclasses.field(default_factory=lambda: RefitScopePlanner(False))
+    """Chooses each refit's scope: after the first, a LoRA policy sends its adapters only."""
 
     def worker_fields(self) -> dict[str, Any]:
         """This object's fields by name, to build a loop's setup dataclass (a subclass) from it."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(RLWorkers)}
 
     def refit_generation(self, timeout_s: float) -> dict[str, float]:
-        """Copy the policy's current weights into the generation workers; returns the ``refit/*`` metrics."""
-        metrics = refit_from_policy(self.policy, self.generation, self.refit_transport, timeout_s=timeout_s)
+        """Copy the policy's current weights into the generation workers; returns the ``refit/*`` metrics.
+
+        The scope (:mod:`nemo_rl.weight_sync.scope`) is ``"full"`` the first time, after a failed refit and
+        whenever the generation workers changed; with LoRA it is ``"adapters"`` otherwise
+        (``refit/adapters_only`` says which)."""
+        workers = worker_identities(self.generation.workers)
+        scope = self.refit_scopes.scope_for(workers)
+        try:
+            metrics = refit_from_policy(
+                self.policy, self.generation, self.refit_transport, timeout_s=timeout_s, scope=scope
+            )
+        except BaseException:
+            self.refit_scopes.failed()
+            raise
+        self.refit_scopes.succeeded(workers, scope)
         self.generation_stale = False
-        return metrics
+        return {**metrics, "refit/adapters_only": float(scope == "adapters")}
 
     def shutdown_workers(self) -> None:
         """Stop the workers and the environments the start-up started, release the placement groups."""
@@ -285,7 +301,9 @@ def start_rl_workers(
     )
     task_to_env = started if task_to_env is None else task_to_env
     val_task_to_env = task_to_env if val_task_to_env is None else val_task_to_env
+    dtensor_cfg = config.policy.dtensor_cfg
     return RLWorkers(
+        refit_scopes=RefitScopePlanner(dtensor_cfg.enabled and dtensor_cfg.lora_cfg.enabled),
         cluster=cluster,
         policy=policy,
         scorers=started_scorers,

@@ -81,6 +81,12 @@ def lora_targets(model: nn.Module, cfg: LoraConfig) -> list[str]:
     linears = [
         name for name, m in model.named_modules() if isinstance(m, nn.Linear) and id(m) not in heads and name
     ]
+    return select_lora_targets(linears, cfg)
+
+
+def select_lora_targets(linears: list[str], cfg: LoraConfig) -> list[str]:
+    """The names among ``linears`` (a model's adaptable linear layers, in module order) that ``cfg`` adapts;
+    raises ``ValueError`` when there are none. Generation engines call it with their own layer names."""
     chosen = linears if cfg.match_all_linear else [n for n in linears if _matches(n, cfg.target_modules)]
     chosen = [name for name in chosen if not _matches(name, cfg.exclude_modules)]
     if not chosen:

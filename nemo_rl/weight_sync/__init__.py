@@ -7,11 +7,11 @@ Driver::
 
 Workers (one thin method each)::
 
-    def refit_send(self, sender: WeightSender) -> TransferStats:          # policy worker
-        return sender.send(self.iter_hf_weights(sender.dtype))
+    def refit_send(self, sender: WeightSender, scope: RefitScope) -> TransferStats:          # policy worker
+        return sender.send(self.iter_hf_weights(sender.dtype, scope))
 
-    def refit_receive(self, receiver: WeightReceiver) -> TransferStats:   # generation worker
-        return receiver.receive(self.load_hf_weights, self.expected_weights_manifest())
+    def refit_receive(self, receiver: WeightReceiver, scope: RefitScope) -> TransferStats:   # generation worker
+        return receiver.receive(self.load_hf_weights, self.expected_weights_manifest(scope))
 """
 
 from nemo_rl.config.policy import RefitConfig
@@ -29,6 +29,7 @@ from nemo_rl.weight_sync.interfaces import (
 from nemo_rl.weight_sync.manifest import ManifestLike, TensorSpec, WeightManifest
 from nemo_rl.weight_sync.refit import refit
 from nemo_rl.weight_sync.resharding import iter_full_tensors, tp_shard_fn
+from nemo_rl.weight_sync.scope import RefitScope, RefitScopePlanner
 from nemo_rl.weight_sync.shm import SharedMemoryTransport, sweep_segments
 from nemo_rl.weight_sync.store import close_store_clients
 
@@ -39,6 +40,8 @@ __all__ = [
     "RefitConfig",
     "RefitError",
     "RefitIntegrityError",
+    "RefitScope",
+    "RefitScopePlanner",
     "RefitTransport",
     "ShardFn",
     "SharedMemoryTransport",

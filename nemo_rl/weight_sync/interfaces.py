@@ -21,11 +21,14 @@ is one stream. The driver passes each policy rank's stream to the transport (``p
 Senders and receivers are plain picklable values: the driver ships them to the workers with each refit call,
 and they connect lazily (and once per process) to what they need, so a worker needs only one thin method::
 
-    def refit_send(self, sender: WeightSender) -> TransferStats:
-        return sender.send(self.iter_hf_weights(sender.dtype))
+    def refit_send(self, sender: WeightSender, scope: RefitScope) -> TransferStats:
+        return sender.send(self.iter_hf_weights(sender.dtype, scope))
 
-    def refit_receive(self, receiver: WeightReceiver) -> TransferStats:
-        return receiver.receive(self.load_hf_weights, self.expected_weights_manifest())
+    def refit_receive(self, receiver: WeightReceiver, scope: RefitScope) -> TransferStats:
+        return receiver.receive(self.load_hf_weights, self.expected_weights_manifest(scope))
+
+``scope`` (:mod:`nemo_rl.weight_sync.scope`) is what this refit moves, chosen by the driver: every weight, or
+the LoRA adapters only; both ends build their stream and manifest for it.
 """
 
 from __future__ import annotations

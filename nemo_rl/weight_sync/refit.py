@@ -1,7 +1,8 @@
 """The driver's refit call: run one refit across the policy and generation workers and report metrics.
 
-Policy workers expose ``refit_send(sender) -> TransferStats`` and generation workers
-``refit_receive(receiver) -> TransferStats`` (see :mod:`nemo_rl.weight_sync.interfaces`); :func:`refit`
+Policy workers expose ``refit_send(sender, scope) -> TransferStats`` and generation workers
+``refit_receive(receiver, scope) -> TransferStats`` (see :mod:`nemo_rl.weight_sync.interfaces`; ``scope`` is
+the :data:`~nemo_rl.weight_sync.scope.RefitScope` the driver chose, the same for both ends); :func:`refit`
 calls them all at once, waits with the transport's timeout, and on any failure aborts the other workers,
 sweeps what the refit left behind and raises :class:`RefitError` naming the worker that failed.
 """
@@ -19,12 +20,14 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from nemo_rl.weight_sync.errors import RefitError
 from nemo_rl.weight_sync.interfaces import RefitTransport, TransferStats
+from nemo_rl.weight_sync.scope import RefitScope, check_scope
 
 SEND_METHOD = "refit_send"
-"""Policy-worker method taking a :class:`WeightSender` and returning :class:`TransferStats`."""
+"""Policy-worker method taking a :class:`WeightSender` and a :data:`RefitScope`, returning :class:`TransferStats`."""
 
 RECEIVE_METHOD = "refit_receive"
-"""Generation-worker method taking a :class:`WeightReceiver` and returning :class:`TransferStats`."""
+"""Generation-worker method taking a :class:`WeightReceiver` and a :data:`RefitScope`, returning
+:class:`TransferStats`."""
 
 # After a failure, how long surviving workers get to notice the abort and release their segments before
 # the driver sweeps: they wake at once from the store queue they wait on.
@@ -46,6 +49,7 @@ def refit(
     transport: RefitTransport,
     *,
     timeout_s: float,
+    scope: RefitScope = "full",
     send_method: str = SEND_METHOD,
     receive_method: str = RECEIVE_METHOD,
 ) -> dict[str, float]:
@@ -53,7 +57,8 @@ def refit(
 
     ``policy_workers`` / ``generation_workers`` are Ray actor handles in rank order (e.g. a
     ``RayWorkerGroup``'s ``workers``), matching the transport's placement. ``timeout_s`` bounds the whole
-    refit (pass the ``RefitConfig.timeout_s`` the transport was built with). Metrics: ``refit/bytes``
+    refit (pass the ``RefitConfig.timeout_s`` the transport was built with); ``scope`` says what moves
+    (:mod:`nemo_rl.weight_sync.scope`) and is passed to every sender and receiver. Metrics: ``refit/bytes``
     (payload bytes of one copy of the weights, in the generation dtype), ``refit/time_s`` (wall time seen by
     the driver), ``refit/gbps`` (``refit/bytes`` per second, in GB/s of 1e9 bytes), ``refit/num_buckets``
     and ``refit/bytes_received`` (summed over generation workers).
@@ -63,14 +68,15 @@ def refit(
             f"the transport was built for {transport.num_senders} policy and {transport.num_receivers} "
             f"generation workers, got {len(policy_workers)} and {len(generation_workers)}"
         )
+    check_scope(scope)
     refit_id = new_refit_id()
     senders, receivers = transport.endpoints(refit_id)
     start_s = time.perf_counter()
     labels: dict[ray.ObjectRef, str] = {}
     for rank, (worker, sender) in enumerate(zip(policy_workers, senders, strict=True)):
-        labels[getattr(worker, send_method).remote(sender)] = f"policy worker {rank}"
+        labels[getattr(worker, send_method).remote(sender, scope)] = f"policy worker {rank}"
     for index, (worker, receiver) in enumerate(zip(generation_workers, receivers, strict=True)):
-        labels[getattr(worker, receive_method).remote(receiver)] = f"generation worker {index}"
+        labels[getattr(worker, receive_method).remote(receiver, scope)] = f"generation worker {index}"
     failed = True
     try:
         results = _wait_all(labels, refit_id, time.monotonic() + timeout_s + _DRIVER_TIMEOUT_MARGIN_S)

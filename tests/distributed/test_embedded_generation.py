@@ -198,7 +198,7 @@ class HFSender:
             for p in self.model.parameters():
                 p.add_(0.05 * torch.randn_like(p))
 
-    def refit_send(self, sender: WeightSender) -> TransferStats:
+    def refit_send(self, sender: WeightSender, scope: str = "full") -> TransferStats:
         return sender.send((n, p.detach().to(sender.dtype)) for n, p in self.model.named_parameters())
 
     def save(self, path: str) -> None:

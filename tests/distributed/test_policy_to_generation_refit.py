@@ -12,6 +12,7 @@ same filtered, renormalised distribution the engine drew from.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -32,6 +33,7 @@ from nemo_rl.models.generation.factory import create_generation
 from nemo_rl.models.generation.interfaces import GENERATION_OUTPUT_KEYS
 from nemo_rl.models.policy.lm_policy import Policy
 from nemo_rl.models.tokenizer import get_policy_tokenizer
+from nemo_rl.weight_sync.errors import RefitError
 from nemo_rl.weight_sync.factory import create_refit_transport
 from nemo_rl.weight_sync.refit import refit
 
@@ -44,8 +46,14 @@ PROMPTS = ["What is 12+7?", "What is 40-3?", "What is 8+33?", "What is 25-30?"]
 FILTERED_SAMPLING = {"temperature": 0.8, "top_k": 5, "top_p": 0.9}
 
 
-def _policy_cfg(tp_size: int, model_name: str = str(TINY_MODEL)) -> PolicyConfig:
+def _policy_cfg(tp_size: int, model_name: str = str(TINY_MODEL), lora: bool = False) -> PolicyConfig:
     sampling = FILTERED_SAMPLING if tp_size == 2 else {}
+    # LoRA on q/v and down only: the adapted layers' base copies and merges, next to layers refitted whole.
+    lora_cfg = {
+        "enabled": lora,
+        "match_all_linear": False,
+        "target_modules": ["q_proj", "v_proj", "down_proj"],
+    }
     return PolicyConfig.model_validate(
         {
             "model_name": model_name,
@@ -53,7 +61,7 @@ def _policy_cfg(tp_size: int, model_name: str = str(TINY_MODEL)) -> PolicyConfig
             "train_micro_batch_size": 2,
             "max_total_sequence_length": 48,
             "precision": "float32",
-            "dtensor_cfg": {"tensor_parallel_size": tp_size},
+            "dtensor_cfg": {"tensor_parallel_size": tp_size, "lora_cfg": lora_cfg},
             "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2}},
             # The key lets the policy's workers host engines too (InPolicyEmbeddedGeneration); the separate
             # generation workers ignore it.
@@ -228,3 +236,117 @@ def test_in_policy_engine_refits_in_process_and_samples_as_separate_workers(
             assert not got[:, width:].any() or key == "output_ids", key
             got = got[:, :width]
         assert torch.equal(got, expected[key]), f"{key} differs from the separate worker's"
+
+
+# ------------------------------------------------------------------------------------------------ LoRA
+@pytest.fixture(scope="module")
+def lora_stack(ray_cluster: Any) -> Iterator[tuple[Any, ...]]:
+    """A LoRA policy (FSDP dp=2, engines hosted in its workers too) and one separate generation worker."""
+    cfg = _policy_cfg(1, lora=True)
+    tokenizer = get_policy_tokenizer(cfg)
+    cluster = RayVirtualCluster(ClusterConfig(gpus_per_node=2, placement_timeout_s=120), name="refit_lora")
+    policy = Policy(cluster, cfg, name_prefix="refit_lora_policy", init_reference_model=False)
+    generation = create_generation(cluster, cfg, tokenizer, seed=0, bundle_indices=[0])
+    try:
+        yield policy, generation, tokenizer, cluster
+    finally:
+        generation.shutdown()
+        policy.shutdown()
+        cluster.shutdown()
+
+
+def _adapter_bytes(policy: Policy) -> int:
+    manifest = policy.weights_manifest(torch.float32, "adapters")
+    assert manifest and all(".lora_" in name for name in manifest)
+    return int(sum(4 * math.prod(shape) for shape, _ in manifest.values()))
+
+
+def _assert_engine_scores_as_policy(policy: Policy, generation: Any, tokenizer: Any) -> None:
+    """The engine's greedy tokens and their log-probs are the LoRA policy's (fp32, tight tolerance)."""
+    prompts = _prompt_batch(tokenizer)
+    greedy = generation.generate(prompts, greedy=True)
+    scored = BatchedDataDict[Any](
+        input_ids=greedy["output_ids"], input_lengths=greedy["unpadded_sequence_lengths"]
+    )
+    policy_logprobs = policy.get_logprobs(scored)["logprobs"]
+    for row in range(len(PROMPTS)):
+        start, end = int(prompts["input_lengths"][row]), int(greedy["unpadded_sequence_lengths"][row])
+        diff = (greedy["logprobs"][row, start:end] - policy_logprobs[row, start:end]).abs().max()
+        assert diff <= 1e-4, f"row {row}: engine and LoRA policy log-probs differ by {diff}"
+
+
+@pytest.mark.parametrize("transport_kind", ["shared_memory", "collective"])
+def test_lora_refits_send_the_adapters_only_after_the_first(
+    lora_stack: tuple[Policy, EmbeddedGeneration, Any, RayVirtualCluster], transport_kind: str
+) -> None:
+    """Driven as RL loops drive it (``RLWorkers.refit_generation``): the first refit moves the base weights and
+    the adapters, later ones the adapters only; a replaced generation worker gets a full refit again."""
+    from nemo_rl.algorithms.rl_startup import RLWorkers
+    from nemo_rl.weight_sync.scope import RefitScopePlanner
+
+    policy, generation, tokenizer, cluster = lora_stack
+    cfg = _policy_cfg(1, lora=True)
+    locations = cluster.bundle_locations()
+
+    def make_transport(generation: EmbeddedGeneration) -> Any:
+        return create_refit_transport(
+            cfg,
+            RefitConfig.model_validate({"transport": transport_kind, "timeout_s": TIMEOUT_S}),
+            policy_node_ids=[locations[b].node_id for b in range(2)],
+            generation_node_ids=generation.worker_node_ids,
+        )
+
+    run = RLWorkers(
+        cluster=cluster,
+        policy=policy,
+        scorers=[],
+        generation=generation,
+        refit_transport=make_transport(generation),
+        task_to_env={},
+        val_task_to_env={},
+        owned_envs=[],
+        refit_scopes=RefitScopePlanner(adapters_only=True),
+    )
+    full_bytes = sum(4 * math.prod(shape) for shape, _ in policy.weights_manifest(torch.float32).values())
+    fresh = None
+    try:
+        first = run.refit_generation(TIMEOUT_S)
+        assert first["refit/adapters_only"] == 0.0 and first["refit/bytes"] == full_bytes
+        policy.train(_sft_batch(tokenizer), NLLLoss())
+        second = run.refit_generation(TIMEOUT_S)
+        assert second["refit/adapters_only"] == 1.0
+        assert second["refit/bytes"] == _adapter_bytes(policy) < full_bytes / 10
+        _assert_engine_scores_as_policy(policy, generation, tokenizer)
+        # A fresh engine (a restarted or replaced worker, with a transport of its own: the collective one's
+        # process group names its members) refuses adapters alone, and the driver never sends them: the refit
+        # after the replacement is full.
+        fresh = create_generation(cluster, cfg, tokenizer, seed=0, bundle_indices=[1])
+        assert run.refit_transport is not None
+        run.refit_transport.shutdown()
+        run.generation, run.refit_transport = fresh, make_transport(fresh)
+        with pytest.raises(RefitError, match="holds no base weights"):
+            refit(policy.workers, fresh.workers, run.refit_transport, timeout_s=TIMEOUT_S, scope="adapters")
+        replaced = run.refit_generation(TIMEOUT_S)
+        assert replaced["refit/adapters_only"] == 0.0 and replaced["refit/bytes"] == full_bytes
+        _assert_engine_scores_as_policy(policy, fresh, tokenizer)
+    finally:
+        if run.refit_transport is not None:
+            run.refit_transport.shutdown()
+        if fresh is not None:
+            fresh.shutdown()
+
+
+def test_lora_in_policy_engine_refits_adapters_in_process(
+    lora_stack: tuple[Policy, EmbeddedGeneration, Any, RayVirtualCluster],
+) -> None:
+    policy, _, tokenizer, _ = lora_stack
+    in_policy = InPolicyEmbeddedGeneration(policy, tokenizer, seed=0)
+    full = in_policy.refit("full")
+    assert full["refit/bytes"] == sum(
+        4 * math.prod(shape) for shape, _ in in_policy.expected_weights_manifest("full").values()
+    )
+    policy.train(_sft_batch(tokenizer), NLLLoss())
+    adapters = in_policy.refit("adapters")
+    assert adapters["refit/bytes"] == _adapter_bytes(policy)
+    assert adapters["refit/bytes_received"] == adapters["refit/bytes"] * policy.dp_size
+    _assert_engine_scores_as_policy(policy, in_policy, tokenizer)

@@ -125,10 +125,10 @@ class PolicySender:
             time.sleep(self.delay_s)
             yield name, param.detach()  # DTensors: the transport gathers them
 
-    def refit_send_fsdp(self, sender: WeightSender) -> TransferStats:
+    def refit_send_fsdp(self, sender: WeightSender, scope: str = "full") -> TransferStats:
         return sender.send(self._stream(self.fsdp))
 
-    def refit_send_tp(self, sender: WeightSender) -> TransferStats:
+    def refit_send_tp(self, sender: WeightSender, scope: str = "full") -> TransferStats:
         return sender.send(self._stream(self.tp))
 
     def default_group_all_reduce(self) -> tuple[int, float]:
@@ -166,7 +166,7 @@ class GenerationReceiver:
         for name, tensor in stream:
             self.weights[name].copy_(tensor)
 
-    def refit_receive(self, receiver: WeightReceiver) -> TransferStats:
+    def refit_receive(self, receiver: WeightReceiver, scope: str = "full") -> TransferStats:
         shard_fn = tp_shard_fn(self.tp[0], self.tp[1], tp_split_dim) if self.tp else None
         return receiver.receive(self._load, self.manifest, shard_fn)
 

@@ -499,3 +499,78 @@ def test_refit_from_the_policy(
             assert float(diff) < 1e-3, (row, float(diff))
     finally:
         refit_transport.shutdown()
+
+
+# ------------------------------------------------------------------------------------------------ LoRA
+def test_lora_refits_install_vllms_adapter_and_match_the_policy(
+    tiny: dict[str, Any], cluster: RayVirtualCluster
+) -> None:
+    """A LoRA policy refits a LoRA-enabled engine (vLLM's own adapters): the first refit moves the base and
+    the adapters, the next one after a training step the adapters only, and the engine's greedy tokens then
+    carry the policy's log-probs."""
+    from nemo_rl.algorithms.loss_functions import NLLLoss
+    from nemo_rl.algorithms.rl_startup import RLWorkers
+    from nemo_rl.models.generation.vllm.generation import VllmGeneration
+    from nemo_rl.models.policy.lm_policy import Policy
+    from nemo_rl.weight_sync.factory import create_refit_transport
+    from nemo_rl.weight_sync.scope import RefitScopePlanner
+
+    dumped = _cfg(tiny["dirs"]["a"]).model_dump()
+    lora = {"enabled": True, "dim": 8, "alpha": 16}
+    cfg = PolicyConfig.model_validate({**dumped, "dtensor_cfg": {**dumped["dtensor_cfg"], "lora_cfg": lora}})
+    policy = Policy(
+        cluster, cfg, name_prefix="vllm_lora_policy", bundle_indices=[0], init_reference_model=False
+    )
+    generation = VllmGeneration(
+        cluster, cfg, tiny["tokenizer"], seed=0, bundle_indices=[NUM_SLOTS - 1], name="vllm_lora"
+    )
+    transport = create_refit_transport(
+        cfg,
+        RefitConfig.model_validate({"transport": "collective", "timeout_s": TIMEOUT_S}),
+        policy_node_ids=[cluster.bundle_locations()[0].node_id],
+        generation_node_ids=generation.worker_node_ids,
+    )
+    run = RLWorkers(
+        cluster=cluster,
+        policy=policy,
+        scorers=[],
+        generation=generation,
+        refit_transport=transport,
+        task_to_env={},
+        val_task_to_env={},
+        owned_envs=[],
+        refit_scopes=RefitScopePlanner(adapters_only=True),
+    )
+    try:
+        data = _prompts(tiny["tokenizer"], PROMPTS)
+        full = run.refit_generation(TIMEOUT_S)
+        assert full["refit/adapters_only"] == 0.0
+        batch = BatchedDataDict(
+            input_ids=data["input_ids"],
+            input_lengths=data["input_lengths"],
+            token_mask=torch.ones(data["input_ids"].shape),
+            sample_mask=torch.ones(len(PROMPTS)),
+        )
+        policy.train(batch, NLLLoss())
+        adapters = run.refit_generation(TIMEOUT_S)
+        adapter_manifest = policy.weights_manifest(torch.float32, "adapters")
+        assert adapters["refit/adapters_only"] == 1.0
+        assert adapters["refit/bytes"] == sum(
+            4 * int(torch.Size(s).numel()) for s, _ in adapter_manifest.values()
+        )
+        assert adapters["refit/bytes"] < full["refit/bytes"] / 4
+        generation.prepare_for_generation()
+        out = generation.generate(data, greedy=True)
+        policy.prepare_for_lp_inference()
+        scored = policy.get_logprobs(
+            BatchedDataDict(input_ids=out["output_ids"], input_lengths=out["unpadded_sequence_lengths"])
+        )["logprobs"]
+        for row in range(out.size):
+            start, end = int(data["input_lengths"][row]), int(out["unpadded_sequence_lengths"][row])
+            # Greedy log-probs are the raw model's; the policy scores with SAMPLING off (defaults in _cfg).
+            diff = (out["logprobs"][row, start:end] - scored[row, start:end]).abs().max()
+            assert float(diff) < 1e-3, (row, float(diff))
+    finally:
+        transport.shutdown()
+        generation.shutdown()
+        policy.shutdown()

@@ -14,6 +14,9 @@ from nemo_rl.data.tiny import build_tiny_model
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.models.generation.embedded.replica import eos_token_ids
 from nemo_rl.models.generation.embedded.worker import EmbeddedGenerationWorker
+from nemo_rl.models.lora import merge_lora
+from nemo_rl.weight_sync.errors import RefitIntegrityError
+from nemo_rl.weight_sync.interfaces import TransferStats
 
 TEXTS = ["What is 1+1?", "Hi", "What is 12+30? Answer:", "7-3=", "abc"]
 
@@ -103,3 +106,52 @@ def test_eos_ids_come_from_tokenizer_and_generation_config(
     assert eos_token_ids(tokenizer, model_dir) == [tokenizer.eos_token_id]
     (tmp_path / "generation_config.json").write_text('{"eos_token_id": [5, 9]}')
     assert eos_token_ids(tokenizer, tmp_path) == sorted({tokenizer.eos_token_id, 5, 9})
+
+
+class ListReceiver:
+    """A refit receiver handing over a list of tensors (after checking their names against the manifest)."""
+
+    def __init__(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        self.tensors = tensors
+
+    def receive(self, load_fn: Any, manifest: Any, shard_fn: Any = None) -> TransferStats:
+        assert set(manifest) == {name for name, _ in self.tensors}
+        load_fn(iter(self.tensors))
+        return TransferStats("receiver", 0, 1, len(self.tensors), 0.0)
+
+
+def test_lora_refits_merge_the_adapters_and_stage_them_in_flight(
+    tiny_assets: tuple[Path, PreTrainedTokenizerBase],
+) -> None:
+    model_dir, tokenizer = tiny_assets
+    lora = {"enabled": True, "dim": 4, "alpha": 8, "match_all_linear": False, "target_modules": ["q_proj"]}
+    worker = make_worker(model_dir, tokenizer, dtensor_cfg={"lora_cfg": lora})
+    base = {name: p.detach() for name, p in Qwen2ForCausalLM.from_pretrained(model_dir).named_parameters()}
+    adapter_specs = worker.expected_weights_manifest("adapters")
+    assert set(worker.expected_weights_manifest("full")) == set(base) | set(adapter_specs)
+
+    def adapters(seed: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        return {name: torch.randn(shape, generator=g) for name, (shape, _) in adapter_specs.items()}
+
+    def q_proj() -> torch.Tensor:
+        return dict(worker.model.named_weights())["model.layers.0.self_attn.q_proj.weight"].clone()
+
+    def merged(adapter: dict[str, torch.Tensor]) -> torch.Tensor:
+        module = "model.layers.0.self_attn.q_proj"
+        return merge_lora(
+            base[f"{module}.weight"], adapter[f"{module}.lora_A"], adapter[f"{module}.lora_B"], 2.0
+        )
+
+    first, second = adapters(1), adapters(2)
+    with pytest.raises(RefitIntegrityError, match="holds no base weights"):
+        worker.refit_receive(ListReceiver(list(first.items())), "adapters")
+    worker.refit_receive(ListReceiver([*base.items(), *first.items()]), "full")
+    assert torch.equal(q_proj(), merged(first))
+    # Asynchronous GRPO's in-flight updates: adapters arriving during a generation call are merged, staged
+    # and loaded between two decode steps (here: when the call ends).
+    worker.enable_in_flight_weight_updates(recompute_kv_cache=False)
+    with worker.engine.in_flight.generating():
+        worker.refit_receive(ListReceiver(list(second.items())), "adapters")
+        assert torch.equal(q_proj(), merged(first))
+    assert torch.equal(q_proj(), merged(second))

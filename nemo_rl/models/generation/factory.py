@@ -14,6 +14,7 @@ from nemo_rl.models.generation.interfaces import GenerationInterface
 from nemo_rl.weight_sync.factory import create_refit_transport
 from nemo_rl.weight_sync.interfaces import RefitTransport
 from nemo_rl.weight_sync.refit import refit
+from nemo_rl.weight_sync.scope import RefitScope
 
 if TYPE_CHECKING:
     from nemo_rl.models.policy.lm_policy import Policy
@@ -106,9 +107,14 @@ def create_policy_refit_transport(
 
 
 def refit_from_policy(
-    policy: Policy, generation: GenerationInterface, transport: RefitTransport | None, *, timeout_s: float
+    policy: Policy,
+    generation: GenerationInterface,
+    transport: RefitTransport | None,
+    *,
+    timeout_s: float,
+    scope: RefitScope = "full",
 ) -> dict[str, float]:
-    """Copy ``policy``'s current weights into ``generation``; returns ``refit/*`` metrics.
+    """Copy ``policy``'s current weights of refit ``scope`` into ``generation``; returns ``refit/*`` metrics.
 
     The policy's optimizer state goes to host memory first (room for the gathers) and its weights after
     (the devices are left to generation). Engines hosted in the policy's own workers
@@ -117,10 +123,10 @@ def refit_from_policy(
     through ``transport`` (:func:`nemo_rl.weight_sync.refit.refit`).
     """
     if isinstance(generation, InPolicyEmbeddedGeneration):
-        return generation.refit()
+        return generation.refit(scope)
     if transport is None:
         raise ValueError("separate generation workers need a refit transport (create_policy_refit_transport)")
     policy.offload_before_refit()
-    metrics = refit(policy.workers, generation.workers, transport, timeout_s=timeout_s)
+    metrics = refit(policy.workers, generation.workers, transport, timeout_s=timeout_s, scope=scope)
     policy.offload_after_refit()
     return metrics

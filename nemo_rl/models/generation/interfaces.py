@@ -43,6 +43,7 @@ import torch
 from ray.actor import ActorHandle
 
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.weight_sync.scope import RefitScope
 
 WeightManifestDict = dict[str, tuple[tuple[int, ...], str]]
 """``{hf_name: (full shape, dtype name)}``: every weight a generation backend needs, each exactly once,
@@ -158,8 +159,9 @@ class GenerationInterface(Protocol):
         """Ray node id of each worker, in rank order (for choosing the refit transport)."""
         ...
 
-    def expected_weights_manifest(self) -> WeightManifestDict:
-        """The weights a refit must deliver: full shapes, in the generation dtype."""
+    def expected_weights_manifest(self, scope: RefitScope = "full") -> WeightManifestDict:
+        """The weights a refit of ``scope`` must deliver (:mod:`nemo_rl.weight_sync.scope`): full shapes, in
+        the generation dtype."""
         ...
 
     def prepare_refit_info(self, manifest: WeightManifestDict) -> None:

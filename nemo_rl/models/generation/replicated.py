@@ -25,6 +25,7 @@ from nemo_rl.models.generation.interfaces import (
     check_generation_input,
     compare_manifests,
 )
+from nemo_rl.weight_sync.scope import RefitScope
 
 # How long one call on the generation workers may take before the driver names the workers still running
 # (loading a large model, starting vLLM (which compiles and captures CUDA graphs) or generating a large batch
@@ -90,8 +91,8 @@ class SeededReplicas(abc.ABC):
         self.num_generate_calls = int(state["num_generate_calls"])
 
     @abc.abstractmethod
-    def expected_weights_manifest(self) -> WeightManifestDict:
-        """``{hf_name: (full shape, dtype name)}`` the replicas expect."""
+    def expected_weights_manifest(self, scope: RefitScope = "full") -> WeightManifestDict:
+        """``{hf_name: (full shape, dtype name)}`` the replicas expect from a refit of ``scope``."""
 
     def prepare_refit_info(self, manifest: WeightManifestDict) -> None:
         """Fail early, with every difference named, when a sender's manifest does not fit the workers."""
@@ -188,9 +189,10 @@ class ReplicatedGeneration(SeededReplicas, WorkerGroupFacade):
         self._on_all("enable_in_flight_weight_updates", recompute_kv_cache)
 
     # ------------------------------------------------------------------------------- refit receiver
-    def expected_weights_manifest(self) -> WeightManifestDict:
-        """``{hf_name: (full shape, dtype name)}`` the workers expect (every worker loads full tensors)."""
-        manifest: WeightManifestDict = self._on_rank_0("expected_weights_manifest")
+    def expected_weights_manifest(self, scope: RefitScope = "full") -> WeightManifestDict:
+        """``{hf_name: (full shape, dtype name)}`` the workers expect from a refit of ``scope`` (every worker
+        loads full tensors)."""
+        manifest: WeightManifestDict = self._on_rank_0("expected_weights_manifest", scope)
         return manifest
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -28,7 +28,7 @@ import itertools
 import logging
 import math
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -50,7 +50,6 @@ from nemo_rl.models.lora import (
     check_checkpoint_kind,
     is_adapter_name,
     lora_modules,
-    merged_weights,
     write_lora_metadata,
 )
 from nemo_rl.models.policy.hf_io import (
@@ -84,6 +83,7 @@ from nemo_rl.models.sampling import sampling_logits
 from nemo_rl.utils.rng import get_rng_state, set_rng_state
 from nemo_rl.weight_sync.interfaces import TransferStats, WeightSender
 from nemo_rl.weight_sync.manifest import dtype_from_name, dtype_name
+from nemo_rl.weight_sync.scope import RefitScope
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
@@ -479,15 +479,6 @@ class DTensorPolicyWorker(PolicyWorkerBase):
             return None
         return LoraExport(self.cfg.dtensor_cfg.lora_cfg, self.lora_targets, self.cfg.model_name)
 
-    def _merged(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """``named`` (full weights) with the LoRA adapters folded into their layers' weights; unchanged
-        without LoRA. What a generation engine receives: it holds no adapters."""
-        if not self.lora_targets:
-            yield from named
-            return
-        cfg = self.cfg.dtensor_cfg.lora_cfg
-        yield from merged_weights(named, cfg.alpha / cfg.dim, set(self.lora_targets))
-
     # -------------------------------------------------------------------------------- refit (sender)
     def _persistent_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
         for module_name, module in self.model.named_modules():
@@ -496,25 +487,41 @@ class DTensorPolicyWorker(PolicyWorkerBase):
                     yield (f"{module_name}.{name}" if module_name else name), buffer
 
     @torch.no_grad()
-    def iter_hf_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_hf_weights(
+        self, dtype: torch.dtype, scope: RefitScope = "full"
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """Every weight under its Hugging Face name as a FULL tensor cast to ``dtype`` (floating point only).
 
         A collective: every rank must iterate to the end in lockstep, because gathering each sharded
         parameter (``DTensor.full_tensor()``) all-gathers over the dp and tp axes. Afterwards every rank
         holds the full tensor. Tied weights appear once (under the input embedding's name); persistent
-        buffers follow the parameters.
+        buffers follow the parameters. With LoRA, ``scope`` (:mod:`nemo_rl.weight_sync.scope`) picks the base
+        weights and the adapters (unmerged: the engine merges them), or the adapters alone.
         """
-        yield from self._merged(self._iter_full_parameters(dtype))
+        yield from self._iter_full_parameters(dtype, adapters_only=self._adapters_only(scope))
+        if scope == "adapters":
+            return
         for name, buffer in self._persistent_buffers():
             yield name, buffer.to(dtype) if buffer.is_floating_point() else buffer
 
-    def _iter_full_parameters(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every parameter as a full tensor cast to ``dtype``, gathered unit by unit (a collective)."""
+    def _adapters_only(self, scope: RefitScope) -> bool:
+        if scope == "adapters" and not self.lora_targets:
+            raise ValueError("an adapters-only refit needs a policy with policy.dtensor_cfg.lora_cfg.enabled")
+        return scope == "adapters"
+
+    def _iter_full_parameters(
+        self, dtype: torch.dtype, adapters_only: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter (or every LoRA adapter) as a full tensor cast to ``dtype``, gathered unit by unit
+        (a collective); adapters alone are gathered one by one (unsharding a unit would gather its base too)."""
         from torch.distributed.tensor import DTensor
 
         reshard_all(self.model)
-        names = [name for name, _ in self.model.named_parameters()]
-        owners = fsdp_units_of_parameters(self.model) if self._refit_unshards(dtype) else {}
+        names = [
+            name for name, _ in self.model.named_parameters() if not adapters_only or is_adapter_name(name)
+        ]
+        unshards = self._refit_unshards(dtype) and not adapters_only
+        owners = fsdp_units_of_parameters(self.model) if unshards else {}
         current: FSDPModule | None = None
         for name in names:
             unit = owners.get(name)
@@ -546,13 +553,18 @@ class DTensorPolicyWorker(PolicyWorkerBase):
             and param_dtype in (dtype, torch.float32)
         )
 
-    def weights_manifest(self, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], str]]:
+    def weights_manifest(
+        self, dtype: torch.dtype, scope: RefitScope = "full"
+    ) -> dict[str, tuple[tuple[int, ...], str]]:
         """``{hf_name: (full shape, dtype name)}`` of what :meth:`iter_hf_weights` yields; no communication."""
+        adapters_only = self._adapters_only(scope)
         manifest: dict[str, tuple[tuple[int, ...], str]] = {
             name: (tuple(p.shape), dtype_name(dtype))
             for name, p in self.model.named_parameters()
-            if not is_adapter_name(name)
+            if not adapters_only or is_adapter_name(name)
         }
+        if adapters_only:
+            return manifest
         for name, buffer in self._persistent_buffers():
             out_dtype = dtype if buffer.is_floating_point() else buffer.dtype
             manifest[name] = (tuple(buffer.shape), dtype_name(out_dtype))
@@ -562,9 +574,10 @@ class DTensorPolicyWorker(PolicyWorkerBase):
         """The refit stream this rank sends: 0, the whole model (every rank gathers every weight)."""
         return 0
 
-    def refit_send(self, sender: WeightSender) -> TransferStats:
-        """Stream this policy's weights through ``sender`` (every rank calls it with its own sender)."""
-        return sender.send(self.iter_hf_weights(sender.dtype))
+    def refit_send(self, sender: WeightSender, scope: RefitScope = "full") -> TransferStats:
+        """Stream this policy's weights of refit ``scope`` through ``sender`` (every rank calls it with its own
+        sender)."""
+        return sender.send(self.iter_hf_weights(sender.dtype, scope))
 
     # ------------------------------------------------- the embedded engine hosted here (in_policy_workers)
     def init_embedded_generation(self, tokenizer: PreTrainedTokenizerBase) -> None:
@@ -609,18 +622,19 @@ class DTensorPolicyWorker(PolicyWorkerBase):
         if (replica := self._embedded_replica()) is not None:
             replica.finish_generation()
 
-    def refit_embedded_generation(self) -> int:
-        """Copy this policy's current full weights into the hosted engine between ``offload_before_refit``
-        and ``offload_after_refit`` (what a refit through a transport does around it); the bytes the engine
-        holds, in the generation dtype (0 on the ranks that hold none). A collective: with FSDP alone every
-        rank all-gathers every weight at once, with TP each weight's shards in turn."""
+    def refit_embedded_generation(self, scope: RefitScope = "full") -> int:
+        """Copy this policy's current weights of refit ``scope`` into the hosted engine between
+        ``offload_before_refit`` and ``offload_after_refit`` (what a refit through a transport does around
+        it); the bytes copied, in the generation dtype (0 on the ranks that hold none). A collective: with
+        FSDP alone every rank all-gathers every weight at once, with TP each weight's shards in turn."""
         self.offload_before_refit()
-        num_bytes = self._copy_into_embedded_engine()
+        num_bytes = self._copy_into_embedded_engine(scope)
         self.offload_after_refit()
         return num_bytes
 
-    def _copy_into_embedded_engine(self) -> int:
+    def _copy_into_embedded_engine(self, scope: RefitScope) -> int:
         replica = self._embedded_replica()
+        adapters_only = self._adapters_only(scope)
         weights: Iterator[tuple[str, torch.Tensor]]
         replicated = self.cfg.dtensor_cfg.data_parallel_mode == "replicate"
         if (self.world_size == 1 or replicated) and replica is not None:
@@ -628,28 +642,33 @@ class DTensorPolicyWorker(PolicyWorkerBase):
             # the replica copies (and casts) them directly, with no gather; tied weights once, then the
             # persistent buffers.
             reshard_all(self.model)
-            params = ((name, _local(p).detach()) for name, p in self.model.named_parameters())
-            weights = itertools.chain(self._merged(params), self._persistent_buffers())
+            params = (
+                (name, _local(p).detach())
+                for name, p in self.model.named_parameters()
+                if not adapters_only or is_adapter_name(name)
+            )
+            weights = itertools.chain(params, () if adapters_only else self._persistent_buffers())
         else:
             weights = self._iter_full_weights_for_engine(
-                dtype_from_name(self.cfg.generation.embedded_cfg.precision)
+                dtype_from_name(self.cfg.generation.embedded_cfg.precision), scope
             )
         if replica is None:
             for _ in weights:  # the gathers are collectives: this rank takes part and drops the weights
                 pass
             return 0
-        replica.load_weights_from_stream(weights)
-        return replica.model.num_weight_bytes
+        return replica.load_refit(weights, scope)
 
-    def _iter_full_weights_for_engine(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    def _iter_full_weights_for_engine(
+        self, dtype: torch.dtype, scope: RefitScope
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """What :meth:`iter_hf_weights` yields, for an engine in this process that holds the whole model
         anyway: FSDP-only shards come with one all-gather for every parameter (:func:`gather_dim0_shards`)
         instead of one per FSDP unit; other layouts (TP) gather as :meth:`iter_hf_weights` does."""
         reshard_all(self.model)
         params = list(self.model.named_parameters())
-        if not fsdp_dim0_sharded(params):
-            return self.iter_hf_weights(dtype)
-        full = self._merged(gather_dim0_shards(params, dtype, self.device))
+        if scope == "adapters" or not fsdp_dim0_sharded(params):
+            return self.iter_hf_weights(dtype, scope)
+        full = gather_dim0_shards(params, dtype, self.device)
         buffers = (
             (name, buffer.to(dtype) if buffer.is_floating_point() else buffer)
             for name, buffer in self._persistent_buffers()
@@ -666,11 +685,12 @@ class DTensorPolicyWorker(PolicyWorkerBase):
         replica = self._embedded_replica()
         return replica.named_weights() if replica is not None else {}
 
-    def embedded_weights_manifest(self) -> dict[str, tuple[tuple[int, ...], str]]:
-        """``{hf_name: (full shape, dtype name)}`` the hosted engine expects (asked of a dp leader)."""
+    def embedded_weights_manifest(self, scope: RefitScope = "full") -> dict[str, tuple[tuple[int, ...], str]]:
+        """``{hf_name: (full shape, dtype name)}`` the hosted engine expects from a refit of ``scope`` (asked
+        of a dp leader)."""
         replica = self._embedded_replica()
         assert replica is not None, "asked of a rank that holds no engine"
-        return replica.expected_weights_manifest()
+        return replica.expected_weights_manifest(scope)
 
     # --------------------------------------------------------------------------- memory / placement
     def _move_optimizer_state(self, device: torch.device | str) -> None:

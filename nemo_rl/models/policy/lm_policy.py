@@ -23,6 +23,7 @@ from nemo_rl.models.policy.dtensor_worker import DTensorPolicyWorker
 from nemo_rl.models.policy.hf_io import check_frozen_parameters
 from nemo_rl.models.policy.interfaces import TrainResult, nonfinite_step_flags
 from nemo_rl.models.policy.loss_interface import LossFunction
+from nemo_rl.weight_sync.scope import RefitScope
 
 
 class NonFiniteTrainingError(UserError):
@@ -270,9 +271,11 @@ class Policy(WorkerGroupFacade):
         self._on_all("offload_after_refit")
 
     # ------------------------------------------------------------------------------- refit (sender)
-    def weights_manifest(self, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], str]]:
-        """``{hf_name: (full shape, dtype name)}`` of the weights a refit sends (from rank 0)."""
-        manifest: dict[str, tuple[tuple[int, ...], str]] = self._on_rank_0("weights_manifest", dtype)
+    def weights_manifest(
+        self, dtype: torch.dtype, scope: RefitScope = "full"
+    ) -> dict[str, tuple[tuple[int, ...], str]]:
+        """``{hf_name: (full shape, dtype name)}`` of the weights a refit of ``scope`` sends (from rank 0)."""
+        manifest: dict[str, tuple[tuple[int, ...], str]] = self._on_rank_0("weights_manifest", dtype, scope)
         return manifest
 
     def trains_with_dropout(self) -> bool:

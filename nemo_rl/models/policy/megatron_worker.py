@@ -75,8 +75,16 @@ from nemo_rl.models.policy.worker_base import PolicyWorkerBase, ScoreFn
 from nemo_rl.models.policy.worker_batches import StepBatch, TrainLog, merge_rows
 from nemo_rl.models.sampling import sampling_logits
 from nemo_rl.weight_sync.interfaces import TransferStats, WeightSender
+from nemo_rl.weight_sync.scope import RefitScope
 
 logger = logging.getLogger(__name__)
+
+
+def _full_only(scope: RefitScope) -> None:
+    if scope != "full":
+        raise ValueError(
+            f"the Megatron policy trains no LoRA adapters: it sends full refits only, not {scope!r}"
+        )
 
 
 class MegatronPolicyWorker(PolicyWorkerBase):
@@ -449,12 +457,17 @@ class MegatronPolicyWorker(PolicyWorkerBase):
         """The refit stream this rank belongs to: its pipeline stage (each stage sends its own layers)."""
         return self.pp_rank
 
-    def weights_manifest(self, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], str]]:
+    def weights_manifest(
+        self, dtype: torch.dtype, scope: RefitScope = "full"
+    ) -> dict[str, tuple[tuple[int, ...], str]]:
         """``{hf_name: (full shape, dtype name)}`` of the whole model's weights (all stages); no communication."""
+        _full_only(scope)
         return hf_weights_manifest(self.hf_config, dtype)
 
-    def refit_send(self, sender: WeightSender) -> TransferStats:
-        """Stream this stage's weights through ``sender`` (every rank calls it with its own sender)."""
+    def refit_send(self, sender: WeightSender, scope: RefitScope = "full") -> TransferStats:
+        """Stream this stage's weights through ``sender`` (every rank calls it with its own sender); every
+        refit is ``"full"`` (the Megatron policy trains no LoRA adapters)."""
+        _full_only(scope)
         return sender.send(self.iter_hf_weights(sender.dtype))
 
     # --------------------------------------------------------------------------- memory / placement

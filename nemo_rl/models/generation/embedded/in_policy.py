@@ -31,6 +31,7 @@ from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.models.generation.interfaces import WeightManifestDict
 from nemo_rl.models.generation.replicated import SeededReplicas
 from nemo_rl.models.tokenizer import require_pad_token_id
+from nemo_rl.weight_sync.scope import RefitScope
 
 if TYPE_CHECKING:
     from nemo_rl.models.policy.lm_policy import Policy
@@ -97,12 +98,12 @@ class InPolicyEmbeddedGeneration(SeededReplicas):
         """Nothing to stop: the replicas live in the policy's workers and go with ``Policy.shutdown``."""
 
     # --------------------------------------------------------------------------------------- refit
-    def refit(self) -> dict[str, float]:
-        """Copy the policy's current weights into every replica, in process, with the policy's offload hooks
-        around the copy (one call to the workers); returns ``refit/*`` metrics (``refit/bytes``: one
-        replica's weights; ``refit/bytes_received``: summed over the replicas)."""
+    def refit(self, scope: RefitScope = "full") -> dict[str, float]:
+        """Copy the policy's current weights of refit ``scope`` into every replica, in process, with the
+        policy's offload hooks around the copy (one call to the workers); returns ``refit/*`` metrics
+        (``refit/bytes``: what one replica received; ``refit/bytes_received``: summed over the replicas)."""
         start_s = time.perf_counter()
-        loaded = [int(n) for n in self._on_all("refit_embedded_generation")]
+        loaded = [int(n) for n in self._on_all("refit_embedded_generation", scope)]
         time_s = time.perf_counter() - start_s
         return {
             "refit/bytes": float(max(loaded)),
@@ -123,10 +124,10 @@ class InPolicyEmbeddedGeneration(SeededReplicas):
         locations = group.cluster.bundle_locations()
         return [locations[b].node_id for b in group.bundle_indices]
 
-    def expected_weights_manifest(self) -> WeightManifestDict:
-        """``{hf_name: (full shape, dtype name)}`` the replicas expect."""
+    def expected_weights_manifest(self, scope: RefitScope = "full") -> WeightManifestDict:
+        """``{hf_name: (full shape, dtype name)}`` the replicas expect from a refit of ``scope``."""
         group = self.policy.worker_group
-        ref = group.run_single_worker("embedded_weights_manifest", 0)
+        ref = group.run_single_worker("embedded_weights_manifest", 0, scope)
         manifest: WeightManifestDict = group.get_all_worker_results([ref], self.policy.call_timeout_s)[0]
         return manifest
 

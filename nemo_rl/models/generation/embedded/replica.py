@@ -9,7 +9,7 @@ data-parallel rank they sample the same tokens bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +26,11 @@ from nemo_rl.models.generation.interfaces import (
     check_generation_input,
     empty_generation_output,
 )
+from nemo_rl.models.generation.lora import AdapterLayout, MergedAdapters, base_manifest_for
 from nemo_rl.models.hf_decoder import DecoderArch, resolve_checkpoint_dir
 from nemo_rl.models.tokenizer import eos_token_ids, require_pad_token_id
-from nemo_rl.weight_sync.manifest import dtype_from_name
+from nemo_rl.weight_sync.manifest import WeightManifest, dtype_from_name
+from nemo_rl.weight_sync.scope import RefitScope
 
 # Mixes (call seed, dp rank, chunk) into one generator seed; a large odd multiplier keeps them apart.
 _SEED_MIX = 1_000_003
@@ -68,6 +70,11 @@ class EmbeddedReplica:
             max_sequence_length=cfg.max_total_sequence_length,
             decode_fn=self._decode,
         )
+        layout = AdapterLayout.from_policy_config(
+            cfg, self._base_manifest(), cfg.generation.embedded_cfg.precision
+        )
+        self.adapters: MergedAdapters | None = None if layout is None else MergedAdapters(layout)
+        """With LoRA: the base copies of the adapted layers, which the adapters are merged into."""
 
     @classmethod
     def without_weights(
@@ -125,23 +132,61 @@ class EmbeddedReplica:
             torch.cuda.empty_cache()
 
     # ------------------------------------------------------------------------------------------ weights
-    def expected_weights_manifest(self) -> WeightManifestDict:
-        """``{hf_name: (full shape, dtype name)}`` of every weight a refit must deliver (tied ones once)."""
+    def _base_manifest(self) -> WeightManifestDict:
         return {
             name: (shape, str(dtype).removeprefix("torch."))
             for name, (shape, dtype) in self.model.weights_manifest().items()
         }
 
+    def expected_weights_manifest(self, scope: RefitScope = "full") -> WeightManifestDict:
+        """``{hf_name: (full shape, dtype name)}`` of every weight a refit of ``scope`` must deliver (tied
+        ones once; with LoRA the adapters too, see :mod:`nemo_rl.models.generation.lora`)."""
+        layout = None if self.adapters is None else self.adapters.layout
+        return base_manifest_for(layout, self._base_manifest(), scope)
+
     def named_weights(self) -> dict[str, torch.Tensor]:
         """Host copies of the held weights under their Hugging Face names (for checks and debugging)."""
         return {name: tensor.detach().to("cpu", copy=True) for name, tensor in self.model.named_weights()}
 
-    def load_hf_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy a stream of Hugging Face-named full tensors into the model (the refit ``LoadFn``)."""
-        self.model.load_weights(named_tensors)
+    def merged_stream(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], scope: RefitScope
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """A refit stream of ``scope`` as the model loads it: with LoRA, the adapters merged into their layers."""
+        if self.adapters is None:
+            return iter(named_tensors)
+        return self.adapters.merge(named_tensors, scope)
+
+    def load_hf_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], scope: RefitScope = "full"
+    ) -> None:
+        """Copy a refit stream of ``scope`` (Hugging Face-named full tensors) into the model (the refit ``LoadFn``)."""
+        self.model.load_weights(self.merged_stream(named_tensors, scope))
+
+    def load_refit(self, named_tensors: Iterable[tuple[str, torch.Tensor]], scope: RefitScope) -> int:
+        """Load an in-process refit stream of ``scope``, checking every expected weight arrives exactly once;
+        return the payload's bytes in the generation dtype."""
+        expected = WeightManifest.coerce(self.expected_weights_manifest(scope))
+        seen: set[str] = set()
+
+        def checked() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in named_tensors:
+                if name in seen:
+                    raise ValueError(f"weight {name!r} was sent twice")
+                seen.add(name)
+                yield name, tensor
+
+        self.load_hf_weights(checked(), scope)
+        missing = sorted(set(expected) - seen)
+        if missing:
+            raise ValueError(f"the weight update lacks {len(missing)} weights, e.g. {missing[:5]}")
+        return sum(expected[name].nbytes for name in seen if name in expected)
 
     def load_weights_from_stream(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Load ``named_tensors`` and check every expected weight arrived exactly once; return bytes loaded."""
+        """Load ``named_tensors`` (the model's plain weights, e.g. a merged checkpoint) and check every
+        expected weight arrived exactly once; return bytes loaded. With LoRA the kept base copies no longer
+        describe the model, so only a full refit may follow."""
+        if self.adapters is not None:
+            self.adapters.forget_base()
         expected = set(self.model.weights_manifest())
         seen: set[str] = set()
         num_bytes = 0

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.config.policy import PolicyConfig
@@ -20,6 +22,7 @@ from nemo_rl.models.hf_decoder import resolve_checkpoint_dir
 from nemo_rl.models.tokenizer import require_pad_token_id
 from nemo_rl.weight_sync.interfaces import TransferStats, WeightReceiver
 from nemo_rl.weight_sync.manifest import dtype_from_name
+from nemo_rl.weight_sync.scope import RefitScope
 
 logger = logging.getLogger(__name__)
 
@@ -62,12 +65,19 @@ class EmbeddedGenerationWorker(EmbeddedReplica):
             self.device,
         )
 
-    def refit_receive(self, receiver: WeightReceiver) -> TransferStats:
-        """The generation side of a refit: receive, check and load the weights (``nemo_rl.weight_sync``).
-        With in-flight updates on, weights that arrive while the worker generates are applied between two
-        decode steps (see :meth:`enable_in_flight_weight_updates`)."""
-        load = self.engine.load_weights if self._in_flight else self.load_hf_weights
-        return receiver.receive(load, self.expected_weights_manifest())
+    def refit_receive(self, receiver: WeightReceiver, scope: RefitScope = "full") -> TransferStats:
+        """The generation side of a refit of ``scope``: receive, check and load the weights
+        (``nemo_rl.weight_sync``; with LoRA the adapters are merged first, see :meth:`merged_stream`). With
+        in-flight updates on, weights that arrive while the worker generates are applied between two decode
+        steps (see :meth:`enable_in_flight_weight_updates`)."""
+
+        def load(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+            if self._in_flight:
+                self.engine.load_weights(self.merged_stream(named_tensors, scope))
+            else:
+                self.load_hf_weights(named_tensors, scope)
+
+        return receiver.receive(load, self.expected_weights_manifest(scope))
 
     def enable_in_flight_weight_updates(self, recompute_kv_cache: bool) -> None:
         """Let refits (run in a second thread of this actor) reach the engine while it decodes: they are

@@ -24,6 +24,7 @@ from nemo_rl.config.errors import UserError
 from nemo_rl.config.policy import GenerationConfig, PolicyConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.models.generation.interfaces import WeightManifestDict
+from nemo_rl.models.generation.vllm.lora import lora_engine_kwargs
 from nemo_rl.weight_sync.manifest import dtype_name
 
 WORKER_EXTENSION_CLS = "nemo_rl.models.generation.vllm.worker_extension.VllmWorkerExtension"
@@ -95,6 +96,9 @@ OWNED_ENGINE_ARGS: dict[str, str] = {
     "worker_extension_cls": "nothing: refit loads weights through nemo_rl's worker extension",
     "worker_cls": "nothing: refit needs vLLM's GPU worker",
     "skip_tokenizer_init": "nothing: stop strings need vLLM's detokenizer",
+    "enable_lora": "policy.dtensor_cfg.lora_cfg.enabled (LoRA refits install the policy's adapters)",
+    "max_lora_rank": "policy.dtensor_cfg.lora_cfg.dim",
+    "max_loras": "nothing: the engine serves the policy's one adapter",
 }
 """``vllm.LLM`` arguments nemo_rl sets itself, with what to change instead of passing them in
 ``policy.generation.vllm_kwargs``."""
@@ -267,6 +271,7 @@ def engine_kwargs(
         user_compilation = dict(cfg.generation.vllm_kwargs.get("compilation_config") or {})
         pass_config = {"fuse_allreduce_rms": False, **(user_compilation.get("pass_config") or {})}
         kwargs["compilation_config"] = {**user_compilation, "pass_config": pass_config}
+    kwargs.update(lora_engine_kwargs(cfg))
     merged = {"compilation_config"} & set(kwargs)
     return {**kwargs, **{k: v for k, v in cfg.generation.vllm_kwargs.items() if k not in merged}}
 

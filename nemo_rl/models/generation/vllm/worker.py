@@ -11,7 +11,9 @@ vLLM is imported in the constructor only, so this module imports on machines wit
 
 from __future__ import annotations
 
+import functools
 import gc
+import itertools
 import logging
 import os
 from collections.abc import Iterable, Sequence
@@ -35,6 +37,7 @@ from nemo_rl.models.generation.interfaces import (
     check_generation_input,
     empty_generation_output,
 )
+from nemo_rl.models.generation.lora import AdapterLayout, base_manifest_for, refuse_after_draining
 from nemo_rl.models.generation.vllm.convert import (
     RELOAD_WEIGHTS_RPC,
     RETRIED_FINISH_REASONS,
@@ -52,11 +55,13 @@ from nemo_rl.models.generation.vllm.convert import (
     sampling_params_for_rows,
     worker_env,
 )
+from nemo_rl.models.generation.vllm.lora import VllmAdapters, lora_engine_kwargs, split_adapters
 from nemo_rl.models.generation.vllm.worker_extension import keep_cpu_linear_weights_in_place
 from nemo_rl.models.hf_config import load_hf_config
 from nemo_rl.models.tokenizer import eos_token_ids, require_pad_token_id
 from nemo_rl.weight_sync.interfaces import TransferStats, WeightReceiver
 from nemo_rl.weight_sync.manifest import WeightManifest, dtype_from_name
+from nemo_rl.weight_sync.scope import RefitScope
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +116,16 @@ class VllmGenerationWorker:
         )
         self._dtype = dtype_from_name(cfg.generation.vllm_cfg.precision)
         self._manifest = hf_weights_manifest(hf_config, self._dtype, trust_remote_code=cfg.trust_remote_code)
+        layout = AdapterLayout.from_policy_config(cfg, self._manifest, cfg.generation.vllm_cfg.precision)
+        self._adapters = (
+            None if layout is None else VllmAdapters(cfg, layout, self._manifest, str(self.model_source))
+        )
+        if self._adapters is not None and self.rank == 0:
+            logger.info(
+                "LoRA refits into vLLM use vLLM's own LoRA support (enable_lora, one adapter of rank <= %d "
+                "reloaded in place): after the first refit only the adapters move",
+                lora_engine_kwargs(cfg)["max_lora_rank"],
+            )
         # Pools (vLLM sleep-mode tags) currently released; the engine starts awake.
         self._asleep: set[str] = set()
         # Whether finish_generation puts the engine to sleep: colocated, on a platform with sleep mode
@@ -205,9 +220,9 @@ class VllmGenerationWorker:
         """vLLM's outputs for ``prompts``, in order. With in-flight updates the engine is stepped here (as
         ``LLM.generate`` does) so that weights a refit staged meanwhile are loaded between two steps."""
         if self._in_flight is None:
-            return list(self.llm.generate(prompts, params, use_tqdm=False))
+            return list(self.llm.generate(prompts, params, use_tqdm=False, **self._lora_kwargs()))
         with self._in_flight.generating():
-            self.llm.enqueue(prompts, params, use_tqdm=False)
+            self.llm.enqueue(prompts, params, use_tqdm=False, **self._lora_kwargs())
             engine = self.llm.llm_engine
             finished: list[Any] = []
             while engine.has_unfinished_requests():
@@ -215,6 +230,10 @@ class VllmGenerationWorker:
                     self._in_flight.apply_pending()
                 finished.extend(output for output in engine.step() if output.finished)
         return sorted(finished, key=lambda output: int(output.request_id))
+
+    def _lora_kwargs(self) -> dict[str, Any]:
+        """The policy's adapter for every request (none without LoRA: the calls stay as they were)."""
+        return {} if self._adapters is None else {"lora_request": self._adapters.request}
 
     def enable_in_flight_weight_updates(self, recompute_kv_cache: bool) -> None:
         """Let refits (run in a second thread of this actor) reach the engine while it generates: their
@@ -250,9 +269,11 @@ class VllmGenerationWorker:
             self._asleep = {WEIGHTS_TAG, KV_CACHE_TAG}
 
     # ------------------------------------------------------------------------------- refit receiver
-    def expected_weights_manifest(self) -> WeightManifestDict:
-        """``{hf_name: (full shape, dtype name)}`` of every weight a refit must deliver."""
-        return dict(self._manifest)
+    def expected_weights_manifest(self, scope: RefitScope = "full") -> WeightManifestDict:
+        """``{hf_name: (full shape, dtype name)}`` of every weight a refit of ``scope`` must deliver (with LoRA
+        the adapters too, see :mod:`.lora`)."""
+        layout = None if self._adapters is None else self._adapters.layout
+        return base_manifest_for(layout, self._manifest, scope)
 
     def load_hf_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load a stream of Hugging Face-named full tensors into the engine (the refit ``LoadFn``)."""
@@ -261,7 +282,18 @@ class VllmGenerationWorker:
     def _load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         # Loading writes into the weight pool, so it must be mapped; the KV cache may stay released.
         self._wake({WEIGHTS_TAG})
-        num_bytes = sum(self.llm.collective_rpc(RELOAD_WEIGHTS_RPC, args=(iter(named_tensors),)))
+        adapters: dict[str, torch.Tensor] = {}
+        stream = (
+            split_adapters(named_tensors, adapters) if self._adapters is not None else iter(named_tensors)
+        )
+        first = next(stream, None)
+        num_bytes = 0
+        if first is not None:  # an adapters-only refit reloads no base weight
+            stream = itertools.chain([first], stream)
+            num_bytes = sum(self.llm.collective_rpc(RELOAD_WEIGHTS_RPC, args=(stream,)))
+        if adapters and self._adapters is not None:
+            self._adapters.install(self.llm, adapters)
+            num_bytes += sum(t.numel() * t.element_size() for t in adapters.values())
         # Cached prefixes hold keys and values computed with the old weights.
         self.llm.reset_prefix_cache()
         return int(num_bytes)
@@ -275,20 +307,30 @@ class VllmGenerationWorker:
         )
         if problems:
             raise ValueError("the weight update does not fit the vLLM model: " + "; ".join(problems))
+        if self._adapters is not None:  # plain weights (e.g. a merged checkpoint): no adapter on top
+            self._adapters.drop()
         if self._in_flight is not None:
             self._in_flight.receive(tensors)
             return sum(t.numel() * t.element_size() for _, t in tensors)
         return self._load(tensors)
 
-    def refit_receive(self, receiver: WeightReceiver) -> TransferStats:
-        """The generation side of a refit: receive, check and load the weights (``nemo_rl.weight_sync``);
-        with in-flight updates on, weights arriving during a generation call are loaded between two steps."""
+    def refit_receive(self, receiver: WeightReceiver, scope: RefitScope = "full") -> TransferStats:
+        """The generation side of a refit of ``scope``: receive, check and load the weights
+        (``nemo_rl.weight_sync``); with in-flight updates on, weights arriving during a generation call are
+        loaded between two steps. With LoRA the adapters are installed as vLLM's adapter (:mod:`.lora`)."""
         load = self.load_hf_weights if self._in_flight is None else self._in_flight.receive
-        return receiver.receive(load, self._manifest)
+        if self._adapters is not None and self._adapters.refuses(scope):
+            load = functools.partial(refuse_after_draining, engine="a vLLM engine")
+        stats = receiver.receive(load, self.expected_weights_manifest(scope))
+        if self._adapters is not None and scope == "full":
+            self._adapters.holds_base = True
+        return stats
 
     def shutdown(self) -> None:
         """Drop the engine and free its GPU memory."""
         del self.llm
+        if self._adapters is not None:
+            self._adapters.close()
         gc.collect()
         if cuda_available():
             torch.cuda.empty_cache()
