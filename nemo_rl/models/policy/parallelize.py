@@ -253,6 +253,13 @@ def apply_fsdp(
     return root
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a (possibly DTensor) tensor, sharing its storage."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def reshard_all(model: nn.Module) -> None:
     """Return every FSDP unit to its sharded state (the root stays unsharded after a forward otherwise)."""
     from torch.distributed.fsdp import FSDPModule
