@@ -283,12 +283,19 @@ def test_refit_and_exports_hold_the_trained_model(
     score_data = make_batch(seed=2, num_rows=6)
     trained = load(results, "fsdp_logprobs_trained")["logprobs"]
     assert_close(trained, reference_logprobs(peft_sft["model"], score_data))
-    # The refit sends merged weights under the base model's names.
+    # A full-scope refit sends the base weights under their own names and the adapters unmerged (the engine
+    # merges them); folded together they are the trained model.
+    from nemo_rl.models.lora import merged_weights
+
     refit = load(results, "fsdp_refit")
+    adapters = {name for name in refit if name.endswith((".lora_A", ".lora_B"))}
+    assert adapters == set(load(results, "fsdp_adapters_init"))
     merged = base_model(model_dir)
-    assert not [name for name in refit if name.endswith((".lora_A", ".lora_B"))]
     assert {name for name, _ in merged.named_parameters()} <= set(refit)  # the tied LM head is listed once
-    merged.load_state_dict(refit, strict=False)
+    layers = {name.rpartition(".")[0] for name in adapters}
+    merged.load_state_dict(
+        dict(merged_weights(refit.items(), LORA["alpha"] / LORA["dim"], layers)), strict=False
+    )
     assert_close(reference_logprobs(merged, score_data), trained)
     # The merged Hugging Face export, and the PEFT adapter on the base model, give the trained log-probs.
     export = results / "export"
