@@ -31,6 +31,7 @@ SCRIPT = ROOT / "examples" / "run_grpo_math.py"
 CONFIG = ROOT / "examples" / "configs" / "grpo_math_tiny.yaml"
 MEGATRON_CONFIG = ROOT / "examples" / "configs" / "grpo_math_tiny_megatron.yaml"
 ASYNC_CONFIG = ROOT / "examples" / "configs" / "grpo_math_tiny_async.yaml"
+LORA_CONFIG = ROOT / "examples" / "configs" / "grpo_math_tiny_lora.yaml"
 TINY_SFT = ROOT / "examples" / "assets" / "tiny_math_sft"
 TIMEOUT_S = 900
 
@@ -122,11 +123,13 @@ def _train_metrics_at(records: list[dict[str, Any]], step: int) -> dict[str, Any
 
 
 @pytest.mark.slow
-def test_colocated_dp2_survives_a_dead_worker_and_resumes_bit_exact(tmp_path: Path) -> None:
+def test_colocated_dp2_lora_survives_a_dead_worker_and_resumes_bit_exact(tmp_path: Path) -> None:
+    # The LoRA recipe (the README's main job with rank-4 adapters on every linear layer) at DP=2, the engine
+    # hosted in the policy workers: after the first refit only the adapters are copied into it.
     # Its own Ray session folder (short: Ray's socket paths are limited), to find this run's processes.
     ray_dir = Path(f"/tmp/ray_t{uuid.uuid4().hex[:8]}")
     env = {**_env(), "NEMO_RL_RAY_TEMP_DIR": str(ray_dir)}
-    cmd = _command(tmp_path, "dp2", "grpo.max_num_steps=4", "cluster.gpus_per_node=2")
+    cmd = _command(tmp_path, "dp2", "grpo.max_num_steps=4", "cluster.gpus_per_node=2", config=LORA_CONFIG)
     log_dir = tmp_path / "dp2" / "logs"
     try:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
@@ -168,10 +171,19 @@ def test_colocated_dp2_survives_a_dead_worker_and_resumes_bit_exact(tmp_path: Pa
         for step in (1, 2):
             assert "train/loss" in first[step] and "train/reward" in first[step], sorted(first[step])
         assert "validation/accuracy" in first[0] and "validation/accuracy" in first[2]
-        # Step 1 samples with the weights the policy scores with: the two agree on log-probs.
-        assert first[1]["train/gen_kl_error"] == pytest.approx(0.0, abs=1e-4)
-        assert first[1]["train/token_mult_prob_error"] == pytest.approx(1.0, abs=1e-3)
-        assert first[2]["refit/bytes"] > 0
+        # Every step samples with the weights the policy scores with (the base model with the adapters merged
+        # in by the engine): the two agree on log-probs.
+        for step in (1, 2, 3):
+            assert first[step]["train/gen_kl_error"] <= 1e-4, (step, first[step]["train/gen_kl_error"])
+            assert first[step]["train/token_mult_prob_error"] == pytest.approx(1.0, abs=1e-3), step
+        # The first refit (before the validation at start) copies the base weights and the adapters; the next
+        # ones the adapters alone, under 5% of the model.
+        assert first[2]["refit/adapters_only"] == 1
+        assert (
+            0
+            < first[2]["refit/bytes"]
+            < 0.05 * _model_bytes(ROOT / "examples" / "assets" / "tiny_math_sft_mid")
+        )
 
         resumed = _run(cmd)
     finally:
@@ -185,10 +197,21 @@ def test_colocated_dp2_survives_a_dead_worker_and_resumes_bit_exact(tmp_path: Pa
     # The resumed run starts with stale generation weights, so its first step refits: every metric is there.
     for name in NEMO_RL_STEP_METRICS:
         assert name in after[3], f"{name} missing at step 3; logged: {sorted(after[3])}"
+    # Its engines are new: the first refit is a full one again, the next adapters only.
+    assert after[3]["refit/adapters_only"] == 0 and after[4]["refit/adapters_only"] == 1
+    assert after[4]["train/gen_kl_error"] <= 1e-4
     # One optimizer step per batch: the previous policy's log-probs come from the training forward.
     assert "timing/train/logprobs" not in after[3]
     assert "validation/accuracy" in after[4]
     assert (tmp_path / "dp2" / "ckpt" / "step_4" / "training_info.json").exists()
+
+
+def _model_bytes(model_dir: Path) -> int:
+    """The bytes of a Hugging Face folder's weights (float32 here: what a full refit of it moves)."""
+    from safetensors import safe_open
+
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        return sum(f.get_tensor(name).nbytes for name in f.keys())  # noqa: SIM118 (safe_open is not a dict)
 
 
 def _ray_worker_pids(ray_dir: Path) -> dict[int, str]:
