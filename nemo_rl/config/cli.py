@@ -33,7 +33,7 @@ from pydantic import BaseModel
 from nemo_rl.config.errors import ConfigError, UserError
 from nemo_rl.config.keys import schema_keys
 from nemo_rl.config.loader import format_config, load_and_resolve
-from nemo_rl.config.memory_plan import check_plan, device_memory_bytes, format_plan, plan_config
+from nemo_rl.config.memory_plan import check_plan, format_plan, plan_config
 from nemo_rl.config.no_effect import format_no_effect, no_effect_settings, report_no_effect
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -146,9 +146,8 @@ def print_memory_plan(model: BaseModel) -> None:
     if isinstance(plan, str):
         print(plan, flush=True)
         return
-    device_bytes, device_source = device_memory_bytes(getattr(model, "cluster").device_memory_gb)
-    print(format_plan(plan, device_bytes, device_source), end="", flush=True)
-    check_plan(plan, device_bytes, device_source)
+    print(format_plan(plan), end="", flush=True)
+    check_plan(plan)
 
 
 def report_user_error(err: BaseException) -> None:

@@ -66,6 +66,10 @@ class MemoryPlan:
     """The plan of one run: the workers' peaks and the device phases they make up."""
 
     arch_source: str
+    device_bytes: int | None
+    """Memory of one device (``None``: unknown, the plan is not checked)."""
+    device_source: str
+    """Where ``device_bytes`` came from, or why it is unknown."""
     workers: list[WorkerPlan] = field(default_factory=list)
     phases: dict[str, list[Term]] = field(default_factory=dict)
     """Each phase's terms on one device; a device's peak is its largest phase."""
@@ -199,7 +203,7 @@ def megatron_stage_terms(arch: ModelArch, policy: PolicyConfig, slots: int, stag
             f"optimizer state ({states} x float32)",
             optim_elements * states * m.FLOAT32_BYTES,
             "megatron_cfg.optimizer.use_distributed_optimizer=true, " + _CUT_STATE,
-        ),  # fmt: skip
+        ),
         Term(f"activations ({in_flight} x {tokens} tokens)", activations, _CUT_ACTIVATIONS),
     ]
     if stage == pp - 1:
@@ -234,7 +238,8 @@ def scoring_terms(arch: ModelArch, policy: PolicyConfig, slots: int, what: str) 
         weights = megatron_stage_terms(arch, policy, slots, 0)[:1]
         tp = policy.megatron_cfg.tensor_model_parallel_size
     layer = m.activation_bytes(arch, tokens, 1, d, tp, False, False)
-    return weights + [
+    return [
+        *weights,
         Term(f"{what} activations (one layer, {tokens} tokens)", layer, _CUT_LOGITS),
         Term(f"{what} logits", m.logits_bytes(tokens, arch.vocab_size, d, training=False), _CUT_LOGITS),
     ]
@@ -258,7 +263,7 @@ def generation_terms(
             f"embedded engine weights ({gen.embedded_cfg.precision})",
             arch.num_parameters * d,
             "policy.generation.embedded_cfg.precision=bfloat16",
-        ),  # fmt: skip
+        ),
         Term(
             f"embedded KV cache ({rows} rows x {max_len} positions)",
             kv,
@@ -326,9 +331,9 @@ def plan_config(config: Any) -> MemoryPlan | str:
     arch, source = resolve_arch(policy.model_name, policy.hf_config_overrides)
     if arch is None:
         return f"no memory plan: the architecture of policy.model_name is unknown ({source})"
-    device_bytes, _ = device_memory_bytes(config.cluster.device_memory_gb)
+    device_bytes, device_source = device_memory_bytes(config.cluster.device_memory_gb)
     slots, gen_slots = _policy_slots(policy, config.cluster.world_size)
-    plan = MemoryPlan(arch_source=source)
+    plan = MemoryPlan(source, device_bytes, device_source)
     train = policy_train_terms(arch, policy, slots)
     plan.workers.append(WorkerPlan("policy (training)", train))
     plan.phases["policy training"] = train
@@ -397,10 +402,10 @@ def _plan_eval(config: Any) -> MemoryPlan | str:
     arch, source = resolve_arch(gen.model_name)
     if arch is None:
         return f"no memory plan: the architecture of generation.model_name is unknown ({source})"
-    device_bytes, _ = device_memory_bytes(config.cluster.device_memory_gb)
+    device_bytes, device_source = device_memory_bytes(config.cluster.device_memory_gb)
     rows = gen.generation_batch_size or 1
     terms = generation_terms(arch, gen, gen.max_total_sequence_length, rows, device_bytes)
-    plan = MemoryPlan(arch_source=source, workers=[WorkerPlan("generation", terms)])
+    plan = MemoryPlan(source, device_bytes, device_source, workers=[WorkerPlan("generation", terms)])
     plan.phases["generation"] = terms
     return plan
 
@@ -409,7 +414,7 @@ def _gib(nbytes: int) -> str:
     return f"{nbytes / GIB:8.2f} GiB"
 
 
-def format_plan(plan: MemoryPlan, device_bytes: int | None, device_source: str) -> str:
+def format_plan(plan: MemoryPlan) -> str:
     """The plan as ``--dry-run`` prints it: each worker's terms, each phase's total, the peak."""
     lines = [f"memory plan (architecture from {plan.arch_source}; bytes per device, the most loaded rank):"]
     for worker in plan.workers:
@@ -420,6 +425,7 @@ def format_plan(plan: MemoryPlan, device_bytes: int | None, device_source: str) 
     for name, terms in plan.phases.items():
         lines.append(f"    {name:<56}{_gib(sum(t.nbytes for t in terms))}")
     phase, peak = plan.peak()
+    device_bytes, device_source = plan.device_bytes, plan.device_source
     if device_bytes is None:
         lines.append(f"  peak: {phase}, {peak / GIB:.2f} GiB; not checked: {device_source}")
     else:
@@ -430,8 +436,9 @@ def format_plan(plan: MemoryPlan, device_bytes: int | None, device_source: str) 
     return "\n".join(lines) + "\n"
 
 
-def check_plan(plan: MemoryPlan, device_bytes: int | None, device_source: str) -> None:
+def check_plan(plan: MemoryPlan) -> None:
     """Raise a one-line :class:`ConfigError` when the plan's peak phase exceeds the device memory."""
+    device_bytes, device_source = plan.device_bytes, plan.device_source
     if device_bytes is None:
         return
     phase, peak = plan.peak()

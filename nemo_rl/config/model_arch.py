@@ -67,17 +67,37 @@ def _arch(**kwargs: Any) -> ModelArch:
 
 
 _QWEN25_15B = _arch(
-    model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-    num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True,
-)  # fmt: skip
+    model_type="qwen2",
+    vocab_size=151936,
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+)
 _LLAMA32_1B = _arch(
-    model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-    num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True,
-)  # fmt: skip
+    model_type="llama",
+    vocab_size=128256,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    tie_word_embeddings=True,
+)
 _QWEN3_06B = _arch(
-    model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-    num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
-)  # fmt: skip
+    model_type="qwen3",
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    tie_word_embeddings=True,
+)
 
 KNOWN_ARCHS: dict[str, ModelArch] = {
     "Qwen/Qwen2.5-1.5B": _QWEN25_15B,
@@ -92,7 +112,7 @@ KNOWN_ARCHS: dict[str, ModelArch] = {
         num_attention_heads=28,
         num_key_value_heads=4,
         tie_word_embeddings=False,
-    ),  # fmt: skip
+    ),
     "meta-llama/Llama-3.2-1B": _LLAMA32_1B,
     "meta-llama/Llama-3.2-1B-Instruct": _LLAMA32_1B,
     "Qwen/Qwen3-0.6B": _QWEN3_06B,
@@ -107,7 +127,7 @@ KNOWN_ARCHS: dict[str, ModelArch] = {
         num_key_value_heads=8,
         head_dim=128,
         tie_word_embeddings=True,
-    ),  # fmt: skip
+    ),
     "Qwen/Qwen3-4B": _arch(
         model_type="qwen3",
         vocab_size=151936,
@@ -118,7 +138,7 @@ KNOWN_ARCHS: dict[str, ModelArch] = {
         num_key_value_heads=8,
         head_dim=128,
         tie_word_embeddings=True,
-    ),  # fmt: skip
+    ),
 }
 """Architectures of the models the shipped recipes (and NeMo RL's) name, from their public ``config.json``."""
 
