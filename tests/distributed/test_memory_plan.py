@@ -11,6 +11,7 @@ activation term must match within 25%.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import shutil
 import time
@@ -21,7 +22,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from nemo_rl.algorithms.loss_functions import NLLLoss
@@ -39,6 +39,12 @@ TINY = Path(__file__).parents[2] / "examples/assets/tiny_qwen2_init"
 STATE_TERMS = ("weights", "gradients", "optimizer", "LoRA")
 LAYOUTS = ("dtensor_dp2", "dtensor_tp2", "megatron_pp2")
 ACTIVATION_TOLERANCE = 0.25
+PRELOAD = [
+    "transformers",
+    "nemo_rl.models.policy.dtensor_worker",
+    "nemo_rl.models.policy.megatron_worker",
+    "test_memory_plan",
+]
 
 
 def build_mid_model(path: Path) -> None:
@@ -72,7 +78,12 @@ def policy_cfg(model_dir: Path, layout: str, lora: bool = False) -> PolicyConfig
     }
     if layout == "megatron_pp2":
         megatron = {"enabled": True, "pipeline_model_parallel_size": 2, "transformer_impl": "local"}
-        cfg |= {"optimizer": None, "scheduler": None, "dtensor_cfg": {"enabled": False}, "megatron_cfg": megatron}
+        cfg |= {
+            "optimizer": None,
+            "scheduler": None,
+            "dtensor_cfg": {"enabled": False},
+            "megatron_cfg": megatron,
+        }
     else:
         tp = 2 if layout == "dtensor_tp2" else 1
         cfg["dtensor_cfg"] = {"tensor_parallel_size": tp, "lora_cfg": {"enabled": lora, "dim": 4}}
@@ -130,7 +141,8 @@ def _megatron_state_bytes(worker: Any) -> dict[str, int]:
     parts = getattr(worker.optimizer, "chained_optimizers", [worker.optimizer])
     return {
         "weights": sum(_local_bytes(p) for p in params),
-        "trained": sum(_local_bytes(p.main_grad) for p in params) + _optimizer_bytes([p.optimizer for p in parts]),
+        "trained": sum(_local_bytes(p.main_grad) for p in params)
+        + _optimizer_bytes([p.optimizer for p in parts]),
         "adapters": 0,
     }
 
@@ -159,7 +171,9 @@ def _measure(rank: int, model_dirs: dict[str, str], out_dir: Path) -> None:
     from nemo_rl.models.policy.megatron_worker import MegatronPolicyWorker
 
     results: dict[str, Any] = {}
-    runs = [(model, layout, False) for model in model_dirs for layout in LAYOUTS] + [("tiny", "dtensor_dp2", True)]
+    runs = [(model, layout, False) for model in model_dirs for layout in LAYOUTS] + [
+        ("tiny", "dtensor_dp2", True)
+    ]
     for model, layout, lora in runs:
         cfg = policy_cfg(Path(model_dirs[model]), layout, lora)
         vocab = 104 if model == "tiny" else 4096
@@ -208,21 +222,28 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def measured(model_dirs: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     pytest.importorskip("megatron.core", reason="needs megatron-core (uv sync --extra mcore)")
     out_dir = tmp_path_factory.mktemp("memory_plan_results")
-    context = mp.start_processes(
-        _spawn_entry, args=(free_port(), model_dirs, str(out_dir)), nprocs=WORLD_SIZE, join=False, start_method="spawn"
-    )
+    context = multiprocessing.get_context("forkserver")
+    # The server imports torch, transformers and both workers once (test_megatron_worker's server, when that
+    # module ran first in this session); both ranks fork from it.
+    context.set_forkserver_preload(PRELOAD)
+    port = free_port()
+    processes = [
+        context.Process(target=_spawn_entry, args=(rank, port, model_dirs, str(out_dir)))
+        for rank in range(WORLD_SIZE)
+    ]
+    for process in processes:
+        process.start()
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
     try:
-        while not context.join(timeout=2.0):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the memory measurements did not finish within {SPAWN_TIMEOUT_S} s")
-    except Exception:
-        errors = [p.read_text() for p in out_dir.glob("error.rank*.txt")]
-        raise AssertionError("\n".join(errors) or "a rank failed") from None
+        for process in processes:
+            process.join(timeout=max(deadline - time.monotonic(), 0.0))
     finally:
-        for process in context.processes:
+        for process in processes:
             if process.is_alive():
                 process.kill()
+    errors = [p.read_text() for p in sorted(out_dir.glob("error.rank*.txt"))]
+    assert not errors, "\n".join(errors)
+    assert all(p.exitcode == 0 for p in processes), f"rank exit codes {[p.exitcode for p in processes]}"
     return [torch.load(out_dir / f"results.rank{r}.pt") for r in range(WORLD_SIZE)]
 
 
@@ -260,7 +281,9 @@ def test_weights_gradients_and_optimizer_state_are_what_the_workers_allocate(
                 assert (got["weights"], got["trained"]) == (plan["weights"], plan["trained"])
 
 
-def test_lora_adapters_are_what_the_workers_allocate(measured: list[dict[str, Any]], model_dirs: dict[str, str]) -> None:
+def test_lora_adapters_are_what_the_workers_allocate(
+    measured: list[dict[str, Any]], model_dirs: dict[str, str]
+) -> None:
     got = measured[0]["tiny_dtensor_dp2_lora"]
     plan = planned(model_dirs["tiny"], "dtensor_dp2", True, 0)
     assert got["weights"] == plan["weights"]
