@@ -18,6 +18,7 @@ from typing import Any
 
 from nemo_rl.config import memory as m
 from nemo_rl.config.errors import ConfigError
+from nemo_rl.config.eval import EvalGenerationConfig
 from nemo_rl.config.model_arch import ModelArch, resolve_arch
 from nemo_rl.config.policy import GenerationConfig, PolicyConfig
 
@@ -325,9 +326,13 @@ def _weights_only(terms: list[Term]) -> list[Term]:
 
 def plan_config(config: Any) -> MemoryPlan | str:
     """The memory plan of a validated master config, or one line saying why there is none."""
-    policy: PolicyConfig | None = getattr(config, "policy", None)
-    if policy is None:
-        return _plan_eval(config)
+    if getattr(config, "cluster", None) is None:
+        return "no memory plan: this config has no cluster section"
+    policy = getattr(config, "policy", None)
+    if not isinstance(policy, PolicyConfig):
+        if isinstance(getattr(config, "generation", None), EvalGenerationConfig):
+            return _plan_eval(config)
+        return "no memory plan: this config has no policy or generation section"
     arch, source = resolve_arch(policy.model_name, policy.hf_config_overrides)
     if arch is None:
         return f"no memory plan: the architecture of policy.model_name is unknown ({source})"
