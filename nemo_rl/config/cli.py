@@ -93,7 +93,7 @@ def usage(schema_cls: type[BaseModel], default_config: str | Path) -> str:
     return (
         f"usage: python {prog} [{_CONFIG_FLAG} PATH] [{_DRY_RUN_FLAG}] [key=value | +key=value | ++key=value | ~key ...]\n\n"
         f"  {_CONFIG_FLAG} PATH   YAML recipe to load (default: {default_config})\n"
-        f"  {_DRY_RUN_FLAG}       validate, print the resolved config and the keys with no effect here, exit 0\n"
+        f"  {_DRY_RUN_FLAG}       validate, print the resolved config, the keys with no effect here and the memory plan\n"
         "  key=value       change a key (dotted, e.g. policy.train_global_batch_size=64)\n"
         "  +key=value      add a key that is not set yet\n"
         "  ++key=value     set a key whether or not it is set\n"

@@ -25,7 +25,7 @@ PRECISION_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 """Bytes per element of each ``policy.precision``."""
 
 
-def _chunk(size: int, parts: int) -> int:
+def chunk_size(size: int, parts: int) -> int:
     """The largest piece ``torch.chunk`` cuts ``size`` into (rank 0's)."""
     return math.ceil(size / parts) if parts > 1 else size
 
@@ -46,8 +46,8 @@ class ParamShape:
         """Elements one rank holds of each such parameter: TP split first, then FSDP's dim-0 split over ``dp``."""
         dims = list(self.shape)
         if self.tp_dim is not None:
-            dims[self.tp_dim] = _chunk(dims[self.tp_dim], tp)
-        dims[0] = _chunk(dims[0], dp)
+            dims[self.tp_dim] = chunk_size(dims[self.tp_dim], tp)
+        dims[0] = chunk_size(dims[0], dp)
         return math.prod(dims)
 
 

@@ -133,7 +133,7 @@ def _dtensor_state(arch: ModelArch, policy: PolicyConfig, slots: int) -> tuple[l
     if fsdp and (dp > 1 or policy.precision != "float32"):
         # FSDP2 all-gathers the root unit (embedding, head, final norm) for the whole pass and each layer
         # (the current one and the prefetched next) in the compute dtype.
-        root = (1 + (not arch.tie_word_embeddings)) * _chunk(arch.vocab_size, tp) * arch.hidden_size
+        root = (1 + (not arch.tie_word_embeddings)) * m.chunk_size(arch.vocab_size, tp) * arch.hidden_size
         gathered = (root + 2 * m.layer_elements(arch) // tp) * m.PRECISION_BYTES[policy.precision]
         terms.append(
             Term("FSDP all-gathered copies", gathered, "more TP (policy.dtensor_cfg.tensor_parallel_size)")
@@ -141,10 +141,6 @@ def _dtensor_state(arch: ModelArch, policy: PolicyConfig, slots: int) -> tuple[l
     if cfg.cpu_offload:
         note += "weights, gradients and optimizer state live on the host (cpu_offload); "
     return terms, note
-
-
-def _chunk(size: int, parts: int) -> int:
-    return -(-size // parts)
 
 
 def _dtensor_policy(arch: ModelArch, policy: PolicyConfig, slots: int) -> list[Term]:
@@ -184,7 +180,7 @@ def megatron_stage_terms(arch: ModelArch, policy: PolicyConfig, slots: int, stag
     optim = cfg.optimizer
     states = 2 if optim.optimizer == "adam" else int(optim.sgd_momentum > 0)
     states += policy.precision != "float32"  # the float32 master copy
-    optim_elements = _chunk(elements, dp) if optim.use_distributed_optimizer else elements
+    optim_elements = m.chunk_size(elements, dp) if optim.use_distributed_optimizer else elements
     tokens = train_tokens(policy)
     in_flight = pp - stage
     if not policy.dynamic_batching.enabled:
