@@ -14,8 +14,9 @@ Typical script::
 
 A config mistake then ends the script within seconds with one clear message and exit status 2. Keys the
 config sets that are accepted but have no effect here (:mod:`nemo_rl.config.no_effect`) are listed once on
-stderr. ``--dry-run`` stops right after validation: it prints the resolved config and that list and exits 0,
-without importing the training stack, starting Ray or touching a device or the model hub.
+stderr. ``--dry-run`` stops right after validation: it prints the resolved config, that list and the memory plan
+(:mod:`nemo_rl.config.memory_plan`) and exits 0, or 2 when the plan does not fit the device, without
+importing the training stack, starting Ray or touching the model hub.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pydantic import BaseModel
 from nemo_rl.config.errors import ConfigError, UserError
 from nemo_rl.config.keys import schema_keys
 from nemo_rl.config.loader import format_config, load_and_resolve
+from nemo_rl.config.memory_plan import check_plan, format_plan, plan_config
 from nemo_rl.config.no_effect import format_no_effect, no_effect_settings, report_no_effect
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -91,7 +93,7 @@ def usage(schema_cls: type[BaseModel], default_config: str | Path) -> str:
     return (
         f"usage: python {prog} [{_CONFIG_FLAG} PATH] [{_DRY_RUN_FLAG}] [key=value | +key=value | ++key=value | ~key ...]\n\n"
         f"  {_CONFIG_FLAG} PATH   YAML recipe to load (default: {default_config})\n"
-        f"  {_DRY_RUN_FLAG}       validate, print the resolved config and the keys with no effect here, exit 0\n"
+        f"  {_DRY_RUN_FLAG}       validate, print the resolved config, the keys with no effect here and the memory plan\n"
         "  key=value       change a key (dotted, e.g. policy.train_global_batch_size=64)\n"
         "  +key=value      add a key that is not set yet\n"
         "  ++key=value     set a key whether or not it is set\n"
@@ -106,7 +108,8 @@ def parse_args_and_load(
     """Load the config named on the command line (or ``default_config``), apply the overrides, validate.
 
     ``argv`` defaults to ``sys.argv[1:]``. ``-h``/``--help`` prints the usage and exits with status 0;
-    ``--dry-run`` prints the resolved config and the keys that have no effect here and exits with status 0.
+    ``--dry-run`` prints the resolved config, the keys that have no effect here and the memory plan, and exits
+    with status 0 (2 when the plan does not fit the device).
     Otherwise the keys that have no effect here are listed once on stderr.
 
     Returns:
@@ -127,9 +130,24 @@ def parse_args_and_load(
     if dry_run:
         print(format_config(model), end="")  # every key, defaults included
         print(format_no_effect(no_effect_settings(model)), flush=True)
+        print_memory_plan(model)
         sys.exit(0)
     report_no_effect(model)
     return model, resolved
+
+
+def print_memory_plan(model: BaseModel) -> None:
+    """Print the memory plan of ``model`` (or the one line saying why there is none) and check it.
+
+    Raises:
+        ConfigError: the plan's peak exceeds the device memory (naming the largest term and what cuts it).
+    """
+    plan = plan_config(model)
+    if isinstance(plan, str):
+        print(plan, flush=True)
+        return
+    print(format_plan(plan), end="", flush=True)
+    check_plan(plan)
 
 
 def report_user_error(err: BaseException) -> None:

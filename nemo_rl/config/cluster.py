@@ -20,6 +20,11 @@ class ClusterConfig(ConfigModel):
     placement_timeout_s: float = Field(default=180.0, gt=0.0)
     """Seconds to wait for the placement groups before failing with a message naming the missing resources."""
 
+    device_memory_gb: float | None = Field(default=None, gt=0.0)
+    """Memory of one device in GiB, for the memory plan ``--dry-run`` prints and checks
+    (``docs/memory.md``); ``None`` reads it from the first GPU ``nvidia-smi`` reports, and without one the plan
+    is printed unchecked. Set it to plan for other GPUs than this machine's (e.g. ``80`` for an 80 GB H100)."""
+
     segment_size: int | None = None
     """Accepted, no effect here: nodes per NVLink domain, for topology-aware placement (a speed knob)."""
 

@@ -1,0 +1,85 @@
+"""The memory plan ``--dry-run`` prints (``nemo_rl.config.memory_plan``): the recipes' verdicts, LoRA, unknown
+models. ``tests/distributed/test_memory_plan.py`` checks its terms against what the workers allocate."""
+
+from __future__ import annotations
+
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+from nemo_rl.config.cli import USER_ERROR_EXIT_CODE
+from nemo_rl.config.memory_plan import device_memory_bytes
+from nemo_rl.config.model_arch import KNOWN_ARCHS
+
+ROOT = Path(__file__).parents[2]
+GRPO = ROOT / "examples/run_grpo_math.py"
+GRPO_1B = str(ROOT / "examples/configs/grpo_math_1B.yaml")
+
+
+def dry_run(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *overrides: str
+) -> tuple[int, str, str]:
+    monkeypatch.setattr(sys, "argv", [str(GRPO), "--config", GRPO_1B, "--dry-run", *overrides])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(GRPO), run_name="__main__")
+    out = capsys.readouterr()
+    code = exit_info.value.code
+    assert isinstance(code, int)
+    return code, out.out, out.err
+
+
+def test_grpo_1b_does_not_fit_8_gib_and_names_its_largest_term(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = dry_run(monkeypatch, capsys, "cluster.device_memory_gb=8")
+    assert code == USER_ERROR_EXIT_CODE
+    assert "DOES NOT FIT" in out
+    [line] = err.strip().splitlines()
+    assert "policy training phase" in line and "largest term is optimizer state" in line
+    assert "lora_cfg.enabled=true" in line and "cpu_offload=true" in line
+
+
+def test_grpo_1b_fits_80_gib(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = dry_run(monkeypatch, capsys, "cluster.device_memory_gb=80")
+    assert code == 0
+    assert "memory plan (architecture from nemo_rl.config.model_arch.KNOWN_ARCHS" in out
+    assert "peak: generation, 48.00 GiB of 80.00 GiB (cluster.device_memory_gb=80): fits" in out
+    for worker in ("policy (training)", "reference:", "generation:", "refit (policy side)"):
+        assert f"\n  {worker}" in out
+
+
+def test_lora_trains_no_base_state_and_keeps_no_reference_copy(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = dry_run(
+        monkeypatch, capsys, "cluster.device_memory_gb=24", "policy.dtensor_cfg.lora_cfg.enabled=true"
+    )
+    assert code == 0, out
+    assert "gradients (float32)                                         0.00 GiB" in out
+    assert "LoRA adapters + gradients + optimizer" in out
+    assert "reference: the base model itself with the adapters switched off: no copy" in out
+
+
+def test_an_unknown_model_skips_the_plan_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = dry_run(monkeypatch, capsys, "policy.model_name=someone/unknown-model")
+    assert code == 0
+    assert "no memory plan: the architecture of policy.model_name is unknown" in out
+    assert "memory plan (" not in out
+
+
+def test_known_architectures_have_their_published_parameter_counts() -> None:
+    assert KNOWN_ARCHS["Qwen/Qwen2.5-1.5B"].num_parameters == 1_543_714_304
+    assert KNOWN_ARCHS["meta-llama/Llama-3.2-1B"].num_parameters == 1_235_814_400
+    assert KNOWN_ARCHS["Qwen/Qwen2.5-7B-Instruct"].num_parameters == 7_615_616_512
+
+
+def test_device_memory_comes_from_the_key_or_is_unknown_without_a_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert device_memory_bytes(80.0) == (80 * 2**30, "cluster.device_memory_gb=80")
+    monkeypatch.setattr("shutil.which", lambda _: None)
+    assert device_memory_bytes(None)[0] is None
