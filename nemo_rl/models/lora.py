@@ -153,8 +153,11 @@ def has_lora(model: nn.Module) -> bool:
 
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[None]:
-    """Run the block with every adapter switched off: the model computes as the frozen base model."""
-    modules = [module for _, module in lora_modules(model)]
+    """Run the block with every adapter switched off: the model computes as the frozen base model.
+
+    Every module with a ``lora_enabled`` switch counts: :class:`LoRALinear`, and the Megatron backend's
+    adapters (``nemo_rl.models.megatron.lora``)."""
+    modules = [module for module in model.modules() if hasattr(module, "lora_enabled")]
     for module in modules:
         module.lora_enabled = False
     try:

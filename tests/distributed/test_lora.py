@@ -3,21 +3,19 @@
 FSDP (dp=2), tensor parallelism (tp=2) and the replicated mode train the same adapters from the same initial
 values as ``peft.get_peft_model``; DPO uses the frozen base model as its reference policy; a checkpoint holds
 the adapters only and resumes bit for bit; the export is a merged Hugging Face folder plus a PEFT adapter that
-``peft.PeftModel.from_pretrained`` loads. One pair of spawned processes runs every scenario (as in
-``test_dtensor_worker.py``, whose tiny model, data and losses this module reuses).
+``peft.PeftModel.from_pretrained`` loads. One pair of rank processes runs every scenario
+(``rank_groups.run_groups``); the tiny model, data and losses are ``test_dtensor_worker.py``'s.
 """
 
 from __future__ import annotations
 
 import os
-import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from rank_groups import SaveFn, load, run_groups
 from test_dtensor_worker import (
     DPO_CFG,
     GLOBAL_BATCH,
@@ -27,7 +25,6 @@ from test_dtensor_worker import (
     _optimizer_and_schedule,
     _shard,
     build_tiny_model,
-    load,
     make_batch,
     policy_cfg,
     preference_data,
@@ -39,7 +36,6 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from nemo_rl.algorithms.loss_functions import DPOLossFn
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.distributed.virtual_cluster import free_port
 
 peft = pytest.importorskip("peft")
 
@@ -61,12 +57,10 @@ def _full_adapters(worker: Any) -> dict[str, torch.Tensor]:
     return {name: value.clone() for name, value in state.items() if is_adapter_name(name)}
 
 
-def _scenarios(rank: int, model_dir: Path, out_dir: Path) -> None:
+def _scenarios(save: SaveFn, model_dir: Path, out_dir: Path) -> None:
     from nemo_rl.models.policy.dtensor_worker import DTensorPolicyWorker
 
-    def save(name: str, value: Any) -> None:
-        torch.save(value, out_dir / f"{name}.rank{rank}.pt")
-
+    rank = int(os.environ["RANK"])
     data, score_data, loss_fn = train_data(), make_batch(seed=2, num_rows=6), TinyNLLLoss()
     for name, dtensor in (
         ("fsdp", {}),
@@ -112,22 +106,6 @@ def _scenarios(rank: int, model_dir: Path, out_dir: Path) -> None:
     worker.shutdown()
 
 
-def _spawn_entry(rank: int, port: int, model_dir: str, out_dir: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(WORLD_SIZE),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        NEMO_RL_TORCH_THREADS="1",
-    )
-    try:
-        _scenarios(rank, Path(model_dir), Path(out_dir))
-    except BaseException:
-        (Path(out_dir) / f"error.rank{rank}.txt").write_text(traceback.format_exc())
-        raise
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tiny_qwen2_lora")
@@ -138,22 +116,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def results(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out_dir = tmp_path_factory.mktemp("lora_results")
-    context = mp.start_processes(
-        _spawn_entry,
-        args=(free_port(), str(model_dir), str(out_dir)),
-        nprocs=WORLD_SIZE,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    try:
-        while not context.join(timeout=5.0):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the LoRA scenarios did not finish within {SPAWN_TIMEOUT_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
+    run_groups([("lora", WORLD_SIZE, _scenarios)], model_dir, out_dir, timeout_s=SPAWN_TIMEOUT_S)
     return out_dir
 
 
@@ -204,7 +167,7 @@ def peft_training(model: Any, batches: list[BatchedDataDict[Any]], loss_fn: Any,
 def peft_sft(results: Path, model_dir: Path) -> dict[str, Any]:
     data = train_data()
     batches = [data.slice(s * GLOBAL_BATCH, (s + 1) * GLOBAL_BATCH) for s in range(NUM_STEPS)]
-    model = peft_model(model_dir, load(results, "fsdp_adapters_init"))
+    model = peft_model(model_dir, load(results, "lora.fsdp_adapters_init"))
     return peft_training(model, batches, TinyNLLLoss(), per_sequence=False)
 
 
@@ -217,21 +180,23 @@ def assert_close(
 # --------------------------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("layout", ["fsdp", "tp2", "replicate"])
 def test_sft_steps_match_peft(results: Path, peft_sft: dict[str, Any], layout: str) -> None:
-    torch.testing.assert_close(load(results, f"{layout}_adapters_init"), load(results, "fsdp_adapters_init"))
+    torch.testing.assert_close(
+        load(results, f"lora.{layout}_adapters_init"), load(results, "lora.fsdp_adapters_init")
+    )
     for rank in range(WORLD_SIZE):
-        out = load(results, f"{layout}_train", rank)
+        out = load(results, f"lora.{layout}_train", rank)
         assert_close(out["loss"], peft_sft["loss"])
         assert_close(out["grad_norm"], peft_sft["grad_norm"])
         assert out["grad_norm"][0] > 0.05, "clipping should be active in this test"
 
 
 def test_only_adapters_train(results: Path) -> None:
-    trainable = load(results, "fsdp_trainable")
+    trainable = load(results, "lora.fsdp_trainable")
     assert trainable and all(name.endswith((".lora_A", ".lora_B")) for name in trainable)
     # q, k, v, o, gate, up and down in each of the 2 layers, an A and a B each; not the tied LM head.
     assert len(trainable) == 2 * 7 * 2
     for layout in ("fsdp", "tp2", "replicate"):
-        assert load(results, f"{layout}_optimizer_params") == len(trainable)
+        assert load(results, f"lora.{layout}_optimizer_params") == len(trainable)
 
 
 def test_reference_policy_is_the_base_model(results: Path, model_dir: Path) -> None:
@@ -239,7 +204,7 @@ def test_reference_policy_is_the_base_model(results: Path, model_dir: Path) -> N
     for layout in ("fsdp", "tp2", "replicate"):
         # Before training (B = 0) and after it, the adapters switched off give the frozen base model.
         for when in ("", "_trained"):
-            assert_close(load(results, f"{layout}_ref_logprobs{when}")["reference_logprobs"], expected)
+            assert_close(load(results, f"lora.{layout}_ref_logprobs{when}")["reference_logprobs"], expected)
 
 
 def test_dpo_with_the_base_model_as_reference_matches_peft(results: Path, model_dir: Path) -> None:
@@ -249,17 +214,17 @@ def test_dpo_with_the_base_model_as_reference_matches_peft(results: Path, model_
         with_reference_logprobs(pairs, reference_lp).slice(s * GLOBAL_BATCH, (s + 1) * GLOBAL_BATCH)
         for s in range(NUM_STEPS)
     ]
-    model = peft_model(model_dir, load(results, "fsdp_adapters_init"))
+    model = peft_model(model_dir, load(results, "lora.fsdp_adapters_init"))
     expected = peft_training(model, batches, DPOLossFn(DPO_CFG), per_sequence=True)
-    out = load(results, "dpo_train")
+    out = load(results, "lora.dpo_train")
     assert_close(out["loss"], expected["loss"])
     assert_close(out["grad_norm"], expected["grad_norm"])
 
 
 def test_adapter_checkpoint_resumes_bit_for_bit(results: Path) -> None:
-    uninterrupted = load(results, "fsdp_train")
+    uninterrupted = load(results, "lora.fsdp_train")
     for rank in range(WORLD_SIZE):
-        resumed = load(results, "resumed_train", rank)
+        resumed = load(results, "lora.resumed_train", rank)
         assert resumed["loss"].tolist() == uninterrupted["loss"][2:].tolist()
         assert resumed["grad_norm"].tolist() == uninterrupted["grad_norm"][2:].tolist()
 
@@ -281,15 +246,15 @@ def test_refit_and_exports_hold_the_trained_model(
     from nemo_rl.models.policy.hf_io import LORA_ADAPTER_SUBDIR
 
     score_data = make_batch(seed=2, num_rows=6)
-    trained = load(results, "fsdp_logprobs_trained")["logprobs"]
+    trained = load(results, "lora.fsdp_logprobs_trained")["logprobs"]
     assert_close(trained, reference_logprobs(peft_sft["model"], score_data))
     # A full-scope refit sends the base weights under their own names and the adapters unmerged (the engine
     # merges them); folded together they are the trained model.
     from nemo_rl.models.lora import merged_weights
 
-    refit = load(results, "fsdp_refit")
+    refit = load(results, "lora.fsdp_refit")
     adapters = {name for name in refit if name.endswith((".lora_A", ".lora_B"))}
-    assert adapters == set(load(results, "fsdp_adapters_init"))
+    assert adapters == set(load(results, "lora.fsdp_adapters_init"))
     merged = base_model(model_dir)
     assert {name for name, _ in merged.named_parameters()} <= set(refit)  # the tied LM head is listed once
     layers = {name.rpartition(".")[0] for name in adapters}
@@ -311,7 +276,7 @@ def test_converter_writes_the_checkpoint_merged_and_as_a_peft_adapter(
 
     checkpoint = TrainingCheckpoint(weights_dir=results / "ckpt_weights", policy=lora_policy(model_dir))
     score_data = make_batch(seed=2, num_rows=6)
-    expected = load(results, "ckpt_logprobs")["logprobs"]
+    expected = load(results, "lora.ckpt_logprobs")["logprobs"]
     merged = convert_dcp_to_hf(checkpoint, tmp_path / "merged")
     assert_close(reference_logprobs(AutoModelForCausalLM.from_pretrained(merged), score_data), expected)
     adapter = convert_dcp_to_peft(checkpoint, tmp_path / "adapter")

@@ -11,23 +11,15 @@ are spawned as in ``test_megatron_worker.py``, whose tiny model, helpers and spa
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from rank_groups import SaveFn, load, run_groups
 from safetensors.torch import load_file
 from test_dtensor_worker import GLOBAL_BATCH, reference_logprobs, train_data
-from test_megatron_worker import (
-    assert_close,
-    dtensor_cfg,
-    load,
-    megatron_cfg,
-    run_groups,
-    score_data,
-    shard,
-)
+from test_megatron_worker import SPAWN_TIMEOUT_S, assert_close, dtensor_cfg, megatron_cfg, score_data, shard
 from transformers import AutoModelForCausalLM
 
 from nemo_rl.algorithms.loss_functions import NLLLoss
@@ -53,23 +45,26 @@ def _stage_adapters(worker: Any) -> dict[str, torch.Tensor]:
 
 
 # -------------------------------------------------------------------------------- spawned scenarios
-def _reference_scenarios(save: Callable[[str, Any], None], model_dir: Path, out_dir: Path) -> None:
+def _reference_scenarios(save: SaveFn, model_dir: Path, out_dir: Path) -> None:
     """The one-process DTensor worker with the same adapters."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from nemo_rl.models.lora import is_adapter_name
+    from nemo_rl.models.lora import is_adapter_name, merged_weights
     from nemo_rl.models.policy.dtensor_worker import DTensorPolicyWorker
 
     worker = DTensorPolicyWorker(dtensor_cfg(model_dir, {"lora_cfg": LORA_CFG}))
     state = get_model_state_dict(worker.model, options=StateDictOptions(full_state_dict=True))
     save("adapters_init", {name: value.clone() for name, value in state.items() if is_adapter_name(name)})
     save("nll", worker.train(train_data(), NLLLoss()))
-    save("stream", dict(worker.iter_hf_weights(torch.float32)))
+    # The DTensor worker's full refit carries the base weights and the adapters apart: fold them as engines do.
+    stream = worker.iter_hf_weights(torch.float32)
+    merged = merged_weights(stream, LORA_CFG["alpha"] / LORA_CFG["dim"], set(worker.lora_targets))
+    save("stream", dict(merged))
     save("logprobs_trained", worker.get_logprobs(score_data()))
     worker.shutdown()
 
 
-def _megatron_scenarios(save: Callable[[str, Any], None], model_dir: Path, out_dir: Path) -> None:
+def _megatron_scenarios(save: SaveFn, model_dir: Path, out_dir: Path) -> None:
     """Two ranks: TP=2 (training, refit stream, reference, export), TP=2 with SP, PP=2 with a checkpoint."""
     from nemo_rl.models.policy.megatron_worker import MegatronPolicyWorker
 
@@ -121,9 +116,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def results(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out_dir = tmp_path_factory.mktemp("megatron_lora_results")
-    run_groups(
-        [("megatron", 2, _megatron_scenarios), ("reference", 1, _reference_scenarios)], model_dir, out_dir
-    )
+    groups = [("megatron", 2, _megatron_scenarios), ("reference", 1, _reference_scenarios)]
+    run_groups(groups, model_dir, out_dir, timeout_s=SPAWN_TIMEOUT_S)
     return out_dir
 
 

@@ -10,16 +10,12 @@ megatron-core once, which keeps the module's cost to its computation. The tests 
 
 from __future__ import annotations
 
-import multiprocessing
-import os
-import time
-import traceback
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from rank_groups import SaveFn, load, run_groups
 from safetensors.torch import load_file
 from test_dtensor_worker import (
     DPO_CFG,
@@ -38,19 +34,12 @@ from nemo_rl.algorithms.loss_functions import ClippedPGLossFn, DPOLossFn, NLLLos
 from nemo_rl.config.loss import ClippedPGLossConfig
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.distributed.virtual_cluster import free_port
 
 pytest.importorskip("megatron.core", reason="needs megatron-core (uv sync --extra mcore)")
 pytestmark = pytest.mark.mcore
 
 CLIP = 0.05  # small enough that clipping is active
 SPAWN_TIMEOUT_S = 300.0
-PRELOAD = [
-    "transformers",
-    "nemo_rl.models.policy.dtensor_worker",
-    "nemo_rl.models.policy.megatron_worker",
-    "test_megatron_worker",
-]
 PG_CFG = ClippedPGLossConfig(reference_policy_kl_penalty=0.05)
 
 
@@ -134,7 +123,7 @@ def with_reference(worker: Any, pairs: BatchedDataDict[Any]) -> BatchedDataDict[
 
 
 # -------------------------------------------------------------------------------- spawned scenarios
-def _reference_scenarios(save: Callable[[str, Any], None], model_dir: Path, out_dir: Path) -> None:
+def _reference_scenarios(save: SaveFn, model_dir: Path, out_dir: Path) -> None:
     """The one-process DTensor worker on whole global batches."""
     from nemo_rl.models.policy.dtensor_worker import DTensorPolicyWorker
 
@@ -163,7 +152,7 @@ def _draws() -> dict[str, torch.Tensor]:
     return {"process": process, "tracker": tracker}
 
 
-def _megatron_scenarios(save: Callable[[str, Any], None], model_dir: Path, out_dir: Path) -> None:
+def _megatron_scenarios(save: SaveFn, model_dir: Path, out_dir: Path) -> None:
     """Two ranks: TP=2, TP=2 with sequence parallel, PP=2 and DP=2, each a fresh worker."""
     from nemo_rl.models.policy.megatron_worker import MegatronPolicyWorker
 
@@ -256,7 +245,7 @@ def _megatron_scenarios(save: Callable[[str, Any], None], model_dir: Path, out_d
     worker.shutdown()
 
 
-def _four_rank_scenarios(save: Callable[[str, Any], None], model_dir: Path, out_dir: Path) -> None:
+def _four_rank_scenarios(save: SaveFn, model_dir: Path, out_dir: Path) -> None:
     """Four ranks: TP=2 x PP=2 (one data-parallel replica)."""
     from nemo_rl.models.policy.interfaces import PolicyInterface
     from nemo_rl.models.policy.megatron_worker import MegatronPolicyWorker
@@ -283,32 +272,6 @@ def _four_rank_scenarios(save: Callable[[str, Any], None], model_dir: Path, out_
     worker.shutdown()
 
 
-Scenarios = Callable[[Callable[[str, Any], None], Path, Path], None]
-"""A group's scenarios: called on every rank with ``save(name, value)``, the model and the output folder."""
-
-
-def _entry(
-    rank: int, world_size: int, port: int, scenarios: str, run: Scenarios, model_dir: str, out_dir: str
-) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        NEMO_RL_TORCH_THREADS="1",
-    )
-
-    def save(name: str, value: Any) -> None:
-        torch.save(value, Path(out_dir) / f"{scenarios}.{name}.rank{rank}.pt")
-
-    try:
-        run(save, Path(model_dir), Path(out_dir))
-    except BaseException:
-        (Path(out_dir) / f"error.{scenarios}.rank{rank}.txt").write_text(traceback.format_exc())
-        raise
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tiny_qwen2")
@@ -322,37 +285,6 @@ def hf_model(model_dir: Path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(model_dir).eval()
 
 
-def run_groups(groups: list[tuple[str, int, Scenarios]], model_dir: Path, out_dir: Path) -> None:
-    """Run each group's scenarios on its own ``world_size`` ranks, all groups at once; raise on any failure."""
-    context = multiprocessing.get_context("forkserver")
-    # The server imports torch, transformers and megatron-core once; every rank forks from it.
-    context.set_forkserver_preload(PRELOAD)
-    processes = []
-    for scenarios, world_size, run in groups:
-        port = free_port()
-        for rank in range(world_size):
-            process = context.Process(
-                target=_entry, args=(rank, world_size, port, scenarios, run, str(model_dir), str(out_dir))
-            )
-            process.start()
-            processes.append(process)
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    try:
-        for process in processes:
-            process.join(timeout=max(0.0, deadline - time.monotonic()))
-    finally:
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-    errors = sorted(out_dir.glob("error.*.txt"))
-    if errors:
-        raise RuntimeError("\n".join(p.read_text() for p in errors))
-    if any(p.exitcode != 0 for p in processes):
-        raise RuntimeError(
-            f"scenario processes exited with {[p.exitcode for p in processes]} (timeout {SPAWN_TIMEOUT_S} s)"
-        )
-
-
 @pytest.fixture(scope="module")
 def results(model_dir: Path, hf_model: torch.nn.Module, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out_dir = tmp_path_factory.mktemp("megatron_results")
@@ -362,13 +294,8 @@ def results(model_dir: Path, hf_model: torch.nn.Module, tmp_path_factory: pytest
         ("megatron4", 4, _four_rank_scenarios),
         ("reference", 1, _reference_scenarios),
     ]
-    run_groups(groups, model_dir, out_dir)
+    run_groups(groups, model_dir, out_dir, timeout_s=SPAWN_TIMEOUT_S)
     return out_dir
-
-
-def load(out_dir: Path, name: str, rank: int = 0) -> Any:
-    scenarios, _, rest = name.partition(".")
-    return torch.load(out_dir / f"{scenarios}.{rest}.rank{rank}.pt", weights_only=False)
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-5) -> None:

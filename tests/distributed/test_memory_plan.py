@@ -11,17 +11,14 @@ activation term must match within 25%.
 
 from __future__ import annotations
 
-import multiprocessing
-import os
 import shutil
-import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from rank_groups import SaveFn, load, run_groups
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from nemo_rl.algorithms.loss_functions import NLLLoss
@@ -29,7 +26,6 @@ from nemo_rl.config.memory_plan import megatron_stage_terms, policy_train_terms
 from nemo_rl.config.model_arch import resolve_arch
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.distributed.virtual_cluster import free_port
 
 WORLD_SIZE = 2
 ROWS = 4
@@ -39,12 +35,6 @@ TINY = Path(__file__).parents[2] / "examples/assets/tiny_qwen2_init"
 STATE_TERMS = ("weights", "gradients", "optimizer", "LoRA")
 LAYOUTS = ("dtensor_dp2", "dtensor_tp2", "megatron_pp2")
 ACTIVATION_TOLERANCE = 0.25
-PRELOAD = [
-    "transformers",
-    "nemo_rl.models.policy.dtensor_worker",
-    "nemo_rl.models.policy.megatron_worker",
-    "test_memory_plan",
-]
 
 
 def build_mid_model(path: Path) -> None:
@@ -166,7 +156,7 @@ def _held_at_backward(worker: Any, data: BatchedDataDict[Any], vocab: int) -> in
     return held - 2 * tokens * vocab * 4
 
 
-def _measure(rank: int, model_dirs: dict[str, str], out_dir: Path) -> None:
+def _measure(save: SaveFn, model_dirs: dict[str, str], out_dir: Path) -> None:
     from nemo_rl.models.policy.dtensor_worker import DTensorPolicyWorker
     from nemo_rl.models.policy.megatron_worker import MegatronPolicyWorker
 
@@ -190,25 +180,9 @@ def _measure(rank: int, model_dirs: dict[str, str], out_dir: Path) -> None:
             if not lora:
                 results[key]["activations"] = _held_at_backward(worker, shard, vocab)
         worker.shutdown()
-    torch.save(results, out_dir / f"results.rank{rank}.pt")
-
-
-def _spawn_entry(rank: int, port: int, model_dirs: dict[str, str], out_dir: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(WORLD_SIZE),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        NEMO_RL_TORCH_THREADS="1",
-    )
-    try:
-        _measure(rank, model_dirs, Path(out_dir))
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    except BaseException:
-        (Path(out_dir) / f"error.rank{rank}.txt").write_text(traceback.format_exc())
-        raise
+    save("results", results)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -222,29 +196,8 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def measured(model_dirs: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     pytest.importorskip("megatron.core", reason="needs megatron-core (uv sync --extra mcore)")
     out_dir = tmp_path_factory.mktemp("memory_plan_results")
-    context = multiprocessing.get_context("forkserver")
-    # The server imports torch, transformers and both workers once (test_megatron_worker's server, when that
-    # module ran first in this session); both ranks fork from it.
-    context.set_forkserver_preload(PRELOAD)
-    port = free_port()
-    processes = [
-        context.Process(target=_spawn_entry, args=(rank, port, model_dirs, str(out_dir)))
-        for rank in range(WORLD_SIZE)
-    ]
-    for process in processes:
-        process.start()
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    try:
-        for process in processes:
-            process.join(timeout=max(deadline - time.monotonic(), 0.0))
-    finally:
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-    errors = [p.read_text() for p in sorted(out_dir.glob("error.rank*.txt"))]
-    assert not errors, "\n".join(errors)
-    assert all(p.exitcode == 0 for p in processes), f"rank exit codes {[p.exitcode for p in processes]}"
-    return [torch.load(out_dir / f"results.rank{r}.pt") for r in range(WORLD_SIZE)]
+    run_groups([("memory", WORLD_SIZE, _measure)], model_dirs, out_dir, timeout_s=SPAWN_TIMEOUT_S)
+    return [load(out_dir, "memory.results", rank) for rank in range(WORLD_SIZE)]
 
 
 def planned(model_dir: str, layout: str, lora: bool, rank: int) -> dict[str, int]:

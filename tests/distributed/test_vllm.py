@@ -168,11 +168,12 @@ def _check_greedy_parity(
 
 @pytest.fixture(scope="module")
 def cluster(ray_cluster: dict[str, float]) -> Iterator[RayVirtualCluster]:
-    # Two slots; bundle 0 holds an engine and up to two policies (colocated DTensor and Megatron).
+    # Two slots; bundle 0 holds an engine and up to three policies (colocated DTensor and Megatron, which
+    # stay up for the module's later tests, and the LoRA test's).
     cluster = RayVirtualCluster(
         ClusterConfig(gpus_per_node=NUM_SLOTS, placement_timeout_s=300),
         name="vllm",
-        max_colocated_worker_groups=3,
+        max_colocated_worker_groups=4,
     )
     try:
         yield cluster

@@ -26,7 +26,6 @@ Every other parameter is frozen: only the adapters have gradients and optimizer 
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -282,21 +281,3 @@ class MegatronLoRA:
                 groups = query_groups if key == "linear_qkv" else 1
                 module.lora = ParallelLoRA(linear, shapes, self.cfg, config, groups, module.weight.device)
                 module.register_forward_hook(_add_update, with_kwargs=True)
-
-
-def adapter_modules(model: nn.Module) -> list[ParallelLoRA]:
-    """The :class:`ParallelLoRA` modules of ``model``."""
-    return [module for module in model.modules() if isinstance(module, ParallelLoRA)]
-
-
-@contextlib.contextmanager
-def adapters_disabled(model: nn.Module) -> Iterator[None]:
-    """Run the block with every adapter switched off: the model computes as the frozen base model."""
-    modules = adapter_modules(model)
-    for module in modules:
-        module.lora_enabled = False
-    try:
-        yield
-    finally:
-        for module in modules:
-            module.lora_enabled = True

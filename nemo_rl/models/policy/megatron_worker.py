@@ -56,10 +56,10 @@ from nemo_rl.distributed.device import (
 from nemo_rl.models.dtypes import PRECISION_DTYPES
 from nemo_rl.models.hf_config import load_hf_config
 from nemo_rl.models.hf_decoder import DecoderArch, SafetensorsReader, resolve_checkpoint_dir
-from nemo_rl.models.lora import adapter_state, check_checkpoint_kind, write_lora_metadata
+from nemo_rl.models.lora import adapter_state, adapters_disabled, check_checkpoint_kind, write_lora_metadata
 from nemo_rl.models.megatron import checkpoint, cpu_compat, setup
 from nemo_rl.models.megatron.families import family_for
-from nemo_rl.models.megatron.lora import MegatronLoRA, adapters_disabled
+from nemo_rl.models.megatron.lora import MegatronLoRA
 from nemo_rl.models.megatron.weights import (
     StageWeights,
     hf_weights_manifest,
