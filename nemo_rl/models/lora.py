@@ -159,12 +159,12 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
     adapters (``nemo_rl.models.megatron.lora``)."""
     modules = [module for module in model.modules() if hasattr(module, "lora_enabled")]
     for module in modules:
-        module.lora_enabled = False
+        setattr(module, "lora_enabled", False)  # noqa: B010 (a plain attribute, not an nn.Module field)
     try:
         yield
     finally:
         for module in modules:
-            module.lora_enabled = True
+            setattr(module, "lora_enabled", True)  # noqa: B010
 
 
 def merge_lora(
