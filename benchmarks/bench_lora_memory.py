@@ -3,9 +3,12 @@
     uv run python benchmarks/bench_lora_memory.py [--hidden 512 --layers 8 --rank 8 --steps 2]
 
 Builds a Qwen2 model locally (no hub), then for each side (full fine-tuning, LoRA on every linear layer) runs a
-one-rank DTensor policy worker in a fresh process: ``--steps`` SFT steps of AdamW on random tokens, fp32, CPU.
+one-rank DTensor policy worker in a fresh process: ``--steps`` SFT steps of AdamW on ``--rows`` x ``--seq``
+random tokens, fp32, CPU.
 Each side reports the trainable parameters, the optimizer-state bytes, the worker process's peak resident
-memory, and the refit payload of a step after the first (the bytes the policy's refit stream yields in the
+memory above what it held before the worker was built (the interpreter, torch and transformers, the same on
+both sides; on CPU the model load's transient copies set it), how much its resident memory grew while it
+trained (gradients, optimizer state, activations), and the refit payload of a step after the first (the bytes the policy's refit stream yields in the
 generation dtype: the whole model for full fine-tuning, the adapters for LoRA). Ratios LoRA / full at the end.
 """
 
@@ -58,7 +61,12 @@ def _tensor_bytes(value: Any) -> int:
     return 0
 
 
-def run_side(model_dir: str, lora_rank: int, steps: int) -> dict[str, float]:
+def _current_rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def run_side(model_dir: str, lora_rank: int, steps: int, rows: int, seq: int) -> dict[str, float]:
     """One side, in this process (a fresh one per side): build the worker, train, measure."""
     import torch
 
@@ -77,26 +85,30 @@ def run_side(model_dir: str, lora_rank: int, steps: int) -> dict[str, float]:
     cfg = PolicyConfig.model_validate(
         {
             "model_name": model_dir,
-            "train_global_batch_size": 8,
-            "train_micro_batch_size": 8,
+            "train_global_batch_size": rows,
+            "train_micro_batch_size": rows,
             "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-4}},
             "dtensor_cfg": {"lora_cfg": lora},
         }
     )
+    # The process's own footprint (torch, transformers, the interpreter) before the worker exists: the peak
+    # is reported above it, since it is the same for both sides and would hide their difference.
+    baseline = _current_rss_bytes()
     worker = DTensorPolicyWorker(cfg, init_reference_model=bool(lora_rank))
+    built = _current_rss_bytes()
     g = torch.Generator().manual_seed(0)
-    seq = 128
     for _ in range(steps):
-        ids = torch.randint(2, 100, (8, seq), generator=g)
+        ids = torch.randint(2, 100, (rows, seq), generator=g)
         batch = BatchedDataDict(
             {
                 "input_ids": ids,
-                "input_lengths": torch.full((8,), seq),
-                "token_mask": torch.ones(8, seq),
-                "sample_mask": torch.ones(8),
+                "input_lengths": torch.full((rows,), seq),
+                "token_mask": torch.ones(rows, seq),
+                "sample_mask": torch.ones(rows),
             }
         )
         worker.train(batch, TinyNLLLoss())
+    trained = _current_rss_bytes()
     params = dict(worker.model.named_parameters())
     trainable = sum(p.numel() for p in params.values() if p.requires_grad)
     optimizer_bytes = sum(_tensor_bytes(state) for state in worker.optimizer.state.values())
@@ -108,7 +120,10 @@ def run_side(model_dir: str, lora_rank: int, steps: int) -> dict[str, float]:
     return {
         "trainable_params": float(trainable),
         "optimizer_state_bytes": float(optimizer_bytes),
-        "peak_rss_bytes": float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024),
+        "peak_rss_above_start_bytes": float(
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - baseline
+        ),
+        "rss_growth_in_training_bytes": float(trained - built),
         "refit_bytes_per_step": float(refit_bytes),
     }
 
@@ -119,11 +134,15 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--steps", type=int, default=2)
+    # A small batch: on CPU a large one's activations (freed before the optimizer step, whose state then reuses
+    # their memory) hide the gradient and optimizer-state terms this compares.
+    parser.add_argument("--rows", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--side", default=None, help=argparse.SUPPRESS)  # internal: run one side and print
     parser.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side is not None:
-        print(json.dumps(run_side(args.model_dir, int(args.side), args.steps)))
+        print(json.dumps(run_side(args.model_dir, int(args.side), args.steps, args.rows, args.seq)))
         return
     with tempfile.TemporaryDirectory() as tmp:
         num_params = build_model(Path(tmp), args.hidden, args.layers)
