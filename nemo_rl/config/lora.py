@@ -14,6 +14,9 @@ from pydantic import Field, model_validator
 
 from nemo_rl.config.base import ConfigModel
 
+VLLM_MAX_LORA_RANK = 512
+"""The largest ``max_lora_rank`` vLLM 0.32 accepts (``vllm.config.lora.MaxLoRARanks``)."""
+
 
 class LoraConfig(ConfigModel):
     """LoRA adapters on the policy's linear layers (NeMo RL's ``policy.dtensor_cfg.lora_cfg``)."""

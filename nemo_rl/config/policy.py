@@ -8,7 +8,7 @@ from pydantic import Field, field_validator, model_validator
 
 from nemo_rl.config.base import ConfigModel
 from nemo_rl.config.compat import SequencePackingConfig
-from nemo_rl.config.lora import LoraConfig
+from nemo_rl.config.lora import VLLM_MAX_LORA_RANK, LoraConfig
 from nemo_rl.config.megatron import MegatronConfig
 from nemo_rl.config.no_effect import refusal
 
@@ -580,6 +580,12 @@ class PolicyConfig(ConfigModel):
             raise ValueError(
                 f"{key} with a reward model would leave its new scalar head untrained: set it false (train the "
                 "reward model fully)"
+            )
+        dim = self.dtensor_cfg.lora_cfg.dim
+        if self.generation.backend == "vllm" and dim > VLLM_MAX_LORA_RANK:
+            raise ValueError(
+                f"policy.dtensor_cfg.lora_cfg.dim={dim}, but vLLM serves LoRA ranks up to {VLLM_MAX_LORA_RANK}: "
+                f"set a dim of at most {VLLM_MAX_LORA_RANK} or policy.generation.backend=embedded"
             )
         return self
 

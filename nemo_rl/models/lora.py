@@ -21,7 +21,7 @@ import json
 import math
 from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,8 @@ ADAPTER_SUFFIXES = (".lora_A", ".lora_B")
 
 LORA_METADATA_FILE = "lora.json"
 """Written next to an adapter-only checkpoint: the base model and the adapters' config."""
+
+_T = TypeVar("_T")
 
 PEFT_CONFIG_FILE = "adapter_config.json"
 PEFT_WEIGHTS_FILE = "adapter_model.safetensors"
@@ -146,11 +148,6 @@ def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
             yield name, module
 
 
-def has_lora(model: nn.Module) -> bool:
-    """Whether :func:`apply_lora` adapted ``model``."""
-    return next(lora_modules(model), None) is not None
-
-
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[None]:
     """Run the block with every adapter switched off: the model computes as the frozen base model.
@@ -196,22 +193,14 @@ def merged_weights(
         raise ValueError(f"incomplete adapted layers in the weight stream: {sorted(held)}")
 
 
-def adapter_state(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The adapter tensors of a ``(name, tensor)`` stream, by name."""
+def adapter_state(named: Iterable[tuple[str, _T]]) -> dict[str, _T]:
+    """The adapter entries of a ``(name, tensor)`` stream (or of a state dict's items), by name."""
     return {name: tensor for name, tensor in named if is_adapter_name(name)}
 
 
 def peft_name(name: str) -> str:
     """PEFT's name of an adapter parameter: ``a.b.lora_A`` -> ``base_model.model.a.b.lora_A.weight``."""
     return f"base_model.model.{name}.weight"
-
-
-def from_peft_name(name: str) -> str:
-    """The inverse of :func:`peft_name`."""
-    prefix, suffix = "base_model.model.", ".weight"
-    if not (name.startswith(prefix) and name.endswith(suffix)):
-        raise ValueError(f"{name!r} is not a PEFT LoRA weight name")
-    return name[len(prefix) : -len(suffix)]
 
 
 def peft_target_modules(targets: list[str], all_linear: list[str]) -> list[str]:

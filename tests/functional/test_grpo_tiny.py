@@ -150,6 +150,10 @@ def test_colocated_dp2_lora_survives_a_dead_worker_and_resumes_bit_exact(tmp_pat
         # The run ends within a minute, naming the dead worker, with its last checkpoint intact...
         assert proc.returncode != 0 and ended_s < 60, (proc.returncode, ended_s, text[-4000:])
         assert re.search(r"(rank \d of worker group 'policy'|policy worker \d) died", text), text[-4000:]
+        # The console says at start what trains: 7 adapted layers in each of the 4 decoder layers.
+        assert (
+            "LoRA: rank-4 adapters on 28 linear layers of policy; 38,912 of 840,832 parameters train" in text
+        )
         # The recipe's policy workers also host the generation engine, and the error says so.
         assert "also host the embedded generation engine" in text, text[-4000:]
         assert not (tmp_path / "dp2" / "ckpt" / "step_4").exists(), "the kill came after the run's end"

@@ -105,6 +105,11 @@ def test_grpo_recipe_reports_what_has_no_effect_and_dry_run_prints_it(
         # NeMo RL's recipe generates colocated: asynchronous GRPO needs generation slots of its own.
         ("grpo.async_grpo.enabled=true", "which colocated generation cannot do"),
         ("grpo.adv_estimator.name=reinforce_plus_plus", "grpo.adv_estimator.name"),
+        # The recipe samples with vLLM, whose LoRA support stops at rank 512.
+        (
+            "policy.dtensor_cfg.lora_cfg.enabled=true|policy.dtensor_cfg.lora_cfg.dim=600",
+            "vLLM serves LoRA ranks up to 512: set a dim of at most 512",
+        ),
         (
             "~data.train|+data.train=[{dataset_name: squad},{dataset_name: squad}]",
             "data.train lists 2 datasets",

@@ -31,15 +31,13 @@ from nemo_rl.config.policy import PolicyConfig, TokenizerConfig
 from nemo_rl.models.dtypes import PRECISION_DTYPES
 from nemo_rl.models.hf_config import load_hf_config
 from nemo_rl.models.lora import (
+    adapter_state,
     apply_lora,
-    is_adapter_name,
     lora_modules,
-    lora_targets,
     merge_and_unload,
-    peft_target_modules,
     read_lora_metadata,
-    save_peft_adapter,
 )
+from nemo_rl.models.policy.hf_io import LoraExport
 from nemo_rl.models.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -166,7 +164,7 @@ def load_lora_model(checkpoint: TrainingCheckpoint, hf_config: Any) -> PreTraine
         policy.model_name, config=hf_config, dtype=torch.float32, trust_remote_code=policy.trust_remote_code
     )
     apply_lora(model, lora)
-    adapters = {name: p.detach() for name, p in model.named_parameters() if is_adapter_name(name)}
+    adapters = adapter_state((name, p.detach()) for name, p in model.named_parameters())
     missing = sorted(set(adapters) - _checkpoint_keys(checkpoint.weights_dir))
     if missing:
         raise CheckpointFormatError(
@@ -192,10 +190,8 @@ def convert_dcp_to_peft(checkpoint: TrainingCheckpoint, path: str | Path) -> Pat
         policy.model_name, trust_remote_code=policy.trust_remote_code, overrides=policy.hf_config_overrides
     )
     model = load_lora_model(checkpoint, hf_config)
-    adapters = {name: p.detach() for name, p in model.named_parameters() if is_adapter_name(name)}
-    targets = [name for name, _ in lora_modules(model)]
-    all_linear = lora_targets(model, LoraConfig(match_all_linear=True))
-    save_peft_adapter(path, adapters, lora, policy.model_name, peft_target_modules(targets, all_linear))
+    export = LoraExport(lora, [name for name, _ in lora_modules(model)], policy.model_name)
+    export.save_adapter(model, dict(model.named_parameters()), str(path))
     logger.info("wrote the LoRA adapters of %s as a PEFT folder at %s", checkpoint.weights_dir, path)
     return Path(path)
 

@@ -52,13 +52,11 @@ class DTensorRefitMixin:
     _hosts_generation: bool
     _generation_replica: EmbeddedReplica | None
 
-    def offload_before_refit(self) -> None:
-        """Defined by the worker: optimizer state to the host before the refit's gathers."""
-        raise NotImplementedError
+    if TYPE_CHECKING:
+        # The worker's own methods, used by the refit around its copy into a hosted engine.
+        def offload_before_refit(self) -> None: ...
 
-    def offload_after_refit(self) -> None:
-        """Defined by the worker: weights and optimizer state to the host after a refit."""
-        raise NotImplementedError
+        def offload_after_refit(self) -> None: ...
 
     # -------------------------------------------------------------------------------- refit (sender)
     def _persistent_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:

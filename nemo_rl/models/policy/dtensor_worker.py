@@ -45,9 +45,9 @@ from nemo_rl.distributed.device import (
 )
 from nemo_rl.models.dtypes import PRECISION_DTYPES
 from nemo_rl.models.lora import (
+    adapter_state,
     adapters_disabled,
     check_checkpoint_kind,
-    is_adapter_name,
     lora_modules,
     write_lora_metadata,
 )
@@ -302,6 +302,13 @@ class DTensorPolicyWorker(DTensorRefitMixin, PolicyWorkerBase):
     def _after_eval_step(self) -> None:
         reshard_all(self.model)
 
+    def lora_summary(self) -> tuple[int, int, int]:
+        """``(adapted layers, trained parameters, all parameters)``: full counts (a DTensor's ``numel`` is its
+        global size), for the line the driver prints at start."""
+        params = list(self.model.parameters())
+        trained = sum(p.numel() for p in params if p.requires_grad)
+        return len(self.lora_targets), trained, sum(p.numel() for p in params)
+
     def trains_with_dropout(self) -> bool:
         """Whether the model's config (with ``policy.hf_config_overrides``) sets a positive dropout probability
         (see ``hf_io.trains_with_dropout``; asked here, where the config is loaded, not in the driver)."""
@@ -417,7 +424,7 @@ class DTensorPolicyWorker(DTensorRefitMixin, PolicyWorkerBase):
 
         reshard_all(self.model)
         model_state = self._checkpointed(get_model_state_dict(self.model))
-        self._check_checkpoint_kind(weights_path)
+        check_checkpoint_kind(weights_path, bool(self.lora_targets), "policy.dtensor_cfg.lora_cfg.enabled")
         dcp.load(model_state, checkpoint_id=weights_path)
         set_model_state_dict(self.model, model_state, options=StateDictOptions(strict=not self.lora_targets))
         if optimizer_path is not None:
@@ -437,12 +444,7 @@ class DTensorPolicyWorker(DTensorRefitMixin, PolicyWorkerBase):
         frozen base is ``policy.model_name``'s, recorded in the checkpoint's ``lora.json``)."""
         if not self.lora_targets:
             return state
-        return {name: value for name, value in state.items() if is_adapter_name(name)}
-
-    def _check_checkpoint_kind(self, weights_path: str) -> None:
-        """Refuse to load a full checkpoint into a LoRA policy or adapters into a full one (a clear error
-        instead of DCP's missing-key report)."""
-        check_checkpoint_kind(weights_path, bool(self.lora_targets), "policy.dtensor_cfg.lora_cfg.enabled")
+        return adapter_state(state.items())
 
     def export_hf(self, path: str) -> None:
         """Write a Hugging Face checkpoint in ``policy.precision`` (rank 0 writes; all ranks must call)."""

@@ -33,7 +33,6 @@ from nemo_rl.models.dtypes import PRECISION_DTYPES
 from nemo_rl.models.lora import (
     adapter_state,
     apply_lora,
-    is_adapter_name,
     lora_targets,
     merged_weights,
     peft_target_modules,
@@ -254,7 +253,7 @@ class LoraExport:
 
     def save_adapter(self, model: nn.Module, state: dict[str, Any], path: str) -> None:
         """Write the adapters in ``state`` (full tensors) as a PEFT folder at ``path``."""
-        adapters = {name: value for name, value in state.items() if is_adapter_name(name)}
+        adapters = adapter_state(state.items())
         all_linear = lora_targets(model, LoraConfig(match_all_linear=True))
         save_peft_adapter(
             path, adapters, self.cfg, self.base_model, peft_target_modules(self.targets, all_linear)

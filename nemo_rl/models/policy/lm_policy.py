@@ -121,6 +121,14 @@ class Policy(WorkerGroupFacade):
             bundle_indices=bundle_indices,
             dp_size=world_size // model_parallel_size,
         )
+        lora = cfg.dtensor_cfg.lora_cfg
+        if cfg.dtensor_cfg.enabled and lora.enabled:
+            layers, trained, total = self._on_rank_0("lora_summary")
+            print(
+                f"LoRA: rank-{lora.dim} adapters on {layers} linear layers of {name_prefix}; "
+                f"{trained:,} of {total:,} parameters train ({trained / total:.1%}), the base model is frozen",
+                flush=True,
+            )
 
     # ------------------------------------------------------------------------------------------ calls
     def _prompt_run_length(self, data: BatchedDataDict[Any], rows_per_shard: int) -> int:

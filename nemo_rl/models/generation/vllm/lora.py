@@ -22,13 +22,14 @@ from typing import Any
 
 import torch
 
+from nemo_rl.config.lora import VLLM_MAX_LORA_RANK
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.models.generation.lora import AdapterLayout, adaptable_linears
 from nemo_rl.models.lora import is_adapter_name, peft_target_modules, save_peft_adapter
 from nemo_rl.weight_sync.errors import RefitIntegrityError
 from nemo_rl.weight_sync.scope import RefitScope
 
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, VLLM_MAX_LORA_RANK)
 """The ``max_lora_rank`` values vLLM 0.32 accepts (``vllm.config.lora.MaxLoRARanks``)."""
 
 ADAPTER_NAME = "nemo_rl_policy"
@@ -43,7 +44,11 @@ def lora_engine_kwargs(cfg: PolicyConfig) -> dict[str, Any]:
         return {}
     ranks = [rank for rank in VLLM_LORA_RANKS if rank >= lora_cfg.dim]
     if not ranks:
-        raise ValueError(f"vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}; lora_cfg.dim={lora_cfg.dim}")
+        # PolicyConfig refuses this at load; a config built without validation still gets the fix.
+        raise ValueError(
+            f"vLLM serves LoRA ranks up to {VLLM_MAX_LORA_RANK}: set policy.dtensor_cfg.lora_cfg.dim "
+            f"(now {lora_cfg.dim}) to at most that"
+        )
     return {"enable_lora": True, "max_lora_rank": ranks[0], "max_loras": 1}
 
 
