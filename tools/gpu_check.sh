@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check: everything in this repository that needs a CUDA GPU, in one run of about 10 minutes.
 #
-#   bash tools/gpu_check.sh [--no-sync] [--out DIR] [--cpu]
+#   bash tools/gpu_check.sh [--no-sync] [--out DIR] [--cpu] [--only STAGES] [--pytest-mark EXPR] [--pytest-args ARGS]
 #
 # Stages, each reported PASS, FAIL or SKIP with its reason:
 #   1 env        nvidia-smi, torch and CUDA versions, GPU count, the packages nemo_rl imports
@@ -18,20 +18,32 @@
 # torch, transformers and the project's other dependencies must then be importable (PYTHONPATH may add
 # them). Per-stage logs go to DIR (--out; default a new temporary directory). The exit status is 1 when a
 # stage failed, 0 otherwise. --cpu runs stages 3 and 4 without a GPU (gloo, CPU worker slots), to try the
-# script itself on any machine.
+# script itself on any machine. --only runs the stages whose names start with one of the comma-separated
+# STAGES (for example --only 1-env,2-pytest,4-grpo-vllm, when the rest passed on an earlier run and device
+# time is short); --pytest-mark replaces stage 2's marker expression (default "cuda or vllm") and
+# --pytest-args its paths and options (default "tests"; for example "-n 0 tests/distributed/test_vllm.py").
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 SYNC=1
 ON_CPU=0
 OUT=""
+ONLY=""
+PYTEST_MARK="cuda or vllm"
+PYTEST_ARGS="tests"
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --no-sync) SYNC=0 ;;
         --cpu) ON_CPU=1 ;;
         --out) OUT="$2"; shift ;;
         --out=*) OUT="${1#--out=}" ;;
-        -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        --only) ONLY="$2"; shift ;;
+        --only=*) ONLY="${1#--only=}" ;;
+        --pytest-mark) PYTEST_MARK="$2"; shift ;;
+        --pytest-mark=*) PYTEST_MARK="${1#--pytest-mark=}" ;;
+        --pytest-args) PYTEST_ARGS="$2"; shift ;;
+        --pytest-args=*) PYTEST_ARGS="${1#--pytest-args=}" ;;
+        -h|--help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
     esac
     shift
@@ -59,6 +71,16 @@ record() {  # record NAME STATUS REASON
     return 0
 }
 
+selected() {  # selected NAME: whether --only (if given) names a prefix of NAME
+    [[ -z "$ONLY" ]] && return 0
+    local prefix
+    IFS=',' read -ra prefixes <<<"$ONLY"
+    for prefix in "${prefixes[@]}"; do
+        [[ "$1" == "$prefix"* ]] && return 0
+    done
+    return 1
+}
+
 time_left() {  # the seconds a stage may take: its own limit or what is left of the budget
     local left=$((BUDGET_S - (SECONDS - START_S)))
     (( left < $1 )) && echo "$left" || echo "$1"
@@ -69,6 +91,10 @@ time_left() {  # the seconds a stage may take: its own limit or what is left of 
 run_stage() {
     local name="$1" limit="$2"; shift 2
     local log="$OUT/$name.log" left rc reason
+    if ! selected "$name"; then
+        record "$name" SKIP "not selected (--only $ONLY)"
+        return
+    fi
     (( ON_CPU )) && limit=$((limit * 4))  # CPU worker slots are many times slower than a GPU
     left=$(time_left "$limit")
     if (( left < 20 )); then
@@ -109,7 +135,7 @@ else
     PY=python3
 fi
 
-export PY OUT
+export PY OUT PYTEST_MARK PYTEST_ARGS
 
 env_report() {
     if command -v nvidia-smi >/dev/null; then
@@ -153,8 +179,8 @@ NO_GPU_REASON="no CUDA GPU (torch.cuda.is_available() is False)"
 
 # --- the tests marked cuda or vllm ---------------------------------------------------------------------
 pytest_stage() {
-    "$PY" -m pytest -m "cuda or vllm" -p no:cacheprovider -q -rs --timeout 300 \
-        --junitxml="$OUT/pytest.xml" tests
+    "$PY" -m pytest -m "$PYTEST_MARK" -p no:cacheprovider -q -rs --timeout 300 \
+        --junitxml="$OUT/pytest.xml" $PYTEST_ARGS
     local rc=$?
     "$PY" - "$OUT/pytest.xml" "$rc" <<'EOF'
 import sys
