@@ -33,7 +33,7 @@ from nemo_rl.config.algorithms import DPOConfig, RMConfig
 from nemo_rl.config.master import PreferenceMasterConfig
 from nemo_rl.data.collate_fn import make_preference_collate_fn
 from nemo_rl.data.dataloader import StatefulDataLoader
-from nemo_rl.data.datasets import ProcessedDataset
+from nemo_rl.data.datasets import ProcessedDataset, prompt_groups
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
 ROWS_PER_PAIR = 2
@@ -89,6 +89,11 @@ def setup_preference_run(
             tokenizer, config.data.max_input_seq_length or config.policy.max_total_sequence_length
         ),
         init_reference_model=keep_reference_model,
+        train_groups=(
+            prompt_groups(train_dataset, loop_cfg.group_pairs_by_prompt)
+            if loop_cfg.group_pairs_by_prompt
+            else None
+        ),
     )
     return PreferenceRun(**run.run_fields(), config=config, loop_cfg=loop_cfg, loss_fn=loss_fn)
 

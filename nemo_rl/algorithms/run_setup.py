@@ -103,9 +103,11 @@ def make_train_loader(
     shuffle: bool,
     seed: int,
     collate_fn: Collate,
+    groups: Sequence[Sequence[int]] | None = None,
 ) -> Loader:
     """The training loader (whole batches only), put where the resumed checkpoint left it; ``batch_size_key``
-    names the key that sets ``batch_size`` in the error for data smaller than one batch."""
+    names the key that sets ``batch_size`` in the error for data smaller than one batch, and ``groups``
+    are samples served together (see :class:`StatefulDataLoader`)."""
     loader: Loader = StatefulDataLoader(
         dataset,
         batch_size=batch_size,
@@ -114,6 +116,7 @@ def make_train_loader(
         drop_last=True,
         collate_fn=collate_fn,
         batch_size_key=batch_size_key,
+        groups=groups,
     )
     resume.restore_loader(loader)
     return loader
@@ -255,10 +258,11 @@ def start_supervised_run(
     val_batch_size: int,
     collate_fn: Collate,
     init_reference_model: bool = False,
+    train_groups: Sequence[Sequence[int]] | None = None,
 ) -> SupervisedRun:
     """Check the inputs, find the checkpoint to resume, build the loaders (``policy.train_global_batch_size``
     rows per training batch), then start Ray and the policy on every slot; ``name`` labels the cluster and,
-    upper-cased, the run in messages."""
+    upper-cased, the run in messages; ``train_groups`` are samples the training loader serves together."""
     run = open_run(
         config,
         state_cls,
@@ -274,6 +278,7 @@ def start_supervised_run(
         shuffle=config.data.shuffle,
         seed=seed,
         collate_fn=collate_fn,
+        groups=train_groups,
     )
     val_loader = make_val_loader(val_dataset, batch_size=val_batch_size, seed=seed, collate_fn=collate_fn)
     cluster = start_cluster(config, name)

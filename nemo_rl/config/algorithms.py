@@ -393,6 +393,12 @@ class DPOConfig(DPOLossConfig):
     seed: int = 42
     """Seed of the shuffling of the preference pairs."""
 
+    group_pairs_by_prompt: int = Field(default=0, ge=0)
+    """Serve up to this many pairs of one prompt together (0: every pair shuffled on its own): each prompt's
+    pairs are cut into groups of this size, each epoch shuffles the groups, and a group's pairs stay
+    consecutive in a batch. With ``policy.shared_prefix`` and its ``dedupe_rows``, a group's prompt and its
+    repeated chosen response then run once; large groups make batches less varied (fewer prompts each)."""
+
     export_dir: str | None = None
     """Where the final weights are exported as a Hugging Face folder; ``None`` uses
     ``<checkpointing.checkpoint_dir>/hf_final``."""
@@ -431,6 +437,12 @@ class RMConfig(ConfigModel):
 
     seed: int = 42
     """Seed of the shuffling of the preference pairs."""
+
+    group_pairs_by_prompt: int = Field(default=0, ge=0)
+    """Serve up to this many pairs of one prompt together (0: every pair shuffled on its own): each prompt's
+    pairs are cut into groups of this size, each epoch shuffles the groups, and a group's pairs stay
+    consecutive in a batch. With ``policy.shared_prefix`` and its ``dedupe_rows``, a group's prompt and its
+    repeated chosen response then run once; large groups make batches less varied (fewer prompts each)."""
 
     export_dir: str | None = None
     """Where the final reward model is exported as a Hugging Face folder (it loads with

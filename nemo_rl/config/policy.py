@@ -179,11 +179,18 @@ class SharedPrefixConfig(ConfigModel):
     per sample (about 1.3-1.6x training tokens/s on the tiny math GRPO batches, ``benchmarks/README.md``). With
     no shared prompts it costs only the grouping check. Needs Hugging Face's sdpa attention (the default) and
     no sliding-window layers. Exclusive with ``sequence_packing`` (it packs each micro-batch
-    already, with no repeated prompt); refused on the Megatron backend and
-    for reward models."""
+    already, with no repeated prompt); refused on the Megatron backend. A reward model reads its scalar head
+    at each row's last token of the shared forward, as its unshared forward does."""
 
     enabled: bool = False
     """Compute each shared prompt once per micro-batch (see the class docstring for when it pays)."""
+
+    dedupe_rows: bool = False
+    """Also compute rows that are identical in full (prompt, response and trained tokens) once per
+    micro-batch, and hand every copy the same output (their gradients sum, as through separate copies).
+    Pays where whole rows repeat: preference pairs served by prompt (``<algo>.group_pairs_by_prompt``) repeat
+    a prompt's chosen response in each of its pairs. Off by default because the smaller batch rounds
+    differently, which moves seeded results by float rounding."""
 
 
 class ColocatedResources(ConfigModel):
@@ -656,11 +663,6 @@ class PolicyConfig(ConfigModel):
             raise ValueError(
                 "policy.shared_prefix and policy.sequence_packing are both enabled: pick one (with groups of "
                 "samples per prompt, shared_prefix saves the repeated prompts; packing saves padding)"
-            )
-        if self.reward_model_cfg.enabled:
-            raise ValueError(
-                "policy.shared_prefix.enabled=true needs next-token logits, but this policy is a reward model: "
-                "set policy.shared_prefix.enabled=false"
             )
 
     @property

@@ -35,6 +35,9 @@ class StatefulDataLoader(Generic[T, B]):
         collate_fn: Turns a list of samples into a batch.
         batch_size_key: The config key that sets ``batch_size``, named in the error for data smaller than
             one batch.
+        groups: Sample indices that are served together (for example the preference pairs of one prompt):
+            shuffling then permutes the groups and keeps each group's samples consecutive, in order, so a
+            batch holds whole groups (and pieces of at most two more at its ends). ``None`` shuffles samples.
     """
 
     def __init__(
@@ -47,6 +50,7 @@ class StatefulDataLoader(Generic[T, B]):
         drop_last: bool,
         collate_fn: Callable[[list[T]], B],
         batch_size_key: str = "batch_size",
+        groups: Sequence[Sequence[int]] | None = None,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -64,6 +68,9 @@ class StatefulDataLoader(Generic[T, B]):
         self.seed = seed
         self.drop_last = drop_last
         self.collate_fn = collate_fn
+        self.groups = [list(g) for g in groups] if groups is not None else None
+        if self.groups is not None and sorted(i for g in self.groups for i in g) != list(range(len(dataset))):
+            raise ValueError("groups must hold every sample index of the dataset exactly once")
         self._epoch = 0
         self._batch_index = 0
 
@@ -89,7 +96,10 @@ class StatefulDataLoader(Generic[T, B]):
         """Sample indices of ``epoch`` in the order they are served."""
         if not self.shuffle:
             return list(range(len(self.dataset)))
-        return np.random.default_rng((self.seed, epoch)).permutation(len(self.dataset)).tolist()
+        rng = np.random.default_rng((self.seed, epoch))
+        if self.groups is None:
+            return rng.permutation(len(self.dataset)).tolist()
+        return [i for g in rng.permutation(len(self.groups)).tolist() for i in self.groups[g]]
 
     def __iter__(self) -> Iterator[B]:
         self._roll_over()
@@ -119,21 +129,24 @@ class StatefulDataLoader(Generic[T, B]):
             "num_samples": len(self.dataset),
             "batch_size": self.batch_size,
             "shuffle": self.shuffle,
+            "grouped": self.groups is not None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`: the next batch is the one that followed when it was saved."""
-        saved = {k: state[k] for k in ("seed", "num_samples", "batch_size", "shuffle")}
+        # Checkpoints from before grouping existed were ungrouped.
+        saved = {k: state.get(k, False) for k in ("seed", "num_samples", "batch_size", "shuffle", "grouped")}
         current = {
             "seed": self.seed,
             "num_samples": len(self.dataset),
             "batch_size": self.batch_size,
             "shuffle": self.shuffle,
+            "grouped": self.groups is not None,
         }
         if saved != current:
             raise ValueError(
                 f"the data loader state was saved with {saved} but this loader has {current}: resume with the "
-                "same data, batch size, shuffle and seed settings, or start without the saved state"
+                "same data, batch size, shuffle, grouping and seed settings, or start without the saved state"
             )
         if not 0 <= state["batch_index"] <= len(self):
             raise ValueError(

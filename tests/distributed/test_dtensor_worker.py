@@ -41,6 +41,8 @@ VOCAB = 128
 SEQ_LEN = 11  # odd on purpose: sequence parallel must pad it to a multiple of tp
 GLOBAL_BATCH = 8
 NUM_STEPS = 3
+REPEATED_ROWS = [0, 1, 0, 2, 1, 0]
+"""Rows of the 6-row scoring batch, some repeated, that a worker with ``dedupe_rows`` computes once each."""
 LR = 1e-3
 SPAWN_TIMEOUT_S = 240.0
 
@@ -307,17 +309,23 @@ def _scenarios(rank: int, model_dir: Path, out_dir: Path) -> None:
         worker.shutdown()
 
     # Reward model: the scalar head on the same worker, dp=2, tp=2 and sequence parallel; scores and export.
+    # At tp=2 each pair computes its shared prompt once, and rows repeated in full run once (dedupe_rows).
     rm = {"reward_model_cfg": {"enabled": True}}
     for name, dtensor in (
         ("rm_dp2", {}),
         ("rm_tp2", {"tensor_parallel_size": 2}),
         ("rm_sp2", {"tensor_parallel_size": 2, "sequence_parallel": True}),
     ):
-        worker = DTensorPolicyWorker(policy_cfg(model_dir, dtensor, **rm), init_reference_model=False)
+        shared_prefix = {"enabled": name == "rm_tp2", "dedupe_rows": True}
+        worker = DTensorPolicyWorker(
+            policy_cfg(model_dir, dtensor, shared_prefix=shared_prefix, **rm), init_reference_model=False
+        )
         shard = pairs.shard_by_batch_size(worker.dp_size, batch_size=GLOBAL_BATCH, group_size=2)[
             worker.dp_rank
         ]
         save(f"{name}_scores_init", worker.score(score_data))
+        if name == "rm_tp2":
+            save("rm_tp2_scores_repeated_rows", worker.score(score_data.select_indices(REPEATED_ROWS)))
         save(f"{name}_train", worker.train(shard, PreferenceLoss(), mbs=2))
         save(f"{name}_scores_trained", worker.score(score_data))
         if name == "rm_tp2":
@@ -852,6 +860,8 @@ def test_reward_model_scores_and_export(results: Path, preference_reference: dic
             preference_reference["rm_scores_trained"],
             rtol=1e-4,
         )
+    repeated = load(results, "rm_tp2_scores_repeated_rows")["scores"]
+    assert_close(repeated, preference_reference["rm_scores_init"][REPEATED_ROWS])
     # The export is a sequence-classification model with one output that scores exactly as the worker did.
     exported = AutoModelForSequenceClassification.from_pretrained(results / "rm_export")
     assert exported.config.num_labels == 1

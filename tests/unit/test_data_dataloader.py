@@ -10,7 +10,7 @@ import pytest
 from nemo_rl.config.data import DataConfig
 from nemo_rl.data.collate_fn import rl_collate_fn
 from nemo_rl.data.dataloader import StatefulDataLoader
-from nemo_rl.data.datasets import ProcessedDataset, load_dataset_splits
+from nemo_rl.data.datasets import ProcessedDataset, load_dataset_splits, prompt_groups
 from nemo_rl.data.interfaces import DatumSpec, Record, TaskDataSpec
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
@@ -94,6 +94,36 @@ def test_mismatched_state_is_refused() -> None:
         _loader(seed=3).load_state_dict(state)
     with pytest.raises(ValueError, match="outside an epoch"):
         _loader().load_state_dict({**state, "batch_index": 9})
+
+
+def test_groups_stay_together_in_seeded_orders() -> None:
+    groups = [[0, 1, 2], [3], [4, 5], [6, 7, 8, 9]]
+    loader = _loader(groups=groups, batch_size=4)
+    for epoch in range(3):
+        order = loader.epoch_order(epoch)
+        assert sorted(order) == list(range(10))
+        # Each group's samples are consecutive and in their own order.
+        assert all(order[order.index(g[0]) : order.index(g[0]) + len(g)] == g for g in groups)
+    assert loader.epoch_order(0) != loader.epoch_order(1)
+    state = _loader(groups=groups).state_dict()
+    with pytest.raises(ValueError, match="grouping"):
+        _loader().load_state_dict(state)
+    with pytest.raises(ValueError, match="exactly once"):
+        _loader(groups=[[0, 1], [1, 2]])
+
+
+def test_prompt_groups_cut_each_prompts_pairs() -> None:
+    def pair(prompt: str, answer: str) -> Record:
+        user = {"role": "user", "content": prompt}
+        return {
+            "messages": [user, {"role": "assistant", "content": answer}],
+            "rejected_messages": [user, {"role": "assistant", "content": "no"}],
+        }
+
+    records = [pair("a", "1"), pair("b", "1"), pair("a", "2"), pair("a", "3"), pair("b", "2")]
+    dataset = ProcessedDataset(records, None, None, None, 0)  # type: ignore[arg-type]  # records only
+    assert prompt_groups(dataset, 2) == [[0, 2], [3], [1, 4]]
+    assert prompt_groups(dataset, 5) == [[0, 2, 3], [1, 4]]
 
 
 def test_resume_with_processed_dataset_and_rl_collate() -> None:

@@ -12,6 +12,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.models.policy.shared_prefix import (
     SharedPrefixRows,
+    identical_rows,
     prompt_lengths,
     shared_prefix_groups,
     shared_prefix_units,
@@ -108,6 +109,17 @@ def test_shared_forward_equals_the_unshared_forward(multiple: int) -> None:
     torch.testing.assert_close(plain, expected, rtol=0, atol=0)
 
 
+def test_identical_rows_run_once() -> None:
+    ids = torch.tensor([[1, 2, 3, 0], [1, 2, 4, 0], [1, 2, 3, 9], [5, 6, 0, 0], [1, 2, 4, 0]])
+    lengths = torch.tensor([3, 3, 3, 2, 3])  # row 2 equals row 0 up to its length
+    mask = torch.tensor([[0, 1, 1, 0]] * 3 + [[0, 1, 0, 0]] + [[0, 0, 1, 0]])  # row 4: other trained tokens
+    batch = {"input_ids": ids, "input_lengths": lengths, "token_mask": mask}
+    unique, copies = identical_rows(batch)
+    assert unique == [0, 1, 3, 4]
+    assert copies.tolist() == [0, 1, 0, 2, 3]
+    assert identical_rows({**batch, "input_ids": torch.arange(20).reshape(5, 4)})[0] is None
+
+
 def test_shared_prefix_is_refused_where_it_is_not_built() -> None:
     def cfg(**overrides: Any) -> PolicyConfig:
         return PolicyConfig.model_validate(
@@ -117,8 +129,7 @@ def test_shared_prefix_is_refused_where_it_is_not_built() -> None:
     assert cfg(dynamic_batching={"enabled": True}).shared_prefix.enabled
     with pytest.raises(ValueError, match="pick one"):
         cfg(sequence_packing={"enabled": True})
-    with pytest.raises(ValueError, match="reward model"):
-        cfg(reward_model_cfg={"enabled": True})
+    assert cfg(reward_model_cfg={"enabled": True}).shared_prefix.enabled
     with pytest.raises(ValueError, match="DTensor backend only"):
         cfg(dtensor_cfg={"enabled": False}, megatron_cfg={"enabled": True}, optimizer=None)
     eager = Qwen2ForCausalLM(

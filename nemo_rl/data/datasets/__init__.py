@@ -11,6 +11,7 @@ Typical use by an algorithm's ``setup``::
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterator, Sequence
 from typing import overload
 
@@ -39,6 +40,7 @@ __all__ = [
     "dataset_task_names",
     "load_dataset_splits",
     "load_hub_rows",
+    "prompt_groups",
     "read_local_rows",
     "setup_data",
     "setup_preference_data",
@@ -91,6 +93,17 @@ class ProcessedDataset(Sequence[DatumSpec]):
     def task_names(self) -> set[str]:
         """The ``task_name`` of every sample (one task per processed dataset)."""
         return {self.spec.task_name}
+
+
+def prompt_groups(dataset: ProcessedDataset, max_size: int) -> list[list[int]]:
+    """The sample indices of ``dataset`` grouped by identical prompts (every message but the last), each
+    prompt's cut into groups of at most ``max_size``, in order of first appearance: a preference dataset's
+    pairs of one prompt, for a loader that serves a group together."""
+    by_prompt: dict[str, list[int]] = {}
+    for i, record in enumerate(dataset.records):
+        key = json.dumps(record["messages"][:-1], sort_keys=True, default=str)
+        by_prompt.setdefault(key, []).append(i)
+    return [rows[i : i + max_size] for rows in by_prompt.values() for i in range(0, len(rows), max_size)]
 
 
 def dataset_task_names(dataset: Sequence[DatumSpec] | None) -> set[str]:

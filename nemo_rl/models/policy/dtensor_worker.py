@@ -63,6 +63,7 @@ from nemo_rl.models.policy.optim import build_optimizer, build_scheduler, clip_g
 from nemo_rl.models.policy.parallelize import local_tensor, reshard_all
 from nemo_rl.models.policy.shared_prefix import (
     SharedPrefixRows,
+    identical_rows,
     prompt_lengths,
     shared_prefix_groups,
     use_shared_prefix_attention,
@@ -146,11 +147,21 @@ class DTensorPolicyWorker(DTensorRefitMixin, PolicyWorkerBase):
 
     # ----------------------------------------------------------------------------------------- forward
     def _forward(self, mb: BatchedDataDict[Any]) -> torch.Tensor:
-        """What the loss reads: next-token logits [B, T, V], or a reward model's rewards [B] (float32)."""
-        return self._rewards(mb) if self.is_reward_model else self._logits(mb)
+        """What the loss reads: next-token logits [B, T, V], or a reward model's rewards [B] (float32).
+
+        With ``policy.shared_prefix.dedupe_rows`` rows identical in full run once and each copy reads the
+        same output (indexing it sums their gradients, as separate copies would)."""
+        unique = None
+        if self.cfg.shared_prefix.enabled and self.cfg.shared_prefix.dedupe_rows:
+            unique, copies = identical_rows(mb)
+            mb = mb.select_indices(unique) if unique is not None else mb
+        out = self._rewards(mb) if self.is_reward_model else self._logits(mb)
+        return out if unique is None else out.index_select(0, copies.to(out.device))
 
     def _rewards(self, mb: BatchedDataDict[Any]) -> torch.Tensor:
         """[B] float32 reward of each sequence: the scalar head's output at its last token."""
+        if self.cfg.shared_prefix.enabled and (shared := self._shared_prefix_rows(mb)) is not None:
+            return self._shared_prefix_rewards(mb, shared)
         ids_BT = mb["input_ids"]
         valid_BT = valid_token_mask(mb["input_lengths"].to(ids_BT.device), ids_BT.shape[1])
         # HF's sequence-classification models score the last token that is not the pad token, so every
@@ -164,6 +175,45 @@ class DTensorPolicyWorker(DTensorRefitMixin, PolicyWorkerBase):
         if isinstance(scores, DTensor):
             scores = scores.full_tensor()
         return scores.float().reshape(ids_BT.shape[0])
+
+    def _shared_prefix_rewards(self, mb: BatchedDataDict[Any], shared: SharedPrefixRows) -> torch.Tensor:
+        """[B] float32 rewards from the shared-prompt forward: the scalar head's per-token output over the
+        packed row (caught on its way out of the head, before Hugging Face reads one token of the packed
+        row), mapped back to the rows and read at each row's last token."""
+        head_out: list[torch.Tensor] = []
+        hook = self.model.get_submodule("score").register_forward_hook(
+            lambda _module, _args, output: head_out.append(output)
+        )
+        try:
+            self.model(**self._shared_prefix_inputs(shared))
+        finally:
+            hook.remove()
+        from torch.distributed.tensor import DTensor
+
+        scores_1L = head_out[0].full_tensor() if isinstance(head_out[0], DTensor) else head_out[0]
+        scores_BT = shared.unpack(scores_1L)[..., 0]
+        # Read where Hugging Face reads an unshared row: its last token that is not the pad token.
+        ids_BT = mb["input_ids"].to(scores_BT.device)
+        valid_BT = valid_token_mask(mb["input_lengths"].to(ids_BT.device), ids_BT.shape[1])
+        hf_config: Any = self.model.config
+        read_BT = valid_BT & (ids_BT != int(hf_config.pad_token_id))
+        positions_BT = torch.arange(ids_BT.shape[1], device=ids_BT.device).expand_as(ids_BT)
+        last_B = (positions_BT * read_BT).argmax(dim=1)
+        return scores_BT.gather(1, last_B[:, None])[:, 0].float()
+
+    @staticmethod
+    def _shared_prefix_inputs(shared: SharedPrefixRows) -> dict[str, Any]:
+        """The model's keywords for a shared-prompt forward. The layout reaches every attention layer through
+        Hugging Face's forward keywords. A placeholder 4D mask is passed as-is (and ignored by the blockwise
+        attention): otherwise Hugging Face would build an [L, L] mask from the restarting position ids that
+        nothing reads."""
+        return {
+            "input_ids": shared.input_ids_1L,
+            "position_ids": shared.position_ids_1L,
+            "attention_mask": torch.ones(1, 1, 1, 1, dtype=torch.bool, device=shared.input_ids_1L.device),
+            "use_cache": False,
+            "shared_prefix_layout": shared.layout,
+        }
 
     def _logits(self, mb: BatchedDataDict[Any]) -> torch.Tensor:
         """[B, T, V] float32 full-vocab logits of the sampling distribution (temperature, top-k, top-p; see
@@ -180,16 +230,7 @@ class DTensorPolicyWorker(DTensorRefitMixin, PolicyWorkerBase):
                 input_ids=packed.input_ids_1L, position_ids=packed.position_ids_1L, use_cache=False
             )
         elif self.cfg.shared_prefix.enabled and (shared := self._shared_prefix_rows(mb)) is not None:
-            # The layout reaches every attention layer through Hugging Face's forward keywords. A placeholder
-            # 4D mask is passed as-is (and ignored by the blockwise attention): otherwise Hugging Face would
-            # build an [L, L] mask from the restarting position ids that nothing reads.
-            output = self.model(
-                input_ids=shared.input_ids_1L,
-                position_ids=shared.position_ids_1L,
-                attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=shared.input_ids_1L.device),
-                use_cache=False,
-                shared_prefix_layout=shared.layout,
-            )
+            output = self.model(**self._shared_prefix_inputs(shared))
         else:
             output = self.model(input_ids=mb["input_ids"], use_cache=False)
         logits_BTV = output.logits

@@ -56,6 +56,29 @@ def shared_prefix_groups(input_ids_BT: torch.Tensor, prompt_lengths_B: list[int]
     return list(groups.values())
 
 
+def identical_rows(mb: Any) -> tuple[list[int] | None, torch.Tensor]:
+    """The first row of each set of rows identical in full (tokens up to their length, length, trained
+    tokens), and for every row the position of its set's first row among them: ``(None, ...)`` when no two
+    rows are identical. ``mb`` is a micro-batch with ``input_ids``, ``input_lengths`` and ``token_mask``."""
+    ids_BT, lengths = mb["input_ids"].cpu(), mb["input_lengths"].tolist()
+    mask_BT = mb["token_mask"].cpu() if "token_mask" in mb else None
+    first: dict[tuple[Any, ...], int] = {}
+    copies: list[int] = []
+    for row, length in enumerate(lengths):
+        key = (
+            length,
+            tuple(ids_BT[row, :length].tolist()),
+            tuple(mask_BT[row, :length].tolist()) if mask_BT is not None else (),
+        )
+        copies.append(first.setdefault(key, len(first)))
+    if len(first) == len(lengths):
+        return None, torch.arange(len(lengths))
+    unique = [0] * len(first)
+    for row in reversed(range(len(lengths))):  # each set's first row
+        unique[copies[row]] = row
+    return unique, torch.tensor(copies)
+
+
 def shared_prefix_units(
     groups: list[list[int]], input_lengths: list[int], prompt_lengths_B: list[int], max_tokens: int
 ) -> tuple[list[list[int]], list[int]]:
