@@ -1,0 +1,396 @@
+"""Running untrusted code (a model's program, a tool call) in a separate process with hard limits.
+
+:class:`Sandbox` runs a program, or Python source with :meth:`Sandbox.run_python`, in a fresh temporary
+directory and returns its exit status and capped output as a :class:`SandboxResult`. Each run gets:
+
+- CPU-time, address-space, file-size, open-file and process-count limits (``setrlimit`` in the run's first
+  process, inherited by everything it starts) and a wall-clock limit kept by the caller;
+- its own session and process group, and (as root) a user id of its own, so that ``RLIMIT_NPROC`` counts
+  only this run's processes and the run can write nowhere but its directory;
+- no network: a new network namespace (only a loopback device, down), or where the machine cannot make one,
+  a ``socket`` module that refuses to open sockets (Python code only, and weaker: see docs/security.md);
+- with bubblewrap (``bwrap`` on the ``PATH``): new PID, IPC, UTS and mount namespaces; the filesystem it sees
+  is read-only and holds only the system libraries, the interpreter's files and its own directory, so files
+  elsewhere cannot be read; everything it started dies with the namespace's first process.
+
+When the run ends (or is stopped at a limit), every process it started is killed. What is promised and what
+is not is written down in docs/security.md; :func:`detect_isolation` says what this machine allows.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import random
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from nemo_rl.config.env import SandboxConfig
+from nemo_rl.config.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+_LAUNCHER_SOURCE = (Path(__file__).parent / "sandbox_launcher.py").read_text()
+_SETUP_FAILED_EXIT_CODE = 125  # sandbox_launcher.SETUP_FAILED_EXIT_CODE (it is never imported)
+_SANDBOX_DIR = "/sandbox"
+"""Where a bubblewrap run sees its directory (and its working directory)."""
+
+_RUN_UID_RANGE = (1_000_000, 2_000_000_000)
+"""User ids drawn for runs as root: unused by any account, and two concurrent runs almost never share one."""
+
+_REFUSE_SOCKETS_PRELUDE = """\
+import socket as _socket, sys as _sys, runpy as _runpy
+class _NoNetwork(_socket.socket):
+    def __init__(self, *args, **kwargs):
+        raise PermissionError("the sandbox refuses network access")
+_socket.socket = _NoNetwork
+_socket.create_connection = _socket.socketpair = _socket.fromfd = _NoNetwork
+del _socket
+_sys.argv = _sys.argv[1:]
+_runpy.run_path(_sys.argv[0], run_name="__main__")
+"""
+"""Run before a Python program where no network namespace can be made: sockets cannot be created through
+the ``socket`` module. Code that reaches the ``_socket`` C module or ``ctypes`` gets around it."""
+
+
+@dataclass(frozen=True)
+class Isolation:
+    """What a sandbox run is isolated by on this machine (see :func:`detect_isolation`)."""
+
+    backend: Literal["bubblewrap", "rlimits"]
+    """``bubblewrap``: namespaces and a private read-only filesystem view; ``rlimits``: limits and a session."""
+
+    network: Literal["namespace", "socket_refusal"]
+    """A network namespace of its own, or only Python's ``socket`` module refusing to open sockets."""
+
+    run_uid: bool
+    """Each run has a user id of its own (the parent is root): ``RLIMIT_NPROC`` counts only its processes,
+    it can write only to its directory, and at the end every process of that id is killed."""
+
+    def describe(self) -> str:
+        """One line for logs and results."""
+        fs = "private read-only view" if self.backend == "bubblewrap" else "host filesystem readable"
+        uid = "own uid" if self.run_uid else "caller's uid"
+        return f"{self.backend} (network: {self.network}; filesystem: {fs}; {uid})"
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    """How one run ended."""
+
+    stdout: str
+    """What the program wrote to stdout (decoded as UTF-8, bad bytes replaced), cut at the output limit."""
+
+    stderr: str
+    """What it wrote to stderr, cut the same way."""
+
+    exit_code: int | None
+    """Its exit status; ``None`` when it was killed by a signal or at a limit."""
+
+    signal: int | None
+    """The signal that ended it (``SIGKILL`` at the wall-clock or output limit, ``SIGXCPU`` at the CPU limit)."""
+
+    timed_out: bool
+    """The wall-clock limit ended it."""
+
+    output_truncated: bool
+    """It wrote more than the output limit and was killed."""
+
+    wall_s: float
+    """Seconds from start to the end of the clean-up."""
+
+    isolation: str
+    """What isolated it (:meth:`Isolation.describe`)."""
+
+    @property
+    def ok(self) -> bool:
+        """It exited with status 0 within every limit."""
+        return self.exit_code == 0 and not self.timed_out and not self.output_truncated
+
+
+def _bwrap_path() -> str | None:
+    return shutil.which("bwrap")
+
+
+def _readonly_binds(python_executable: str) -> list[str]:
+    """bubblewrap arguments that show the system libraries and the interpreter's files, read-only."""
+    args: list[str] = ["--ro-bind", "/usr", "/usr"]
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
+        if os.path.islink(top):
+            args += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            args += ["--ro-bind", top, top]
+    exe = Path(python_executable)
+    roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
+    roots |= {str(exe.parent.parent), str(exe.resolve().parent.parent)}
+    paths = sorted(
+        path
+        for path in {*roots, *(os.path.realpath(r) for r in roots)}
+        if not path.startswith("/usr/") and os.path.isdir(path)
+    )
+    # bubblewrap would create the folders above a bind mount private (0700), which the run's own uid could
+    # not cross; they are created open to all, and hold nothing but the way down.
+    parents = sorted({str(p) for path in paths for p in Path(path).parents if str(p) != "/"})
+    for parent in parents:
+        args += ["--perms", "0755", "--dir", parent]
+    for path in paths:
+        args += ["--ro-bind", path, path]
+    return args
+
+
+def _bwrap_argv(bwrap: str, run_dir: str, python_executable: str, as_root: bool) -> list[str]:
+    """The bubblewrap command line up to its program."""
+    argv = [bwrap, "--die-with-parent", "--new-session", "--unshare-pid", "--unshare-net"]
+    argv += ["--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+    if as_root:
+        # No user namespace: the launcher inside drops to the run's own uid, which needs these two
+        # capabilities once (bubblewrap drops every other); the uid change then clears them.
+        argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    else:
+        argv += ["--unshare-user"]
+    argv += _readonly_binds(python_executable)
+    argv += ["--proc", "/proc", "--dev", "/dev", "--bind", run_dir, _SANDBOX_DIR]
+    argv += ["--remount-ro", "/", "--chdir", _SANDBOX_DIR, "--clearenv"]
+    for key, value in _run_env(_SANDBOX_DIR).items():
+        argv += ["--setenv", key, value]
+    return [*argv, "--"]
+
+
+def _run_env(run_dir: str) -> dict[str, str]:
+    return {"PATH": "/usr/bin:/bin", "HOME": run_dir, "TMPDIR": run_dir, "LANG": "C.UTF-8"}
+
+
+@functools.cache
+def detect_isolation(
+    requested: Literal["auto", "bubblewrap", "rlimits"], python_executable: str
+) -> Isolation:
+    """The strongest isolation that works here, found by running a probe program once per process.
+
+    Raises:
+        UserError: ``requested`` is ``bubblewrap`` and it is missing or cannot make namespaces here.
+    """
+    as_root = os.geteuid() == 0
+    if requested in ("auto", "bubblewrap"):
+        bwrap = _bwrap_path()
+        if bwrap is not None:
+            candidate = Isolation("bubblewrap", "namespace", run_uid=as_root)
+            if _probe(candidate, python_executable):
+                return candidate
+        if requested == "bubblewrap":
+            raise UserError(
+                "sandbox.isolation=bubblewrap, but bubblewrap "
+                + ("is not installed (apt-get install bubblewrap)" if bwrap is None else "cannot run here")
+                + "; set sandbox.isolation=auto to fall back to resource limits (see docs/security.md)"
+            )
+    for candidate in (
+        Isolation("rlimits", "namespace", run_uid=as_root),
+        Isolation("rlimits", "namespace", run_uid=False),
+        Isolation("rlimits", "socket_refusal", run_uid=as_root),
+        Isolation("rlimits", "socket_refusal", run_uid=False),
+    ):
+        if (as_root or not candidate.run_uid) and _probe(candidate, python_executable):
+            return candidate
+    raise RuntimeError("no sandbox configuration can run Python on this machine; see docs/security.md")
+
+
+_PROBE_PROGRAM = "import socket; print(len(socket.if_nameindex()))"
+
+
+def _probe(isolation: Isolation, python_executable: str) -> bool:
+    """Whether a run under ``isolation`` starts Python (and, for a namespace, sees only the loopback)."""
+    cfg = SandboxConfig(wall_time_limit_s=30.0, python_executable=python_executable)
+    result = Sandbox(cfg, isolation=isolation).run([python_executable, "-I", "-S", "-c", _PROBE_PROGRAM])
+    if not result.ok:
+        logger.info("sandbox probe %s failed: %s", isolation.describe(), result.stderr.strip()[-500:])
+        return False
+    return isolation.network != "namespace" or result.stdout.strip() == "1"
+
+
+class Sandbox:
+    """Runs programs under the limits of ``cfg`` (see the module docstring and docs/security.md).
+
+    Args:
+        cfg: The limits (an ``env.<task>.sandbox`` section).
+        isolation: How to isolate runs; ``None`` detects the strongest one ``cfg.isolation`` allows.
+    """
+
+    def __init__(self, cfg: SandboxConfig, *, isolation: Isolation | None = None) -> None:
+        self.cfg = cfg
+        self.python_executable = cfg.python_executable or sys.executable
+        self.isolation = isolation or detect_isolation(cfg.isolation, self.python_executable)
+        """What isolates this sandbox's runs."""
+
+    def run_python(
+        self, source: str, *, stdin: str = "", files: Mapping[str, str] | None = None
+    ) -> SandboxResult:
+        """Run Python ``source`` as the script ``main.py`` in a fresh directory (with ``files``, name ->
+        text, beside it; its imports see them)."""
+        argv = [self.python_executable, "-E", "-s", "-B"]
+        if self.isolation.network == "socket_refusal":
+            argv += ["-c", _REFUSE_SOCKETS_PRELUDE]
+        return self.run([*argv, "main.py"], stdin=stdin, files={**(files or {}), "main.py": source})
+
+    def run(
+        self, argv: Sequence[str], *, stdin: str = "", files: Mapping[str, str] | None = None
+    ) -> SandboxResult:
+        """Run ``argv`` (its first item an absolute path) in a fresh directory holding ``files`` (name ->
+        text), which is removed afterwards."""
+        if not os.path.isabs(argv[0]):
+            raise ValueError(f"the sandbox runs programs by absolute path, got {argv[0]!r}")
+        with tempfile.TemporaryDirectory(prefix="nemo_rl_sandbox_") as run_dir:
+            uid = random.randrange(*_RUN_UID_RANGE) if self.isolation.run_uid else None
+            for name, text in {".stdin": stdin, **(files or {})}.items():
+                if os.path.dirname(name) or name in (".", ".."):
+                    raise ValueError(f"sandbox files are plain names in the run directory, got {name!r}")
+                Path(run_dir, name).write_text(text)
+            if uid is not None:
+                os.chmod(run_dir, 0o700)
+                for path in [run_dir, *(str(p) for p in Path(run_dir).iterdir())]:
+                    os.chown(path, uid, uid)
+            try:
+                return self._run_in(run_dir, list(argv), uid)
+            finally:
+                if uid is not None:
+                    self._kill_uid(uid)
+
+    def _launcher_argv(self, uid: int | None) -> list[str]:
+        mb = 2**20
+        limits = self.cfg
+        spec = {
+            "rlimits": {
+                "RLIMIT_CORE": [0, 0],
+                # The soft limit sends SIGXCPU, the hard one a second later SIGKILL.
+                "RLIMIT_CPU": [limits.cpu_time_limit_s, limits.cpu_time_limit_s + 1],
+                "RLIMIT_AS": [limits.memory_limit_mb * mb] * 2,
+                "RLIMIT_FSIZE": [limits.file_size_limit_mb * mb] * 2,
+                "RLIMIT_NOFILE": [limits.max_open_files] * 2,
+            },
+            "nproc": limits.max_processes,
+            # Without an own uid (or a user namespace of bubblewrap's) the count includes every process of
+            # the caller's user, so the limit is set on top of those.
+            "nproc_relative": uid is None and self.isolation.backend == "rlimits",
+            "unshare_net": self.isolation.backend == "rlimits" and self.isolation.network == "namespace",
+            "uid": uid,
+        }
+        return [self.python_executable, "-I", "-S", "-c", _LAUNCHER_SOURCE, json.dumps(spec)]
+
+    def _run_in(self, run_dir: str, argv: list[str], uid: int | None) -> SandboxResult:
+        command = [*self._launcher_argv(uid), *argv]
+        if self.isolation.backend == "bubblewrap":
+            bwrap = _bwrap_path()
+            assert bwrap is not None, "bubblewrap was found when the isolation was detected"
+            command = [*_bwrap_argv(bwrap, run_dir, self.python_executable, uid is not None), *command]
+            env, cwd = None, None
+        else:
+            env, cwd = _run_env(run_dir), run_dir
+        start = time.monotonic()
+        with open(os.path.join(run_dir, ".stdin"), "rb") as stdin_file:
+            process = subprocess.Popen(
+                command,
+                stdin=stdin_file,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                cwd=cwd,
+                env=env,
+                start_new_session=True,  # its own process group, killed as a whole at the end
+                close_fds=True,
+            )
+        try:
+            out, err, timed_out, truncated = self._collect(process, start + self.cfg.wall_time_limit_s)
+        finally:
+            _kill_group(process)
+        return self._result(process, out, err, timed_out, truncated, start)
+
+    def _collect(self, process: subprocess.Popen[bytes], deadline: float) -> tuple[bytes, bytes, bool, bool]:
+        """Read stdout and stderr until both close, the deadline passes or the output limit is crossed;
+        returns both outputs, whether the deadline passed and whether the limit was crossed."""
+        assert process.stdout is not None and process.stderr is not None
+        streams = (process.stdout.fileno(), process.stderr.fileno())
+        chunks: dict[int, list[bytes]] = {fd: [] for fd in streams}
+        budget = self.cfg.max_output_bytes
+        timed_out = truncated = False
+        with selectors.DefaultSelector() as selector:
+            for fd in streams:
+                selector.register(fd, selectors.EVENT_READ)
+            while selector.get_map() and not (timed_out or truncated):
+                remaining_s = deadline - time.monotonic()
+                timed_out = remaining_s <= 0
+                if process.poll() is not None:
+                    # The program ended: what it left behind (a daemon holding the pipes) is killed now
+                    # rather than waited for; the pipes then close and the rest is read.
+                    _kill_group(process)
+                for key, _ in selector.select(timeout=max(0.0, min(remaining_s, 0.1))):
+                    data = os.read(key.fd, 65536)
+                    if not data:
+                        selector.unregister(key.fd)
+                        continue
+                    chunks[key.fd].append(data[: max(budget, 0)])
+                    budget -= len(data)
+                    truncated = budget < 0
+        return b"".join(chunks[streams[0]]), b"".join(chunks[streams[1]]), timed_out, truncated
+
+    def _result(
+        self,
+        process: subprocess.Popen[bytes],
+        out: bytes,
+        err: bytes,
+        timed_out: bool,
+        truncated: bool,
+        start: float,
+    ) -> SandboxResult:
+        code = process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
+        if process.stderr is not None:
+            process.stderr.close()
+        if code == _SETUP_FAILED_EXIT_CODE and err.startswith(b"sandbox setup failed"):
+            raise RuntimeError(f"the sandbox could not apply its limits: {err.decode(errors='replace')}")
+        # bubblewrap reports a program killed by signal N as status 128 + N, subprocess as -N.
+        sig = -code if code < 0 else code - 128 if self.isolation.backend == "bubblewrap" and code > 128 else None
+        if timed_out or truncated:
+            sig = signal.SIGKILL
+        return SandboxResult(
+            stdout=out.decode(errors="replace"),
+            stderr=err.decode(errors="replace"),
+            exit_code=None if sig is not None else code,
+            signal=sig,
+            timed_out=timed_out,
+            output_truncated=truncated,
+            wall_s=time.monotonic() - start,
+            isolation=self.isolation.describe(),
+        )
+
+    def _kill_uid(self, uid: int) -> None:
+        """Kill every process of the run's uid: those that left its process group (a double fork and
+        ``setsid``) included. bubblewrap's PID namespace has ended them already; this costs a process."""
+        if self.isolation.backend == "bubblewrap":
+            return
+        subprocess.run(
+            [self.python_executable, "-I", "-S", "-c", _LAUNCHER_SOURCE, json.dumps({"kill_uid": uid})],
+            check=True,
+            timeout=30,
+        )
+
+    def with_limits(self, **changes: object) -> Sandbox:
+        """A sandbox with the same isolation and some limits changed (``wall_time_limit_s=1.0``...)."""
+        cfg = self.cfg.model_copy(update=changes)
+        return Sandbox(SandboxConfig.model_validate(cfg.model_dump()), isolation=self.isolation)
+
+
+def _kill_group(process: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # the whole group has ended
+
