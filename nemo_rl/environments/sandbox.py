@@ -250,7 +250,7 @@ class Sandbox:
             raise ValueError(f"the sandbox runs programs by absolute path, got {argv[0]!r}")
         with tempfile.TemporaryDirectory(prefix="nemo_rl_sandbox_") as run_dir:
             uid = random.randrange(*_RUN_UID_RANGE) if self.isolation.run_uid else None
-            for name, text in {".stdin": stdin, **(files or {})}.items():
+            for name, text in (files or {}).items():
                 if os.path.dirname(name) or name in (".", ".."):
                     raise ValueError(f"sandbox files are plain names in the run directory, got {name!r}")
                 Path(run_dir, name).write_text(text)
@@ -259,7 +259,7 @@ class Sandbox:
                 for path in [run_dir, *(str(p) for p in Path(run_dir).iterdir())]:
                     os.chown(path, uid, uid)
             try:
-                return self._run_in(run_dir, list(argv), uid)
+                return self._run_in(run_dir, list(argv), uid, stdin)
             finally:
                 if uid is not None:
                     self._kill_uid(uid)
@@ -285,7 +285,7 @@ class Sandbox:
         }
         return [self.python_executable, "-I", "-S", "-c", _LAUNCHER_SOURCE, json.dumps(spec)]
 
-    def _run_in(self, run_dir: str, argv: list[str], uid: int | None) -> SandboxResult:
+    def _run_in(self, run_dir: str, argv: list[str], uid: int | None, stdin: str) -> SandboxResult:
         command = [*self._launcher_argv(uid), *argv]
         if self.isolation.backend == "bubblewrap":
             bwrap = _bwrap_path()
@@ -295,7 +295,10 @@ class Sandbox:
         else:
             env, cwd = _run_env(run_dir), run_dir
         start = time.monotonic()
-        with open(os.path.join(run_dir, ".stdin"), "rb") as stdin_file:
+        # An unnamed file, so the program cannot find its input again once it has closed stdin.
+        with tempfile.TemporaryFile() as stdin_file:
+            stdin_file.write(stdin.encode())
+            stdin_file.seek(0)
             process = subprocess.Popen(
                 command,
                 stdin=stdin_file,
