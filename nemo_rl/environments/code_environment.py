@@ -75,7 +75,7 @@ _run_tests()
 
 
 @dataclass(frozen=True)
-class TestSpec:
+class UnitTests:
     """A problem's unit tests, read from its ground truth."""
 
     tests: list[str]
@@ -85,7 +85,7 @@ class TestSpec:
     """Code run before the solution (imports the tests assume)."""
 
     @classmethod
-    def from_ground_truth(cls, ground_truth: str) -> TestSpec:
+    def from_ground_truth(cls, ground_truth: str) -> UnitTests:
         """Read ``{"tests": [...], "setup": "..."}``.
 
         Raises:
@@ -112,7 +112,7 @@ def extract_code(response: str) -> str | None:
 
 
 @dataclass(frozen=True)
-class TestOutcome:
+class UnitTestOutcome:
     """How one response fared."""
 
     num_passed: int
@@ -128,10 +128,10 @@ class TestOutcome:
     """Its run hit the wall-clock limit."""
 
 
-def run_tests(sandbox: Sandbox, code: str | None, spec: TestSpec) -> TestOutcome:
+def run_tests(sandbox: Sandbox, code: str | None, spec: UnitTests) -> UnitTestOutcome:
     """Run ``spec``'s tests against ``code`` in ``sandbox`` (one run for all of them)."""
     if code is None:
-        return TestOutcome(0, len(spec.tests), has_code=False)
+        return UnitTestOutcome(0, len(spec.tests), has_code=False)
     nonce = secrets.token_hex(16)
     tests_json = json.dumps({"tests": spec.tests, "setup": spec.setup})
     result = sandbox.run_python(
@@ -141,7 +141,7 @@ def run_tests(sandbox: Sandbox, code: str | None, spec: TestSpec) -> TestOutcome
     for line in result.stdout.splitlines():
         if line.startswith(nonce + " "):
             passed = json.loads(line[len(nonce) + 1 :])
-    return TestOutcome(sum(passed), len(spec.tests), has_code=True, timed_out=result.timed_out)
+    return UnitTestOutcome(sum(passed), len(spec.tests), has_code=True, timed_out=result.timed_out)
 
 
 @ray.remote
@@ -173,7 +173,7 @@ class CodeEnvironment(EnvironmentInterface[CodeMetadata]):
                 f"code samples {missing[:8]} have no 'ground_truth' (the tests) in their metadata "
                 "(extra_env_info); the data's expected_answer holds them"
             )
-        specs = [TestSpec.from_ground_truth(str(m["ground_truth"])) for m in metadata]
+        specs = [UnitTests.from_ground_truth(str(m["ground_truth"])) for m in metadata]
         codes = [extract_code(last_assistant_text(log)) for log in message_log_batch]
         outcomes = list(self._executor.map(lambda args: run_tests(self._sandbox, *args), zip(codes, specs)))
         rewards = [o.num_passed / o.num_tests for o in outcomes]
