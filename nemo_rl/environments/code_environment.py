@@ -19,6 +19,7 @@ nonce the program is not given; a program that digs it out of the harness's memo
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import secrets
@@ -96,7 +97,9 @@ class UnitTests:
         except json.JSONDecodeError as err:
             raise ValueError(f"a code problem's ground truth must be JSON with 'tests'; {err}") from None
         if not isinstance(spec, dict) or not isinstance(spec.get("tests"), list) or not spec["tests"]:
-            raise ValueError(f"a code problem's ground truth needs a non-empty 'tests' list, got {ground_truth!r}")
+            raise ValueError(
+                f"a code problem's ground truth needs a non-empty 'tests' list, got {ground_truth!r}"
+            )
         if not all(isinstance(t, str) for t in spec["tests"]) or not isinstance(spec.get("setup", ""), str):
             raise ValueError("a code problem's 'tests' must be strings, and its 'setup' a string")
         unknown = set(spec) - {"tests", "setup"}
@@ -175,11 +178,14 @@ class CodeEnvironment(EnvironmentInterface[CodeMetadata]):
             )
         specs = [UnitTests.from_ground_truth(str(m["ground_truth"])) for m in metadata]
         codes = [extract_code(last_assistant_text(log)) for log in message_log_batch]
-        outcomes = list(self._executor.map(lambda args: run_tests(self._sandbox, *args), zip(codes, specs)))
+        outcomes = list(self._executor.map(functools.partial(run_tests, self._sandbox), codes, specs))
         rewards = [o.num_passed / o.num_tests for o in outcomes]
         return EnvironmentReturn(
             observations=[
-                {"role": "environment", "content": f"Environment: passed {o.num_passed} of {o.num_tests} tests"}
+                {
+                    "role": "environment",
+                    "content": f"Environment: passed {o.num_passed} of {o.num_tests} tests",
+                }
                 for o in outcomes
             ],
             metadata=[

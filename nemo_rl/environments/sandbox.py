@@ -19,6 +19,7 @@ is not is written down in docs/security.md; :func:`detect_isolation` says what t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -360,7 +361,13 @@ class Sandbox:
         if code == _SETUP_FAILED_EXIT_CODE and err.startswith(b"sandbox setup failed"):
             raise RuntimeError(f"the sandbox could not apply its limits: {err.decode(errors='replace')}")
         # bubblewrap reports a program killed by signal N as status 128 + N, subprocess as -N.
-        sig = -code if code < 0 else code - 128 if self.isolation.backend == "bubblewrap" and code > 128 else None
+        sig = (
+            -code
+            if code < 0
+            else code - 128
+            if self.isolation.backend == "bubblewrap" and code > 128
+            else None
+        )
         if timed_out or truncated:
             sig = signal.SIGKILL
         return SandboxResult(
@@ -392,8 +399,5 @@ class Sandbox:
 
 
 def _kill_group(process: subprocess.Popen[bytes]) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):  # the whole group has ended
         os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass  # the whole group has ended
-

@@ -22,7 +22,9 @@ from nemo_rl.environments.sandbox import Sandbox
 RAY_TIMEOUT_S = 180
 DATA_DIR = Path(__file__).resolve().parents[2] / "examples" / "data"
 SANDBOX = SandboxConfig(wall_time_limit_s=2.0, cpu_time_limit_s=1, memory_limit_mb=256, max_output_bytes=4096)
-ADD_TESTS = json.dumps({"tests": ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 4"]})
+ADD_TESTS = json.dumps(
+    {"tests": ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 4"]}
+)
 
 
 def fenced(code: str) -> str:
@@ -70,7 +72,9 @@ def test_printing_a_fake_results_line_earns_nothing(sandbox: Sandbox) -> None:
 
 
 def test_setup_runs_before_the_solution(sandbox: Sandbox) -> None:
-    spec = UnitTests.from_ground_truth(json.dumps({"tests": ["assert root(16) == 4"], "setup": "import math"}))
+    spec = UnitTests.from_ground_truth(
+        json.dumps({"tests": ["assert root(16) == 4"], "setup": "import math"})
+    )
     assert run_tests(sandbox, "def root(x):\n    return math.isqrt(x)", spec).num_passed == 1
 
 
@@ -109,7 +113,11 @@ SOLUTIONS = {
 
 
 def test_the_bundled_problems_are_solvable(sandbox: Sandbox) -> None:
-    rows = [json.loads(line) for name in ("train", "val") for line in (DATA_DIR / f"tiny_code_{name}.jsonl").open()]
+    rows = [
+        json.loads(line)
+        for name in ("train", "val")
+        for line in (DATA_DIR / f"tiny_code_{name}.jsonl").open()
+    ]
     assert len(rows) == len(SOLUTIONS)
     for row in rows:
         name = row["messages"][0]["content"].split("`")[1].split("(")[0]

@@ -7,10 +7,13 @@ fallback cannot contain on this machine (docs/security.md says which) is skipped
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,19 +32,28 @@ LIMITS = SandboxConfig(
 )
 
 
+SYSTEM_PYTHON = "/usr/bin/python3"
+"""An interpreter other users can run: as root, the fallback gives each run a uid of its own with it."""
+
+
 def _isolations() -> list[object]:
     params: list[object] = []
     try:
-        params.append(pytest.param(detect_isolation("bubblewrap", sys.executable), id="bubblewrap"))
+        bubblewrap = detect_isolation("bubblewrap", sys.executable)
+        params.append(pytest.param((bubblewrap, sys.executable), id="bubblewrap"))
     except UserError as err:
         params.append(pytest.param(None, id="bubblewrap", marks=pytest.mark.skip(reason=str(err))))
-    params.append(pytest.param(detect_isolation("rlimits", sys.executable), id="rlimits"))
+    params.append(pytest.param((detect_isolation("rlimits", sys.executable), sys.executable), id="rlimits"))
+    if os.geteuid() == 0 and os.access(SYSTEM_PYTHON, os.X_OK):
+        own_uid = detect_isolation("rlimits", SYSTEM_PYTHON)
+        params.append(pytest.param((own_uid, SYSTEM_PYTHON), id="rlimits-system-python"))
     return params
 
 
 @pytest.fixture(params=_isolations())
 def sandbox(request: pytest.FixtureRequest) -> Sandbox:
-    return Sandbox(LIMITS, isolation=request.param)
+    isolation, python = request.param
+    return Sandbox(LIMITS.model_copy(update={"python_executable": python}), isolation=isolation)
 
 
 def _counts_processes(sandbox: Sandbox) -> bool:
@@ -107,7 +119,9 @@ def test_a_fork_bomb_is_capped_and_killed(sandbox: Sandbox) -> None:
 
 def test_a_process_that_leaves_the_session_is_killed_at_the_end(sandbox: Sandbox) -> None:
     if sandbox.isolation.backend != "bubblewrap" and not sandbox.isolation.run_uid:
-        pytest.skip("without a PID namespace or a uid of its own, a process that calls setsid escapes the kill")
+        pytest.skip(
+            "without a PID namespace or a uid of its own, a process that calls setsid escapes the kill"
+        )
     token = f"daemon-{uuid.uuid4().hex}"
     daemon = (
         "import os, sys\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
@@ -120,17 +134,36 @@ def test_a_process_that_leaves_the_session_is_killed_at_the_end(sandbox: Sandbox
     assert _processes_with(token) == []
 
 
-def test_writing_outside_its_directory_fails(sandbox: Sandbox, tmp_path: Path) -> None:
-    if sandbox.isolation.backend != "bubblewrap" and not sandbox.isolation.run_uid:
-        pytest.skip("the fallback without a uid of its own writes wherever its caller can (docs/security.md)")
-    target = tmp_path / "escaped.txt"
-    tmp_path.chmod(0o777)  # even a folder open to everyone is out of reach
-    code = f"open({str(target)!r}, 'w').write('x')\n"
-    code += "open('inside.txt', 'w').write('fine')\nprint('wrote inside')\n"
-    assert "wrote inside" not in sandbox.run_python(code).stdout
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A folder every user may write to, under /tmp (whose parents every user can cross)."""
+    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="nemo_rl_test_shared_"))
+    path.chmod(0o777)
+    yield path
+    shutil.rmtree(path)
+
+
+def test_writing_outside_its_directory_fails(sandbox: Sandbox, shared_dir: Path) -> None:
+    if sandbox.isolation.backend != "bubblewrap":
+        pytest.skip(
+            "the fallback writes wherever its uid can: world-writable folders at least (docs/security.md)"
+        )
+    target = shared_dir / "escaped.txt"
+    result = sandbox.run_python(f"open({str(target)!r}, 'w').write('x')\n")
+    assert result.exit_code == 1 and not target.exists()
     assert sandbox.run_python("open('inside.txt', 'w').write('fine')\nprint('ok')").stdout == "ok\n"
-    assert not target.exists()
-    # Past the file-size limit a write fails.
+
+
+def test_an_own_uid_cannot_write_the_callers_folders(sandbox: Sandbox, shared_dir: Path) -> None:
+    if not sandbox.isolation.run_uid:
+        pytest.skip("runs with the caller's uid write wherever the caller can (docs/security.md)")
+    shared_dir.chmod(0o755)  # the caller's own folder: readable by all, writable by its owner
+    target = shared_dir / "escaped.txt"
+    result = sandbox.run_python(f"open({str(target)!r}, 'w').write('x')\n")
+    assert result.exit_code == 1 and not target.exists()
+
+
+def test_writing_past_the_file_size_limit_fails(sandbox: Sandbox) -> None:
     big = sandbox.run_python("open('big', 'wb').write(bytes(2 * 2**20))")
     assert big.exit_code != 0 and "File too large" in big.stderr
 
@@ -186,4 +219,3 @@ def test_files_must_be_plain_names(sandbox: Sandbox) -> None:
         sandbox.run_python("", files={"../x.py": ""})
     with pytest.raises(ValueError, match="absolute path"):
         sandbox.run(["python3", "-c", "0"])
-

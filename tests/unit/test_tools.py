@@ -83,7 +83,11 @@ def test_malformed_calls_are_reported_not_raised(block: str, error: str) -> None
     [call] = parse_tool_calls(block)
     assert isinstance(call, MalformedToolCall) and error in call.error
     [result] = ToolRegistry([]).respond(block)
-    assert result.is_error and result.content.startswith("Error: malformed tool call") and error in result.content
+    assert (
+        result.is_error
+        and result.content.startswith("Error: malformed tool call")
+        and error in result.content
+    )
     assert result.message() == {"role": "tool", "content": result.content}
 
 
@@ -113,7 +117,13 @@ def test_registry_runs_calls_and_reports_every_failure() -> None:
 
 @pytest.mark.parametrize(
     ("expression", "value"),
-    [("1234 * 5678", "7006652"), ("(1 + 2) * -3", "-9"), ("7 / 2", "3.5"), ("2 ** 10", "1024"), ("8 / 4", "2")],
+    [
+        ("1234 * 5678", "7006652"),
+        ("(1 + 2) * -3", "-9"),
+        ("7 / 2", "3.5"),
+        ("2 ** 10", "1024"),
+        ("8 / 4", "2"),
+    ],
 )
 def test_calculator(expression: str, value: str) -> None:
     assert calculate(expression) == value
@@ -124,6 +134,8 @@ def test_calculator(expression: str, value: str) -> None:
     [
         ("__import__('os').system('id')", "only numbers"),
         ("x + 1", "only numbers"),
+        ("True + 1", "only numbers"),
+        ("1j * 2", "only numbers"),
         ("(1).__class__", "only numbers"),
         ("2 ** 100000", "exponents are limited"),
         ("9 ** 999 * 9 ** 999 * 9 ** 999", "digits"),
@@ -195,7 +207,9 @@ def test_schemas_render_through_a_chat_template() -> None:
         [{"role": "user", "content": "hi"}], tools=registry.schemas(), chat_template=template, tokenize=False
     )
     assert isinstance(text, str)
-    rendered = [json.loads(line) for line in text.split("<tools>")[1].split("</tools>")[0].strip().splitlines()]
+    rendered = [
+        json.loads(line) for line in text.split("<tools>")[1].split("</tools>")[0].strip().splitlines()
+    ]
     assert rendered == registry.schemas()
 
 

@@ -78,7 +78,9 @@ def argument_errors(arguments: Mapping[str, Any], schema: JsonSchema) -> list[st
     """What is wrong with ``arguments`` under an ``object`` schema: missing required keys, unknown keys,
     and top-level values of the wrong JSON type (nested values are the tool's to check)."""
     properties: Mapping[str, Any] = schema.get("properties", {})
-    errors = [f"missing required argument {key!r}" for key in schema.get("required", []) if key not in arguments]
+    errors = [
+        f"missing required argument {key!r}" for key in schema.get("required", []) if key not in arguments
+    ]
     for key, value in arguments.items():
         if key not in properties:
             errors.append(f"unknown argument {key!r} (expected: {', '.join(properties) or 'none'})")

@@ -53,7 +53,12 @@ def _checked(value: Number) -> Number:
 def _evaluate(node: ast.AST) -> Number:
     if isinstance(node, ast.Expression):
         return _evaluate(node.body)
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+    # bool is an int subclass; True is a name to the model, not a number.
+    if (
+        isinstance(node, ast.Constant)
+        and isinstance(node.value, int | float)
+        and not isinstance(node.value, bool)
+    ):
         return _checked(node.value)
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_evaluate(node.operand))
@@ -83,7 +88,11 @@ def calculate(expression: str) -> str:
     except SyntaxError as err:
         raise CalculatorError(f"not an arithmetic expression ({err.msg})") from None
     value = _evaluate(tree)
-    return str(int(value)) if isinstance(value, float) and value.is_integer() and abs(value) < 2**53 else str(value)
+    return (
+        str(int(value))
+        if isinstance(value, float) and value.is_integer() and abs(value) < 2**53
+        else str(value)
+    )
 
 
 def calculator_tool() -> Tool:
