@@ -65,6 +65,11 @@ _runpy.run_path(_sys.argv[0], run_name="__main__")
 the ``socket`` module. Code that reaches the ``_socket`` C module or ``ctypes`` gets around it."""
 
 
+Network = Literal["namespace", "socket_refusal"]
+"""How runs are kept off the network (see :attr:`Isolation.network`)."""
+_FALLBACK_NETWORKS: tuple[Network, ...] = ("namespace", "socket_refusal")
+
+
 @dataclass(frozen=True)
 class Isolation:
     """What a sandbox run is isolated by on this machine (see :func:`detect_isolation`)."""
@@ -72,7 +77,7 @@ class Isolation:
     backend: Literal["bubblewrap", "rlimits"]
     """``bubblewrap``: namespaces and a private read-only filesystem view; ``rlimits``: limits and a session."""
 
-    network: Literal["namespace", "socket_refusal"]
+    network: Network
     """A network namespace of its own, or only Python's ``socket`` module refusing to open sockets."""
 
     run_uid: bool
@@ -187,6 +192,7 @@ def detect_isolation(
         if bwrap is not None:
             candidate = Isolation("bubblewrap", "namespace", run_uid=as_root)
             if _probe(candidate, python_executable):
+                logger.info("sandbox runs are isolated by %s", candidate.describe())
                 return candidate
         if requested == "bubblewrap":
             raise UserError(
@@ -194,14 +200,14 @@ def detect_isolation(
                 + ("is not installed (apt-get install bubblewrap)" if bwrap is None else "cannot run here")
                 + "; set sandbox.isolation=auto to fall back to resource limits (see docs/security.md)"
             )
-    for candidate in (
-        Isolation("rlimits", "namespace", run_uid=as_root),
-        Isolation("rlimits", "namespace", run_uid=False),
-        Isolation("rlimits", "socket_refusal", run_uid=as_root),
-        Isolation("rlimits", "socket_refusal", run_uid=False),
-    ):
-        if (as_root or not candidate.run_uid) and _probe(candidate, python_executable):
-            return candidate
+    for network in _FALLBACK_NETWORKS:
+        for run_uid in (True, False) if as_root else (False,):
+            candidate = Isolation("rlimits", network, run_uid=run_uid)
+            if _probe(candidate, python_executable):
+                # Said loudly when bubblewrap was wanted: the filesystem is then readable by the runs.
+                log = logger.warning if requested == "auto" else logger.info
+                log("sandbox runs are isolated by %s only; see docs/security.md", candidate.describe())
+                return candidate
     raise RuntimeError("no sandbox configuration can run Python on this machine; see docs/security.md")
 
 
