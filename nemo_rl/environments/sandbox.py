@@ -217,7 +217,8 @@ _PROBE_PROGRAM = "import socket; print(len(socket.if_nameindex()))"
 def _probe(isolation: Isolation, python_executable: str) -> bool:
     """Whether a run under ``isolation`` starts Python (and, for a namespace, sees only the loopback)."""
     cfg = SandboxConfig(wall_time_limit_s=30.0, python_executable=python_executable)
-    result = Sandbox(cfg, isolation=isolation).run([python_executable, "-I", "-S", "-c", _PROBE_PROGRAM])
+    sandbox = Sandbox(cfg, isolation=isolation, check_limits=False)
+    result = sandbox.run([python_executable, "-I", "-S", "-c", _PROBE_PROGRAM])
     if not result.ok:
         logger.info("sandbox probe %s failed: %s", isolation.describe(), result.stderr.strip()[-500:])
         return False
@@ -230,13 +231,31 @@ class Sandbox:
     Args:
         cfg: The limits (an ``env.<task>.sandbox`` section).
         isolation: How to isolate runs; ``None`` detects the strongest one ``cfg.isolation`` allows.
+        check_limits: Run one empty program now, so that limits this machine cannot apply fail here
+            (a :class:`UserError`) rather than as a silent failure of every run.
     """
 
-    def __init__(self, cfg: SandboxConfig, *, isolation: Isolation | None = None) -> None:
+    def __init__(
+        self, cfg: SandboxConfig, *, isolation: Isolation | None = None, check_limits: bool = True
+    ) -> None:
         self.cfg = cfg
         self.python_executable = cfg.python_executable or sys.executable
         self.isolation = isolation or detect_isolation(cfg.isolation, self.python_executable)
         """What isolates this sandbox's runs."""
+        if check_limits:
+            self._check_limits()
+
+    def _check_limits(self) -> None:
+        """Fail now, not as a silent zero on every run, when these limits cannot be applied here (a limit
+        above the hard limit this process was given, say)."""
+        result = self.run([self.python_executable, "-I", "-S", "-c", "pass"])
+        if result.exit_code == _SETUP_FAILED_EXIT_CODE and result.stderr.startswith("sandbox setup failed"):
+            raise UserError(
+                f"the sandbox cannot apply its limits here ({result.stderr.strip()}); lower the sandbox "
+                "limits or raise this process's hard limits (ulimit -H)"
+            )
+        if not result.ok:
+            raise RuntimeError(f"the sandbox cannot run {self.python_executable}: {result}")
 
     def run_python(
         self, source: str, *, stdin: str = "", files: Mapping[str, str] | None = None
@@ -364,8 +383,6 @@ class Sandbox:
             process.stdout.close()
         if process.stderr is not None:
             process.stderr.close()
-        if code == _SETUP_FAILED_EXIT_CODE and err.startswith(b"sandbox setup failed"):
-            raise RuntimeError(f"the sandbox could not apply its limits: {err.decode(errors='replace')}")
         # bubblewrap reports a program killed by signal N as status 128 + N, subprocess as -N.
         sig = (
             -code
@@ -405,5 +422,38 @@ class Sandbox:
 
 
 def _kill_group(process: subprocess.Popen[bytes]) -> None:
+    """Kill the run: under bubblewrap its PID namespace first, then its process group.
+
+    The namespace's first process (bubblewrap's child) is killed directly and waited for: when it exits
+    the kernel kills everything else in the namespace, and it turns into a zombie only once they are gone,
+    so nothing of the run is left when this returns. Killing only the outer bubblewrap would end the
+    namespace a moment later (``--die-with-parent``), after the caller had moved on, and leave the
+    namespace's first process for the machine's init to reap.
+    """
+    for child in _children(process.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+        _wait_until_exited(child, timeout_s=5.0)
     with contextlib.suppress(ProcessLookupError):  # the whole group has ended
         os.killpg(process.pid, signal.SIGKILL)
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (none when it has ended or the kernel does not list them)."""
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _wait_until_exited(pid: int, timeout_s: float) -> None:
+    """Wait until ``pid`` is gone or a zombie (``timeout_s`` at most)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        except (OSError, IndexError):
+            return
+        if state in ("Z", "X"):
+            return
+        time.sleep(0.005)

@@ -78,7 +78,7 @@ def main() -> None:
         if spec["nproc_relative"]:
             nproc += _count_user_processes(os.getuid())
         resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-    except OSError as err:
+    except (OSError, ValueError) as err:  # setrlimit raises ValueError for a limit it may not raise
         sys.stderr.write(f"sandbox setup failed: {err}\n")
         sys.exit(SETUP_FAILED_EXIT_CODE)
     os.execv(argv[0], argv)

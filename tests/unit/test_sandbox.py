@@ -93,10 +93,21 @@ def test_an_infinite_loop_is_stopped_by_the_cpu_limit(sandbox: Sandbox) -> None:
 
 
 def test_a_sleeping_program_is_stopped_by_the_wall_clock(sandbox: Sandbox) -> None:
+    token = f"sleeper-{uuid.uuid4().hex}"
     start = time.monotonic()
-    result = sandbox.run_python("import time\ntime.sleep(60)")
+    result = sandbox.run_python(
+        f"import os, sys\nos.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', '{token}'])"
+    )
     assert result.timed_out and result.signal == signal.SIGKILL
     assert time.monotonic() - start < 10.0
+    assert _processes_with(token) == []
+
+
+def test_limits_this_machine_cannot_apply_fail_at_once() -> None:
+    # Not even root may raise the open-file limit past the kernel's fs.nr_open.
+    nr_open = int(Path("/proc/sys/fs/nr_open").read_text())
+    with pytest.raises(UserError, match="cannot apply its limits"):
+        Sandbox(LIMITS.model_copy(update={"max_open_files": nr_open + 1}))
 
 
 def test_a_memory_bomb_fails_to_allocate(sandbox: Sandbox) -> None:
