@@ -367,6 +367,12 @@ class Sandbox:
                     chunks[key.fd].append(data[: max(budget, 0)])
                     budget -= len(data)
                     truncated = budget < 0
+        if not (timed_out or truncated):
+            # Both pipes closed; a program that closed them itself still gets the rest of its time.
+            try:
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                timed_out = True
         return b"".join(chunks[streams[0]]), b"".join(chunks[streams[1]]), timed_out, truncated
 
     def _result(

@@ -110,6 +110,13 @@ def test_limits_this_machine_cannot_apply_fail_at_once() -> None:
         Sandbox(LIMITS.model_copy(update={"max_open_files": nr_open + 1}))
 
 
+def test_closing_its_output_neither_ends_nor_escapes_the_run(sandbox: Sandbox) -> None:
+    code = "import os, time\nos.close(1)\nos.close(2)\ntime.sleep(0.5)\nos._exit(4)"
+    result = sandbox.run_python(code)
+    assert result.exit_code == 4 and not result.timed_out
+    assert sandbox.run_python("import os, time\nos.close(1)\nos.close(2)\ntime.sleep(60)").timed_out
+
+
 def test_a_memory_bomb_fails_to_allocate(sandbox: Sandbox) -> None:
     result = sandbox.run_python("blocks = []\nwhile True:\n    blocks.append(bytearray(32 * 2**20))")
     assert result.exit_code == 1 and "MemoryError" in result.stderr
