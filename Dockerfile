@@ -64,10 +64,11 @@ ENV UV_PROJECT_ENVIRONMENT=/opt/nemo_rl_venv \
     RAY_ENABLE_UV_RUN_RUNTIME_ENV=0 \
     RAY_USAGE_STATS_ENABLED=0 \
     PYTHONUNBUFFERED=1
-# git: Hugging Face and W&B read repository state; the rest is what pip and the te build need.
+# git: Hugging Face and W&B read repository state; bubblewrap: the namespaces of the code sandbox (where the
+# container may make them; docs/security.md); the rest is what pip and the te build need.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-pip ca-certificates git \
+    && apt-get install -y --no-install-recommends python3 python3-pip ca-certificates git bubblewrap \
     && rm -rf /var/lib/apt/lists/* \
     && python3 -m pip install --no-cache-dir --break-system-packages "uv==${UV_VERSION}"
 WORKDIR /opt/nemo_rl

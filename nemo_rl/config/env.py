@@ -1,5 +1,6 @@
-"""Schema of the ``env`` section: one subsection per environment (``env.math``, ``env.number_guessing``,
-``env.reward_model``, ``env.sliding_puzzle_game``).
+"""Schema of the ``env`` section: one subsection per environment (``env.math``, ``env.code``,
+``env.number_guessing``, ``env.reward_model``, ``env.sliding_puzzle_game``), and the limits of the code sandbox
+(:class:`SandboxConfig`) that the code environment and the ``python`` tool run under.
 
 Environments registered by users (``nemo_rl.environments.registry.register_env``) take their constructor
 arguments from a subsection of their own name, e.g. ``env.exact_match: {threshold: 0.5}``; such sections are
@@ -24,6 +25,41 @@ from nemo_rl.config.policy import (
 )
 
 
+class SandboxConfig(ConfigModel):
+    """Limits of one run of untrusted code (:class:`nemo_rl.environments.sandbox.Sandbox`); see
+    docs/security.md for what each one does and does not promise."""
+
+    isolation: Literal["auto", "bubblewrap", "rlimits"] = "auto"
+    """``bubblewrap``: run under bubblewrap (new PID, network, IPC and mount namespaces, a read-only view of
+    only the interpreter's files); refused at start when ``bwrap`` is missing or cannot make namespaces.
+    ``rlimits``: resource limits and a process session only (weaker: the filesystem stays readable).
+    ``auto``: bubblewrap when it works on this machine, else rlimits."""
+
+    wall_time_limit_s: float = Field(default=10.0, gt=0.0)
+    """Longest a run may take by the clock (sleeping counts); then everything it started is killed."""
+
+    cpu_time_limit_s: int = Field(default=5, ge=1)
+    """CPU seconds a process of the run may use (``RLIMIT_CPU``); then the kernel kills it."""
+
+    memory_limit_mb: int = Field(default=1024, ge=64)
+    """Address-space limit of each process of the run (``RLIMIT_AS``), in MiB; an allocation past it fails."""
+
+    file_size_limit_mb: int = Field(default=16, ge=1)
+    """Largest file a run may write (``RLIMIT_FSIZE``), in MiB."""
+
+    max_processes: int = Field(default=32, ge=2)
+    """Processes (and threads) a run may have at once (``RLIMIT_NPROC`` under a user id of its own)."""
+
+    max_open_files: int = Field(default=64, ge=16)
+    """File descriptors each process of the run may hold (``RLIMIT_NOFILE``)."""
+
+    max_output_bytes: int = Field(default=65_536, ge=1)
+    """Bytes of stdout plus stderr kept; a run that writes more is killed and its output marked cut."""
+
+    python_executable: str | None = None
+    """Interpreter that runs Python code (``None``: the one running nemo_rl, with its installed packages)."""
+
+
 class RuleBasedEnvConfig(ConfigModel):
     """What every rule-based environment (scoring by code, no model) accepts besides its own settings."""
 
@@ -33,6 +69,16 @@ class RuleBasedEnvConfig(ConfigModel):
     small machine) and a Ray call per step; its ``step`` then runs on the driver's thread, so it fits scoring
     that takes milliseconds (answer checks that need more, math-verify's, still run in the environment's
     verifier processes). Environments passed to an algorithm by the caller are used as given."""
+
+    tools: list[str] = Field(default_factory=list)
+    """Tools the policy may call in this task's rollouts: built-in names (``calculator``, ``python``) or
+    ``module:function`` paths of your own (a :class:`nemo_rl.environments.tools.Tool`, or a function with a
+    Google-style docstring from which its JSON schema is derived). Rollouts do not run tool calls yet, so a
+    run refuses a non-empty list; :func:`nemo_rl.environments.tools.build_tool_registry` builds them."""
+
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    """Limits of the code this environment runs: the ``python`` tool's calls and the code environment's
+    tests (one sandbox run per call or per response)."""
 
 
 class MathEnvConfig(RuleBasedEnvConfig):
@@ -58,6 +104,17 @@ class MathEnvConfig(RuleBasedEnvConfig):
 
     math_verify_impl: Literal["hf_math_verify"] = "hf_math_verify"
     """Verifier implementation (NeMo RL key); Hugging Face math-verify is the one provided."""
+
+
+class CodeEnvConfig(RuleBasedEnvConfig):
+    """The code environment: the response's last Python code block runs against the problem's unit tests in
+    the sandbox; the reward is the fraction of tests that pass."""
+
+    num_workers: int = Field(default=4, ge=1)
+    """Sandboxed test runs in flight at once."""
+
+    stop_strings: list[str] | None = None
+    """Stop strings for the response (``None``: stop at end of sequence only)."""
 
 
 class NumberGuessingEnvConfig(RuleBasedEnvConfig):
@@ -201,6 +258,9 @@ class EnvConfig(ConfigModel):
 
     math: MathEnvConfig = Field(default_factory=MathEnvConfig)
     """The math (verifiable answer) environment."""
+
+    code: CodeEnvConfig = Field(default_factory=CodeEnvConfig)
+    """The code environment (unit tests run in a sandbox)."""
 
     number_guessing: NumberGuessingEnvConfig = Field(default_factory=NumberGuessingEnvConfig)
     """The number-guessing game (multi-turn)."""

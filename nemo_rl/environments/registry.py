@@ -1,6 +1,7 @@
 """Environment registry: task / environment names to environment classes, and starting them as Ray actors.
 
-Built in: ``math`` (:class:`~nemo_rl.environments.math_environment.MathEnvironment`), ``number_guessing``
+Built in: ``math`` (:class:`~nemo_rl.environments.math_environment.MathEnvironment`), ``code``
+(:class:`~nemo_rl.environments.code_environment.CodeEnvironment`), ``number_guessing``
 (:class:`~nemo_rl.environments.games.number_guessing.NumberGuessingEnvironment`), ``reward_model``
 (:class:`~nemo_rl.environments.reward_model_environment.RewardModelEnvironment`) and ``sliding_puzzle_game``
 (:class:`~nemo_rl.environments.games.sliding_puzzle.SlidingPuzzleEnv`). Add your own with
@@ -86,6 +87,7 @@ EnvHandle = ActorHandle[Any] | InDriverEnvironment
 # Built-ins are import paths so that importing the registry stays cheap (math-verify pulls in sympy).
 _BUILTIN_ENVS: dict[str, str] = {
     "math": "nemo_rl.environments.math_environment:MathEnvironment",
+    "code": "nemo_rl.environments.code_environment:CodeEnvironment",
     "number_guessing": "nemo_rl.environments.games.number_guessing:NumberGuessingEnvironment",
     "reward_model": "nemo_rl.environments.reward_model_environment:RewardModelEnvironment",
     "sliding_puzzle_game": "nemo_rl.environments.games.sliding_puzzle:SlidingPuzzleEnv",
@@ -164,8 +166,15 @@ def check_env_sections(env_cfg: EnvConfig) -> None:
 
 def check_task_envs(task_names: Iterable[str], env_cfg: EnvConfig) -> None:
     """What :func:`create_task_envs` checks, without starting anything: every ``env`` section and every
-    task names a registered environment (else a :class:`UserError`)."""
+    task names a registered environment, and no task asks for tools (else a :class:`UserError`)."""
     check_env_sections(env_cfg)
+    for task in sorted(set(task_names)):
+        tools = getattr(env_cfg.section(task), "tools", None)
+        if tools:
+            raise UserError(
+                f"env.{task}.tools={tools}: rollouts do not run tool calls yet, so the tools would never be "
+                f"called; remove env.{task}.tools (nemo_rl.environments.tools builds and runs them on their own)"
+            )
     for task in sorted(set(task_names)):
         if task not in _REGISTRY:
             raise UserError(

@@ -1,0 +1,187 @@
+"""The code environment: code extraction, the share of unit tests passed as the reward, runs that misbehave,
+the environment actor's interface and metrics, and the bundled problems' tests (solvable, and not by
+nothing)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import torch
+
+from nemo_rl.config.env import CodeEnvConfig, EnvConfig, SandboxConfig
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.environments.code_environment import UnitTests, extract_code, run_tests
+from nemo_rl.environments.interfaces import EnvironmentReturn
+from nemo_rl.environments.registry import create_env, stop_envs
+from nemo_rl.environments.sandbox import Sandbox
+
+RAY_TIMEOUT_S = 180
+DATA_DIR = Path(__file__).resolve().parents[2] / "examples" / "data"
+SANDBOX = SandboxConfig(wall_time_limit_s=2.0, cpu_time_limit_s=1, memory_limit_mb=256, max_output_bytes=4096)
+ADD_TESTS = json.dumps(
+    {"tests": ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 4"]}
+)
+
+
+def fenced(code: str) -> str:
+    return f"Here it is:\n```python\n{code}\n```\nDone."
+
+
+def conversation(response: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": "Write add(a, b)."}, {"role": "assistant", "content": response}]
+
+
+@pytest.fixture(scope="module")
+def sandbox() -> Sandbox:
+    return Sandbox(SANDBOX)
+
+
+def test_extract_the_last_code_block() -> None:
+    assert extract_code(fenced("x = 1") + fenced("x = 2")) == "x = 2\n"
+    assert extract_code("```\nbare = True\n```") == "bare = True\n"
+    assert extract_code("```py\nshort = 1\n```") == "short = 1\n"
+    assert extract_code("no code") is None
+    assert extract_code("```python\nunclosed") is None
+
+
+@pytest.mark.parametrize(
+    ("code", "num_passed"),
+    [
+        ("def add(a, b):\n    return a + b", 3),
+        ("def add(a, b):\n    return 3", 1),
+        ("def add(a, b):\n    return a - b", 0),
+        ("def add(a, b):\n    raise SystemExit(0)", 0),
+        ("syntax error here", 0),
+        # Runs that hit a limit keep the tests they finished.
+        ("def add(a, b):\n    if a == 2:\n        while True: pass\n    return a + b", 2),
+        ("def add(a, b):\n    if a == -1:\n        import os; os._exit(0)\n    return a + b", 1),
+    ],
+)
+def test_reward_is_the_share_of_tests_passed(sandbox: Sandbox, code: str, num_passed: int) -> None:
+    outcome = run_tests(sandbox, code, UnitTests.from_ground_truth(ADD_TESTS))
+    assert (outcome.num_passed, outcome.num_tests, outcome.has_code) == (num_passed, 3, True)
+
+
+def test_printing_a_fake_results_line_earns_nothing(sandbox: Sandbox) -> None:
+    forged = "import sys\nfor _ in range(3):\n    print('0' * 32, '[true, true, true]')\nsys.exit(0)"
+    assert run_tests(sandbox, forged, UnitTests.from_ground_truth(ADD_TESTS)).num_passed == 0
+
+
+def test_setup_runs_before_the_solution(sandbox: Sandbox) -> None:
+    spec = UnitTests.from_ground_truth(
+        json.dumps({"tests": ["assert root(16) == 4"], "setup": "import math"})
+    )
+    assert run_tests(sandbox, "def root(x):\n    return math.isqrt(x)", spec).num_passed == 1
+
+
+@pytest.mark.parametrize(
+    ("ground_truth", "error"),
+    [
+        ("42", "non-empty 'tests' list"),
+        ("not json", "must be JSON"),
+        (json.dumps({"tests": []}), "non-empty"),
+        (json.dumps({"tests": [1]}), "must be strings"),
+        (json.dumps({"tests": ["assert True"], "extra": 1}), "unknown keys"),
+    ],
+)
+def test_bad_ground_truths_are_clear_errors(ground_truth: str, error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        UnitTests.from_ground_truth(ground_truth)
+
+
+SOLUTIONS = {
+    "add": "def add(a, b):\n    return a + b",
+    "is_palindrome": "def is_palindrome(s):\n    return s == s[::-1]",
+    "factorial": "import math\ndef factorial(n):\n    return math.factorial(n)",
+    "fizzbuzz": (
+        "def fizzbuzz(n):\n    return 'FizzBuzz' if n % 15 == 0 else 'Fizz' if n % 3 == 0 else "
+        "'Buzz' if n % 5 == 0 else str(n)"
+    ),
+    "count_vowels": "def count_vowels(s):\n    return sum(c in 'aeiouAEIOU' for c in s)",
+    "second_largest": "def second_largest(xs):\n    return sorted(set(xs))[-2]",
+    "reverse_words": "def reverse_words(s):\n    return ' '.join(s.split(' ')[::-1])",
+    "gcd": "import math\ndef gcd(a, b):\n    return math.gcd(a, b)",
+    "primes_below": (
+        "def primes_below(n):\n    return [p for p in range(2, n) if all(p % d for d in range(2, p))]"
+    ),
+    "mean": "def mean(xs):\n    return sum(xs) / len(xs)",
+}
+
+
+def test_the_bundled_problems_are_solvable(sandbox: Sandbox) -> None:
+    rows = [
+        json.loads(line)
+        for name in ("train", "val")
+        for line in (DATA_DIR / f"tiny_code_{name}.jsonl").open()
+    ]
+    assert len(rows) == len(SOLUTIONS)
+    for row in rows:
+        name = row["messages"][0]["content"].split("`")[1].split("(")[0]
+        spec = UnitTests.from_ground_truth(row["expected_answer"])
+        assert run_tests(sandbox, SOLUTIONS[name], spec).num_passed == len(spec.tests), name
+        assert run_tests(sandbox, "pass", spec).num_passed == 0, name
+
+
+@pytest.fixture(scope="module")
+def code_env(ray_cluster: dict[str, float]) -> Any:
+    env = create_env("code", EnvConfig(code=CodeEnvConfig(num_workers=2, sandbox=SANDBOX)))
+    yield env
+    stop_envs([env], timeout_s=RAY_TIMEOUT_S)
+
+
+def test_code_environment_step(code_env: Any) -> None:
+    logs = [
+        conversation(fenced("def add(a, b):\n    return a + b")),
+        conversation(fenced("def add(a, b):\n    return 3")),
+        conversation("I cannot write code."),
+        [
+            *conversation(fenced("def add(a, b):\n    return 0")),
+            {"role": "user", "content": "again"},
+            {"role": "assistant", "content": fenced("def add(a, b):\n    return b + a")},
+        ],
+    ]
+    metadata = [{"ground_truth": ADD_TESTS}] * 4
+    ret: EnvironmentReturn[Any] = ray.get(code_env.step.remote(logs, metadata), timeout=RAY_TIMEOUT_S)
+    assert ret.rewards.tolist() == pytest.approx([1.0, 1 / 3, 0.0, 1.0])
+    assert ret.rewards.dtype == torch.float32
+    assert ret.terminateds.tolist() == [True] * 4
+    assert ret.observations[1] == {"role": "environment", "content": "Environment: passed 1 of 3 tests"}
+    assert ret.metadata[2] == {
+        "ground_truth": ADD_TESTS,
+        "num_tests": 3,
+        "num_tests_passed": 0,
+        "has_code": False,
+        "timed_out": False,
+    }
+    assert ret.next_stop_strings == [None] * 4
+    assert "network: " in ray.get(code_env.isolation.remote(), timeout=RAY_TIMEOUT_S)
+
+
+def test_missing_tests_are_a_clear_error(code_env: Any) -> None:
+    with pytest.raises(ray.exceptions.RayTaskError, match="ground_truth"):
+        ray.get(code_env.step.remote([conversation("x")], [{"answer": "2"}]), timeout=RAY_TIMEOUT_S)
+
+
+def test_code_metrics(code_env: Any) -> None:
+    batch = BatchedDataDict(
+        {
+            "total_reward": torch.tensor([1.0, 0.5, 0.0, 0.0]),
+            "idx": torch.tensor([0, 0, 1, 1]),
+            "extra_env_info": [
+                {"has_code": True, "timed_out": False},
+                {"has_code": True, "timed_out": True},
+                {"has_code": False, "timed_out": False},
+                {"has_code": True, "timed_out": False},
+            ],
+        }
+    )
+    _, metrics = ray.get(code_env.global_post_process_and_metrics.remote(batch), timeout=RAY_TIMEOUT_S)
+    assert metrics["accuracy"] == pytest.approx(0.25)
+    assert metrics["test_pass_rate"] == pytest.approx(0.375)
+    assert metrics["pass@samples_per_prompt"] == pytest.approx(0.5)
+    assert metrics["no_code_fraction"] == pytest.approx(0.25)
+    assert metrics["timeout_fraction"] == pytest.approx(0.25)
