@@ -37,6 +37,9 @@ def _overrides(tmp: Path, name: str, max_steps: int) -> list[str]:
         "policy.train_micro_batch_size=16",
         "data.num_train_samples=256",
         "data.num_val_samples=32",
+        # One worker slot, as the test was sized (the recipe itself trains on two).
+        "cluster.gpus_per_node=1",
+        "policy.dtensor_cfg.data_parallel_mode=fsdp",
         "checkpointing.save_period=2",
         f"checkpointing.checkpoint_dir={tmp / name / 'ckpt'}",
         f"logger.log_dir={tmp / name / 'logs'}",
