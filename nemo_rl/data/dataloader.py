@@ -35,6 +35,7 @@ class StatefulDataLoader(Generic[T, B]):
         collate_fn: Turns a list of samples into a batch.
         batch_size_key: The config key that sets ``batch_size``, named in the error for data smaller than
             one batch.
+        data_name: How errors name the data (e.g. ``"the training data (train.jsonl)"``).
     """
 
     def __init__(
@@ -47,15 +48,16 @@ class StatefulDataLoader(Generic[T, B]):
         drop_last: bool,
         collate_fn: Callable[[list[T]], B],
         batch_size_key: str = "batch_size",
+        data_name: str = "the data",
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         # The data's own defects are the user's to fix: DataError ends a script with one line (exit 2).
         if len(dataset) == 0:
-            raise DataError("the dataset is empty: check the data section of the config")
+            raise DataError(f"{data_name} holds no samples: check the data section of the config")
         if drop_last and len(dataset) < batch_size:
             raise DataError(
-                f"the data has {len(dataset)} samples, fewer than one batch ({batch_size_key}={batch_size}): "
+                f"{data_name} has {len(dataset)} samples, fewer than one batch ({batch_size_key}={batch_size}): "
                 f"lower {batch_size_key} or give more data"
             )
         self.dataset = dataset
