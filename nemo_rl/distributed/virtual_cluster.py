@@ -356,6 +356,11 @@ class PlacementTimeoutError(TimeoutError):
     """The Ray cluster could not place the requested bundles within ``cluster.placement_timeout_s``."""
 
 
+class LostCallError(RuntimeError):
+    """Worker calls failed that the driver never waited for (a deferred call after the last wait); raised by
+    :meth:`RayVirtualCluster.shutdown` with one line per failure: the call, the worker and the error."""
+
+
 @dataclass(frozen=True)
 class BundleLocation:
     """Where one bundle of a :class:`RayVirtualCluster` lives."""
@@ -447,6 +452,7 @@ class RayVirtualCluster:
         self._locations = self._resolve_locations()
         # Which worker groups hold each bundle, so a group too many fails at once instead of never scheduling.
         self._occupants: list[list[str]] = [[] for _ in range(self.world_size)]
+        self._lost_errors: list[str] = []
 
     @property
     def world_size(self) -> int:
@@ -506,11 +512,26 @@ class RayVirtualCluster:
             if owner in self._occupants[index]:
                 self._occupants[index].remove(owner)
 
+    def report_lost_error(self, failure: str) -> None:
+        """Keep ``failure`` (one line: a worker call that failed and that nobody waited for) for :meth:`shutdown`."""
+        logger.error("%s", failure)
+        self._lost_errors.append(failure)
+
     def shutdown(self) -> None:
-        """Remove the placement groups (killing any actor still on them); safe to call twice."""
+        """Remove the placement groups (killing any actor still on them); safe to call twice.
+
+        Raises:
+            LostCallError: a worker group on this cluster reported failed calls nobody waited for
+                (:meth:`report_lost_error`); raised once, after the placement groups are gone.
+        """
         for pg in self._placement_groups:
             remove_placement_group(pg)
         self._placement_groups = []
+        lost, self._lost_errors = self._lost_errors, []
+        if lost:
+            raise LostCallError(
+                f"{len(lost)} worker calls failed after the driver's last wait for them:\n" + "\n".join(lost)
+            )
 
     def _location(self, bundle_index: int) -> BundleLocation:
         if not 0 <= bundle_index < self.world_size:
