@@ -41,6 +41,7 @@ from nemo_rl.config.cli import USER_ERROR_EXIT_CODE, report_user_error
 from nemo_rl.config.cluster import ClusterConfig
 from nemo_rl.config.errors import UserError
 from nemo_rl.distributed.gc_tuning import WORKER_PROCESS_SETUP_HOOK
+from nemo_rl.distributed.ray_reaper import start_reaper
 
 logger = logging.getLogger(__name__)
 
@@ -261,6 +262,8 @@ def _init_ray_now(cluster_cfg: ClusterConfig | None) -> None:
         _system_config={"prestart_worker_first_driver": False},
         runtime_env=job_runtime_env(),
     )
+    # Ray's agents can outlive a killed driver by a minute (see nemo_rl.distributed.ray_reaper).
+    start_reaper(temp_dir)
 
 
 # Ray's notices when a local ray.init() turns token authentication on (its default) and, the first time on a
