@@ -41,6 +41,7 @@ from nemo_rl.config.cli import USER_ERROR_EXIT_CODE, report_user_error
 from nemo_rl.config.cluster import ClusterConfig
 from nemo_rl.config.errors import UserError
 from nemo_rl.distributed.gc_tuning import WORKER_PROCESS_SETUP_HOOK
+from nemo_rl.distributed.lost_calls import LostCalls
 from nemo_rl.distributed.ray_reaper import start_reaper
 
 logger = logging.getLogger(__name__)
@@ -359,11 +360,6 @@ class PlacementTimeoutError(TimeoutError):
     """The Ray cluster could not place the requested bundles within ``cluster.placement_timeout_s``."""
 
 
-class LostCallError(RuntimeError):
-    """Worker calls failed that the driver never waited for (a deferred call after the last wait); raised by
-    :meth:`RayVirtualCluster.shutdown` with one line per failure: the call, the worker and the error."""
-
-
 @dataclass(frozen=True)
 class BundleLocation:
     """Where one bundle of a :class:`RayVirtualCluster` lives."""
@@ -455,7 +451,8 @@ class RayVirtualCluster:
         self._locations = self._resolve_locations()
         # Which worker groups hold each bundle, so a group too many fails at once instead of never scheduling.
         self._occupants: list[list[str]] = [[] for _ in range(self.world_size)]
-        self._lost_errors: list[str] = []
+        self.lost_calls = LostCalls()
+        """Failed worker calls nobody waited for, raised by :meth:`shutdown`."""
 
     @property
     def world_size(self) -> int:
@@ -515,26 +512,17 @@ class RayVirtualCluster:
             if owner in self._occupants[index]:
                 self._occupants[index].remove(owner)
 
-    def report_lost_error(self, failure: str) -> None:
-        """Keep ``failure`` (one line: a worker call that failed and that nobody waited for) for :meth:`shutdown`."""
-        logger.error("%s", failure)
-        self._lost_errors.append(failure)
-
     def shutdown(self) -> None:
         """Remove the placement groups (killing any actor still on them); safe to call twice.
 
         Raises:
-            LostCallError: a worker group on this cluster reported failed calls nobody waited for
-                (:meth:`report_lost_error`); raised once, after the placement groups are gone.
+            LostCallError: worker calls on this cluster failed that nobody waited for (see
+                :mod:`nemo_rl.distributed.lost_calls`); raised once, after the placement groups are gone.
         """
         for pg in self._placement_groups:
             remove_placement_group(pg)
         self._placement_groups = []
-        lost, self._lost_errors = self._lost_errors, []
-        if lost:
-            raise LostCallError(
-                f"{len(lost)} worker calls failed after the driver's last wait for them:\n" + "\n".join(lost)
-            )
+        self.lost_calls.raise_reported()
 
     def _location(self, bundle_index: int) -> BundleLocation:
         if not 0 <= bundle_index < self.world_size:

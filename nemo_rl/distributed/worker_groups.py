@@ -326,7 +326,7 @@ class RayWorkerGroup:
         """Stop the workers: call their ``shutdown`` method if the class defines one, then kill the actors.
 
         First the calls of :meth:`run_all_workers_deferred` that no wait collected are waited for: each failure
-        is reported to the cluster (:meth:`RayVirtualCluster.report_lost_error`), whose ``shutdown`` raises it.
+        is reported to the cluster (:mod:`nemo_rl.distributed.lost_calls`), whose ``shutdown`` raises it.
         A worker that fails or hangs in its ``shutdown`` is logged and killed anyway. Everything shares
         ``graceful_timeout_s``. Safe to call twice.
         """
@@ -371,7 +371,7 @@ class RayWorkerGroup:
                     # A RayTaskError's text holds the remote traceback; its cause is the worker's own exception.
                     cause = error.cause if isinstance(error, RayTaskError) and error.cause else error
                     first_line = (str(cause).strip().splitlines() or [""])[0]
-                    self.cluster.report_lost_error(
+                    self.cluster.lost_calls.report(
                         f"worker group {self.name!r}: deferred call {method}() on rank {rank} failed: "
                         f"{type(cause).__name__}: {_ANSI_ESCAPE.sub('', first_line)}"
                     )

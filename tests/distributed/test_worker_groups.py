@@ -17,7 +17,8 @@ import torch.distributed as dist
 from nemo_rl.config.cluster import ClusterConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.device import configure_worker_threads, init_process_group_from_env
-from nemo_rl.distributed.virtual_cluster import LostCallError, RayVirtualCluster
+from nemo_rl.distributed.lost_calls import LostCallError
+from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.distributed.worker_groups import (
     RayWorkerGroup,
     WorkerDiedError,
@@ -198,7 +199,7 @@ def test_deferred_failures_nobody_waited_for_are_raised_at_shutdown(ray_cluster:
     with pytest.raises(LostCallError) as info:
         cluster.shutdown()
     assert str(info.value).splitlines()[:2] == [
-        "2 worker calls failed after the driver's last wait for them:",
+        "worker calls failed after the driver's last wait for them (2):",
         "worker group 'policy': deferred call fail_on_rank() on rank 0 failed: ValueError: rank 0 failed on purpose",
     ]
     assert (
@@ -210,6 +211,17 @@ def test_deferred_failures_nobody_waited_for_are_raised_at_shutdown(ray_cluster:
         )
     )
     cluster.shutdown()  # raised once
+    # Shut down while another error propagates: that error stays the one raised, with the lost calls as a note.
+    cluster.lost_calls.report("worker group 'policy': deferred call train() on rank 0 failed: ValueError: x")
+    with pytest.raises(KeyboardInterrupt) as interrupted:
+        try:
+            raise KeyboardInterrupt
+        finally:
+            cluster.shutdown()
+    assert interrupted.value.__notes__ == [
+        "worker calls failed after the driver's last wait for them (1):\n"
+        "worker group 'policy': deferred call train() on rank 0 failed: ValueError: x"
+    ]
 
 
 def test_timeout_names_pending_workers(policy_group: RayWorkerGroup) -> None:
