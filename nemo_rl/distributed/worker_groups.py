@@ -356,31 +356,37 @@ class RayWorkerGroup:
         self._deferred.clear()
 
     def _report_deferred_failures(self, deadline: float) -> None:
-        """Wait until ``deadline`` for the deferred calls no wait collected; report each failure to the cluster
-        (naming the call, the rank and the error's first line) and name the ones still running in a warning."""
+        """Wait until ``deadline`` for the deferred calls no wait collected and report each failure to the cluster;
+        the ones still running are named in a warning. A dead rank ends the wait: the others may be stuck in a
+        collective with it."""
         pending, self._deferred = self._deferred, []
-        if pending:
-            done, pending = ray.wait(
-                pending, num_returns=len(pending), timeout=max(deadline - time.monotonic(), 0.0)
-            )
-            for ref in done:
-                rank, method = self._ref_owners.get(ref.hex(), (None, "?"))
-                try:
-                    self._fetch(ref)
-                except (WorkerDiedError, RayTaskError) as error:
-                    # A RayTaskError's text holds the remote traceback; its cause is the worker's own exception.
-                    cause = error.cause if isinstance(error, RayTaskError) and error.cause else error
-                    first_line = (str(cause).strip().splitlines() or [""])[0]
-                    self.cluster.lost_calls.report(
-                        f"worker group {self.name!r}: deferred call {method}() on rank {rank} failed: "
-                        f"{type(cause).__name__}: {_ANSI_ESCAPE.sub('', first_line)}"
-                    )
+        while pending and time.monotonic() < deadline:
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0.0))
+            if not all([self._report_if_failed(ref) for ref in done]):
+                break
         if pending:
             logger.warning(
                 "worker group %r: deferred calls still running at shutdown: %s",
                 self.name,
                 self._describe(pending),
             )
+
+    def _report_if_failed(self, ref: ray.ObjectRef) -> bool:
+        """Report the finished deferred call ``ref`` to the cluster if it failed, naming the call, the rank and the
+        error's first line; whether its worker is still alive."""
+        rank, method = self._ref_owners.get(ref.hex(), (None, "?"))
+        try:
+            self._fetch(ref)
+        except (WorkerDiedError, RayTaskError) as error:
+            # A RayTaskError's text holds the remote traceback; its cause is the worker's own exception.
+            cause = error.cause if isinstance(error, RayTaskError) and error.cause else error
+            first_line = (str(cause).strip().splitlines() or [""])[0]
+            self.cluster.lost_calls.report(
+                f"worker group {self.name!r}: deferred call {method}() on rank {rank} failed: "
+                f"{type(cause).__name__}: {_ANSI_ESCAPE.sub('', first_line)}"
+            )
+            return not isinstance(error, WorkerDiedError)
+        return True
 
     def _shut_down_cleanly(self, rank: int, ref: ray.ObjectRef) -> bool:
         """Whether rank ``rank``'s ``shutdown`` call returned (False: the worker was dead)."""

@@ -98,7 +98,9 @@ def test_builtin_benchmark_from_the_hub(monkeypatch: pytest.MonkeyPatch) -> None
     calls.clear()
     rows_by_hub = {"HuggingFaceH4/MATH-500": HUB_ROWS["math500"], "openai/gsm8k": HUB_ROWS["gsm8k"]}
     monkeypatch.setattr(
-        eval_datasets, "load_hub_rows", lambda n, s, c=None, key="": calls.append((n, s, c)) or [rows_by_hub[n]]
+        eval_datasets,
+        "load_hub_rows",
+        lambda n, s, c=None, key="": calls.append((n, s, c)) or [rows_by_hub[n]],
     )
     load_eval_records(EvalDataConfig(dataset_name="math500", split="test"))
     load_eval_records(EvalDataConfig(dataset_name="gsm8k"))
