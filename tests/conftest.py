@@ -30,6 +30,7 @@ import ray
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from nemo_rl.distributed.ray_reaper import start_reaper
 from nemo_rl.distributed.virtual_cluster import default_ray_temp_dir, job_runtime_env
 
 RAY_CLUSTER_NUM_CPUS = 8
@@ -51,15 +52,18 @@ def ray_cluster() -> Iterator[dict[str, float]]:
     """A local Ray shared by the whole session (see the module docstring)."""
     if ray.is_initialized():
         ray.shutdown()
+    temp_dir = os.environ.get("NEMO_RL_RAY_TEMP_DIR") or default_ray_temp_dir()
     ray.init(
         address="local",
         num_cpus=RAY_CLUSTER_NUM_CPUS,
         include_dashboard=False,
-        _temp_dir=os.environ.get("NEMO_RL_RAY_TEMP_DIR") or default_ray_temp_dir(),
+        _temp_dir=temp_dir,
         # One thread per worker process: the test machine's cores are shared by all workers.
         runtime_env=job_runtime_env(OMP_NUM_THREADS="1"),
         log_to_driver=True,
     )
+    # A SIGKILLed pytest would otherwise leave Ray's agents running for a minute.
+    start_reaper(temp_dir)
     try:
         yield ray.cluster_resources()
     finally:

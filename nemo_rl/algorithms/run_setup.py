@@ -117,6 +117,12 @@ def make_train_loader(
         collate_fn=collate_fn,
         batch_size_key=batch_size_key,
         groups=groups,
+        # Custom datasets (the sliding-puzzle script's generator) come without a source to name.
+        data_name=(
+            f"the training data ({dataset.source})"
+            if isinstance(dataset, ProcessedDataset)
+            else "the training data"
+        ),
     )
     resume.restore_loader(loader)
     return loader

@@ -162,8 +162,8 @@ class DataConfig(ConfigModel):
     ``Tulu3Preference`` load from the hub; ``tiny_math`` and ``tiny_math_preference`` are generated."""
 
     train_data_path: str | None = None
-    """Local training file (``.jsonl``, ``.json`` with one object per line, or ``.parquet``) in the schema of
-    ``dataset_name``, or a hub dataset name. ``None`` loads the dataset's hub default (not for
+    """Local training file (``.jsonl``, ``.json`` with one object per line or one array, ``.parquet``, or ``.csv``
+    with a header row) in the schema of ``dataset_name``, or a hub dataset name (``org/name``). ``None`` loads the dataset's hub default (not for
     ``openai_format`` / ``response`` / ``binary_preference``, which need a path)."""
 
     val_data_path: str | None = None

@@ -38,6 +38,7 @@ class StatefulDataLoader(Generic[T, B]):
         groups: Sample indices that are served together (for example the preference pairs of one prompt):
             shuffling then permutes the groups and keeps each group's samples consecutive, in order, so a
             batch holds whole groups (and pieces of at most two more at its ends). ``None`` shuffles samples.
+        data_name: How errors name the data (e.g. ``"the training data (train.jsonl)"``).
     """
 
     def __init__(
@@ -51,15 +52,16 @@ class StatefulDataLoader(Generic[T, B]):
         collate_fn: Callable[[list[T]], B],
         batch_size_key: str = "batch_size",
         groups: Sequence[Sequence[int]] | None = None,
+        data_name: str = "the data",
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         # The data's own defects are the user's to fix: DataError ends a script with one line (exit 2).
         if len(dataset) == 0:
-            raise DataError("the dataset is empty: check the data section of the config")
+            raise DataError(f"{data_name} holds no samples: check the data section of the config")
         if drop_last and len(dataset) < batch_size:
             raise DataError(
-                f"the data has {len(dataset)} samples, fewer than one batch ({batch_size_key}={batch_size}): "
+                f"{data_name} has {len(dataset)} samples, fewer than one batch ({batch_size_key}={batch_size}): "
                 f"lower {batch_size_key} or give more data"
             )
         self.dataset = dataset

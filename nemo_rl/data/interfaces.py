@@ -10,7 +10,6 @@ plus bookkeeping for training (length, loss multiplier, environment info).
 from __future__ import annotations
 
 import dataclasses
-import pathlib
 import string
 from typing import Any, NotRequired, Protocol, TypedDict
 
@@ -18,7 +17,8 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.config.data import DataConfig
-from nemo_rl.data.errors import MissingDataFileError
+from nemo_rl.data.errors import DataError
+from nemo_rl.data.files import existing_file, read_utf8
 
 
 class ChatMessage(TypedDict):
@@ -163,26 +163,25 @@ class TaskDataSpec:
 
 
 def check_prompt_template(template: str, *, source: str) -> None:
-    """Raise a clear error unless ``template`` has exactly one ``{}`` field and no other fields."""
+    """Raise a :class:`DataError` (a ``ValueError``) naming ``source`` unless ``template`` has exactly one ``{}``
+    field and no other fields."""
     try:
         fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
     except ValueError as err:
-        raise ValueError(
+        raise DataError(
             f"{source} is not a valid template ({err}): write literal braces as '{{{{' and '}}}}'"
         ) from err
     if fields != [""]:
-        raise ValueError(
+        raise DataError(
             f"{source} must contain exactly one '{{}}' where the problem goes and no other fields, found "
             f"{[('{' + f + '}') for f in fields]}; write literal braces as '{{{{' and '}}}}' (e.g. \\boxed{{{{}}}})"
         )
 
 
 def _read_text_file(path: str, *, key: str) -> str:
-    file = pathlib.Path(path)
-    if not file.is_file():
-        raise MissingDataFileError(f"{key}={path} does not exist: give the path of a text file")
+    file = existing_file(path, key=key, kind="text file")
     # A trailing newline is an artefact of the editor, not part of the prompt.
-    return file.read_text(encoding="utf-8").removesuffix("\n")
+    return read_utf8(file).removesuffix("\n")
 
 
 class Processor(Protocol):

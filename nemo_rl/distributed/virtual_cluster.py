@@ -41,6 +41,8 @@ from nemo_rl.config.cli import USER_ERROR_EXIT_CODE, report_user_error
 from nemo_rl.config.cluster import ClusterConfig
 from nemo_rl.config.errors import UserError
 from nemo_rl.distributed.gc_tuning import WORKER_PROCESS_SETUP_HOOK
+from nemo_rl.distributed.lost_calls import LostCalls
+from nemo_rl.distributed.ray_reaper import start_reaper
 
 logger = logging.getLogger(__name__)
 
@@ -261,6 +263,8 @@ def _init_ray_now(cluster_cfg: ClusterConfig | None) -> None:
         _system_config={"prestart_worker_first_driver": False},
         runtime_env=job_runtime_env(),
     )
+    # Ray's agents can outlive a killed driver by a minute (see nemo_rl.distributed.ray_reaper).
+    start_reaper(temp_dir)
 
 
 # Ray's notices when a local ray.init() turns token authentication on (its default) and, the first time on a
@@ -447,6 +451,8 @@ class RayVirtualCluster:
         self._locations = self._resolve_locations()
         # Which worker groups hold each bundle, so a group too many fails at once instead of never scheduling.
         self._occupants: list[list[str]] = [[] for _ in range(self.world_size)]
+        self.lost_calls = LostCalls()
+        """Failed worker calls nobody waited for, raised by :meth:`shutdown`."""
 
     @property
     def world_size(self) -> int:
@@ -507,10 +513,16 @@ class RayVirtualCluster:
                 self._occupants[index].remove(owner)
 
     def shutdown(self) -> None:
-        """Remove the placement groups (killing any actor still on them); safe to call twice."""
+        """Remove the placement groups (killing any actor still on them); safe to call twice.
+
+        Raises:
+            LostCallError: worker calls on this cluster failed that nobody waited for (see
+                :mod:`nemo_rl.distributed.lost_calls`); raised once, after the placement groups are gone.
+        """
         for pg in self._placement_groups:
             remove_placement_group(pg)
         self._placement_groups = []
+        self.lost_calls.raise_reported()
 
     def _location(self, bundle_index: int) -> BundleLocation:
         if not 0 <= bundle_index < self.world_size:

@@ -325,15 +325,19 @@ class RayWorkerGroup:
     def shutdown(self, graceful_timeout_s: float = GRACEFUL_SHUTDOWN_TIMEOUT_S) -> None:
         """Stop the workers: call their ``shutdown`` method if the class defines one, then kill the actors.
 
-        A worker that fails or hangs in its ``shutdown`` is logged and killed anyway. Safe to call twice.
+        First the calls of :meth:`run_all_workers_deferred` that no wait collected are waited for: each failure
+        is reported to the cluster (:mod:`nemo_rl.distributed.lost_calls`), whose ``shutdown`` raises it.
+        A worker that fails or hangs in its ``shutdown`` is logged and killed anyway. Everything shares
+        ``graceful_timeout_s``. Safe to call twice.
         """
         if self._shut_down:
             return
         self._shut_down = True
+        deadline = time.monotonic() + graceful_timeout_s
+        self._report_deferred_failures(deadline)
         if callable(getattr(self._worker_cls, "shutdown", None)):
             refs: list[ray.ObjectRef] = [worker.shutdown.remote() for worker in self._workers]
             hung = refs
-            deadline = time.monotonic() + graceful_timeout_s
             while hung and time.monotonic() < deadline:
                 done, hung = ray.wait(hung, num_returns=1, timeout=max(deadline - time.monotonic(), 0.0))
                 if any(not self._shut_down_cleanly(refs.index(ref), ref) for ref in done):
@@ -350,6 +354,39 @@ class RayWorkerGroup:
         self.cluster.release_bundles(self.bundle_indices, self.name)
         self._ref_owners.clear()
         self._deferred.clear()
+
+    def _report_deferred_failures(self, deadline: float) -> None:
+        """Wait until ``deadline`` for the deferred calls no wait collected and report each failure to the cluster;
+        the ones still running are named in a warning. A dead rank ends the wait: the others may be stuck in a
+        collective with it."""
+        pending, self._deferred = self._deferred, []
+        while pending and time.monotonic() < deadline:
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0.0))
+            if not all([self._report_if_failed(ref) for ref in done]):
+                break
+        if pending:
+            logger.warning(
+                "worker group %r: deferred calls still running at shutdown: %s",
+                self.name,
+                self._describe(pending),
+            )
+
+    def _report_if_failed(self, ref: ray.ObjectRef) -> bool:
+        """Report the finished deferred call ``ref`` to the cluster if it failed, naming the call, the rank and the
+        error's first line; whether its worker is still alive."""
+        rank, method = self._ref_owners.get(ref.hex(), (None, "?"))
+        try:
+            self._fetch(ref)
+        except (WorkerDiedError, RayTaskError) as error:
+            # A RayTaskError's text holds the remote traceback; its cause is the worker's own exception.
+            cause = error.cause if isinstance(error, RayTaskError) and error.cause else error
+            first_line = (str(cause).strip().splitlines() or [""])[0]
+            self.cluster.lost_calls.report(
+                f"worker group {self.name!r}: deferred call {method}() on rank {rank} failed: "
+                f"{type(cause).__name__}: {_ANSI_ESCAPE.sub('', first_line)}"
+            )
+            return not isinstance(error, WorkerDiedError)
+        return True
 
     def _shut_down_cleanly(self, rank: int, ref: ray.ObjectRef) -> bool:
         """Whether rank ``rank``'s ``shutdown`` call returned (False: the worker was dead)."""

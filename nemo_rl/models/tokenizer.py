@@ -21,6 +21,7 @@ from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.policy import PolicyConfig, TokenizerConfig
 from nemo_rl.config.sources import check_policy_sources
+from nemo_rl.data.files import existing_file, read_utf8
 
 DEFAULT_CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
@@ -116,10 +117,9 @@ def resolve_chat_template(chat_template: str) -> str:
     if chat_template == "default":
         return DEFAULT_CHAT_TEMPLATE
     if chat_template.endswith(".jinja"):
-        path = pathlib.Path(chat_template)
-        if not path.is_file():
-            raise FileNotFoundError(f"policy.tokenizer.chat_template={chat_template} does not exist")
-        return path.read_text(encoding="utf-8")
+        return read_utf8(
+            existing_file(chat_template, key="policy.tokenizer.chat_template", kind=".jinja file")
+        )
     return chat_template
 
 

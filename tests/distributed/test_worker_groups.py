@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from nemo_rl.config.cluster import ClusterConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.device import configure_worker_threads, init_process_group_from_env
+from nemo_rl.distributed.lost_calls import LostCallError
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.distributed.worker_groups import (
     RayWorkerGroup,
@@ -74,6 +76,10 @@ class EchoWorker:
 
     def fail(self) -> None:
         raise ValueError("method failed on purpose")
+
+    def fail_on_rank(self, rank: int) -> None:
+        if int(os.environ["RANK"]) == rank:
+            raise ValueError(f"rank {rank} failed on purpose\nsecond line")
 
     def sleep(self, seconds: float) -> None:
         time.sleep(seconds)
@@ -169,6 +175,53 @@ def test_deferred_calls_run_first_and_fail_at_the_next_wait(policy_group: RayWor
         policy_group.get_all_worker_results([policy_group.run_single_worker("records", 0)], TIMEOUT_S)
     # Collected by that wait: the next one does not raise it again.
     assert policy_group.get_all_worker_results([policy_group.run_single_worker("env", 1)], TIMEOUT_S)
+
+
+def test_deferred_failures_nobody_waited_for_are_raised_at_shutdown(ray_cluster: dict[str, float]) -> None:
+    """A deferred call whose error no wait collected (the driver's last call on the group) is reported when the
+    group shuts down and raised, named, when its cluster shuts down: a failed method and a worker that died."""
+    cluster = RayVirtualCluster(ClusterConfig(gpus_per_node=1, placement_timeout_s=60), name="lost_calls")
+    try:
+        # Two colocated one-worker groups, started at once.
+        policy = RayWorkerGroup(cluster, EchoWorker, name="policy")
+        generation = RayWorkerGroup(cluster, EchoWorker, name="generation")
+        for group in (policy, generation):
+            group.wait_until_ready(TIMEOUT_S)
+        policy.run_all_workers_deferred("fail_on_rank", 0)
+        policy.run_all_workers_deferred("record", "fine")  # succeeds: not reported
+        generation.run_all_workers_deferred("exit_process")
+        policy.shutdown()
+        generation.shutdown()
+    except BaseException:
+        with contextlib.suppress(LostCallError):
+            cluster.shutdown()
+        raise
+    with pytest.raises(LostCallError) as info:
+        cluster.shutdown()
+    assert str(info.value).splitlines()[:2] == [
+        "worker calls failed after the driver's last wait for them (2):",
+        "worker group 'policy': deferred call fail_on_rank() on rank 0 failed: ValueError: rank 0 failed on purpose",
+    ]
+    assert (
+        str(info.value)
+        .splitlines()[2]
+        .startswith(
+            "worker group 'generation': deferred call exit_process() on rank 0 failed: WorkerDiedError: rank 0 of "
+            "worker group 'generation' died. Ray reported: "
+        )
+    )
+    cluster.shutdown()  # raised once
+    # Shut down while another error propagates: that error stays the one raised, with the lost calls as a note.
+    cluster.lost_calls.report("worker group 'policy': deferred call train() on rank 0 failed: ValueError: x")
+    with pytest.raises(KeyboardInterrupt) as interrupted:
+        try:
+            raise KeyboardInterrupt
+        finally:
+            cluster.shutdown()
+    assert interrupted.value.__notes__ == [
+        "worker calls failed after the driver's last wait for them (1):\n"
+        "worker group 'policy': deferred call train() on rank 0 failed: ValueError: x"
+    ]
 
 
 def test_timeout_names_pending_workers(policy_group: RayWorkerGroup) -> None:

@@ -195,7 +195,9 @@ def test_grpo_script_exits_at_once_on_a_setup_error_and_stops_the_ray_it_began(t
     ours = [(at, line) for at, line in lines if not line[:4].isdigit()]
     assert returncode == 2 and len(ours) == 1, lines
     reported_at, line = ours[0]
-    assert line == f"run_grpo_math.py: error: data file {tmp_path / 'missing.jsonl'} does not exist", lines
+    assert line.startswith(
+        f"run_grpo_math.py: error: data.train_data_path={tmp_path / 'missing.jsonl'} does not exist"
+    ), lines
     assert exited - reported_at < 1.5, f"exited {exited - reported_at:.2f} s after its error line"
     assert not ray_dir.exists(), list(ray_dir.rglob("*"))
     leftover = [

@@ -146,7 +146,10 @@ def _run_main(monkeypatch: pytest.MonkeyPatch, *overrides: str) -> None:
         (("eval.k_value=16",), "eval.k_value=16 exceeds eval.num_tests_per_prompt=8"),
         (("generation.model_name=/no/such/model",), "generation.model_name=/no/such/model does not exist"),
         ((f"generation.model_name={ROOT / 'examples'}",), "neither a Hugging Face model folder"),
-        (("data.dataset_name=/no/such/problems.jsonl",), "data file /no/such/problems.jsonl does not exist"),
+        (
+            ("data.dataset_name=/no/such/problems.jsonl",),
+            "data.dataset_name=/no/such/problems.jsonl does not exist",
+        ),
         # vLLM's CUDA build on this machine without a GPU (the CPU build, where installed, would run).
         (("generation.backend=vllm",), "the installed vLLM is the CUDA build, which needs CUDA GPUs"),
     ],

@@ -59,7 +59,7 @@ def test_drop_last() -> None:
     assert [len(b) for b in batches] == [3, 3, 3]
     with pytest.raises(ValueError, match="fewer than one batch"):
         _loader(num=2, drop_last=True)
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(ValueError, match="holds no samples"):
         _loader(num=0)
 
 

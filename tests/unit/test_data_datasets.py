@@ -165,37 +165,57 @@ def test_val_fraction_split_is_seeded_and_disjoint(tmp_path: pathlib.Path) -> No
 @pytest.mark.parametrize(
     ("dataset_name", "row", "expected"),
     [
-        ("OpenMathInstruct-2", {"generated_solution": "x"}, "row 2 .* is missing 'problem'"),
-        ("OpenMathInstruct-2", {"problem": None, "expected_answer": "1"}, "row 2 .* has 'problem': null"),
+        (
+            "OpenMathInstruct-2",
+            {"generated_solution": "x"},
+            "line 3 \\(row 2, 0-based\\) .*is missing 'problem'",
+        ),
+        (
+            "OpenMathInstruct-2",
+            {"problem": None, "expected_answer": "1"},
+            "line 3 \\(row 2, 0-based\\) .*has 'problem': null",
+        ),
         (
             "OpenMathInstruct-2",
             {"problem": "x", "expected_answer": " "},
-            "row 2 .* an empty 'expected_answer'",
+            "line 3 \\(row 2, 0-based\\) .*an empty 'expected_answer'",
         ),
         (
             "OpenMathInstruct-2",
             {"problem": "x"},
-            "row 2 .* neither 'generated_solution' nor 'expected_answer'",
+            "line 3 \\(row 2, 0-based\\) .*neither 'generated_solution' nor 'expected_answer'",
         ),
-        ("OpenMathInstruct-2", {"problem": ["x"], "expected_answer": "1"}, "row 2 .* 'problem' of type list"),
-        ("squad", {"context": "c", "question": "q", "answers": {"text": []}}, "row 2 .* no answer text"),
+        (
+            "OpenMathInstruct-2",
+            {"problem": ["x"], "expected_answer": "1"},
+            "line 3 \\(row 2, 0-based\\) .*'problem' of type list",
+        ),
+        (
+            "squad",
+            {"context": "c", "question": "q", "answers": {"text": []}},
+            "line 3 \\(row 2, 0-based\\) .*no answer text",
+        ),
         (
             "openai_format",
             {"messages": [{"role": "user"}]},
-            "row 2 .* message 0 of 'messages' without a string 'role'",
+            "line 3 \\(row 2, 0-based\\) .*message 0 of 'messages' without a string 'role'",
         ),
-        ("openai_format", {"text": "x"}, "row 2 .* no message list under 'messages'"),
-        ("response", {"input": "x"}, "row 2 .* is missing 'output'"),
+        ("openai_format", {"text": "x"}, "line 3 \\(row 2, 0-based\\) .*no message list under 'messages'"),
+        ("response", {"input": "x"}, "line 3 \\(row 2, 0-based\\) .*is missing 'output'"),
         (
             "binary_preference",
             {"prompt": "p", "chosen": "c"},
-            "row 2 .* no 'rejected' string or message list",
+            "line 3 \\(row 2, 0-based\\) .*no 'rejected' string or message list",
         ),
-        ("HelpSteer3", {"context": "c", "response1": "a"}, "row 2 .* is missing 'response2'"),
+        (
+            "HelpSteer3",
+            {"context": "c", "response1": "a"},
+            "line 3 \\(row 2, 0-based\\) .*is missing 'response2'",
+        ),
         (
             "HelpSteer3",
             {"context": "c", "response1": "a", "response2": "b", "overall_preference": "left"},
-            "row 2 .* 'overall_preference' 'left', expected a number",
+            "line 3 \\(row 2, 0-based\\) .*'overall_preference' 'left', expected a number",
         ),
         (
             "Tulu3Preference",
@@ -203,12 +223,12 @@ def test_val_fraction_split_is_seeded_and_disjoint(tmp_path: pathlib.Path) -> No
                 "chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
                 "rejected": [{"role": "user", "content": "other"}, {"role": "assistant", "content": "b"}],
             },
-            "row 2 .* different prompts",
+            "line 3 \\(row 2, 0-based\\) .*different prompts",
         ),
         (
             "Tulu3Preference",
             {"chosen": [{"role": "user", "content": "q"}], "rejected": [{"role": "user", "content": "q"}]},
-            "row 2 .* 'chosen' that does not end with an assistant response",
+            "line 3 \\(row 2, 0-based\\) .*'chosen' that does not end with an assistant response",
         ),
     ],
 )
@@ -228,7 +248,7 @@ def test_malformed_row_names_its_index(
     path = _write_jsonl(tmp_path / "bad.jsonl", [good, good, row, good])
     with pytest.raises(MalformedRowError, match=expected) as info:
         load_dataset_splits(DataConfig(dataset_name=dataset_name, train_data_path=path))  # type: ignore[arg-type]
-    assert info.value.index == 2
+    assert info.value.index == 2 and info.value.line == 3
     assert "Rows of this dataset need" in str(info.value)
 
 

@@ -82,7 +82,7 @@ def test_builtin_benchmark_from_a_local_copy(tmp_path: pathlib.Path, name: str) 
 def test_builtin_benchmark_from_the_hub(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[str, str, str | None]] = []
 
-    def fake_hub(name: str, split: str, subset: str | None = None) -> list[dict[str, Any]]:
+    def fake_hub(name: str, split: str, subset: str | None = None, *, key: str) -> list[dict[str, Any]]:
         calls.append((name, split, subset))
         return [HUB_ROWS["aime2025"]] * (15 if subset else 1)
 
@@ -98,7 +98,9 @@ def test_builtin_benchmark_from_the_hub(monkeypatch: pytest.MonkeyPatch) -> None
     calls.clear()
     rows_by_hub = {"HuggingFaceH4/MATH-500": HUB_ROWS["math500"], "openai/gsm8k": HUB_ROWS["gsm8k"]}
     monkeypatch.setattr(
-        eval_datasets, "load_hub_rows", lambda n, s, c=None: calls.append((n, s, c)) or [rows_by_hub[n]]
+        eval_datasets,
+        "load_hub_rows",
+        lambda n, s, c=None, key="": calls.append((n, s, c)) or [rows_by_hub[n]],
     )
     load_eval_records(EvalDataConfig(dataset_name="math500", split="test"))
     load_eval_records(EvalDataConfig(dataset_name="gsm8k"))
@@ -117,7 +119,9 @@ def test_any_file_with_named_columns(tmp_path: pathlib.Path) -> None:
     records = load_eval_records(cfg)
     assert len(records) == 3
     assert records[2]["expected_answer"] == "4"
-    with pytest.raises(MalformedRowError, match=r"row 0 \(0-based\) has no 'problem'"):
+    with pytest.raises(
+        MalformedRowError, match=r"math_500_test\.csv: line 2 \(row 0, 0-based\) has no 'problem'"
+    ):
         load_eval_records(EvalDataConfig(dataset_name=str(path)))
 
 
@@ -125,7 +129,9 @@ def test_malformed_rows_and_missing_files(tmp_path: pathlib.Path) -> None:
     path = _write_jsonl(
         tmp_path / "gsm8k.jsonl", [HUB_ROWS["gsm8k"], {"question": "q", "answer": "no final answer"}]
     )
-    with pytest.raises(MalformedRowError, match=r"row 1 .* final answer cannot be read"):
+    with pytest.raises(
+        MalformedRowError, match=r"gsm8k\.jsonl: line 2 \(row 1, 0-based\) .* final answer cannot be read"
+    ):
         load_eval_records(EvalDataConfig(dataset_name="gsm8k", data_path=path))
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_eval_records(EvalDataConfig(dataset_name=str(tmp_path / "missing.jsonl")))

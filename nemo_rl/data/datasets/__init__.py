@@ -90,6 +90,11 @@ class ProcessedDataset(Sequence[DatumSpec]):
             yield self[i]
 
     @property
+    def source(self) -> str:
+        """Where the records come from (a file, a hub dataset and split, a generator), as messages name it."""
+        return self.records.source if isinstance(self.records, RecordDataset) else "in-memory records"
+
+    @property
     def task_names(self) -> set[str]:
         """The ``task_name`` of every sample (one task per processed dataset)."""
         return {self.spec.task_name}

@@ -36,8 +36,9 @@ from nemo_rl.data.datasets.loading import (
     RecordDataset,
     is_local_source,
     load_hub_rows,
-    read_local_rows,
+    read_local_file,
 )
+from nemo_rl.data.errors import DataError
 from nemo_rl.data.interfaces import ChatMessage, Record, TaskDataSpec
 from nemo_rl.data.processors import math_processor
 from nemo_rl.data.tiny import tiny_math_splits
@@ -126,15 +127,25 @@ def problem_answer_converter(
     return convert
 
 
-def _rows_of(path_or_name: str, *, subsets: Sequence[str | None], split: str) -> tuple[list[Any], str]:
-    """Rows of a local file, or of the hub dataset's configurations concatenated; and their description."""
+def _source_dataset(
+    path_or_name: str,
+    converter_of: Callable[[str], RowConverter],
+    *,
+    key: str,
+    subsets: Sequence[str | None],
+    split: str,
+) -> RecordDataset:
+    """The records of a local file, or of the hub dataset's configurations concatenated; ``converter_of`` makes
+    the row converter from the description of the source, ``key`` is the config key that names it."""
     if is_local_source(path_or_name):
-        return list(read_local_rows(path_or_name)), path_or_name
+        local = read_local_file(path_or_name, key=key)
+        return RecordDataset(local.rows, converter_of(path_or_name), path_or_name, lines=local.lines)
     rows: list[Any] = []
     for subset in subsets:
-        rows += list(load_hub_rows(path_or_name, split, subset))
+        rows += list(load_hub_rows(path_or_name, split, subset, key=key))
     parts = "" if subsets == (None,) else f" {'+'.join(str(s) for s in subsets)}"
-    return rows, f"{path_or_name}{parts} (hub split {split})"
+    source = f"{path_or_name}{parts} (hub split {split})"
+    return RecordDataset(rows, converter_of(source), source)
 
 
 def load_eval_records(cfg: EvalDataConfig) -> RecordDataset:
@@ -147,25 +158,32 @@ def load_eval_records(cfg: EvalDataConfig) -> RecordDataset:
         dataset = RecordDataset(rows, math_converter("tiny_math (held-out)"), "tiny_math (held-out)")
     elif name is not None:
         schema = EVAL_DATASET_SCHEMAS[name]
-        rows, source = _rows_of(
+        dataset = _source_dataset(
             cfg.data_path or schema.hub_name,
+            lambda source: problem_answer_converter(
+                source, schema.problem_key, schema.answer_key, schema.parse_answer
+            ),
+            key="data.data_path" if cfg.data_path else "data.dataset_name",
             subsets=schema.subsets if cfg.data_path is None else (None,),
             split=cfg.split or schema.split,
         )
-        converter = problem_answer_converter(
-            source, schema.problem_key, schema.answer_key, schema.parse_answer
-        )
-        dataset = RecordDataset(rows, converter, source)
     else:
-        rows, source = _rows_of(cfg.dataset_name, subsets=(None,), split=cfg.split or "test")
-        dataset = RecordDataset(
-            rows, problem_answer_converter(source, cfg.problem_key, cfg.solution_key), source
+        dataset = _source_dataset(
+            cfg.dataset_name,
+            lambda source: problem_answer_converter(source, cfg.problem_key, cfg.solution_key),
+            key="data.dataset_name",
+            subsets=(None,),
+            split=cfg.split or "test",
         )
     if not len(dataset):
-        raise ValueError(f"{dataset.source} holds no problems")
+        raise DataError(f"{dataset.source} holds no problems: check data.dataset_name / data.split")
     if cfg.max_num_problems is not None:
         dataset = RecordDataset(
-            dataset.rows, dataset.converter, dataset.source, dataset.indices[: cfg.max_num_problems]
+            dataset.rows,
+            dataset.converter,
+            dataset.source,
+            dataset.indices[: cfg.max_num_problems],
+            lines=dataset.lines,
         )
     dataset.validate()
     return dataset

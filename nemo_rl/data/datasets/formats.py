@@ -17,12 +17,20 @@ RowConverter = Callable[[Mapping[str, Any], int], Record]
 
 
 class MalformedRowError(DataError):
-    """A dataset row does not have the fields its dataset's schema needs."""
+    """A dataset row does not have the fields its dataset's schema needs.
 
-    def __init__(self, source: str, index: int, problem: str, schema: str) -> None:
-        super().__init__(f"{source}: row {index} (0-based) {problem}. Rows of this dataset need {schema}.")
-        self.source = source
-        self.index = index
+    The message names the row by its 0-based ``index`` in the source and, once known, the ``line`` of the file
+    it is on (see :meth:`at_line`).
+    """
+
+    def __init__(self, source: str, index: int, problem: str, schema: str, line: int | None = None) -> None:
+        where = f"row {index} (0-based)" if line is None else f"line {line} (row {index}, 0-based)"
+        super().__init__(f"{source}: {where} {problem}. Rows of this dataset need {schema}.")
+        self.source, self.index, self.problem, self.schema, self.line = source, index, problem, schema, line
+
+    def at_line(self, line: int) -> MalformedRowError:
+        """The same error, naming the 1-based ``line`` of the file the row is on."""
+        return MalformedRowError(self.source, self.index, self.problem, self.schema, line)
 
 
 class _RowReader:
@@ -106,8 +114,12 @@ def _messages(reader: _RowReader, key: str, *, default_role: str) -> list[ChatMe
     value = reader.row.get(key)
     if isinstance(value, str):
         return [ChatMessage(role=default_role, content=value)]
-    if not isinstance(value, list) or not value:
+    if value is None:
         reader.fail(f"has no {key!r} string or message list (it has {sorted(reader.row)})")
+    if not isinstance(value, list):
+        reader.fail(f"has {key!r} of type {type(value).__name__}, expected a string or a message list")
+    if not value:
+        reader.fail(f"has an empty {key!r} message list")
     messages = []
     for i, message in enumerate(value):
         if not isinstance(message, Mapping):
@@ -128,8 +140,10 @@ def openai_converter(source: str, chat_key: str) -> RowConverter:
 
     def convert(row: Mapping[str, Any], index: int) -> Record:
         reader = _RowReader(row, index, source, schema)
-        if not isinstance(row.get(chat_key), list) or not row[chat_key]:
+        if row.get(chat_key) is None:
             reader.fail(f"has no message list under {chat_key!r} (it has {sorted(row)})")
+        if not isinstance(row[chat_key], list):
+            reader.fail(f"has {chat_key!r} of type {type(row[chat_key]).__name__}, expected a message list")
         record = Record(messages=_messages(reader, chat_key, default_role="user"))
         if reader.has("expected_answer"):
             record["expected_answer"] = reader.text("expected_answer")

@@ -14,8 +14,9 @@ from typing import Any, overload
 import numpy as np
 
 from nemo_rl.config.data import DataConfig
-from nemo_rl.data.datasets.formats import RowConverter, converter_for
+from nemo_rl.data.datasets.formats import MalformedRowError, RowConverter, converter_for
 from nemo_rl.data.errors import DataError, MissingDataFileError
+from nemo_rl.data.files import existing_file, named, read_utf8
 from nemo_rl.data.interfaces import Record
 from nemo_rl.data.tiny import tiny_math_splits
 
@@ -51,7 +52,8 @@ HUB_DEFAULTS: dict[str, HubSource] = {
 class RecordDataset(Sequence[Record]):
     """Raw rows seen as canonical records, converted on access (so hub datasets stay lazy).
 
-    ``indices`` selects and orders the rows; a malformed row raises with its index in the source.
+    ``indices`` selects and orders the rows; a malformed row raises with its index in the source and, when
+    ``lines`` gives the line each row is on (a JSON Lines or CSV file), that line.
     """
 
     def __init__(
@@ -60,11 +62,14 @@ class RecordDataset(Sequence[Record]):
         converter: RowConverter,
         source: str,
         indices: Sequence[int] | None = None,
+        *,
+        lines: Sequence[int] | None = None,
     ) -> None:
         self.rows = rows
         self.converter = converter
         self.source = source
         self.indices = list(range(len(rows))) if indices is None else list(indices)
+        self.lines = lines
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -79,7 +84,13 @@ class RecordDataset(Sequence[Record]):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         row_index = self.indices[i]
-        return self.converter(self.rows[row_index], row_index)
+        try:
+            return self.converter(self.rows[row_index], row_index)
+        except MalformedRowError as err:
+            if self.lines is None:
+                raise
+            # The converter knows the row; only the file's reader knew the line it is on.
+            raise err.at_line(self.lines[row_index]) from None
 
     def __iter__(self) -> Iterator[Record]:
         for i in range(len(self)):
@@ -106,7 +117,7 @@ class RecordDataset(Sequence[Record]):
         return self._with_indices(train), self._with_indices(val)
 
     def _with_indices(self, indices: Sequence[int]) -> RecordDataset:
-        return RecordDataset(self.rows, self.converter, self.source, indices)
+        return RecordDataset(self.rows, self.converter, self.source, indices, lines=self.lines)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,85 +128,150 @@ class DatasetSplits:
     validation: RecordDataset | None
 
 
-def _read_utf8(file: pathlib.Path) -> str:
-    """The file's text; a byte that is not UTF-8 is a :class:`DataError` naming its line."""
-    data = file.read_bytes()
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        line = data.count(b"\n", 0, err.start) + 1
-        raise DataError(
-            f"{file}: line {line} is not UTF-8 text (byte {data[err.start]:#04x} at offset {err.start}): "
-            "save the file as UTF-8"
-        ) from err
+@dataclasses.dataclass(frozen=True)
+class LocalRows:
+    """The rows of a local data file and, where the format has lines, the line each row is on."""
+
+    rows: list[Any]
+    """The rows as read (a malformed one is reported when it is converted)."""
+
+    lines: list[int] | None
+    """1-based line of each row (JSON Lines; CSV: the line a row ends on); ``None`` for a JSON array and
+    Parquet, whose errors name the row."""
 
 
 def read_local_rows(path: str | pathlib.Path) -> list[dict[str, Any]]:
     """Rows of a local ``.jsonl`` / ``.json`` (JSON Lines, or one JSON array), ``.parquet`` or ``.csv`` (with a
     header row; every value is a string) file."""
-    file = pathlib.Path(path)
-    if file.suffix not in LOCAL_SUFFIXES:
-        raise DataError(f"{file}: unsupported data file type {file.suffix!r}; use one of {LOCAL_SUFFIXES}")
-    if not file.is_file():
-        raise MissingDataFileError(f"data file {file} does not exist")
-    if file.suffix == ".parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
+    return read_local_file(path, key=None).rows
 
-        try:
-            rows: list[dict[str, Any]] = pq.read_table(file).to_pylist()
-        except (pa.ArrowException, OSError) as err:
-            raise DataError(f"{file} is not a readable Parquet file ({err})") from err
-        return rows
-    text = _read_utf8(file)
-    if file.suffix == ".csv":
-        return [dict(row) for row in csv.DictReader(io.StringIO(text, newline=""))]
+
+def read_local_file(path: str | pathlib.Path, *, key: str | None) -> LocalRows:
+    """Rows of a local data file (see :func:`read_local_rows`) with their line numbers.
+
+    Every defect of the file itself is a :class:`DataError` (or :class:`MissingDataFileError`) that names the
+    file, with ``key`` (the config key naming it, when given) or the line at fault: no such file, a directory,
+    an unsupported suffix, bytes that are not UTF-8, a line that is not JSON, a CSV row with more fields than
+    the header, no rows at all.
+    """
+    file = existing_file(path, key=key, kind=f"data file ({', '.join(LOCAL_SUFFIXES)})")
+    if file.suffix not in LOCAL_SUFFIXES:
+        raise DataError(
+            f"{named(path, key)}: unsupported data file type {file.suffix!r}; use one of {LOCAL_SUFFIXES}"
+        )
+    if file.suffix == ".parquet":
+        loaded = LocalRows(_read_parquet(file), None)
+    elif file.suffix == ".csv":
+        loaded = _read_csv(file)
+    else:
+        loaded = _read_json(file)
+    if not loaded.rows:
+        raise DataError(f"{named(path, key)} holds no rows: give a file with at least one row")
+    return loaded
+
+
+def _read_parquet(file: pathlib.Path) -> list[dict[str, Any]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        rows: list[dict[str, Any]] = pq.read_table(file).to_pylist()
+    except (pa.ArrowException, OSError) as err:
+        raise DataError(f"{file} is not a readable Parquet file ({err})") from err
+    return rows
+
+
+def _read_csv(file: pathlib.Path) -> LocalRows:
+    reader = csv.DictReader(io.StringIO(read_utf8(file), newline=""))
+    rows, lines = [], []
+    for row in reader:
+        if None in row:  # DictReader files the values past the header's last column under None
+            raise DataError(
+                f"{file}: line {reader.line_num} has {len(reader.fieldnames or []) + len(row[None])} fields, "
+                f"more than the header's {len(reader.fieldnames or [])}: quote values that hold commas"
+            )
+        rows.append(dict(row))
+        lines.append(reader.line_num)
+    return LocalRows(rows, lines)
+
+
+def _read_json(file: pathlib.Path) -> LocalRows:
+    text = read_utf8(file)
     if text.lstrip().startswith("["):
         try:
-            loaded = json.loads(text)
+            return LocalRows(list(json.loads(text)), None)
         except json.JSONDecodeError as err:
             raise DataError(f"{file} is not a valid JSON array ({err})") from err
-        return list(loaded)
-    rows = []
+    rows, lines = [], []
     for line_number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError as err:
-            raise DataError(f"{file}: line {line_number} is not valid JSON ({err})") from err
-    return rows
+            raise DataError(
+                f"{file}: line {line_number} is not valid JSON ({err}); a {file.suffix} file holds one JSON "
+                "object per line (or one JSON array)"
+            ) from err
+        lines.append(line_number)
+    return LocalRows(rows, lines)
 
 
-def load_hub_rows(name: str, split: str, subset: str | None = None) -> Sequence[Mapping[str, Any]]:
+def load_hub_rows(
+    name: str, split: str, subset: str | None = None, *, key: str
+) -> Sequence[Mapping[str, Any]]:
     """Split ``split`` of the hub dataset ``name`` (subset ``subset``); downloads it, so this needs network
-    access or a cache."""
+    access or a cache.
+
+    Raises:
+        MissingDataFileError: the hub has no such dataset, split or subset, or cannot be reached; the message
+            names ``key``, the config key that gave ``name``.
+    """
     import datasets
 
-    dataset = datasets.load_dataset(name, subset, split=split)
+    try:
+        dataset = datasets.load_dataset(name, subset, split=split)
+    except (FileNotFoundError, ConnectionError, ValueError) as err:
+        # ValueError: an unknown split or subset, both config values.
+        cause = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        what = f"split {split!r}" + (f", subset {subset!r}" if subset else "")
+        raise MissingDataFileError(
+            f"{key}: the hub dataset {name} ({what}) cannot be loaded ({type(err).__name__}: {cause}): give "
+            f"the path of a local {'/'.join(LOCAL_SUFFIXES)} file (none exists at {name}), or a hub dataset name "
+            "with network access or a cached copy"
+        ) from err
     if not isinstance(dataset, datasets.Dataset):
         raise TypeError(f"hub dataset {name} split {split} loaded as {type(dataset).__name__}, not a Dataset")
     return dataset
 
 
 def is_local_source(path: str) -> bool:
-    """Whether ``path`` names a local file (it exists, or has a data file suffix) rather than a hub dataset."""
-    return pathlib.Path(path).exists() or path.endswith(LOCAL_SUFFIXES)
+    """Whether ``path`` names a local file rather than a hub dataset: it exists, has a data file suffix, or
+    cannot be a hub name (``org/name``): an absolute path, one starting with ``./``, ``../`` or ``~``, or one
+    with more than one ``/``."""
+    return (
+        pathlib.Path(path).exists()
+        or path.endswith(LOCAL_SUFFIXES)
+        or path.startswith(("/", "./", "../", "~"))
+        or path.count("/") > 1
+    )
 
 
 def _load_source(
-    cfg: DataConfig, path_or_name: str, *, hub_split: str, hub_subset: str | None
+    cfg: DataConfig, path_or_name: str, *, key: str, hub_split: str, hub_subset: str | None
 ) -> RecordDataset:
+    """The records of a local file or hub dataset; ``key`` is the config key that names it."""
     if is_local_source(path_or_name):
+        local = read_local_file(path_or_name, key=key)
         dataset = RecordDataset(
-            read_local_rows(path_or_name), converter_for(cfg, source=path_or_name), path_or_name
+            local.rows, converter_for(cfg, source=path_or_name), path_or_name, lines=local.lines
         )
         # Local files are small enough to check whole: a bad row fails now, not mid-training.
         dataset.validate()
         return dataset
     subset = f" subset {hub_subset}" if hub_subset else ""
     source = f"{path_or_name} (hub{subset} split {hub_split})"
-    rows = load_hub_rows(path_or_name, hub_split, hub_subset)
+    rows = load_hub_rows(path_or_name, hub_split, hub_subset, key=key)
     return RecordDataset(rows, converter_for(cfg, source=source), source)
 
 
@@ -224,17 +300,27 @@ def load_dataset_splits(cfg: DataConfig) -> DatasetSplits:
     hub = HUB_DEFAULTS.get(name)
     subset = cfg.subset or (hub.subset if hub is not None else None)
     if cfg.train_data_path is not None:
-        train = _load_source(cfg, cfg.train_data_path, hub_split=cfg.split or "train", hub_subset=subset)
+        train = _load_source(
+            cfg,
+            cfg.train_data_path,
+            key="data.train_data_path",
+            hub_split=cfg.split or "train",
+            hub_subset=subset,
+        )
     else:
         assert hub is not None  # DataConfig requires train_data_path for datasets without a hub default
-        train = _load_source(cfg, hub.name, hub_split=cfg.split or hub.train_split, hub_subset=subset)
+        train = _load_source(
+            cfg, hub.name, key="data.dataset_name", hub_split=cfg.split or hub.train_split, hub_subset=subset
+        )
 
     if cfg.val_data_path is not None:
         validation: RecordDataset | None = _load_source(
-            cfg, cfg.val_data_path, hub_split="validation", hub_subset=subset
+            cfg, cfg.val_data_path, key="data.val_data_path", hub_split="validation", hub_subset=subset
         )
     elif cfg.train_data_path is None and hub is not None and hub.val_split is not None:
-        validation = _load_source(cfg, hub.name, hub_split=hub.val_split, hub_subset=subset)
+        validation = _load_source(
+            cfg, hub.name, key="data.dataset_name", hub_split=hub.val_split, hub_subset=subset
+        )
     elif cfg.val_fraction > 0:
         train, validation = train.split(cfg.val_fraction, seed=cfg.seed)
     else:
