@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from nemo_rl.models.hf_moe import MOE_MODEL_TYPES, MoeArch
+from nemo_rl.models.hf_moe import DECODER_MOE_MODEL_TYPES, MoeArch
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", *MOE_MODEL_TYPES)
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", *DECODER_MOE_MODEL_TYPES)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -79,7 +79,7 @@ class DecoderArch:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         rope_type, rope_parameters = _read_rope(config)
         attention_bias = bool(getattr(config, "attention_bias", False))
-        moe = MoeArch.from_hf_config(config) if model_type in MOE_MODEL_TYPES else None
+        moe = MoeArch.from_hf_config(config) if model_type in DECODER_MOE_MODEL_TYPES else None
         return cls(
             model_type=model_type,
             vocab_size=config.vocab_size,

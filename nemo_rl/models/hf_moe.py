@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-MOE_MODEL_TYPES = ("qwen3_moe", "glm4_moe")
+DECODER_MOE_MODEL_TYPES = ("qwen3_moe", "glm4_moe")
 """Hugging Face ``model_type`` of the mixture-of-experts families nemo_rl's own decoder runs."""
 
 RouterKind = Literal["softmax", "sigmoid"]
@@ -88,7 +88,7 @@ class MoeArch:
                 routed_scaling_factor=float(config.routed_scaling_factor),
                 sparse_layers=tuple(i >= config.first_k_dense_replace for i in range(num_layers)),
             )
-        raise ValueError(f"no mixture-of-experts layout for model type {model_type!r} (known: {MOE_MODEL_TYPES})")
+        raise ValueError(f"no mixture-of-experts layout for model type {model_type!r} (known: {DECODER_MOE_MODEL_TYPES})")
 
 
 def expert_weight_names(prefix: str, num_experts: int) -> dict[str, tuple[str, int, int | None]]:
