@@ -11,13 +11,17 @@ Two routers are supported, each exactly as ``transformers`` computes it:
 
 In ``transformers`` 5 a layer's experts are two 3-D parameters, ``mlp.experts.gate_up_proj`` ``[E, 2I, H]``
 (gate rows first) and ``mlp.experts.down_proj`` ``[E, H, I]``; checkpoints on disk keep one linear per
-expert (``mlp.experts.{e}.gate_proj.weight``...), which :func:`expert_weight_names` maps to rows of those.
+expert (``mlp.experts.{e}.gate_proj.weight``...), which :func:`expert_weight_names` maps to rows of those (and
+:func:`per_expert_weights` makes from them).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
+
+import torch
 
 DECODER_MOE_MODEL_TYPES = ("qwen3_moe", "glm4_moe")
 """Hugging Face ``model_type`` of the mixture-of-experts families nemo_rl's own decoder runs."""
@@ -103,3 +107,21 @@ def expert_weight_names(prefix: str, num_experts: int) -> dict[str, tuple[str, i
         names[f"{prefix}{e}.up_proj.weight"] = (prefix + "gate_up_proj", e, 1)
         names[f"{prefix}{e}.down_proj.weight"] = (prefix + "down_proj", e, None)
     return names
+
+
+def per_expert_weights(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The stream with each 3-D expert tensor (``transformers`` 5's in-memory layout, what a refit sends) split
+    into the per-expert checkpoint weights that loaders written for checkpoints (vLLM's) expect; other weights
+    pass unchanged. The pieces are views of the 3-D tensor."""
+    for name, tensor in named_tensors:
+        prefix, _, last = name.rpartition(".")
+        if not prefix.endswith("mlp.experts") or tensor.ndim != 3 or last not in ("gate_up_proj", "down_proj"):
+            yield name, tensor
+            continue
+        for expert, weight in enumerate(tensor.unbind(0)):
+            if last == "down_proj":
+                yield f"{prefix}.{expert}.down_proj.weight", weight
+            else:
+                gate, up = weight.chunk(2, dim=0)
+                yield f"{prefix}.{expert}.gate_proj.weight", gate
+                yield f"{prefix}.{expert}.up_proj.weight", up
