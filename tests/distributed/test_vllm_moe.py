@@ -1,9 +1,9 @@
-"""vLLM (marker ``vllm``) on the tiny mixture-of-experts checkpoints: greedy decoding matches Hugging Face
-token by token with its log-probs, before and after a weight update that sends the 3-D expert tensors a
-transformers 5 policy's refit sends (split into vLLM's per-expert checkpoint names by the worker extension).
+"""vLLM (marker ``vllm``) on the tiny Qwen3-MoE: greedy decoding matches Hugging Face token by token with its
+log-probs; and after a weight update that sends the 3-D expert tensors a transformers 5 policy's refit sends
+(split into vLLM's per-expert checkpoint names by the worker extension) it should again, which vLLM's CPU
+build does not do yet (an expected failure there, run for real on GPUs).
 
-vLLM's CPU build runs Qwen3-MoE (its fused-MoE CPU path); the test skips where vLLM is missing, as
-``test_vllm.py`` does.
+The module skips where vLLM is missing, as ``test_vllm.py`` does.
 """
 
 from __future__ import annotations
@@ -97,17 +97,38 @@ def _check_greedy(hf: PreTrainedModel, out: BatchedDataDict[Any], lengths: torch
     return worst
 
 
-def test_greedy_matches_hf_before_and_after_an_moe_weight_update(engine: Any, models: dict[str, Any]) -> None:
+def _prompts() -> BatchedDataDict[Any]:
     width = max(len(p) for p in PROMPTS)
     ids = torch.zeros(len(PROMPTS), width, dtype=torch.long)
     for row, prompt in enumerate(PROMPTS):
         ids[row, : len(prompt)] = torch.tensor(prompt)
-    data = BatchedDataDict(input_ids=ids, input_lengths=torch.tensor([len(p) for p in PROMPTS]))
-    before = _check_greedy(models["a"], engine.generate(data, greedy=True), data["input_lengths"])
+    return BatchedDataDict(input_ids=ids, input_lengths=torch.tensor([len(p) for p in PROMPTS]))
+
+
+def test_greedy_matches_hf(engine: Any, models: dict[str, Any]) -> None:
+    data = _prompts()
+    worst = _check_greedy(models["a"], engine.generate(data, greedy=True), data["input_lengths"])
+    print(f"vLLM vs transformers on the tiny Qwen3-MoE, greedy log-probs max abs diff: {worst:.2e}")
+    assert worst < 1e-4
+
+
+@pytest.mark.xfail(
+    BUILD == "cpu",
+    strict=True,
+    reason="vLLM 0.32's CPU build repacks the expert weights for its MoE kernel after loading, and its in-place "
+    "reload does not reach what the kernel reads: a refitted CPU engine keeps the first experts "
+    "(docs/algorithms/moe.md)",
+)
+def test_greedy_matches_hf_after_an_moe_weight_update(engine: Any, models: dict[str, Any]) -> None:
+    data = _prompts()
     engine.finish_generation()
     assert "model.layers.0.mlp.experts.gate_up_proj" in engine.expected_weights_manifest()
     engine.update_weights(models["b"].named_parameters())
     engine.prepare_for_generation()
-    after = _check_greedy(models["b"], engine.generate(data, greedy=True), data["input_lengths"])
-    print(f"vLLM vs transformers, greedy log-probs max abs diff: {before:.2e} before, {after:.2e} after the update")
-    assert before < 1e-4 and after < 1e-4
+    try:
+        worst = _check_greedy(models["b"], engine.generate(data, greedy=True), data["input_lengths"])
+    finally:
+        engine.finish_generation()
+        engine.update_weights(models["a"].named_parameters())
+        engine.prepare_for_generation()
+    assert worst < 1e-4
