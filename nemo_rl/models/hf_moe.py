@@ -53,6 +53,9 @@ class MoeArch:
     """Factor on the sigmoid router's weights."""
     sparse_layers: tuple[bool, ...]
     """Per decoder layer: whether its MLP is a MoE block (else a dense MLP of ``intermediate_size``)."""
+    num_extra_layers: int = 0
+    """Multi-token-prediction layers a checkpoint may hold after the last decoder layer (GLM-4.5's
+    ``num_nextn_predict_layers``); the causal LM never runs them."""
 
     @classmethod
     def from_hf_config(cls, config: Any) -> MoeArch:
@@ -73,13 +76,16 @@ class MoeArch:
                 topk_groups=1,
                 routed_scaling_factor=1.0,
                 sparse_layers=tuple(
-                    i not in skip and config.num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers)
+                    i not in skip and config.num_experts > 0 and (i + 1) % step == 0
+                    for i in range(num_layers)
                 ),
             )
         if model_type == "glm4_moe":
             num_experts = config.n_routed_experts
             if num_experts % config.n_group != 0:
-                raise ValueError(f"n_routed_experts ({num_experts}) must be a multiple of n_group ({config.n_group})")
+                raise ValueError(
+                    f"n_routed_experts ({num_experts}) must be a multiple of n_group ({config.n_group})"
+                )
             return cls(
                 router="sigmoid",
                 num_experts=num_experts,
@@ -91,8 +97,11 @@ class MoeArch:
                 topk_groups=config.topk_group,
                 routed_scaling_factor=float(config.routed_scaling_factor),
                 sparse_layers=tuple(i >= config.first_k_dense_replace for i in range(num_layers)),
+                num_extra_layers=int(getattr(config, "num_nextn_predict_layers", 0) or 0),
             )
-        raise ValueError(f"no mixture-of-experts layout for model type {model_type!r} (known: {DECODER_MOE_MODEL_TYPES})")
+        raise ValueError(
+            f"no mixture-of-experts layout for model type {model_type!r} (known: {DECODER_MOE_MODEL_TYPES})"
+        )
 
 
 def expert_weight_names(prefix: str, num_experts: int) -> dict[str, tuple[str, int, int | None]]:
@@ -109,13 +118,19 @@ def expert_weight_names(prefix: str, num_experts: int) -> dict[str, tuple[str, i
     return names
 
 
-def per_expert_weights(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+def per_expert_weights(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The stream with each 3-D expert tensor (``transformers`` 5's in-memory layout, what a refit sends) split
     into the per-expert checkpoint weights that loaders written for checkpoints (vLLM's) expect; other weights
     pass unchanged. The pieces are views of the 3-D tensor."""
     for name, tensor in named_tensors:
         prefix, _, last = name.rpartition(".")
-        if not prefix.endswith("mlp.experts") or tensor.ndim != 3 or last not in ("gate_up_proj", "down_proj"):
+        if (
+            not prefix.endswith("mlp.experts")
+            or tensor.ndim != 3
+            or last not in ("gate_up_proj", "down_proj")
+        ):
             yield name, tensor
             continue
         for expert, weight in enumerate(tensor.unbind(0)):

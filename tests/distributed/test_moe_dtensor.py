@@ -64,7 +64,9 @@ class NLLLoss:
         global_valid_seqs: torch.Tensor,
         global_valid_toks: torch.Tensor,
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        lp = torch.log_softmax(logits_BTV[:, :-1].float(), -1).gather(-1, data["input_ids"][:, 1:, None])[..., 0]
+        lp = torch.log_softmax(logits_BTV[:, :-1].float(), -1).gather(-1, data["input_ids"][:, 1:, None])[
+            ..., 0
+        ]
         mask = data["token_mask"][:, 1:] * data["sample_mask"][:, None]
         loss = -(lp * mask).sum() / global_valid_toks
         return loss, {"nll": float(loss.detach())}
@@ -79,7 +81,9 @@ def policy_cfg(family: str) -> PolicyConfig:
             "max_grad_norm": 1.0,
             "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": LR, "weight_decay": 0.0}},
             "hf_config_overrides": (
-                {"output_router_logits": True, "router_aux_loss_coef": AUX_COEF} if family == "qwen3_moe" else {}
+                {"output_router_logits": True, "router_aux_loss_coef": AUX_COEF}
+                if family == "qwen3_moe"
+                else {}
             ),
         }
     )
@@ -215,7 +219,9 @@ def test_fsdp_training_with_aux_loss_matches_transformers(results: Path) -> None
     print("losses", got["loss"].tolist(), ref["losses"])
     print("grad norms", got["grad_norm"].tolist(), ref["grad_norms"])
     assert torch.allclose(got["loss"].double(), torch.tensor(ref["losses"], dtype=torch.float64), rtol=1e-5)
-    assert torch.allclose(got["grad_norm"].double(), torch.tensor(ref["grad_norms"], dtype=torch.float64), rtol=1e-5)
+    assert torch.allclose(
+        got["grad_norm"].double(), torch.tensor(ref["grad_norms"], dtype=torch.float64), rtol=1e-5
+    )
     aux = got["metrics"]["moe_aux_loss"]
     assert aux == pytest.approx(ref["aux"], rel=1e-5)
     assert all(1.0 <= v <= 4.0 for v in got["metrics"]["moe_expert_load_layer1_max"])

@@ -132,7 +132,9 @@ def test_builder_reproduces_the_checked_in_assets(tmp_path: Path) -> None:
         built = build_tiny_moe_model(family, tmp_path / family, tmp_path / "tokenizer", seed=0)
         checked_in = hf_model(family)
         assert sum(p.numel() for p in built.parameters()) < 600_000
-        for (name, a), (_, b) in zip(built.state_dict().items(), checked_in.state_dict().items(), strict=True):
+        for (name, a), (_, b) in zip(
+            built.state_dict().items(), checked_in.state_dict().items(), strict=True
+        ):
             assert torch.equal(a, b), name
 
 
@@ -147,8 +149,17 @@ def _policy(**dtensor: object) -> dict[str, object]:
 
 
 def test_dtensor_refuses_expert_parallelism_and_moe_tensor_parallelism() -> None:
-    with pytest.raises(ValueError, match="expert_parallel_size.*Megatron"):
+    with pytest.raises(ValueError, match=r"expert_parallel_size.*Megatron"):
         PolicyConfig.model_validate(_policy(expert_parallel_size=2))
     with pytest.raises(ValueError, match="TP plan does not cover the experts of this qwen3_moe"):
         PolicyConfig.model_validate(_policy(tensor_parallel_size=2))
     PolicyConfig.model_validate(_policy())
+
+
+def test_layers_past_the_last_are_ignored_like_transformers_does() -> None:
+    """GLM-4.5 checkpoints keep a multi-token-prediction layer after the decoder's last; the LM never runs it."""
+    model = DecoderLM.from_pretrained(asset("glm4_moe"), dtype=torch.float32)
+    extra = f"model.layers.{model.arch.num_layers}.mlp.experts.0.gate_proj.weight"
+    assert model.load_weight(extra, torch.zeros(64, 128)) == 0
+    with pytest.raises(KeyError, match="not part of this glm4_moe model"):
+        model.load_weight("model.layers.0.mlp.unknown.weight", torch.zeros(1))

@@ -123,7 +123,9 @@ def moe_step_terms(
         prob_per_expert = prob_per_expert + (probs_NE * mask_N[:, None]).sum(dim=0)
         token_entropy_N = -(probs_NE * probs_NE.clamp(min=1e-30).log()).sum(dim=-1)
         entropy = entropy + (token_entropy_N * mask_N).sum().detach() / num_valid
-        metrics[f"moe_expert_load_layer{layer}_max"] = float(counts_E.max() / counts_E.mean().clamp(min=1e-30))
+        metrics[f"moe_expert_load_layer{layer}_max"] = float(
+            counts_E.max() / counts_E.mean().clamp(min=1e-30)
+        )
     num_layers = max(len(record.logits_NE), 1)
     rows = num_valid * num_layers
     aux_loss = num_experts * torch.sum((tokens_per_expert / rows) * (prob_per_expert / rows))

@@ -189,7 +189,9 @@ class DecoderLM:
         self._expert_names: dict[str, tuple[str, int, int | None]] = {}
         self._plan_storage()
         self._buffers: dict[str, torch.Tensor] = {
-            name: torch.empty(shape, dtype=torch.float32 if name in self._float32 else dtype, device=self.device)
+            name: torch.empty(
+                shape, dtype=torch.float32 if name in self._float32 else dtype, device=self.device
+            )
             for name, shape in self._layout.items()
         }
         self._bind_views()
@@ -332,14 +334,18 @@ class DecoderLM:
         """Copy one Hugging Face-named tensor into the model (casting to its dtype); return the bytes read.
 
         A tied model ignores ``lm_head.weight`` (it is the embedding), and derived buffers such as
-        ``rotary_emb.inv_freq`` are ignored; both return 0. Any other unknown name or a shape mismatch raises.
+        ``rotary_emb.inv_freq`` are ignored, as are the multi-token-prediction layers some MoE checkpoints
+        (GLM-4.5) keep after the last decoder layer, which the causal LM does not run (transformers skips them
+        too); all return 0. Any other unknown name or a shape mismatch raises.
         """
         target = self._named.get(name)
         if target is None:
             target = self._expert_view(name)
         if target is None:
-            if (name == "lm_head.weight" and self.arch.tie_word_embeddings) or name.endswith(
-                _IGNORED_SUFFIXES
+            if (
+                (name == "lm_head.weight" and self.arch.tie_word_embeddings)
+                or name.endswith(_IGNORED_SUFFIXES)
+                or self._is_extra_layer(name)
             ):
                 return 0
             raise KeyError(
@@ -353,6 +359,18 @@ class DecoderLM:
         with torch.no_grad():
             target.copy_(tensor)
         return tensor.numel() * tensor.element_size()
+
+    def _is_extra_layer(self, name: str) -> bool:
+        """Whether ``name`` belongs to one of the checkpoint's multi-token-prediction layers after the last."""
+        parts = name.split(".")
+        if (
+            self.arch.moe is None
+            or len(parts) < 3
+            or parts[:2] != ["model", "layers"]
+            or not parts[2].isdigit()
+        ):
+            return False
+        return 0 <= int(parts[2]) - self.arch.num_layers < self.arch.moe.num_extra_layers
 
     def _expert_view(self, name: str) -> torch.Tensor | None:
         """The rows of a 3-D expert weight that a checkpoint's per-expert ``name`` holds (None if not one)."""
