@@ -63,6 +63,9 @@ def _config(family: MoeFamily, tokenizer: PreTrainedTokenizerFast) -> Any:
     }
     if family == "qwen3_moe":
         return Qwen3MoeConfig(num_experts=TINY_MOE_NUM_EXPERTS, norm_topk_prob=True, **common)
+    # Full rotary embeddings (GLM's default rotates half of each head, which nemo_rl's decoder does not); the
+    # config takes this keyword through **kwargs.
+    full_rotary: dict[str, Any] = {"partial_rotary_factor": 1.0}
     return Glm4MoeConfig(
         n_routed_experts=TINY_MOE_NUM_EXPERTS,
         n_shared_experts=1,
@@ -70,10 +73,9 @@ def _config(family: MoeFamily, tokenizer: PreTrainedTokenizerFast) -> Any:
         topk_group=1,
         routed_scaling_factor=2.5,
         first_k_dense_replace=1,
-        # Full rotary embeddings (GLM's default rotates half of each head, which nemo_rl's decoder does not).
-        partial_rotary_factor=1.0,
         attention_bias=True,
         **common,
+        **full_rotary,
     )
 
 
