@@ -132,6 +132,13 @@ class VllmWorkerExtension:
         """
         model = self.model_runner.get_model()
         device = next(model.parameters()).device
+        if device.type == "cpu" and any(".experts." in name for name, _ in model.named_parameters()):
+            # The CPU MoE kernel reads expert weights repacked after loading, which the in-place reload does
+            # not reach: the engine would keep generating from its first experts (docs/algorithms/moe.md).
+            raise RefitIntegrityError(
+                "vLLM's CPU build cannot refit a mixture-of-experts model in place; use "
+                "policy.generation.backend=embedded for MoE models on CPU"
+            )
         lora = self.vllm_config.lora_config is not None
         # vLLM's own completeness check uses the same names: kernel-format parameters before the reload.
         expected = {
