@@ -163,3 +163,14 @@ def test_layers_past_the_last_are_ignored_like_transformers_does() -> None:
     assert model.load_weight(extra, torch.zeros(64, 128)) == 0
     with pytest.raises(KeyError, match="not part of this glm4_moe model"):
         model.load_weight("model.layers.0.mlp.unknown.weight", torch.zeros(1))
+
+
+def test_bfloat16_engine_keeps_the_correction_bias_in_float32_and_takes_it_in_bfloat16() -> None:
+    """A refit casts every weight to the engine's dtype; the float32 bias is cast back when it loads."""
+    model = DecoderLM.from_pretrained(asset("glm4_moe"), dtype=torch.bfloat16)
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert model.weights_manifest()[name] == ((8,), torch.bfloat16)
+    model.load_weight(name, torch.full((8,), 0.5, dtype=torch.bfloat16))
+    assert dict(model.named_weights())[name].dtype == torch.float32
+    ids = torch.randint(3, 104, (2, 12), generator=torch.Generator().manual_seed(4))
+    assert torch.isfinite(model.forward(ids)).all()

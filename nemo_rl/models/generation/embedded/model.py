@@ -322,8 +322,9 @@ class DecoderLM:
         yield from self._named.items()
 
     def weights_manifest(self) -> WeightManifest:
-        """Name -> (shape, dtype) of every weight this model must receive (tied ``lm_head.weight`` excluded)."""
-        return {name: (tuple(t.shape), t.dtype) for name, t in self._named.items()}
+        """Name -> (shape, dtype) of every weight this model must receive (tied ``lm_head.weight`` excluded), in
+        the model's dtype: a refit casts every weight to it, and a weight kept in float32 is cast back on load."""
+        return {name: (tuple(t.shape), self.dtype) for name, t in self._named.items()}
 
     @property
     def num_weight_bytes(self) -> int:
