@@ -134,7 +134,7 @@ class DTensorPolicyWorker(DTensorRefitMixin, PolicyWorkerBase):
 
         self.model = load_sharded_model(cfg, self.mesh, self.device)
         self.moe_routing = RouterRecorder(self.model)
-        # Which rows of the last forward's input were real tokens, for the MoE terms (see _forward_backward).
+        # Which rows of the last forward's input were real tokens, for the MoE terms (see _loss_with_moe_terms).
         self._fed_valid_N = torch.ones(0, dtype=torch.bool)
         self.optimizer = build_optimizer(freeze_parameters(self.model, cfg.frozen_parameters), cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.scheduler)
@@ -304,7 +304,7 @@ class DTensorPolicyWorker(DTensorRefitMixin, PolicyWorkerBase):
         self, mb: BatchedDataDict[Any], loss_fn: LossFunction, step: StepBatch
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         """``loss_fn`` on the micro-batch's forward; for a MoE model plus the load-balancing loss (when the
-        config asks for it) and the routing metrics, weighted by the micro-batch's share of valid tokens."""
+        config asks for it) and the routing metrics, weighted by the micro-batch's share of the loss tokens."""
         if not self.moe_routing.is_moe:
             return loss_fn(self._forward(mb), mb, step.global_valid_seqs, step.global_valid_toks)
         with self.moe_routing.record() as routing:
