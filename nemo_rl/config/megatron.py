@@ -237,7 +237,8 @@ class MegatronConfig(ConfigModel):
     """Context-parallel degree; not built here: must be 1."""
 
     expert_model_parallel_size: int = Field(default=1, ge=1)
-    """Expert-parallel degree; the supported model families are dense: must be 1."""
+    """Expert-parallel degree; the Megatron backend converts dense families only: must be 1 (MoE models train on
+    the DTensor backend, docs/algorithms/moe.md)."""
 
     expert_tensor_parallel_size: int | None = Field(default=1, ge=1)
     """Tensor-parallel degree of experts; the supported model families are dense: must be 1 or null."""
@@ -522,7 +523,8 @@ def _unbuilt_settings(cfg: MegatronConfig) -> list[tuple[str, bool, str]]:
         (
             "expert_model_parallel_size",
             cfg.expert_model_parallel_size != 1,
-            "the supported model families are dense; set expert_model_parallel_size=1",
+            "the Megatron backend converts dense families only; set expert_model_parallel_size=1 (MoE models "
+            "train on the DTensor backend with FSDP2, docs/algorithms/moe.md)",
         ),
         (
             "expert_tensor_parallel_size",

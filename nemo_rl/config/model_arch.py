@@ -154,6 +154,19 @@ _OVERRIDABLE = {
 }
 
 
+MOE_MODEL_TYPES = frozenset({"qwen3_moe", "glm4_moe", "deepseek_v3", "qwen2_moe", "mixtral", "olmoe"})
+"""Hugging Face model types whose MLPs are mixtures of experts (the memory plan does not count them)."""
+
+
+def local_model_type(model_name: str) -> str | None:
+    """The ``model_type`` of ``model_name``'s ``config.json`` when it is a local folder, else None."""
+    config_file = Path(model_name) / "config.json"
+    if not config_file.is_file():
+        return None
+    model_type = json.loads(config_file.read_text()).get("model_type")
+    return str(model_type) if model_type is not None else None
+
+
 def resolve_arch(
     model_name: str, hf_config_overrides: Mapping[str, Any] | None = None
 ) -> tuple[ModelArch | None, str]:
@@ -161,6 +174,8 @@ def resolve_arch(
     config_file = Path(model_name) / "config.json"
     if config_file.is_file():
         raw = json.loads(config_file.read_text())
+        if raw.get("model_type") in MOE_MODEL_TYPES:
+            return None, f"{config_file} is a mixture-of-experts model, which the memory plan does not count"
         if "num_hidden_layers" not in raw or "intermediate_size" not in raw:
             return None, f"{config_file} is not a Llama-like decoder's config"
         arch, source = ModelArch.from_config_dict(raw | dict(hf_config_overrides or {})), str(config_file)

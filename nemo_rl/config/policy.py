@@ -10,6 +10,7 @@ from nemo_rl.config.base import ConfigModel
 from nemo_rl.config.compat import SequencePackingConfig
 from nemo_rl.config.lora import VLLM_MAX_LORA_RANK, LoraConfig
 from nemo_rl.config.megatron import MegatronConfig
+from nemo_rl.config.model_arch import MOE_MODEL_TYPES, local_model_type
 from nemo_rl.config.no_effect import refusal
 
 Precision = Literal["float32", "bfloat16", "float16"]
@@ -57,6 +58,10 @@ class DTensorConfig(ConfigModel):
     context_parallel_size: int = Field(default=1, ge=1, le=1)
     """Context-parallel degree (only 1 is supported)."""
 
+    expert_parallel_size: int = Field(default=1, ge=1)
+    """Expert-parallel degree of a mixture-of-experts model (NeMo RL's key); not built on this backend: must be
+    1 (FSDP2 shards the experts like any other weight). Expert parallelism belongs to the Megatron backend."""
+
     custom_parallel_plan: str | None = None
     """Import path of a function ``(model, tp_mesh, sequence_parallel) -> None`` applying a custom TP plan."""
 
@@ -96,6 +101,12 @@ class DTensorConfig(ConfigModel):
     def _refuse_automodel_kwargs(self) -> Self:
         if self.automodel_kwargs:
             raise refusal("policy.dtensor_cfg.automodel_kwargs", "set policy.dtensor_cfg.automodel_kwargs={}")
+        if self.expert_parallel_size != 1:
+            raise refusal(
+                "policy.dtensor_cfg.expert_parallel_size",
+                "set it to 1 (FSDP2 shards the experts); expert parallelism is the Megatron backend's "
+                "(policy.megatron_cfg.expert_model_parallel_size, docs/algorithms/moe.md)",
+            )
         if self.data_parallel_mode == "replicate" and (self.tensor_parallel_size > 1 or self.cpu_offload):
             raise ValueError(
                 "policy.dtensor_cfg.data_parallel_mode=replicate needs tensor_parallel_size=1 and "
@@ -612,6 +623,8 @@ class PolicyConfig(ConfigModel):
                 f"policy.dtensor_cfg.data_parallel_mode=replicate trains in float32, not policy.precision="
                 f"{self.precision}: set policy.precision=float32 or data_parallel_mode=fsdp"
             )
+        if self.dtensor_cfg.enabled:
+            self._check_moe_tensor_parallel()
         if self.megatron_cfg.enabled:
             self.megatron_cfg.check_with_policy(self.precision, self.max_grad_norm)
             if self.frozen_parameters:
@@ -652,6 +665,17 @@ class PolicyConfig(ConfigModel):
         if len(entries) > 1 and not milestones:
             raise ValueError("policy.scheduler chains several schedulers: add a `milestones: [...]` entry")
         return self
+
+    def _check_moe_tensor_parallel(self) -> None:
+        dtensor = self.dtensor_cfg
+        if dtensor.tensor_parallel_size == 1 or dtensor.custom_parallel_plan is not None:
+            return
+        model_type = local_model_type(self.model_name)
+        if model_type in MOE_MODEL_TYPES:
+            raise ValueError(
+                f"policy.dtensor_cfg.tensor_parallel_size={dtensor.tensor_parallel_size}: the built-in TP plan does "
+                f"not cover the experts of this {model_type} model; set tensor_parallel_size=1 (FSDP2 shards them)"
+            )
 
     def _check_shared_prefix(self) -> None:
         if self.megatron_cfg.enabled:

@@ -116,20 +116,31 @@ def build_tiny_model(
         intermediate_size=TINY_INTERMEDIATE_SIZE,
         max_position_embeddings=TINY_MAX_POSITION_EMBEDDINGS,
         tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        **tiny_token_ids(tokenizer),
         dtype="float32",
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
-    model.generation_config.bos_token_id = tokenizer.bos_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    save_tiny_model(model, tokenizer, path)
+    return model
+
+
+def tiny_token_ids(tokenizer: PreTrainedTokenizerFast) -> dict[str, Any]:
+    """The special-token ids a tiny model's config carries."""
+    return {
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+
+
+def save_tiny_model(model: Any, tokenizer: PreTrainedTokenizerFast, path: str | pathlib.Path) -> None:
+    """Save a tiny model (safetensors, generation config with the tokenizer's ids) and its tokenizer."""
+    for name, value in tiny_token_ids(tokenizer).items():
+        setattr(model.generation_config, name, value)
     model.save_pretrained(str(path))
     tokenizer.save_pretrained(str(path))
-    return model
 
 
 def num_arithmetic_problems(max_operand: int) -> int:

@@ -1,7 +1,8 @@
 """What nemo_rl's own decoder implementations read from a Hugging Face checkpoint.
 
 The embedded generation engine and the Megatron policy backend both rebuild Llama / Qwen2 / Qwen3 decoders
-from a Hugging Face checkpoint: :class:`DecoderArch` holds (and checks) the architecture facts of its config,
+from a Hugging Face checkpoint (the embedded engine also the Qwen3-MoE and GLM-4-MoE mixture-of-experts
+families, whose expert layout :class:`~nemo_rl.models.hf_moe.MoeArch` holds): :class:`DecoderArch` holds (and checks) the architecture facts of its config,
 :func:`resolve_checkpoint_dir` finds its files, :func:`iter_safetensors` streams its weights and
 :class:`SafetensorsReader` reads single weights on demand.
 """
@@ -19,7 +20,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+from nemo_rl.models.hf_moe import DECODER_MOE_MODEL_TYPES, MoeArch
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", *DECODER_MOE_MODEL_TYPES)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -43,6 +46,8 @@ class DecoderArch:
     tie_word_embeddings: bool
     rope_type: str
     rope_parameters: dict[str, Any]
+    moe: MoeArch | None = None
+    """The mixture-of-experts layers; None for a dense model."""
 
     @classmethod
     def from_hf_config(cls, config: Any) -> DecoderArch:
@@ -74,6 +79,7 @@ class DecoderArch:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         rope_type, rope_parameters = _read_rope(config)
         attention_bias = bool(getattr(config, "attention_bias", False))
+        moe = MoeArch.from_hf_config(config) if model_type in DECODER_MOE_MODEL_TYPES else None
         return cls(
             model_type=model_type,
             vocab_size=config.vocab_size,
@@ -84,14 +90,16 @@ class DecoderArch:
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             rms_norm_eps=config.rms_norm_eps,
-            # Qwen2 always has q/k/v biases and no o_proj bias; Llama and Qwen3 use `attention_bias` for all four.
+            # Qwen2 always has q/k/v biases and no o_proj bias; GLM-4-MoE uses `attention_bias` for q/k/v only;
+            # Llama and Qwen3 (dense or MoE) use it for all four.
             qkv_bias=True if model_type == "qwen2" else attention_bias,
-            o_bias=False if model_type == "qwen2" else attention_bias,
+            o_bias=False if model_type in ("qwen2", "glm4_moe") else attention_bias,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe") or bool(getattr(config, "use_qk_norm", False)),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             rope_type=rope_type,
             rope_parameters=rope_parameters,
+            moe=moe,
         )
 
     @property

@@ -59,6 +59,7 @@ from nemo_rl.models.policy.hf_io import (
     load_sharded_model,
 )
 from nemo_rl.models.policy.loss_interface import LossFunction
+from nemo_rl.models.policy.moe import RouterRecorder, moe_step_terms
 from nemo_rl.models.policy.optim import build_optimizer, build_scheduler, clip_grad_norm_, freeze_parameters
 from nemo_rl.models.policy.parallelize import local_tensor, reshard_all
 from nemo_rl.models.policy.shared_prefix import (
@@ -70,6 +71,8 @@ from nemo_rl.models.policy.shared_prefix import (
 )
 from nemo_rl.models.policy.utils import (
     PackedRows,
+    fed_token_mask,
+    global_valid_counts,
     pad_sequence_dim,
     valid_token_mask,
 )
@@ -131,6 +134,9 @@ class DTensorPolicyWorker(DTensorRefitMixin, PolicyWorkerBase):
         self.seq_multiple = math.lcm(cfg.make_sequence_length_divisible_by, sp_multiple)
 
         self.model = load_sharded_model(cfg, self.mesh, self.device)
+        self.moe_routing = RouterRecorder(self.model)
+        # Which rows of the last forward's input were real tokens, for the MoE terms (see _loss_with_moe_terms).
+        self._fed_valid_N = torch.ones(0, dtype=torch.bool)
         self.optimizer = build_optimizer(freeze_parameters(self.model, cfg.frozen_parameters), cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.scheduler)
         self.lora_targets = [name for name, _ in lora_modules(self.model)]
@@ -169,6 +175,7 @@ class DTensorPolicyWorker(DTensorRefitMixin, PolicyWorkerBase):
         # it: the score is then exactly what the exported model gives AutoModelForSequenceClassification users.
         hf_config: Any = self.model.config
         ids_BT = torch.where(valid_BT, ids_BT, int(hf_config.pad_token_id))
+        self._fed_valid_N = valid_BT.reshape(-1)
         scores = self.model(input_ids=ids_BT, use_cache=False).logits
         from torch.distributed.tensor import DTensor
 
@@ -233,6 +240,12 @@ class DTensorPolicyWorker(DTensorRefitMixin, PolicyWorkerBase):
             output = self.model(**self._shared_prefix_inputs(shared))
         else:
             output = self.model(input_ids=mb["input_ids"], use_cache=False)
+        layout = packed or shared
+        self._fed_valid_N = (
+            fed_token_mask(layout.index_BT, layout.valid_BT, output.logits.shape[1])
+            if layout is not None
+            else valid_token_mask(mb["input_lengths"].to(mb["input_ids"].device), mb["input_ids"].shape[1])
+        ).reshape(-1)
         logits_BTV = output.logits
         from torch.distributed.tensor import DTensor
 
@@ -321,12 +334,29 @@ class DTensorPolicyWorker(DTensorRefitMixin, PolicyWorkerBase):
             if not eval_mode:
                 self._defer_gradient_sync(last_micro_batch=index == len(batches) - 1)
             with torch.set_grad_enabled(not eval_mode):
-                loss, metrics = loss_fn(self._forward(mb), mb, step.global_valid_seqs, step.global_valid_toks)
+                loss, metrics = self._loss_with_moe_terms(mb, loss_fn, step)
                 if not eval_mode:
                     loss.backward()
             step_loss += float(loss.detach().double())
             mb_metrics.append(metrics)
         return step_loss, mb_metrics
+
+    def _loss_with_moe_terms(
+        self, mb: BatchedDataDict[Any], loss_fn: LossFunction, step: StepBatch
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """``loss_fn`` on the micro-batch's forward; for a MoE model plus the load-balancing loss (when the
+        config asks for it) and the routing metrics, weighted by the micro-batch's share of the loss tokens."""
+        if not self.moe_routing.is_moe:
+            return loss_fn(self._forward(mb), mb, step.global_valid_seqs, step.global_valid_toks)
+        with self.moe_routing.record() as routing:
+            output = self._forward(mb)
+        loss, metrics = loss_fn(output, mb, step.global_valid_seqs, step.global_valid_toks)
+        valid_N = self._fed_valid_N.to(output.device)
+        # The micro-batch's share of the step's loss tokens: the shares of a step sum to 1, so the trained term
+        # is the token-weighted mean of the micro-batches' losses (one micro-batch: transformers' own).
+        share = float(global_valid_counts(mb)[1]) / max(float(step.global_valid_toks), 1.0)
+        moe_loss, moe_metrics = moe_step_terms(self.moe_routing, routing, valid_N, share)
+        return loss + moe_loss, {**metrics, **moe_metrics}
 
     def _optimizer_step(self, log: TrainLog) -> None:
         """Sum the replicated gradients, clip, then step unless the gradient norm is not finite."""

@@ -190,6 +190,14 @@ class PackedRows:
         return torch.where(mask, values_BT, torch.zeros((), dtype=values_BT.dtype, device=values_BT.device))
 
 
+def fed_token_mask(index_BT: torch.Tensor, valid_BT: torch.Tensor, length: int) -> torch.Tensor:
+    """``[1, L]``: which positions of a packed row (:class:`PackedRows`, ``SharedPrefixRows``) hold a real
+    token, from where each row's tokens went (``index_BT`` where ``valid_BT``)."""
+    mask_1L = torch.zeros(1, length, dtype=torch.bool, device=index_BT.device)
+    mask_1L[0, index_BT[valid_BT]] = True
+    return mask_1L
+
+
 def split_parts(parts: list[list[int]], count: int) -> list[list[int]]:
     """Halve the largest micro-batches until there are ``count`` (ranks must run equally many passes)."""
     parts = [list(p) for p in parts]

@@ -1,4 +1,5 @@
-"""A pure-torch decoder-only transformer for inference, for the Llama, Qwen2 and Qwen3 families.
+"""A pure-torch decoder-only transformer for inference, for the Llama, Qwen2 and Qwen3 families and the
+Qwen3-MoE and GLM-4-MoE mixture-of-experts families (their MoE block in :mod:`.moe`).
 
 The model is built from a Hugging Face config and holds its weights under their exact Hugging Face names
 (``model.layers.3.self_attn.q_proj.weight``...), so checkpoints and refit streams load by name with no
@@ -29,7 +30,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from nemo_rl.models.generation.embedded.moe import MoeWeights, bind_moe_weights, moe_mlp, plan_moe_storage
 from nemo_rl.models.hf_decoder import DecoderArch, iter_safetensors
+from nemo_rl.models.hf_moe import expert_weight_names
 
 __all__ = ["DecoderArch", "DecoderLM", "KVCache", "iter_safetensors"]
 
@@ -91,10 +94,16 @@ class _LayerWeights:
     o_b: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    gate_up_t: torch.Tensor
+    gate_up_t: torch.Tensor | None
     gate_up_b: torch.Tensor | None
-    down_t: torch.Tensor
+    down_t: torch.Tensor | None
     down_b: torch.Tensor | None
+    moe: MoeWeights | None
+    """The MoE block's weights (then the dense MLP's are None)."""
+
+
+def _transposed(weight: torch.Tensor | None) -> torch.Tensor | None:
+    return weight.t() if weight is not None else None
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -175,9 +184,15 @@ class DecoderLM:
         self.device = torch.device(device)
         self._layout: dict[str, tuple[int, ...]] = {}  # storage buffer -> shape
         self._slots: dict[str, _Slot] = {}  # HF name -> slot
+        self._float32: set[str] = set()  # buffers kept in float32 whatever the model's dtype
+        # A checkpoint's per-expert names -> (3-D weight, expert, gate/up half or None); a refit sends the 3-D ones.
+        self._expert_names: dict[str, tuple[str, int, int | None]] = {}
         self._plan_storage()
         self._buffers: dict[str, torch.Tensor] = {
-            name: torch.empty(shape, dtype=dtype, device=self.device) for name, shape in self._layout.items()
+            name: torch.empty(
+                shape, dtype=torch.float32 if name in self._float32 else dtype, device=self.device
+            )
+            for name, shape in self._layout.items()
         }
         self._bind_views()
         self._rope_cos = torch.empty(0)
@@ -188,10 +203,17 @@ class DecoderLM:
     # Weight storage: fused buffers, Hugging Face-named views.
 
     def _add(
-        self, buffer: str, shape: tuple[int, ...], names_rows: list[tuple[str, int]] | None = None
+        self,
+        buffer: str,
+        shape: tuple[int, ...],
+        names_rows: list[tuple[str, int]] | None = None,
+        float32: bool = False,
     ) -> None:
-        """Declare a storage buffer; ``names_rows`` splits its dim 0 among HF names, else it is one HF name."""
+        """Declare a storage buffer; ``names_rows`` splits its dim 0 among HF names, else it is one HF name;
+        ``float32`` keeps it in float32 (as ``transformers`` keeps the MoE router's correction bias)."""
         self._layout[buffer] = shape
+        if float32:
+            self._float32.add(buffer)
         if names_rows is None:
             self._slots[buffer] = _Slot(buffer, 0, shape[0])
             return
@@ -225,6 +247,10 @@ class DecoderLM:
             if a.qk_norm:
                 self._add(attn + "q_norm.weight", (a.head_dim,))
                 self._add(attn + "k_norm.weight", (a.head_dim,))
+            if a.moe is not None and a.moe.sparse_layers[layer]:
+                plan_moe_storage(self._add, mlp, h, a.moe)
+                self._expert_names.update(expert_weight_names(mlp + "experts.", a.moe.num_experts))
+                continue
             self._add(
                 mlp + "gate_up_proj.weight",
                 (2 * i, h),
@@ -262,10 +288,11 @@ class DecoderLM:
                     o_b=b.get(attn + "o_proj.bias"),
                     q_norm=b.get(attn + "q_norm.weight"),
                     k_norm=b.get(attn + "k_norm.weight"),
-                    gate_up_t=b[mlp + "gate_up_proj.weight"].t(),
+                    gate_up_t=_transposed(b.get(mlp + "gate_up_proj.weight")),
                     gate_up_b=b.get(mlp + "gate_up_proj.bias"),
-                    down_t=b[mlp + "down_proj.weight"].t(),
+                    down_t=_transposed(b.get(mlp + "down_proj.weight")),
                     down_b=b.get(mlp + "down_proj.bias"),
+                    moe=bind_moe_weights(b, mlp) if mlp + "experts.down_proj" in b else None,
                 )
             )
         self._embed = b["model.embed_tokens.weight"]
@@ -295,8 +322,9 @@ class DecoderLM:
         yield from self._named.items()
 
     def weights_manifest(self) -> WeightManifest:
-        """Name -> (shape, dtype) of every weight this model must receive (tied ``lm_head.weight`` excluded)."""
-        return {name: (tuple(t.shape), t.dtype) for name, t in self._named.items()}
+        """Name -> (shape, dtype) of every weight this model must receive (tied ``lm_head.weight`` excluded), in
+        the model's dtype: a refit casts every weight to it, and a weight kept in float32 is cast back on load."""
+        return {name: (tuple(t.shape), self.dtype) for name, t in self._named.items()}
 
     @property
     def num_weight_bytes(self) -> int:
@@ -307,12 +335,18 @@ class DecoderLM:
         """Copy one Hugging Face-named tensor into the model (casting to its dtype); return the bytes read.
 
         A tied model ignores ``lm_head.weight`` (it is the embedding), and derived buffers such as
-        ``rotary_emb.inv_freq`` are ignored; both return 0. Any other unknown name or a shape mismatch raises.
+        ``rotary_emb.inv_freq`` are ignored, as are the multi-token-prediction layers some MoE checkpoints
+        (GLM-4.5) keep after the last decoder layer, which the causal LM does not run (transformers skips them
+        too); all return 0. Any other unknown name or a shape mismatch raises.
         """
         target = self._named.get(name)
         if target is None:
-            if (name == "lm_head.weight" and self.arch.tie_word_embeddings) or name.endswith(
-                _IGNORED_SUFFIXES
+            target = self._expert_view(name)
+        if target is None:
+            if (
+                (name == "lm_head.weight" and self.arch.tie_word_embeddings)
+                or name.endswith(_IGNORED_SUFFIXES)
+                or self._is_extra_layer(name)
             ):
                 return 0
             raise KeyError(
@@ -327,12 +361,37 @@ class DecoderLM:
             target.copy_(tensor)
         return tensor.numel() * tensor.element_size()
 
+    def _is_extra_layer(self, name: str) -> bool:
+        """Whether ``name`` belongs to one of the checkpoint's multi-token-prediction layers after the last."""
+        parts = name.split(".")
+        if (
+            self.arch.moe is None
+            or len(parts) < 3
+            or parts[:2] != ["model", "layers"]
+            or not parts[2].isdigit()
+        ):
+            return False
+        return 0 <= int(parts[2]) - self.arch.num_layers < self.arch.moe.num_extra_layers
+
+    def _expert_view(self, name: str) -> torch.Tensor | None:
+        """The rows of a 3-D expert weight that a checkpoint's per-expert ``name`` holds (None if not one)."""
+        found = self._expert_names.get(name)
+        if found is None:
+            return None
+        weight, expert, half = found
+        view = self._named[weight][expert]
+        if half is None:
+            return view
+        rows = view.shape[0] // 2
+        return view[half * rows : (half + 1) * rows]
+
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load a stream of ``(hf_name, tensor)``; return the names that were written (see :meth:`load_weight`)."""
         loaded = set()
         for name, tensor in named_tensors:
             if self.load_weight(name, tensor):
-                loaded.add(name)
+                # A checkpoint's per-expert weight is reported under its 3-D weight's name (the manifest's).
+                loaded.add(self._expert_names[name][0] if name in self._expert_names else name)
         return loaded
 
     @classmethod
@@ -393,6 +452,10 @@ class DecoderLM:
             qk = _rotate(heads[:, : n + k], cos, sin)
             q, key = qk[:, :n], qk[:, n:]
         x_MH = _residual_linear(x_MH, attend(layer, q, key, heads[:, n + k :]), w.o_t, w.o_b)
+        if w.moe is not None:
+            assert a.moe is not None
+            return x_MH + moe_mlp(_rms_norm(x_MH, w.ln2, a.rms_norm_eps), w.moe, a.moe)
+        assert w.gate_up_t is not None and w.down_t is not None
         gate_up = _linear(_rms_norm(x_MH, w.ln2, a.rms_norm_eps), w.gate_up_t, w.gate_up_b)
         i = a.intermediate_size
         act = F.silu(gate_up[:, :i], inplace=True).mul_(gate_up[:, i:])

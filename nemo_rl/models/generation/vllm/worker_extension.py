@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from nemo_rl.models.hf_moe import per_expert_weights
 from nemo_rl.weight_sync.errors import RefitIntegrityError
 from nemo_rl.weight_sync.manifest import format_names
 
@@ -131,6 +132,13 @@ class VllmWorkerExtension:
         """
         model = self.model_runner.get_model()
         device = next(model.parameters()).device
+        if device.type == "cpu" and any(".experts." in name for name, _ in model.named_parameters()):
+            # The CPU MoE kernel reads expert weights repacked after loading, which the in-place reload does
+            # not reach: the engine would keep generating from its first experts (docs/algorithms/moe.md).
+            raise RefitIntegrityError(
+                "vLLM's CPU build cannot refit a mixture-of-experts model in place; use "
+                "policy.generation.backend=embedded for MoE models on CPU"
+            )
         lora = self.vllm_config.lora_config is not None
         # vLLM's own completeness check uses the same names: kernel-format parameters before the reload.
         expected = {
@@ -138,10 +146,16 @@ class VllmWorkerExtension:
         }
         num_bytes = 0
 
-        def on_device() -> Iterator[tuple[str, torch.Tensor]]:
+        def counted() -> Iterator[tuple[str, torch.Tensor]]:
             nonlocal num_bytes
             for name, tensor in named_tensors:
                 num_bytes += tensor.numel() * tensor.element_size()
+                yield name, tensor
+
+        def on_device() -> Iterator[tuple[str, torch.Tensor]]:
+            # vLLM's MoE loaders read checkpoint names, one linear per expert, not the 3-D expert tensors a
+            # transformers 5 policy sends.
+            for name, tensor in per_expert_weights(counted()):
                 # A copy: refit hands out views into transfer buffers that the next pair reuses, and vLLM's
                 # layer-wise reload holds every tensor of a layer until the whole layer has arrived.
                 yield name, tensor.to(device=device, copy=True)

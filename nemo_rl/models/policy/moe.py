@@ -1,0 +1,134 @@
+"""Mixture-of-experts terms of a policy's training step: the load-balancing loss and the routing metrics.
+
+:class:`RouterRecorder` hooks every MoE router of a Hugging Face model (the ``mlp.gate`` module of a layer
+that has ``mlp.experts``; in ``transformers`` 5 it returns ``(router_logits, weights, experts)``) and keeps
+what one forward routed. :func:`moe_step_terms` turns that into
+
+- the load-balancing loss with ``transformers``' semantics (``load_balancing_loss_func``, Switch
+  Transformer's eqs. 4-6 over all MoE layers at once, padding excluded as by an attention mask), added to the
+  training loss times ``router_aux_loss_coef`` when the model config's ``output_router_logits`` is true
+  (set both through ``policy.hf_config_overrides``, as NeMo RL's recipes do);
+- the metrics ``moe_aux_loss`` (that loss, whether trained on or not), ``moe_router_entropy`` (mean entropy
+  of the router's distribution over experts per token and layer, in nats) and, per MoE layer ``i``,
+  ``moe_expert_load_layer{i}_max``: the most tokens any expert got divided by the mean per expert (1 is
+  perfectly balanced, ``E / K`` all on ``K`` experts), the worst micro-batch of the step.
+
+A sigmoid router (GLM-4-MoE / DeepSeek-V3 style, which balances with its correction bias instead of a loss)
+gets the same metrics over its scores normalised to sum to 1; ``transformers`` defines no auxiliary loss
+for it, so asking for one is refused.
+
+Tensor legend: N = token rows of the forward (B * T, or a packed row), E = experts, K = experts per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass
+class RoutingRecord:
+    """What the routers of one forward chose, one entry per MoE layer in forward order."""
+
+    logits_NE: list[torch.Tensor] = field(default_factory=list)
+    experts_NK: list[torch.Tensor] = field(default_factory=list)
+
+
+class RouterRecorder:
+    """Forward hooks on a model's MoE routers; :meth:`record` yields what one forward routed."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.routers = [
+            module
+            for name, module in model.named_modules()
+            if name.endswith("mlp.gate") and hasattr(model.get_submodule(name.rsplit(".", 1)[0]), "experts")
+        ]
+        config: Any = getattr(model, "config", None)
+        self.sigmoid = any(hasattr(r, "e_score_correction_bias") for r in self.routers)
+        self.aux_loss_coef = 0.0
+        if config is not None and getattr(config, "output_router_logits", False):
+            if not hasattr(config, "router_aux_loss_coef"):
+                raise ValueError(
+                    f"output_router_logits=true, but transformers defines no load-balancing loss for "
+                    f"{config.model_type} (its router balances with a correction bias): remove it from "
+                    "policy.hf_config_overrides"
+                )
+            self.aux_loss_coef = float(config.router_aux_loss_coef)
+        self._record: RoutingRecord | None = None
+        for router in self.routers:
+            router.register_forward_hook(self._hook)
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the model has MoE routers at all."""
+        return bool(self.routers)
+
+    def _hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._record is None or not isinstance(output, tuple) or len(output) < 3:
+            return
+        logits = output[0]
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(logits, DTensor):
+            logits = logits.full_tensor()
+        experts = output[2]
+        self._record.logits_NE.append(logits.reshape(-1, logits.shape[-1]))
+        self._record.experts_NK.append(experts.reshape(-1, experts.shape[-1]))
+
+    @contextmanager
+    def record(self) -> Iterator[RoutingRecord]:
+        """Record the routing of the forward passes run inside the block (activation checkpointing's
+        recomputation in the backward, after the block, is not recorded)."""
+        self._record = RoutingRecord()
+        try:
+            yield self._record
+        finally:
+            self._record = None
+
+    def router_probs(self, logits_NE: torch.Tensor) -> torch.Tensor:
+        """The router's distribution over experts ``[N, E]`` (float32) from its logits."""
+        if self.sigmoid:
+            scores = logits_NE.float().sigmoid()
+            return scores / scores.sum(dim=-1, keepdim=True)
+        return torch.softmax(logits_NE.float(), dim=-1)
+
+
+def moe_step_terms(
+    recorder: RouterRecorder, record: RoutingRecord, valid_N: torch.Tensor, share: float
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """``(loss term, metrics)`` of one micro-batch's routing: the load-balancing loss times its coefficient
+    (0 unless the config asks for it) and the metrics, both as this micro-batch's ``share`` of the step
+    (its valid tokens over the global batch's), except the ``_max`` loads.
+
+    ``valid_N`` marks the forward's rows that are real tokens (not padding).
+    """
+    mask_N = valid_N.reshape(-1).float()
+    num_valid = mask_N.sum().clamp(min=1.0)
+    num_experts = record.logits_NE[0].shape[-1]
+    tokens_per_expert = torch.zeros(num_experts, device=mask_N.device)
+    prob_per_expert = torch.zeros(num_experts, device=mask_N.device)
+    entropy = torch.zeros((), device=mask_N.device)
+    metrics: dict[str, float] = {}
+    for layer, (logits_NE, experts_NK) in enumerate(zip(record.logits_NE, record.experts_NK, strict=True)):
+        probs_NE = recorder.router_probs(logits_NE)
+        counts_E = torch.zeros_like(tokens_per_expert).scatter_add_(
+            0, experts_NK.reshape(-1), mask_N.repeat_interleave(experts_NK.shape[1])
+        )
+        tokens_per_expert = tokens_per_expert + counts_E
+        prob_per_expert = prob_per_expert + (probs_NE * mask_N[:, None]).sum(dim=0)
+        token_entropy_N = -(probs_NE * probs_NE.clamp(min=1e-30).log()).sum(dim=-1)
+        entropy = entropy + (token_entropy_N * mask_N).sum().detach() / num_valid
+        metrics[f"moe_expert_load_layer{layer}_max"] = float(
+            counts_E.max() / counts_E.mean().clamp(min=1e-30)
+        )
+    num_layers = max(len(record.logits_NE), 1)
+    rows = num_valid * num_layers
+    aux_loss = num_experts * torch.sum((tokens_per_expert / rows) * (prob_per_expert / rows))
+    metrics["moe_aux_loss"] = float(aux_loss.detach()) * share
+    metrics["moe_router_entropy"] = float(entropy) / num_layers * share
+    return recorder.aux_loss_coef * share * aux_loss, metrics
