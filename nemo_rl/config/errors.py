@@ -28,3 +28,11 @@ class ConfigError(UserError):
         if self.problems:
             full += "".join(f"\n  - {p}" for p in self.problems)
         super().__init__(full)
+
+
+class DataError(UserError, ValueError):
+    """A data file or one of its rows cannot be used; the message names the file and what to change."""
+
+
+class MissingDataFileError(UserError, FileNotFoundError):
+    """A data, prompt or system-prompt file named in the config does not exist."""

@@ -18,7 +18,7 @@ from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.config.data import DataConfig
 from nemo_rl.data.errors import DataError
-from nemo_rl.data.files import existing_file, read_utf8
+from nemo_rl.utils.files import existing_file, read_utf8
 
 
 class ChatMessage(TypedDict):

@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.policy import PolicyConfig, TokenizerConfig
 from nemo_rl.config.sources import check_policy_sources
-from nemo_rl.data.files import existing_file, read_utf8
+from nemo_rl.utils.files import existing_file, read_utf8
 
 DEFAULT_CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"

@@ -16,9 +16,9 @@ import numpy as np
 from nemo_rl.config.data import DataConfig
 from nemo_rl.data.datasets.formats import MalformedRowError, RowConverter, converter_for
 from nemo_rl.data.errors import DataError, MissingDataFileError
-from nemo_rl.data.files import existing_file, named, read_utf8
 from nemo_rl.data.interfaces import Record
 from nemo_rl.data.tiny import tiny_math_splits
+from nemo_rl.utils.files import existing_file, named, read_utf8
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pathlib
 
-from nemo_rl.data.errors import DataError, MissingDataFileError
+from nemo_rl.config.errors import DataError, MissingDataFileError
 
 
 def named(path: str | pathlib.Path, key: str | None) -> str:
