@@ -447,12 +447,13 @@ class RayVirtualCluster:
             )
             for node in range(cfg.num_nodes)
         ]
+        # Before the wait: a placement that times out shuts the cluster down, which reads it.
+        self.lost_calls = LostCalls()
+        """Failed worker calls nobody waited for, raised by :meth:`shutdown`."""
         self._wait_for_placement()
         self._locations = self._resolve_locations()
         # Which worker groups hold each bundle, so a group too many fails at once instead of never scheduling.
         self._occupants: list[list[str]] = [[] for _ in range(self.world_size)]
-        self.lost_calls = LostCalls()
-        """Failed worker calls nobody waited for, raised by :meth:`shutdown`."""
 
     @property
     def world_size(self) -> int:
