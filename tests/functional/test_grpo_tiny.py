@@ -214,9 +214,7 @@ def test_megatron_pipeline_async_grpo_resumes_after_a_dead_generation_worker(tmp
     # running ahead of training (asynchronous GRPO, one step at most): each stage broadcasts its own layers
     # over its own collective group after every step. The generation worker is killed (SIGKILL) once the
     # step-2 checkpoint exists, while it samples for a later step; the run ends naming it (no generation
-    # failure is tolerated), and the rerun resumes from the checkpoint's consumed prompts. That rerun's driver
-    # is killed (SIGKILL) at a random moment after its step 3, and a third run repeats step 3 bit for bit:
-    # each pipeline rank's RNG and Megatron's tracker come back with its optimizer. The model is a
+    # failure is tolerated), and the rerun resumes from the checkpoint's consumed prompts. The model is a
     # local folder, SwanLab logs offline, and two optimizer steps per batch make the previous policy's
     # log-probs a scoring pass of their own. (The DTensor worker's non-colocated refit is covered in
     # tests/distributed/test_policy_to_generation_refit.py; a killed driver in the async test below.)
@@ -254,16 +252,10 @@ def test_megatron_pipeline_async_grpo_resumes_after_a_dead_generation_worker(tmp
         text = stdout.decode()[-4000:]
         assert proc.returncode != 0 and ended_s < 60, (proc.returncode, ended_s, text)
         assert re.search(r"(worker group 'embedded_generation'|generation worker \d) died", text), text
-        kill_and_resume(
-            cmd,
-            log_dir=tmp_path / "noncoloc" / "logs",
-            ckpt_dir=ckpt.parent,
-            checkpoint_step=2,
-            max_delay_s=2.0,
-            env=env,
-        )
+        resumed = run_script(cmd, env)
     finally:
         shutil.rmtree(ray_dir, ignore_errors=True)
+    assert "Resuming GRPO from" in resumed.stdout and "(step 2)" in resumed.stdout, resumed.stdout[-3000:]
     metrics = _metrics(tmp_path / "noncoloc" / "logs")
     ages = {step: metrics[step]["train/async/trajectory_age_max"] for step in (1, 2, 3)}
     # Step 1, and step 3 (the rerun's first, sampled after its first refit), train on responses of the
@@ -286,6 +278,36 @@ def test_megatron_pipeline_async_grpo_resumes_after_a_dead_generation_worker(tmp
     assert (tmp_path / "noncoloc" / "ckpt" / "step_3" / "training_info.json").exists()
     swanlab_files = [p for p in (tmp_path / "noncoloc" / "logs" / "swanlab").rglob("*") if p.is_file()]
     assert swanlab_files, "SwanLab (offline) wrote no run files under <log_dir>/swanlab"
+
+
+@pytest.mark.slow
+@pytest.mark.mcore
+def test_megatron_pipeline_grpo_resumes_after_kill_9_bit_exact(tmp_path: Path) -> None:
+    # The Megatron recipe (two pipeline stages, the embedded engine in workers of its own on the same slots),
+    # its driver killed (SIGKILL) at a random moment after step 3 logged: refitting, generating, scoring,
+    # training or saving step 4, with the step-2 checkpoint the latest. The rerun resumes from it and repeats
+    # step 3 (and step 4, when the killed run logged it) bit for bit: each rank's optimizer, schedule, RNG and
+    # Megatron's tracker states come back from its own file, the loader's position and the sampling seeds
+    # from the driver's.
+    pytest.importorskip("megatron.core", reason="needs megatron-core (uv sync --extra mcore)")
+    cmd = _command(
+        tmp_path,
+        "megatron",
+        "grpo.max_num_steps=4",
+        "grpo.val_at_start=false",
+        "grpo.val_period=0",
+        f"policy.model_name={TINY_SFT}",
+        config=MEGATRON_CONFIG,
+    )
+    resumed = kill_and_resume(
+        cmd,
+        log_dir=tmp_path / "megatron" / "logs",
+        ckpt_dir=tmp_path / "megatron" / "ckpt",
+        checkpoint_step=2,
+        max_delay_s=3.0,
+    )
+    assert len(step_metrics(resumed.killed, 3)) > 30
+    assert (tmp_path / "megatron" / "ckpt" / "step_4" / "training_info.json").exists()
 
 
 def test_cuda_vllm_recipe_without_a_gpu_fails_with_the_fix(
