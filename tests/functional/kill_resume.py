@@ -103,7 +103,7 @@ class Resumed:
     """What :func:`kill_and_resume` saw."""
 
     killed: list[dict[str, Any]]
-    """The records the killed run logged (the run's own, without those of earlier runs in the folder)."""
+    """The records the killed run logged."""
     rerun: list[dict[str, Any]]
     """The records the rerun logged."""
     result: subprocess.CompletedProcess[str]
@@ -133,10 +133,9 @@ def kill_and_resume(
         f"kill_and_resume: SIGKILL {delay_s:.2f} s after step {checkpoint_step + 1} logged "
         f"(KILL_RESUME_SEED={seed} repeats it)"
     )
-    earlier = len(read_records(log_dir)) if (log_dir / "metrics.jsonl").exists() else 0
     kill_driver(
         cmd,
-        lambda proc: wait_until_step_logged(proc, log_dir, checkpoint_step + 1, timeout_s, skip=earlier),
+        lambda proc: wait_until_step_logged(proc, log_dir, checkpoint_step + 1, timeout_s),
         delay_s=delay_s,
         env=env,
     )
@@ -147,7 +146,6 @@ def kill_and_resume(
     result = run_script([*cmd, *rerun_overrides], env, timeout_s)
     assert f"(step {checkpoint_step})" in result.stdout and "Resuming" in result.stdout, result.stdout[-3000:]
     rerun = read_records(log_dir)[len(killed) :]
-    killed = killed[earlier:]
     repeated = sorted({r["step"] for r in killed if r["step"] > checkpoint_step})
     assert repeated, f"the killed run logged nothing after step {checkpoint_step}"
     for step in repeated:

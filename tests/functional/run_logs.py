@@ -24,15 +24,12 @@ def read_records(log_dir: Path, *, while_written: bool = False) -> list[dict[str
     return records
 
 
-def wait_until_step_logged(
-    proc: subprocess.Popen[bytes], log_dir: Path, step: int, timeout_s: float, skip: int = 0
-) -> None:
-    """Block until the running script ``proc`` has logged step ``step``'s ``train/loss`` (in a record after the
-    first ``skip``, which earlier runs wrote); fail the test with its output if it ends first, or after
-    ``timeout_s``."""
+def wait_until_step_logged(proc: subprocess.Popen[bytes], log_dir: Path, step: int, timeout_s: float) -> None:
+    """Block until the running script ``proc`` has logged step ``step``'s ``train/loss``; fail the test with its
+    output if it ends first, or after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while not (log_dir / "metrics.jsonl").exists() or not any(
-        r["step"] == step and "train/loss" in r for r in read_records(log_dir, while_written=True)[skip:]
+        r["step"] == step and "train/loss" in r for r in read_records(log_dir, while_written=True)
     ):
         if proc.poll() is not None:
             output = proc.stdout.read().decode() if proc.stdout else ""
