@@ -50,9 +50,10 @@ def kill_driver(
     *,
     delay_s: float = 0.0,
     env: Mapping[str, str] | None = None,
-) -> None:
+) -> bool:
     """Start ``cmd``, block in ``wait(proc)`` (e.g. until a checkpoint exists), sleep ``delay_s``, then SIGKILL
-    the driver and reap it. A run that ended by itself during the delay is left as it ended."""
+    the driver and reap it; whether the kill ended it (a run that ended by itself during the delay is left as
+    it ended)."""
     proc = subprocess.Popen(
         cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(env or script_env())
     )
@@ -62,6 +63,7 @@ def kill_driver(
             proc.wait(timeout=delay_s)
         proc.send_signal(signal.SIGKILL)
         proc.communicate(timeout=60)
+        return proc.returncode == -signal.SIGKILL
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -133,12 +135,13 @@ def kill_and_resume(
         f"kill_and_resume: SIGKILL {delay_s:.2f} s after step {checkpoint_step + 1} logged "
         f"(KILL_RESUME_SEED={seed} repeats it)"
     )
-    kill_driver(
+    if not kill_driver(
         cmd,
         lambda proc: wait_until_step_logged(proc, log_dir, checkpoint_step + 1, timeout_s),
         delay_s=delay_s,
         env=env,
-    )
+    ):
+        print("kill_and_resume: the run had ended by itself before the kill")
     # Lines are written whole (one write each), so a kill never leaves half a line.
     killed = read_records(log_dir)
     lose_checkpoints_after(ckpt_dir, checkpoint_step)
