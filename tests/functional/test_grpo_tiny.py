@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kill_resume import kill_and_resume, kill_driver_once_written, run_script, script_env, step_metrics
 from run_logs import read_records, wait_until_exists, wait_until_step_logged
 
 from nemo_rl.models.generation.vllm import convert as vllm_convert
@@ -82,28 +83,6 @@ def _command(tmp: Path, name: str, *extra: str, config: Path = CONFIG) -> list[s
     ]
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONUNBUFFERED": "1"}
-
-
-def _run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S, env=_env())
-    assert result.returncode == 0, f"{cmd} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
-    return result
-
-
-def _kill_driver_once_written(cmd: list[str], path: Path) -> None:
-    """Run ``cmd`` until ``path`` exists (e.g. a checkpoint's ``training_info.json``), then SIGKILL it."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env())
-    try:
-        wait_until_exists(proc, path, TIMEOUT_S)
-        proc.send_signal(signal.SIGKILL)
-        proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-
-
 def _metrics(log_dir: Path) -> dict[int, dict[str, Any]]:
     """All metrics logged at each step, merged."""
     by_step: dict[int, dict[str, Any]] = {}
@@ -113,22 +92,13 @@ def _metrics(log_dir: Path) -> dict[int, dict[str, Any]]:
     return by_step
 
 
-def _train_metrics_at(records: list[dict[str, Any]], step: int) -> dict[str, Any]:
-    """Everything a step logged but its timings (which no two runs share)."""
-    merged: dict[str, Any] = {}
-    for record in records:
-        if record["step"] == step:
-            merged.update({k: v for k, v in record.items() if k.startswith("train/")})
-    return merged
-
-
 @pytest.mark.slow
 def test_colocated_dp2_lora_survives_a_dead_worker_and_resumes_bit_exact(tmp_path: Path) -> None:
     # The LoRA recipe (the README's main job with rank-4 adapters on every linear layer) at DP=2, the engine
     # hosted in the policy workers: after the first refit only the adapters are copied into it.
     # Its own Ray session folder (short: Ray's socket paths are limited), to find this run's processes.
     ray_dir = Path(f"/tmp/ray_t{uuid.uuid4().hex[:8]}")
-    env = {**_env(), "NEMO_RL_RAY_TEMP_DIR": str(ray_dir)}
+    env = script_env(NEMO_RL_RAY_TEMP_DIR=str(ray_dir))
     cmd = _command(tmp_path, "dp2", "grpo.max_num_steps=4", "cluster.gpus_per_node=2", config=LORA_CONFIG)
     log_dir = tmp_path / "dp2" / "logs"
     try:
@@ -189,13 +159,13 @@ def test_colocated_dp2_lora_survives_a_dead_worker_and_resumes_bit_exact(tmp_pat
             < 0.05 * _model_bytes(ROOT / "examples" / "assets" / "tiny_math_sft_mid")
         )
 
-        resumed = _run(cmd)
+        resumed = run_script(cmd, env)
     finally:
         shutil.rmtree(ray_dir, ignore_errors=True)
     assert "Resuming GRPO from" in resumed.stdout and "(step 2)" in resumed.stdout, resumed.stdout[-3000:]
     again = read_records(log_dir)[len(killed) :]
     # Bit for bit: the resumed step 3 samples, scores and trains as the interrupted run's step 3 did.
-    expected, got = _train_metrics_at(killed, 3), _train_metrics_at(again, 3)
+    expected, got = step_metrics(killed, 3), step_metrics(again, 3)
     assert len(expected) > 10 and got == expected
     after = _metrics(log_dir)
     # The resumed run starts with stale generation weights, so its first step refits: every metric is there.
@@ -237,39 +207,71 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.slow
-@pytest.mark.mcore
-def test_megatron_pipeline_async_grpo_resumes_after_a_dead_generation_worker(tmp_path: Path) -> None:
-    # The Megatron recipe (the tiny model in two pipeline stages) with generation on a slot of its own,
-    # running ahead of training (asynchronous GRPO, one step at most): each stage broadcasts its own layers
-    # over its own collective group after every step. The generation worker is killed (SIGKILL) once the
-    # step-2 checkpoint exists, while it samples for a later step; the run ends naming it (no generation
-    # failure is tolerated), and the rerun resumes from the checkpoint's consumed prompts. The model is a
-    # local folder, SwanLab logs offline, and two optimizer steps per batch make the previous policy's
-    # log-probs a scoring pass of their own. (The DTensor worker's non-colocated refit is covered in
-    # tests/distributed/test_policy_to_generation_refit.py; a killed driver in the async test below.)
+def _megatron_noncolocated(tmp_path: Path, name: str, *extra: str) -> list[str]:
+    """The Megatron recipe (the tiny model in two pipeline stages) with generation on a slot of its own: each
+    stage broadcasts its own layers over its own collective group after every step. The model is a local
+    folder, and two optimizer steps per batch make the previous policy's log-probs a scoring pass of their
+    own. (The DTensor worker's non-colocated refit is covered in
+    tests/distributed/test_policy_to_generation_refit.py.)"""
     pytest.importorskip("megatron.core", reason="needs megatron-core (uv sync --extra mcore)")
-    ray_dir = Path(f"/tmp/ray_t{uuid.uuid4().hex[:8]}")
-    env = {**_env(), "NEMO_RL_RAY_TEMP_DIR": str(ray_dir)}
-    cmd = _command(
+    return _command(
         tmp_path,
-        "noncoloc",
-        "grpo.max_num_steps=3",
+        name,
         "grpo.val_at_start=false",
-        "grpo.async_grpo.enabled=true",
         "loss_fn.use_importance_sampling_correction=true",
         "cluster.gpus_per_node=3",
         "policy.train_global_batch_size=8",
         "policy.generation.colocated.enabled=false",
         "policy.generation.colocated.resources.gpus_per_node=1",
         f"policy.model_name={TINY_SFT}",
-        "swanlab_enabled=True",
+        *extra,
         config=MEGATRON_CONFIG,
     )
-    ckpt = tmp_path / "noncoloc" / "ckpt" / "step_2"
+
+
+@pytest.mark.slow
+@pytest.mark.mcore
+def test_megatron_pipeline_grpo_resumes_after_kill_9_bit_exact(tmp_path: Path) -> None:
+    # The driver is killed (SIGKILL) at a random moment after step 3 logged: refitting, generating, scoring,
+    # training or saving step 4, with the step-2 checkpoint the latest. The rerun resumes from it and repeats
+    # step 3 (and step 4, when the killed run logged it) bit for bit: each rank's optimizer, schedule, RNG and
+    # Megatron's tracker states come back from its own file, the loader's position and the sampling seeds
+    # from the driver's. SwanLab logs offline.
+    cmd = _megatron_noncolocated(tmp_path, "megatron", "grpo.max_num_steps=4", "swanlab_enabled=True")
+    run_dir = tmp_path / "megatron"
+    resumed = kill_and_resume(
+        cmd, log_dir=run_dir / "logs", ckpt_dir=run_dir / "ckpt", checkpoint_step=2, max_delay_s=3.0
+    )
+    assert len(step_metrics(resumed.killed, 3)) > 30
+    metrics = _metrics(run_dir / "logs")
+    for step in (1, 2, 3, 4):
+        # The engine samples from exactly the weights the pipeline scores with.
+        assert metrics[step]["train/gen_kl_error"] == pytest.approx(0.0, abs=1e-4), step
+        assert metrics[step]["train/token_mult_prob_error"] == pytest.approx(1.0, abs=1e-3), step
+        assert metrics[step]["timing/train/logprobs"] > 0, step
+    # One stream per stage (at least a bucket each), one copy of the weights per refit; the rerun's first
+    # refit too.
+    assert metrics[3]["refit/num_buckets"] >= 2
+    assert metrics[3]["refit/bytes"] == metrics[2]["refit/bytes"] > 0
+    assert "validation/accuracy" in metrics[2] and "validation/accuracy" in metrics[4]
+    assert (run_dir / "ckpt" / "step_4" / "training_info.json").exists()
+    swanlab_files = [p for p in (run_dir / "logs" / "swanlab").rglob("*") if p.is_file()]
+    assert swanlab_files, "SwanLab (offline) wrote no run files under <log_dir>/swanlab"
+
+
+@pytest.mark.slow
+@pytest.mark.mcore
+def test_megatron_pipeline_async_grpo_ends_naming_a_dead_generation_worker(tmp_path: Path) -> None:
+    # The same layout with generation running ahead of training (asynchronous GRPO, one step at most). The
+    # generation worker is killed (SIGKILL) once the step-2 checkpoint exists, while it samples for a later
+    # step: the run ends within a minute naming it (no generation failure is tolerated). Resuming
+    # asynchronous GRPO from its checkpoint's prompts is checked after a killed driver (the async test below).
+    ray_dir = Path(f"/tmp/ray_t{uuid.uuid4().hex[:8]}")
+    env = script_env(NEMO_RL_RAY_TEMP_DIR=str(ray_dir))
+    cmd = _megatron_noncolocated(tmp_path, "async", "grpo.max_num_steps=3", "grpo.async_grpo.enabled=true")
     try:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-        wait_until_exists(proc, ckpt, TIMEOUT_S)
+        wait_until_exists(proc, tmp_path / "async" / "ckpt" / "step_2", TIMEOUT_S)
         run_pids = _ray_worker_pids(ray_dir)
         generation_pids = [
             p for p, title in run_pids.items() if title.startswith("ray::EmbeddedGenerationWorker")
@@ -282,32 +284,21 @@ def test_megatron_pipeline_async_grpo_resumes_after_a_dead_generation_worker(tmp
         text = stdout.decode()[-4000:]
         assert proc.returncode != 0 and ended_s < 60, (proc.returncode, ended_s, text)
         assert re.search(r"(worker group 'embedded_generation'|generation worker \d) died", text), text
-        resumed = _run(cmd)
     finally:
         shutil.rmtree(ray_dir, ignore_errors=True)
-    assert "Resuming GRPO from" in resumed.stdout and "(step 2)" in resumed.stdout, resumed.stdout[-3000:]
-    metrics = _metrics(tmp_path / "noncoloc" / "logs")
-    ages = {step: metrics[step]["train/async/trajectory_age_max"] for step in (1, 2, 3)}
-    # Step 1, and step 3 (the rerun's first, sampled after its first refit), train on responses of the
-    # weights they update; step 2 on responses of the initial weights when generation ran ahead (as it does
-    # unless the machine stalls it for a whole training step).
-    assert ages[1] == 0 and ages[2] <= 1 and ages[3] == 0, ages
-    for step in (1, 3):
-        # The engine samples from exactly the weights the pipeline scores with at age 0.
-        assert metrics[step]["train/gen_kl_error"] == pytest.approx(0.0, abs=1e-4), step
-        assert metrics[step]["train/token_mult_prob_error"] == pytest.approx(1.0, abs=1e-3), step
-    assert metrics[1]["timing/train/logprobs"] > 0 and metrics[3]["timing/train/logprobs"] > 0
-    # One stream per stage (at least a bucket each), one copy of the weights per refit.
-    assert metrics[3]["refit/num_buckets"] >= 2
-    assert metrics[3]["refit/bytes"] == metrics[2]["refit/bytes"] > 0
+    metrics = _metrics(tmp_path / "async" / "logs")
+    # Step 1 trains on responses of the weights it updates; step 2 on responses of the initial weights when
+    # generation ran ahead (as it does unless the machine stalls it for a whole training step).
+    assert (
+        metrics[1]["train/async/trajectory_age_max"] == 0
+        and metrics[2]["train/async/trajectory_age_max"] <= 1
+    )
+    assert metrics[1]["train/gen_kl_error"] == pytest.approx(0.0, abs=1e-4)
+    # One stream per stage, one copy of the weights per refit.
+    assert metrics[2]["refit/num_buckets"] >= 2 and metrics[2]["refit/bytes"] > 0
     assert "validation/accuracy" in metrics[2]
-    # The prompts generated ahead of the checkpoint were not lost: the steps trained on the loader's first
-    # 12 prompts, in order.
-    trained = _trained_prompts(tmp_path / "noncoloc" / "logs")
-    assert [i for step in (1, 2, 3) for i in trained[step]] == _expected_prompt_order(12)
-    assert (tmp_path / "noncoloc" / "ckpt" / "step_3" / "training_info.json").exists()
-    swanlab_files = [p for p in (tmp_path / "noncoloc" / "logs" / "swanlab").rglob("*") if p.is_file()]
-    assert swanlab_files, "SwanLab (offline) wrote no run files under <log_dir>/swanlab"
+    trained = _trained_prompts(tmp_path / "async" / "logs")
+    assert [i for step in (1, 2) for i in trained[step]] == _expected_prompt_order(8)
 
 
 def test_cuda_vllm_recipe_without_a_gpu_fails_with_the_fix(
@@ -351,9 +342,11 @@ def test_vllm_sampling_agrees_with_the_policy_and_resumes_after_kill_9_as_async_
     )
     log_dir = tmp_path / "vllm" / "logs"
     ckpt = tmp_path / "vllm" / "ckpt" / "step_2" / "training_info.json"
-    _kill_driver_once_written(cmd, ckpt)
+    kill_driver_once_written(cmd, ckpt)
     assert json.loads(ckpt.read_text())["consumed_prompts"] == 8
-    resumed = _run([*cmd, "grpo.async_grpo.enabled=true", "grpo.async_grpo.in_flight_weight_updates=true"])
+    resumed = run_script(
+        [*cmd, "grpo.async_grpo.enabled=true", "grpo.async_grpo.in_flight_weight_updates=true"]
+    )
     assert "Resuming GRPO from" in resumed.stdout and "(step 2)" in resumed.stdout, resumed.stdout[-3000:]
     metrics = _metrics(log_dir)
     for step in (1, 2):
@@ -430,9 +423,9 @@ def test_async_grpo_bounds_trajectory_age_and_resumes_after_kill_9_without_losin
         "grpo.async_grpo.recompute_kv_cache_after_weight_updates=true",
     )
     ckpt = run_dir / "ckpt" / "step_2" / "training_info.json"
-    _kill_driver_once_written(cmd, ckpt)
+    kill_driver_once_written(cmd, ckpt)
     assert json.loads(ckpt.read_text())["consumed_prompts"] == 8
-    resumed = _run(cmd)
+    resumed = run_script(cmd)
     assert "Resuming GRPO from" in resumed.stdout and "(step 2)" in resumed.stdout, resumed.stdout[-3000:]
     metrics = _metrics(run_dir / "logs")
     for step in range(1, 5):

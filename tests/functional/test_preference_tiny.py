@@ -1,13 +1,12 @@
-"""DPO end to end on the tiny arithmetic checkpoint, in this process, and both preference scripts' errors.
+"""DPO and reward-model training end to end on the tiny arithmetic checkpoints, and both scripts' errors.
 
-The DPO loop runs on the session's Ray (``ray_cluster``) with three small steps: the held-out preference loss
-falls, the last checkpoint records the final validation loss, and the export loads with ``transformers``;
-rerun after losing its last checkpoint, it resumes and repeats step 3 bit for bit. A second run does the same
-on the Megatron backend in two pipeline stages.
-Reward-model training runs the same loop (``nemo_rl.algorithms.preference``) with another loss and head; the
-worker's reward head, its parity over layouts, its resume (bit for bit) and its export's scores are tested in
-``tests/distributed/test_dtensor_worker.py``. The scripts' command-line failures (exit 2, one line, no
-traceback) are checked without starting anything.
+``run_dpo.py`` runs three small steps and is killed (SIGKILL) at a random moment after step 3 logged, then
+rerun: it resumes from the step-2 checkpoint and repeats step 3 bit for bit; the held-out preference loss
+falls, the last checkpoint records the final validation loss, and the export loads with ``transformers``.
+``run_rm.py`` is killed and rerun the same way. DPO also runs in this process, on the session's Ray
+(``ray_cluster``), on the Megatron backend in two pipeline stages. The reward-model worker's head, its parity
+over layouts and its export's scores are tested in ``tests/distributed/test_dtensor_worker.py``. The scripts'
+command-line failures (exit 2, one line, no traceback) are checked without starting anything.
 """
 
 from __future__ import annotations
@@ -20,6 +19,8 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from kill_resume import kill_and_resume, step_metrics
+from run_logs import read_records
 
 from nemo_rl.config.loader import load_and_validate
 from nemo_rl.config.master import DPOMasterConfig, RMMasterConfig
@@ -32,7 +33,6 @@ TINY_SFT = ROOT / "examples" / "assets" / "tiny_math_sft"
 def _overrides(tmp: Path, algo: str, name: str, max_steps: int, lr: float) -> list[str]:
     # 32 pairs a step, constant learning rate, validation on 32 held-out pairs before and after training.
     return [
-        f"policy.model_name={TINY_SFT}",
         f"{algo}.max_num_steps={max_steps}",
         f"{algo}.val_period=0",
         f"{algo}.val_at_start=true",
@@ -46,15 +46,14 @@ def _overrides(tmp: Path, algo: str, name: str, max_steps: int, lr: float) -> li
         "data.num_train_samples=128",
         "data.num_val_samples=32",
         "checkpointing.save_period=2",
+        # Both checkpoints stay (rm_tiny_math.yaml keeps one): a run killed after its last save resumes from
+        # the one before when that save is lost.
+        "checkpointing.keep_top_k=2",
         f"checkpointing.checkpoint_dir={tmp / 'ckpt'}",
         f"logger.log_dir={tmp / name}",
         "logger.progress_bar=false",
         "logger.console_enabled=false",
     ]
-
-
-def _metrics(log_dir: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines() if line]
 
 
 def _at(records: list[dict[str, Any]], step: int, key: str) -> float:
@@ -63,15 +62,14 @@ def _at(records: list[dict[str, Any]], step: int, key: str) -> float:
     return float(values[-1])
 
 
-def _step_values(records: list[dict[str, Any]], step: int) -> dict[str, float]:
-    """Everything ``step`` logged under ``train/`` and ``validation/`` (its timings differ between runs)."""
-    return {
-        key: value
-        for record in records
-        if record["step"] == step
-        for key, value in record.items()
-        if key.startswith(("train/", "validation/"))
-    }
+def _command(script: str, config: str, overrides: list[str]) -> list[str]:
+    return [
+        sys.executable,
+        str(ROOT / "examples" / f"{script}.py"),
+        "--config",
+        str(CONFIGS / config),
+        *overrides,
+    ]
 
 
 def _train(module: str, config: DPOMasterConfig | RMMasterConfig, keep: bool = False) -> Any:
@@ -93,37 +91,55 @@ def _train(module: str, config: DPOMasterConfig | RMMasterConfig, keep: bool = F
     return run
 
 
-def test_dpo_learns_and_exports(ray_cluster: dict[str, float], tmp_path: Path) -> None:
-    def config(name: str) -> DPOMasterConfig:
-        return load_and_validate(
-            CONFIGS / "dpo_tiny_math.yaml", DPOMasterConfig, _overrides(tmp_path, "dpo", name, 3, lr=3e-5)
-        )
-
-    _train("dpo", config("first"))
-    first = _metrics(tmp_path / "first")
-    # Killed while saving step 3 (its checkpoint never got its name), then the same command again: the
-    # resumed run's step 3 trains and validates bit for bit as the uninterrupted run's did.
-    ckpt = tmp_path / "ckpt"
-    (ckpt / "step_3").rename(ckpt / "tmp_step_3")
-    _train("dpo", config("first"))
-    resumed = _metrics(tmp_path / "first")[len(first) :]
-    assert resumed[0]["step"] == 3, "the rerun did not resume from step 2"
-    assert _step_values(resumed, 3) == _step_values(first, 3) and len(_step_values(first, 3)) > 15
+@pytest.mark.slow
+def test_dpo_learns_resumes_after_kill_9_and_exports(tmp_path: Path) -> None:
+    # run_dpo.py for three steps, killed (SIGKILL) at a random moment after step 3 logged its training metrics
+    # (validating, saving or exporting), then the same command again: it resumes from the step-2 checkpoint
+    # and repeats what the killed run logged of step 3 bit for bit.
+    resumed = kill_and_resume(
+        _command(
+            "run_dpo",
+            "dpo_tiny_math.yaml",
+            [f"policy.model_name={TINY_SFT}", *_overrides(tmp_path, "dpo", "logs", 3, lr=3e-5)],
+        ),
+        log_dir=tmp_path / "logs",
+        ckpt_dir=tmp_path / "ckpt",
+        checkpoint_step=2,
+        max_delay_s=3.0,
+    )
+    records = resumed.killed + resumed.rerun
+    assert len(step_metrics(resumed.killed, 3)) >= 10
     # Held-out pairs: the preference loss falls and the chosen answers gain on the rejected ones.
-    assert _at(first, 3, "validation/preference_loss") < _at(first, 0, "validation/preference_loss")
+    assert _at(records, 3, "validation/preference_loss") < _at(records, 0, "validation/preference_loss")
     margin = [
-        _at(first, s, "validation/rewards_chosen_mean") - _at(first, s, "validation/rewards_rejected_mean")
+        _at(records, s, "validation/rewards_chosen_mean")
+        - _at(records, s, "validation/rewards_rejected_mean")
         for s in (0, 3)
     ]
     assert margin[0] == pytest.approx(0.0, abs=1e-6) and margin[1] > 0, margin  # step 0: policy == reference
     for key in ("train/loss", "train/sft_loss", "train/preference_loss", "train/accuracy", "train/grad_norm"):
-        assert key in next(r for r in first if r["step"] == 1 and key in r)
+        assert key in next(r for r in records if r["step"] == 1 and key in r)
     # The last step's checkpoint carries the final validation loss, and the export loads in transformers.
     info = json.loads((tmp_path / "ckpt" / "step_3" / "training_info.json").read_text())
-    assert info["step"] == 3 and info["val_loss"] == pytest.approx(_at(first, 3, "validation/loss"))
+    assert info["step"] == 3 and info["val_loss"] == pytest.approx(_at(records, 3, "validation/loss"))
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "hf_final")
+
+
+@pytest.mark.slow
+def test_reward_model_resumes_after_kill_9_bit_exact(tmp_path: Path) -> None:
+    # run_rm.py (the arithmetic teacher, frozen, with three fresh layers and a scalar head) killed and rerun
+    # like DPO above: the new layers and the head start from seeded draws, so the checkpoint carries them.
+    resumed = kill_and_resume(
+        _command("run_rm", "rm_tiny_math.yaml", _overrides(tmp_path, "rm", "logs", 3, lr=1e-3)),
+        log_dir=tmp_path / "logs",
+        ckpt_dir=tmp_path / "ckpt",
+        checkpoint_step=2,
+        max_delay_s=3.0,
+    )
+    assert len(step_metrics(resumed.killed, 3)) >= 8
+    assert "Reward-model training finished at step 3" in resumed.result.stdout
 
 
 @pytest.mark.mcore
@@ -131,7 +147,7 @@ def test_dpo_on_megatron_pipeline_learns_and_exports(ray_cluster: dict[str, floa
     # The same run on the Megatron backend, the model in two pipeline stages (chosen and rejected rows of a
     # pair travel together through the schedule), with Megatron's Adam at the same learning rate.
     pytest.importorskip("megatron.core", reason="needs megatron-core (uv sync --extra mcore)")
-    overrides = _overrides(tmp_path, "dpo", "megatron", 3, lr=3e-5)
+    overrides = [f"policy.model_name={TINY_SFT}", *_overrides(tmp_path, "dpo", "megatron", 3, lr=3e-5)]
     overrides.remove("policy.optimizer.kwargs.lr=3e-05")
     config = load_and_validate(
         CONFIGS / "dpo_tiny_math.yaml",
@@ -149,7 +165,7 @@ def test_dpo_on_megatron_pipeline_learns_and_exports(ray_cluster: dict[str, floa
         ],
     )
     _train("dpo", config)
-    records = _metrics(tmp_path / "megatron")
+    records = read_records(tmp_path / "megatron")
     assert _at(records, 3, "validation/preference_loss") < _at(records, 0, "validation/preference_loss")
     margin = _at(records, 3, "validation/rewards_chosen_mean") - _at(
         records, 3, "validation/rewards_rejected_mean"

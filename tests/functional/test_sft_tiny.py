@@ -6,19 +6,16 @@ Runs the real script in subprocesses, as a user would, and reads what it logged 
 
 from __future__ import annotations
 
-import os
-import random
 import re
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from run_logs import read_records, wait_until_step_logged
+from kill_resume import kill_and_resume, script_env
+from run_logs import read_records
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "run_sft.py"
@@ -52,56 +49,27 @@ def _command(tmp: Path, name: str, max_steps: int, *extra: str) -> list[str]:
     return [sys.executable, str(SCRIPT), "--config", str(CONFIG), *_overrides(tmp, name, max_steps), *extra]
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONUNBUFFERED": "1"}
-
-
-def _run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S, env=_env())
-    assert result.returncode == 0, f"{cmd} failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-    return result
-
-
-def _step_metrics(records: list[dict[str, Any]], step: int) -> dict[str, Any]:
-    """A step's ``train/`` and ``validation/`` metrics (the last logged of each; timings differ per run)."""
-    merged: dict[str, Any] = {}
-    for record in records:
-        if record["step"] == step:
-            merged.update({k: v for k, v in record.items() if k.startswith(("train/", "validation/"))})
-    return merged
-
-
 @pytest.mark.slow
 def test_sft_learns_resumes_after_kill_and_exports(tmp_path: Path) -> None:
-    # Four steps, killed (SIGKILL) at a random moment after step 3 logged its metrics: training, validating
-    # or saving step 4, with the step-2 checkpoint the latest complete one.
+    # Four steps, killed (SIGKILL) at a random moment after step 3 logged its metrics: training, validating,
+    # saving or exporting step 4, with the step-2 checkpoint the latest complete one. Rerun unchanged but for
+    # the console (which only prints), it resumes from step 2 and repeats every step the killed run logged
+    # after it bit for bit (RNG state, loader position, optimizer and scheduler all come back).
     cmd = _command(tmp_path, "run", 4, "checkpointing.save_consolidated=true")
     log_dir, ckpt = tmp_path / "run" / "logs", tmp_path / "run" / "ckpt"
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env())
-    wait_until_step_logged(proc, log_dir, 3, TIMEOUT_S)
-    time.sleep(random.uniform(0.0, 0.3))
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=60)
-    if (ckpt / "step_4").exists():
-        # The kill came after the last save: lose that checkpoint as a kill in the middle of writing it would.
-        (ckpt / "step_4").rename(ckpt / "tmp_step_4")
-    killed = read_records(log_dir)
+    resumed = kill_and_resume(
+        cmd,
+        log_dir=log_dir,
+        ckpt_dir=ckpt,
+        checkpoint_step=2,
+        max_delay_s=1.0,
+        rerun_overrides=["logger.console_enabled=true"],
+        timeout_s=TIMEOUT_S,
+    )
     # save_consolidated puts a Hugging Face export of the step's weights next to the sharded checkpoint.
     assert (ckpt / "step_2" / "consolidated" / "config.json").is_file()
-
-    # Rerun unchanged but for the console (which only prints): it resumes from step 2 and every step the
-    # killed run logged after it is repeated bit for bit (RNG state, loader position, optimizer and scheduler
-    # all come back).
-    resumed = _run([*cmd, "logger.console_enabled=true"])
-    assert "Resuming SFT from" in resumed.stdout and "(step 2)" in resumed.stdout, resumed.stdout[-3000:]
-    _assert_compact_console(resumed, log_dir)
+    _assert_compact_console(resumed.result, log_dir)
     records = read_records(log_dir)
-    again = records[len(killed) :]
-    for step in (3, 4):
-        expected = _step_metrics(killed, step)
-        if step == 3 or "train/loss" in expected:
-            got = _step_metrics(again, step)
-            assert "train/loss" in expected and got == expected, (step, got, expected)
     val_losses = [r["validation/val_loss"] for r in records if "validation/val_loss" in r]
     assert val_losses[-1] < val_losses[0], f"validation loss did not fall: {val_losses}"
 
@@ -133,7 +101,7 @@ def test_unknown_key_fails_fast_without_traceback() -> None:
         capture_output=True,
         text=True,
         timeout=120,
-        env=_env(),
+        env=script_env(),
     )
     assert result.returncode == 2
     assert "policy.no_such_key" in result.stderr
