@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -311,6 +312,13 @@ class TestOneEngine:
         before = ray.get(worker.in_flight_updates.remote(), timeout=TIMEOUT_S)
         for _ in range(3):  # the update must land while the call runs; a larger batch gives it longer
             running = worker.generate.remote(big, True, 0)
+            # Send B once the call steps the engine (its set-up before that is slow on a loaded machine).
+            deadline = time.monotonic() + TIMEOUT_S
+            while not ray.get(worker.in_flight_generating.remote(), timeout=TIMEOUT_S):
+                assert time.monotonic() < deadline, "the generation call never started stepping the engine"
+                ready, _ = ray.wait([running], timeout=0)
+                if ready:
+                    break
             ray.get(worker.load_weights_from_stream.remote(weights_b), timeout=TIMEOUT_S)
             out = ray.get(running, timeout=TIMEOUT_S)
             if ray.get(worker.in_flight_updates.remote(), timeout=TIMEOUT_S) > before:

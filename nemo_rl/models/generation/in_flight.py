@@ -46,6 +46,11 @@ class InFlightWeights:
                 self._load(staged)
 
     @property
+    def generating_now(self) -> bool:
+        """Whether a generation call runs (a refit that arrives now is staged for it)."""
+        return self._generating
+
+    @property
     def has_pending(self) -> bool:
         """Whether an update waits to be applied (a cheap check before each decode step)."""
         return self._pending is not None

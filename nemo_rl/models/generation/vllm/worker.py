@@ -250,6 +250,10 @@ class VllmGenerationWorker:
         """Weight updates loaded between two engine steps so far."""
         return 0 if self._in_flight is None else self._in_flight.updates_between_steps
 
+    def in_flight_generating(self) -> bool:
+        """Whether a generation call runs with in-flight updates on (a refit sent now is staged for it)."""
+        return self._in_flight is not None and self._in_flight.generating_now
+
     def _wake(self, tags: set[str]) -> None:
         """Bring back the released pools among ``tags`` (vLLM warns and does nothing for awake ones)."""
         sleeping = sorted(self._asleep & tags)
