@@ -2,7 +2,8 @@
 
 :func:`resolve_arch` reads them from the model's ``config.json`` when ``policy.model_name`` is a local folder,
 or else from :data:`KNOWN_ARCHS`, a table of the models the shipped recipes name, copied from their public
-``config.json`` files. For any other hub name it returns ``None`` and the plan is skipped (it says so).
+``config.json`` files into ``known_archs.json``. For any other hub name it returns ``None`` and the plan is
+skipped (it says so).
 ``policy.hf_config_overrides`` of the fields read here (``num_hidden_layers``, ``vocab_size``...) apply.
 """
 
@@ -62,85 +63,15 @@ class ModelArch:
         return self.num_layers * layer + heads * self.vocab_size * self.hidden_size + self.hidden_size
 
 
-def _arch(**kwargs: Any) -> ModelArch:
-    return ModelArch.from_config_dict(kwargs)
+def _known_archs() -> dict[str, ModelArch]:
+    """The table in ``known_archs.json``: each model's fields of its public ``config.json``."""
+    table = json.loads((Path(__file__).parent / "known_archs.json").read_text())
+    return {name: ModelArch.from_config_dict(config) for name, config in table.items()}
 
 
-_QWEN25_15B = _arch(
-    model_type="qwen2",
-    vocab_size=151936,
-    hidden_size=1536,
-    intermediate_size=8960,
-    num_hidden_layers=28,
-    num_attention_heads=12,
-    num_key_value_heads=2,
-    tie_word_embeddings=True,
-)
-_LLAMA32_1B = _arch(
-    model_type="llama",
-    vocab_size=128256,
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=64,
-    tie_word_embeddings=True,
-)
-_QWEN3_06B = _arch(
-    model_type="qwen3",
-    vocab_size=151936,
-    hidden_size=1024,
-    intermediate_size=3072,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    tie_word_embeddings=True,
-)
-
-KNOWN_ARCHS: dict[str, ModelArch] = {
-    "Qwen/Qwen2.5-1.5B": _QWEN25_15B,
-    "Qwen/Qwen2.5-1.5B-Instruct": _QWEN25_15B,
-    "Qwen/Qwen2.5-Math-1.5B-Instruct": _QWEN25_15B,
-    "Qwen/Qwen2.5-7B-Instruct": _arch(
-        model_type="qwen2",
-        vocab_size=152064,
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        tie_word_embeddings=False,
-    ),
-    "meta-llama/Llama-3.2-1B": _LLAMA32_1B,
-    "meta-llama/Llama-3.2-1B-Instruct": _LLAMA32_1B,
-    "Qwen/Qwen3-0.6B": _QWEN3_06B,
-    "Skywork/Skywork-Reward-V2-Qwen3-0.6B": _QWEN3_06B,
-    "Qwen/Qwen3-1.7B-Base": _arch(
-        model_type="qwen3",
-        vocab_size=151936,
-        hidden_size=2048,
-        intermediate_size=6144,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        tie_word_embeddings=True,
-    ),
-    "Qwen/Qwen3-4B": _arch(
-        model_type="qwen3",
-        vocab_size=151936,
-        hidden_size=2560,
-        intermediate_size=9728,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        tie_word_embeddings=True,
-    ),
-}
-"""Architectures of the models the shipped recipes (and NeMo RL's) name, from their public ``config.json``."""
+KNOWN_ARCHS: dict[str, ModelArch] = _known_archs()
+"""Architectures of the models the shipped recipes (and NeMo RL's) name, from their public ``config.json``
+(kept as data in ``known_archs.json`` next to this module)."""
 
 _OVERRIDABLE = {
     "vocab_size": "vocab_size",
