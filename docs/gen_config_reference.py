@@ -13,6 +13,7 @@ reference no longer matches the schema.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import re
 import sys
@@ -179,10 +180,21 @@ def _top_level_sections() -> list[tuple[str, list[str], type[BaseModel]]]:
     per schema."""
     found: dict[tuple[str, type[BaseModel]], list[str]] = {}
     for script, master in MASTERS:
-        for name, field in master.model_fields.items():
+        for name, field in _own_fields_first(master):
             (model,) = [m for m in _union_members(field.annotation) if _is_model(m)]
             found.setdefault((name, model), []).append(script)
     return [(name, scripts, model) for (name, model), scripts in found.items()]
+
+
+def _own_fields_first(model: type[BaseModel]) -> list[tuple[str, FieldInfo]]:
+    """``model``'s fields, those its own class declares first, then its base's, and so on (pydantic lists a
+    base's fields first: the sections shared by every master config would lead every script's list)."""
+    mro = [cls for cls in model.__mro__ if issubclass(cls, BaseModel)]
+
+    def depth(name: str) -> int:
+        return next(i for i, cls in enumerate(mro) if name in inspect.get_annotations(cls))
+
+    return sorted(model.model_fields.items(), key=lambda item: depth(item[0]))
 
 
 def _anchors(names: list[str]) -> list[str]:

@@ -20,17 +20,9 @@ from nemo_rl.config.no_effect import refusal
 from nemo_rl.config.policy import PolicyConfig, TokenizerConfig
 
 
-class SFTMasterConfig(ConfigModel):
-    """Everything ``examples/run_sft.py`` reads."""
-
-    sft: SFTConfig = Field(default_factory=SFTConfig)
-    """The SFT loop."""
-
-    policy: PolicyConfig
-    """The trained model."""
-
-    data: DataConfig = Field(default_factory=DataConfig)
-    """Training and validation data."""
+class TrainingRunConfig(ConfigModel):
+    """The sections every training script reads besides its own: logging, checkpointing (of the trained
+    policy: the student, in distillation) and the cluster."""
 
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
     """Metric logging backends."""
@@ -42,7 +34,20 @@ class SFTMasterConfig(ConfigModel):
     """Worker slots (GPUs, or CPU slots without CUDA) and nodes."""
 
 
-class GRPOMasterConfig(ConfigModel):
+class SFTMasterConfig(TrainingRunConfig):
+    """Everything ``examples/run_sft.py`` reads."""
+
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    """The SFT loop."""
+
+    policy: PolicyConfig
+    """The trained model."""
+
+    data: DataConfig = Field(default_factory=DataConfig)
+    """Training and validation data."""
+
+
+class GRPOMasterConfig(TrainingRunConfig):
     """Everything ``examples/run_grpo_math.py`` reads."""
 
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
@@ -59,15 +64,6 @@ class GRPOMasterConfig(ConfigModel):
 
     env: EnvConfig = Field(default_factory=EnvConfig)
     """Environments that score responses."""
-
-    logger: LoggerConfig = Field(default_factory=LoggerConfig)
-    """Metric logging backends."""
-
-    checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
-    """Checkpoint saving, retention and resume."""
-
-    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
-    """Worker slots (GPUs, or CPU slots without CUDA) and nodes."""
 
     reward_penalties: RewardPenaltiesConfig = Field(default_factory=RewardPenaltiesConfig)
     """NeMo RL's reward zeroing for NeMo-Gym rollouts (not built here; every penalty must be false)."""
@@ -145,7 +141,7 @@ def _check_generation_placement(policy: PolicyConfig, cluster: ClusterConfig) ->
             raise ValueError("non-colocated generation on several nodes needs cluster.num_nodes > 1")
 
 
-class DistillationMasterConfig(ConfigModel):
+class DistillationMasterConfig(TrainingRunConfig):
     """Everything ``examples/run_distillation_math.py`` reads."""
 
     distillation: DistillationConfig = Field(default_factory=DistillationConfig)
@@ -168,15 +164,6 @@ class DistillationMasterConfig(ConfigModel):
     env: EnvConfig = Field(default_factory=EnvConfig)
     """Environments that score responses (for the logged rewards and validation accuracy; the loss does not
     use them)."""
-
-    logger: LoggerConfig = Field(default_factory=LoggerConfig)
-    """Metric logging backends."""
-
-    checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
-    """Checkpoint saving, retention and resume (of the student)."""
-
-    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
-    """Worker slots (GPUs, or CPU slots without CUDA) and nodes."""
 
     @model_validator(mode="after")
     def _check(self) -> DistillationMasterConfig:
@@ -231,7 +218,7 @@ def _check_preference_run(algorithm: str, policy: PolicyConfig, data: DataConfig
         )
 
 
-class PreferenceMasterConfig(ConfigModel):
+class PreferenceMasterConfig(TrainingRunConfig):
     """What DPO and reward-model training both read: a policy trained on preference pairs.
 
     :class:`DPOMasterConfig` and :class:`RMMasterConfig` add their loop's section (``dpo`` / ``rm``) and name
@@ -246,15 +233,6 @@ class PreferenceMasterConfig(ConfigModel):
 
     data: DataConfig = Field(default_factory=lambda: DataConfig(dataset_name="HelpSteer3"))
     """Preference pairs for training and validation."""
-
-    logger: LoggerConfig = Field(default_factory=LoggerConfig)
-    """Metric logging backends."""
-
-    checkpointing: CheckpointingConfig = Field(default_factory=CheckpointingConfig)
-    """Checkpoint saving, retention and resume."""
-
-    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
-    """Worker slots (GPUs, or CPU slots without CUDA) and nodes."""
 
     @model_validator(mode="after")
     def _check(self) -> Self:
