@@ -42,6 +42,8 @@ from nemo_rl.config.master import GRPOMasterConfig
 from nemo_rl.data.datasets import ProcessedDataset
 from nemo_rl.data.llm_message_utils import flat_token_positions, message_logs_to_batch
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.experience.agent_endpoint import AgentEndpoint
+from nemo_rl.experience.agent_rollouts import run_agent_rollout, start_agent_endpoint
 from nemo_rl.experience.async_rollouts import AsyncRollouts, InFlightUpdatable, RolloutBatch
 from nemo_rl.experience.rollouts import run_multi_turn_rollout
 from nemo_rl.experience.validation import request_environment_metrics
@@ -74,6 +76,14 @@ class GRPOSetup(RLRun):
     config: GRPOMasterConfig
     loss_fn: ClippedPGLossFn
     state: GRPOState
+    agent_endpoint: AgentEndpoint | None = None
+    """The endpoint external agents roll out through (``grpo.agent.enabled``), serving ``generation``."""
+
+    def shutdown(self) -> None:
+        """Stop the agent endpoint, then everything :meth:`RLRun.shutdown` stops."""
+        if self.agent_endpoint is not None:
+            self.agent_endpoint.stop()
+        super().shutdown()
 
 
 def _check_batch_sizes(config: GRPOMasterConfig) -> None:
@@ -118,7 +128,14 @@ def setup(
     loss_fn = ClippedPGLossFn(
         config.loss_fn, prev_logprobs_from_forward=prev_logprobs_from_training_forward(config, run.policy)
     )
-    return GRPOSetup(**run.run_fields(), loss_fn=loss_fn)
+    endpoint = None
+    if grpo.agent.enabled:
+        try:
+            endpoint = start_agent_endpoint(grpo.agent, config.policy, run.generation, tokenizer)
+        except BaseException:
+            run.shutdown()
+            raise
+    return GRPOSetup(**run.run_fields(), loss_fn=loss_fn, agent_endpoint=endpoint)
 
 
 def prev_logprobs_from_training_forward(config: GRPOMasterConfig, policy: Policy | None = None) -> bool:
@@ -191,18 +208,29 @@ def roll_out(
     """Sample ``num_generations_per_prompt`` responses per prompt of ``batch`` and score them; the rollout's
     ``total_reward`` holds the transformed rewards (see :func:`transformed_rewards`), its metrics ``reward``
     (their mean); the function returned last waits for the environments' own metrics. ``generation``
-    defaults to the run's generation workers."""
+    defaults to the run's generation workers. With ``grpo.agent`` external agents roll the samples out
+    through the run's agent endpoint instead (:func:`~nemo_rl.experience.agent_rollouts.run_agent_rollout`),
+    and their rewards replace the environments'."""
     cfg = s.config
-    rollout, metrics = run_multi_turn_rollout(
-        s.generation if generation is None else generation,
-        batch.repeat_interleave(cfg.grpo.num_generations_per_prompt),
-        s.tokenizer,
-        s.task_to_env,
-        max_seq_len=cfg.policy.max_total_sequence_length,
-        max_rollout_turns=cfg.grpo.max_rollout_turns,
-        timer=timer,
-    )
-    env_metrics = request_environment_metrics(s.task_to_env, rollout)
+    samples = batch.repeat_interleave(cfg.grpo.num_generations_per_prompt)
+    env_metrics: Callable[[], dict[str, float]]
+    if s.agent_endpoint is not None:
+        # The agents' rewards score the samples (no environment step), through the run's generation workers.
+        rollout, metrics = run_agent_rollout(
+            s.agent_endpoint, samples, s.tokenizer, cfg.grpo.agent, timer=timer
+        )
+        env_metrics = dict
+    else:
+        rollout, metrics = run_multi_turn_rollout(
+            s.generation if generation is None else generation,
+            samples,
+            s.tokenizer,
+            s.task_to_env,
+            max_seq_len=cfg.policy.max_total_sequence_length,
+            max_rollout_turns=cfg.grpo.max_rollout_turns,
+            timer=timer,
+        )
+        env_metrics = request_environment_metrics(s.task_to_env, rollout)
     rollout["total_reward"] = transformed_rewards(rollout, cfg.grpo)
     metrics["reward"] = float(rollout["total_reward"].mean())
     return rollout, metrics, env_metrics

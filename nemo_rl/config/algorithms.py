@@ -6,6 +6,7 @@ from typing import Any, Literal, Self
 
 from pydantic import Field, model_validator
 
+from nemo_rl.config.agent import AgentConfig
 from nemo_rl.config.base import ConfigModel
 from nemo_rl.config.compat import AdvantageEstimatorConfig
 from nemo_rl.config.loss import DPOLossConfig
@@ -223,6 +224,9 @@ class GRPOConfig(ConfigModel):
     async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)
     """Asynchronous GRPO: generation overlapping training, with a bound on the trained trajectories' age."""
 
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    """Rollouts by external agent programs through an OpenAI-compatible endpoint serving the policy."""
+
     adv_estimator: AdvantageEstimatorConfig = Field(default_factory=AdvantageEstimatorConfig)
     """The advantage estimator (only ``grpo`` is built)."""
 
@@ -267,6 +271,11 @@ class GRPOConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _check_async(self) -> Self:
+        if self.async_grpo.enabled and self.agent.enabled:
+            raise ValueError(
+                "grpo.async_grpo.enabled=true and grpo.agent.enabled=true cannot be combined (the endpoint serves "
+                "the weights of the step being rolled out): turn one of them off"
+            )
         if self.async_grpo.enabled and self.use_dynamic_sampling:
             raise ValueError(
                 "grpo.async_grpo.enabled=true and grpo.use_dynamic_sampling=true cannot be combined (a step's "

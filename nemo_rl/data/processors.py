@@ -3,6 +3,8 @@
 - :func:`sft_processor`: the whole conversation, for supervised fine-tuning (loss on assistant turns).
 - :func:`math_processor`: the prompt only, ending with the generation prompt, plus the ground truth the math
   environment checks the response against.
+- :func:`agent_task_processor`: :func:`math_processor`'s prompt, also kept as OpenAI messages for external
+  agents (``grpo.agent``).
 - :func:`preference_processor`: the conversations with the chosen and the rejected response, for DPO and
   reward models.
 
@@ -124,6 +126,33 @@ def math_processor(
         idx=idx,
         task_name=spec.task_name,
     )
+
+
+PROMPT_MESSAGES_KEY = "prompt_messages"
+"""The ``extra_env_info`` key under which :func:`agent_task_processor` keeps the prompt as OpenAI messages."""
+
+
+def agent_task_processor(
+    record: Record,
+    spec: TaskDataSpec,
+    tokenizer: PreTrainedTokenizerBase,
+    max_seq_length: int,
+    idx: int,
+) -> DatumSpec:
+    """:func:`math_processor`'s sample, whose ``extra_env_info`` also keeps the prompt (every turn up to the
+    last user turn, the task's prompt template and system prompt applied) as OpenAI messages under
+    :data:`PROMPT_MESSAGES_KEY`: what external agents (``grpo.agent``) are given to solve."""
+    datum = math_processor(record, spec, tokenizer, max_seq_length, idx)
+    messages = record["messages"]
+    last_user = max(
+        i for i, m in enumerate(messages) if m["role"] == "user"
+    )  # math_processor checked one exists
+    prompt = apply_task_spec(list(messages[: last_user + 1]), spec)
+    datum["extra_env_info"] = {
+        **(datum["extra_env_info"] or {}),
+        PROMPT_MESSAGES_KEY: [dict(m) for m in prompt],
+    }
+    return datum
 
 
 def preference_processor(

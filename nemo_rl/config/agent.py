@@ -1,0 +1,90 @@
+"""Schema of ``grpo.agent``: GRPO rollouts driven by external agent programs through an OpenAI-compatible
+endpoint that serves the current policy (see docs/algorithms/agent_endpoint.md)."""
+
+from __future__ import annotations
+
+import importlib.util
+import ipaddress
+from typing import Self
+
+from pydantic import Field, model_validator
+
+from nemo_rl.config.base import ConfigModel
+
+SERVER_MODULES = ("fastapi", "uvicorn")
+"""What the endpoint's server is built on: the ``agents`` extra (vLLM's extras bring them too)."""
+
+
+class AgentConfig(ConfigModel):
+    """External agents as GRPO's rollouts: during each rollout the driver serves ``/v1/chat/completions`` and
+    ``/v1/completions`` with the policy's current weights, runs one agent per sample, and trains on exactly
+    the tokens the endpoint sampled for that agent, with the reward the agent returns."""
+
+    enabled: bool = False
+    """Roll out with external agents instead of the environments (the environments still score validation)."""
+
+    command: list[str] | None = None
+    """The agent as a program, one process per sample: its arguments (e.g. ``["python",
+    "examples/agents/tiny_math_agent.py"]``). It gets ``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` and
+    ``NEMO_RL_TRAJECTORY_ID`` in its environment and the task as JSON on stdin, and prints its reward (a
+    number, or ``{"reward": x}``) as the last line of stdout. Exactly one of ``command`` and ``function``."""
+
+    function: str | None = None
+    """The agent as a Python function, ``module:function`` or ``path/to/file.py:function``, run in a thread of
+    the driver: called with an :class:`nemo_rl.experience.agent_rollouts.AgentTask`, it returns the reward.
+    Cheaper than a process per sample. Exactly one of ``command`` and ``function``."""
+
+    host: str = "127.0.0.1"
+    """Address the endpoint listens on. Loopback by default: only programs on this machine reach it (every
+    request must still carry the run's token)."""
+
+    port: int = Field(default=0, ge=0, le=65535)
+    """Port the endpoint listens on; 0 takes a free one."""
+
+    timeout_s: float = Field(default=600.0, gt=0.0)
+    """Longest one agent may run; after it the agent's process is killed (a function is abandoned) and its
+    trajectory is dropped from training."""
+
+    max_concurrent_agents: int = Field(default=64, ge=1)
+    """Agents running at once; their requests are sampled together."""
+
+    max_batch_size: int = Field(default=64, ge=1)
+    """Most requests sampled in one generation call."""
+
+    batch_wait_s: float = Field(default=0.02, ge=0.0)
+    """How long the endpoint waits after a request arrives for others to sample with it."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        if not self.enabled:
+            return self
+        if (self.command is None) == (self.function is None):
+            raise ValueError(
+                "grpo.agent.enabled=true needs exactly one of grpo.agent.command (a program's arguments) and "
+                "grpo.agent.function (module:function)"
+            )
+        if self.command is not None and not self.command:
+            raise ValueError("grpo.agent.command is empty: give the program and its arguments")
+        if self.function is not None and ":" not in self.function:
+            raise ValueError(
+                f"grpo.agent.function={self.function!r} must read module:function or path/to/file.py:function"
+            )
+        try:
+            ipaddress.ip_address(self.host)
+        except ValueError as err:
+            raise ValueError(
+                f"grpo.agent.host={self.host!r} must be an IP address (127.0.0.1 for loopback)"
+            ) from err
+        missing = [name for name in SERVER_MODULES if importlib.util.find_spec(name) is None]
+        if missing:
+            raise ValueError(
+                f"grpo.agent.enabled=true serves an HTTP endpoint with {' and '.join(missing)}, not installed "
+                "here: install the agents extra (uv sync --extra agents; the vllm and vllm-cpu extras bring them "
+                "too) or set grpo.agent.enabled=false"
+            )
+        return self
+
+    @property
+    def loopback(self) -> bool:
+        """Whether the endpoint listens on a loopback address only."""
+        return ipaddress.ip_address(self.host).is_loopback

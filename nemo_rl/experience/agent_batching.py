@@ -1,0 +1,152 @@
+"""Batching the agent endpoint's requests into generation calls.
+
+Agents send one request at a time each, many agents at once. One generation call per request would run the
+engine on a batch of one; the :class:`GenerationBatcher` thread instead takes the requests that arrive within
+``batch_wait_s`` of the first (up to ``max_batch_size``) and samples them in one
+:meth:`~nemo_rl.models.generation.interfaces.GenerationInterface.generate` call. Only this thread calls the
+generation backend while the endpoint serves.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import queue
+import threading
+import time
+from typing import Any
+
+import torch
+
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.models.generation.interfaces import GenerationInterface
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleRequest:
+    """One prompt to continue."""
+
+    prompt_ids: list[int]
+    """The prompt's token ids."""
+
+    stop_strings: list[str] | None = None
+    """The request's own stop strings, added to ``policy.generation.stop_strings``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleResult:
+    """What generation sampled for one :class:`SampleRequest`."""
+
+    sampled_ids: list[int]
+    """The tokens sampled, the stop token included."""
+
+    logprobs: list[float]
+    """Each sampled token's log-prob under the sampling distribution."""
+
+    truncated: bool
+    """No stop token or stop string ended the response (a length budget did)."""
+
+
+_Pending = tuple[SampleRequest, "concurrent.futures.Future[SampleResult]"]
+
+
+class GenerationBatcher:
+    """A thread that samples queued requests together (see the module docstring)."""
+
+    def __init__(
+        self, generation: GenerationInterface, *, pad_token_id: int, max_batch_size: int, wait_s: float
+    ) -> None:
+        self._generation = generation
+        self._pad_token_id = pad_token_id
+        self._max_batch_size = max_batch_size
+        self._wait_s = wait_s
+        self._queue: queue.Queue[_Pending | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self.num_calls = 0
+        """Generation calls made."""
+        self.num_rows = 0
+        """Requests sampled."""
+
+    def start(self) -> None:
+        """Start the thread."""
+        self._thread = threading.Thread(target=self._run, name="agent-endpoint-batcher", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float) -> None:
+        """Finish the call in progress, fail the requests still queued, and end the thread."""
+        if self._thread is None:
+            return
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+        self._thread = None
+
+    def submit(self, request: SampleRequest) -> concurrent.futures.Future[SampleResult]:
+        """Queue ``request``; the future completes when it has been sampled."""
+        future: concurrent.futures.Future[SampleResult] = concurrent.futures.Future()
+        if self._thread is None:
+            future.set_exception(RuntimeError("the agent endpoint's generation is stopped"))
+            return future
+        self._queue.put((request, future))
+        return future
+
+    def _run(self) -> None:
+        stopping = False
+        while not stopping:
+            first = self._queue.get()
+            if first is None:
+                break
+            batch = [first]
+            deadline = time.monotonic() + self._wait_s
+            while len(batch) < self._max_batch_size:
+                try:
+                    item = self._queue.get(timeout=max(deadline - time.monotonic(), 0.0))
+                except queue.Empty:
+                    break
+                if item is None:
+                    stopping = True
+                    break
+                batch.append(item)
+            self._sample(batch)
+        self._fail_queued()
+
+    def _fail_queued(self) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None and not item[1].done():
+                item[1].set_exception(RuntimeError("the agent endpoint stopped before sampling this request"))
+
+    def _sample(self, batch: list[_Pending]) -> None:
+        try:
+            output = self._generation.generate(self._input(batch), greedy=False)
+        except BaseException as err:  # every waiting request fails with the backend's error
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(err)
+            return
+        self.num_calls += 1
+        self.num_rows += len(batch)
+        for j, (request, future) in enumerate(batch):
+            start = len(request.prompt_ids)
+            stop = start + int(output["generation_lengths"][j])
+            result = SampleResult(
+                sampled_ids=[int(t) for t in output["output_ids"][j, start:stop].tolist()],
+                logprobs=[float(x) for x in output["logprobs"][j, start:stop].tolist()],
+                truncated=bool(output["truncated"][j]),
+            )
+            if not future.done():
+                future.set_result(result)
+
+    def _input(self, batch: list[_Pending]) -> BatchedDataDict[Any]:
+        lengths = [len(request.prompt_ids) for request, _ in batch]
+        input_ids_BT = torch.full((len(batch), max(lengths)), self._pad_token_id, dtype=torch.long)
+        for b, (request, _) in enumerate(batch):
+            input_ids_BT[b, : lengths[b]] = torch.tensor(request.prompt_ids, dtype=torch.long)
+        data = BatchedDataDict[Any](
+            input_ids=input_ids_BT, input_lengths=torch.tensor(lengths, dtype=torch.long)
+        )
+        if any(request.stop_strings for request, _ in batch):
+            data["stop_strings"] = [request.stop_strings or None for request, _ in batch]
+        return data

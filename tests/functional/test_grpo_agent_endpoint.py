@@ -1,0 +1,123 @@
+"""GRPO on rollouts of external agents (``examples/configs/grpo_agent_endpoint_tiny.yaml``): the example
+agent drives its two-attempt loop with the ``openai`` client against the endpoint, served by the tiny model
+on the embedded engine in the policy workers, and one GRPO step trains on exactly the tokens the endpoint
+sampled (ids and log-probs as the agent received them), with ``gen_kl_error`` ~ 0."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+import nemo_rl.algorithms.grpo as grpo
+from nemo_rl.config import load_and_validate
+from nemo_rl.data.datasets import setup_rl_data
+from nemo_rl.data.processors import agent_task_processor
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.experience.agent_rollouts import AgentTask, load_agent_function
+from nemo_rl.models.tokenizer import get_policy_tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "examples" / "configs" / "grpo_agent_endpoint_tiny.yaml"
+AGENT_FILE = ROOT / "examples" / "agents" / "tiny_math_agent.py"
+
+RESPONSES: dict[str, list[tuple[list[int], list[float]]]] = {}
+"""The sampled ids and log-probs of every response each trajectory's agent received, in order."""
+_LOCK = threading.Lock()
+
+
+def recording_agent(task: AgentTask) -> float:
+    """The example agent, keeping what each response carried."""
+    import openai
+
+    solve = load_agent_function(f"{AGENT_FILE}:solve")
+    client = openai.OpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0, timeout=120)
+    create = client.chat.completions.create
+
+    def recording_create(**kwargs: Any) -> Any:
+        response = create(**kwargs)
+        message = response.choices[0].message
+        with _LOCK:
+            RESPONSES.setdefault(task.trajectory_id, []).append(
+                (message.generation_token_ids, message.generation_log_probs)
+            )
+        return response
+
+    client.chat.completions.create = recording_create  # type: ignore[method-assign]
+    return solve(client, task.messages, str(task.extra_env_info["ground_truth"]))  # type: ignore[call-arg]
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_grpo_step_trains_on_the_agents_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    RESPONSES.clear()
+    config = load_and_validate(
+        CONFIG,
+        grpo.MasterConfig,
+        [
+            "grpo.num_prompts_per_step=4",
+            "grpo.num_generations_per_prompt=4",
+            "grpo.max_num_steps=1",
+            "grpo.val_at_start=false",
+            "grpo.val_period=0",
+            f"grpo.agent.function={__name__}:recording_agent",
+            "policy.train_global_batch_size=16",
+            "policy.train_micro_batch_size=16",
+            "policy.logprob_batch_size=16",
+            "data.num_train_samples=64",
+            "data.num_val_samples=8",
+            "checkpointing.enabled=false",
+            f"logger.log_dir={tmp_path / 'logs'}",
+            "logger.console_enabled=false",
+            "++logger.progress_bar=false",
+        ],
+    )
+    tokenizer = get_policy_tokenizer(config.policy)
+    train, val = setup_rl_data(
+        config.data,
+        tokenizer,
+        max_total_sequence_length=config.policy.max_total_sequence_length,
+        processor=agent_task_processor,
+    )
+    trained: list[BatchedDataDict[Any]] = []
+    build = grpo.build_train_batch
+
+    def capture(*args: Any, **kwargs: Any) -> BatchedDataDict[Any]:
+        trained.append(build(*args, **kwargs))
+        return trained[-1]
+
+    monkeypatch.setattr(grpo, "build_train_batch", capture)
+    s = grpo.setup(config, tokenizer, train, val)
+    try:
+        assert s.agent_endpoint is not None and s.agent_endpoint.url.startswith("http://127.0.0.1:")
+        metrics = grpo.grpo_train(s)
+    finally:
+        s.shutdown()
+
+    assert metrics["agent/failed"] == 0.0
+    assert len(RESPONSES) == 16
+    assert metrics["agent/requests"] == sum(len(r) for r in RESPONSES.values())
+    # The training rows hold exactly the sampled tokens, with the log-probs the sampler gave them.
+    (batch,) = trained
+    rows = []
+    for row in range(batch["input_ids"].shape[0]):
+        mask = batch["token_mask"][row].bool()
+        rows.append(
+            (batch["input_ids"][row][mask].tolist(), batch["generation_logprobs"][row][mask].tolist())
+        )
+    sampled = [
+        ([t for ids, _ in responses for t in ids], [lp for _, lps in responses for lp in lps])
+        for responses in RESPONSES.values()
+    ]
+    assert sorted(ids for ids, _ in rows) == sorted(ids for ids, _ in sampled)
+    for ids, logprobs in rows:
+        expected = next(lps for sampled_ids, lps in sampled if sampled_ids == ids)
+        assert logprobs == pytest.approx(expected, abs=1e-6)
+    # The policy scores the sampled tokens as the sampler did: same weights, same distribution.
+    assert abs(metrics["gen_kl_error"]) < 1e-4
+    assert torch.isfinite(torch.tensor(metrics["loss"]))
