@@ -62,6 +62,9 @@ class GenerationBatcher:
         self._wait_s = wait_s
         self._queue: queue.Queue[_Pending | None] = queue.Queue()
         self._thread: threading.Thread | None = None
+        # Held while a generation call runs; `accepting` is read and written under it.
+        self._sampling = threading.Lock()
+        self._accepting = False
         self.num_calls = 0
         """Generation calls made."""
         self.num_rows = 0
@@ -74,17 +77,30 @@ class GenerationBatcher:
 
     def stop(self, timeout_s: float) -> None:
         """Finish the call in progress, fail the requests still queued, and end the thread."""
+        self.pause()
         if self._thread is None:
             return
         self._queue.put(None)
         self._thread.join(timeout_s)
         self._thread = None
 
+    def resume(self) -> None:
+        """Accept requests (a rollout starts: the generation weights are current)."""
+        with self._sampling:
+            self._accepting = True
+
+    def pause(self) -> None:
+        """Stop sampling until :meth:`resume`: wait for the generation call in progress, then fail the requests
+        still queued (a rollout ended: the policy is about to train on the generation workers' devices)."""
+        with self._sampling:
+            self._accepting = False
+        self._fail_queued("the rollout ended before this request was sampled")
+
     def submit(self, request: SampleRequest) -> concurrent.futures.Future[SampleResult]:
         """Queue ``request``; the future completes when it has been sampled."""
         future: concurrent.futures.Future[SampleResult] = concurrent.futures.Future()
-        if self._thread is None:
-            future.set_exception(RuntimeError("the agent endpoint's generation is stopped"))
+        if self._thread is None or not self._accepting:
+            future.set_exception(RuntimeError("the agent endpoint is not sampling: no rollout is running"))
             return future
         self._queue.put((request, future))
         return future
@@ -107,25 +123,28 @@ class GenerationBatcher:
                     break
                 batch.append(item)
             self._sample(batch)
-        self._fail_queued()
+        self._fail_queued("the agent endpoint stopped before sampling this request")
 
-    def _fail_queued(self) -> None:
+    def _fail_queued(self, reason: str) -> None:
         while True:
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
                 return
             if item is not None and not item[1].done():
-                item[1].set_exception(RuntimeError("the agent endpoint stopped before sampling this request"))
+                item[1].set_exception(RuntimeError(reason))
 
     def _sample(self, batch: list[_Pending]) -> None:
-        try:
-            output = self._generation.generate(self._input(batch), greedy=False)
-        except BaseException as err:  # every waiting request fails with the backend's error
-            for _, future in batch:
-                if not future.done():
-                    future.set_exception(err)
-            return
+        with self._sampling:
+            try:
+                if not self._accepting:
+                    raise RuntimeError("the rollout ended before this request was sampled")
+                output = self._generation.generate(self._input(batch), greedy=False)
+            except BaseException as err:  # every waiting request fails with this error
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(err)
+                return
         self.num_calls += 1
         self.num_rows += len(batch)
         for j, (request, future) in enumerate(batch):

@@ -162,12 +162,17 @@ class AgentEndpoint:
 
     # --- trajectories ---------------------------------------------------------------------------------
     def open(self, trajectory_ids: Iterable[str]) -> None:
-        """Serve these trajectories (one per agent of the rollout starting)."""
+        """Serve these trajectories (one per agent of the rollout starting; the generation weights must be
+        current until they are closed)."""
         self.trajectories.open(trajectory_ids)
+        self._batcher.resume()
 
     def close(self, trajectory_ids: Iterable[str]) -> dict[str, Trajectory]:
-        """Stop serving these trajectories; returns what their requests recorded."""
+        """Stop serving these trajectories; returns what their requests recorded. Once none is open, no
+        generation call runs until the next :meth:`open` (the policy may train on the same devices)."""
         closed = self.trajectories.close(trajectory_ids)
+        if self.trajectories.empty:
+            self._batcher.pause()
         for trajectory_id in closed:
             self._locks.pop(trajectory_id, None)
         return closed

@@ -213,6 +213,12 @@ class TrajectoryStore:
         with self._lock:
             return self._open.get(trajectory_id)
 
+    @property
+    def empty(self) -> bool:
+        """Whether no trajectory is open."""
+        with self._lock:
+            return not self._open
+
     def close(self, trajectory_ids: Iterable[str]) -> dict[str, Trajectory]:
         """Stop accepting requests for these trajectories; returns what they recorded."""
         with self._lock:
