@@ -130,7 +130,7 @@ def load_agent_function(path: str) -> AgentFunction:
         ) from err
     if not callable(fn):
         raise UserError(f"grpo.agent.function={path!r} is not callable")
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 def call_with_timeout(fn: AgentFunction, task: AgentTask, timeout_s: float) -> AgentOutcome:

@@ -46,30 +46,28 @@ class ScriptedGeneration:
         self.reply_fn = reply_fn
         self.batch_sizes: list[int] = []
 
+    def _reply_ids(self, prompt_ids: list[int]) -> list[int]:
+        reply = self.reply_fn(self.tokenizer.decode(prompt_ids))
+        return [*self.tokenizer.encode(reply, add_special_tokens=False), self.tokenizer.eos_token_id]
+
     def generate(self, data: BatchedDataDict[Any], greedy: bool = False) -> BatchedDataDict[Any]:
-        self.batch_sizes.append(len(data["input_lengths"]))
-        rows = []
-        for ids, length in zip(data["input_ids"], data["input_lengths"], strict=True):
-            prompt = ids[: int(length)]
-            reply = self.reply_fn(self.tokenizer.decode(prompt))
-            reply_ids = torch.tensor(
-                [*self.tokenizer.encode(reply, add_special_tokens=False), self.tokenizer.eos_token_id]
-            )
-            rows.append((prompt, reply_ids))
-        width = max(len(p) + len(r) for p, r in rows)
-        out = BatchedDataDict[Any](
-            output_ids=torch.full((len(rows), width), self.tokenizer.pad_token_id, dtype=torch.long),
-            logprobs=torch.zeros(len(rows), width),
-            generation_lengths=torch.tensor([len(r) for _, r in rows]),
-            unpadded_sequence_lengths=torch.tensor([len(p) + len(r) for p, r in rows]),
-            truncated=torch.zeros(len(rows), dtype=torch.bool),
+        lengths = data["input_lengths"].tolist()
+        self.batch_sizes.append(len(lengths))
+        prompts = [row[:n].tolist() for row, n in zip(data["input_ids"], lengths, strict=True)]
+        replies = [self._reply_ids(prompt) for prompt in prompts]
+        sequences = [torch.tensor(p + r) for p, r in zip(prompts, replies, strict=True)]
+        scores = [
+            torch.tensor([0.0] * len(p) + [-(k + 1) / 100 for k in range(len(r))])
+            for p, r in zip(prompts, replies, strict=True)
+        ]
+        pad = self.tokenizer.pad_token_id
+        return BatchedDataDict[Any](
+            output_ids=torch.nn.utils.rnn.pad_sequence(sequences, batch_first=True, padding_value=pad),
+            logprobs=torch.nn.utils.rnn.pad_sequence(scores, batch_first=True),
+            generation_lengths=torch.tensor([len(r) for r in replies]),
+            unpadded_sequence_lengths=torch.tensor([len(x) for x in sequences]),
+            truncated=torch.zeros(len(replies), dtype=torch.bool),
         )
-        for b, (prompt, reply_ids) in enumerate(rows):
-            out["output_ids"][b, : len(prompt) + len(reply_ids)] = torch.cat([prompt, reply_ids])
-            out["logprobs"][b, len(prompt) : len(prompt) + len(reply_ids)] = (
-                -(torch.arange(len(reply_ids)) + 1) / 100
-            )
-        return out
 
 
 def arithmetic_reply(prompt: str) -> str:
