@@ -24,10 +24,10 @@ class AgentConfig(ConfigModel):
     """Roll out with external agents instead of the environments (the environments still score validation)."""
 
     command: list[str] | None = None
-    """The agent as a program, one process per sample: its arguments (e.g. ``["python",
-    "examples/agents/tiny_math_agent.py"]``). It gets ``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` and
-    ``NEMO_RL_TRAJECTORY_ID`` in its environment and the task as JSON on stdin, and prints its reward (a
-    number, or ``{"reward": x}``) as the last line of stdout. Exactly one of ``command`` and ``function``."""
+    """The agent as a program, one process per sample: its arguments as a list (the interpreter, then the
+    script's path). It gets ``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` and ``NEMO_RL_TRAJECTORY_ID`` in its
+    environment and the task as JSON on stdin, and prints its reward (a number, or a JSON object with a
+    ``reward``) as the last line of stdout. Exactly one of ``command`` and ``function``."""
 
     function: str | None = None
     """The agent as a Python function, ``module:function`` or ``path/to/file.py:function``, run in a thread of
