@@ -238,13 +238,19 @@ def trajectory_counts(trajectories: Mapping[str, Trajectory]) -> dict[str, float
 
 
 def normalise_chat_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """OpenAI messages as chat templates expect them: ``None`` content as ``""``, and tool-call arguments sent
-    as JSON strings (the OpenAI wire format) as the objects templates serialise themselves."""
+    """OpenAI messages as chat templates expect them: ``None`` content as ``""``, content given as a list of
+    text parts as their text, and tool-call arguments sent as JSON strings (the OpenAI wire format) as the
+    objects templates serialise themselves."""
     normalised: list[dict[str, Any]] = []
     for message in messages:
         out = dict(message)
-        if out.get("content") is None:
+        content = out.get("content")
+        if content is None:
             out["content"] = ""
+        elif isinstance(content, list):
+            out["content"] = "".join(
+                str(part.get("text", "")) for part in content if isinstance(part, Mapping)
+            )
         calls = out.get("tool_calls")
         if calls:
             out["tool_calls"] = [_normalise_tool_call(call) for call in calls]

@@ -172,8 +172,10 @@ def test_tool_call_arguments_are_rendered_as_objects() -> None:
                 "tool_calls": [{"function": {"name": "f", "arguments": '{"a": 1}'}}],
             },
             {"role": "tool", "content": "2", "tool_call_id": "call_1"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
         ]
     )
+    assert messages[2]["content"] == "ab"
     assert messages[0]["content"] == ""
     assert messages[0]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
     assert messages[1] == {"role": "tool", "content": "2", "tool_call_id": "call_1"}
