@@ -275,19 +275,22 @@ def run_agent_rollout(
     failures = [o.error for o in outcomes if o.error is not None]
     if failures:
         print(f"[agent] {len(failures)} of {len(outcomes)} agents failed; first: {failures[0]}", flush=True)
-    batch = rollout_batch(input_batch, [trajectories.get(i, Trajectory()) for i in ids], outcomes, tokenizer)
+    batch = rollout_batch(
+        input_batch, ids, [trajectories.get(i, Trajectory()) for i in ids], outcomes, tokenizer
+    )
     return batch, metrics | rollout_metrics(batch)
 
 
 def rollout_batch(
     input_batch: BatchedDataDict[Any],
+    trajectory_ids: Sequence[str],
     trajectories: Sequence[Trajectory],
     outcomes: Sequence[AgentOutcome],
     tokenizer: PreTrainedTokenizerBase,
 ) -> BatchedDataDict[Any]:
-    """The rolled-out batch: ``input_batch`` plus each trajectory's ``message_log``, ``total_reward``,
-    ``truncated``, ``num_turns``, ``generated_tokens``, ``answers`` (``None``), and ``loss_multiplier`` zeroed
-    for failed agents and trajectories that sampled nothing."""
+    """The rolled-out batch: ``input_batch`` plus each trajectory's ``trajectory_id``, ``message_log``,
+    ``total_reward``, ``truncated``, ``num_turns``, ``generated_tokens``, ``answers`` (``None``), and
+    ``loss_multiplier`` zeroed for failed agents and trajectories that sampled nothing."""
     logs: list[MessageLog] = []
     trained: list[bool] = []
     for trajectory, outcome, prompt_log in zip(
@@ -302,6 +305,7 @@ def rollout_batch(
         trained.append(outcome.error is None and bool(trajectory.turns))
     result = BatchedDataDict[Any](input_batch.copy())
     result.pop("stop_strings", None)
+    result["trajectory_id"] = list(trajectory_ids)
     result["message_log"] = logs
     result["total_reward"] = torch.tensor([o.reward for o in outcomes], dtype=torch.float32)
     result["truncated"] = torch.tensor([bool(t.turns) and t.turns[-1].truncated for t in trajectories])

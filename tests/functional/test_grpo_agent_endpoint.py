@@ -122,12 +122,12 @@ def test_grpo_step_trains_on_the_agents_tokens(
         max_total_sequence_length=config.policy.max_total_sequence_length,
         processor=agent_task_processor,
     )
-    trained: list[BatchedDataDict[Any]] = []
+    trained: list[tuple[BatchedDataDict[Any], BatchedDataDict[Any]]] = []
     build = grpo.build_train_batch
 
-    def capture(*args: Any, **kwargs: Any) -> BatchedDataDict[Any]:
-        trained.append(build(*args, **kwargs))
-        return trained[-1]
+    def capture(rollout: BatchedDataDict[Any], *args: Any, **kwargs: Any) -> BatchedDataDict[Any]:
+        trained.append((rollout, build(rollout, *args, **kwargs)))
+        return trained[-1][1]
 
     monkeypatch.setattr(grpo, "build_train_batch", capture)
     s = grpo.setup(config, tokenizer, train, val)
@@ -141,21 +141,13 @@ def test_grpo_step_trains_on_the_agents_tokens(
     assert len(RESPONSES) == 16
     assert metrics["agent/requests"] == sum(len(r) for r in RESPONSES.values())
     # The training rows hold exactly the sampled tokens, with the log-probs the sampler gave them.
-    (batch,) = trained
-    rows = []
-    for row in range(batch["input_ids"].shape[0]):
+    ((rollout, batch),) = trained
+    for row, trajectory_id in enumerate(rollout["trajectory_id"]):
         mask = batch["token_mask"][row].bool()
-        rows.append(
-            (batch["input_ids"][row][mask].tolist(), batch["generation_logprobs"][row][mask].tolist())
-        )
-    sampled = [
-        ([t for ids, _ in responses for t in ids], [lp for _, lps in responses for lp in lps])
-        for responses in RESPONSES.values()
-    ]
-    assert sorted(ids for ids, _ in rows) == sorted(ids for ids, _ in sampled)
-    for ids, logprobs in rows:
-        expected = next(lps for sampled_ids, lps in sampled if sampled_ids == ids)
-        assert logprobs == pytest.approx(expected, abs=1e-6)
+        responses = RESPONSES[trajectory_id]
+        assert batch["input_ids"][row][mask].tolist() == [t for ids, _ in responses for t in ids]
+        expected = [lp for _, lps in responses for lp in lps]
+        assert batch["generation_logprobs"][row][mask].tolist() == pytest.approx(expected, abs=1e-6)
     # The policy scores the sampled tokens as the sampler did: same weights, same distribution.
     assert abs(metrics["gen_kl_error"]) < 1e-4
     assert torch.isfinite(torch.tensor(metrics["loss"]))
