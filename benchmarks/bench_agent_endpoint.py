@@ -6,7 +6,8 @@ bookkeeping and the batching. Two sides, the same ``agents x turns`` requests:
 
 - ``direct``: the generation calls an in-process rollout would make (one call of ``agents`` rows per turn);
 - ``endpoint``: ``agents`` function agents, each sending ``turns`` chat requests with the ``openai`` client
-  (every turn resends the conversation, as agents do), batched by the endpoint.
+  (every turn resends the conversation, as agents do), batched by the endpoint; the agents' clients and
+  threads are made before the clock starts.
 
     uv run python benchmarks/bench_agent_endpoint.py --agents 16 64 --turns 2 --repeats 3
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import statistics
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -75,28 +77,36 @@ def direct(backend: FixedReply, tokenizer: Any, agents: int, turns: int) -> floa
 
 
 def through_endpoint(endpoint: AgentEndpoint, agents: int, turns: int) -> float:
-    """Seconds for ``agents`` concurrent agents of ``turns`` chat requests each."""
+    """Seconds for ``agents`` concurrent agents of ``turns`` chat requests each (their clients made and their
+    threads started beforehand: an ``openai`` client costs tens of milliseconds to make, an agent's cost)."""
     import openai
 
     ids = [f"bench-{i}" for i in range(agents)]
+    clients = {
+        tid: openai.OpenAI(base_url=endpoint.base_url(tid), api_key=endpoint.token, max_retries=0)
+        for tid in ids
+    }
     endpoint.open(ids)
+    go = threading.Barrier(agents + 1)
 
     def agent(trajectory_id: str) -> None:
-        client = openai.OpenAI(
-            base_url=endpoint.base_url(trajectory_id), api_key=endpoint.token, max_retries=0
-        )
-        messages: list[dict[str, Any]] = [{"role": "user", "content": "What is 12+7?"}]
-        for _ in range(turns):
-            reply = client.chat.completions.create(model="tiny", messages=messages)
-            messages += [
-                {"role": "assistant", "content": reply.choices[0].message.content},
-                {"role": "user", "content": "What is 12+7?"},
-            ]
+        with endpoint.agent_running():  # as a rollout counts its agents
+            go.wait()
+            messages: list[dict[str, Any]] = [{"role": "user", "content": "What is 12+7?"}]
+            for _ in range(turns):
+                reply = clients[trajectory_id].chat.completions.create(model="tiny", messages=messages)
+                messages += [
+                    {"role": "assistant", "content": reply.choices[0].message.content},
+                    {"role": "user", "content": "What is 12+7?"},
+                ]
 
-    start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(agents) as pool:
-        list(pool.map(agent, ids))
-    elapsed = time.perf_counter() - start
+        done = [pool.submit(agent, tid) for tid in ids]
+        go.wait()
+        start = time.perf_counter()
+        for future in done:
+            future.result()
+        elapsed = time.perf_counter() - start
     recorded = endpoint.close(ids)
     assert sum(t.num_requests for t in recorded.values()) == agents * turns
     assert all(t.num_spliced == t.num_restarts == 0 for t in recorded.values())

@@ -51,8 +51,9 @@ class AgentConfig(ConfigModel):
     max_batch_size: int = Field(default=64, ge=1)
     """Most requests sampled in one generation call."""
 
-    batch_wait_s: float = Field(default=0.02, ge=0.0)
-    """How long the endpoint waits after a request arrives for others to sample with it."""
+    batch_wait_s: float = Field(default=0.2, ge=0.0)
+    """Longest the endpoint waits after a request arrives for others to sample with it; it samples at once
+    when every running agent has a request waiting (benchmarks/README.md has the measured trade-off)."""
 
     @model_validator(mode="after")
     def _check(self) -> Self:

@@ -3,7 +3,8 @@
 Agents send one request at a time each, many agents at once. One generation call per request would run the
 engine on a batch of one; the :class:`GenerationBatcher` thread instead takes the requests that arrive within
 ``batch_wait_s`` of the first (up to ``max_batch_size``) and samples them in one
-:meth:`~nemo_rl.models.generation.interfaces.GenerationInterface.generate` call. Only this thread calls the
+:meth:`~nemo_rl.models.generation.interfaces.GenerationInterface.generate` call, without waiting longer once
+every running agent has a request queued (an agent sends one request at a time, so no other can come). Only this thread calls the
 generation backend while the endpoint serves.
 """
 
@@ -14,6 +15,7 @@ import dataclasses
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -54,9 +56,16 @@ class GenerationBatcher:
     """A thread that samples queued requests together (see the module docstring)."""
 
     def __init__(
-        self, generation: GenerationInterface, *, pad_token_id: int, max_batch_size: int, wait_s: float
+        self,
+        generation: GenerationInterface,
+        *,
+        pad_token_id: int,
+        max_batch_size: int,
+        wait_s: float,
+        running_agents: Callable[[], int] = lambda: 0,
     ) -> None:
         self._generation = generation
+        self._running_agents = running_agents
         self._pad_token_id = pad_token_id
         self._max_batch_size = max_batch_size
         self._wait_s = wait_s
@@ -113,7 +122,7 @@ class GenerationBatcher:
                 break
             batch = [first]
             deadline = time.monotonic() + self._wait_s
-            while len(batch) < self._max_batch_size:
+            while len(batch) < self._max_batch_size and not self._everyone_waits(len(batch)):
                 try:
                     item = self._queue.get(timeout=max(deadline - time.monotonic(), 0.0))
                 except queue.Empty:
@@ -124,6 +133,12 @@ class GenerationBatcher:
                 batch.append(item)
             self._sample(batch)
         self._fail_queued("the agent endpoint stopped before sampling this request")
+
+    def _everyone_waits(self, queued: int) -> bool:
+        # Every running agent has a request queued (none is being sampled: this thread samples them): no
+        # further request can come before one of these is answered, so waiting longer only adds latency.
+        running = self._running_agents()
+        return running > 0 and queued >= running
 
     def _fail_queued(self, reason: str) -> None:
         while True:

@@ -20,13 +20,14 @@ one trajectory are served one at a time, each prompt continuing the trajectory's
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import ipaddress
 import secrets
 import socket
 import threading
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Iterator
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -102,12 +103,16 @@ class AgentEndpoint:
         pad_token_id = (
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         )
+        self._running_agents = 0
+        self._running_lock = threading.Lock()
         self._batcher = GenerationBatcher(
             generation,
             pad_token_id=int(pad_token_id),
             max_batch_size=cfg.max_batch_size,
             wait_s=cfg.batch_wait_s,
+            running_agents=lambda: self._running_agents,
         )
+
         self._locks: dict[str, asyncio.Lock] = {}
         self._server: Any = None
         self._thread: threading.Thread | None = None
@@ -176,6 +181,18 @@ class AgentEndpoint:
         for trajectory_id in closed:
             self._locks.pop(trajectory_id, None)
         return closed
+
+    @contextlib.contextmanager
+    def agent_running(self) -> Iterator[None]:
+        """Count an agent as running while in this block: once every running agent has a request queued, they
+        are sampled without waiting out ``grpo.agent.batch_wait_s``."""
+        with self._running_lock:
+            self._running_agents += 1
+        try:
+            yield
+        finally:
+            with self._running_lock:
+                self._running_agents -= 1
 
     @property
     def generation_calls(self) -> tuple[int, int]:

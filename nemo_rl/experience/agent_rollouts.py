@@ -254,7 +254,12 @@ def run_agent_rollout(
     ``total_reward`` the agents' rewards, ``loss_multiplier`` 0 for failed agents."""
     tasks = agent_tasks(endpoint, input_batch)
     ids = [task.trajectory_id for task in tasks]
-    run_one = agent_runner(cfg)
+    runner = agent_runner(cfg)
+
+    def run_one(task: AgentTask) -> AgentOutcome:
+        with endpoint.agent_running():
+            return runner(task)
+
     calls_before, rows_before = endpoint.generation_calls
     refused_before = endpoint.num_refused
     endpoint.open(ids)

@@ -301,7 +301,7 @@ def recording_agent(task: AgentTask) -> float:
 
 def test_function_agents_roll_out_and_train_on_the_recorded_tokens(tokenizer: Any) -> None:
     SEEN.clear()
-    endpoint, generation = start_endpoint(tokenizer, arithmetic_reply, batch_wait_s=0.5)
+    endpoint, generation = start_endpoint(tokenizer, arithmetic_reply, batch_wait_s=10.0)
     try:
         batch = prompt_batch(tokenizer, [("What is 1+2?", "3"), ("What is 2+2?", "7"), ("What is 4+4?", "8")])
         cfg = AgentConfig(enabled=True, function=f"{__name__}:recording_agent")
@@ -312,7 +312,8 @@ def test_function_agents_roll_out_and_train_on_the_recorded_tokens(tokenizer: An
     assert rollout["total_reward"].tolist() == [0.5, 0.0, 0.5]
     assert rollout["num_turns"].tolist() == [2, 2, 2]
     assert metrics["agent/requests"] == 6.0 and metrics["agent/failed"] == 0.0
-    assert max(generation.batch_sizes) > 1  # concurrent agents' requests are sampled together
+    # Concurrent agents' requests are sampled together, without waiting out batch_wait_s once all are queued.
+    assert generation.batch_sizes == [3, 3]
 
     train = build_train_batch(rollout, torch.zeros(3), tokenizer.pad_token_id, overlong_filtering=False)
     trained_rows = {
