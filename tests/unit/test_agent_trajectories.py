@@ -5,6 +5,9 @@ the ``grpo.agent`` config checks."""
 
 from __future__ import annotations
 
+import os
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +25,13 @@ from nemo_rl.experience.agent_openai import (
     request_problem,
     split_tool_calls,
 )
-from nemo_rl.experience.agent_rollouts import load_agent_function, parse_reward
+from nemo_rl.experience.agent_rollouts import (
+    AgentTask,
+    call_with_timeout,
+    load_agent_function,
+    parse_reward,
+    run_program,
+)
 from nemo_rl.experience.agent_trajectories import (
     SampledTurn,
     Trajectory,
@@ -244,3 +253,38 @@ def test_agent_config_checks() -> None:
     with pytest.raises(ValueError, match="IP address"):
         AgentConfig(enabled=True, function="m:f", host="localhost")
     assert not AgentConfig(enabled=True, function="m:f", host="0.0.0.0").loopback
+
+
+def _task() -> AgentTask:
+    return AgentTask(
+        "t", "http://127.0.0.1:1/sessions/t/v1", "secret", [QUESTION], {"ground_truth": "3"}, "math"
+    )
+
+
+def test_agents_that_outlive_their_time_are_stopped(tmp_path: Path) -> None:
+    # A program and the process it started are both killed; the token reaches it in its environment only.
+    pid_file = tmp_path / "child.pid"
+    script = f"import os, subprocess, sys, time; p = subprocess.Popen(['sleep', '60']); open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)"
+    outcome = run_program([sys.executable, "-c", script], _task(), timeout_s=3.0)
+    assert outcome.error is not None and "timed out" in outcome.error
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)
+    echo = "import json, os, sys; task = json.load(sys.stdin); print(float(os.environ['OPENAI_API_KEY'] == 'secret' and 'api_key' not in task))"
+    assert run_program([sys.executable, "-c", echo], _task(), timeout_s=30.0).reward == 1.0
+    # A function is abandoned after its time.
+    slow = call_with_timeout(lambda task: time.sleep(5) or 1.0, _task(), timeout_s=0.2)
+    assert slow.error is not None and "timed out" in slow.error
+    assert call_with_timeout(lambda task: 0.25, _task(), timeout_s=5.0).reward == 0.25
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A killed child of an exited parent may linger as a zombie until reaped by init.
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split(")")[-1].split()[0] != "Z"
