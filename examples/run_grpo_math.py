@@ -42,7 +42,6 @@ def main() -> None:
         # Heavy imports only after the config is known to be valid, so config mistakes fail within seconds.
         from nemo_rl.algorithms.grpo import grpo_train, setup
         from nemo_rl.data.datasets import setup_rl_data
-        from nemo_rl.data.processors import agent_task_processor, math_processor
         from nemo_rl.distributed.device import cuda_available
         from nemo_rl.models.generation.factory import check_backend_available
         from nemo_rl.models.tokenizer import get_policy_tokenizer
@@ -50,12 +49,8 @@ def main() -> None:
         # Fail before starting any worker when the backend cannot run here (vLLM without a GPU).
         check_backend_available(config.policy, cluster_has_gpus=cuda_available())
         tokenizer = get_policy_tokenizer(config.policy)
-        # External agents (grpo.agent) are given the prompts as messages, kept by agent_task_processor.
         train_dataset, val_dataset = setup_rl_data(
-            config.data,
-            tokenizer,
-            max_total_sequence_length=config.policy.max_total_sequence_length,
-            processor=agent_task_processor if config.grpo.agent.enabled else math_processor,
+            config.data, tokenizer, max_total_sequence_length=config.policy.max_total_sequence_length
         )
         components = setup(config, tokenizer, train_dataset, val_dataset)
     try:

@@ -41,6 +41,7 @@ from nemo_rl.config.errors import UserError
 from nemo_rl.config.master import GRPOMasterConfig
 from nemo_rl.data.datasets import ProcessedDataset
 from nemo_rl.data.llm_message_utils import flat_token_positions, message_logs_to_batch
+from nemo_rl.data.processors import KeepPromptMessages
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.experience.agent_endpoint import AgentEndpoint
 from nemo_rl.experience.agent_rollouts import run_agent_rollout, start_agent_endpoint
@@ -110,10 +111,17 @@ def setup(
     defaults to ``task_to_env``. For data whose environments are not passed in, one environment is started
     per task (``task_name``), the one registered under the task's name, configured by ``env.<task>``; those
     are the ones :meth:`GRPOSetup.shutdown` stops.
+
+    With ``grpo.agent`` the training samples also keep their prompts as OpenAI messages, which the external
+    agents are given (:class:`~nemo_rl.data.processors.KeepPromptMessages`), and the agent endpoint starts.
     """
     # Input checks that need no workers, before Ray starts.
     _check_batch_sizes(config)
     grpo = config.grpo
+    if grpo.agent.enabled and isinstance(train_dataset, ProcessedDataset):
+        train_dataset = dataclasses.replace(
+            train_dataset, processor=KeepPromptMessages(train_dataset.processor)
+        )
     loop = RLLoop(GRPOState, "GRPO", seed=grpo.seed, prompts_per_batch=grpo.prompts_per_generation_batch)
     run = start_rl_run(
         config,

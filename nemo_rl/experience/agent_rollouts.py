@@ -221,9 +221,9 @@ def agent_tasks(endpoint: AgentEndpoint, batch: BatchedDataDict[Any]) -> list[Ag
         messages = info.pop(PROMPT_MESSAGES_KEY, None)
         if messages is None:
             raise UserError(
-                f"grpo.agent gives agents the prompt as messages, which these samples lack (extra_env_info has no "
-                f"{PROMPT_MESSAGES_KEY!r}): load the data with nemo_rl.data.processors.agent_task_processor "
-                "(examples/run_grpo_math.py does with grpo.agent.enabled=true)"
+                "grpo.agent gives agents the prompt as messages, which these samples lack (extra_env_info has no "
+                f"{PROMPT_MESSAGES_KEY!r}): pass grpo.setup a ProcessedDataset (it keeps them), or process the "
+                "data with nemo_rl.data.processors.KeepPromptMessages"
             )
         trajectory_id = uuid.uuid4().hex
         tasks.append(

@@ -19,7 +19,6 @@ pytest.importorskip("fastapi")
 import nemo_rl.algorithms.grpo as grpo
 from nemo_rl.config import load_and_validate
 from nemo_rl.data.datasets import setup_rl_data
-from nemo_rl.data.processors import agent_task_processor
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.experience.agent_rollouts import AgentTask, load_agent_function
 from nemo_rl.models.tokenizer import get_policy_tokenizer
@@ -118,10 +117,7 @@ def test_grpo_step_trains_on_the_agents_tokens(
     )
     tokenizer = get_policy_tokenizer(config.policy)
     train, val = setup_rl_data(
-        config.data,
-        tokenizer,
-        max_total_sequence_length=config.policy.max_total_sequence_length,
-        processor=agent_task_processor,
+        config.data, tokenizer, max_total_sequence_length=config.policy.max_total_sequence_length
     )
     trained: list[tuple[BatchedDataDict[Any], BatchedDataDict[Any]]] = []
     build = grpo.build_train_batch

@@ -18,7 +18,9 @@ from nemo_rl.config.agent import AgentConfig
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.generation import GenerationConfig
 from nemo_rl.config.policy import PolicyConfig
+from nemo_rl.data.interfaces import TaskDataSpec
 from nemo_rl.data.llm_message_utils import message_log_token_ids, message_logs_to_batch
+from nemo_rl.data.processors import PROMPT_MESSAGES_KEY, KeepPromptMessages, math_processor
 from nemo_rl.experience.agent_openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -288,3 +290,26 @@ def _alive(pid: int) -> bool:
     # A killed child of an exited parent may linger as a zombie until reaped by init.
     with open(f"/proc/{pid}/stat") as stat:
         return stat.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_processed_samples_keep_their_prompt_as_messages(tokenizer: Any) -> None:
+    spec = TaskDataSpec(
+        "math", "Solve: {}", "Be brief.", add_bos=True, add_eos=False, add_generation_prompt=True
+    )
+    record: Any = {
+        "messages": [{"role": "user", "content": "What is 1+2?"}, {"role": "assistant", "content": "3"}],
+        "expected_answer": "3",
+    }
+    plain = math_processor(record, spec, tokenizer, 64, 0)
+    kept = KeepPromptMessages(math_processor)(record, spec, tokenizer, 64, 0)
+    assert (
+        message_log_token_ids(kept["message_log"]).tolist()
+        == message_log_token_ids(plain["message_log"]).tolist()
+    )
+    assert kept["extra_env_info"] == {
+        "ground_truth": "3",
+        PROMPT_MESSAGES_KEY: [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Solve: What is 1+2?"},
+        ],
+    }

@@ -154,15 +154,10 @@ def setup_data(
 
 
 def setup_rl_data(
-    cfg: DataConfig,
-    tokenizer: PreTrainedTokenizerBase,
-    *,
-    max_total_sequence_length: int,
-    processor: Processor = math_processor,
+    cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, *, max_total_sequence_length: int
 ) -> tuple[ProcessedDataset, ProcessedDataset | None]:
     """Math prompts for RL, cut at ``data.max_input_seq_length`` (or the policy's ``max_total_sequence_length``
     when unset); their task (the environment scoring them) is ``data.env_name``, by default ``"math"``.
-    ``processor`` makes the samples (``agent_task_processor`` for external agents).
 
     The first :data:`PROMPT_CHECK_SAMPLES` training prompts are read now, so bad rows and prompts too long
     to leave room for a response fail here, before any worker starts (see :func:`check_prompt_lengths`).
@@ -170,7 +165,7 @@ def setup_rl_data(
     train, val = setup_data(
         cfg,
         tokenizer,
-        processor=processor,
+        processor=math_processor,
         task_name=cfg.env_name or "math",
         max_seq_length=cfg.max_input_seq_length or max_total_sequence_length,
     )
