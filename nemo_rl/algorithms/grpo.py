@@ -41,7 +41,7 @@ from nemo_rl.config.errors import UserError
 from nemo_rl.config.master import GRPOMasterConfig
 from nemo_rl.data.datasets import ProcessedDataset
 from nemo_rl.data.llm_message_utils import flat_token_positions, message_logs_to_batch
-from nemo_rl.data.processors import KeepPromptMessages
+from nemo_rl.data.prompt_messages import KeepPromptMessages
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.experience.agent_endpoint import AgentEndpoint
 from nemo_rl.experience.agent_rollouts import run_agent_rollout, start_agent_endpoint
@@ -113,7 +113,7 @@ def setup(
     are the ones :meth:`GRPOSetup.shutdown` stops.
 
     With ``grpo.agent`` the training samples also keep their prompts as OpenAI messages, which the external
-    agents are given (:class:`~nemo_rl.data.processors.KeepPromptMessages`), and the agent endpoint starts.
+    agents are given (:class:`~nemo_rl.data.prompt_messages.KeepPromptMessages`), and the agent endpoint starts.
     """
     # Input checks that need no workers, before Ray starts.
     _check_batch_sizes(config)
@@ -220,28 +220,34 @@ def roll_out(
     through the run's agent endpoint instead (:func:`~nemo_rl.experience.agent_rollouts.run_agent_rollout`),
     and their rewards replace the environments'."""
     cfg = s.config
-    samples = batch.repeat_interleave(cfg.grpo.num_generations_per_prompt)
-    env_metrics: Callable[[], dict[str, float]]
     if s.agent_endpoint is not None:
-        # The agents' rewards score the samples (no environment step), through the run's generation workers.
-        rollout, metrics = run_agent_rollout(
-            s.agent_endpoint, samples, s.tokenizer, cfg.grpo.agent, timer=timer
-        )
-        env_metrics = dict
-    else:
-        rollout, metrics = run_multi_turn_rollout(
-            s.generation if generation is None else generation,
-            samples,
-            s.tokenizer,
-            s.task_to_env,
-            max_seq_len=cfg.policy.max_total_sequence_length,
-            max_rollout_turns=cfg.grpo.max_rollout_turns,
-            timer=timer,
-        )
-        env_metrics = request_environment_metrics(s.task_to_env, rollout)
+        return _roll_out_agents(s, s.agent_endpoint, batch, timer)
+    rollout, metrics = run_multi_turn_rollout(
+        s.generation if generation is None else generation,
+        batch.repeat_interleave(cfg.grpo.num_generations_per_prompt),
+        s.tokenizer,
+        s.task_to_env,
+        max_seq_len=cfg.policy.max_total_sequence_length,
+        max_rollout_turns=cfg.grpo.max_rollout_turns,
+        timer=timer,
+    )
+    env_metrics = request_environment_metrics(s.task_to_env, rollout)
     rollout["total_reward"] = transformed_rewards(rollout, cfg.grpo)
     metrics["reward"] = float(rollout["total_reward"].mean())
     return rollout, metrics, env_metrics
+
+
+def _roll_out_agents(
+    s: GRPOSetup, endpoint: AgentEndpoint, batch: BatchedDataDict[Any], timer: Timer
+) -> tuple[BatchedDataDict[Any], dict[str, float], Callable[[], dict[str, float]]]:
+    """:func:`roll_out` by external agents through the run's endpoint: their rewards score the samples (no
+    environment step), so there are no environment metrics to wait for."""
+    cfg = s.config
+    samples = batch.repeat_interleave(cfg.grpo.num_generations_per_prompt)
+    rollout, metrics = run_agent_rollout(endpoint, samples, s.tokenizer, cfg.grpo.agent, timer=timer)
+    rollout["total_reward"] = transformed_rewards(rollout, cfg.grpo)
+    metrics["reward"] = float(rollout["total_reward"].mean())
+    return rollout, metrics, dict
 
 
 def _roll_out_and_wait(

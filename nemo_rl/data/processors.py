@@ -3,8 +3,6 @@
 - :func:`sft_processor`: the whole conversation, for supervised fine-tuning (loss on assistant turns).
 - :func:`math_processor`: the prompt only, ending with the generation prompt, plus the ground truth the math
   environment checks the response against.
-- :class:`KeepPromptMessages`: another processor's sample, its prompt also kept as OpenAI messages for
-  external agents (``grpo.agent``).
 - :func:`preference_processor`: the conversations with the chosen and the rejected response, for DPO and
   reward models.
 
@@ -14,12 +12,10 @@ user's own.
 
 from __future__ import annotations
 
-import dataclasses
-
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.data.errors import DataError
-from nemo_rl.data.interfaces import ChatMessage, DatumSpec, MessageLog, Processor, Record, TaskDataSpec
+from nemo_rl.data.interfaces import ChatMessage, DatumSpec, MessageLog, Record, TaskDataSpec
 from nemo_rl.data.llm_message_utils import format_message_log, message_log_length, truncate_message_log
 
 
@@ -128,36 +124,6 @@ def math_processor(
         idx=idx,
         task_name=spec.task_name,
     )
-
-
-PROMPT_MESSAGES_KEY = "prompt_messages"
-"""The ``extra_env_info`` key under which :class:`KeepPromptMessages` keeps the prompt as OpenAI messages."""
-
-
-@dataclasses.dataclass(frozen=True)
-class KeepPromptMessages:
-    """A processor that runs ``processor`` and also keeps the sample's prompt (every turn up to the last user
-    turn, the task's prompt template and system prompt applied) as OpenAI messages in its
-    ``extra_env_info[PROMPT_MESSAGES_KEY]``: what external agents (``grpo.agent``) are given to solve."""
-
-    processor: Processor
-    """Makes the sample itself (e.g. :func:`math_processor`)."""
-
-    def __call__(
-        self,
-        record: Record,
-        spec: TaskDataSpec,
-        tokenizer: PreTrainedTokenizerBase,
-        max_seq_length: int,
-        idx: int,
-    ) -> DatumSpec:
-        """``processor``'s sample for ``record``, its prompt messages added."""
-        datum = self.processor(record, spec, tokenizer, max_seq_length, idx)
-        messages = record["messages"]
-        last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=len(messages) - 1)
-        prompt = [dict(m) for m in apply_task_spec(list(messages[: last_user + 1]), spec)]
-        datum["extra_env_info"] = {**(datum["extra_env_info"] or {}), PROMPT_MESSAGES_KEY: prompt}
-        return datum
 
 
 def preference_processor(

@@ -35,7 +35,7 @@ from nemo_rl.config.errors import UserError
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.data.interfaces import LLMMessage, MessageLog
 from nemo_rl.data.llm_message_utils import message_log_length
-from nemo_rl.data.processors import PROMPT_MESSAGES_KEY
+from nemo_rl.data.prompt_messages import PROMPT_MESSAGES_KEY
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.experience.agent_endpoint import AgentEndpoint
 from nemo_rl.experience.agent_trajectories import Trajectory, trajectory_counts
@@ -223,7 +223,7 @@ def agent_tasks(endpoint: AgentEndpoint, batch: BatchedDataDict[Any]) -> list[Ag
             raise UserError(
                 "grpo.agent gives agents the prompt as messages, which these samples lack (extra_env_info has no "
                 f"{PROMPT_MESSAGES_KEY!r}): pass grpo.setup a ProcessedDataset (it keeps them), or process the "
-                "data with nemo_rl.data.processors.KeepPromptMessages"
+                "data with nemo_rl.data.prompt_messages.KeepPromptMessages"
             )
         trajectory_id = uuid.uuid4().hex
         tasks.append(

@@ -20,7 +20,8 @@ from nemo_rl.config.generation import GenerationConfig
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.data.interfaces import TaskDataSpec
 from nemo_rl.data.llm_message_utils import message_log_token_ids, message_logs_to_batch
-from nemo_rl.data.processors import PROMPT_MESSAGES_KEY, KeepPromptMessages, math_processor
+from nemo_rl.data.processors import math_processor
+from nemo_rl.data.prompt_messages import PROMPT_MESSAGES_KEY, KeepPromptMessages
 from nemo_rl.experience.agent_openai import (
     ChatCompletionRequest,
     CompletionRequest,
