@@ -80,7 +80,7 @@ class AgentConfig(ConfigModel):
         if missing:
             raise ValueError(
                 f"grpo.agent.enabled=true serves an HTTP endpoint with {' and '.join(missing)}, not installed "
-                "here: install fastapi and uvicorn (the vllm and vllm-cpu extras bring them) or set "
+                "here: install them (`uv sync --extra agents`; the vllm and vllm-cpu extras bring them too) or set "
                 "grpo.agent.enabled=false"
             )
         return self
