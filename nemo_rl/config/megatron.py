@@ -2,14 +2,15 @@
 
 Every key NeMo RL's ``megatron_cfg`` has is accepted here, so its recipes load. Keys fall in three groups:
 
-- **Built**: parallel sizes, sequence parallelism, activation recomputation, the ``optimizer``,
-  ``scheduler`` and ``distributed_data_parallel_config`` sections, ``transformer_impl``, ``env_vars``... are
-  honoured by the worker (``nemo_rl.models.policy.megatron_worker``).
+- **Built**: parallel sizes (expert parallelism included), sequence parallelism, activation recomputation,
+  the ``optimizer``, ``scheduler`` and ``distributed_data_parallel_config`` sections, ``transformer_impl``,
+  ``env_vars``, the MoE router keys (:mod:`nemo_rl.config.megatron_moe`)... are honoured by the worker
+  (``nemo_rl.models.policy.megatron_worker``).
 - **Rejected when not neutral**: a key that selects behaviour this backend does not build (context
-  parallelism, expert parallelism, FP8, multi-token prediction, custom FSDP...) fails validation with
+  parallelism, expert tensor parallelism, FP8, multi-token prediction, custom FSDP...) fails validation with
   a one-line message naming the key and the value to set (:meth:`MegatronConfig._reject_unbuilt`).
 - **Accepted, no effect here**: pure performance and memory knobs (fusions, overlap flags, CUDA graphs,
-  async checkpoint saves...) and MoE-only keys (the supported model families are dense). Each field's
+  async checkpoint saves, MoE kernels...). Each field's
   docstring says so, with the reason (:mod:`nemo_rl.config.no_effect`, shared by every section);
   :data:`NO_EFFECT_KEYS` lists them and the scripts report the ones a config sets away from their default.
   None of them changes what is computed.
@@ -23,6 +24,7 @@ from pydantic import Field, model_validator
 
 from nemo_rl.config.base import ConfigModel
 from nemo_rl.config.lora import MegatronPeftConfig
+from nemo_rl.config.megatron_moe import MegatronMoeKeys
 from nemo_rl.config.no_effect import no_effect_keys
 from nemo_rl.config.no_effect import no_effect_settings as find_no_effect_settings
 
@@ -196,7 +198,7 @@ class MegatronFreezeConfig(ConfigModel):
     """Accepted, no effect here: the supported model families have no vision projection."""
 
 
-class MegatronConfig(ConfigModel):
+class MegatronConfig(MegatronMoeKeys):
     """The Megatron-core policy backend (``mcore`` extra): NeMo RL's ``megatron_cfg`` keys.
 
     Only checked when ``enabled``: a DTensor recipe may carry any (valid-typed) Megatron section.
@@ -235,13 +237,6 @@ class MegatronConfig(ConfigModel):
 
     context_parallel_size: int = Field(default=1, ge=1)
     """Context-parallel degree; not built here: must be 1."""
-
-    expert_model_parallel_size: int = Field(default=1, ge=1)
-    """Expert-parallel degree; the Megatron backend converts dense families only: must be 1 (MoE models train on
-    the DTensor backend, docs/algorithms/moe.md)."""
-
-    expert_tensor_parallel_size: int | None = Field(default=1, ge=1)
-    """Tensor-parallel degree of experts; the supported model families are dense: must be 1 or null."""
 
     sequence_parallel: bool = False
     """Megatron sequence parallelism: activations outside the tensor-parallel regions are split along the
@@ -388,72 +383,6 @@ class MegatronConfig(ConfigModel):
     freeze_sound_projection: bool | None = None
     """Accepted, no effect here: the supported model families have no audio projection."""
 
-    freeze_moe_router: bool = False
-    """Accepted, no effect here: the supported model families are dense (no MoE router)."""
-
-    moe_router_dtype: str | None = None
-    """Accepted, no effect here (dense models)."""
-
-    moe_router_load_balancing_type: str | None = None
-    """Accepted, no effect here (dense models)."""
-
-    moe_router_bias_update_rate: float | None = None
-    """Accepted, no effect here (dense models)."""
-
-    moe_router_enable_expert_bias: bool | None = None
-    """Accepted, no effect here (dense models)."""
-
-    moe_aux_loss_coeff: float | None = None
-    """Accepted, no effect here (dense models)."""
-
-    moe_permute_fusion: bool = False
-    """Accepted, no effect here (dense models)."""
-
-    moe_enable_deepep: bool = False
-    """Accepted, no effect here (dense models)."""
-
-    moe_token_dispatcher_type: str | None = None
-    """Accepted, no effect here (dense models)."""
-
-    inference_moe_token_dispatcher_type: str | None = None
-    """Accepted, no effect here (dense models)."""
-
-    inference_grouped_gemm_backend: str | None = None
-    """Accepted, no effect here (dense models)."""
-
-    moe_router_num_groups: int | None = None
-    """Accepted, no effect here (dense models)."""
-
-    moe_router_group_topk: int | None = None
-    """Accepted, no effect here (dense models)."""
-
-    moe_pad_experts_for_cuda_graph_inference: bool | None = None
-    """Accepted, no effect here (dense models)."""
-
-    moe_shared_expert_overlap: bool = False
-    """Accepted, no effect here (dense models)."""
-
-    moe_grouped_gemm: bool | None = None
-    """Accepted, no effect here (dense models)."""
-
-    moe_flex_dispatcher_backend: str | None = None
-    """Accepted, no effect here (dense models)."""
-
-    moe_hybridep_num_sms: int | None = None
-    """Accepted, no effect here (dense models)."""
-
-    hybridep_num_ranks_per_nvlink_domain: int | None = None
-    """Accepted, no effect here (dense models)."""
-
-    hybridep_use_mnnvl: bool | None = None
-    """Accepted, no effect here (dense models)."""
-
-    moe_per_layer_logging: bool = False
-    """Accepted, no effect here (dense models)."""
-
-    track_moe_metrics: bool | None = None
-    """Accepted, no effect here (dense models)."""
-
     @model_validator(mode="before")
     @classmethod
     def _null_sections_are_defaults(cls, data: Any) -> Any:
@@ -520,17 +449,7 @@ def _unbuilt_settings(cfg: MegatronConfig) -> list[tuple[str, bool, str]]:
     ddp = cfg.distributed_data_parallel_config
     return [
         ("context_parallel_size", cfg.context_parallel_size != 1, "set context_parallel_size=1"),
-        (
-            "expert_model_parallel_size",
-            cfg.expert_model_parallel_size != 1,
-            "the Megatron backend converts dense families only; set expert_model_parallel_size=1 (MoE models "
-            "train on the DTensor backend with FSDP2, docs/algorithms/moe.md)",
-        ),
-        (
-            "expert_tensor_parallel_size",
-            cfg.expert_tensor_parallel_size not in (None, 1),
-            "the supported model families are dense; set expert_tensor_parallel_size=1",
-        ),
+        *cfg.moe_unbuilt_settings(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size),
         ("fp8_cfg.enabled", cfg.fp8_cfg.enabled, "set fp8_cfg.enabled=false (train in bfloat16 or float32)"),
         ("mtp_num_layers", cfg.mtp_num_layers != 0, "set mtp_num_layers=0"),
         (

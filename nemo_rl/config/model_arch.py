@@ -98,6 +98,17 @@ def local_model_type(model_name: str) -> str | None:
     return str(model_type) if model_type is not None else None
 
 
+def local_hf_config(
+    model_name: str, hf_config_overrides: Mapping[str, Any] | None = None
+) -> dict[str, Any] | None:
+    """``model_name``'s ``config.json`` with ``hf_config_overrides`` applied when it is a local folder, else None."""
+    config_file = Path(model_name) / "config.json"
+    if not config_file.is_file():
+        return None
+    raw: dict[str, Any] = json.loads(config_file.read_text())
+    return raw | dict(hf_config_overrides or {})
+
+
 def resolve_arch(
     model_name: str, hf_config_overrides: Mapping[str, Any] | None = None
 ) -> tuple[ModelArch | None, str]:

@@ -24,7 +24,7 @@ from nemo_rl.config.generation import (
 )
 from nemo_rl.config.lora import VLLM_MAX_LORA_RANK, LoraConfig
 from nemo_rl.config.megatron import MegatronConfig
-from nemo_rl.config.model_arch import MOE_MODEL_TYPES, local_model_type
+from nemo_rl.config.model_arch import MOE_MODEL_TYPES, local_hf_config, local_model_type
 from nemo_rl.config.no_effect import refusal
 
 __all__ = [
@@ -359,6 +359,13 @@ class PolicyConfig(ConfigModel):
             self._check_moe_tensor_parallel()
         if self.megatron_cfg.enabled:
             self.megatron_cfg.check_with_policy(self.precision, self.max_grad_norm)
+            megatron = self.megatron_cfg
+            megatron.check_moe_checkpoint(
+                local_hf_config(self.model_name, self.hf_config_overrides),
+                megatron.tensor_model_parallel_size,
+                megatron.pipeline_model_parallel_size,
+                megatron.peft.enabled,
+            )
             if self.frozen_parameters:
                 raise ValueError(
                     "policy.frozen_parameters is implemented by the DTensor backend only: remove it or set "

@@ -17,9 +17,9 @@ expert (``mlp.experts.{e}.gate_proj.weight``...), which :func:`expert_weight_nam
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 
@@ -27,6 +27,7 @@ DECODER_MOE_MODEL_TYPES = ("qwen3_moe", "glm4_moe")
 """Hugging Face ``model_type`` of the mixture-of-experts families nemo_rl's own decoder runs."""
 
 RouterKind = Literal["softmax", "sigmoid"]
+DtypeT = TypeVar("DtypeT")
 
 
 @dataclass(frozen=True)
@@ -140,3 +141,25 @@ def per_expert_weights(
                 gate, up = weight.chunk(2, dim=0)
                 yield f"{prefix}.{expert}.gate_proj.weight", gate
                 yield f"{prefix}.{expert}.up_proj.weight", up
+
+
+def per_expert_manifest(
+    manifest: Mapping[str, tuple[tuple[int, ...], DtypeT]],
+) -> dict[str, tuple[tuple[int, ...], DtypeT]]:
+    """``manifest`` (``{name: (shape, dtype)}``) with each 3-D expert weight replaced by its per-expert
+    checkpoint weights, as :func:`per_expert_weights` splits the stream: a refit of a MoE model moves one
+    tensor per expert, so an expert-parallel sender can send only the experts it holds."""
+    expanded: dict[str, tuple[tuple[int, ...], DtypeT]] = {}
+    for name, (shape, dtype) in manifest.items():
+        prefix, _, last = name.rpartition(".")
+        if not prefix.endswith("mlp.experts") or len(shape) != 3 or last not in ("gate_up_proj", "down_proj"):
+            expanded[name] = (shape, dtype)
+            continue
+        num_experts, rows, cols = shape
+        for expert in range(num_experts):
+            if last == "down_proj":
+                expanded[f"{prefix}.{expert}.down_proj.weight"] = ((rows, cols), dtype)
+            else:
+                expanded[f"{prefix}.{expert}.gate_proj.weight"] = ((rows // 2, cols), dtype)
+                expanded[f"{prefix}.{expert}.up_proj.weight"] = ((rows // 2, cols), dtype)
+    return expanded

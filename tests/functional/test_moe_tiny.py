@@ -69,31 +69,15 @@ def test_sft_moe_recipe_trains_with_the_aux_loss(tmp_path: Path) -> None:
     assert metrics[20]["train/loss"] < metrics[1]["train/loss"]
 
 
-@pytest.mark.parametrize(
-    ("family", "engine"),
-    [
-        # The engine in the policy workers, float32: the refit is an in-process copy.
-        ("qwen3_moe", []),
-        # Engine workers of their own, bfloat16: the refit goes through the shared-memory transport, the
-        # 3-D expert tensors and GLM's correction bias cast to bfloat16 on the wire.
-        (
-            "glm4_moe",
-            [
-                "policy.generation.embedded_cfg.in_policy_workers=false",
-                "policy.generation.embedded_cfg.precision=bfloat16",
-            ],
-        ),
-    ],
-)
-def test_grpo_on_tiny_moe_with_the_embedded_engine(tmp_path: Path, family: str, engine: list[str]) -> None:
+def _run_grpo(tmp_path: Path, config: str, *overrides: str) -> tuple[float, dict[int, dict[str, Any]]]:
+    """Two small GRPO steps of ``config`` (an examples/configs file) with ``overrides``: wall time, metrics."""
     log_dir = tmp_path / "logs"
     wall_s = _run(
         [
             sys.executable,
             str(ROOT / "examples" / "run_grpo_math.py"),
             "--config",
-            str(ROOT / "examples" / "configs" / "grpo_math_tiny.yaml"),
-            f"policy.model_name=examples/assets/tiny_{family}_init",
+            str(ROOT / "examples" / "configs" / config),
             "grpo.max_num_steps=2",
             "grpo.num_prompts_per_step=4",
             "grpo.num_generations_per_prompt=4",
@@ -107,14 +91,49 @@ def test_grpo_on_tiny_moe_with_the_embedded_engine(tmp_path: Path, family: str, 
             f"logger.log_dir={log_dir}",
             "logger.progress_bar=false",
             "logger.console_enabled=false",
-            *engine,
+            *overrides,
         ]
     )
-    print(f"GRPO on tiny {family}, 2 steps: {wall_s:.0f} s")
-    metrics = _metrics(log_dir)
+    return wall_s, _metrics(log_dir)
+
+
+def _check_grpo_steps(metrics: dict[int, dict[str, Any]], what: str) -> None:
+    """The sampler's log-probs match the policy's, the refit moved weights, routing metrics were logged."""
     for step in (1, 2):
-        print(family, step, metrics[step]["train/gen_kl_error"])
+        print(what, step, metrics[step]["train/gen_kl_error"])
         assert metrics[step]["train/gen_kl_error"] <= 1e-4
         assert metrics[step]["train/token_mult_prob_error"] == pytest.approx(1.0, abs=1e-2)
         assert metrics[step]["refit/bytes"] > 0
         assert "train/moe_router_entropy" in metrics[step]
+
+
+@pytest.mark.parametrize(
+    ("family", "engine"),
+    [
+        # The engine in the policy workers, float32: the refit is an in-process copy.
+        ("qwen3_moe", []),
+        # Engine workers of their own, bfloat16: the refit goes through the shared-memory transport, the
+        # experts (one tensor each) and GLM's correction bias cast to bfloat16 on the wire.
+        (
+            "glm4_moe",
+            [
+                "policy.generation.embedded_cfg.in_policy_workers=false",
+                "policy.generation.embedded_cfg.precision=bfloat16",
+            ],
+        ),
+    ],
+)
+def test_grpo_on_tiny_moe_with_the_embedded_engine(tmp_path: Path, family: str, engine: list[str]) -> None:
+    wall_s, metrics = _run_grpo(
+        tmp_path, "grpo_math_tiny.yaml", f"policy.model_name=examples/assets/tiny_{family}_init", *engine
+    )
+    print(f"GRPO on tiny {family}, 2 steps: {wall_s:.0f} s")
+    _check_grpo_steps(metrics, family)
+
+
+def test_grpo_moe_tiny_recipe_megatron_expert_parallel(tmp_path: Path) -> None:
+    """examples/configs/grpo_moe_tiny.yaml: the Megatron backend with EP=2 on two slots, each expert-parallel
+    rank refitting its own experts into the embedded engine."""
+    wall_s, metrics = _run_grpo(tmp_path, "grpo_moe_tiny.yaml")
+    print(f"grpo_moe_tiny (Megatron EP=2), 2 steps: {wall_s:.0f} s")
+    _check_grpo_steps(metrics, "megatron ep2")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -110,7 +111,10 @@ def test_nemo_rl_1b_megatron_block_loads_and_reports_its_no_effect_keys() -> Non
     ("override", "key"),
     [
         ({"context_parallel_size": 2}, "context_parallel_size"),
-        ({"expert_model_parallel_size": 4}, "expert_model_parallel_size"),
+        ({"expert_model_parallel_size": 2, "tensor_model_parallel_size": 2}, "expert_model_parallel_size"),
+        ({"expert_model_parallel_size": 2, "pipeline_model_parallel_size": 2}, "expert_model_parallel_size"),
+        ({"moe_token_dispatcher_type": "flex"}, "moe_token_dispatcher_type"),
+        ({"moe_router_load_balancing_type": "aux_loss"}, "router_aux_loss_coef"),
         ({"expert_tensor_parallel_size": 2}, "expert_tensor_parallel_size"),
         ({"fp8_cfg": {"enabled": True}}, "fp8_cfg.enabled"),
         ({"mtp_num_layers": 1}, "mtp_num_layers"),
@@ -206,3 +210,59 @@ def test_lora_is_built_with_nemo_rl_keys() -> None:
 def test_lora_settings_not_built_are_refused_in_one_line(peft: dict[str, Any], match: str) -> None:
     with pytest.raises(ValidationError, match=match):
         megatron_policy({"enabled": True, "peft": {"enabled": True, **peft}})
+
+
+ASSETS = Path(__file__).resolve().parents[2] / "examples" / "assets"
+
+
+@pytest.mark.parametrize(
+    ("model", "megatron", "match"),
+    [
+        (
+            "tiny_qwen3_moe_init",
+            {"expert_model_parallel_size": 3},
+            r"expert_model_parallel_size=3 does not divide",
+        ),
+        (
+            "tiny_qwen3_moe_init",
+            {"moe_router_topk": 4},
+            r"moe_router_topk=4 differs .* num_experts_per_tok=2",
+        ),
+        ("tiny_qwen3_moe_init", {"pipeline_model_parallel_size": 2}, r"TP=1 and PP=1"),
+        ("tiny_qwen3_moe_init", {"tensor_model_parallel_size": 2}, r"TP=1 and PP=1"),
+        ("tiny_qwen3_moe_init", {"peft": {"enabled": True}}, r"peft.enabled=true: LoRA .* dense models only"),
+        ("tiny_qwen2_init", {"expert_model_parallel_size": 2}, r"the model is dense"),
+    ],
+)
+def test_moe_keys_are_checked_against_a_local_checkpoint(
+    model: str, megatron: dict[str, Any], match: str
+) -> None:
+    with pytest.raises(ValidationError, match=match):
+        PolicyConfig.model_validate(
+            {
+                "model_name": str(ASSETS / model),
+                "optimizer": None,
+                "dtensor_cfg": {"enabled": False},
+                "megatron_cfg": {"enabled": True, **megatron},
+            }
+        )
+
+
+def test_expert_parallelism_is_built_for_a_moe_checkpoint() -> None:
+    cfg = PolicyConfig.model_validate(
+        {
+            "model_name": str(ASSETS / "tiny_qwen3_moe_init"),
+            "optimizer": None,
+            "dtensor_cfg": {"enabled": False},
+            "megatron_cfg": {
+                "enabled": True,
+                "expert_model_parallel_size": 4,
+                "moe_router_topk": 2,
+                "moe_token_dispatcher_type": "allgather",
+                "moe_router_dtype": "fp64",
+                "freeze_moe_router": True,
+            },
+        }
+    ).megatron_cfg
+    assert cfg.expert_model_parallel_size == 4
+    assert no_effect_settings(cfg) == []

@@ -182,3 +182,59 @@ def test_wrong_tensor_count_is_an_error() -> None:
             attention=family_for(arch).attention_shape(arch),
             padded_vocab=arch.vocab_size,
         )
+
+
+def test_moe_rules_split_experts_over_expert_parallel_ranks_bit_exactly() -> None:
+    """Qwen3-MoE with EP=2: each rank holds the router and 4 of the 8 experts of every layer (per-expert
+    checkpoint weights fused into its local experts' fc1 / fc2); the union of the ranks' exports is the
+    checkpoint, bit for bit, and only the experts differ between ranks."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from nemo_rl.models.hf_config import load_hf_config
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "assets" / "tiny_qwen3_moe_init"
+    arch = DecoderArch.from_hf_config(load_hf_config(str(path)))
+    family = family_for(arch)
+    assert arch.moe is not None and family.model_options(arch)["num_moe_experts"] == 8
+    state = load_file(path / "model.safetensors")
+    layers = list(range(arch.num_layers))
+    exported: list[dict[str, torch.Tensor]] = []
+    for ep_rank in range(2):
+        experts = range(4 * ep_rank, 4 * ep_rank + 4)
+        rules = family.stage_rules(
+            arch, layers, first_stage=True, last_stage=True, te_norms=False, experts=experts
+        )
+        local = {
+            rule.megatron: to_megatron(
+                rule,
+                [state[name] for name in rule.hf],
+                tp_rank=0,
+                tp_size=1,
+                attention=family.attention_shape(arch),
+                padded_vocab=arch.vocab_size,
+            )
+            for rule in rules
+        }
+        fc1 = local["decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight"]
+        expert = 4 * ep_rank + 2
+        assert torch.equal(fc1[:64], state[f"model.layers.1.mlp.experts.{expert}.gate_proj.weight"])
+        assert torch.equal(
+            local["decoder.layers.0.mlp.router.weight"], state["model.layers.0.mlp.gate.weight"]
+        )
+        out = {}
+        for rule in rules:
+            if rule.exported and (ep_rank == 0 or rule.expert):
+                tensors = to_hugging_face(
+                    rule,
+                    [local[rule.megatron]],
+                    attention=family.attention_shape(arch),
+                    vocab_size=arch.vocab_size,
+                )
+                out |= dict(zip(rule.hf, tensors, strict=True))
+        exported.append(out)
+    assert not set(exported[0]) & set(exported[1])
+    assert set(exported[0]) | set(exported[1]) == set(state)
+    for name, tensor in (exported[0] | exported[1]).items():
+        assert torch.equal(tensor, state[name]), name

@@ -66,18 +66,18 @@ def save(
     weights_path: str,
     optimizer_path: str | None,
     writer: bool,
-    stage: int,
-    num_stages: int,
+    file_index: int,
+    num_files: int,
 ) -> None:
-    """Write a checkpoint; a collective over all ranks. ``writer`` ranks (one per stage) write the stage's
-    weights."""
+    """Write a checkpoint; a collective over all ranks. ``writer`` ranks (one per pipeline stage and
+    expert-parallel rank) write their weights as file ``file_index`` of ``num_files``."""
     weights, optimizer, scheduler, layout = parts
     write_stage_safetensors(
         weights.iter_hf_tensors(None, weights.trained_rules),
         weights_path,
         writer=writer,
-        stage=stage,
-        num_stages=num_stages,
+        file_index=file_index,
+        num_files=num_files,
     )
     if optimizer_path is not None:
         os.makedirs(optimizer_path, exist_ok=True)

@@ -60,6 +60,9 @@ class WeightRule:
     kind: Kind
     exported: bool = True
     """False for a copy that Hugging Face does not store (the last stage's copy of tied embeddings)."""
+    expert: bool = False
+    """A routed expert's weight, held by one expert-parallel rank only (every other weight is the same on all
+    of them)."""
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,10 @@ Without CUDA:
 - :func:`device_redirect` is a context manager the worker enters around every call into megatron-core. Inside
   it, :class:`CudaToHost` (a ``TorchFunctionMode``) creates tensors asked for on ``cuda`` on the CPU, makes
   ``Tensor.cuda()`` a no-op, drops ``pin_memory`` and reports CPU float tensors under their CUDA type name;
-  ``torch.cuda.current_device`` returns ``"cpu"`` and ``torch.cuda.synchronize`` does nothing. All of it is
+  ``torch.cuda.current_device`` returns ``"cpu"`` and ``torch.cuda.synchronize`` does nothing; CUDA streams
+  and events (the MoE all-to-all dispatcher copies its split sizes to the host on a side stream) become
+  :class:`HostStream` / :class:`HostEvent`, which order nothing because the host has one stream, and ``all_to_all_single`` takes split sizes the
+  dispatcher left as host tensors. All of it is
   undone when the block exits, so code outside megatron calls sees plain torch.
 """
 
@@ -31,6 +34,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from megatron.core.fusions import fused_softmax
 from megatron.core.tensor_parallel import random as megatron_random
 from torch.overrides import TorchFunctionMode
@@ -100,6 +104,61 @@ class CudaToHost(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class HostEvent:
+    """A CUDA event's stand-in on the host: everything before it has already happened."""
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+    def wait(self, stream: object = None) -> None:
+        """Nothing to wait for."""
+
+
+class HostStream:
+    """A CUDA stream's stand-in on the host, where work runs in program order."""
+
+    def wait_stream(self, stream: object) -> None:
+        """Nothing to wait for."""
+
+    def wait_event(self, event: object) -> None:
+        """Nothing to wait for."""
+
+    def record_event(self, event: object = None) -> HostEvent:
+        """An event that has already happened."""
+        return HostEvent()
+
+    def synchronize(self) -> None:
+        """Nothing to wait for."""
+
+
+_HOST_STREAM = HostStream()
+
+
+def _all_to_all_single(*args: Any, **kwargs: Any) -> Any:
+    """``dist.all_to_all_single`` taking split sizes as tensors too: the MoE dispatcher turns them into numpy
+    arrays only when it copies them from a GPU; on the host they stay tensors, which gloo does not take."""
+    kwargs = {
+        k: v.tolist() if k.endswith("_split_sizes") and torch.is_tensor(v) else v for k, v in kwargs.items()
+    }
+    return _saved[_key(dist, "all_to_all_single")](*args, **kwargs)
+
+
+_REDIRECTS: dict[tuple[Any, str], Callable[..., Any]] = {
+    (torch.cuda, "current_device"): lambda: "cpu",
+    (torch.cuda, "synchronize"): lambda device=None: None,
+    (torch.cuda, "Stream"): lambda *args, **kwargs: HostStream(),
+    (torch.cuda, "current_stream"): lambda device=None: _HOST_STREAM,
+    (torch.cuda, "stream"): lambda stream=None: contextlib.nullcontext(),
+    (dist, "all_to_all_single"): _all_to_all_single,
+}
+"""Module attributes replaced inside :func:`device_redirect` (the backward pass, which runs without the
+torch function mode, sees them too)."""
+
+
+def _key(module: Any, name: str) -> str:
+    return f"{module.__name__.rsplit('.', 1)[-1]}.{name}"
+
+
 _lock = threading.Lock()
 _depth = 0
 _saved: dict[str, Any] = {}
@@ -135,8 +194,7 @@ def _set_host_rng_state(new_state: torch.Tensor, device: object = None, graph_sa
 def device_redirect() -> Iterator[None]:
     """Run megatron-core calls inside this block; on a machine without CUDA their CUDA calls go to the host.
 
-    Re-entrant: only the outermost block patches and restores ``torch.cuda.current_device`` and
-    ``torch.cuda.synchronize``.
+    Re-entrant: only the outermost block patches and restores the functions of :data:`_REDIRECTS`.
     """
     if cuda_available():
         yield
@@ -144,10 +202,9 @@ def device_redirect() -> Iterator[None]:
     global _depth
     with _lock:
         if _depth == 0:
-            _saved["current_device"] = torch.cuda.current_device
-            _saved["synchronize"] = torch.cuda.synchronize
-            torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
-            torch.cuda.synchronize = lambda device=None: None
+            for (module, name), redirect in _REDIRECTS.items():
+                _saved[_key(module, name)] = getattr(module, name)
+                setattr(module, name, redirect)
         _depth += 1
     try:
         with CudaToHost():
@@ -156,5 +213,5 @@ def device_redirect() -> Iterator[None]:
         with _lock:
             _depth -= 1
             if _depth == 0:
-                torch.cuda.current_device = _saved.pop("current_device")
-                torch.cuda.synchronize = _saved.pop("synchronize")
+                for module, name in _REDIRECTS:
+                    setattr(module, name, _saved.pop(_key(module, name)))

@@ -8,7 +8,11 @@ SwiGLU, grouped-query attention with rotary embeddings) and differ in their bias
 
 - ``llama``: ``attention_bias`` adds q/k/v/o biases, ``mlp_bias`` MLP biases;
 - ``qwen2``: q/k/v biases always, no o_proj or MLP bias;
-- ``qwen3``: RMSNorm on each query and key head (``q_norm`` / ``k_norm``) before rotary embeddings.
+- ``qwen3``: RMSNorm on each query and key head (``q_norm`` / ``k_norm``) before rotary embeddings;
+- ``qwen3_moe``: Qwen3's attention with megatron-core's MoE layer (:class:`MoeDecoderFamily`): the router
+  (``mlp.gate`` -> ``mlp.router``) and, per expert held by this expert-parallel rank, one gated MLP
+  (``mlp.experts.{e}.gate_proj`` / ``up_proj`` -> ``mlp.experts.local_experts.{j}.linear_fc1``,
+  ``down_proj`` -> ``linear_fc2``; ``e = ep_rank * E / EP + j``).
 
 Megatron names are relative to the unwrapped ``GPTModel``; its decoder layers are numbered per stage (the
 local index), Hugging Face's globally. Transformer Engine's layer spec fuses the pre-attention and pre-MLP
@@ -103,10 +107,17 @@ class DecoderFamily:
         return AttentionShape(arch.num_heads, arch.num_kv_heads, arch.head_dim)
 
     def layer_rules(
-        self, arch: DecoderArch, local: int, layer: int, te_norms: bool, adapted: Collection[str] = ()
+        self,
+        arch: DecoderArch,
+        local: int,
+        layer: int,
+        te_norms: bool,
+        adapted: Collection[str] = (),
+        experts: Sequence[int] = (),
     ) -> list[WeightRule]:
         """Rules of decoder layer ``layer`` (global index), held as local layer ``local`` of its stage, with the
-        LoRA adapters of its ``adapted`` linear layers (:data:`ADAPTED_LINEARS` names)."""
+        LoRA adapters of its ``adapted`` linear layers (:data:`ADAPTED_LINEARS` names) and, in a MoE layer,
+        the routed ``experts`` (global indices) this rank holds."""
         m = f"decoder.layers.{local}."
         h = f"model.layers.{layer}."
         attn_norm = "self_attention.linear_qkv.layer_norm_weight" if te_norms else "input_layernorm.weight"
@@ -117,7 +128,7 @@ class DecoderFamily:
             WeightRule(m + "self_attention.linear_qkv.weight", tuple(n + ".weight" for n in qkv), Kind.QKV),
             WeightRule(m + "self_attention.linear_proj.weight", (h + "self_attn.o_proj.weight",), Kind.ROW),
             WeightRule(m + mlp_norm, (h + "post_attention_layernorm.weight",), Kind.REPLICATED),
-            *_mlp_rules(m, h, "weight", down_kind=Kind.ROW),
+            *self.mlp_rules(arch, m, h, layer, experts),
         ]
         if arch.qkv_bias:
             rules.append(
@@ -141,6 +152,12 @@ class DecoderFamily:
             ]
         return rules + _adapter_rules(local, h, adapted)
 
+    def mlp_rules(
+        self, arch: DecoderArch, m: str, h: str, layer: int, experts: Sequence[int]
+    ) -> list[WeightRule]:
+        """The MLP weights of decoder layer ``layer`` (Megatron prefix ``m``, Hugging Face prefix ``h``)."""
+        return _mlp_rules(m, h, "weight", down_kind=Kind.ROW)
+
     def stage_rules(
         self,
         arch: DecoderArch,
@@ -150,16 +167,18 @@ class DecoderFamily:
         last_stage: bool,
         te_norms: bool,
         adapted: Mapping[int, Collection[str]] | None = None,
+        experts: Sequence[int] = (),
     ) -> list[WeightRule]:
         """Rules of one pipeline stage holding global decoder layers ``layers`` (in local order); ``adapted``
-        names each global layer's LoRA-adapted linear layers."""
+        names each global layer's LoRA-adapted linear layers, ``experts`` the routed experts this rank holds
+        (global indices; MoE families)."""
         rules: list[WeightRule] = []
         if first_stage:
             rules.append(
                 WeightRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), Kind.VOCAB)
             )
         for local, layer in enumerate(layers):
-            rules += self.layer_rules(arch, local, layer, te_norms, (adapted or {}).get(layer, ()))
+            rules += self.layer_rules(arch, local, layer, te_norms, (adapted or {}).get(layer, ()), experts)
         if last_stage:
             rules.append(
                 WeightRule("decoder.final_layernorm.weight", ("model.norm.weight",), Kind.REPLICATED)
@@ -177,12 +196,64 @@ class DecoderFamily:
         return rules
 
 
+@dataclass(frozen=True)
+class MoeDecoderFamily(DecoderFamily):
+    """A decoder whose MLPs are (some or all) megatron-core MoE layers: a softmax top-k router without a
+    shared expert (Qwen3-MoE)."""
+
+    def check(self, arch: DecoderArch) -> None:
+        """Also refuse routing megatron-core's layer here does not reproduce (sigmoid groups, shared experts)."""
+        super().check(arch)
+        moe = arch.moe
+        if moe is None or moe.router != "softmax" or moe.shared_intermediate_size:
+            raise ValueError(
+                f"the Megatron backend builds {self.model_type} as a softmax-routed MoE without shared experts; "
+                "use the DTensor backend for this model"
+            )
+
+    def model_options(self, arch: DecoderArch) -> dict[str, Any]:
+        """The dense options plus the MoE layer's: experts, their width, top-k and softmax routing (top-k of
+        the logits then a softmax over them is ``transformers``' renormalised top-k probabilities)."""
+        moe = arch.moe
+        assert moe is not None
+        return super().model_options(arch) | {
+            "num_moe_experts": moe.num_experts,
+            "moe_ffn_hidden_size": moe.expert_intermediate_size,
+            "moe_router_topk": moe.top_k,
+            "moe_router_score_function": "softmax",
+            "moe_router_pre_softmax": not moe.norm_topk_prob,
+            "moe_layer_freq": [int(sparse) for sparse in moe.sparse_layers],
+        }
+
+    def mlp_rules(
+        self, arch: DecoderArch, m: str, h: str, layer: int, experts: Sequence[int]
+    ) -> list[WeightRule]:
+        """A MoE layer's router (on every rank) and the gated MLPs of this rank's ``experts``."""
+        assert arch.moe is not None
+        if not arch.moe.sparse_layers[layer]:
+            return super().mlp_rules(arch, m, h, layer, experts)
+        rules = [WeightRule(m + "mlp.router.weight", (h + "mlp.gate.weight",), Kind.REPLICATED)]
+        for local, expert in enumerate(experts):
+            me, he = f"{m}mlp.experts.local_experts.{local}.", f"{h}mlp.experts.{expert}."
+            rules += [
+                WeightRule(
+                    me + "linear_fc1.weight",
+                    (he + "gate_proj.weight", he + "up_proj.weight"),
+                    Kind.GATE_UP,
+                    expert=True,
+                ),
+                WeightRule(me + "linear_fc2.weight", (he + "down_proj.weight",), Kind.ROW, expert=True),
+            ]
+        return rules
+
+
 FAMILIES: dict[str, DecoderFamily] = {
     family.model_type: family
     for family in (
         DecoderFamily("llama", "LlamaForCausalLM"),
         DecoderFamily("qwen2", "Qwen2ForCausalLM"),
         DecoderFamily("qwen3", "Qwen3ForCausalLM"),
+        MoeDecoderFamily("qwen3_moe", "Qwen3MoeForCausalLM"),
     )
 }
 """The families the Megatron backend converts, by Hugging Face ``model_type``."""

@@ -45,6 +45,7 @@ from nemo_rl.models.dtypes import PRECISION_DTYPES
 from nemo_rl.models.hf_decoder import DecoderArch
 from nemo_rl.models.megatron.convert import pad_vocab
 from nemo_rl.models.megatron.families import DecoderFamily
+from nemo_rl.models.megatron.moe import RecordingRouter
 
 RANK_ORDER = "tp-cp-ep-pp-dp"
 """Megatron's rank order: the ranks of one data-parallel replica are consecutive."""
@@ -54,10 +55,13 @@ SEED = 1234
 
 
 def init_model_parallel(cfg: MegatronConfig) -> None:
-    """Create Megatron's tensor / pipeline / data-parallel groups over the default process group."""
+    """Create Megatron's tensor / pipeline / data / expert-parallel groups over the default process group
+    (experts are never split by tensor parallelism here)."""
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=cfg.tensor_model_parallel_size,
         pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+        expert_model_parallel_size=cfg.expert_model_parallel_size,
+        expert_tensor_parallel_size=1,
         order=RANK_ORDER,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(SEED)
@@ -91,13 +95,15 @@ def check_divisibility(arch: DecoderArch, cfg: MegatronConfig) -> None:
         )
 
 
-def uses_transformer_engine(cfg: MegatronConfig) -> bool:
-    """Whether to build Transformer Engine layers: on CUDA, with ``te`` installed, unless ``local`` is asked
-    or LoRA is on (its adapters need the normalised input, which Transformer Engine's fused norm-linear
-    layers keep to themselves)."""
+def uses_transformer_engine(cfg: MegatronConfig, arch: DecoderArch) -> bool:
+    """Whether to build Transformer Engine layers: on CUDA, with ``te`` installed, unless ``local`` is asked,
+    LoRA is on (its adapters need the normalised input, which Transformer Engine's fused norm-linear
+    layers keep to themselves) or the model is a mixture of experts (built from the local spec, whose
+    routers record their routing)."""
     return (
         cfg.transformer_impl != "local"
         and not cfg.peft.enabled
+        and arch.moe is None
         and cuda_available()
         and importlib.util.find_spec("transformer_engine") is not None
     )
@@ -137,7 +143,15 @@ def transformer_config(arch: DecoderArch, family: DecoderFamily, policy: PolicyC
         # Each micro-batch may have its own length and row count (the last one of a batch, dynamic batching):
         # pipeline stages exchange shapes before each send.
         variable_seq_lengths=cfg.pipeline_model_parallel_size > 1,
-        moe_token_dispatcher_type="alltoall",  # dense models; Megatron checks it against variable lengths
+        expert_model_parallel_size=cfg.expert_model_parallel_size,
+        expert_tensor_parallel_size=1,
+        moe_token_dispatcher_type=cfg.moe_token_dispatcher_type or "alltoall",
+        moe_router_dtype=cfg.moe_router_dtype,
+        # The load-balancing loss is transformers' (nemo_rl.models.megatron.moe), not Megatron's.
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
         batch_p2p_sync=cuda_available(),
         # Losses are shares of the global batch already (see docs/design.md): Megatron must not rescale them.
         calculate_per_token_loss=True,
@@ -157,7 +171,7 @@ def build_model(arch: DecoderArch, policy: PolicyConfig, config: TransformerConf
     """This rank's pipeline stage of the model, randomly initialised (load the weights, then
     :func:`wrap_for_training`)."""
     spec: ModuleSpec | TransformerBlockSubmodules
-    if uses_transformer_engine(policy.megatron_cfg):
+    if uses_transformer_engine(policy.megatron_cfg, arch):
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
     else:
         spec = _local_block_spec(arch, config)
@@ -203,16 +217,32 @@ class RMSNorm(torch.nn.Module):
 
 def _local_block_spec(arch: DecoderArch, config: TransformerConfig) -> TransformerBlockSubmodules:
     """megatron-core's local layers with :class:`RMSNorm` as every norm (decoder layers and the final norm)."""
-    layer = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization="RMSNorm")
+    dense = _local_layer_spec(arch, None)
+    if arch.moe is None:
+        return TransformerBlockSubmodules(
+            layer_specs=[dense] * get_num_layers_to_build(config), layer_norm=RMSNorm
+        )
+    # MoE models build one pipeline stage (checked at config load), so the stage holds every layer.
+    sparse = _local_layer_spec(arch, arch.moe.num_experts)
+    specs = [sparse if is_moe else dense for is_moe in arch.moe.sparse_layers]
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=RMSNorm)
+
+
+def _local_layer_spec(arch: DecoderArch, num_experts: int | None) -> ModuleSpec:
+    """megatron-core's local decoder layer (a MoE layer with ``num_experts``) with :class:`RMSNorm` norms and,
+    in a MoE layer, :class:`~nemo_rl.models.megatron.moe.RecordingRouter` as the router."""
+    layer = get_gpt_layer_local_spec(
+        num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm, normalization="RMSNorm"
+    )
     submodules = layer.submodules
     submodules.input_layernorm = RMSNorm
     submodules.pre_mlp_layernorm = RMSNorm
     if arch.qk_norm:
         submodules.self_attention.submodules.q_layernorm = RMSNorm
         submodules.self_attention.submodules.k_layernorm = RMSNorm
-    return TransformerBlockSubmodules(
-        layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=RMSNorm
-    )
+    if num_experts is not None:
+        submodules.mlp.submodules.router = RecordingRouter
+    return layer
 
 
 def wrap_for_training(

@@ -25,6 +25,7 @@ from torch import nn
 
 from nemo_rl.config.policy import TokenizerConfig
 from nemo_rl.models.hf_decoder import DecoderArch
+from nemo_rl.models.hf_moe import per_expert_manifest
 from nemo_rl.models.lora import is_adapter_name
 from nemo_rl.models.megatron.convert import Kind, WeightRule, pad_vocab, to_hugging_face, to_megatron
 from nemo_rl.models.megatron.families import DecoderFamily
@@ -48,9 +49,15 @@ class StageWeights:
         te_norms: bool,
         tp_group: dist.ProcessGroup,
         adapted: Mapping[int, Collection[str]] | None = None,
+        experts: Sequence[int] = (),
+        streams_shared: bool = True,
     ) -> None:
         """``adapted``: the LoRA-adapted linear layers by global decoder layer, whose adapters the model
-        carries (:meth:`nemo_rl.models.megatron.lora.MegatronLoRA.attach`)."""
+        carries (:meth:`nemo_rl.models.megatron.lora.MegatronLoRA.attach`); ``experts``: the routed experts
+        (global indices) this rank holds in each MoE layer; ``streams_shared``: whether this rank's streams
+        (refit, export, checkpoint) carry the weights every expert-parallel rank holds alike, or only its
+        experts (expert-parallel ranks but the first; they are never tensor-parallel, so skipping the rest
+        leaves no gather unmatched)."""
         self.arch = arch
         self.family = family
         self.tp_group = tp_group
@@ -66,7 +73,10 @@ class StageWeights:
             last_stage=last_stage,
             te_norms=te_norms,
             adapted=adapted,
+            experts=experts,
         )
+        self.stream_rules = [rule for rule in self.rules if streams_shared or rule.expert]
+        """Rules of the weights this rank's streams carry (:meth:`iter_hf_tensors`' default)."""
         self.adapter_rules = [rule for rule in self.rules if is_adapter_name(rule.hf[0])]
         """Rules of the LoRA adapters (none without LoRA)."""
         self.base_rules = [rule for rule in self.rules if not is_adapter_name(rule.hf[0])]
@@ -82,13 +92,14 @@ class StageWeights:
 
     @property
     def trained_rules(self) -> list[WeightRule]:
-        """Rules of the trained parameters, which a checkpoint holds: the adapters with LoRA, else all."""
-        return self.adapter_rules or self.rules
+        """Rules of the trained parameters this rank's checkpoint stream holds: the adapters with LoRA, else
+        :attr:`stream_rules`."""
+        return self.adapter_rules or self.stream_rules
 
     @property
     def hf_names(self) -> list[str]:
-        """Hugging Face names this stage exports, in stream order."""
-        return [name for rule in self.rules if rule.exported for name in rule.hf]
+        """Hugging Face names this rank's stream exports, in stream order."""
+        return [name for rule in self.stream_rules if rule.exported for name in rule.hf]
 
     @torch.no_grad()
     def load(self, get: Callable[[str], torch.Tensor], rules: Sequence[WeightRule] | None = None) -> None:
@@ -116,14 +127,14 @@ class StageWeights:
     def iter_hf_tensors(
         self, dtype: torch.dtype | None = None, rules: Sequence[WeightRule] | None = None
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """The stage's exported Hugging Face tensors (of ``rules``; default all), full, cast to ``dtype``
-        (floating point; ``None`` keeps it).
+        """The stage's exported Hugging Face tensors (of ``rules``; default :attr:`stream_rules`), full, cast
+        to ``dtype`` (floating point; ``None`` keeps it).
 
         A collective over the tensor-parallel group: its ranks iterate in lockstep, each parameter is gathered
         when it is reached, and every rank of the group gets the full tensors.
         """
         attention = self.family.attention_shape(self.arch)
-        for rule in self.rules if rules is None else rules:
+        for rule in self.stream_rules if rules is None else rules:
             if not rule.exported:
                 continue
             shards = self._gather(rule)
@@ -155,12 +166,14 @@ class StageWeights:
 
 def hf_weights_manifest(hf_config: Any, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], str]]:
     """``{hf_name: (full shape, dtype name)}`` of every weight of the model (as a Hugging Face checkpoint
-    stores it: a tied LM head once), from its config alone."""
+    stores it: a tied LM head once, a MoE layer's experts one by one), from its config alone."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(hf_config)
-    return {name: (tuple(p.shape), dtype_name(dtype)) for name, p in skeleton.named_parameters()}
+    return per_expert_manifest(
+        {name: (tuple(p.shape), dtype_name(dtype)) for name, p in skeleton.named_parameters()}
+    )
 
 
 def write_stage_safetensors(
@@ -168,16 +181,17 @@ def write_stage_safetensors(
     path: str,
     *,
     writer: bool,
-    stage: int,
-    num_stages: int,
+    file_index: int,
+    num_files: int,
 ) -> None:
-    """Write Hugging Face-named tensors as safetensors, one file per pipeline stage, plus the index.
+    """Write Hugging Face-named tensors as safetensors, one file per pipeline stage and expert-parallel rank
+    (``file_index`` of ``num_files``), plus the index.
 
-    A collective over all ranks: every rank consumes its stage's stream ``named`` (e.g.
+    A collective over all ranks: every rank consumes its stream ``named`` (e.g.
     :meth:`StageWeights.iter_hf_tensors`, gathered with its tensor-parallel group), ``writer`` ranks (one per
-    stage) write it, and global rank 0 writes ``model.safetensors.index.json``.
+    file) write it, and global rank 0 writes ``model.safetensors.index.json``.
     """
-    file_name = f"model-{stage + 1:05d}-of-{num_stages:05d}.safetensors"
+    file_name = f"model-{file_index + 1:05d}-of-{num_files:05d}.safetensors"
     tensors = {name: tensor.contiguous() for name, tensor in named}
     if writer:
         os.makedirs(path, exist_ok=True)

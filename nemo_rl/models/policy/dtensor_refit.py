@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nemo_rl.models.dtypes import PRECISION_DTYPES
+from nemo_rl.models.hf_moe import per_expert_manifest, per_expert_weights
 from nemo_rl.models.lora import is_adapter_name
 from nemo_rl.models.policy.parallelize import (
     fsdp_dim0_sharded,
@@ -135,7 +136,8 @@ class DTensorRefitMixin:
     def weights_manifest(
         self, dtype: torch.dtype, scope: RefitScope = "full"
     ) -> dict[str, tuple[tuple[int, ...], str]]:
-        """``{hf_name: (full shape, dtype name)}`` of what :meth:`iter_hf_weights` yields; no communication."""
+        """``{hf_name: (full shape, dtype name)}`` of what :meth:`refit_send` sends (:meth:`iter_hf_weights`'s
+        weights, a MoE model's experts one by one); no communication."""
         adapters_only = self._adapters_only(scope)
         manifest: dict[str, tuple[tuple[int, ...], str]] = {
             name: (tuple(p.shape), dtype_name(dtype))
@@ -147,7 +149,7 @@ class DTensorRefitMixin:
         for name, buffer in self._persistent_buffers():
             out_dtype = dtype if buffer.is_floating_point() else buffer.dtype
             manifest[name] = (tuple(buffer.shape), dtype_name(out_dtype))
-        return manifest
+        return per_expert_manifest(manifest)
 
     def refit_stream(self) -> int:
         """The refit stream this rank sends: 0, the whole model (every rank gathers every weight)."""
@@ -156,7 +158,8 @@ class DTensorRefitMixin:
     def refit_send(self, sender: WeightSender, scope: RefitScope = "full") -> TransferStats:
         """Stream this policy's weights of refit ``scope`` through ``sender`` (every rank calls it with its own
         sender)."""
-        return sender.send(self.iter_hf_weights(sender.dtype, scope))
+        # A MoE model's experts travel one tensor per expert, under their checkpoint names.
+        return sender.send(per_expert_weights(self.iter_hf_weights(sender.dtype, scope)))
 
     # ------------------------------------------------- the embedded engine hosted here (in_policy_workers)
     def init_embedded_generation(self, tokenizer: PreTrainedTokenizerBase) -> None:

@@ -58,8 +58,8 @@ def _worker_backend(cfg: PolicyConfig) -> tuple[type, int]:
 
 def check_policy_layout(cfg: PolicyConfig, world_size: int) -> int:
     """The policy's data-parallel size on ``world_size`` workers; raises :class:`UserError` when the workers
-    do not divide into its model-parallel groups or ``policy.train_global_batch_size`` does not divide over
-    the data-parallel ranks, or ``policy.frozen_parameters`` names no parameter. Ray-free, so setups call it
+    do not divide into its model-parallel groups, ``policy.train_global_batch_size`` or the expert-parallel
+    size does not divide over the data-parallel ranks, or ``policy.frozen_parameters`` names no parameter. Ray-free, so setups call it
     before starting anything."""
     _, model_parallel_size = _worker_backend(cfg)
     check_frozen_parameters(cfg)
@@ -74,6 +74,12 @@ def check_policy_layout(cfg: PolicyConfig, world_size: int) -> int:
             f"policy.train_global_batch_size={cfg.train_global_batch_size} does not divide over the policy's "
             f"{dp_size} data-parallel ranks ({world_size} workers / model-parallel size {model_parallel_size}); "
             "make it a multiple"
+        )
+    ep = cfg.megatron_cfg.expert_model_parallel_size if cfg.megatron_cfg.enabled else 1
+    if dp_size % ep != 0:
+        raise UserError(
+            f"policy.megatron_cfg.expert_model_parallel_size={ep} does not divide the policy's {dp_size} "
+            "data-parallel ranks (experts are split over data-parallel ranks); change it or the worker count"
         )
     return dp_size
 

@@ -60,6 +60,13 @@ from nemo_rl.models.lora import adapter_state, adapters_disabled, check_checkpoi
 from nemo_rl.models.megatron import checkpoint, cpu_compat, setup
 from nemo_rl.models.megatron.families import family_for
 from nemo_rl.models.megatron.lora import MegatronLoRA
+from nemo_rl.models.megatron.moe import (
+    SoftmaxRouterScores,
+    attach_routing_log,
+    freeze_routers,
+    recording,
+    valid_rows,
+)
 from nemo_rl.models.megatron.weights import (
     StageWeights,
     hf_weights_manifest,
@@ -68,9 +75,8 @@ from nemo_rl.models.megatron.weights import (
 )
 from nemo_rl.models.policy.hf_io import LORA_ADAPTER_SUBDIR, initial_lora_adapters
 from nemo_rl.models.policy.loss_interface import LossFunction
-from nemo_rl.models.policy.utils import (
-    pad_sequence_dim,
-)
+from nemo_rl.models.policy.moe import RoutingRecord, aux_loss_coef_of, moe_step_terms
+from nemo_rl.models.policy.utils import global_valid_counts, pad_sequence_dim, valid_token_mask
 from nemo_rl.models.policy.worker_base import PolicyWorkerBase, ScoreFn
 from nemo_rl.models.policy.worker_batches import StepBatch, TrainLog, merge_rows
 from nemo_rl.models.sampling import sampling_logits
@@ -132,6 +138,8 @@ class MegatronPolicyWorker(PolicyWorkerBase):
             self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
             self.pp_size = parallel_state.get_pipeline_model_parallel_world_size()
             self.is_last_stage = parallel_state.is_pipeline_last_stage()
+            self.ep_rank = parallel_state.get_expert_model_parallel_rank()
+            self.ep_size = parallel_state.get_expert_model_parallel_world_size()
             self._build_stage()
             self.model = setup.wrap_for_training(self.gpt, cfg, self.config)
             self.optimizer = setup.build_optimizer(cfg, self.model)
@@ -162,19 +170,34 @@ class MegatronPolicyWorker(PolicyWorkerBase):
         )
         if self.lora is not None:
             self.lora.attach(self.gpt, self.arch, self.config)
+        self.routing_log = attach_routing_log(self.gpt)
+        self._routing: RoutingRecord | None = None
+        """The routing of the micro-batch whose loss runs next (MoE models)."""
+        self.router_scores = SoftmaxRouterScores(aux_loss_coef_of(self.hf_config))
+        if megatron.freeze_moe_router:
+            freeze_routers(self.gpt)
         self.weights = StageWeights(
             self.gpt,
             self.arch,
             self.family,
             first_stage=parallel_state.is_pipeline_first_stage(),
             last_stage=self.is_last_stage,
-            te_norms=setup.uses_transformer_engine(megatron),
+            te_norms=setup.uses_transformer_engine(megatron, self.arch),
             tp_group=self.tp_group,
             adapted=self.lora.selected if self.lora is not None else None,
+            experts=self._local_experts(),
+            streams_shared=self.ep_rank == 0,
         )
         self.weights.load(SafetensorsReader(self.checkpoint_dir).get, self.weights.base_rules)
         if self.lora is not None:
             self.weights.load(self._initial_adapters().__getitem__, self.weights.adapter_rules)
+
+    def _local_experts(self) -> range:
+        """The routed experts (global indices) this rank holds in each MoE layer (none for a dense model)."""
+        if self.arch.moe is None:
+            return range(0)
+        per_rank = self.arch.moe.num_experts // self.ep_size
+        return range(self.ep_rank * per_rank, (self.ep_rank + 1) * per_rank)
 
     def _initial_adapters(self) -> dict[str, torch.Tensor]:
         """The initial LoRA adapters (full, Hugging Face names), drawn on rank 0 as the DTensor backend draws
@@ -221,7 +244,10 @@ class MegatronPolicyWorker(PolicyWorkerBase):
                 input_ids_BT
             )
             # Right padding under a causal mask: real tokens never attend to padding.
-            output = model(input_ids_BT, positions_BT, None, runtime_gather_output=True)
+            with recording(self.routing_log) as routing:
+                output = model(input_ids_BT, positions_BT, None, runtime_gather_output=True)
+            # Megatron runs the loss of a micro-batch right after its forward (one stage for MoE models).
+            self._routing = routing
             return output, partial(loss_func, mb)
 
         seq_len = max(int(mb["input_ids"].shape[1]) for mb in mbs)
@@ -298,6 +324,8 @@ class MegatronPolicyWorker(PolicyWorkerBase):
             loss, metrics = loss_fn(
                 self._logits(output, mb), mb, step.global_valid_seqs, step.global_valid_toks
             )
+            if self._routing is not None:
+                loss, metrics = self._with_moe_terms(loss, metrics, mb, step)
             # Megatron's (num_tokens) slot is unused: the loss is already this micro-batch's global share.
             count = torch.ones((), dtype=torch.int, device=loss.device)
             return loss, count, {"loss": loss.detach(), "metrics": metrics}
@@ -318,6 +346,21 @@ class MegatronPolicyWorker(PolicyWorkerBase):
             else None
         )
         return step_loss, mb_metrics
+
+    def _with_moe_terms(
+        self, loss: torch.Tensor, metrics: dict[str, Any], mb: BatchedDataDict[Any], step: StepBatch
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The micro-batch's loss plus the load-balancing loss (when the model config asks for it) and its
+        metrics plus the routing metrics, weighted by its share of the step's loss tokens, as the DTensor
+        worker weights them."""
+        assert self._routing is not None
+        input_ids_BT = mb["input_ids"]
+        valid_N = valid_rows(
+            valid_token_mask(mb["input_lengths"].to(input_ids_BT.device), input_ids_BT.shape[1])
+        )
+        share = float(global_valid_counts(mb)[1]) / max(float(step.global_valid_toks), 1.0)
+        moe_loss, moe_metrics = moe_step_terms(self.router_scores, self._routing, valid_N, share)
+        return loss + moe_loss, {**metrics, **moe_metrics}
 
     def _optimizer_step(self, log: TrainLog) -> None:
         """Megatron's optimizer step (clipping inside; skipped for a non-finite gradient norm)."""
@@ -370,6 +413,8 @@ class MegatronPolicyWorker(PolicyWorkerBase):
             "use_distributed_optimizer": megatron.optimizer.use_distributed_optimizer,
             "precision": self.cfg.precision,
             "lora_layers": self.lora.hf_targets if self.lora is not None else None,
+            # Only when set, so checkpoints of dense layouts written before the key existed still resume.
+            **({"expert_model_parallel_size": self.ep_size} if self.ep_size > 1 else {}),
         }
 
     def _checkpoint_parts(self) -> checkpoint.CheckpointParts:
@@ -388,8 +433,8 @@ class MegatronPolicyWorker(PolicyWorkerBase):
             weights_path=weights_path,
             optimizer_path=optimizer_path,
             writer=self._is_stage_writer,
-            stage=self.pp_rank,
-            num_stages=self.pp_size,
+            file_index=self.refit_stream(),
+            num_files=self.pp_size * self.ep_size,
         )
 
     def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
@@ -402,8 +447,9 @@ class MegatronPolicyWorker(PolicyWorkerBase):
 
     @property
     def _is_stage_writer(self) -> bool:
-        """Whether this rank writes its stage's files (one rank per pipeline stage)."""
-        return self.tp_rank == 0 and self.dp_rank == 0
+        """Whether this rank writes its stream's file (one rank per pipeline stage and expert-parallel rank:
+        the first of the ranks holding the same experts)."""
+        return self.tp_rank == 0 and self.dp_rank // self.ep_size == 0
 
     def export_hf(self, path: str) -> None:
         """Write a Hugging Face checkpoint in ``policy.precision``, one safetensors file per pipeline stage; with
@@ -421,8 +467,8 @@ class MegatronPolicyWorker(PolicyWorkerBase):
             ((name, tensor.to(dtype)) for name, tensor in self._merged(named)),
             path,
             writer=self._is_stage_writer,
-            stage=self.pp_rank,
-            num_stages=self.pp_size,
+            file_index=self.refit_stream(),
+            num_files=self.pp_size * self.ep_size,
         )
         if self.rank == 0:
             write_hf_metadata(
@@ -454,8 +500,9 @@ class MegatronPolicyWorker(PolicyWorkerBase):
         return iter(named) if self.lora is None else self.lora.merged(named)
 
     def refit_stream(self) -> int:
-        """The refit stream this rank belongs to: its pipeline stage (each stage sends its own layers)."""
-        return self.pp_rank
+        """The refit stream this rank belongs to: its pipeline stage and expert-parallel rank (each stage sends
+        its own layers, each expert-parallel rank its own experts; the first also the weights they share)."""
+        return self.pp_rank * self.ep_size + self.ep_rank
 
     def weights_manifest(
         self, dtype: torch.dtype, scope: RefitScope = "full"

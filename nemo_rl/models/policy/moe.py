@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -39,6 +39,31 @@ class RoutingRecord:
     experts_NK: list[torch.Tensor] = field(default_factory=list)
 
 
+def aux_loss_coef_of(config: Any) -> float:
+    """The load-balancing loss coefficient a Hugging Face model config asks for: ``router_aux_loss_coef`` when
+    ``output_router_logits`` is true, else 0 (a model without such a loss refuses the switch)."""
+    if config is None or not getattr(config, "output_router_logits", False):
+        return 0.0
+    if not hasattr(config, "router_aux_loss_coef"):
+        raise ValueError(
+            f"output_router_logits=true, but transformers defines no load-balancing loss for "
+            f"{config.model_type} (its router balances with a correction bias): remove it from "
+            "policy.hf_config_overrides"
+        )
+    return float(config.router_aux_loss_coef)
+
+
+class RouterScores(Protocol):
+    """What :func:`moe_step_terms` needs of a backend's routers."""
+
+    aux_loss_coef: float
+    """Coefficient of the trained load-balancing loss (0: logged only)."""
+
+    def router_probs(self, logits_NE: torch.Tensor) -> torch.Tensor:
+        """The router's distribution over experts ``[N, E]`` (float32) from its logits."""
+        ...
+
+
 class RouterRecorder:
     """Forward hooks on a model's MoE routers; :meth:`record` yields what one forward routed."""
 
@@ -48,17 +73,8 @@ class RouterRecorder:
             for name, module in model.named_modules()
             if name.endswith("mlp.gate") and hasattr(model.get_submodule(name.rsplit(".", 1)[0]), "experts")
         ]
-        config: Any = getattr(model, "config", None)
         self.sigmoid = any(hasattr(r, "e_score_correction_bias") for r in self.routers)
-        self.aux_loss_coef = 0.0
-        if config is not None and getattr(config, "output_router_logits", False):
-            if not hasattr(config, "router_aux_loss_coef"):
-                raise ValueError(
-                    f"output_router_logits=true, but transformers defines no load-balancing loss for "
-                    f"{config.model_type} (its router balances with a correction bias): remove it from "
-                    "policy.hf_config_overrides"
-                )
-            self.aux_loss_coef = float(config.router_aux_loss_coef)
+        self.aux_loss_coef = aux_loss_coef_of(getattr(model, "config", None))
         self._record: RoutingRecord | None = None
         for router in self.routers:
             router.register_forward_hook(self._hook)
@@ -99,7 +115,7 @@ class RouterRecorder:
 
 
 def moe_step_terms(
-    recorder: RouterRecorder, record: RoutingRecord, valid_N: torch.Tensor, share: float
+    recorder: RouterScores, record: RoutingRecord, valid_N: torch.Tensor, share: float
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """``(loss term, metrics)`` of one micro-batch's routing: the load-balancing loss times its coefficient
     (0 unless the config asks for it) and the metrics, both as this micro-batch's ``share`` of the step

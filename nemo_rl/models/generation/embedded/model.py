@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from nemo_rl.models.generation.embedded.moe import MoeWeights, bind_moe_weights, moe_mlp, plan_moe_storage
 from nemo_rl.models.hf_decoder import DecoderArch, iter_safetensors
-from nemo_rl.models.hf_moe import expert_weight_names
+from nemo_rl.models.hf_moe import expert_weight_names, per_expert_manifest
 
 __all__ = ["DecoderArch", "DecoderLM", "KVCache", "iter_safetensors"]
 
@@ -187,6 +187,8 @@ class DecoderLM:
         self._float32: set[str] = set()  # buffers kept in float32 whatever the model's dtype
         # A checkpoint's per-expert names -> (3-D weight, expert, gate/up half or None); a refit sends the 3-D ones.
         self._expert_names: dict[str, tuple[str, int, int | None]] = {}
+        self._pieces: dict[str, list[str]] = {}
+        """The per-expert checkpoint names of each 3-D expert weight."""
         self._plan_storage()
         self._buffers: dict[str, torch.Tensor] = {
             name: torch.empty(
@@ -249,7 +251,10 @@ class DecoderLM:
                 self._add(attn + "k_norm.weight", (a.head_dim,))
             if a.moe is not None and a.moe.sparse_layers[layer]:
                 plan_moe_storage(self._add, mlp, h, a.moe)
-                self._expert_names.update(expert_weight_names(mlp + "experts.", a.moe.num_experts))
+                names = expert_weight_names(mlp + "experts.", a.moe.num_experts)
+                self._expert_names.update(names)
+                for piece, (weight, _, _) in names.items():
+                    self._pieces.setdefault(weight, []).append(piece)
                 continue
             self._add(
                 mlp + "gate_up_proj.weight",
@@ -323,8 +328,10 @@ class DecoderLM:
 
     def weights_manifest(self) -> WeightManifest:
         """Name -> (shape, dtype) of every weight this model must receive (tied ``lm_head.weight`` excluded), in
-        the model's dtype: a refit casts every weight to it, and a weight kept in float32 is cast back on load."""
-        return {name: (tuple(t.shape), self.dtype) for name, t in self._named.items()}
+        the model's dtype: a refit casts every weight to it, and a weight kept in float32 is cast back on load.
+        A MoE layer's experts are listed one by one under their checkpoint names (what a refit sends,
+        :func:`~nemo_rl.models.hf_moe.per_expert_manifest`)."""
+        return per_expert_manifest({name: (tuple(t.shape), self.dtype) for name, t in self._named.items()})
 
     @property
     def num_weight_bytes(self) -> int:
@@ -387,11 +394,11 @@ class DecoderLM:
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load a stream of ``(hf_name, tensor)``; return the names that were written (see :meth:`load_weight`)."""
-        loaded = set()
+        loaded: set[str] = set()
         for name, tensor in named_tensors:
             if self.load_weight(name, tensor):
-                # A checkpoint's per-expert weight is reported under its 3-D weight's name (the manifest's).
-                loaded.add(self._expert_names[name][0] if name in self._expert_names else name)
+                # A 3-D expert weight is reported as the per-expert weights it holds (the manifest's names).
+                loaded.update(self._pieces.get(name, (name,)))
         return loaded
 
     @classmethod

@@ -28,6 +28,7 @@ from nemo_rl.models.generation.interfaces import (
 )
 from nemo_rl.models.generation.lora import AdapterLayout, MergedAdapters, base_manifest_for
 from nemo_rl.models.hf_decoder import DecoderArch, resolve_checkpoint_dir
+from nemo_rl.models.hf_moe import per_expert_weights
 from nemo_rl.models.tokenizer import eos_token_ids, require_pad_token_id
 from nemo_rl.weight_sync.manifest import WeightManifest, dtype_from_name
 from nemo_rl.weight_sync.scope import RefitScope
@@ -169,7 +170,8 @@ class EmbeddedReplica:
         seen: set[str] = set()
 
         def checked() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in named_tensors:
+            # 3-D expert weights (a policy's in-memory layout) are checked as the manifest's per-expert ones.
+            for name, tensor in per_expert_weights(named_tensors):
                 if name in seen:
                     raise ValueError(f"weight {name!r} was sent twice")
                 seen.add(name)
@@ -190,7 +192,7 @@ class EmbeddedReplica:
         expected = set(self.model.weights_manifest())
         seen: set[str] = set()
         num_bytes = 0
-        for name, tensor in named_tensors:
+        for name, tensor in per_expert_weights(named_tensors):
             if name in seen:
                 raise ValueError(f"weight {name!r} was sent twice")
             num_bytes += self.model.load_weight(name, tensor)

@@ -25,6 +25,7 @@ from nemo_rl.config.policy import GenerationConfig, PolicyConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.models.generation.interfaces import WeightManifestDict
 from nemo_rl.models.generation.vllm.lora import lora_engine_kwargs
+from nemo_rl.models.hf_moe import per_expert_manifest
 from nemo_rl.weight_sync.manifest import dtype_name
 
 WORKER_EXTENSION_CLS = "nemo_rl.models.generation.vllm.worker_extension.VllmWorkerExtension"
@@ -485,7 +486,8 @@ def assemble_outputs(
 def hf_weights_manifest(
     config: PretrainedConfig, dtype: torch.dtype, *, trust_remote_code: bool
 ) -> WeightManifestDict:
-    """``{hf_name: (full shape, dtype name)}`` of the weights a policy sends for the model of ``config``.
+    """``{hf_name: (full shape, dtype name)}`` of the weights a policy sends for the model of ``config``
+    (a MoE model's experts one by one, :func:`~nemo_rl.models.hf_moe.per_expert_manifest`).
 
     The model is built on the meta device (no memory, no weights): its parameters (a tied output
     embedding appears once, under the input embedding's name) and persistent buffers, exactly what a
@@ -503,4 +505,5 @@ def hf_weights_manifest(
             full_name = f"{module_name}.{name}" if module_name else name
             wire_dtype = dtype if buffer.is_floating_point() else buffer.dtype
             manifest[full_name] = (tuple(buffer.shape), dtype_name(wire_dtype))
-    return manifest
+    # Experts travel one tensor per expert (what the worker extension hands vLLM's loaders anyway).
+    return per_expert_manifest(manifest)

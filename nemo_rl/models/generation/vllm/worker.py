@@ -58,6 +58,7 @@ from nemo_rl.models.generation.vllm.convert import (
 from nemo_rl.models.generation.vllm.lora import VllmAdapters, lora_engine_kwargs, split_adapters
 from nemo_rl.models.generation.vllm.worker_extension import keep_cpu_linear_weights_in_place
 from nemo_rl.models.hf_config import load_hf_config
+from nemo_rl.models.hf_moe import per_expert_weights
 from nemo_rl.models.tokenizer import eos_token_ids, require_pad_token_id
 from nemo_rl.weight_sync.interfaces import TransferStats, WeightReceiver
 from nemo_rl.weight_sync.manifest import WeightManifest, dtype_from_name
@@ -304,7 +305,7 @@ class VllmGenerationWorker:
 
     def load_weights_from_stream(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Load a full set of weights (each expected weight exactly once); return the bytes loaded."""
-        tensors = list(named_tensors)
+        tensors = list(per_expert_weights(named_tensors))
         # Floating-point tensors are compared in the engine's dtype: loading casts them.
         problems = WeightManifest.coerce(self._manifest).differences(
             WeightManifest.from_named_tensors(tensors, dtype=self._dtype)

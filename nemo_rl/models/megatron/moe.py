@@ -1,0 +1,113 @@
+"""megatron-core's mixture-of-experts layer in the Megatron policy: its router, and what one forward routed.
+
+The MoE layers are megatron-core's own (``MoELayer``: a ``TopKRouter``, the token dispatcher of
+``megatron_cfg.moe_token_dispatcher_type`` over the expert-parallel group, ``SequentialMLP`` experts), built
+from the local layer spec with :class:`RecordingRouter` as the router. Each router appends what it chose to
+the model's :class:`RoutingLog` while a record is open, so the worker computes the same load-balancing loss and
+routing metrics as the DTensor backend (:func:`nemo_rl.models.policy.moe.moe_step_terms`) from them.
+
+Megatron's activations are sequence-first: a router's rows are ``[T, B]`` flattened (row ``t * B + b``), so
+the valid-token mask of a micro-batch is transposed before it is flattened (:func:`valid_rows`).
+
+Tensor legend: N = token rows of a forward (T * B), E = experts, K = experts per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe.router import TopKRouter
+from torch import nn
+
+from nemo_rl.models.policy.moe import RoutingRecord
+
+if not moe_utils.HAVE_TE and not hasattr(moe_utils, "te_general_gemm"):
+    # megatron-core 0.16 binds its Transformer Engine GEMM only when Transformer Engine imports, but the
+    # router's linear reads the name either way (to fall back to torch.mm when it is None).
+    moe_utils.te_general_gemm = None
+
+
+class RoutingLog:
+    """The routing of the forward in progress, shared by the routers of one model (``None``: not recording)."""
+
+    def __init__(self) -> None:
+        self.record: RoutingRecord | None = None
+
+
+class RecordingRouter(TopKRouter):
+    """megatron-core's top-k router, also appending its logits and chosen experts to :attr:`log`."""
+
+    log: RoutingLog | None = None
+    """Set by :func:`attach_routing_log` after the model is built."""
+
+    def routing(
+        self, logits: torch.Tensor, padding_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Megatron's routing of ``logits`` ``[T, B, E]``; returns ``(probs, routing_map)``, both ``[N, E]``."""
+        probs, routing_map = super().routing(logits, padding_mask=padding_mask)
+        record = self.log.record if self.log is not None else None
+        if record is not None:
+            record.logits_NE.append(logits.reshape(-1, logits.shape[-1]))
+            # Without token dropping every row of the map has exactly top-k experts, in expert order.
+            record.experts_NK.append(routing_map.nonzero()[:, 1].reshape(routing_map.shape[0], self.topk))
+        return probs, routing_map
+
+
+def routers(model: nn.Module) -> list[RecordingRouter]:
+    """The MoE routers of ``model`` in forward order."""
+    return [module for module in model.modules() if isinstance(module, RecordingRouter)]
+
+
+def attach_routing_log(model: nn.Module) -> RoutingLog | None:
+    """Give every router of ``model`` one shared :class:`RoutingLog`; ``None`` for a dense model."""
+    found = routers(model)
+    if not found:
+        return None
+    log = RoutingLog()
+    for router in found:
+        router.log = log
+    return log
+
+
+def freeze_routers(model: nn.Module) -> int:
+    """Stop training the routers' weights (``megatron_cfg.freeze_moe_router``); returns how many were frozen."""
+    found = routers(model)
+    for router in found:
+        for param in router.parameters():
+            param.requires_grad_(False)
+    return len(found)
+
+
+@contextmanager
+def recording(log: RoutingLog | None) -> Iterator[RoutingRecord | None]:
+    """Record the routing of the forwards run inside the block (nothing for a dense model)."""
+    if log is None:
+        yield None
+        return
+    log.record = RoutingRecord()
+    try:
+        yield log.record
+    finally:
+        log.record = None
+
+
+def valid_rows(valid_BT: torch.Tensor) -> torch.Tensor:
+    """``[N]`` mask of a router's rows that are real tokens, from the micro-batch's ``[B, T]`` mask."""
+    return valid_BT.t().reshape(-1)
+
+
+class SoftmaxRouterScores:
+    """What :func:`~nemo_rl.models.policy.moe.moe_step_terms` needs of a softmax router: its distribution
+    over experts and the load-balancing loss coefficient (``transformers``' keys of the model config)."""
+
+    sigmoid = False
+
+    def __init__(self, aux_loss_coef: float) -> None:
+        self.aux_loss_coef = aux_loss_coef
+
+    def router_probs(self, logits_NE: torch.Tensor) -> torch.Tensor:
+        """The router's softmax over experts ``[N, E]`` (float32)."""
+        return torch.softmax(logits_NE.float(), dim=-1)
