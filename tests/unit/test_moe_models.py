@@ -104,21 +104,26 @@ def test_prefill_and_decode_match_transformers(family: str) -> None:
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_checkpoint_and_refit_names(family: str) -> None:
-    """A checkpoint's per-expert weights load into the 3-D expert tensors a refit sends (transformers 5's
-    in-memory names), which are what the manifest lists."""
+    """The manifest lists a MoE layer's experts one by one under their checkpoint names (what a refit sends,
+    so an expert-parallel sender can send only its own); they load into rows of the 3-D expert tensors
+    transformers 5 keeps in memory, and a 3-D tensor loaded whole counts as all of its experts."""
     model = DecoderLM.from_pretrained(asset(family), dtype=torch.float32)
     manifest = model.weights_manifest()
     last = model.arch.num_layers - 1
     prefix = f"model.layers.{last}.mlp."
-    assert manifest[prefix + "experts.gate_up_proj"][0] == (8, 128, 128)
-    assert manifest[prefix + "experts.down_proj"][0] == (8, 128, 64)
-    assert not any(".experts.0." in name for name in manifest)
+    assert manifest[prefix + "experts.7.gate_proj.weight"][0] == (64, 128)
+    assert manifest[prefix + "experts.7.down_proj.weight"][0] == (128, 64)
+    assert not any(name.endswith(("experts.gate_up_proj", "experts.down_proj")) for name in manifest)
     hf = hf_model(family)
-    for name, tensor in hf.state_dict().items():
-        if name in manifest:
-            assert torch.equal(dict(model.named_weights())[name], tensor), name
+    weights = dict(model.named_weights())
+    state = hf.state_dict()
+    for name, tensor in state.items():
+        if name in weights:
+            assert torch.equal(weights[name], tensor), name
+    loaded = model.load_weights([(prefix + "experts.down_proj", state[prefix + "experts.down_proj"])])
+    assert loaded == {f"{prefix}experts.{e}.down_proj.weight" for e in range(8)}
     if family == "glm4_moe":
-        bias = dict(model.named_weights())[prefix + "gate.e_score_correction_bias"]
+        bias = weights[prefix + "gate.e_score_correction_bias"]
         assert bias.dtype == torch.float32 and bias.abs().sum() > 0
         assert "model.layers.0.mlp.gate_proj.weight" in manifest  # the dense first layer
         assert prefix + "shared_experts.gate_proj.weight" in manifest
