@@ -2,7 +2,7 @@
 
 Built here: expert parallelism (``expert_model_parallel_size``, experts not split further:
 ``expert_tensor_parallel_size`` 1), the router's top-k (checked against the checkpoint), its dtype, the token
-dispatcher (``alltoall`` or ``allgather``) and ``freeze_moe_router``. The load-balancing loss is the one the
+dispatcher (``alltoall`` or ``allgather``), ``freeze_moe_router`` and the expert-bias update rate. The load-balancing loss is the one the
 DTensor backend trains with, ``transformers``' definition switched on by ``policy.hf_config_overrides``
 (``output_router_logits`` / ``router_aux_loss_coef``), so one config trains the same loss on both backends;
 Megatron-core's own per-layer losses (``moe_router_load_balancing_type`` other than ``none``) are refused with
@@ -64,8 +64,10 @@ class MegatronMoeKeys(ConfigModel):
     (``router_aux_loss_coef`` weights the built one)."""
 
     moe_router_bias_update_rate: float | None = Field(default=None, ge=0.0)
-    """Accepted, no effect here: the step of Megatron's aux-loss-free expert-bias updates, and the MoE family
-    the Megatron backend converts (``qwen3_moe``) has no expert bias."""
+    """Step of megatron-core's aux-loss-free balancing: after each optimizer step a sigmoid router's expert
+    bias (GLM-4-MoE's ``e_score_correction_bias``) moves by this much towards less-loaded experts. ``None``
+    means 0 (the checkpoint's bias is kept, as on the DTensor backend; NeMo RL's RL recipes set 0). A softmax
+    router (Qwen3-MoE) has no bias to move."""
 
     moe_router_enable_expert_bias: bool | None = None
     """Accepted, no effect here: whether a router has an expert bias follows the checkpoint."""

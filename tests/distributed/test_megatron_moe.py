@@ -2,8 +2,9 @@
 DTensor worker and Hugging Face transformers.
 
 Two groups of forked ranks run at once: EP=2 on two ranks (each holds 4 of the 8 experts of every MoE layer;
-tokens travel to their experts with the all-to-all dispatcher, or the all-gather one) and the one-process
-DTensor worker. The tests compare 3 optimizer steps of SFT with transformers' load-balancing loss trained on
+tokens travel to their experts with the all-to-all dispatcher, or the all-gather one; Qwen3-MoE, and
+GLM-4-MoE with its sigmoid group routing, correction bias and shared expert) and the one-process DTensor
+worker. The tests compare 3 optimizer steps of SFT with transformers' load-balancing loss trained on
 (loss, grad norm, aux loss; rel 1e-5, fp32), log-probs against transformers' forward, the HF -> Megatron ->
 HF round trip and the refit streams (each expert-parallel rank sends its own experts).
 """
@@ -30,20 +31,21 @@ NUM_EXPERTS = 8
 AUX = {"output_router_logits": True, "router_aux_loss_coef": AUX_COEF}
 
 
-def common(micro_batch: int) -> dict[str, Any]:
+def common(family: str) -> dict[str, Any]:
+    """Qwen3-MoE trains with transformers' load-balancing loss; GLM-4-MoE has none (its correction bias)."""
     return {
-        "model_name": str(asset("qwen3_moe")),
+        "model_name": str(asset(family)),
         "train_global_batch_size": GLOBAL_BATCH,
-        "train_micro_batch_size": micro_batch,
+        "train_micro_batch_size": GLOBAL_BATCH // 2,
         "max_grad_norm": 1.0,
-        "hf_config_overrides": AUX,
+        "hf_config_overrides": AUX if family == "qwen3_moe" else {},
     }
 
 
-def megatron_cfg(megatron: dict[str, Any] | None = None) -> PolicyConfig:
+def megatron_cfg(megatron: dict[str, Any] | None = None, family: str = "qwen3_moe") -> PolicyConfig:
     """EP=2 with the DTensor reference's optimizer (AdamW, constant LR, no weight decay, clip 1)."""
     return PolicyConfig.model_validate(
-        common(GLOBAL_BATCH // 2)
+        common(family)
         | {
             "optimizer": None,
             "scheduler": None,
@@ -58,10 +60,10 @@ def megatron_cfg(megatron: dict[str, Any] | None = None) -> PolicyConfig:
     )
 
 
-def dtensor_cfg() -> PolicyConfig:
+def dtensor_cfg(family: str) -> PolicyConfig:
     """One process, two micro-batches per step: the same rows each EP rank trains on."""
     return PolicyConfig.model_validate(
-        common(GLOBAL_BATCH // 2)
+        common(family)
         | {"optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": LR, "weight_decay": 0.0}}}
     )
 
@@ -95,14 +97,22 @@ def _ep2_scenarios(save: SaveFn, model_dir: Path, out_dir: Path) -> None:
     router = worker.gpt.decoder.layers[0].mlp.router.weight
     save("router_frozen", not router.requires_grad)
     worker.shutdown()
+    # GLM-4-MoE: sigmoid groups with the correction bias, a shared expert, a dense first layer.
+    worker = MegatronPolicyWorker(megatron_cfg(family="glm4_moe"))
+    worker.export_hf(str(out_dir / "glm4_init_export"))
+    save("glm4_logprobs", worker.get_logprobs(score_data())["logprobs"])
+    shard = train_data().shard_by_batch_size(worker.dp_size, batch_size=GLOBAL_BATCH)[worker.dp_rank]
+    save("glm4_train", worker.train(shard, NLLLoss()))
+    worker.shutdown()
 
 
 def _reference_scenarios(save: SaveFn, model_dir: Path, out_dir: Path) -> None:
     from nemo_rl.models.policy.dtensor_worker import DTensorPolicyWorker
 
-    worker = DTensorPolicyWorker(dtensor_cfg(), init_reference_model=False)
-    save("train", worker.train(train_data(), NLLLoss()))
-    worker.shutdown()
+    for family, name in (("qwen3_moe", "train"), ("glm4_moe", "glm4_train")):
+        worker = DTensorPolicyWorker(dtensor_cfg(family), init_reference_model=False)
+        save(name, worker.train(train_data(), NLLLoss()))
+        worker.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -123,55 +133,63 @@ def rel_close(actual: Any, expected: Any, rtol: float = 1e-5) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ tests
-@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
-def test_ep2_sft_with_aux_loss_matches_one_process_dtensor(results: Path, dispatcher: str) -> None:
-    expected = load(results, "reference.train")
-    assert [load(results, f"ep2.{dispatcher}_local_experts", r) for r in range(2)] == [
-        [0, 1, 2, 3],
-        [4, 5, 6, 7],
-    ]
+@pytest.mark.parametrize(
+    ("scenario", "reference"),
+    [("alltoall_train", "train"), ("allgather_train", "train"), ("glm4_train", "glm4_train")],
+)
+def test_ep2_sft_matches_one_process_dtensor(results: Path, scenario: str, reference: str) -> None:
+    """Loss (with Qwen3-MoE's load-balancing loss), grad norm and the routing metrics."""
+    expected = load(results, f"reference.{reference}")
+    assert [load(results, "ep2.alltoall_local_experts", r) for r in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    keys = [k for k in expected["metrics"] if k.startswith("moe_")]
+    assert "moe_router_entropy" in keys and "moe_expert_load_layer0_max" in keys
     for rank in range(2):
-        got = load(results, f"ep2.{dispatcher}_train", rank)
-        print(
-            dispatcher, rank, got["loss"].tolist(), got["grad_norm"].tolist(), got["metrics"]["moe_aux_loss"]
-        )
+        got = load(results, f"ep2.{scenario}", rank)
+        print(scenario, rank, got["loss"].tolist(), got["grad_norm"].tolist(), got["metrics"]["moe_aux_loss"])
         rel_close(got["loss"], expected["loss"])
         rel_close(got["grad_norm"], expected["grad_norm"])
-        rel_close(got["metrics"]["moe_aux_loss"], expected["metrics"]["moe_aux_loss"])
-        rel_close(got["metrics"]["moe_router_entropy"], expected["metrics"]["moe_router_entropy"])
-        for layer in range(2):
-            key = f"moe_expert_load_layer{layer}_max"
+        for key in keys:
             rel_close(got["metrics"][key], expected["metrics"][key])
 
 
-@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
-def test_ep2_logprobs_match_transformers(results: Path, dispatcher: str) -> None:
+@pytest.mark.parametrize(
+    ("scenario", "family"),
+    [("alltoall_logprobs", "qwen3_moe"), ("allgather_logprobs", "qwen3_moe"), ("glm4_logprobs", "glm4_moe")],
+)
+def test_ep2_logprobs_match_transformers(results: Path, scenario: str, family: str) -> None:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(asset("qwen3_moe"), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(asset(family), dtype=torch.float32)
     expected = hf_logprobs(model, score_data())
     for rank in range(2):
-        diff = (load(results, f"ep2.{dispatcher}_logprobs", rank) - expected).abs().max().item()
-        print(f"{dispatcher} rank {rank}: max |logprob - transformers| = {diff:.2e}")
+        diff = (load(results, f"ep2.{scenario}", rank) - expected).abs().max().item()
+        print(f"{scenario} rank {rank}: max |logprob - transformers| = {diff:.2e}")
         assert diff <= 1e-5
 
 
-def test_ep2_round_trip_is_bit_exact_and_loads_in_transformers(results: Path) -> None:
+@pytest.mark.parametrize(
+    ("export", "family"), [("init_export", "qwen3_moe"), ("glm4_init_export", "glm4_moe")]
+)
+def test_ep2_round_trip_is_bit_exact_and_loads_in_transformers(
+    results: Path, export: str, family: str
+) -> None:
     from transformers import AutoModelForCausalLM
 
-    export_dir = results / "init_export"
+    export_dir = results / export
     files = sorted(export_dir.glob("*.safetensors"))
     assert [f.name for f in files] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     exported = [load_file(f) for f in files]
-    original = load_file(asset("qwen3_moe") / "model.safetensors")
+    original = load_file(asset(family) / "model.safetensors")
     assert set(exported[0]) | set(exported[1]) == set(original)
     # The second expert-parallel rank writes its own experts only.
     assert all(".mlp.experts." in name for name in exported[1])
     for name, tensor in original.items():
         assert torch.equal((exported[0] | exported[1])[name], tensor), name
     reloaded = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32)
-    original_model = AutoModelForCausalLM.from_pretrained(asset("qwen3_moe"), dtype=torch.float32)
+    original_model = AutoModelForCausalLM.from_pretrained(asset(family), dtype=torch.float32)
     assert torch.equal(hf_logprobs(reloaded, score_data()), hf_logprobs(original_model, score_data()))
+    if family != "qwen3_moe":
+        return
     trained = AutoModelForCausalLM.from_pretrained(results / "trained_export", dtype=torch.float32)
     diff = (hf_logprobs(trained, score_data()) - load(results, "ep2.trained_logprobs")).abs().max().item()
     assert diff <= 1e-5

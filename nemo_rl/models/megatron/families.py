@@ -9,8 +9,9 @@ SwiGLU, grouped-query attention with rotary embeddings) and differ in their bias
 - ``llama``: ``attention_bias`` adds q/k/v/o biases, ``mlp_bias`` MLP biases;
 - ``qwen2``: q/k/v biases always, no o_proj or MLP bias;
 - ``qwen3``: RMSNorm on each query and key head (``q_norm`` / ``k_norm``) before rotary embeddings;
-- ``qwen3_moe``: Qwen3's attention with megatron-core's MoE layer (:class:`MoeDecoderFamily`): the router
-  (``mlp.gate`` -> ``mlp.router``) and, per expert held by this expert-parallel rank, one gated MLP
+- ``qwen3_moe`` / ``glm4_moe``: megatron-core's MoE layer (:class:`MoeDecoderFamily`): the router
+  (``mlp.gate`` -> ``mlp.router``, GLM's ``e_score_correction_bias`` -> its ``expert_bias`` buffer), GLM's
+  shared experts (``mlp.shared_experts``) and, per expert held by this expert-parallel rank, one gated MLP
   (``mlp.experts.{e}.gate_proj`` / ``up_proj`` -> ``mlp.experts.local_experts.{j}.linear_fc1``,
   ``down_proj`` -> ``linear_fc2``; ``e = ep_rank * E / EP + j``).
 
@@ -198,41 +199,75 @@ class DecoderFamily:
 
 @dataclass(frozen=True)
 class MoeDecoderFamily(DecoderFamily):
-    """A decoder whose MLPs are (some or all) megatron-core MoE layers: a softmax top-k router without a
-    shared expert (Qwen3-MoE)."""
+    """A decoder whose MLPs are (some or all) megatron-core MoE layers: Qwen3-MoE's softmax top-k router, or
+    GLM-4-MoE's (DeepSeek-V3's) sigmoid router with a score-correction bias, expert groups, a routing scale
+    and shared experts."""
 
     def check(self, arch: DecoderArch) -> None:
-        """Also refuse routing megatron-core's layer here does not reproduce (sigmoid groups, shared experts)."""
+        """Also refuse routing megatron-core's router computes differently from ``transformers``."""
         super().check(arch)
         moe = arch.moe
-        if moe is None or moe.router != "softmax" or moe.shared_intermediate_size:
+        assert moe is not None
+        if moe.router == "softmax" and moe.shared_intermediate_size:
             raise ValueError(
-                f"the Megatron backend builds {self.model_type} as a softmax-routed MoE without shared experts; "
-                "use the DTensor backend for this model"
+                f"a softmax-routed {self.model_type} with shared experts is not built: use DTensor"
+            )
+        if moe.router == "sigmoid" and not moe.norm_topk_prob and moe.top_k > 1:
+            raise ValueError(
+                f"this {self.model_type} config has norm_topk_prob=false, but megatron-core renormalises a "
+                "sigmoid router's top-k weights: use the DTensor backend"
+            )
+        # transformers ranks a group by its two best experts; megatron-core by its best top_k / topk_group.
+        if moe.num_groups > 1 and moe.top_k // moe.topk_groups != 2:
+            raise ValueError(
+                f"this {self.model_type} config ranks expert groups by their top {moe.top_k // moe.topk_groups} "
+                "experts in megatron-core but their top 2 in transformers: use the DTensor backend"
             )
 
     def model_options(self, arch: DecoderArch) -> dict[str, Any]:
-        """The dense options plus the MoE layer's: experts, their width, top-k and softmax routing (top-k of
-        the logits then a softmax over them is ``transformers``' renormalised top-k probabilities)."""
+        """The dense options plus the MoE layer's: experts, their width, top-k and the router (softmax: top-k
+        of the logits then a softmax over them, which is ``transformers``' renormalised top-k probabilities;
+        sigmoid: with the correction bias as megatron-core's expert bias, groups and scale)."""
         moe = arch.moe
         assert moe is not None
-        return super().model_options(arch) | {
+        options = super().model_options(arch) | {
             "num_moe_experts": moe.num_experts,
             "moe_ffn_hidden_size": moe.expert_intermediate_size,
             "moe_router_topk": moe.top_k,
-            "moe_router_score_function": "softmax",
-            "moe_router_pre_softmax": not moe.norm_topk_prob,
             "moe_layer_freq": [int(sparse) for sparse in moe.sparse_layers],
+        }
+        if moe.router == "softmax":
+            return options | {
+                "moe_router_score_function": "softmax",
+                "moe_router_pre_softmax": not moe.norm_topk_prob,
+            }
+        return options | {
+            "moe_router_score_function": "sigmoid",
+            "moe_router_enable_expert_bias": True,
+            "moe_router_topk_scaling_factor": moe.routed_scaling_factor,
+            "moe_router_num_groups": moe.num_groups if moe.num_groups > 1 else None,
+            "moe_router_group_topk": moe.topk_groups if moe.num_groups > 1 else None,
+            "moe_shared_expert_intermediate_size": moe.shared_intermediate_size or None,
         }
 
     def mlp_rules(
         self, arch: DecoderArch, m: str, h: str, layer: int, experts: Sequence[int]
     ) -> list[WeightRule]:
-        """A MoE layer's router (on every rank) and the gated MLPs of this rank's ``experts``."""
-        assert arch.moe is not None
-        if not arch.moe.sparse_layers[layer]:
+        """A MoE layer's router (with its correction bias) and shared experts, on every rank, and the gated
+        MLPs of this rank's ``experts``."""
+        moe = arch.moe
+        assert moe is not None
+        if not moe.sparse_layers[layer]:
             return super().mlp_rules(arch, m, h, layer, experts)
         rules = [WeightRule(m + "mlp.router.weight", (h + "mlp.gate.weight",), Kind.REPLICATED)]
+        if moe.router == "sigmoid":
+            rules.append(
+                WeightRule(
+                    m + "mlp.router.expert_bias", (h + "mlp.gate.e_score_correction_bias",), Kind.REPLICATED
+                )
+            )
+        if moe.shared_intermediate_size:
+            rules += _mlp_rules(m, h, "weight", down_kind=Kind.ROW, module="mlp.shared_experts.")
         for local, expert in enumerate(experts):
             me, he = f"{m}mlp.experts.local_experts.{local}.", f"{h}mlp.experts.{expert}."
             rules += [
@@ -254,6 +289,7 @@ FAMILIES: dict[str, DecoderFamily] = {
         DecoderFamily("qwen2", "Qwen2ForCausalLM"),
         DecoderFamily("qwen3", "Qwen3ForCausalLM"),
         MoeDecoderFamily("qwen3_moe", "Qwen3MoeForCausalLM"),
+        MoeDecoderFamily("glm4_moe", "Glm4MoeForCausalLM"),
     )
 }
 """The families the Megatron backend converts, by Hugging Face ``model_type``."""
@@ -271,16 +307,17 @@ def family_for(arch: DecoderArch) -> DecoderFamily:
     return family
 
 
-def _mlp_rules(m: str, h: str, suffix: str, *, down_kind: Kind) -> list[WeightRule]:
-    """The MLP's fused gate/up projection and its down projection, for their ``suffix`` (weight or bias):
-    Megatron prefix ``m``, Hugging Face prefix ``h``."""
+def _mlp_rules(m: str, h: str, suffix: str, *, down_kind: Kind, module: str = "mlp.") -> list[WeightRule]:
+    """The gated MLP ``module`` (the layer's MLP, or a MoE layer's shared experts): its fused gate/up
+    projection and its down projection, for their ``suffix`` (weight or bias); Megatron prefix ``m``,
+    Hugging Face prefix ``h``."""
     return [
         WeightRule(
-            m + f"mlp.linear_fc1.{suffix}",
-            (h + f"mlp.gate_proj.{suffix}", h + f"mlp.up_proj.{suffix}"),
+            m + f"{module}linear_fc1.{suffix}",
+            (h + f"{module}gate_proj.{suffix}", h + f"{module}up_proj.{suffix}"),
             Kind.GATE_UP,
         ),
-        WeightRule(m + f"mlp.linear_fc2.{suffix}", (h + f"mlp.down_proj.{suffix}",), down_kind),
+        WeightRule(m + f"{module}linear_fc2.{suffix}", (h + f"{module}down_proj.{suffix}",), down_kind),
     ]
 
 

@@ -22,7 +22,7 @@ from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.moe.router import TopKRouter
 from torch import nn
 
-from nemo_rl.models.policy.moe import RoutingRecord
+from nemo_rl.models.policy.moe import RoutingRecord, router_distribution
 
 if not moe_utils.HAVE_TE and not hasattr(moe_utils, "te_general_gemm"):
     # megatron-core 0.16 binds its Transformer Engine GEMM only when Transformer Engine imports, but the
@@ -99,15 +99,14 @@ def valid_rows(valid_BT: torch.Tensor) -> torch.Tensor:
     return valid_BT.t().reshape(-1)
 
 
-class SoftmaxRouterScores:
-    """What :func:`~nemo_rl.models.policy.moe.moe_step_terms` needs of a softmax router: its distribution
+class RouterScores:
+    """What :func:`~nemo_rl.models.policy.moe.moe_step_terms` needs of the model's routers: their distribution
     over experts and the load-balancing loss coefficient (``transformers``' keys of the model config)."""
 
-    sigmoid = False
-
-    def __init__(self, aux_loss_coef: float) -> None:
+    def __init__(self, sigmoid: bool, aux_loss_coef: float) -> None:
+        self.sigmoid = sigmoid
         self.aux_loss_coef = aux_loss_coef
 
     def router_probs(self, logits_NE: torch.Tensor) -> torch.Tensor:
-        """The router's softmax over experts ``[N, E]`` (float32)."""
-        return torch.softmax(logits_NE.float(), dim=-1)
+        """The routers' distribution over experts ``[N, E]`` (float32)."""
+        return router_distribution(logits_NE, self.sigmoid)

@@ -55,13 +55,14 @@ SEED = 1234
 
 
 def init_model_parallel(cfg: MegatronConfig) -> None:
-    """Create Megatron's tensor / pipeline / data / expert-parallel groups over the default process group
-    (experts are never split by tensor parallelism here)."""
+    """Create Megatron's tensor / pipeline / data / expert-parallel groups over the default process group.
+
+    The expert tensor-parallel size is Megatron's default, the TP size: MoE models run with TP = 1 (checked at
+    config load), so experts are whole, and a dense model keeps its data-parallel groups."""
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=cfg.tensor_model_parallel_size,
         pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
         expert_model_parallel_size=cfg.expert_model_parallel_size,
-        expert_tensor_parallel_size=1,
         order=RANK_ORDER,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(SEED)
@@ -144,9 +145,9 @@ def transformer_config(arch: DecoderArch, family: DecoderFamily, policy: PolicyC
         # pipeline stages exchange shapes before each send.
         variable_seq_lengths=cfg.pipeline_model_parallel_size > 1,
         expert_model_parallel_size=cfg.expert_model_parallel_size,
-        expert_tensor_parallel_size=1,
         moe_token_dispatcher_type=cfg.moe_token_dispatcher_type or "alltoall",
         moe_router_dtype=cfg.moe_router_dtype,
+        moe_router_bias_update_rate=cfg.moe_router_bias_update_rate or 0.0,
         # The load-balancing loss is transformers' (nemo_rl.models.megatron.moe), not Megatron's.
         moe_router_load_balancing_type="none",
         moe_aux_loss_coeff=0.0,

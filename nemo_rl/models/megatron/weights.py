@@ -81,7 +81,10 @@ class StageWeights:
         """Rules of the LoRA adapters (none without LoRA)."""
         self.base_rules = [rule for rule in self.rules if not is_adapter_name(rule.hf[0])]
         """Rules of the model's own weights (those of its Hugging Face checkpoint)."""
-        self.params = dict(model.named_parameters())
+        # A sigmoid router's expert bias is a buffer in megatron-core, a checkpoint weight in Hugging Face.
+        self.params = dict(model.named_parameters()) | {
+            name: buffer for name, buffer in model.named_buffers() if name.endswith("router.expert_bias")
+        }
         covered = {rule.megatron for rule in self.rules}
         if covered != set(self.params):
             raise RuntimeError(
@@ -166,14 +169,21 @@ class StageWeights:
 
 def hf_weights_manifest(hf_config: Any, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], str]]:
     """``{hf_name: (full shape, dtype name)}`` of every weight of the model (as a Hugging Face checkpoint
-    stores it: a tied LM head once, a MoE layer's experts one by one), from its config alone."""
+    stores it: a tied LM head once, a MoE layer's experts one by one, persistent buffers), from its config
+    alone."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(hf_config)
-    return per_expert_manifest(
-        {name: (tuple(p.shape), dtype_name(dtype)) for name, p in skeleton.named_parameters()}
-    )
+    manifest = {name: (tuple(p.shape), dtype_name(dtype)) for name, p in skeleton.named_parameters()}
+    for name, buffer in skeleton.state_dict().items():
+        # Persistent buffers the checkpoint holds too (GLM's float32 e_score_correction_bias).
+        if name not in manifest and not name.endswith("lm_head.weight"):
+            manifest[name] = (
+                tuple(buffer.shape),
+                dtype_name(dtype if buffer.is_floating_point() else buffer.dtype),
+            )
+    return per_expert_manifest(manifest)
 
 
 def write_stage_safetensors(

@@ -61,7 +61,7 @@ from nemo_rl.models.megatron import checkpoint, cpu_compat, setup
 from nemo_rl.models.megatron.families import family_for
 from nemo_rl.models.megatron.lora import MegatronLoRA
 from nemo_rl.models.megatron.moe import (
-    SoftmaxRouterScores,
+    RouterScores,
     attach_routing_log,
     freeze_routers,
     recording,
@@ -173,7 +173,8 @@ class MegatronPolicyWorker(PolicyWorkerBase):
         self.routing_log = attach_routing_log(self.gpt)
         self._routing: RoutingRecord | None = None
         """The routing of the micro-batch whose loss runs next (MoE models)."""
-        self.router_scores = SoftmaxRouterScores(aux_loss_coef_of(self.hf_config))
+        sigmoid = self.arch.moe is not None and self.arch.moe.router == "sigmoid"
+        self.router_scores = RouterScores(sigmoid, aux_loss_coef_of(self.hf_config))
         if megatron.freeze_moe_router:
             freeze_routers(self.gpt)
         self.weights = StageWeights(

@@ -108,10 +108,16 @@ class RouterRecorder:
 
     def router_probs(self, logits_NE: torch.Tensor) -> torch.Tensor:
         """The router's distribution over experts ``[N, E]`` (float32) from its logits."""
-        if self.sigmoid:
-            scores = logits_NE.float().sigmoid()
-            return scores / scores.sum(dim=-1, keepdim=True)
-        return torch.softmax(logits_NE.float(), dim=-1)
+        return router_distribution(logits_NE, self.sigmoid)
+
+
+def router_distribution(logits_NE: torch.Tensor, sigmoid: bool) -> torch.Tensor:
+    """A router's distribution over experts ``[N, E]`` (float32) from its logits: the softmax, or a sigmoid
+    router's scores normalised to sum to 1."""
+    if sigmoid:
+        scores = logits_NE.float().sigmoid()
+        return scores / scores.sum(dim=-1, keepdim=True)
+    return torch.softmax(logits_NE.float(), dim=-1)
 
 
 def moe_step_terms(
