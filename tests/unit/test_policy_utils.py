@@ -321,3 +321,21 @@ def test_policy_implements_the_interface() -> None:
         if not name.startswith("_"):
             assert callable(getattr(policy_cls, name)), name
             assert callable(getattr(DTensorPolicyWorker, name)), name
+
+
+def test_expert_parallel_size_must_divide_the_data_parallel_ranks() -> None:
+    pytest.importorskip("megatron.core", reason="needs megatron-core")
+    cfg = PolicyConfig.model_validate(
+        {
+            "model_name": "examples/assets/tiny_qwen3_moe_init",
+            "optimizer": None,
+            "train_global_batch_size": 4,
+            "dtensor_cfg": {"enabled": False},
+            "megatron_cfg": {"enabled": True, "expert_model_parallel_size": 4},
+        }
+    )
+    assert lm_policy.check_policy_layout(cfg, world_size=4) == 4
+    with pytest.raises(
+        UserError, match="expert_model_parallel_size=4 does not divide the policy's 2 data-parallel"
+    ):
+        lm_policy.check_policy_layout(cfg, world_size=2)
