@@ -10,9 +10,12 @@ tensors, many layer matrices, small norms) to one generation process, through
   the collective transport uses.
 
 Prints GB/s (1e9 bytes per second, median of ``--repeats`` runs after a warm-up) and the ratios
-transport / memcpy and transport / raw broadcast. Runs on CPU with gloo; nothing is downloaded::
+transport / memcpy and transport / raw broadcast. ``--num-experts E`` makes every MLP a mixture of ``E``
+experts of the same total size, sent one tensor per expert as a MoE refit sends them (many small tensors
+instead of three large ones per layer). Runs on CPU with gloo; nothing is downloaded::
 
     python benchmarks/bench_refit.py --total-mb 512 --bucket-mb 64
+    python benchmarks/bench_refit.py --total-mb 512 --bucket-mb 64 --num-experts 64
 """
 
 from __future__ import annotations
@@ -38,24 +41,44 @@ from nemo_rl.weight_sync.manifest import dtype_from_name
 _MIB = 1024 * 1024
 
 
-def weight_shapes(total_bytes: int, itemsize: int, hidden: int) -> dict[str, tuple[int, ...]]:
-    """Decoder-like weight shapes adding up to about ``total_bytes``: embedding + lm_head take ~25%."""
+def weight_shapes(
+    total_bytes: int, itemsize: int, hidden: int, num_experts: int = 0
+) -> dict[str, tuple[int, ...]]:
+    """Decoder-like weight shapes adding up to about ``total_bytes``: embedding + lm_head take ~25%. With
+    ``num_experts`` every MLP is a mixture of that many experts of width ``4 * hidden / num_experts`` (the same
+    parameters as the dense MLP, in 3 tensors per expert under checkpoint names, as a MoE refit sends them)
+    plus its router."""
     numel = total_bytes // itemsize
     vocab = max(1, numel // 8 // hidden)
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
-    layer_numel = 4 * hidden * hidden + 3 * hidden * 4 * hidden + 2 * hidden
+    layer_numel = 4 * hidden * hidden + 3 * hidden * 4 * hidden + 2 * hidden + num_experts * hidden
     num_layers = max(1, (numel - 2 * vocab * hidden) // layer_numel)
     for i in range(num_layers):
         prefix = f"model.layers.{i}"
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
             shapes[f"{prefix}.self_attn.{proj}.weight"] = (hidden, hidden)
-        shapes[f"{prefix}.mlp.gate_proj.weight"] = (4 * hidden, hidden)
-        shapes[f"{prefix}.mlp.up_proj.weight"] = (4 * hidden, hidden)
-        shapes[f"{prefix}.mlp.down_proj.weight"] = (hidden, 4 * hidden)
+        shapes.update(_mlp_shapes(f"{prefix}.mlp", hidden, num_experts))
         shapes[f"{prefix}.input_layernorm.weight"] = (hidden,)
         shapes[f"{prefix}.post_attention_layernorm.weight"] = (hidden,)
     shapes["model.norm.weight"] = (hidden,)
     shapes["lm_head.weight"] = (vocab, hidden)
+    return shapes
+
+
+def _mlp_shapes(prefix: str, hidden: int, num_experts: int) -> dict[str, tuple[int, ...]]:
+    """One dense MLP (``num_experts`` 0), or a router and ``num_experts`` experts of the same total size."""
+    if num_experts == 0:
+        return {
+            f"{prefix}.gate_proj.weight": (4 * hidden, hidden),
+            f"{prefix}.up_proj.weight": (4 * hidden, hidden),
+            f"{prefix}.down_proj.weight": (hidden, 4 * hidden),
+        }
+    width = 4 * hidden // num_experts
+    shapes: dict[str, tuple[int, ...]] = {f"{prefix}.gate.weight": (num_experts, hidden)}
+    for e in range(num_experts):
+        shapes[f"{prefix}.experts.{e}.gate_proj.weight"] = (width, hidden)
+        shapes[f"{prefix}.experts.{e}.up_proj.weight"] = (width, hidden)
+        shapes[f"{prefix}.experts.{e}.down_proj.weight"] = (hidden, width)
     return shapes
 
 
@@ -133,9 +156,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", help="generation dtype (the policy holds float32)")
     parser.add_argument("--hidden", type=int, default=512, help="hidden size of the synthetic decoder")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (median)")
+    parser.add_argument(
+        "--num-experts", type=int, default=0, help="make every MLP a mixture of this many experts (0: dense)"
+    )
     args = parser.parse_args()
     dtype = dtype_from_name(args.dtype)
-    shapes = weight_shapes(args.total_mb * _MIB, dtype.itemsize, args.hidden)
+    shapes = weight_shapes(args.total_mb * _MIB, dtype.itemsize, args.hidden, args.num_experts)
     wire_bytes = sum(torch.Size(s).numel() for s in shapes.values()) * dtype.itemsize
     bucket_bytes = args.bucket_mb * _MIB
     print(f"{len(shapes)} tensors, {wire_bytes / 1e9:.3f} GB in {args.dtype}, {args.bucket_mb} MiB buckets")
