@@ -2,12 +2,11 @@
 
 Built here: expert parallelism (``expert_model_parallel_size``, experts not split further:
 ``expert_tensor_parallel_size`` 1), the router's top-k (checked against the checkpoint), its dtype, the token
-dispatcher (``alltoall`` or ``allgather``), ``freeze_moe_router`` and the expert-bias update rate. The load-balancing loss is the one the
-DTensor backend trains with, ``transformers``' definition switched on by ``policy.hf_config_overrides``
-(``output_router_logits`` / ``router_aux_loss_coef``), so one config trains the same loss on both backends;
-Megatron-core's own per-layer losses (``moe_router_load_balancing_type`` other than ``none``) are refused with
-a message saying so (docs/algorithms/moe.md gives both formulas). Pure speed knobs (fused permutation, DeepEP,
-grouped GEMM...) are accepted with no effect.
+dispatcher (``alltoall`` or ``allgather``), ``freeze_moe_router``, the expert-bias update rate and
+megatron-core's ``aux_loss`` load-balancing loss. ``transformers``' load-balancing loss, the DTensor backend's,
+is switched on by ``policy.hf_config_overrides`` (``output_router_logits`` / ``router_aux_loss_coef``) on both
+backends; docs/algorithms/moe.md gives both formulas. Pure speed knobs (fused permutation, DeepEP, grouped
+GEMM...) are accepted with no effect.
 """
 
 from __future__ import annotations
@@ -55,13 +54,14 @@ class MegatronMoeKeys(ConfigModel):
     generation engine samples with stays the one trained on). Nothing to freeze in a dense model."""
 
     moe_router_load_balancing_type: MoeBalancing | None = None
-    """Megatron-core's load-balancing losses; only ``none`` / null here. The load-balancing loss is
-    ``transformers``' (``policy.hf_config_overrides``: ``output_router_logits: true`` and
-    ``router_aux_loss_coef``), the same on both backends."""
+    """Megatron-core's load-balancing loss: ``aux_loss`` trains megatron-core's per-layer switch loss times
+    ``moe_aux_loss_coeff`` (docs/algorithms/moe.md gives its formula next to ``transformers``'); ``none`` /
+    null trains none of Megatron's (``transformers``' may still be on, through ``policy.hf_config_overrides``).
+    ``seq_aux_loss``, ``global_aux_loss`` and ``sinkhorn`` are not built."""
 
     moe_aux_loss_coeff: float | None = Field(default=None, ge=0.0)
-    """Accepted, no effect here: the coefficient of Megatron-core's load-balancing losses, which are not built
-    (``router_aux_loss_coef`` weights the built one)."""
+    """Coefficient of the ``aux_loss`` load-balancing loss; ``None`` takes the checkpoint's
+    ``router_aux_loss_coef`` (0 when it has none), as megatron-bridge's converters do."""
 
     moe_router_bias_update_rate: float | None = Field(default=None, ge=0.0)
     """Step of megatron-core's aux-loss-free balancing: after each optimizer step a sigmoid router's expert
@@ -144,9 +144,9 @@ class MegatronMoeKeys(ConfigModel):
             ),
             (
                 "moe_router_load_balancing_type",
-                self.moe_router_load_balancing_type not in (None, "none"),
-                "set none and train transformers' load-balancing loss, the DTensor backend's, with "
-                "policy.hf_config_overrides.output_router_logits=true and router_aux_loss_coef=<coefficient>",
+                self.moe_router_load_balancing_type not in (None, "none", "aux_loss"),
+                "set aux_loss (megatron-core's switch loss) or none; transformers' loss, the DTensor backend's, is "
+                "policy.hf_config_overrides.output_router_logits=true with router_aux_loss_coef=<coefficient>",
             ),
         ]
 
@@ -181,6 +181,11 @@ class MegatronMoeKeys(ConfigModel):
             raise ValueError(
                 f"policy.megatron_cfg.expert_model_parallel_size={ep} does not divide the model's {num_experts} "
                 "experts: choose a divisor of the expert count"
+            )
+        if self.moe_router_load_balancing_type == "aux_loss" and hf_config.get("output_router_logits"):
+            raise ValueError(
+                "policy.megatron_cfg.moe_router_load_balancing_type=aux_loss and policy.hf_config_overrides."
+                "output_router_logits=true would train two load-balancing losses: keep one"
             )
         top_k = hf_config.get("num_experts_per_tok")
         if self.moe_router_topk is not None and self.moe_router_topk != top_k:

@@ -31,21 +31,24 @@ NUM_EXPERTS = 8
 AUX = {"output_router_logits": True, "router_aux_loss_coef": AUX_COEF}
 
 
-def common(family: str) -> dict[str, Any]:
-    """Qwen3-MoE trains with transformers' load-balancing loss; GLM-4-MoE has none (its correction bias)."""
+def common(family: str, hf_aux: bool = True) -> dict[str, Any]:
+    """Qwen3-MoE trains with transformers' load-balancing loss (unless ``hf_aux`` is off); GLM-4-MoE has none
+    (its correction bias)."""
     return {
         "model_name": str(asset(family)),
         "train_global_batch_size": GLOBAL_BATCH,
         "train_micro_batch_size": GLOBAL_BATCH // 2,
         "max_grad_norm": 1.0,
-        "hf_config_overrides": AUX if family == "qwen3_moe" else {},
+        "hf_config_overrides": AUX if family == "qwen3_moe" and hf_aux else {},
     }
 
 
-def megatron_cfg(megatron: dict[str, Any] | None = None, family: str = "qwen3_moe") -> PolicyConfig:
+def megatron_cfg(
+    megatron: dict[str, Any] | None = None, family: str = "qwen3_moe", hf_aux: bool = True
+) -> PolicyConfig:
     """EP=2 with the DTensor reference's optimizer (AdamW, constant LR, no weight decay, clip 1)."""
     return PolicyConfig.model_validate(
-        common(family)
+        common(family, hf_aux)
         | {
             "optimizer": None,
             "scheduler": None,
@@ -96,6 +99,12 @@ def _ep2_scenarios(save: SaveFn, model_dir: Path, out_dir: Path) -> None:
     save("manifest", worker.weights_manifest(torch.float32))
     router = worker.gpt.decoder.layers[0].mlp.router.weight
     save("router_frozen", not router.requires_grad)
+    worker.shutdown()
+    # megatron-core's own switch loss instead of transformers'.
+    switch = {"moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": AUX_COEF}
+    worker = MegatronPolicyWorker(megatron_cfg(switch, hf_aux=False))
+    shard = train_data().shard_by_batch_size(worker.dp_size, batch_size=GLOBAL_BATCH)[worker.dp_rank]
+    save("switch_train", worker.train(shard, NLLLoss()))
     worker.shutdown()
     # GLM-4-MoE: sigmoid groups with the correction bias, a shared expert, a dense first layer.
     worker = MegatronPolicyWorker(megatron_cfg(family="glm4_moe"))
@@ -212,3 +221,20 @@ def test_each_expert_parallel_rank_streams_its_own_experts(results: Path) -> Non
             assert manifest[name] == (tuple(tensor.shape), "float32")
             assert torch.equal(tensor, original[name]), name
     assert all(load(results, "ep2.router_frozen", rank) for rank in range(2))
+
+
+def test_megatron_aux_loss_replaces_transformers_in_the_trained_loss(results: Path) -> None:
+    """Step 1 starts from the same weights: its loss is the NLL plus the coefficient times the logged loss."""
+    hf_aux = load(results, "ep2.alltoall_train")
+    switch = load(results, "ep2.switch_train")
+    nll = float(hf_aux["loss"][0]) - AUX_COEF * hf_aux["metrics"]["moe_aux_loss"][0]
+    megatron_aux = switch["metrics"]["moe_megatron_aux_loss"][0]
+    print(
+        "megatron aux_loss",
+        switch["metrics"]["moe_megatron_aux_loss"],
+        "transformers'",
+        hf_aux["metrics"]["moe_aux_loss"],
+    )
+    # Near balanced routing both are about 1 per layer (transformers' about K over all layers together).
+    assert 0.5 < megatron_aux / 2 < 2.0
+    rel_close(switch["loss"][0], nll + AUX_COEF * megatron_aux)

@@ -114,7 +114,7 @@ def test_nemo_rl_1b_megatron_block_loads_and_reports_its_no_effect_keys() -> Non
         ({"expert_model_parallel_size": 2, "tensor_model_parallel_size": 2}, "expert_model_parallel_size"),
         ({"expert_model_parallel_size": 2, "pipeline_model_parallel_size": 2}, "expert_model_parallel_size"),
         ({"moe_token_dispatcher_type": "flex"}, "moe_token_dispatcher_type"),
-        ({"moe_router_load_balancing_type": "aux_loss"}, "router_aux_loss_coef"),
+        ({"moe_router_load_balancing_type": "seq_aux_loss"}, "router_aux_loss_coef"),
         ({"expert_tensor_parallel_size": 2}, "expert_tensor_parallel_size"),
         ({"fp8_cfg": {"enabled": True}}, "fp8_cfg.enabled"),
         ({"mtp_num_layers": 1}, "mtp_num_layers"),
@@ -266,3 +266,16 @@ def test_expert_parallelism_is_built_for_a_moe_checkpoint() -> None:
     ).megatron_cfg
     assert cfg.expert_model_parallel_size == 4
     assert no_effect_settings(cfg) == []
+
+
+def test_only_one_load_balancing_loss_is_trained() -> None:
+    megatron = {"enabled": True, "moe_router_load_balancing_type": "aux_loss", "moe_aux_loss_coeff": 0.01}
+    policy = {
+        "model_name": str(ASSETS / "tiny_qwen3_moe_init"),
+        "optimizer": None,
+        "dtensor_cfg": {"enabled": False},
+        "megatron_cfg": megatron,
+    }
+    assert PolicyConfig.model_validate(policy).megatron_cfg.moe_aux_loss_coeff == 0.01
+    with pytest.raises(ValidationError, match=r"would train two load-balancing losses"):
+        PolicyConfig.model_validate(policy | {"hf_config_overrides": {"output_router_logits": True}})

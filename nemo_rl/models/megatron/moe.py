@@ -110,3 +110,24 @@ class RouterScores:
     def router_probs(self, logits_NE: torch.Tensor) -> torch.Tensor:
         """The routers' distribution over experts ``[N, E]`` (float32)."""
         return router_distribution(logits_NE, self.sigmoid)
+
+
+def megatron_aux_loss(
+    scores: RouterScores, record: RoutingRecord, valid_N: torch.Tensor, top_k: int
+) -> torch.Tensor:
+    """megatron-core's ``aux_loss`` (``moe_router_load_balancing_type: aux_loss``) of one micro-batch, summed
+    over its MoE layers, padding excluded: per layer ``E / (K * N^2) * sum_e c_e * p_e``, with ``N`` the valid
+    tokens, ``p_e`` the summed router probabilities of expert ``e`` (a sigmoid router's scores normalised) and
+    ``c_e`` how many tokens have ``e`` among the top-k of those probabilities (megatron-core's
+    ``switch_load_balancing_loss_func`` on ``compute_routing_scores_for_aux_loss``)."""
+    mask_N = valid_N.reshape(-1).float()
+    num_tokens = mask_N.sum().clamp(min=1.0)
+    total = torch.zeros((), device=mask_N.device)
+    for logits_NE in record.logits_NE:
+        probs_NE = scores.router_probs(logits_NE) * mask_N[:, None]
+        top_NK = probs_NE.topk(top_k, dim=-1).indices
+        counts_E = torch.zeros(probs_NE.shape[-1], device=mask_N.device).scatter_add_(
+            0, top_NK.reshape(-1), mask_N.repeat_interleave(top_k)
+        )
+        total = total + probs_NE.shape[-1] / (top_k * num_tokens**2) * (probs_NE.sum(dim=0) * counts_E).sum()
+    return total

@@ -64,6 +64,7 @@ from nemo_rl.models.megatron.moe import (
     RouterScores,
     attach_routing_log,
     freeze_routers,
+    megatron_aux_loss,
     recording,
     valid_rows,
 )
@@ -175,6 +176,13 @@ class MegatronPolicyWorker(PolicyWorkerBase):
         """The routing of the micro-batch whose loss runs next (MoE models)."""
         sigmoid = self.arch.moe is not None and self.arch.moe.router == "sigmoid"
         self.router_scores = RouterScores(sigmoid, aux_loss_coef_of(self.hf_config))
+        self.megatron_aux_coef: float | None = None
+        """Coefficient of megatron-core's ``aux_loss`` when ``moe_router_load_balancing_type`` asks for it."""
+        if megatron.moe_router_load_balancing_type == "aux_loss":
+            coef = megatron.moe_aux_loss_coeff
+            self.megatron_aux_coef = (
+                coef if coef is not None else float(getattr(self.hf_config, "router_aux_loss_coef", 0.0))
+            )
         if megatron.freeze_moe_router:
             freeze_routers(self.gpt)
         self.weights = StageWeights(
@@ -351,9 +359,9 @@ class MegatronPolicyWorker(PolicyWorkerBase):
     def _with_moe_terms(
         self, loss: torch.Tensor, metrics: dict[str, Any], mb: BatchedDataDict[Any], step: StepBatch
     ) -> tuple[torch.Tensor, dict[str, Any]]:
-        """The micro-batch's loss plus the load-balancing loss (when the model config asks for it) and its
-        metrics plus the routing metrics, weighted by its share of the step's loss tokens, as the DTensor
-        worker weights them."""
+        """The micro-batch's loss plus the load-balancing losses (``transformers``' when the model config asks
+        for it, megatron-core's ``aux_loss`` when ``megatron_cfg`` does) and its metrics plus the routing
+        metrics, weighted by its share of the step's loss tokens, as the DTensor worker weights them."""
         assert self._routing is not None
         input_ids_BT = mb["input_ids"]
         valid_N = valid_rows(
@@ -361,6 +369,10 @@ class MegatronPolicyWorker(PolicyWorkerBase):
         )
         share = float(global_valid_counts(mb)[1]) / max(float(step.global_valid_toks), 1.0)
         moe_loss, moe_metrics = moe_step_terms(self.router_scores, self._routing, valid_N, share)
+        if self.megatron_aux_coef is not None and self.arch.moe is not None:
+            aux = megatron_aux_loss(self.router_scores, self._routing, valid_N, self.arch.moe.top_k)
+            moe_loss = moe_loss + self.megatron_aux_coef * share * aux
+            moe_metrics["moe_megatron_aux_loss"] = float(aux.detach()) * share
         return loss + moe_loss, {**metrics, **moe_metrics}
 
     def _optimizer_step(self, log: TrainLog) -> None:
