@@ -153,8 +153,8 @@ class VllmWorkerExtension:
                 yield name, tensor
 
         def on_device() -> Iterator[tuple[str, torch.Tensor]]:
-            # vLLM's MoE loaders read checkpoint names, one linear per expert, not the 3-D expert tensors a
-            # transformers 5 policy sends.
+            # vLLM's MoE loaders read checkpoint names, one linear per expert: a refit sends experts so, and 3-D
+            # expert tensors (transformers 5's in-memory layout) given any other way are split here.
             for name, tensor in per_expert_weights(counted()):
                 # A copy: refit hands out views into transfer buffers that the next pair reuses, and vLLM's
                 # layer-wise reload holds every tensor of a layer until the whole layer has arrived.
