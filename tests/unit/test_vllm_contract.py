@@ -9,7 +9,8 @@ Runs wherever the ``vllm`` extra is installed (CI installs it), no GPU needed:
 - the Hugging Face -> vLLM name mapping: the weights a policy sends (the refit manifest) go through vLLM's own
   ``load_weights`` and in-place reload into the real Llama, Qwen2 and Qwen3 vLLM model classes built on CPU,
   through nemo_rl's worker extension; every fused parameter ends up with the expected values, in the same
-  storage (CUDA graphs stay valid), and a missing weight is reported;
+  storage (CUDA graphs stay valid), and a missing weight is reported; a Qwen3-MoE refit leaves vLLM's CPU MoE
+  kernel holding its repacked new experts;
 - output parsing on ``RequestOutput`` objects built with vLLM's own logprob containers, for every finish
   reason vLLM defines;
 - the log-probability contract: vLLM's top-k/top-p masking and the embedded engine's agree.
