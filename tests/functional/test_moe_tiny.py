@@ -105,8 +105,15 @@ def _run_grpo(tmp_path: Path, family: str, num_steps: int, engine: list[str]) ->
 @pytest.mark.parametrize(
     ("family", "engine"),
     [
-        # The engine in the policy workers, float32: the refit is an in-process copy.
-        ("qwen3_moe", []),
+        # The engine in the policy workers, float32: the refit is an in-process copy. Trained with the
+        # load-balancing loss through the recipe's shared-prompt forward.
+        (
+            "qwen3_moe",
+            [
+                "policy.hf_config_overrides.output_router_logits=true",
+                "policy.hf_config_overrides.router_aux_loss_coef=0.01",
+            ],
+        ),
         # Engine workers of their own, bfloat16: the refit goes through the shared-memory transport, the
         # 3-D expert tensors and GLM's correction bias cast to bfloat16 on the wire.
         (
