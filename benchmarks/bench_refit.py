@@ -14,8 +14,8 @@ transport / memcpy and transport / raw broadcast. Runs on CPU with gloo; nothing
 
     python benchmarks/bench_refit.py --total-mb 512 --bucket-mb 64
 
-``--moe`` also sends two mixture-of-experts weight sets with the dense set's parameter count (to within one
-embedding row): the experts as ``transformers`` 5 holds them, two 3-D tensors per layer (what a nemo_rl refit
+``--moe`` also sends two mixture-of-experts weight sets with the dense set's parameter count (to within a
+fraction of a percent) and embeddings: the experts as ``transformers`` 5 holds them, two 3-D tensors per layer (what a nemo_rl refit
 sends), and as one linear per expert (checkpoint names, what vLLM's loaders and Megatron's exporters use,
 ``--num-experts`` times more tensors); it prints each set's GB/s through both transports and its ratio to the
 dense set's::
@@ -72,19 +72,20 @@ def _attention_shapes(shapes: dict[str, tuple[int, ...]], prefix: str, hidden: i
 
 
 def moe_weight_shapes(
-    numel: int, hidden: int, num_experts: int, expert_width: int, per_expert: bool
+    numel: int, hidden: int, vocab: int, num_experts: int, expert_width: int, per_expert: bool
 ) -> dict[str, tuple[int, ...]]:
-    """Qwen3-MoE-like weight shapes with ``numel`` parameters (to within ``2 * hidden``): attention, a router
-    and ``num_experts`` gated experts of width ``expert_width`` per layer, about 75% of them in the layers.
+    """Qwen3-MoE-like weight shapes with ``numel`` parameters and the dense set's embeddings (``vocab`` rows):
+    attention, a router and ``num_experts`` gated experts per layer, as many layers as experts of width
+    ``expert_width`` fill, the width then adjusted so the total is ``numel`` to within ``3 * E * H`` per layer.
 
     ``per_expert=False`` keeps each layer's experts as ``transformers`` 5's two 3-D tensors
     (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``, ``mlp.experts.down_proj`` ``[E, H, I]``); ``True`` splits
     them into one ``gate_proj``/``up_proj``/``down_proj`` linear per expert (checkpoint names).
     """
-    experts_numel = 3 * num_experts * expert_width * hidden
-    layer_numel = 4 * hidden * hidden + 2 * hidden + num_experts * hidden + experts_numel
-    num_layers = max(1, 3 * numel // 4 // layer_numel)
-    vocab = max(1, (numel - num_layers * layer_numel - hidden) // (2 * hidden))
+    budget = numel - 2 * vocab * hidden - hidden
+    fixed_numel = 4 * hidden * hidden + 2 * hidden + num_experts * hidden
+    num_layers = max(1, round(budget / (fixed_numel + 3 * num_experts * expert_width * hidden)))
+    expert_width = max(1, (budget - num_layers * fixed_numel) // (3 * num_experts * hidden * num_layers))
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
     for i in range(num_layers):
         prefix = f"model.layers.{i}"
@@ -264,16 +265,22 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (median)")
     parser.add_argument("--moe", action="store_true", help="also send MoE weight sets of the same size")
     parser.add_argument("--num-experts", type=int, default=64, help="experts per MoE layer (with --moe)")
-    parser.add_argument("--expert-width", type=int, default=128, help="one expert's MLP width (with --moe)")
+    parser.add_argument(
+        "--expert-width",
+        type=int,
+        default=128,
+        help="starting expert width (with --moe; adjusted to the size)",
+    )
     args = parser.parse_args()
     dtype = dtype_from_name(args.dtype)
     bucket_bytes = args.bucket_mb * _MIB
     sets = {"dense": weight_shapes(args.total_mb * _MIB, dtype.itemsize, args.hidden)}
     if args.moe:
         numel = num_params(sets["dense"])
+        vocab = sets["dense"]["model.embed_tokens.weight"][0]
         for label, per_expert in (("moe (3-D experts)", False), ("moe (per-expert)", True)):
             sets[label] = moe_weight_shapes(
-                numel, args.hidden, args.num_experts, args.expert_width, per_expert
+                numel, args.hidden, vocab, args.num_experts, args.expert_width, per_expert
             )
     results: dict[str, dict[str, float]] = {}
     for name, shapes in sets.items():
