@@ -1,4 +1,5 @@
-"""Reading what a script under test logged: its ``metrics.jsonl``, possibly while the run still writes it."""
+"""Reading what a script under test logged: its ``metrics.jsonl``, possibly while the run still writes it; and
+the overrides that put a GRPO script's sampler on vLLM's CPU build."""
 
 from __future__ import annotations
 
@@ -9,6 +10,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+VLLM_CPU_OWN_SLOT = (
+    "cluster.gpus_per_node=2",
+    "policy.generation.colocated.enabled=false",
+    "policy.generation.colocated.resources.gpus_per_node=1",
+    "policy.generation.backend=vllm",
+    "policy.generation.embedded_cfg.in_policy_workers=false",
+    "policy.generation.vllm_cfg.precision=float32",
+    "policy.generation.vllm_cfg.enforce_eager=true",
+    "policy.generation.vllm_cfg.cpu_kv_cache_gib=0.25",
+)
+"""GRPO overrides: vLLM's CPU build samples on a worker slot of its own, float32 like the policy, eager, with a
+small KV cache (the tiny models need little)."""
 
 
 def read_records(log_dir: Path, *, while_written: bool = False) -> list[dict[str, Any]]:

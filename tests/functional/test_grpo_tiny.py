@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 from kill_resume import kill_and_resume, kill_driver_once_written, run_script, script_env, step_metrics
-from run_logs import read_records, wait_until_exists, wait_until_step_logged
+from run_logs import VLLM_CPU_OWN_SLOT, read_records, wait_until_exists, wait_until_step_logged
 
 from nemo_rl.models.generation.vllm import convert as vllm_convert
 from nemo_rl.weight_sync.shm import SEGMENT_NAME_PREFIX, SHM_DIR
@@ -331,14 +331,7 @@ def test_vllm_sampling_agrees_with_the_policy_and_resumes_after_kill_9_as_async_
         "grpo.max_num_steps=4",
         "grpo.val_at_start=false",
         "loss_fn.use_importance_sampling_correction=true",
-        "cluster.gpus_per_node=2",
-        "policy.generation.colocated.enabled=false",
-        "policy.generation.colocated.resources.gpus_per_node=1",
-        "policy.generation.backend=vllm",
-        "policy.generation.embedded_cfg.in_policy_workers=false",
-        "policy.generation.vllm_cfg.precision=float32",
-        "policy.generation.vllm_cfg.enforce_eager=true",
-        "policy.generation.vllm_cfg.cpu_kv_cache_gib=0.25",
+        *VLLM_CPU_OWN_SLOT,
     )
     log_dir = tmp_path / "vllm" / "logs"
     ckpt = tmp_path / "vllm" / "ckpt" / "step_2" / "training_info.json"

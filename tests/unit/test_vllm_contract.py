@@ -9,7 +9,8 @@ Runs wherever the ``vllm`` extra is installed (CI installs it), no GPU needed:
 - the Hugging Face -> vLLM name mapping: the weights a policy sends (the refit manifest) go through vLLM's own
   ``load_weights`` and in-place reload into the real Llama, Qwen2 and Qwen3 vLLM model classes built on CPU,
   through nemo_rl's worker extension; every fused parameter ends up with the expected values, in the same
-  storage (CUDA graphs stay valid), and a missing weight is reported;
+  storage (CUDA graphs stay valid), and a missing weight is reported; a Qwen3-MoE refit leaves vLLM's CPU MoE
+  kernel holding its repacked new experts;
 - output parsing on ``RequestOutput`` objects built with vLLM's own logprob containers, for every finish
   reason vLLM defines;
 - the log-probability contract: vLLM's top-k/top-p masking and the embedded engine's agree.
@@ -35,7 +36,14 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from nemo_rl.config.policy import VLLM_TEMPERATURE_RANGE, PolicyConfig
 from nemo_rl.models.generation.vllm.convert import (
@@ -55,6 +63,7 @@ from nemo_rl.models.generation.vllm.convert import (
     sampling_params_for_rows,
 )
 from nemo_rl.models.generation.vllm.worker_extension import VllmWorkerExtension
+from nemo_rl.models.hf_moe import per_expert_weights
 from nemo_rl.models.sampling import filter_top_k_top_p
 from nemo_rl.weight_sync.errors import RefitIntegrityError
 
@@ -282,8 +291,9 @@ def test_sampling_params_from_every_setting_the_schema_allows(
 # ------------------------------------------------------------------------------------ HF -> vLLM names
 @pytest.fixture(scope="module")
 def vllm_distributed(vllm_cpu: SimpleNamespace, model_dirs: dict[str, Path]) -> Iterator[None]:
-    """vLLM's world and model-parallel groups for one CPU process (gloo), as its model classes need."""
-    from vllm.config import set_current_vllm_config
+    """vLLM's world and model-parallel groups for one CPU process (gloo), as its model classes need; the
+    expert-parallel group too (vLLM builds it under a config without a model), for MoE layers."""
+    from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed.parallel_state import (
         destroy_distributed_environment,
         destroy_model_parallel,
@@ -302,7 +312,8 @@ def vllm_distributed(vllm_cpu: SimpleNamespace, model_dirs: dict[str, Path]) -> 
             distributed_init_method=f"file://{store_dir}/store",
             backend="gloo",
         )
-        initialize_model_parallel(1, 1)
+        with set_current_vllm_config(VllmConfig()):
+            initialize_model_parallel(1, 1)
         try:
             yield
         finally:
@@ -435,6 +446,57 @@ def test_refit_names_load_into_vllm_models_through_the_in_place_reload(
     incomplete = {name: t for name, t in hf_weights(2).items() if name != "model.norm.weight"}
     with pytest.raises(RefitIntegrityError, match=r"did not load 1 parameters.*model\.norm\.weight"):
         worker.nemo_rl_reload_hf_weights(refit_stream(incomplete))
+
+
+def test_a_refit_repacks_the_experts_of_vllms_cpu_moe_kernel(vllm_distributed: None, tmp_path: Path) -> None:
+    # vLLM's CPU MoE kernel reads its experts repacked after loading; vLLM's own reload copies the new
+    # weights over the packed ones unrepacked. The extension repacks them: the kernel's buffers must hold
+    # exactly what vLLM's prepack makes of the new experts a policy sends (one tensor per expert), stacked.
+    if installed_vllm_build() != "cpu":
+        pytest.skip("the repacking MoE kernel is vLLM's CPU build's")
+    from vllm._custom_ops import cpu_prepack_moe_weight
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
+
+    hf_config = Qwen3MoeConfig(
+        **TINY,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        tie_word_embeddings=True,
+        architectures=["Qwen3MoeForCausalLM"],
+    )
+    config = vllm_config(save_config(hf_config, tmp_path / "qwen3_moe"))
+    manifest = hf_weights_manifest(config.model_config.hf_config, torch.float32, trust_remote_code=False)
+
+    def hf_state(seed: int) -> dict[str, torch.Tensor]:
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(config.model_config.hf_config).state_dict()
+
+    def refit_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:  # one tensor per expert
+        return {n: t.detach().clone() for n, t in per_expert_weights(iter(state.items())) if n in manifest}
+
+    with set_current_vllm_config(config):
+        model = initialize_model(config)
+        model.load_weights(iter(refit_weights(hf_state(0)).items()))
+        process_weights_after_loading(model, config.model_config, torch.device("cpu"))
+    (experts,) = (
+        m for n, m in model.named_modules() if n.startswith("model.layers.1.") and hasattr(m, "w13_weight")
+    )
+    kernel = experts.quant_method.moe_kernel.fused_experts
+    assert isinstance(kernel, CPUUnquantizedExperts)
+    storage = (experts.w13_weight.data_ptr(), experts.w2_weight.data_ptr())
+    new = hf_state(1)
+    CpuVllmWorker(model, config).nemo_rl_reload_hf_weights(refit_stream(refit_weights(new)))
+    prefix = "model.layers.1.mlp.experts."
+    assert (experts.w13_weight.data_ptr(), experts.w2_weight.data_ptr()) == storage
+    assert torch.equal(experts.w13_weight, cpu_prepack_moe_weight(new[prefix + "gate_up_proj"], kernel.isa))
+    assert torch.equal(experts.w2_weight, cpu_prepack_moe_weight(new[prefix + "down_proj"], kernel.isa))
+    # The wrappers are gone: a later start-up style load would run vLLM's own processing only.
+    assert "process_weights_after_loading" not in vars(experts.quant_method)
 
 
 # ------------------------------------------------------------------------------------ outputs

@@ -237,7 +237,12 @@ class DTensorPolicyWorker(DTensorRefitMixin, PolicyWorkerBase):
                 input_ids=packed.input_ids_1L, position_ids=packed.position_ids_1L, use_cache=False
             )
         elif self.cfg.shared_prefix.enabled and (shared := self._shared_prefix_rows(mb)) is not None:
-            output = self.model(**self._shared_prefix_inputs(shared))
+            inputs = self._shared_prefix_inputs(shared)
+            if self.moe_routing.is_moe:
+                # transformers' own load-balancing loss would read the placeholder mask as [B, T] and fail;
+                # the worker computes that loss itself from the recorded routing (moe_step_terms).
+                inputs["output_router_logits"] = False
+            output = self.model(**inputs)
         else:
             output = self.model(input_ids=mb["input_ids"], use_cache=False)
         layout = packed or shared

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -96,6 +96,46 @@ def keep_cpu_linear_weights_in_place() -> None:
     layer_utils.dispatch_cpu_unquantized_gemm = dispatch_in_place
 
 
+@contextmanager
+def repacked_cpu_moe_experts(model: torch.nn.Module) -> Iterator[int]:
+    """While open, make vLLM's in-place reload repack the expert weights of its CPU MoE kernel.
+
+    vLLM 0.32's CPU MoE experts (``CPUUnquantizedExperts`` and subclasses) repack ``w13_weight`` and
+    ``w2_weight`` into the kernel's grouped-gemm layout (``cpu_prepack_moe_weight``) in their
+    ``process_weights_after_loading``, which the unquantized MoE method calls on the first load only: on a
+    weight update it copies the new, unpacked, weights over the packed ones, and the kernel reads them in its
+    packed order. Each such layer's method instance gets a wrapper that runs the experts' own post-load step
+    (pad, then repack) on the freshly loaded weights after the method's, before the reload copies them into
+    the kernel's storage. Yields the number of layers wrapped; the wrappers are removed on exit.
+    """
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    methods: list[Any] = []
+    for module in model.modules():
+        method: Any = getattr(module, "quant_method", None)
+        kernel = getattr(method, "moe_kernel", None)
+        if kernel is None or not isinstance(kernel.fused_experts, CPUUnquantizedExperts):
+            continue
+        original: Callable[[torch.nn.Module], None] = method.process_weights_after_loading
+
+        def process_and_repack(
+            layer: torch.nn.Module,
+            original: Callable[[torch.nn.Module], None] = original,
+            method: Any = method,
+        ) -> None:
+            original(layer)
+            method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+        # An instance attribute shadows the class method until deleted (the method is no nn.Module).
+        method.process_weights_after_loading = process_and_repack
+        methods.append(method)
+    try:
+        yield len(methods)
+    finally:
+        for method in methods:
+            del method.process_weights_after_loading
+
+
 LAYERWISE_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 """vLLM's in-place reload, which warns "<Layer>: Failed to load weights" for every layer the stream holds no
 tensor for (a tied output head, a rotary cache) and then keeps that layer's current tensors."""
@@ -132,13 +172,6 @@ class VllmWorkerExtension:
         """
         model = self.model_runner.get_model()
         device = next(model.parameters()).device
-        if device.type == "cpu" and any(".experts." in name for name, _ in model.named_parameters()):
-            # The CPU MoE kernel reads expert weights repacked after loading, which the in-place reload does
-            # not reach: the engine would keep generating from its first experts (docs/algorithms/moe.md).
-            raise RefitIntegrityError(
-                "vLLM's CPU build cannot refit a mixture-of-experts model in place; use "
-                "policy.generation.backend=embedded for MoE models on CPU"
-            )
         lora = self.vllm_config.lora_config is not None
         # vLLM's own completeness check uses the same names: kernel-format parameters before the reload.
         expected = {
@@ -163,7 +196,9 @@ class VllmWorkerExtension:
         reload_logger = logging.getLogger(LAYERWISE_RELOAD_LOGGER)
         if not any(isinstance(f, _DropExpectedReloadWarnings) for f in reload_logger.filters):
             reload_logger.addFilter(_DropExpectedReloadWarnings())
-        with reported_loaded_names(model) as reported:
+        # Only vLLM's CPU build repacks MoE weights after loading; its CUDA kernels read the parameters.
+        repacking = repacked_cpu_moe_experts(model) if device.type == "cpu" else nullcontext(0)
+        with reported_loaded_names(model) as reported, repacking:
             self.reload_weights(weights_iterator=on_device(), is_checkpoint_format=True)
         if self.vllm_config.model_config.quantization is None:
             check_all_loaded(expected, reported[0], "vLLM refit")
