@@ -110,6 +110,19 @@ def uses_transformer_engine(cfg: MegatronConfig, arch: DecoderArch) -> bool:
     )
 
 
+_SAME_NAMED_KEYS = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "num_layers_in_first_pipeline_stage",
+    "num_layers_in_last_pipeline_stage",
+    "sequence_parallel",
+    "expert_model_parallel_size",
+    "moe_router_dtype",
+)
+"""``policy.megatron_cfg`` keys passed to megatron-core's ``TransformerConfig`` as they are (NeMo RL names them
+after it)."""
+
+
 def transformer_config(arch: DecoderArch, family: DecoderFamily, policy: PolicyConfig) -> TransformerConfig:
     """The ``TransformerConfig`` of ``arch`` with the parallelism, precision and recomputation of ``policy``."""
     cfg = policy.megatron_cfg
@@ -132,11 +145,7 @@ def transformer_config(arch: DecoderArch, family: DecoderFamily, policy: PolicyC
         attention_dropout=0.0,
         attention_softmax_in_fp32=True,
         apply_query_key_layer_scaling=False,
-        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
-        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
-        num_layers_in_first_pipeline_stage=cfg.num_layers_in_first_pipeline_stage,
-        num_layers_in_last_pipeline_stage=cfg.num_layers_in_last_pipeline_stage,
-        sequence_parallel=cfg.sequence_parallel,
+        **{key: getattr(cfg, key) for key in _SAME_NAMED_KEYS},
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -144,9 +153,7 @@ def transformer_config(arch: DecoderArch, family: DecoderFamily, policy: PolicyC
         # Each micro-batch may have its own length and row count (the last one of a batch, dynamic batching):
         # pipeline stages exchange shapes before each send.
         variable_seq_lengths=cfg.pipeline_model_parallel_size > 1,
-        expert_model_parallel_size=cfg.expert_model_parallel_size,
         moe_token_dispatcher_type=cfg.moe_token_dispatcher_type or "alltoall",
-        moe_router_dtype=cfg.moe_router_dtype,
         moe_router_bias_update_rate=cfg.moe_router_bias_update_rate or 0.0,
         # The load-balancing loss is transformers' (nemo_rl.models.megatron.moe), not Megatron's.
         moe_router_load_balancing_type="none",
