@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import string
+from collections.abc import Sequence
 from typing import Any, NotRequired, Protocol, TypedDict
 
 import torch
@@ -40,6 +41,10 @@ class Record(TypedDict):
     rejected_messages: NotRequired[list[ChatMessage]]
     """Preference data only: the same prompt followed by the dispreferred response (``messages`` holds the
     preferred one)."""
+
+    tools: NotRequired[list[dict[str, Any]]]
+    """JSON schemas of the tools the conversation declares (rendered with ``apply_chat_template(tools=...)``);
+    they replace the task's own (:attr:`TaskDataSpec.tools`) for this record."""
 
 
 class LLMMessage(TypedDict):
@@ -111,14 +116,21 @@ class TaskDataSpec:
     add_generation_prompt: bool
     """In training conversations, count the assistant header after a user turn as part of that turn."""
 
+    tools: tuple[dict[str, Any], ...] = ()
+    """JSON schemas of the tools the task's conversations may call (``apply_chat_template(tools=...)``), as
+    ``env.<task>.tools`` builds them; empty: the template renders no tools."""
+
     def __post_init__(self) -> None:
         if self.prompt is not None:
             check_prompt_template(self.prompt, source="the prompt template")
 
     @classmethod
-    def from_config(cls, cfg: DataConfig, *, task_name: str) -> TaskDataSpec:
-        """The spec described by the ``data`` section, with ``prompt_file`` and ``system_prompt_file`` read."""
-        return cls.from_prompt_files(
+    def from_config(
+        cls, cfg: DataConfig, *, task_name: str, tools: Sequence[dict[str, Any]] = ()
+    ) -> TaskDataSpec:
+        """The spec described by the ``data`` section, with ``prompt_file`` and ``system_prompt_file`` read,
+        declaring ``tools`` (their JSON schemas)."""
+        spec = cls.from_prompt_files(
             task_name=task_name,
             prompt_file=cfg.prompt_file,
             system_prompt_file=cfg.system_prompt_file,
@@ -126,6 +138,7 @@ class TaskDataSpec:
             add_eos=cfg.add_eos,
             add_generation_prompt=cfg.add_generation_prompt,
         )
+        return dataclasses.replace(spec, tools=tuple(tools))
 
     @classmethod
     def from_prompt_files(

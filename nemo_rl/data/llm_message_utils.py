@@ -20,6 +20,9 @@ from transformers import PreTrainedTokenizerBase
 from nemo_rl.data.interfaces import ChatMessage, LLMMessage, MessageLog
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
+_PROMPTING_ROLES = ("user", "tool")
+"""Roles whose turn hands the conversation back to the assistant (``add_generation_prompt``)."""
+
 
 def format_message_log(
     messages: Sequence[ChatMessage],
@@ -28,6 +31,7 @@ def format_message_log(
     add_bos: bool,
     add_eos: bool,
     add_generation_prompt: bool,
+    tools: Sequence[dict[str, Any]] = (),
 ) -> MessageLog:
     """Tokenize ``messages`` with the tokenizer's chat template, one :class:`LLMMessage` per turn.
 
@@ -39,8 +43,10 @@ def format_message_log(
         tokenizer: A tokenizer with a chat template.
         add_bos: Put the BOS token first when the rendering does not start with it.
         add_eos: Put the EOS token last when the last turn has none (the template did not close it).
-        add_generation_prompt: Render the assistant header after every user turn, as part of that turn
-            (for a conversation ending with a user turn: the prompt to generate from).
+        add_generation_prompt: Render the assistant header after every user or tool turn, as part of that
+            turn (for a conversation ending with one: the prompt to generate from).
+        tools: JSON schemas of the tools the conversation may call, passed to the template as ``tools=``
+            (empty: none; the Qwen templates then render no tools section).
     """
     if not messages:
         raise ValueError("cannot format an empty conversation: give at least one message")
@@ -57,8 +63,9 @@ def format_message_log(
         prefix = [{"role": m["role"], "content": m["content"]} for m in messages[:num_messages]]
         text = tokenizer.apply_chat_template(
             prefix,
+            tools=list(tools) or None,
             tokenize=False,
-            add_generation_prompt=add_generation_prompt and prefix[-1]["role"] == "user",
+            add_generation_prompt=add_generation_prompt and prefix[-1]["role"] in _PROMPTING_ROLES,
         )
         assert isinstance(text, str)
         ids: list[int] = tokenizer(text, add_special_tokens=False)["input_ids"]

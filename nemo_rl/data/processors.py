@@ -12,6 +12,9 @@ user's own.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.data.errors import DataError
@@ -34,16 +37,20 @@ def apply_task_spec(messages: list[ChatMessage], spec: TaskDataSpec) -> list[Cha
 
 
 def format_conversation(
-    messages: list[ChatMessage], spec: TaskDataSpec, tokenizer: PreTrainedTokenizerBase
+    messages: list[ChatMessage],
+    spec: TaskDataSpec,
+    tokenizer: PreTrainedTokenizerBase,
+    tools: Sequence[dict[str, Any]] | None = None,
 ) -> MessageLog:
     """A whole training conversation as a message log, formatted as ``spec`` asks (prompt template, system
-    prompt, BOS/EOS tokens, generation prompt)."""
+    prompt, BOS/EOS tokens, generation prompt, declared tools: ``tools`` when given, else the spec's)."""
     return format_message_log(
         apply_task_spec(messages, spec),
         tokenizer,
         add_bos=spec.add_bos,
         add_eos=spec.add_eos,
         add_generation_prompt=spec.add_generation_prompt,
+        tools=spec.tools if tools is None else tools,
     )
 
 
@@ -61,7 +68,7 @@ def sft_processor(
     """
     if not any(m["role"] == "assistant" for m in record["messages"]):
         raise DataError(f"sample {idx} has no assistant message, so SFT has nothing to learn from it")
-    message_log = format_conversation(record["messages"], spec, tokenizer)
+    message_log = format_conversation(record["messages"], spec, tokenizer, record.get("tools"))
     return DatumSpec(
         message_log=message_log,
         length=message_log_length(message_log),
@@ -109,6 +116,7 @@ def math_processor(
         add_bos=spec.add_bos,
         add_eos=False,
         add_generation_prompt=True,
+        tools=record.get("tools", spec.tools),
     )
     length = message_log_length(message_log)
     loss_multiplier = 1.0

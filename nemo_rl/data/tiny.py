@@ -42,12 +42,26 @@ SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, USER_TOKEN, ASSISTANT_TOKEN, 
 # Printable ASCII (space to '~') plus tab and newline: 97 symbols, 104 tokens with the specials.
 CHARACTERS = (*(chr(c) for c in range(32, 127)), "\t", "\n")
 
-# Tool and environment turns are rendered as user turns: the tiny model knows only three roles.
+# Tool and environment turns are rendered as user turns: the tiny model knows only three roles. With
+# `tools=`, a system turn lists them the Qwen way but short (`<tools>calculator(expression)</tools>`: names
+# and argument names, since JSON schemas would not fit the tiny model's 256 positions), and each run of tool
+# messages is one user turn of `<tool_response>...</tool_response>` blocks, as Qwen2.5 / Qwen3 render them.
+_TINY_TOOLS = (
+    "{% if tools %}" + SYSTEM_TOKEN + "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n"
+    "{% endif %}<tools>{% for tool in tools %}"
+    "{% set f = tool['function'] if tool['function'] is defined else tool %}"
+    "{% set args = f['parameters']['properties'] if f['parameters'] is defined else {} %}"
+    "{{ f['name'] }}({{ args | join(',') }}){% if not loop.last %} {% endif %}"
+    "{% endfor %}</tools>{% endif %}"
+)
 TINY_CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{% if message['role'] == 'system' %}" + SYSTEM_TOKEN + "{{ message['content'] }}"
-    "{% elif message['role'] in ('user', 'tool', 'environment') %}" + USER_TOKEN + "{{ message['content'] }}"
+    "{{ bos_token }}" + _TINY_TOOLS + "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}"
+    "{% if not (tools and loop.first) %}" + SYSTEM_TOKEN + "{{ message['content'] }}{% endif %}"
+    "{% elif message['role'] in ('user', 'environment') %}" + USER_TOKEN + "{{ message['content'] }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}" + USER_TOKEN + "{% endif %}"
+    "<tool_response>{{ message['content'] }}</tool_response>"
     "{% elif message['role'] == 'assistant' %}"
     + ASSISTANT_TOKEN
     + "{{ message['content'] }}"

@@ -119,6 +119,16 @@ def test_openai_format_and_json_array(tmp_path: pathlib.Path) -> None:
     assert len(splits.train) + len(splits.validation) == 10
     assert splits.train[0]["messages"][1]["role"] == "assistant"
     assert "expected_answer" not in splits.train[0]
+    assert "tools" not in splits.train[0]
+
+
+def test_openai_format_rows_declare_tools(tmp_path: pathlib.Path) -> None:
+    tools = [{"type": "function", "function": {"name": "calculator", "parameters": {}}}]
+    path = _write_jsonl(tmp_path / "chat.jsonl", [{**row, "tools": tools} for row in CHAT_ROWS])
+    splits = load_dataset_splits(
+        DataConfig(dataset_name="openai_format", train_data_path=path, val_fraction=0.0)
+    )
+    assert splits.train[0]["tools"] == tools
 
 
 def test_response_columns(tmp_path: pathlib.Path) -> None:
@@ -201,6 +211,11 @@ def test_val_fraction_split_is_seeded_and_disjoint(tmp_path: pathlib.Path) -> No
             "line 3 \\(row 2, 0-based\\) .*message 0 of 'messages' without a string 'role'",
         ),
         ("openai_format", {"text": "x"}, "line 3 \\(row 2, 0-based\\) .*no message list under 'messages'"),
+        (
+            "openai_format",
+            {"messages": [{"role": "user", "content": "x"}], "tools": "calculator"},
+            "line 3 \\(row 2, 0-based\\) .*'tools' of type str, expected a list of JSON schema objects",
+        ),
         ("response", {"input": "x"}, "line 3 \\(row 2, 0-based\\) .*is missing 'output'"),
         (
             "binary_preference",

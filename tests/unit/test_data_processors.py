@@ -278,3 +278,45 @@ def test_message_log_matches_whole_rendering_with_bpe(
                 assert ids == full_ids
     finally:
         bpe_tokenizer.chat_template = original
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "calculator", "parameters": {"properties": {"expression": {}}}}}
+]
+TOOL_CONVERSATION = [
+    ChatMessage(role="user", content="What is 12*34?"),
+    ChatMessage(role="assistant", content='<tool_call>{"name": "calculator"}</tool_call>'),
+    ChatMessage(role="tool", content="408"),
+    ChatMessage(role="tool", content="408"),
+    ChatMessage(role="assistant", content="\\boxed{408}"),
+]
+
+
+def test_tool_conversations_declare_their_tools_and_end_tool_turns_with_the_prompt(
+    tokenizer: PreTrainedTokenizerBase,
+) -> None:
+    record = Record(messages=TOOL_CONVERSATION, tools=TOOLS)
+    log = sft_processor(record, _spec(), tokenizer, 256, 0)["message_log"]
+    assert [m["content"] for m in log] == [
+        "<|bos|><|system|><tools>calculator(expression)</tools><|user|>What is 12*34?<|assistant|>",
+        '<tool_call>{"name": "calculator"}</tool_call><|eos|>',
+        "<|user|><tool_response>408</tool_response>",
+        # A run of tool messages is one user turn; its last hands the turn back to the assistant.
+        "<tool_response>408</tool_response><|assistant|>",
+        "\\boxed{408}<|eos|>",
+    ]
+    # The task's own tools declare them when the record has none; a record's replace them.
+    prompt = math_processor(
+        Record(messages=TOOL_CONVERSATION[:1], expected_answer="408"),
+        _spec(tools=tuple(TOOLS)),
+        tokenizer,
+        256,
+        0,
+    )
+    assert prompt["message_log"][0]["content"] == log[0]["content"]
+    assert (
+        "<tools>"
+        not in format_message_log(
+            TOOL_CONVERSATION[:1], tokenizer, add_bos=True, add_eos=False, add_generation_prompt=True
+        )[0]["content"]
+    )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Iterator, Sequence
-from typing import overload
+from typing import Any, overload
 
 from transformers import PreTrainedTokenizerBase
 
@@ -140,10 +140,12 @@ def setup_data(
     processor: Processor,
     task_name: str,
     max_seq_length: int,
+    tools: Sequence[dict[str, Any]] = (),
 ) -> tuple[ProcessedDataset, ProcessedDataset | None]:
-    """Training and validation datasets of the ``data`` section, processed by ``processor``."""
+    """Training and validation datasets of the ``data`` section, processed by ``processor``, their
+    conversations declaring ``tools`` (JSON schemas)."""
     splits = load_dataset_splits(cfg)
-    spec = TaskDataSpec.from_config(cfg, task_name=task_name)
+    spec = TaskDataSpec.from_config(cfg, task_name=task_name, tools=tools)
     train = ProcessedDataset(splits.train, processor, spec, tokenizer, max_seq_length)
     validation = (
         None
@@ -154,10 +156,16 @@ def setup_data(
 
 
 def setup_rl_data(
-    cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, *, max_total_sequence_length: int
+    cfg: DataConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    max_total_sequence_length: int,
+    tools: Sequence[dict[str, Any]] = (),
 ) -> tuple[ProcessedDataset, ProcessedDataset | None]:
     """Math prompts for RL, cut at ``data.max_input_seq_length`` (or the policy's ``max_total_sequence_length``
-    when unset); their task (the environment scoring them) is ``data.env_name``, by default ``"math"``.
+    when unset); their task (the environment scoring them) is ``data.env_name``, by default ``"math"``. The
+    prompts declare ``tools`` (the JSON schemas of the task's ``env.<task>.tools``; see
+    :func:`nemo_rl.environments.tools.build_task_tools`).
 
     The first :data:`PROMPT_CHECK_SAMPLES` training prompts are read now, so bad rows and prompts too long
     to leave room for a response fail here, before any worker starts (see :func:`check_prompt_lengths`).
@@ -168,6 +176,7 @@ def setup_rl_data(
         processor=math_processor,
         task_name=cfg.env_name or "math",
         max_seq_length=cfg.max_input_seq_length or max_total_sequence_length,
+        tools=tools,
     )
     limit_key = (
         f"data.max_input_seq_length={cfg.max_input_seq_length}"

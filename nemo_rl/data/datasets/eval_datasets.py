@@ -190,16 +190,22 @@ def load_eval_records(cfg: EvalDataConfig) -> RecordDataset:
 
 
 def setup_eval_data(
-    cfg: EvalDataConfig, tokenizer: PreTrainedTokenizerBase, *, max_total_sequence_length: int
+    cfg: EvalDataConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    max_total_sequence_length: int,
+    tools: Sequence[dict[str, Any]] = (),
 ) -> ProcessedDataset:
-    """The benchmark's prompts for ``data.env_name`` (prompt template and system prompt applied), cut at
-    ``data.max_input_seq_length`` (or ``max_total_sequence_length``)."""
+    """The benchmark's prompts for ``data.env_name`` (prompt template and system prompt applied, declaring
+    ``tools``: the JSON schemas of ``env.<data.env_name>.tools``), cut at ``data.max_input_seq_length`` (or
+    ``max_total_sequence_length``)."""
     spec = TaskDataSpec.from_prompt_files(
         task_name=cfg.env_name,
         prompt_file=cfg.prompt_file,
         system_prompt_file=cfg.system_prompt_file,
         add_bos=cfg.add_bos,
     )
+    spec = dataclasses.replace(spec, tools=tuple(tools))
     return ProcessedDataset(
         load_eval_records(cfg),
         math_processor,

@@ -135,7 +135,8 @@ def _messages(reader: _RowReader, key: str, *, default_role: str) -> list[ChatMe
 
 def openai_converter(source: str, chat_key: str) -> RowConverter:
     """Chat data: a list of ``{"role", "content"}`` messages under ``chat_key`` (and optionally an
-    ``expected_answer`` field for RL)."""
+    ``expected_answer`` field for RL, and a ``tools`` list of JSON schemas the conversation declares, as in
+    OpenAI's fine-tuning files)."""
     schema = f"{chat_key!r}: a non-empty list of {{'role': ..., 'content': ...}} messages"
 
     def convert(row: Mapping[str, Any], index: int) -> Record:
@@ -147,6 +148,13 @@ def openai_converter(source: str, chat_key: str) -> RowConverter:
         record = Record(messages=_messages(reader, chat_key, default_role="user"))
         if reader.has("expected_answer"):
             record["expected_answer"] = reader.text("expected_answer")
+        tools = row.get("tools")
+        if tools is not None:
+            if not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools):
+                reader.fail(
+                    f"has 'tools' of type {type(tools).__name__}, expected a list of JSON schema objects"
+                )
+            record["tools"] = [dict(t) for t in tools]
         return record
 
     return convert
