@@ -161,6 +161,7 @@ def distillation_step(s: DistillationSetup, batch: BatchedDataDict[Any], timer: 
         max_seq_len=cfg.policy.max_total_sequence_length,
         max_rollout_turns=cfg.distillation.max_rollout_turns,
         timer=timer,
+        task_to_tools=s.task_to_tools,
     )
     s.generation.finish_generation()
     rollout_metrics.update(environment_metrics(s.task_to_env, rollout))

@@ -230,6 +230,7 @@ def roll_out(
         max_seq_len=cfg.policy.max_total_sequence_length,
         max_rollout_turns=cfg.grpo.max_rollout_turns,
         timer=timer,
+        task_to_tools=s.task_to_tools,
     )
     env_metrics = request_environment_metrics(s.task_to_env, rollout)
     rollout["total_reward"] = transformed_rewards(rollout, cfg.grpo)

@@ -47,6 +47,7 @@ from nemo_rl.data.datasets import ProcessedDataset, dataset_task_names
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.distributed.worker_groups import start_together
 from nemo_rl.environments.registry import check_task_envs, create_task_envs, stop_envs, wait_envs_started
+from nemo_rl.environments.tools import TaskTools, build_task_tools
 from nemo_rl.experience.validation import ENV_TIMEOUT_S, validation_rollouts
 from nemo_rl.models.generation.embedded.in_policy import InPolicyEmbeddedGeneration
 from nemo_rl.models.generation.factory import (
@@ -341,6 +342,8 @@ class RLRun(RLWorkers):
     logger: Logger
     checkpointer: CheckpointManager
     state: RLState
+    task_to_tools: dict[str, TaskTools]
+    """The tools of each task whose ``env.<task>.tools`` is not empty; its rollouts run their calls."""
 
     def refit(self) -> dict[str, float]:
         """Copy the policy's current weights into the generation workers; returns the ``refit/*`` metrics."""
@@ -374,6 +377,7 @@ class RLRun(RLWorkers):
             max_seq_len=self.config.policy.max_total_sequence_length,
             max_rollout_turns=loop_cfg.max_rollout_turns,
             greedy=greedy,
+            task_to_tools=self.task_to_tools,
         )
         self.logger.print_samples(samples, step)
         self.logger.log_metrics(metrics, step, prefix="validation")
@@ -441,6 +445,7 @@ def start_rl_run(
         task_to_env,
         val_task_to_env,
     )
+    task_to_tools = build_task_tools(config.env)  # an unknown tool fails here, before anything starts
     run = open_run(
         config,
         loop.state_cls,
@@ -479,4 +484,5 @@ def start_rl_run(
         logger=start_logger(config),
         checkpointer=run.checkpointer,
         state=run.state,
+        task_to_tools=task_to_tools,
     )

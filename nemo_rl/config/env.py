@@ -73,8 +73,22 @@ class RuleBasedEnvConfig(ConfigModel):
     tools: list[str] = Field(default_factory=list)
     """Tools the policy may call in this task's rollouts: built-in names (``calculator``, ``python``) or
     ``module:function`` paths of your own (a :class:`nemo_rl.environments.tools.Tool`, or a function with a
-    Google-style docstring from which its JSON schema is derived). Rollouts do not run tool calls yet, so a
-    run refuses a non-empty list; :func:`nemo_rl.environments.tools.build_tool_registry` builds them."""
+    Google-style docstring from which its JSON schema is derived). The prompts declare them
+    (``apply_chat_template(tools=...)``); the rollout runs every ``<tool_call>`` of a generated turn and
+    appends the results as a tool turn, and the environment scores the first turn that calls no tool (see
+    docs/algorithms/agents.md). Needs a turn budget above 1 (``grpo.max_rollout_turns``)."""
+
+    max_tool_response_length: int = Field(default=256, ge=1)
+    """Characters of one tool result the model reads (verl's ``multi_turn.max_tool_response_length``); a
+    longer result is cut on ``tool_response_truncate_side`` and marked ``...(truncated)...``."""
+
+    tool_response_truncate_side: Literal["left", "right", "middle"] = "middle"
+    """Which part of a long tool result is kept (verl's key): ``left`` its start, ``right`` its end,
+    ``middle`` both ends."""
+
+    max_parallel_calls: int = Field(default=1, ge=1)
+    """Tool calls of one generated turn that run (verl's key); each further call of the turn gets an error
+    result saying so."""
 
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     """Limits of the code this environment runs: the ``python`` tool's calls and the code environment's
@@ -285,6 +299,26 @@ class EnvConfig(ConfigModel):
         if name in type(self).model_fields:
             return getattr(self, name)
         return dict((self.model_extra or {}).get(name, {}))
+
+    def tool_sections(self) -> dict[str, RuleBasedEnvConfig]:
+        """The environments whose ``tools`` list is not empty, by name."""
+        sections = {name: getattr(self, name) for name in type(self).model_fields}
+        return {
+            name: section
+            for name, section in sections.items()
+            if isinstance(section, RuleBasedEnvConfig) and section.tools
+        }
+
+    def check_tool_turns(self, max_rollout_turns: int, key: str) -> None:
+        """Refuse tools with a one-turn budget: a tool call could never be answered (``key`` names the turn
+        budget's setting)."""
+        tool_sections = self.tool_sections()
+        if tool_sections and max_rollout_turns < 2:
+            name = sorted(tool_sections)[0]
+            raise ValueError(
+                f"env.{name}.tools={tool_sections[name].tools} needs turns to answer the tool calls in, but "
+                f"{key}={max_rollout_turns}: set {key} to 2 or more (one turn per tool call plus the answer)"
+            )
 
     def user_sections(self) -> list[str]:
         """Names of the sections the schema does not declare (user-registered environments)."""

@@ -86,6 +86,7 @@ class GRPOMasterConfig(TrainingRunConfig):
     def _check(self) -> GRPOMasterConfig:
         _check_generation_placement(self.policy, self.cluster)
         _check_async_grpo(self)
+        self.env.check_tool_turns(self.grpo.max_rollout_turns, "grpo.max_rollout_turns")
         if self.data.env_name == "reward_model" and not self.env.reward_model.enabled:
             raise ValueError(
                 "data.env_name=reward_model scores the prompts with a reward model: set "
@@ -168,6 +169,7 @@ class DistillationMasterConfig(TrainingRunConfig):
     @model_validator(mode="after")
     def _check(self) -> DistillationMasterConfig:
         _check_generation_placement(self.policy, self.cluster)
+        self.env.check_tool_turns(self.distillation.max_rollout_turns, "distillation.max_rollout_turns")
         for section, cfg in (("policy", self.policy), ("teacher", self.teacher)):
             if cfg.generation.top_k is not None or cfg.generation.top_p < 1.0:
                 # The workers score under the sampling distribution: top-k / top-p would put -inf on tokens
@@ -287,6 +289,7 @@ class EvalMasterConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _check(self) -> EvalMasterConfig:
+        self.env.check_tool_turns(self.eval.max_rollout_turns, "eval.max_rollout_turns")
         if self.generation.temperature == 0.0 and self.eval.num_tests_per_prompt > 1:
             raise ValueError(
                 f"generation.temperature=0 decodes greedily, so all eval.num_tests_per_prompt="

@@ -166,15 +166,9 @@ def check_env_sections(env_cfg: EnvConfig) -> None:
 
 def check_task_envs(task_names: Iterable[str], env_cfg: EnvConfig) -> None:
     """What :func:`create_task_envs` checks, without starting anything: every ``env`` section and every
-    task names a registered environment, and no task asks for tools (else a :class:`UserError`)."""
+    task names a registered environment (else a :class:`UserError`). A task's ``tools`` are run by the
+    rollout, not by its environment (see :func:`nemo_rl.environments.tools.build_task_tools`)."""
     check_env_sections(env_cfg)
-    for task in sorted(set(task_names)):
-        tools = getattr(env_cfg.section(task), "tools", None)
-        if tools:
-            raise UserError(
-                f"env.{task}.tools={tools}: rollouts do not run tool calls yet, so the tools would never be "
-                f"called; remove env.{task}.tools (nemo_rl.environments.tools builds and runs them on their own)"
-            )
     for task in sorted(set(task_names)):
         if task not in _REGISTRY:
             raise UserError(

@@ -48,6 +48,7 @@ from nemo_rl.data.datasets import ProcessedDataset
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster, init_ray
 from nemo_rl.environments.registry import EnvHandle, create_env, registered_envs, stop_envs
+from nemo_rl.environments.tools import TaskTools, build_task_tools
 from nemo_rl.evals.metrics import CORRECT_REWARD, mean_and_stderr, metric_ks, problem_metrics, summarize
 from nemo_rl.experience.rollouts import run_multi_turn_rollout
 from nemo_rl.models.generation.factory import create_generation
@@ -154,6 +155,8 @@ class EvalSetup:
     generation: GenerationInterface
     task_to_env: dict[str, EnvHandle]
     logger: Logger
+    task_to_tools: dict[str, TaskTools]
+    """The tools of ``env.<data.env_name>.tools`` (empty: the responses call none)."""
 
     def shutdown(self) -> None:
         """Stop the generation workers and the environment, flush the loggers, release the placement groups."""
@@ -184,6 +187,7 @@ def setup(
         raise UserError(
             f"data.env_name={env_name} is not a registered environment; registered: {registered_envs()}"
         )
+    task_to_tools = {task: tools for task, tools in build_task_tools(config.env).items() if task == env_name}
     init_ray(config.cluster)
     cluster = RayVirtualCluster(config.cluster, name="eval", max_colocated_worker_groups=1)
     generation = create_generation(
@@ -203,6 +207,7 @@ def setup(
         generation=generation,
         task_to_env=task_to_env,
         logger=logger,
+        task_to_tools=task_to_tools,
     )
 
 
@@ -275,6 +280,7 @@ def _rollout(s: EvalSetup, batch: BatchedDataDict[Any], greedy: bool) -> Batched
         max_rollout_turns=s.config.eval.max_rollout_turns,
         greedy=greedy,
         env_timeout_s=_ENV_TIMEOUT_S,
+        task_to_tools=s.task_to_tools,
     )
     return rollout
 

@@ -6,11 +6,14 @@ A rollout works on a batch of message logs (one per sample; GRPO repeats each pr
 1. the still-active logs are flattened into right-padded prompts and sampled by the generation backend;
 2. each response is cut to the sample's remaining token budget (``max_seq_len``) and appended to its log as an
    assistant message that also carries the sampler's log-probs;
-3. the environments (grouped by ``task_name``) score the responses and say which samples are finished;
-4. unfinished samples get the environment's observation appended as the next user turn.
+3. responses of a task with tools (``task_to_tools``) that call tools get the results appended as a tool
+   turn and skip the environment this turn (:mod:`nemo_rl.experience.tool_turns`);
+4. the environments (grouped by ``task_name``) score the other responses and say which samples are finished;
+5. unfinished samples get the environment's observation appended as the next user turn.
 
-The loop ends when every sample is terminated, out of budget, or ``max_rollout_turns`` is reached. Rewards
-of all turns are summed per sample.
+The loop ends when every sample is terminated, out of budget, or ``max_rollout_turns`` is reached (tool turns
+count against it: a sample still calling tools in the last turn is scored as it stands). Rewards of all turns
+are summed per sample.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from nemo_rl.data.interfaces import LLMMessage, MessageLog
 from nemo_rl.data.llm_message_utils import message_log_length, message_logs_to_batch
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.environments.interfaces import EnvironmentReturn
+from nemo_rl.environments.tools import TaskTools
+from nemo_rl.experience.tool_turns import rendered_continuation, run_tool_turns
 from nemo_rl.models.generation.interfaces import GenerationInterface
 from nemo_rl.utils.timer import Timer
 
@@ -40,20 +45,13 @@ _CONTEXT_FOR_RENDERING = [{"role": "user", "content": "x"}, {"role": "assistant"
 
 def render_observation_turn(tokenizer: PreTrainedTokenizerBase, content: str) -> str:
     """Text of a user turn carrying ``content`` followed by the assistant's generation prompt."""
-    prefix = tokenizer.apply_chat_template(_CONTEXT_FOR_RENDERING, tokenize=False)
-    full = tokenizer.apply_chat_template(
-        [*_CONTEXT_FOR_RENDERING, {"role": "user", "content": content}],
-        tokenize=False,
-        add_generation_prompt=True,
+    return rendered_continuation(
+        tokenizer,
+        _CONTEXT_FOR_RENDERING,
+        [{"role": "user", "content": content}],
+        (),
+        what="multi-turn observations",
     )
-    assert isinstance(prefix, str) and isinstance(full, str)
-    if not full.startswith(prefix):
-        raise ValueError(
-            "the tokenizer's chat template renders a conversation differently once a turn is appended, so "
-            "multi-turn observations cannot be tokenized incrementally; use a template whose renderings of "
-            "a conversation and of its continuation share a prefix"
-        )
-    return full[len(prefix) :]
 
 
 @dataclasses.dataclass
@@ -66,6 +64,9 @@ class _SampleState:
     generated_tokens: int = 0
     stop_strings: list[str] | None = None
     answer: str | None = None
+    tool_calls: int = 0
+    malformed_tool_calls: int = 0
+    tool_errors: int = 0
 
 
 _StepResult = tuple[float, bool, str | None, list[str] | None, Any, str | None]
@@ -119,6 +120,7 @@ def run_multi_turn_rollout(
     greedy: bool = False,
     env_timeout_s: float = 600.0,
     timer: Timer | None = None,
+    task_to_tools: Mapping[str, TaskTools] | None = None,
 ) -> tuple[BatchedDataDict[Any], dict[str, float]]:
     """Roll out every sample of ``input_batch`` and return the finished batch and rollout metrics.
 
@@ -132,13 +134,18 @@ def run_multi_turn_rollout(
         max_rollout_turns: Most generate / environment turns per sample.
         greedy: Decode greedily (validation) instead of sampling.
         env_timeout_s: Longest wait for one environment step.
-        timer: Accumulates the time spent sampling (``generation``) and scoring (``reward``).
+        timer: Accumulates the time spent sampling (``generation``), running tools (``tool_calls``) and
+            scoring (``reward``).
+        task_to_tools: The tools of the tasks that have some (``build_task_tools``); only their responses
+            are parsed for tool calls.
 
     Returns:
         The input batch plus ``message_log`` (with the new turns), ``total_reward`` [B], ``truncated`` [B]
-        bool, ``num_turns`` [B], ``generated_tokens`` [B] (summed over turns), ``extra_env_info`` (as updated
-        by the environments), ``answers`` (the answer the environment extracted from each sample's last
-        response, ``None`` where it gave none); and metrics.
+        bool, ``num_turns`` [B], ``generated_tokens`` [B] (summed over turns), ``num_tool_calls`` [B],
+        ``extra_env_info`` (as updated by the environments), ``answers`` (the answer the environment
+        extracted from each sample's last response, ``None`` where it gave none); and metrics (with tools:
+        ``mean_tool_calls_per_sample``, ``malformed_tool_call_rate`` and ``tool_error_rate``, the last two
+        per call).
     """
     pad_token_id = int(
         tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -166,15 +173,32 @@ def run_multi_turn_rollout(
             output = generation.generate(gen_input, greedy=greedy)
 
         turn_tokens = _append_responses(states, active, gen_input, output, tokenizer, max_seq_len)
-        with timer.time("reward") if timer else contextlib.nullcontext():
-            results = _env_step(task_to_env, states, active, task_names, env_info, env_timeout_s)
         out_of_turns = turn == max_rollout_turns - 1
-        _apply_env_results(states, active, results, env_info, tokenizer, max_seq_len, out_of_turns)
+        calling_tools: set[int] = set()
+        if task_to_tools and not out_of_turns:
+            with timer.time("tool_calls") if timer else contextlib.nullcontext():
+                calling_tools = run_tool_turns(
+                    states, active, task_names, task_to_tools, tokenizer, max_seq_len
+                )
+        scored = [i for i in active if i not in calling_tools]
+        with timer.time("reward") if timer else contextlib.nullcontext():
+            results = _env_step(task_to_env, states, scored, task_names, env_info, env_timeout_s)
+        _apply_env_results(states, scored, results, env_info, tokenizer, max_seq_len, out_of_turns)
 
         turn_metrics[f"turn_{turn + 1}/active_samples"] = float(len(active))
         turn_metrics[f"turn_{turn + 1}/mean_gen_tokens"] = turn_tokens / len(active)
 
-    return _finished_batch(input_batch, states, env_info, turn_metrics)
+    return _finished_batch(input_batch, states, env_info, turn_metrics, bool(task_to_tools))
+
+
+def _tool_metrics(states: list[_SampleState]) -> dict[str, float]:
+    """Tool calls per sample, and the shares of calls that were malformed or answered with an error."""
+    num_calls = sum(s.tool_calls for s in states)
+    return {
+        "mean_tool_calls_per_sample": num_calls / len(states),
+        "malformed_tool_call_rate": sum(s.malformed_tool_calls for s in states) / max(num_calls, 1),
+        "tool_error_rate": sum(s.tool_errors for s in states) / max(num_calls, 1),
+    }
 
 
 def _append_responses(
@@ -244,8 +268,10 @@ def _finished_batch(
     states: list[_SampleState],
     env_info: list[Any],
     turn_metrics: dict[str, float],
+    with_tools: bool,
 ) -> tuple[BatchedDataDict[Any], dict[str, float]]:
-    """The rolled-out batch (see :func:`run_multi_turn_rollout`) and its metrics."""
+    """The rolled-out batch (see :func:`run_multi_turn_rollout`) and its metrics (``with_tools``: the tool
+    metrics too)."""
     batch_size = len(states)
     result = BatchedDataDict(input_batch.copy())
     # An input of the first turn only; dropping it keeps rollouts of batches with and without it joinable.
@@ -256,6 +282,7 @@ def _finished_batch(
     result["truncated"] = torch.tensor([s.truncated for s in states], dtype=torch.bool)
     result["num_turns"] = torch.tensor([s.turns for s in states], dtype=torch.long)
     result["generated_tokens"] = torch.tensor([s.generated_tokens for s in states], dtype=torch.long)
+    result["num_tool_calls"] = torch.tensor([s.tool_calls for s in states], dtype=torch.long)
     result["answers"] = [s.answer for s in states]
     metrics = {
         "mean_gen_tokens_per_sample": sum(s.generated_tokens for s in states) / batch_size,
@@ -264,5 +291,6 @@ def _finished_batch(
         "mean_total_reward": float(result["total_reward"].mean()),
         "mean_conversation_tokens": sum(message_log_length(s.log) for s in states) / batch_size,
         **turn_metrics,
+        **(_tool_metrics(states) if with_tools else {}),
     }
     return result, metrics

@@ -18,6 +18,7 @@ from transformers import PreTrainedTokenizerBase
 from nemo_rl.data.collate_fn import rl_collate_fn
 from nemo_rl.data.datasets import ProcessedDataset
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.environments.tools import TaskTools
 from nemo_rl.experience.rollouts import run_multi_turn_rollout
 from nemo_rl.models.generation.interfaces import GenerationInterface
 
@@ -65,6 +66,7 @@ def validation_rollouts(
     max_seq_len: int,
     max_rollout_turns: int,
     greedy: bool,
+    task_to_tools: Mapping[str, TaskTools] | None = None,
 ) -> tuple[dict[str, float], list[str]]:
     """Roll out the first ``max_val_samples`` prompts of ``val_dataset`` once each, in batches of
     ``val_batch_size``; returns the ``validation/`` metrics (accuracy, mean reward and length, the
@@ -88,6 +90,7 @@ def validation_rollouts(
             max_seq_len=max_seq_len,
             max_rollout_turns=max_rollout_turns,
             greedy=greedy,
+            task_to_tools=task_to_tools,
         )
         rewards.append(rollout["total_reward"])
         rollouts.append(rollout)

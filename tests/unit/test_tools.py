@@ -10,21 +10,26 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from nemo_rl.config.env import EnvConfig, MathEnvConfig, SandboxConfig
+from nemo_rl.config.env import CodeEnvConfig, EnvConfig, MathEnvConfig, SandboxConfig
 from nemo_rl.config.errors import UserError
 from nemo_rl.environments.registry import check_task_envs
 from nemo_rl.environments.sandbox import detect_isolation
 from nemo_rl.environments.tools import (
     MalformedToolCall,
+    TaskTools,
     Tool,
     ToolCall,
     ToolRegistry,
+    build_task_tools,
     build_tool_registry,
     parse_tool_calls,
+    task_tool_schemas,
+    truncate_tool_response,
 )
 from nemo_rl.environments.tools.calculator import CalculatorError, calculate
 
 TINY_TOKENIZER = Path(__file__).resolve().parents[2] / "examples" / "assets" / "tiny_qwen2_init"
+CALL = '<tool_call>{{"name": "calculator", "arguments": {{"expression": "{}"}}}}</tool_call>'
 SANDBOX = SandboxConfig(wall_time_limit_s=2.0, cpu_time_limit_s=1, memory_limit_mb=256, max_output_bytes=2048)
 
 
@@ -213,10 +218,35 @@ def test_schemas_render_through_a_chat_template() -> None:
     assert rendered == registry.schemas()
 
 
-def test_a_run_refuses_tools_until_rollouts_call_them() -> None:
-    with pytest.raises(UserError, match="rollouts do not run tool calls yet"):
-        check_task_envs(["math"], EnvConfig(math=MathEnvConfig(tools=["calculator"])))
-    check_task_envs(["math"], EnvConfig())
+def test_tools_need_a_turn_to_answer_in() -> None:
+    check_task_envs(["math"], EnvConfig(math=MathEnvConfig(tools=["calculator"])))
+    env = EnvConfig(math=MathEnvConfig(tools=["calculator"]))
+    with pytest.raises(ValueError, match=r"env\.math\.tools=\['calculator'\] .* grpo\.max_rollout_turns=1"):
+        env.check_tool_turns(1, "grpo.max_rollout_turns")
+    env.check_tool_turns(2, "grpo.max_rollout_turns")
+    EnvConfig().check_tool_turns(1, "grpo.max_rollout_turns")
+
+
+def test_task_tools_cut_long_results_and_extra_calls() -> None:
+    tools = TaskTools.from_config(
+        MathEnvConfig(tools=["calculator"], max_tool_response_length=6, tool_response_truncate_side="left")
+    )
+    results = tools.run(parse_tool_calls(CALL.format("2**100") + CALL.format("1+1")))
+    assert [r.content for r in results] == [
+        "126765...(truncated)...",
+        "Error: at most 1 tool call(s) per turn run; this one did not",
+    ]
+    assert [r.is_error for r in results] == [False, True]
+    assert truncate_tool_response("abcdefgh", 3, "right") == "...(truncated)...fgh"
+    assert truncate_tool_response("abcdefgh", 3, "middle") == "ab...(truncated)...h"
+    assert truncate_tool_response("abc", 3, "middle") == "abc"
+    assert build_task_tools(EnvConfig()) == {}
+    assert set(build_task_tools(EnvConfig(code=CodeEnvConfig(tools=["python"])))) == {"code"}
+    assert (
+        task_tool_schemas(EnvConfig(math=MathEnvConfig(tools=["calculator"])), "math")[0]["function"]["name"]
+        == "calculator"
+    )
+    assert task_tool_schemas(EnvConfig(), "math") == []
 
 
 def test_isolation_is_detected_once() -> None:
