@@ -87,6 +87,12 @@ class GRPOMasterConfig(TrainingRunConfig):
         _check_generation_placement(self.policy, self.cluster)
         _check_async_grpo(self)
         self.env.check_tool_turns(self.grpo.max_rollout_turns, "grpo.max_rollout_turns")
+        if self.grpo.agent.enabled and self.env.tool_sections():
+            name = sorted(self.env.tool_sections())[0]
+            raise ValueError(
+                f"env.{name}.tools would never run: with grpo.agent.enabled external agents roll the samples out "
+                f"and call their own tools; set env.{name}.tools=[] or grpo.agent.enabled=false"
+            )
         if self.data.env_name == "reward_model" and not self.env.reward_model.enabled:
             raise ValueError(
                 "data.env_name=reward_model scores the prompts with a reward model: set "

@@ -92,7 +92,7 @@ def start_endpoint(
         tokenizer,
         AgentConfig(enabled=True, function=f"{AGENT_FILE}:agent", **cfg),
         GenerationConfig(temperature=1.0),
-        max_seq_len=160,
+        max_seq_len=200,  # room for the tiny template's tools section
         stop_token_ids=[tokenizer.eos_token_id],
         model_name="tiny",
     )
@@ -213,7 +213,13 @@ def test_multi_turn_chat_records_the_sampled_ids(
 
 
 def test_tool_calls_completions_and_refusals(tokenizer: Any) -> None:
-    endpoint, _ = start_endpoint(tokenizer, lambda prompt: "6" if "<|user|>6" in prompt else TOOL_CALL)
+    endpoint, _ = start_endpoint(
+        tokenizer,
+        # The tiny template renders a tool result as a user turn of <tool_response> blocks.
+        lambda prompt: (
+            "6" if "<tool_response>6</tool_response>" in prompt or "<|user|>6" in prompt else TOOL_CALL
+        ),
+    )
     try:
         endpoint.open(["t4", "t5"])
         client = client_for(endpoint, "t4")

@@ -227,6 +227,19 @@ def test_tools_need_a_turn_to_answer_in() -> None:
     EnvConfig().check_tool_turns(1, "grpo.max_rollout_turns")
 
 
+def test_tools_and_external_agents_are_refused_together() -> None:
+    from nemo_rl.config.master import GRPOMasterConfig
+
+    with pytest.raises(ValueError, match=r"env\.math\.tools would never run: with grpo\.agent\.enabled"):
+        GRPOMasterConfig.model_validate(
+            {
+                "policy": {"model_name": str(TINY_TOKENIZER)},
+                "grpo": {"max_rollout_turns": 2, "agent": {"enabled": True, "function": "agents:solve"}},
+                "env": {"math": {"tools": ["calculator"]}},
+            }
+        )
+
+
 def test_task_tools_cut_long_results_and_extra_calls() -> None:
     tools = TaskTools.from_config(
         MathEnvConfig(tools=["calculator"], max_tool_response_length=6, tool_response_truncate_side="left")
