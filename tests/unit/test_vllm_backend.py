@@ -488,6 +488,10 @@ class RecordingModel:
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         return iter(self.params.items())
 
+    def modules(self) -> Iterator[torch.nn.Module]:
+        """No submodules (so none has a MoE kernel for the refit to repack)."""
+        return iter(())
+
     def parameters(self) -> Iterator[torch.Tensor]:
         return iter(self.params.values())
 
