@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from run_logs import VLLM_CPU_OWN_SLOT
 
 pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -53,19 +54,6 @@ def recording_agent(task: AgentTask) -> float:
     return solve(client, task.messages, str(task.extra_env_info["ground_truth"]))  # type: ignore[call-arg]
 
 
-VLLM = [
-    # vLLM's CPU build in a worker slot of its own, refitted before the step (as test_grpo_tiny's vLLM run).
-    "cluster.gpus_per_node=2",
-    "policy.generation.colocated.enabled=false",
-    "policy.generation.colocated.resources.gpus_per_node=1",
-    "policy.generation.backend=vllm",
-    "policy.generation.embedded_cfg.in_policy_workers=false",
-    "policy.generation.vllm_cfg.precision=float32",
-    "policy.generation.vllm_cfg.enforce_eager=true",
-    "policy.generation.vllm_cfg.cpu_kv_cache_gib=0.25",
-]
-
-
 def _vllm_cpu_build() -> bool:
     from nemo_rl.models.generation.vllm.convert import installed_vllm_build
 
@@ -97,7 +85,7 @@ def test_grpo_step_trains_on_the_agents_tokens(
         CONFIG,
         grpo.MasterConfig,
         [
-            *(VLLM if backend == "vllm" else []),
+            *(VLLM_CPU_OWN_SLOT if backend == "vllm" else []),
             "grpo.num_prompts_per_step=4",
             "grpo.num_generations_per_prompt=4",
             "grpo.max_num_steps=1",
