@@ -97,3 +97,23 @@ def load(out_dir: Path, name: str, rank: int = 0) -> Any:
     """What rank ``rank`` saved as ``name`` (``"<group>.<name>"``)."""
     group, _, rest = name.partition(".")
     return torch.load(out_dir / f"{group}.{rest}.rank{rank}.pt", weights_only=False)
+
+
+def spawn_and_wait(entry: Callable[..., None], args: tuple[Any, ...], nprocs: int, timeout_s: float) -> None:
+    """Run ``entry(rank, *args)`` in ``nprocs`` spawned processes until all end (for modules whose ranks run
+    one script of their own rather than :func:`run_groups`' scenarios); kill them and raise after
+    ``timeout_s``."""
+    context = torch.multiprocessing.start_processes(
+        entry, args=args, nprocs=nprocs, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not context.join(timeout=5.0):
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{getattr(entry, '__module__', entry)}'s ranks did not finish within {timeout_s} s"
+                )
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()

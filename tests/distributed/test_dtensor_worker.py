@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from rank_groups import spawn_and_wait
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -492,22 +491,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def results(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out_dir = tmp_path_factory.mktemp("dtensor_results")
-    context = mp.start_processes(
-        _spawn_entry,
-        args=(free_port(), free_port(), str(model_dir), str(out_dir)),
-        nprocs=WORLD_SIZE,
-        join=False,
-        start_method="spawn",
+    spawn_and_wait(
+        _spawn_entry, (free_port(), free_port(), str(model_dir), str(out_dir)), WORLD_SIZE, SPAWN_TIMEOUT_S
     )
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    try:
-        while not context.join(timeout=5.0):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the DTensor scenarios did not finish within {SPAWN_TIMEOUT_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
     return out_dir
 
 

@@ -5,7 +5,6 @@ on; log-probs of both families against ``transformers``' forward; the refit stre
 from __future__ import annotations
 
 import os
-import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from rank_groups import spawn_and_wait
 from transformers import AutoModelForCausalLM
 
 from nemo_rl.algorithms.interfaces import LossType
@@ -135,18 +134,7 @@ def _spawn_entry(rank: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out_dir = tmp_path_factory.mktemp("moe_results")
-    context = mp.start_processes(
-        _spawn_entry, args=(free_port(), str(out_dir)), nprocs=WORLD_SIZE, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    try:
-        while not context.join(timeout=5.0):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the MoE scenarios did not finish within {SPAWN_TIMEOUT_S} s")
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
+    spawn_and_wait(_spawn_entry, (free_port(), str(out_dir)), WORLD_SIZE, SPAWN_TIMEOUT_S)
     return out_dir
 
 
