@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from run_logs import read_records, wait_until_exists, wait_until_step_logged
+from run_logs import read_records, wait_until_step_logged
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 900
@@ -67,13 +67,6 @@ def kill_driver(
     finally:
         if proc.poll() is None:
             proc.kill()
-
-
-def kill_driver_once_written(
-    cmd: Sequence[str], path: Path, env: Mapping[str, str] | None = None, timeout_s: float = TIMEOUT_S
-) -> None:
-    """Run ``cmd`` until ``path`` exists (a checkpoint's ``training_info.json``, say), then SIGKILL it."""
-    kill_driver(cmd, lambda proc: wait_until_exists(proc, path, timeout_s), env=env)
 
 
 def lose_checkpoints_after(ckpt_dir: Path, step: int) -> None:

