@@ -19,13 +19,13 @@ if TYPE_CHECKING:
     from nemo_rl.config.policy import PolicyConfig
 
 REPLAY_MODEL_TYPES = ("qwen3_moe", "glm4_moe")
-"""MoE families whose routing the embedded engine records and the DTensor policy replays."""
+"""MoE families whose routing the embedded engine records and the policy (DTensor or Megatron) replays."""
 
 _KEY = "policy.router_replay.enabled=true"
 
 
 class RouterReplayConfig(ConfigModel):
-    """Replay the sampler's expert choices in the policy's forwards (GRPO, embedded engine, DTensor policy)."""
+    """Replay the sampler's expert choices in the policy's forwards (GRPO with the embedded engine)."""
 
     enabled: bool = False
     """Record each sampled and prompt token's top-k experts per MoE layer in the generation engine, carry
@@ -50,16 +50,12 @@ def check_router_replay(policy: PolicyConfig) -> None:
             "(enable_return_routed_experts is wired into its v2 GPU model runner only, not CPUModelRunner): "
             "set policy.generation.backend=embedded or router_replay.enabled=false"
         )
-    if not policy.dtensor_cfg.enabled:
-        raise ValueError(
-            f"{_KEY} is built for the DTensor policy (megatron-core's RouterReplay hook is not wired here): "
-            "set policy.dtensor_cfg.enabled=true and policy.megatron_cfg.enabled=false, or set it false"
-        )
-    if policy.dtensor_cfg.activation_checkpointing:
+    backend = "dtensor_cfg" if policy.dtensor_cfg.enabled else "megatron_cfg"
+    if getattr(policy, backend).activation_checkpointing:
         raise ValueError(
             f"{_KEY} replays routing in the forward only, and activation checkpointing would recompute the "
-            "layers in the backward with the policy's own routing: set "
-            "policy.dtensor_cfg.activation_checkpointing=false"
+            f"layers in the backward with the policy's own routing: set policy.{backend}.activation_checkpointing"
+            "=false"
         )
 
 

@@ -163,7 +163,6 @@ def test_routing_travels_through_logs_batch_and_packing() -> None:
     [
         ({"model_name": str(ASSETS / "tiny_qwen2_init")}, "is a qwen2 model"),
         ({"generation": {"backend": "vllm"}}, "CPUModelRunner"),
-        ({"dtensor_cfg": {"enabled": False}, "megatron_cfg": {"enabled": True}}, "RouterReplay"),
         ({"dtensor_cfg": {"activation_checkpointing": True}}, "activation_checkpointing=false"),
     ],
 )
