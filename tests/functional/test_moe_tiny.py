@@ -1,7 +1,7 @@
 """Mixture-of-experts end to end on CPU: SFT of the tiny Qwen3-MoE (examples/configs/sft_moe_tiny.yaml) and
 GRPO on both tiny MoE families with the embedded engine and on Qwen3-MoE with vLLM's CPU build
 (examples/run_grpo_math.py), with the routing metrics logged, the refit delivering the weights and the
-sampler's log-probs matching the policy's."""
+sampler's log-probs matching the policy's (with a bfloat16 engine, closer with routing replay)."""
 
 from __future__ import annotations
 
@@ -144,6 +144,32 @@ def test_grpo_on_tiny_moe_with_the_embedded_engine(tmp_path: Path, family: str, 
     )
     print(f"GRPO on tiny {family}, 2 steps: {wall_s:.0f} s")
     _check_grpo_steps(metrics, family)
+
+
+def test_grpo_with_router_replay_lowers_gen_kl_error(tmp_path: Path) -> None:
+    """Routing replay (policy.router_replay.enabled) with a bfloat16 engine in the float32 policy's workers. The
+    same first step without replay samples the same tokens (same seed and weights; recording changes no
+    sample), so its gen_kl_error is the baseline the replayed run must not exceed."""
+    bf16_qwen3_moe = (
+        "policy.model_name=examples/assets/tiny_qwen3_moe_init",
+        "policy.generation.embedded_cfg.precision=bfloat16",
+    )
+    wall_s, replayed = _run_grpo(
+        tmp_path / "replay", "grpo_math_tiny.yaml", *bf16_qwen3_moe, "policy.router_replay.enabled=true"
+    )
+    _, baseline = _run_grpo(
+        tmp_path / "plain", "grpo_math_tiny.yaml", *bf16_qwen3_moe, "grpo.max_num_steps=1"
+    )
+    print(
+        f"GRPO with router replay, 2 steps: {wall_s:.0f} s; step 1 gen_kl_error",
+        baseline[1]["train/gen_kl_error"],
+        "->",
+        replayed[1]["train/gen_kl_error"],
+    )
+    for step in (1, 2):
+        assert 0.0 < replayed[step]["train/gen_kl_error"] <= 1e-4, step
+        assert "train/moe_router_entropy" in replayed[step]
+    assert replayed[1]["train/gen_kl_error"] <= baseline[1]["train/gen_kl_error"]
 
 
 def test_grpo_moe_tiny_recipe_megatron_expert_parallel(tmp_path: Path) -> None:
