@@ -42,6 +42,7 @@ from nemo_rl.config.master import GRPOMasterConfig
 from nemo_rl.data.datasets import ProcessedDataset
 from nemo_rl.data.llm_message_utils import flat_token_positions, message_logs_to_batch
 from nemo_rl.data.prompt_messages import KeepPromptMessages
+from nemo_rl.data.routed_experts import ROUTED_EXPERTS_KEY, routed_experts_batch
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.experience.agent_endpoint import AgentEndpoint
 from nemo_rl.experience.agent_rollouts import run_agent_rollout, start_agent_endpoint
@@ -164,7 +165,8 @@ def build_train_batch(
 
     Adds to the flattened ``input_ids`` / ``input_lengths`` / ``token_mask`` (assistant tokens): per-token
     ``advantages`` and ``generation_logprobs``, and ``sample_mask`` (prompts cut for length, and truncated
-    responses when ``overlong_filtering`` is on, are masked out).
+    responses when ``overlong_filtering`` is on, are masked out); with routing replay the sampler's
+    ``routed_experts`` ``[B, T, MoE layers, top_k]``.
     """
     logs = rollout["message_log"]
     batch = message_logs_to_batch(logs, pad_token_id=pad_token_id, train_roles=_TRAIN_ROLES)
@@ -186,6 +188,9 @@ def build_train_batch(
     batch["advantages"] = advantages_B[:, None].expand_as(batch["token_mask"]).contiguous()
     batch["generation_logprobs"] = generation_logprobs_BT
     batch["sample_mask"] = sample_mask_B
+    routed_BTLK = routed_experts_batch(logs, int(batch["input_ids"].shape[1]))
+    if routed_BTLK is not None:
+        batch[ROUTED_EXPERTS_KEY] = routed_BTLK
     return batch
 
 

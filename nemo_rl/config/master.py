@@ -18,6 +18,7 @@ from nemo_rl.config.logger import LoggerConfig
 from nemo_rl.config.loss import ClippedPGLossConfig, DistillationLossConfig
 from nemo_rl.config.no_effect import refusal
 from nemo_rl.config.policy import PolicyConfig, TokenizerConfig
+from nemo_rl.config.router_replay import refuse_router_replay
 
 
 class TrainingRunConfig(ConfigModel):
@@ -45,6 +46,11 @@ class SFTMasterConfig(TrainingRunConfig):
 
     data: DataConfig = Field(default_factory=DataConfig)
     """Training and validation data."""
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        refuse_router_replay("SFT", self.policy)
+        return self
 
 
 class GRPOMasterConfig(TrainingRunConfig):
@@ -87,6 +93,11 @@ class GRPOMasterConfig(TrainingRunConfig):
         _check_generation_placement(self.policy, self.cluster)
         _check_async_grpo(self)
         self.env.check_tool_turns(self.grpo.max_rollout_turns, "grpo.max_rollout_turns")
+        if self.grpo.agent.enabled and self.policy.router_replay.enabled:
+            raise ValueError(
+                "policy.router_replay.enabled=true needs the sampler's routing, which external agents' turns "
+                "(grpo.agent.enabled) do not carry: set one of them false"
+            )
         if self.grpo.agent.enabled and self.env.tool_sections():
             name = sorted(self.env.tool_sections())[0]
             raise ValueError(
@@ -175,6 +186,8 @@ class DistillationMasterConfig(TrainingRunConfig):
     @model_validator(mode="after")
     def _check(self) -> DistillationMasterConfig:
         _check_generation_placement(self.policy, self.cluster)
+        refuse_router_replay("distillation", self.policy)
+        refuse_router_replay("distillation", self.teacher, "teacher")
         self.env.check_tool_turns(self.distillation.max_rollout_turns, "distillation.max_rollout_turns")
         for section, cfg in (("policy", self.policy), ("teacher", self.teacher)):
             if cfg.generation.top_k is not None or cfg.generation.top_p < 1.0:
@@ -215,6 +228,7 @@ def _check_preference_run(algorithm: str, policy: PolicyConfig, data: DataConfig
                 f"{algorithm} keeps each pair's chosen and rejected responses in one micro-batch, which "
                 f"token-budget micro-batches would split: set policy.{section}.enabled=false"
             )
+    refuse_router_replay(algorithm, policy)
     if policy.reward_model_cfg.enabled != reward_model:
         raise ValueError(
             f"{algorithm} needs policy.reward_model_cfg.enabled={str(reward_model).lower()}"

@@ -26,6 +26,7 @@ from nemo_rl.config.lora import VLLM_MAX_LORA_RANK, LoraConfig
 from nemo_rl.config.megatron import MegatronConfig
 from nemo_rl.config.model_arch import MOE_MODEL_TYPES, local_hf_config, local_model_type
 from nemo_rl.config.no_effect import refusal
+from nemo_rl.config.router_replay import RouterReplayConfig, check_router_replay
 
 __all__ = [
     "VLLM_TEMPERATURE_RANGE",
@@ -42,6 +43,7 @@ __all__ = [
     "Precision",
     "RefitConfig",
     "RewardModelConfig",
+    "RouterReplayConfig",
     "SchedulerEntry",
     "SchedulerMilestones",
     "SequencePackingConfig",
@@ -266,6 +268,10 @@ class PolicyConfig(ConfigModel):
     shared_prefix: SharedPrefixConfig = Field(default_factory=SharedPrefixConfig)
     """Compute each prompt shared by several rows once (DTensor backend; exact, see ``SharedPrefixConfig``)."""
 
+    router_replay: RouterReplayConfig = Field(default_factory=RouterReplayConfig)
+    """Routing replay ("R3") for mixture-of-experts models: the policy's forwards use the experts the sampler
+    chose (see ``RouterReplayConfig``)."""
+
     draft: dict[str, Any] | None = None
     """Speculative-decoding draft model; not built here: must be null or have ``enabled: false``."""
 
@@ -378,6 +384,7 @@ class PolicyConfig(ConfigModel):
                 )
         if self.shared_prefix.enabled:
             self._check_shared_prefix()
+        check_router_replay(self)
         if self.sequence_packing.enabled and self.dynamic_batching.enabled:
             raise ValueError(
                 "policy.sequence_packing and policy.dynamic_batching are both enabled: pick one (packing "

@@ -31,6 +31,7 @@ from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.data.interfaces import LLMMessage, MessageLog
 from nemo_rl.data.llm_message_utils import message_log_length, message_logs_to_batch
+from nemo_rl.data.routed_experts import ROUTED_EXPERTS_KEY, attach_routed_experts
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.environments.interfaces import EnvironmentReturn
 from nemo_rl.environments.tools import TaskTools
@@ -225,6 +226,8 @@ def _append_responses(
         )
         message["generation_logprobs"] = logprobs  # type: ignore[typeddict-unknown-key]
         state.log.append(message)
+        if ROUTED_EXPERTS_KEY in output:
+            attach_routed_experts(state.log, output[ROUTED_EXPERTS_KEY][j])
         state.turns += 1
         state.generated_tokens += keep
         turn_tokens += keep

@@ -147,6 +147,9 @@ def test_greedy_matches_hf_generate_and_is_deterministic(hf_model: Qwen2ForCausa
     first = engine.generate(ids, lengths, p, greedy=True, seed=0)
     second = engine.generate(ids, lengths, p, greedy=True, seed=123)
     for key, value in vars(first).items():
+        if value is None:  # routed_experts: the engine does not record routing by default
+            assert getattr(second, key) is None, key
+            continue
         assert torch.equal(value, getattr(second, key)), key
     generate: Any = getattr(hf_model, "generate")  # noqa: B009 (its self-typed signature confuses mypy)
     for b, n in enumerate(lengths.tolist()):

@@ -10,7 +10,9 @@ seeds. A router that picks another expert for a token in bfloat16 than in float3
 
     python tools/probes/moe_gen_kl.py --models dense qwen3_moe glm4_moe --seeds 1 2 3 --steps 4
 
-Extra ``key=value`` overrides after ``--`` go to every run.
+``--router-replay`` runs each MoE model a second time with ``policy.router_replay.enabled=true`` (the policy's
+forwards replay the experts the sampler chose) and reports both. Extra ``key=value`` overrides after ``--``
+go to every run.
 """
 
 from __future__ import annotations
@@ -83,26 +85,34 @@ def main() -> None:
     parser.add_argument(
         "--precision", default="bfloat16", help="the engine's dtype (the policy's is float32)"
     )
+    parser.add_argument(
+        "--router-replay",
+        action="store_true",
+        help="also run every MoE model with policy.router_replay.enabled=true",
+    )
     parser.add_argument("overrides", nargs="*", help="key=value overrides for every run (after --)")
     args = parser.parse_args()
     summary: dict[str, list[float]] = {}
     for model in args.models:
-        for seed in args.seeds:
+        replays = [False, True] if args.router_replay and model != "dense" else [False]
+        for replay, seed in ((r, s) for r in replays for s in args.seeds):
+            name = f"{model}+replay" if replay else model
+            extra = [*args.overrides, *(["policy.router_replay.enabled=true"] if replay else [])]
             with tempfile.TemporaryDirectory(prefix="moe_gen_kl_") as work:
-                metrics = run_grpo(model, seed, args.steps, args.precision, args.overrides, Path(work))
+                metrics = run_grpo(model, seed, args.steps, args.precision, extra, Path(work))
             for step in sorted(metrics):
                 if METRICS[0] not in metrics[step]:
                     continue
-                values = [metrics[step][name] for name in METRICS]
-                summary.setdefault(model, []).append(values[0])
+                values = [metrics[step][metric] for metric in METRICS]
+                summary.setdefault(name, []).append(values[0])
                 print(
-                    f"{model:<10} seed {seed} step {step}: gen_kl_error {values[0]:.3e}  "
+                    f"{name:<17} seed {seed} step {step}: gen_kl_error {values[0]:.3e}  "
                     f"token_mult_prob_error {values[1]:.5f}",
                     flush=True,
                 )
-    print(f"{'model':<10}{'steps':>7}{'mean gen_kl_error':>20}{'max':>12}")
-    for model, values in summary.items():
-        print(f"{model:<10}{len(values):>7}{statistics.fmean(values):>20.3e}{max(values):>12.3e}")
+    print(f"{'model':<17}{'steps':>7}{'mean gen_kl_error':>20}{'max':>12}")
+    for name, values in summary.items():
+        print(f"{name:<17}{len(values):>7}{statistics.fmean(values):>20.3e}{max(values):>12.3e}")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,9 @@ Data out (:class:`GenerationOutputSpec`), one row per input row, in the input or
 - ``truncated`` ``[B]`` bool: the response did not end with a stop token or stop string: it hit
   ``max_new_tokens`` or ``policy.max_total_sequence_length`` (or a backend cut it, e.g. vLLM's repetition
   detection).
+- ``routed_experts`` ``[B, T', MoE layers, top_k]`` int16, only from an engine that records routing
+  (``policy.router_replay.enabled``): aligned with ``output_ids``, the experts every MoE layer routed each
+  token to, -1 where no forward ran the token (a response's last token, padding).
 
 Log-probabilities: one contract for every backend and the policy. For a sampled token, its log-prob under
 the distribution it was drawn from: the logits divided by ``policy.generation.temperature``, then top-k,

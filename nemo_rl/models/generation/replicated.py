@@ -80,7 +80,8 @@ class SeededReplicas(abc.ABC):
         # Every rank of a replica gets its shard: model-parallel ranks run the same requests in lockstep.
         refs = worker_group.run_all_workers_sharded_data(method, shards, greedy, seed)
         results = worker_group.get_dp_leader_results(refs, timeout_s)
-        return BatchedDataDict.from_shards(results, indices, pad_value_dict={"output_ids": self.pad_token_id})
+        pads = {"output_ids": self.pad_token_id, "routed_experts": -1}
+        return BatchedDataDict.from_shards(results, indices, pad_value_dict=pads)
 
     def state_dict(self) -> dict[str, int]:
         """The sampling seed's position: a resumed run that loads it samples what the uninterrupted run would."""

@@ -14,7 +14,7 @@ Tensor legend: N = token rows of a forward (T * B), E = experts, K = experts per
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -70,6 +70,70 @@ def attach_routing_log(model: nn.Module) -> RoutingLog | None:
     for router in found:
         router.log = log
     return log
+
+
+class ReplayTopK:
+    """A router's routing replay, in megatron-core's ``router_replay`` hook (what ``moe_enable_routing_replay``
+    installs, ``RouterReplay.get_replay_topk``): the router computes its own top-k, then the rows of
+    :attr:`target_NK` that hold experts (non-negative) take those, their scores gathered from the router's own
+    (so a router's own routing replays exactly, and the router trains through the scores). Unlike
+    megatron-core's ``RouterReplay`` a row without a record keeps the router's choice."""
+
+    def __init__(self) -> None:
+        self.target_NK: torch.Tensor | None = None
+        """Experts ``[N, K]`` per router row for the forward in progress; None replays nothing."""
+
+    def get_replay_topk(
+        self,
+        scores: torch.Tensor,
+        topk: int,
+        num_groups: int | None,
+        group_topk: int | None,
+        default_compute_topk: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(top-k scores, top-k experts)`` of ``scores`` ``[N, E]``, the recorded rows replayed."""
+        values_NK, experts_NK = default_compute_topk(
+            scores, topk, num_groups=num_groups, group_topk=group_topk
+        )
+        if self.target_NK is None:
+            return values_NK, experts_NK
+        target_NK = self.target_NK.to(device=experts_NK.device, dtype=experts_NK.dtype)
+        chosen_NK = torch.where(target_NK[:, :1] >= 0, target_NK, experts_NK)
+        return scores.gather(1, chosen_NK), chosen_NK
+
+
+def install_replay(model: nn.Module) -> list[ReplayTopK]:
+    """Give every MoE router of ``model`` a :class:`ReplayTopK` (``policy.router_replay``), in forward order."""
+    replays = []
+    for router in routers(model):
+        router.router_replay = ReplayTopK()
+        replays.append(router.router_replay)
+    return replays
+
+
+@contextmanager
+def replaying(replays: list[ReplayTopK], rows_NLK: torch.Tensor | None) -> Iterator[None]:
+    """Route the forwards run inside the block to ``rows_NLK`` (``[N, MoE layers, K]`` in the routers' row
+    order, see :func:`megatron_rows`); None (or no routers) replays nothing."""
+    if rows_NLK is None or not replays:
+        yield
+        return
+    for layer, replay in enumerate(replays):
+        replay.target_NK = rows_NLK[:, layer]
+    try:
+        yield
+    finally:
+        for replay in replays:
+            replay.target_NK = None
+
+
+def megatron_rows(routed_BTLK: torch.Tensor, lengths_B: torch.Tensor) -> torch.Tensor:
+    """A micro-batch's ``routed_experts`` ``[B, T, L, K]`` in the routers' sequence-first row order ``[T * B, L,
+    K]``, -1 at padding."""
+    valid_BT = torch.arange(routed_BTLK.shape[1], device=routed_BTLK.device)[None, :] < lengths_B[:, None].to(
+        routed_BTLK.device
+    )
+    return torch.where(valid_BT[:, :, None, None], routed_BTLK, -1).transpose(0, 1).flatten(0, 1)
 
 
 def freeze_routers(model: nn.Module) -> int:

@@ -59,7 +59,7 @@ from nemo_rl.models.policy.hf_io import (
     load_sharded_model,
 )
 from nemo_rl.models.policy.loss_interface import LossFunction
-from nemo_rl.models.policy.moe import RouterRecorder, moe_step_terms
+from nemo_rl.models.policy.moe import RouterRecorder, moe_step_terms, replay_rows
 from nemo_rl.models.policy.optim import build_optimizer, build_scheduler, clip_grad_norm_, freeze_parameters
 from nemo_rl.models.policy.parallelize import local_tensor, reshard_all
 from nemo_rl.models.policy.shared_prefix import (
@@ -233,19 +233,23 @@ class DTensorPolicyWorker(DTensorRefitMixin, PolicyWorkerBase):
             packed = PackedRows.pack(mb["input_ids"], mb["input_lengths"], multiple)
             # Hugging Face keeps attention within each packed sequence (restarting position ids) only when
             # no KV cache is passed: use_cache=False is what makes the packed forward exact.
-            output = self.model(
-                input_ids=packed.input_ids_1L, position_ids=packed.position_ids_1L, use_cache=False
-            )
+            inputs = {
+                "input_ids": packed.input_ids_1L,
+                "position_ids": packed.position_ids_1L,
+                "use_cache": False,
+            }
         elif self.cfg.shared_prefix.enabled and (shared := self._shared_prefix_rows(mb)) is not None:
             inputs = self._shared_prefix_inputs(shared)
             if self.moe_routing.is_moe:
                 # transformers' own load-balancing loss would read the placeholder mask as [B, T] and fail;
                 # the worker computes that loss itself from the recorded routing (moe_step_terms).
                 inputs["output_router_logits"] = False
-            output = self.model(**inputs)
         else:
-            output = self.model(input_ids=mb["input_ids"], use_cache=False)
+            inputs = {"input_ids": mb["input_ids"], "use_cache": False}
         layout = packed or shared
+        # Routing replay: the routers of this forward take the sampler's experts (policy.router_replay).
+        with self.moe_routing.replaying(replay_rows(mb, layout) if self.cfg.router_replay.enabled else None):
+            output = self.model(**inputs)
         self._fed_valid_N = (
             fed_token_mask(layout.index_BT, layout.valid_BT, output.logits.shape[1])
             if layout is not None

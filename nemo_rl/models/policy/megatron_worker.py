@@ -64,8 +64,11 @@ from nemo_rl.models.megatron.moe import (
     RouterScores,
     attach_routing_log,
     freeze_routers,
+    install_replay,
     megatron_aux_loss,
+    megatron_rows,
     recording,
+    replaying,
     valid_rows,
 )
 from nemo_rl.models.megatron.weights import (
@@ -172,6 +175,7 @@ class MegatronPolicyWorker(PolicyWorkerBase):
         if self.lora is not None:
             self.lora.attach(self.gpt, self.arch, self.config)
         self.routing_log = attach_routing_log(self.gpt)
+        self.replays = install_replay(self.gpt) if cfg.router_replay.enabled else []
         self._routing: RoutingRecord | None = None
         """The routing of the micro-batch whose loss runs next (MoE models)."""
         sigmoid = self.arch.moe is not None and self.arch.moe.router == "sigmoid"
@@ -253,7 +257,11 @@ class MegatronPolicyWorker(PolicyWorkerBase):
                 input_ids_BT
             )
             # Right padding under a causal mask: real tokens never attend to padding.
-            with recording(self.routing_log) as routing:
+            # Routing replay (policy.router_replay): the routers take the sampler's experts.
+            rows_NLK = (
+                megatron_rows(mb["routed_experts"], mb["input_lengths"]) if "routed_experts" in mb else None
+            )
+            with recording(self.routing_log) as routing, replaying(self.replays, rows_NLK):
                 output = model(input_ids_BT, positions_BT, None, runtime_gather_output=True)
             # Megatron runs the loss of a micro-batch right after its forward (one stage for MoE models).
             self._routing = routing

@@ -22,13 +22,15 @@ Tensor legend: N = token rows of the forward (B * T, or a packed row), E = exper
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
+
+from nemo_rl.models.policy.utils import valid_token_mask
 
 
 @dataclass
@@ -76,6 +78,8 @@ class RouterRecorder:
         self.sigmoid = any(hasattr(r, "e_score_correction_bias") for r in self.routers)
         self.aux_loss_coef = aux_loss_coef_of(getattr(model, "config", None))
         self._record: RoutingRecord | None = None
+        self._layer_of = {id(router): layer for layer, router in enumerate(self.routers)}
+        self._replay_NLK: torch.Tensor | None = None
         for router in self.routers:
             router.register_forward_hook(self._hook)
 
@@ -84,9 +88,17 @@ class RouterRecorder:
         """Whether the model has MoE routers at all."""
         return bool(self.routers)
 
-    def _hook(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._record is None or not isinstance(output, tuple) or len(output) < 3:
-            return
+    def _hook(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if not isinstance(output, tuple) or len(output) < 3:
+            return None
+        if self._replay_NLK is not None:
+            output = replayed_routing(module, output, self._replay_NLK[:, self._layer_of[id(module)]])
+        if self._record is not None:
+            self._append(output)
+        return output
+
+    def _append(self, output: tuple[torch.Tensor, ...]) -> None:
+        assert self._record is not None
         logits = output[0]
         from torch.distributed.tensor import DTensor
 
@@ -106,9 +118,83 @@ class RouterRecorder:
         finally:
             self._record = None
 
+    @contextmanager
+    def replaying(self, experts_NLK: torch.Tensor | None) -> Iterator[None]:
+        """Route the forward passes run inside the block to ``experts_NLK`` (``[N, MoE layers, K]``, one row per
+        token row the routers see; a row whose first entry is negative keeps the router's own choice). None
+        replays nothing."""
+        self._replay_NLK = experts_NLK
+        try:
+            yield
+        finally:
+            self._replay_NLK = None
+
     def router_probs(self, logits_NE: torch.Tensor) -> torch.Tensor:
         """The router's distribution over experts ``[N, E]`` (float32) from its logits."""
         return router_distribution(logits_NE, self.sigmoid)
+
+
+class PackedLayout(Protocol):
+    """Where the rows of a micro-batch went in a packed forward (``PackedRows``, ``SharedPrefixRows``)."""
+
+    @property
+    def input_ids_1L(self) -> torch.Tensor:
+        """The packed row's tokens ``[1, L]``."""
+        ...
+
+    @property
+    def index_BT(self) -> torch.Tensor:
+        """Position in the packed row of each row's token."""
+        ...
+
+    @property
+    def valid_BT(self) -> torch.Tensor:
+        """Whether the row has a token there."""
+        ...
+
+
+def replay_rows(mb: Mapping[str, Any], layout: PackedLayout | None) -> torch.Tensor | None:
+    """The micro-batch's ``routed_experts`` ``[B, T, L, K]`` as one row per token row of its forward ``[N, L, K]``
+    (``B * T`` rows, or the packed row's ``L``), -1 at padding; None when the batch carries no routing."""
+    routed_BTLK = mb.get("routed_experts")
+    if routed_BTLK is None:
+        return None
+    seq_len = routed_BTLK.shape[1]
+    if layout is None:
+        valid_BT = valid_token_mask(mb["input_lengths"].to(routed_BTLK.device), seq_len)
+        return torch.where(valid_BT[:, :, None, None], routed_BTLK, -1).flatten(0, 1)
+    rows_NLK = routed_BTLK.new_full((layout.input_ids_1L.shape[1], *routed_BTLK.shape[2:]), -1)
+    valid_BT = layout.valid_BT.to(routed_BTLK.device)
+    rows_NLK[layout.index_BT.to(routed_BTLK.device)[valid_BT]] = routed_BTLK[valid_BT]
+    return rows_NLK
+
+
+def replayed_routing(
+    router: nn.Module, output: tuple[torch.Tensor, ...], replay_NK: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """A ``transformers`` 5 router's ``(logits, weights, experts)`` with the experts of the rows ``replay_NK``
+    records (its non-negative rows) in place of its own top-k, their weights recomputed from the router's own
+    logits as its forward computes them for its own choice (so replaying a router's own routing changes
+    nothing, and the router still gets gradients through the weights)."""
+    logits_NE, weights_NK, experts_NK = output[:3]
+    replay_NK = replay_NK.to(device=experts_NK.device, dtype=experts_NK.dtype)
+    if replay_NK.shape != experts_NK.shape:
+        raise ValueError(
+            f"routing replay got {tuple(replay_NK.shape)} experts for a router that routed "
+            f"{tuple(experts_NK.shape)}: the batch's routed_experts must cover every token of the forward"
+        )
+    chosen_NK = torch.where(replay_NK[:, :1] >= 0, replay_NK, experts_NK)
+    if getattr(router, "e_score_correction_bias", None) is not None:  # sigmoid router (glm4_moe)
+        replayed_NK = logits_NE.sigmoid().gather(1, chosen_NK)
+        if router.norm_topk_prob:
+            replayed_NK = replayed_NK / (replayed_NK.sum(dim=-1, keepdim=True) + 1e-20)
+        replayed_NK = replayed_NK * cast(float, router.routed_scaling_factor)
+    else:  # softmax router (qwen3_moe)
+        replayed_NK = torch.softmax(logits_NE, dtype=torch.float, dim=-1).gather(1, chosen_NK)
+        if router.norm_topk_prob:
+            replayed_NK = replayed_NK / replayed_NK.sum(dim=-1, keepdim=True)
+        replayed_NK = replayed_NK.to(logits_NE.dtype)
+    return (logits_NE, replayed_NK.to(weights_NK.dtype), chosen_NK, *output[3:])
 
 
 def router_distribution(logits_NE: torch.Tensor, sigmoid: bool) -> torch.Tensor:

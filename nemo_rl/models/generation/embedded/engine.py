@@ -31,6 +31,7 @@ import torch
 
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.models.generation.embedded.model import DecoderLM, KVCache
+from nemo_rl.models.generation.embedded.routing import RoutingLog
 from nemo_rl.models.generation.in_flight import InFlightWeights
 from nemo_rl.models.sampling import top_k_top_p_candidates
 
@@ -102,6 +103,9 @@ class EngineOutput:
     """``[B]`` long, prompt length + generation length."""
     truncated: torch.Tensor
     """``[B]`` bool, the sequence ran out of budget (max_new_tokens or max sequence length) without a stop."""
+    routed_experts: torch.Tensor | None = None
+    """``[B, T_in + max generation length, MoE layers, top_k]`` int16, the experts each token was routed to,
+    -1 where no forward ran it (see :mod:`.routing`); only when the engine records routing."""
 
 
 @dataclass
@@ -222,6 +226,9 @@ class EmbeddedEngine:
         two steps (asynchronous GRPO's in-flight updates)."""
         self.recompute_kv_cache = False
         """After an in-flight update, recompute the running rows' keys and values with the new weights."""
+        self.record_routing = False
+        """Return each token's experts per MoE layer (``EngineOutput.routed_experts``; routing replay)."""
+        self._routing: RoutingLog | None = None
 
     def release_cache(self) -> None:
         """Drop the preallocated KV cache (it is reallocated by the next call)."""
@@ -313,6 +320,8 @@ class EmbeddedEngine:
             lengths_B=torch.zeros(num_seqs, dtype=torch.long, device=device),
             truncated_B=budget_B == 0,
         )
+        width = int(lengths_B.max()) + max_budget if num_seqs else 0
+        self._routing = RoutingLog(self.model, num_seqs, width) if self.record_routing else None
         if max_budget > 0:
             self._decode_loop(
                 input_ids_BT.to(device), lengths_B, budget_B, params, greedy, seed, row_stops, generated
@@ -413,7 +422,7 @@ class EmbeddedEngine:
             # Weights a refit delivered during this call (asynchronous GRPO's in-flight updates).
             if self.in_flight.has_pending and self.in_flight.apply_pending() and self.recompute_kv_cache:
                 self._recompute_cache(input_ids_BT[:, :max_prompt], lengths_B, rows, step, cache)
-            logits_BV = model.decode(tokens_B, rows.positions_B, cache, num_slots)
+            logits_BV = self._decode_step(tokens_B, rows, cache, num_slots)
             # Finished rows still in the batch advance too (their slot is shared); positions stay below slots.
             rows.positions_B += 1
 
@@ -442,10 +451,34 @@ class EmbeddedEngine:
         distinct_UT, inverse_B = torch.unique(keys_BT, dim=0, return_inverse=True)
         num_distinct = distinct_UT.shape[0]
         if num_distinct == num_rows:
-            return self.model.prefill(input_ids_BT, lengths_B, cache)
-        logits_UV = self.model.prefill(distinct_UT[:, :width], distinct_UT[:, width], cache)
+            return self._prefill(
+                input_ids_BT, lengths_B, cache, torch.arange(num_rows, device=lengths_B.device)
+            )
+        logits_UV = self._prefill(distinct_UT[:, :width], distinct_UT[:, width], cache, inverse_B)
         cache.select_rows(inverse_B, width)
         return logits_UV[inverse_B]
+
+    def _prefill(
+        self, input_ids_UT: torch.Tensor, lengths_U: torch.Tensor, cache: KVCache, inverse_B: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`DecoderLM.prefill`, its routing recorded for the sequences ``inverse_B`` maps to prompts."""
+        if self._routing is None:
+            return self.model.prefill(input_ids_UT, lengths_U, cache)
+        with self._routing.capture() as sink:
+            logits_UV = self.model.prefill(input_ids_UT, lengths_U, cache)
+        self._routing.record_prefill(sink, lengths_U, input_ids_UT.shape[1], inverse_B)
+        return logits_UV
+
+    def _decode_step(
+        self, tokens_B: torch.Tensor, rows: _Rows, cache: KVCache, num_slots: int
+    ) -> torch.Tensor:
+        """:meth:`DecoderLM.decode` of the rows' newest tokens, its routing recorded by sequence and position."""
+        if self._routing is None:
+            return self.model.decode(tokens_B, rows.positions_B, cache, num_slots)
+        with self._routing.capture() as sink:
+            logits_BV = self.model.decode(tokens_B, rows.positions_B, cache, num_slots)
+        self._routing.record_step(sink, rows.orig_B, rows.positions_B)
+        return logits_BV
 
     @staticmethod
     def _finish_rows(
@@ -511,10 +544,12 @@ class EmbeddedEngine:
         output_ids.scatter_(1, cols, generated.tokens_BT[:, :max_gen])
         logprobs.scatter_(1, cols, generated.logprobs_BT[:, :max_gen])
         truncated_B = generated.truncated_B
+        routing, self._routing = self._routing, None
         return EngineOutput(
             output_ids=output_ids[:, :width].cpu(),
             logprobs=logprobs[:, :width].cpu(),
             generation_lengths=gen_lengths_B.cpu(),
             unpadded_sequence_lengths=(lengths_B + gen_lengths_B).cpu(),
             truncated=truncated_B.cpu(),
+            routed_experts=None if routing is None else routing.output(lengths_B + gen_lengths_B, width),
         )

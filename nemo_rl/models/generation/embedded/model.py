@@ -200,6 +200,8 @@ class DecoderLM:
         self._rope_cos = torch.empty(0)
         self._rope_sin = torch.empty(0)
         self._build_rope_table(1024)
+        self.routing_sink: list[torch.Tensor] | None = None
+        """When a list, every MoE layer of the next forward passes appends the experts ``[M, K]`` it chose."""
 
     # ----------------------------------------------------------------------------------------------------
     # Weight storage: fused buffers, Hugging Face-named views.
@@ -461,7 +463,7 @@ class DecoderLM:
         x_MH = _residual_linear(x_MH, attend(layer, q, key, heads[:, n + k :]), w.o_t, w.o_b)
         if w.moe is not None:
             assert a.moe is not None
-            return x_MH + moe_mlp(_rms_norm(x_MH, w.ln2, a.rms_norm_eps), w.moe, a.moe)
+            return x_MH + moe_mlp(_rms_norm(x_MH, w.ln2, a.rms_norm_eps), w.moe, a.moe, self.routing_sink)
         assert w.gate_up_t is not None and w.down_t is not None
         gate_up = _linear(_rms_norm(x_MH, w.ln2, a.rms_norm_eps), w.gate_up_t, w.gate_up_b)
         i = a.intermediate_size

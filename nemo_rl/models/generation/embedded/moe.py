@@ -102,9 +102,14 @@ def route(x_MH: torch.Tensor, w: MoeWeights, moe: MoeArch) -> tuple[torch.Tensor
     return weights_MK * moe.routed_scaling_factor, experts_MK
 
 
-def moe_mlp(x_MH: torch.Tensor, w: MoeWeights, moe: MoeArch) -> torch.Tensor:
-    """The MoE block's output ``[M, H]`` for normalised token rows ``x_MH`` (no residual)."""
+def moe_mlp(
+    x_MH: torch.Tensor, w: MoeWeights, moe: MoeArch, sink: list[torch.Tensor] | None = None
+) -> torch.Tensor:
+    """The MoE block's output ``[M, H]`` for normalised token rows ``x_MH`` (no residual); ``sink``, when
+    given, receives the experts ``[M, K]`` each row was routed to (routing replay records them)."""
     weights_MK, experts_MK = route(x_MH, w, moe)
+    if sink is not None:
+        sink.append(experts_MK)
     out_MH = torch.zeros_like(x_MH)
     # One pass per expert some token chose, as transformers loops (a sort-free loop: the tiny and decode-sized
     # batches the engine runs on CPU hit few experts).

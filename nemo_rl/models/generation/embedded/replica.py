@@ -21,6 +21,7 @@ from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.device import cuda_available
 from nemo_rl.models.generation.embedded.engine import EmbeddedEngine, SamplingParams
 from nemo_rl.models.generation.embedded.model import DecoderLM
+from nemo_rl.models.generation.embedded.routing import ROUTED_EXPERTS_DTYPE
 from nemo_rl.models.generation.interfaces import (
     WeightManifestDict,
     check_generation_input,
@@ -71,6 +72,7 @@ class EmbeddedReplica:
             max_sequence_length=cfg.max_total_sequence_length,
             decode_fn=self._decode,
         )
+        self.engine.record_routing = cfg.router_replay.enabled
         layout = AdapterLayout.from_policy_config(
             cfg, self._base_manifest(), cfg.generation.embedded_cfg.precision
         )
@@ -102,7 +104,7 @@ class EmbeddedReplica:
         """Generate for this replica's shard (see ``GenerationInterface.generate``), in chunks of
         ``policy.generation_batch_size`` rows; ``seed`` is the driver's per-call seed."""
         if data.size == 0:
-            return empty_generation_output(data)
+            return self._empty_output(data)
         check_generation_input(data)
         chunk_size = self.cfg.generation_batch_size or data.size
         outputs = []
@@ -116,10 +118,21 @@ class EmbeddedReplica:
                 seed=chunk_seed,
                 stop_strings=chunk.get("stop_strings"),
             )
-            outputs.append(BatchedDataDict(vars(result)))
+            outputs.append(BatchedDataDict({k: v for k, v in vars(result).items() if v is not None}))
         if len(outputs) == 1:
             return outputs[0]
-        return BatchedDataDict.from_batches(outputs, pad_value_dict={"output_ids": self.engine.pad_token_id})
+        return BatchedDataDict.from_batches(
+            outputs, pad_value_dict={"output_ids": self.engine.pad_token_id, "routed_experts": -1}
+        )
+
+    def _empty_output(self, data: BatchedDataDict[Any]) -> BatchedDataDict[Any]:
+        """The output of an empty shard, with an empty ``routed_experts`` when the engine records routing."""
+        out = empty_generation_output(data)
+        moe = self.model.arch.moe
+        if self.engine.record_routing and moe is not None:
+            shape = (0, out["output_ids"].shape[1], sum(moe.sparse_layers), moe.top_k)
+            out["routed_experts"] = torch.zeros(shape, dtype=ROUTED_EXPERTS_DTYPE)
+        return out
 
     def prepare_for_generation(self) -> None:
         """Move offloaded weights back onto the device."""
