@@ -33,7 +33,7 @@ from nemo_rl.weight_sync import (
     tp_shard_fn,
 )
 from nemo_rl.weight_sync.interfaces import RefitTransport, TransportKind
-from nemo_rl.weight_sync.shm import SEGMENT_NAME_PREFIX, SHM_DIR
+from nemo_rl.weight_sync.shm_segments import SEGMENT_NAME_PREFIX, SHM_DIR
 
 TIMEOUT_S = 120.0
 BUCKET_BYTES = 4096  # the embedding and lm_head (8 KiB in fp32) are larger than a bucket

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import nemo_rl.weight_sync.shm as shm
+import nemo_rl.weight_sync.shm_segments as shm
 from nemo_rl.weight_sync import RefitError, WeightManifest, build_refit_transport
 from nemo_rl.weight_sync.buckets import align_up
 

@@ -16,6 +16,7 @@ import torch
 
 import nemo_rl.weight_sync.collective as collective_module
 import nemo_rl.weight_sync.shm as shm_module
+import nemo_rl.weight_sync.shm_segments as shm_segments
 from nemo_rl.weight_sync import (
     CollectiveTransport,
     RefitConfig,
@@ -32,7 +33,7 @@ from nemo_rl.weight_sync import (
 )
 from nemo_rl.weight_sync.buckets import pack_buckets
 from nemo_rl.weight_sync.interfaces import RefitTransport, TransportKind
-from nemo_rl.weight_sync.shm import SEGMENT_NAME_PREFIX, SHM_DIR
+from nemo_rl.weight_sync.shm_segments import SEGMENT_NAME_PREFIX, SHM_DIR
 
 TIMEOUT_S = 30.0
 BUCKET_BYTES = 2048  # smaller than the embedding and lm_head below, larger than the rest
@@ -139,9 +140,9 @@ def test_every_receiver_gets_every_weight_bit_for_bit(
     transport = _make_transport(kind, num_senders=2, num_receivers=2, dtype=dtype)
     manifest = WeightManifest.from_named_tensors(weights.items(), dtype)
     created: list[str] = []
-    create = shm_module.Segment.create
+    create = shm_segments.Segment.create
     monkeypatch.setattr(
-        shm_module.Segment,
+        shm_segments.Segment,
         "create",
         staticmethod(lambda name, nbytes, **kw: created.append(name) or create(name, nbytes, **kw)),
     )
