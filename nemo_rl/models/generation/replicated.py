@@ -170,12 +170,10 @@ class ReplicatedGeneration(SeededReplicas, WorkerGroupFacade):
         layout = self._layout(cluster, bundles, seed)
         SeededReplicas.__init__(self, pad_token_id=require_pad_token_id(tokenizer), seed=seed)
         self._node_ids = [cluster.bundle_locations()[b].node_id for b in layout.bundles]
-        WorkerGroupFacade.__init__(
-            self,
+        workers = RayWorkerGroup(
             cluster,
             self.worker_cls,
             name=self.default_name if name is None else name,
-            call_timeout_s=WORKER_CALL_TIMEOUT_S,
             init_kwargs={
                 "cfg": cfg,
                 "tokenizer": tokenizer,
@@ -187,6 +185,7 @@ class ReplicatedGeneration(SeededReplicas, WorkerGroupFacade):
             env_vars=layout.env_vars,
             max_concurrency=2 if concurrent_refit else 1,
         )
+        WorkerGroupFacade.__init__(self, workers, call_timeout_s=WORKER_CALL_TIMEOUT_S)
         self.concurrent_refit = concurrent_refit
 
     @abc.abstractmethod
