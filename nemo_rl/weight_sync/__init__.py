@@ -23,6 +23,7 @@ from nemo_rl.weight_sync.interfaces import (
     RefitTransport,
     ShardFn,
     TransferStats,
+    TransportSettings,
     WeightReceiver,
     WeightSender,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "SharedMemoryTransport",
     "TensorSpec",
     "TransferStats",
+    "TransportSettings",
     "WeightManifest",
     "WeightReceiver",
     "WeightSender",

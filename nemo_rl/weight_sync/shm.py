@@ -64,6 +64,7 @@ from nemo_rl.weight_sync.interfaces import (
     ShardFn,
     TransferStats,
     TransportKind,
+    TransportSettings,
     WeightReceiver,
     WeightSender,
 )
@@ -346,13 +347,10 @@ class SharedMemoryTransport:
 
     def __init__(
         self,
+        settings: TransportSettings,
         *,
         policy_node_ids: Sequence[str],
         generation_node_ids: Sequence[str],
-        dtype: torch.dtype,
-        bucket_size_bytes: int,
-        timeout_s: float,
-        store_host: str,
         policy_streams: Sequence[int] | None = None,
     ) -> None:
         if not policy_node_ids or not generation_node_ids:
@@ -378,10 +376,8 @@ class SharedMemoryTransport:
         self._policy_node_ids = list(policy_node_ids)
         self._policy_streams = streams
         self._generation_node_ids = list(generation_node_ids)
-        self._dtype = dtype
-        self._bucket_size_bytes = bucket_size_bytes
-        self._timeout_s = timeout_s
-        self._server = StoreServer(store_host, timeout_s)
+        self._settings = settings
+        self._server = StoreServer(settings.store_host, settings.timeout_s)
         self._uid = uuid.uuid4().hex[:10]
         self._sweep_everywhere(None)
 
@@ -422,9 +418,9 @@ class SharedMemoryTransport:
             readers = tuple(j for j, n in enumerate(self._generation_node_ids) if n == node)
             senders.append(
                 ShmSender(
-                    self._dtype,
-                    self._bucket_size_bytes,
-                    self._timeout_s,
+                    self._settings.dtype,
+                    self._settings.bucket_size_bytes,
+                    self._settings.timeout_s,
                     self._server.address,
                     refit_id,
                     prefix,
@@ -435,7 +431,7 @@ class SharedMemoryTransport:
             )
         receivers: list[WeightReceiver] = [
             ShmReceiver(
-                self._timeout_s,
+                self._settings.timeout_s,
                 self._server.address,
                 refit_id,
                 prefix,
@@ -486,4 +482,4 @@ class SharedMemoryTransport:
             ).remote(prefix)
             for node in remote
         ]
-        ray.get(refs, timeout=self._timeout_s)
+        ray.get(refs, timeout=self._settings.timeout_s)

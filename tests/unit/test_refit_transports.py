@@ -24,6 +24,7 @@ from nemo_rl.weight_sync import (
     RefitIntegrityError,
     SharedMemoryTransport,
     TransferStats,
+    TransportSettings,
     WeightManifest,
     build_refit_transport,
     close_refit_groups,
@@ -92,12 +93,9 @@ def _make_transport(
 ) -> RefitTransport:
     return build_refit_transport(
         kind,
+        TransportSettings(dtype, BUCKET_BYTES, TIMEOUT_S, "127.0.0.1"),
         policy_node_ids=["node-a"] * num_senders,
         generation_node_ids=["node-a"] * num_receivers,
-        dtype=dtype,
-        bucket_size_bytes=BUCKET_BYTES,
-        timeout_s=TIMEOUT_S,
-        store_host="127.0.0.1",
     )
 
 
@@ -396,12 +394,9 @@ def test_driver_abort_wakes_waiting_shm_endpoints_and_unlinks(workers: Workers) 
 
 def test_shm_assigns_one_writer_per_node_with_readers() -> None:
     transport = SharedMemoryTransport(
+        TransportSettings(torch.float32, BUCKET_BYTES, TIMEOUT_S, "127.0.0.1"),
         policy_node_ids=["a", "a", "b", "b", "c"],
         generation_node_ids=["b", "a", "b"],
-        dtype=torch.float32,
-        bucket_size_bytes=BUCKET_BYTES,
-        timeout_s=TIMEOUT_S,
-        store_host="127.0.0.1",
     )
     senders, receivers = transport.endpoints("r0")
     roles = [(s.writer, s.readers) for s in senders]  # type: ignore[attr-defined]
@@ -413,13 +408,10 @@ def test_shm_assigns_one_writer_per_node_with_readers() -> None:
 
 def test_shm_has_one_writer_per_node_and_stream() -> None:
     transport = SharedMemoryTransport(
+        TransportSettings(torch.float32, BUCKET_BYTES, TIMEOUT_S, "127.0.0.1"),
         policy_node_ids=["a", "a", "a", "a", "b", "b"],
         generation_node_ids=["a", "a"],
         policy_streams=[0, 0, 1, 1, 0, 1],
-        dtype=torch.float32,
-        bucket_size_bytes=BUCKET_BYTES,
-        timeout_s=TIMEOUT_S,
-        store_host="127.0.0.1",
     )
     senders, receivers = transport.endpoints("r0")
     assert [s.writer for s in senders] == [0, None, 1, None, None, None]  # type: ignore[attr-defined]
@@ -440,12 +432,9 @@ def test_pipeline_stages_each_send_their_own_stream(kind: TransportKind) -> None
     streams = [0, 0, 1, 1]  # two ranks per stage (e.g. tensor-parallel peers), one of each sends
     transport = build_refit_transport(
         kind,
+        TransportSettings(torch.bfloat16, BUCKET_BYTES, TIMEOUT_S, "127.0.0.1"),
         policy_node_ids=["node-a"] * 4,
         generation_node_ids=["node-a"] * 2,
-        dtype=torch.bfloat16,
-        bucket_size_bytes=BUCKET_BYTES,
-        timeout_s=TIMEOUT_S,
-        store_host="127.0.0.1",
         policy_streams=streams,
     )
     manifest = WeightManifest.from_named_tensors(weights.items(), torch.bfloat16)
@@ -494,12 +483,9 @@ def test_pipeline_stages_each_send_their_own_stream(kind: TransportKind) -> None
 def test_shm_two_nodes_each_reader_follows_its_own_writer(workers: Workers) -> None:
     weights = _weights()
     transport = SharedMemoryTransport(
+        TransportSettings(torch.bfloat16, BUCKET_BYTES, TIMEOUT_S, "127.0.0.1"),
         policy_node_ids=["a", "b"],
         generation_node_ids=["b", "a"],
-        dtype=torch.bfloat16,
-        bucket_size_bytes=BUCKET_BYTES,
-        timeout_s=TIMEOUT_S,
-        store_host="127.0.0.1",
     )
     manifest = WeightManifest.from_named_tensors(weights.items(), torch.bfloat16)
     sinks = [Sink(), Sink()]
