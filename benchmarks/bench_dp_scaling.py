@@ -36,7 +36,7 @@ from nemo_rl.config.cluster import ClusterConfig
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster, init_ray
-from nemo_rl.distributed.worker_groups import WorkerGroupFacade
+from nemo_rl.distributed.worker_groups import RayWorkerGroup, WorkerGroupFacade
 from nemo_rl.models.policy.dtensor_worker import DTensorPolicyWorker
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -95,12 +95,14 @@ def measure(
     """Start ``dp`` workers, take a warm-up step and ``--steps`` timed ones; the workers are then shut down."""
     cluster = RayVirtualCluster(ClusterConfig(gpus_per_node=dp, num_nodes=1), name=f"dp{dp}")
     group = WorkerGroupFacade(
-        cluster,
-        ProfilingDTensorPolicyWorker,
-        name=f"policy_dp{dp}",
+        RayWorkerGroup(
+            cluster,
+            ProfilingDTensorPolicyWorker,
+            name=f"policy_dp{dp}",
+            init_kwargs={"cfg": cfg, "init_reference_model": False},
+            dp_size=dp,
+        ),
         call_timeout_s=CALL_TIMEOUT_S,
-        init_kwargs={"cfg": cfg, "init_reference_model": False},
-        dp_size=dp,
     )
     workers = group.worker_group
     try:

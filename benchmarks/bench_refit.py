@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nemo_rl.distributed.virtual_cluster import free_port
-from nemo_rl.weight_sync import CollectiveTransport, SharedMemoryTransport, WeightManifest
+from nemo_rl.weight_sync import CollectiveTransport, SharedMemoryTransport, TransportSettings, WeightManifest
 from nemo_rl.weight_sync.interfaces import RefitTransport
 from nemo_rl.weight_sync.manifest import dtype_from_name
 
@@ -176,15 +176,10 @@ def _median_gbps(run: Callable[[int], float], num_bytes: int, repeats: int) -> f
 
 
 def _make_transports(dtype: torch.dtype, bucket_bytes: int) -> dict[str, RefitTransport]:
-    common: dict[str, Any] = {
-        "dtype": dtype,
-        "bucket_size_bytes": bucket_bytes,
-        "timeout_s": 600.0,
-        "store_host": "127.0.0.1",
-    }
+    settings = TransportSettings(dtype, bucket_bytes, timeout_s=600.0, store_host="127.0.0.1")
     return {
-        "shared_memory": SharedMemoryTransport(policy_node_ids=["n"], generation_node_ids=["n"], **common),
-        "collective": CollectiveTransport(num_policy_workers=1, num_generation_workers=1, **common),
+        "shared_memory": SharedMemoryTransport(settings, policy_node_ids=["n"], generation_node_ids=["n"]),
+        "collective": CollectiveTransport(settings, num_policy_workers=1, num_generation_workers=1),
     }
 
 

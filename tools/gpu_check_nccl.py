@@ -132,16 +132,13 @@ def check_refit(same_gpu: bool, cpu: bool) -> int:
     if not cpu and not same_gpu and torch.cuda.device_count() < 2:
         print(f"SKIP: a refit between two GPUs needs 2, this machine has {torch.cuda.device_count()}")
         return SKIP
-    from nemo_rl.weight_sync import build_refit_transport
+    from nemo_rl.weight_sync import TransportSettings, build_refit_transport
 
     transport = build_refit_transport(
         "collective",
+        TransportSettings(torch.bfloat16, 64 * 1024, TIMEOUT_S, "127.0.0.1"),
         policy_node_ids=["node"],
         generation_node_ids=["node"],
-        dtype=torch.bfloat16,
-        bucket_size_bytes=64 * 1024,
-        timeout_s=TIMEOUT_S,
-        store_host="127.0.0.1",
     )
     senders, receivers = transport.endpoints("gpu-check")
     ctx = mp.get_context("spawn")

@@ -43,7 +43,6 @@ from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.data.datasets import ProcessedDataset
 from nemo_rl.data.llm_message_utils import message_logs_to_batch
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.experience.rollouts import run_multi_turn_rollout
 from nemo_rl.experience.validation import environment_metrics
 from nemo_rl.models.hf_config import load_hf_config
 from nemo_rl.models.policy.lm_policy import Policy, check_policy_layout
@@ -151,18 +150,8 @@ def teacher_topk(s: DistillationSetup, train_data: BatchedDataDict[Any]) -> None
 def distillation_step(s: DistillationSetup, batch: BatchedDataDict[Any], timer: Timer) -> dict[str, float]:
     """One distillation step on a batch of prompts; returns its ``train/`` metrics."""
     cfg = s.config
-    repeated = batch.repeat_interleave(cfg.distillation.num_generations_per_prompt)
     s.refit_if_stale(timer)
-    rollout, rollout_metrics = run_multi_turn_rollout(
-        s.generation,
-        repeated,
-        s.tokenizer,
-        s.task_to_env,
-        max_seq_len=cfg.policy.max_total_sequence_length,
-        max_rollout_turns=cfg.distillation.max_rollout_turns,
-        timer=timer,
-        task_to_tools=s.task_to_tools,
-    )
+    rollout, rollout_metrics = s.sample(batch, cfg.distillation, timer)
     s.generation.finish_generation()
     rollout_metrics.update(environment_metrics(s.task_to_env, rollout))
 

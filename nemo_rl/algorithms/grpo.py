@@ -47,7 +47,6 @@ from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.experience.agent_endpoint import AgentEndpoint
 from nemo_rl.experience.agent_rollouts import run_agent_rollout, start_agent_endpoint
 from nemo_rl.experience.async_rollouts import AsyncRollouts, InFlightUpdatable, RolloutBatch
-from nemo_rl.experience.rollouts import run_multi_turn_rollout
 from nemo_rl.experience.validation import request_environment_metrics
 from nemo_rl.models.generation.interfaces import GenerationInterface
 from nemo_rl.models.generation.replicated import WORKER_CALL_TIMEOUT_S
@@ -227,16 +226,7 @@ def roll_out(
     cfg = s.config
     if s.agent_endpoint is not None:
         return _roll_out_agents(s, s.agent_endpoint, batch, timer)
-    rollout, metrics = run_multi_turn_rollout(
-        s.generation if generation is None else generation,
-        batch.repeat_interleave(cfg.grpo.num_generations_per_prompt),
-        s.tokenizer,
-        s.task_to_env,
-        max_seq_len=cfg.policy.max_total_sequence_length,
-        max_rollout_turns=cfg.grpo.max_rollout_turns,
-        timer=timer,
-        task_to_tools=s.task_to_tools,
-    )
+    rollout, metrics = s.sample(batch, cfg.grpo, timer, generation)
     env_metrics = request_environment_metrics(s.task_to_env, rollout)
     rollout["total_reward"] = transformed_rewards(rollout, cfg.grpo)
     metrics["reward"] = float(rollout["total_reward"].mean())

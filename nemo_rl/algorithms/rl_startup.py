@@ -44,10 +44,12 @@ from nemo_rl.config.master import DistillationMasterConfig, GRPOMasterConfig
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.data.collate_fn import rl_collate_fn
 from nemo_rl.data.datasets import ProcessedDataset, dataset_task_names
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.distributed.worker_groups import start_together
 from nemo_rl.environments.registry import check_task_envs, create_task_envs, stop_envs, wait_envs_started
 from nemo_rl.environments.tools import TaskTools, build_task_tools
+from nemo_rl.experience.rollouts import run_multi_turn_rollout
 from nemo_rl.experience.validation import ENV_TIMEOUT_S, validation_rollouts
 from nemo_rl.models.generation.embedded.in_policy import InPolicyEmbeddedGeneration
 from nemo_rl.models.generation.factory import (
@@ -357,6 +359,27 @@ class RLRun(RLWorkers):
                 refit_metrics = self.refit()
             self.logger.log_metrics(refit_metrics, self.state.step + 1)
         self.generation.prepare_for_generation()
+
+    def sample(
+        self,
+        batch: BatchedDataDict[Any],
+        loop_cfg: GRPOConfig | DistillationConfig,
+        timer: Timer,
+        generation: GenerationInterface | None = None,
+    ) -> tuple[BatchedDataDict[Any], dict[str, float]]:
+        """Roll out ``loop_cfg.num_generations_per_prompt`` responses per prompt of ``batch`` on ``generation``
+        (default: the run's generation workers) with the run's environments and tools; returns the rolled-out
+        batch and its rollout metrics (see :func:`~nemo_rl.experience.rollouts.run_multi_turn_rollout`)."""
+        return run_multi_turn_rollout(
+            self.generation if generation is None else generation,
+            batch.repeat_interleave(loop_cfg.num_generations_per_prompt),
+            self.tokenizer,
+            self.task_to_env,
+            max_seq_len=self.config.policy.max_total_sequence_length,
+            max_rollout_turns=loop_cfg.max_rollout_turns,
+            timer=timer,
+            task_to_tools=self.task_to_tools,
+        )
 
     def validate_accuracy(
         self, step: int, loop_cfg: GRPOConfig | DistillationConfig, *, greedy: bool

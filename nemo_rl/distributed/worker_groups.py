@@ -485,37 +485,16 @@ def start_together(enabled: bool = True) -> Iterator[None]:
 class WorkerGroupFacade:
     """The driver side of a worker group: what the policy and generation facades share.
 
-    Starts a :class:`RayWorkerGroup` and waits until every actor has finished ``__init__`` (inside a
-    :func:`start_together` block: when the block ends); when one fails to start or the wait times out, the
+    Takes a just-started :class:`RayWorkerGroup` and waits until every actor has finished ``__init__`` (inside
+    a :func:`start_together` block: when the block ends); when one fails to start or the wait times out, the
     group is shut down (its bundles released) before the error propagates, so a failed start leaves no
     half-started actors holding the cluster. Every later call on the workers waits at most ``call_timeout_s``
-    and then names the workers still running. The other arguments are :class:`RayWorkerGroup`'s.
+    and then names the workers still running.
     """
 
-    def __init__(
-        self,
-        cluster: RayVirtualCluster,
-        worker_cls: type,
-        *,
-        name: str,
-        call_timeout_s: float,
-        init_kwargs: Mapping[str, Any] | None = None,
-        bundle_indices: Sequence[int] | None = None,
-        dp_size: int | None = None,
-        env_vars: Mapping[str, str] | None = None,
-        max_concurrency: int = 1,
-    ) -> None:
+    def __init__(self, worker_group: RayWorkerGroup, *, call_timeout_s: float) -> None:
         self.call_timeout_s = call_timeout_s
-        self.worker_group = RayWorkerGroup(
-            cluster,
-            worker_cls,
-            name=name,
-            init_kwargs=init_kwargs,
-            bundle_indices=bundle_indices,
-            dp_size=dp_size,
-            env_vars=env_vars,
-            max_concurrency=max_concurrency,
-        )
+        self.worker_group = worker_group
         starting_together = _STARTING_TOGETHER.get()
         if starting_together is not None:
             starting_together.append(self)

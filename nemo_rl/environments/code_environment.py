@@ -33,7 +33,13 @@ import torch
 
 from nemo_rl.config.env import CodeEnvConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.environments.interfaces import EnvironmentInterface, EnvironmentReturn, Message
+from nemo_rl.environments.interfaces import (
+    EnvironmentInterface,
+    EnvironmentReturn,
+    Message,
+    check_ground_truths,
+    check_step_batch,
+)
 from nemo_rl.environments.metrics import batch_rewards, group_ids, last_assistant_text, pass_at_samples
 from nemo_rl.environments.sandbox import Sandbox
 
@@ -168,14 +174,8 @@ class CodeEnvironment(EnvironmentInterface[CodeMetadata]):
         self, message_log_batch: Sequence[Sequence[Message]], metadata: Sequence[CodeMetadata]
     ) -> EnvironmentReturn[CodeMetadata]:
         """Run each conversation's last code block against its problem's tests."""
-        if len(message_log_batch) != len(metadata):
-            raise ValueError(f"{len(message_log_batch)} conversations but {len(metadata)} metadata entries")
-        missing = [i for i, m in enumerate(metadata) if m is None or "ground_truth" not in m]
-        if missing:
-            raise KeyError(
-                f"code samples {missing[:8]} have no 'ground_truth' (the tests) in their metadata "
-                "(extra_env_info); the data's expected_answer holds them"
-            )
+        check_step_batch(message_log_batch, metadata)
+        check_ground_truths(metadata, "code", "it holds the unit tests (the data's expected_answer)")
         specs = [UnitTests.from_ground_truth(str(m["ground_truth"])) for m in metadata]
         codes = [extract_code(last_assistant_text(log)) for log in message_log_batch]
         outcomes = list(self._executor.map(functools.partial(run_tests, self._sandbox), codes, specs))

@@ -71,3 +71,19 @@ class EnvironmentInterface(abc.ABC, Generic[MetadataT]):
 
     def shutdown(self) -> None:
         """Release processes or connections the environment holds; called before the actor is killed."""
+
+
+def check_step_batch(message_log_batch: Sequence[Sequence[Message]], metadata: Sequence[Any]) -> None:
+    """Raise ``ValueError`` unless :meth:`EnvironmentInterface.step` got one metadata entry per conversation."""
+    if len(message_log_batch) != len(metadata):
+        raise ValueError(f"{len(message_log_batch)} conversations but {len(metadata)} metadata entries")
+
+
+def check_ground_truths(metadata: Sequence[Mapping[str, Any] | None], task: str, hint: str) -> None:
+    """Raise ``KeyError`` naming the first samples of ``task`` whose metadata has no ``ground_truth``;
+    ``hint`` says where the data should have put it."""
+    missing = [i for i, m in enumerate(metadata) if m is None or "ground_truth" not in m]
+    if missing:
+        raise KeyError(
+            f"{task} samples {missing[:8]} have no 'ground_truth' in their metadata (extra_env_info); {hint}"
+        )

@@ -15,7 +15,13 @@ import torch
 
 from nemo_rl.config.env import MathEnvConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.environments.interfaces import EnvironmentInterface, EnvironmentReturn, Message
+from nemo_rl.environments.interfaces import (
+    EnvironmentInterface,
+    EnvironmentReturn,
+    Message,
+    check_ground_truths,
+    check_step_batch,
+)
 from nemo_rl.environments.math_verifier import (
     extract_last_boxed,
     gold_answer,
@@ -67,14 +73,8 @@ class MathEnvironment(EnvironmentInterface[MathMetadata]):
         self, message_log_batch: Sequence[Sequence[Message]], metadata: Sequence[MathMetadata]
     ) -> EnvironmentReturn[MathMetadata]:
         """Score the last assistant message of each conversation against its ``ground_truth``."""
-        if len(message_log_batch) != len(metadata):
-            raise ValueError(f"{len(message_log_batch)} conversations but {len(metadata)} metadata entries")
-        missing = [i for i, m in enumerate(metadata) if m is None or "ground_truth" not in m]
-        if missing:
-            raise KeyError(
-                f"math samples {missing[:8]} have no 'ground_truth' in their metadata (extra_env_info); "
-                "the math data processor puts the expected answer there"
-            )
+        check_step_batch(message_log_batch, metadata)
+        check_ground_truths(metadata, "math", "the math data processor puts the expected answer there")
         responses = [last_assistant_text(log) for log in message_log_batch]
         ground_truths = [str(m["ground_truth"]) for m in metadata]
         # Certain verdicts (no answer, the same text, two integers) are decided here, on the same cut of the

@@ -28,7 +28,12 @@ import torch
 from nemo_rl.config.env import RewardModelEnvConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
-from nemo_rl.environments.interfaces import EnvironmentInterface, EnvironmentReturn, Message
+from nemo_rl.environments.interfaces import (
+    EnvironmentInterface,
+    EnvironmentReturn,
+    Message,
+    check_step_batch,
+)
 from nemo_rl.environments.metrics import batch_rewards, last_assistant_text
 from nemo_rl.models.policy.lm_policy import Policy
 from nemo_rl.models.tokenizer import get_tokenizer, require_pad_token_id
@@ -100,8 +105,7 @@ class RewardModelEnvironment(EnvironmentInterface[RewardMetadata]):
         self, message_log_batch: Sequence[Sequence[Message]], metadata: Sequence[RewardMetadata]
     ) -> EnvironmentReturn[RewardMetadata]:
         """Reward each conversation with the reward model; every episode ends here."""
-        if len(message_log_batch) != len(metadata):
-            raise ValueError(f"{len(message_log_batch)} conversations but {len(metadata)} metadata entries")
+        check_step_batch(message_log_batch, metadata)
         if not message_log_batch:
             empty: list[Any] = []
             return EnvironmentReturn(empty, empty, empty, torch.zeros(0), torch.zeros(0, dtype=torch.bool))

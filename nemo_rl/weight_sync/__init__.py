@@ -23,6 +23,7 @@ from nemo_rl.weight_sync.interfaces import (
     RefitTransport,
     ShardFn,
     TransferStats,
+    TransportSettings,
     WeightReceiver,
     WeightSender,
 )
@@ -30,7 +31,8 @@ from nemo_rl.weight_sync.manifest import ManifestLike, TensorSpec, WeightManifes
 from nemo_rl.weight_sync.refit import refit
 from nemo_rl.weight_sync.resharding import iter_full_tensors, tp_shard_fn
 from nemo_rl.weight_sync.scope import RefitScope, RefitScopePlanner
-from nemo_rl.weight_sync.shm import SharedMemoryTransport, sweep_segments
+from nemo_rl.weight_sync.shm import SharedMemoryTransport
+from nemo_rl.weight_sync.shm_segments import sweep_segments
 from nemo_rl.weight_sync.store import close_store_clients
 
 __all__ = [
@@ -47,6 +49,7 @@ __all__ = [
     "SharedMemoryTransport",
     "TensorSpec",
     "TransferStats",
+    "TransportSettings",
     "WeightManifest",
     "WeightReceiver",
     "WeightSender",

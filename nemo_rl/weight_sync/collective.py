@@ -47,6 +47,7 @@ from nemo_rl.weight_sync.interfaces import (
     ShardFn,
     TransferStats,
     TransportKind,
+    TransportSettings,
     WeightReceiver,
     WeightSender,
 )
@@ -314,13 +315,10 @@ class CollectiveTransport:
 
     def __init__(
         self,
+        settings: TransportSettings,
         *,
         num_policy_workers: int,
         num_generation_workers: int,
-        dtype: torch.dtype,
-        bucket_size_bytes: int,
-        timeout_s: float,
-        store_host: str,
         policy_streams: Sequence[int] | None = None,
     ) -> None:
         if num_policy_workers < 1 or num_generation_workers < 1:
@@ -335,10 +333,8 @@ class CollectiveTransport:
         self._roots = [streams.index(stream) for stream in range(max(streams) + 1)]
         self._num_policy_workers = num_policy_workers
         self._num_generation_workers = num_generation_workers
-        self._dtype = dtype
-        self._bucket_size_bytes = bucket_size_bytes
-        self._timeout_s = timeout_s
-        self._server = StoreServer(store_host, timeout_s)
+        self._settings = settings
+        self._server = StoreServer(settings.store_host, settings.timeout_s)
         self._uid = uuid.uuid4().hex[:10]
         self._epoch = 0
 
@@ -362,7 +358,7 @@ class CollectiveTransport:
             self._server.address,
             f"{self._uid}-{self._epoch}-s{stream}",
             1 + self._num_generation_workers,
-            self._timeout_s,
+            self._settings.timeout_s,
             stream,
         )
 
@@ -373,12 +369,15 @@ class CollectiveTransport:
         groups = tuple(self._group(stream) for stream in range(self.num_streams))
         senders: list[WeightSender] = [
             CollectiveSender(
-                self._dtype, self._bucket_size_bytes, groups[stream], rank == self._roots[stream]
+                self._settings.dtype,
+                self._settings.bucket_size_bytes,
+                groups[stream],
+                rank == self._roots[stream],
             )
             for rank, stream in enumerate(self._streams)
         ]
         receivers: list[WeightReceiver] = [
-            CollectiveReceiver(self._bucket_size_bytes, groups, j)
+            CollectiveReceiver(self._settings.bucket_size_bytes, groups, j)
             for j in range(self._num_generation_workers)
         ]
         return senders, receivers

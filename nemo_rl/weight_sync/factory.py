@@ -9,7 +9,7 @@ import torch
 
 from nemo_rl.config.policy import PolicyConfig, RefitConfig
 from nemo_rl.weight_sync.collective import CollectiveTransport
-from nemo_rl.weight_sync.interfaces import RefitTransport, TransportKind
+from nemo_rl.weight_sync.interfaces import RefitTransport, TransportKind, TransportSettings
 from nemo_rl.weight_sync.manifest import dtype_from_name
 from nemo_rl.weight_sync.shm import SharedMemoryTransport
 
@@ -53,48 +53,41 @@ def create_refit_transport(
     if kind == "auto":
         same_nodes = SharedMemoryTransport.supports(policy_node_ids, generation_node_ids, policy_streams)
         kind = "shared_memory" if policy_cfg.generation.colocated.enabled and same_nodes else "collective"
-    return build_refit_transport(
-        kind,
-        policy_node_ids=policy_node_ids,
-        generation_node_ids=generation_node_ids,
+    settings = TransportSettings(
         dtype=generation_dtype(policy_cfg),
         bucket_size_bytes=policy_cfg.refit_buffer_size_mb * _MIB,
         timeout_s=refit_cfg.timeout_s,
         store_host=refit_store_host(),
+    )
+    return build_refit_transport(
+        kind,
+        settings,
+        policy_node_ids=policy_node_ids,
+        generation_node_ids=generation_node_ids,
         policy_streams=policy_streams,
     )
 
 
 def build_refit_transport(
     kind: TransportKind,
+    settings: TransportSettings,
     *,
     policy_node_ids: Sequence[str],
     generation_node_ids: Sequence[str],
-    dtype: torch.dtype,
-    bucket_size_bytes: int,
-    timeout_s: float,
-    store_host: str,
     policy_streams: Sequence[int] | None = None,
 ) -> RefitTransport:
-    """The transport ``kind`` between these policy and generation workers (node ids and streams as in
-    :func:`create_refit_transport`), casting to ``dtype`` and streaming buckets of ``bucket_size_bytes``;
-    refits fail after ``timeout_s``; workers reach the refit store on ``store_host``."""
+    """The transport ``kind`` with ``settings`` between these policy and generation workers (node ids and
+    streams as in :func:`create_refit_transport`)."""
     if kind == "shared_memory":
         return SharedMemoryTransport(
+            settings,
             policy_node_ids=policy_node_ids,
             generation_node_ids=generation_node_ids,
-            dtype=dtype,
-            bucket_size_bytes=bucket_size_bytes,
-            timeout_s=timeout_s,
-            store_host=store_host,
             policy_streams=policy_streams,
         )
     return CollectiveTransport(
+        settings,
         num_policy_workers=len(policy_node_ids),
         num_generation_workers=len(generation_node_ids),
-        dtype=dtype,
-        bucket_size_bytes=bucket_size_bytes,
-        timeout_s=timeout_s,
-        store_host=store_host,
         policy_streams=policy_streams,
     )

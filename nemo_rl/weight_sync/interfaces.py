@@ -68,6 +68,23 @@ TransportKind = Literal["shared_memory", "collective"]
 
 
 @dataclass(frozen=True)
+class TransportSettings:
+    """How a transport moves the weights, whatever the workers' placement (every transport takes them)."""
+
+    dtype: torch.dtype
+    """The dtype the generation workers hold their weights in; senders cast to it."""
+
+    bucket_size_bytes: int
+    """Bytes per bucket of the stream (``policy.refit_buffer_size_mb``)."""
+
+    timeout_s: float
+    """A refit that has not finished after this many seconds fails (``policy.refit.timeout_s``)."""
+
+    store_host: str
+    """The address the workers reach the driver's refit store on."""
+
+
+@dataclass(frozen=True)
 class TransferStats:
     """What one worker moved during one refit."""
 

@@ -9,17 +9,18 @@ bucket it held. So the writer packs bucket ``i + 1`` while the readers load buck
 The other policy ranks only take part in gathering the weights.
 
 Reuse: a writer creates its two segments at its first refit and keeps them, with the readers' mappings of
-them, for every later refit of the same transport (``_WRITER_SLOTS``, ``_READER_MAPPINGS``): a refit neither
-reserves nor pre-faults memory again. A tensor larger than a bucket gets a segment of its own for one refit.
-A segment's name ends with a random tag, so a segment created anew (after a sweep) never reuses a name a
-reader may still have mapped.
+them, for every later refit of the same transport (:func:`~.shm_segments.writer_slots`,
+:func:`~.shm_segments.reader_mappings`): a refit neither reserves nor pre-faults memory again. A tensor
+larger than a bucket gets a segment of its own for one refit. A segment's name ends with a random tag, so a
+segment created anew (after a sweep) never reuses a name a reader may still have mapped.
 
-Cleanup: every segment name starts with a prefix unique to the transport (:func:`transport_prefix`) and
-names the writer's process id. A writer whose refit fails unlinks its segments; when a worker dies the driver
-sweeps the transport's segments on every node (:meth:`SharedMemoryTransport.cleanup`; surviving writers
-create new ones at their next refit), and :meth:`SharedMemoryTransport.shutdown` sweeps them too. What a
-killed run left behind (its driver and workers gone) is swept when the next transport starts: segments of
-this user whose writer process no longer exists (:func:`sweep_dead_segments`).
+Cleanup: every segment name starts with a prefix unique to the transport
+(:func:`~.shm_segments.transport_prefix`) and names the writer's process id. A writer whose refit fails
+unlinks its segments; when a worker dies the driver sweeps the transport's segments on every node
+(:meth:`SharedMemoryTransport.cleanup`; surviving writers create new ones at their next refit), and
+:meth:`SharedMemoryTransport.shutdown` sweeps them too. What a killed run left behind (its driver and workers
+gone) is swept when the next transport starts: segments of this user whose writer process no longer exists
+(:func:`~.shm_segments.sweep_dead_segments`).
 
 Size: a writer holds at most two bucket segments for the transport's life (only one when the weights fit in
 one bucket), plus one per tensor larger than a bucket while it is read. A bucket segment is a sparse file of
@@ -32,19 +33,13 @@ file); their pages fault in once, at the first refit, and stay mapped for the la
 
 from __future__ import annotations
 
-import mmap
 import os
 import re
-import shutil
-import tempfile
-import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TypeVar
 
 import ray
 import torch
@@ -69,178 +64,23 @@ from nemo_rl.weight_sync.interfaces import (
     ShardFn,
     TransferStats,
     TransportKind,
+    TransportSettings,
     WeightReceiver,
     WeightSender,
 )
 from nemo_rl.weight_sync.manifest import ManifestLike, format_names
+from nemo_rl.weight_sync.shm_segments import (
+    Segment,
+    reader_mappings,
+    sweep_dead_segments,
+    sweep_segments,
+    transport_prefix,
+    writer_slots,
+)
 from nemo_rl.weight_sync.store import StoreAddress, StoreServer, connect_store, pop_message
 
-SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-"""Where segments live: the RAM-backed ``/dev/shm`` on Linux, the temp directory elsewhere."""
-
-SEGMENT_NAME_PREFIX = "nemo_rl_refit_"
 _REFIT_ID_PATTERN = re.compile(r"^[A-Za-z0-9-]{1,64}$")
 _ABORT = b"abort"
-
-
-def transport_prefix(transport_uid: str) -> str:
-    """The name prefix of every segment of one transport."""
-    return f"{SEGMENT_NAME_PREFIX}{transport_uid}_"
-
-
-# Per process: each writer's bucket segments, kept between refits, by (transport prefix, writer index); and
-# each reader's mappings of them, by (transport prefix, reader index), then segment name. Entries of another
-# transport are dropped when a refit of a new one starts in the process.
-_V = TypeVar("_V")
-_WRITER_SLOTS: dict[tuple[str, int], list[Segment | None]] = {}
-_READER_MAPPINGS: dict[tuple[str, int], dict[str, Segment]] = {}
-
-
-_CACHE_LOCK = threading.Lock()  # endpoints may share a process (threads in tests)
-
-
-def _entry(cache: dict[tuple[str, int], _V], key: tuple[str, int], new: Callable[[], _V]) -> _V:
-    """``cache[key]`` (created with ``new()`` if missing), after dropping the entries of other transports
-    (a process refits with one transport at a time; a new one means the old one is done)."""
-    with _CACHE_LOCK:
-        for other in [k for k in cache if k[0] != key[0]]:
-            _release(cache.pop(other))
-        if key not in cache:
-            cache[key] = new()
-        return cache[key]
-
-
-def _release(entry: object) -> None:
-    """Unlink a writer's kept segments (a reader's mappings just go)."""
-    if isinstance(entry, list):
-        for segment in entry:
-            if isinstance(segment, Segment):
-                segment.unlink()
-
-
-_WRITER_PID = re.compile(r"_p(\d+)_")
-
-
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    return True
-
-
-def sweep_dead_segments() -> list[str]:
-    """Unlink this node's refit segments that belong to this user and whose writer process is gone (left by
-    a run that was killed); returns the names removed. Segments of live processes and of other users stay."""
-    removed = []
-    for path in SHM_DIR.glob(f"{SEGMENT_NAME_PREFIX}*"):
-        match = _WRITER_PID.search(path.name)
-        try:
-            owned = path.stat().st_uid == os.getuid()
-        except FileNotFoundError:
-            continue
-        if match is not None and owned and not _process_exists(int(match.group(1))):
-            path.unlink(missing_ok=True)
-            removed.append(path.name)
-    return removed
-
-
-def sweep_segments(prefix: str) -> list[str]:
-    """Unlink every segment on this node whose name starts with ``prefix``; returns the names removed."""
-    if not prefix.startswith(SEGMENT_NAME_PREFIX):
-        raise ValueError(
-            f"refusing to sweep {prefix!r}: refit segment prefixes start with {SEGMENT_NAME_PREFIX!r}"
-        )
-    removed = []
-    for path in SHM_DIR.glob(f"{prefix}*"):
-        path.unlink(missing_ok=True)
-        removed.append(path.name)
-    return removed
-
-
-class Segment:
-    """A named shared-memory segment mapped into this process as a flat uint8 tensor.
-
-    The mapping lives as long as :attr:`tensor` or any view of it, even after the file is unlinked, so a
-    loader that keeps a view never reads unmapped memory.
-    """
-
-    def __init__(self, path: Path, tensor: torch.Tensor, reserved: int) -> None:
-        self.path = path
-        self.tensor = tensor
-        self.reserved = reserved
-        """Bytes from the start known to be backed by memory."""
-
-    @property
-    def name(self) -> str:
-        """The segment's file name."""
-        return self.path.name
-
-    @property
-    def nbytes(self) -> int:
-        """Size of the segment."""
-        return self.tensor.numel()
-
-    @classmethod
-    def create(cls, name: str, nbytes: int, *, reserve: bool = True) -> Segment:
-        """Create a new segment of ``nbytes`` (fails if the name exists: names are unique per refit).
-
-        With ``reserve`` its memory is reserved at once; without, the file stays sparse and :meth:`reserve`
-        backs it range by range as it fills.
-        """
-        path = SHM_DIR / name
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(fd, nbytes)
-            segment = cls(
-                path, torch.frombuffer(mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED), dtype=torch.uint8), 0
-            )
-            if reserve:
-                segment.reserve(nbytes)
-        except BaseException:
-            os.unlink(path)
-            raise
-        finally:
-            os.close(fd)
-        return segment
-
-    def reserve(self, end: int) -> None:
-        """Back the segment's first ``end`` bytes with memory now: a write into a sparse file on a full tmpfs
-        would SIGBUS, a reservation fails with an error that says what to do."""
-        if end <= self.reserved:
-            return
-        fd = os.open(self.path, os.O_RDWR)
-        try:
-            os.posix_fallocate(fd, self.reserved, end - self.reserved)
-        except OSError as err:
-            free = shutil.disk_usage(SHM_DIR).free
-            raise RefitError(
-                f"{SHM_DIR} cannot hold {end / 2**20:.1f} MiB of a refit segment ({free / 2**20:.1f} MiB free, "
-                f"{err.strerror}): give the container more shared memory (docker run --shm-size, a larger "
-                "/dev/shm emptyDir on Kubernetes), lower policy.refit.refit_buffer_size_mb, or use the "
-                "collective transport (policy.refit.transport=collective)"
-            ) from None
-        finally:
-            os.close(fd)
-        self.reserved = end
-
-    @classmethod
-    def attach(cls, name: str) -> Segment:
-        """Map an existing segment (raises ``FileNotFoundError`` when it is gone)."""
-        path = SHM_DIR / name
-        fd = os.open(path, os.O_RDWR)
-        try:
-            nbytes = os.fstat(fd).st_size
-            mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
-        finally:
-            os.close(fd)
-        return cls(path, torch.frombuffer(mapping, dtype=torch.uint8), 0)
-
-    def unlink(self) -> None:
-        """Remove the segment's name; memory is freed once every mapping is gone."""
-        self.path.unlink(missing_ok=True)
 
 
 def _reader_queue(refit_id: str, reader: int) -> str:
@@ -288,7 +128,7 @@ class _ShmWriter:
         self.store = connect_store(spec.store, spec.timeout_s)
         self.deadline = time.monotonic() + spec.timeout_s
         self.capacity = align_up(spec.bucket_size_bytes)
-        self.slots = _entry(_WRITER_SLOTS, (spec.segment_prefix, writer), lambda: [None, None])
+        self.slots = writer_slots(spec.segment_prefix, writer)
         self.bucket_in_slot: list[int | None] = [None, None]
         self.segment_of: dict[int, Segment] = {}
         self.acks: Counter[int] = Counter()
@@ -411,7 +251,7 @@ class ShmReceiver:
         store = connect_store(self.store, self.timeout_s)
         deadline = time.monotonic() + self.timeout_s
         # The writers' bucket segments, mapped at an earlier refit; those this refit does not name are dropped.
-        kept = _entry(_READER_MAPPINGS, (self.segment_prefix, self.reader), dict)
+        kept = reader_mappings(self.segment_prefix, self.reader)
         attached = dict(kept)
         used: set[str] = set()
         while not reader.ended:
@@ -507,13 +347,10 @@ class SharedMemoryTransport:
 
     def __init__(
         self,
+        settings: TransportSettings,
         *,
         policy_node_ids: Sequence[str],
         generation_node_ids: Sequence[str],
-        dtype: torch.dtype,
-        bucket_size_bytes: int,
-        timeout_s: float,
-        store_host: str,
         policy_streams: Sequence[int] | None = None,
     ) -> None:
         if not policy_node_ids or not generation_node_ids:
@@ -539,10 +376,8 @@ class SharedMemoryTransport:
         self._policy_node_ids = list(policy_node_ids)
         self._policy_streams = streams
         self._generation_node_ids = list(generation_node_ids)
-        self._dtype = dtype
-        self._bucket_size_bytes = bucket_size_bytes
-        self._timeout_s = timeout_s
-        self._server = StoreServer(store_host, timeout_s)
+        self._settings = settings
+        self._server = StoreServer(settings.store_host, settings.timeout_s)
         self._uid = uuid.uuid4().hex[:10]
         self._sweep_everywhere(None)
 
@@ -583,9 +418,9 @@ class SharedMemoryTransport:
             readers = tuple(j for j, n in enumerate(self._generation_node_ids) if n == node)
             senders.append(
                 ShmSender(
-                    self._dtype,
-                    self._bucket_size_bytes,
-                    self._timeout_s,
+                    self._settings.dtype,
+                    self._settings.bucket_size_bytes,
+                    self._settings.timeout_s,
                     self._server.address,
                     refit_id,
                     prefix,
@@ -596,7 +431,7 @@ class SharedMemoryTransport:
             )
         receivers: list[WeightReceiver] = [
             ShmReceiver(
-                self._timeout_s,
+                self._settings.timeout_s,
                 self._server.address,
                 refit_id,
                 prefix,
@@ -647,4 +482,4 @@ class SharedMemoryTransport:
             ).remote(prefix)
             for node in remote
         ]
-        ray.get(refs, timeout=self._timeout_s)
+        ray.get(refs, timeout=self._settings.timeout_s)

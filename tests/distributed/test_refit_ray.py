@@ -25,6 +25,7 @@ from nemo_rl.distributed.virtual_cluster import free_port
 from nemo_rl.weight_sync import (
     RefitError,
     TransferStats,
+    TransportSettings,
     WeightManifest,
     WeightReceiver,
     WeightSender,
@@ -33,7 +34,7 @@ from nemo_rl.weight_sync import (
     tp_shard_fn,
 )
 from nemo_rl.weight_sync.interfaces import RefitTransport, TransportKind
-from nemo_rl.weight_sync.shm import SEGMENT_NAME_PREFIX, SHM_DIR
+from nemo_rl.weight_sync.shm_segments import SEGMENT_NAME_PREFIX, SHM_DIR
 
 TIMEOUT_S = 120.0
 BUCKET_BYTES = 4096  # the embedding and lm_head (8 KiB in fp32) are larger than a bucket
@@ -205,12 +206,9 @@ def _transport(
     node = ray.get_runtime_context().get_node_id()
     return build_refit_transport(
         kind,
+        TransportSettings(dtype, BUCKET_BYTES, TIMEOUT_S, "127.0.0.1"),
         policy_node_ids=[node] * num_senders,
         generation_node_ids=[node] * num_receivers,
-        dtype=dtype,
-        bucket_size_bytes=BUCKET_BYTES,
-        timeout_s=TIMEOUT_S,
-        store_host="127.0.0.1",
     )
 
 

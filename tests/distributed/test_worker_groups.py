@@ -320,18 +320,12 @@ def test_groups_started_together_fail_together(ray_cluster: dict[str, float], tm
         # which started fine, is shut down with it (its graceful shutdown ran, its slot share is free).
         with pytest.raises(WorkerDiedError, match="worker group 'bad'"), start_together():
             good = WorkerGroupFacade(
-                cluster,
-                EchoWorker,
-                name="good",
+                RayWorkerGroup(cluster, EchoWorker, name="good", init_kwargs={"marker_dir": str(tmp_path)}),
                 call_timeout_s=TIMEOUT_S,
-                init_kwargs={"marker_dir": str(tmp_path)},
             )
             WorkerGroupFacade(
-                cluster,
-                EchoWorker,
-                name="bad",
+                RayWorkerGroup(cluster, EchoWorker, name="bad", init_kwargs={"fail_in_init_rank": 0}),
                 call_timeout_s=TIMEOUT_S,
-                init_kwargs={"fail_in_init_rank": 0},
             )
         assert (tmp_path / "rank0").read_text() == "bye"
         with pytest.raises(RuntimeError, match="was shut down"):
@@ -339,7 +333,10 @@ def test_groups_started_together_fail_together(ray_cluster: dict[str, float], tm
 
         # Both groups gave their slot shares back: two new groups fit on the slot, and start together.
         with start_together():
-            groups = [WorkerGroupFacade(cluster, EchoWorker, name=n, call_timeout_s=TIMEOUT_S) for n in "ab"]
+            groups = [
+                WorkerGroupFacade(RayWorkerGroup(cluster, EchoWorker, name=n), call_timeout_s=TIMEOUT_S)
+                for n in "ab"
+            ]
         for group in groups:
             assert group._on_rank_0("env")["NEMO_RL_WORKER_GROUP"] == group.worker_group.name
             group.shutdown()

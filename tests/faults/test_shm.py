@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import nemo_rl.weight_sync.shm as shm
-from nemo_rl.weight_sync import RefitError, WeightManifest, build_refit_transport
+import nemo_rl.weight_sync.shm_segments as shm
+from nemo_rl.weight_sync import RefitError, TransportSettings, WeightManifest, build_refit_transport
 from nemo_rl.weight_sync.buckets import align_up
 
 
@@ -36,12 +36,9 @@ def test_leftovers_of_dead_writers_are_swept_at_start(
         path.write_bytes(b"x")
     transport = build_refit_transport(
         "shared_memory",
+        TransportSettings(torch.float32, 1 << 20, 30.0, "127.0.0.1"),
         policy_node_ids=["n"],
         generation_node_ids=["n"],
-        dtype=torch.float32,
-        bucket_size_bytes=1 << 20,
-        timeout_s=30.0,
-        store_host="127.0.0.1",
     )
     try:
         assert not dead.exists() and live.exists() and unnamed.exists()
@@ -56,12 +53,9 @@ def test_one_segment_for_weights_in_one_bucket_and_a_full_dev_shm_is_named(
     manifest = WeightManifest.from_named_tensors(weights.items(), torch.float32)
     transport = build_refit_transport(
         "shared_memory",
+        TransportSettings(torch.float32, 1 << 20, 30.0, "127.0.0.1"),
         policy_node_ids=["n"],
         generation_node_ids=["n"],
-        dtype=torch.float32,
-        bucket_size_bytes=1 << 20,
-        timeout_s=30.0,
-        store_host="127.0.0.1",
     )
     sizes: list[int] = []
     created: list[shm.Segment] = []

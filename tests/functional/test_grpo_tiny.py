@@ -25,7 +25,7 @@ from kill_resume import kill_and_resume, run_script, script_env, step_metrics
 from run_logs import VLLM_CPU_OWN_SLOT, read_records, wait_until_exists, wait_until_step_logged
 
 from nemo_rl.models.generation.vllm import convert as vllm_convert
-from nemo_rl.weight_sync.shm import SEGMENT_NAME_PREFIX, SHM_DIR
+from nemo_rl.weight_sync.shm_segments import SEGMENT_NAME_PREFIX, SHM_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "run_grpo_math.py"

@@ -16,6 +16,7 @@ import torch
 
 import nemo_rl.weight_sync.collective as collective_module
 import nemo_rl.weight_sync.shm as shm_module
+import nemo_rl.weight_sync.shm_segments as shm_segments
 from nemo_rl.weight_sync import (
     CollectiveTransport,
     RefitConfig,
@@ -23,6 +24,7 @@ from nemo_rl.weight_sync import (
     RefitIntegrityError,
     SharedMemoryTransport,
     TransferStats,
+    TransportSettings,
     WeightManifest,
     build_refit_transport,
     close_refit_groups,
@@ -32,7 +34,7 @@ from nemo_rl.weight_sync import (
 )
 from nemo_rl.weight_sync.buckets import pack_buckets
 from nemo_rl.weight_sync.interfaces import RefitTransport, TransportKind
-from nemo_rl.weight_sync.shm import SEGMENT_NAME_PREFIX, SHM_DIR
+from nemo_rl.weight_sync.shm_segments import SEGMENT_NAME_PREFIX, SHM_DIR
 
 TIMEOUT_S = 30.0
 BUCKET_BYTES = 2048  # smaller than the embedding and lm_head below, larger than the rest
@@ -91,12 +93,9 @@ def _make_transport(
 ) -> RefitTransport:
     return build_refit_transport(
         kind,
+        TransportSettings(dtype, BUCKET_BYTES, TIMEOUT_S, "127.0.0.1"),
         policy_node_ids=["node-a"] * num_senders,
         generation_node_ids=["node-a"] * num_receivers,
-        dtype=dtype,
-        bucket_size_bytes=BUCKET_BYTES,
-        timeout_s=TIMEOUT_S,
-        store_host="127.0.0.1",
     )
 
 
@@ -139,9 +138,9 @@ def test_every_receiver_gets_every_weight_bit_for_bit(
     transport = _make_transport(kind, num_senders=2, num_receivers=2, dtype=dtype)
     manifest = WeightManifest.from_named_tensors(weights.items(), dtype)
     created: list[str] = []
-    create = shm_module.Segment.create
+    create = shm_segments.Segment.create
     monkeypatch.setattr(
-        shm_module.Segment,
+        shm_segments.Segment,
         "create",
         staticmethod(lambda name, nbytes, **kw: created.append(name) or create(name, nbytes, **kw)),
     )
@@ -395,12 +394,9 @@ def test_driver_abort_wakes_waiting_shm_endpoints_and_unlinks(workers: Workers) 
 
 def test_shm_assigns_one_writer_per_node_with_readers() -> None:
     transport = SharedMemoryTransport(
+        TransportSettings(torch.float32, BUCKET_BYTES, TIMEOUT_S, "127.0.0.1"),
         policy_node_ids=["a", "a", "b", "b", "c"],
         generation_node_ids=["b", "a", "b"],
-        dtype=torch.float32,
-        bucket_size_bytes=BUCKET_BYTES,
-        timeout_s=TIMEOUT_S,
-        store_host="127.0.0.1",
     )
     senders, receivers = transport.endpoints("r0")
     roles = [(s.writer, s.readers) for s in senders]  # type: ignore[attr-defined]
@@ -412,13 +408,10 @@ def test_shm_assigns_one_writer_per_node_with_readers() -> None:
 
 def test_shm_has_one_writer_per_node_and_stream() -> None:
     transport = SharedMemoryTransport(
+        TransportSettings(torch.float32, BUCKET_BYTES, TIMEOUT_S, "127.0.0.1"),
         policy_node_ids=["a", "a", "a", "a", "b", "b"],
         generation_node_ids=["a", "a"],
         policy_streams=[0, 0, 1, 1, 0, 1],
-        dtype=torch.float32,
-        bucket_size_bytes=BUCKET_BYTES,
-        timeout_s=TIMEOUT_S,
-        store_host="127.0.0.1",
     )
     senders, receivers = transport.endpoints("r0")
     assert [s.writer for s in senders] == [0, None, 1, None, None, None]  # type: ignore[attr-defined]
@@ -439,12 +432,9 @@ def test_pipeline_stages_each_send_their_own_stream(kind: TransportKind) -> None
     streams = [0, 0, 1, 1]  # two ranks per stage (e.g. tensor-parallel peers), one of each sends
     transport = build_refit_transport(
         kind,
+        TransportSettings(torch.bfloat16, BUCKET_BYTES, TIMEOUT_S, "127.0.0.1"),
         policy_node_ids=["node-a"] * 4,
         generation_node_ids=["node-a"] * 2,
-        dtype=torch.bfloat16,
-        bucket_size_bytes=BUCKET_BYTES,
-        timeout_s=TIMEOUT_S,
-        store_host="127.0.0.1",
         policy_streams=streams,
     )
     manifest = WeightManifest.from_named_tensors(weights.items(), torch.bfloat16)
@@ -493,12 +483,9 @@ def test_pipeline_stages_each_send_their_own_stream(kind: TransportKind) -> None
 def test_shm_two_nodes_each_reader_follows_its_own_writer(workers: Workers) -> None:
     weights = _weights()
     transport = SharedMemoryTransport(
+        TransportSettings(torch.bfloat16, BUCKET_BYTES, TIMEOUT_S, "127.0.0.1"),
         policy_node_ids=["a", "b"],
         generation_node_ids=["b", "a"],
-        dtype=torch.bfloat16,
-        bucket_size_bytes=BUCKET_BYTES,
-        timeout_s=TIMEOUT_S,
-        store_host="127.0.0.1",
     )
     manifest = WeightManifest.from_named_tensors(weights.items(), torch.bfloat16)
     sinks = [Sink(), Sink()]

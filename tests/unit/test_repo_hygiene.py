@@ -1,5 +1,5 @@
-"""Repository-level invariants: CI runs exactly the README's test command; no function in the package is
-longer than a reader can hold in view."""
+"""Repository-level invariants: CI runs exactly the README's test command; no function or module in the
+package is longer than a reader can hold in view."""
 
 from __future__ import annotations
 
@@ -44,6 +44,19 @@ def test_no_function_in_the_package_is_longer_than_80_lines() -> None:
                 if num_lines > MAX_FUNCTION_LINES:
                     too_long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({num_lines} lines)")
     assert not too_long, f"functions over {MAX_FUNCTION_LINES} lines: {too_long}"
+
+
+MAX_MODULE_LINES = 600
+"""Longest module in ``nemo_rl/``; a longer one is split along a seam (STYLE.md, section 1)."""
+
+
+def test_no_module_in_the_package_is_longer_than_600_lines() -> None:
+    too_long = [
+        f"{path.relative_to(ROOT)} ({num_lines} lines)"
+        for path in sorted((ROOT / "nemo_rl").rglob("*.py"))
+        if (num_lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    ]
+    assert not too_long, f"modules over {MAX_MODULE_LINES} lines: {too_long}"
 
 
 def test_the_other_algorithms_are_near_the_top() -> None:

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator, Sequence
-from typing import Any, overload
+from collections.abc import Sequence
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.config.data import PREFERENCE_DATASETS, DataConfig
 from nemo_rl.config.errors import UserError
 from nemo_rl.data.datasets.formats import MalformedRowError, RowConverter, converter_for
+from nemo_rl.data.datasets.lazy import LazySequence
 from nemo_rl.data.datasets.loading import (
     DatasetSplits,
     RecordDataset,
@@ -50,7 +51,7 @@ __all__ = [
 
 
 @dataclasses.dataclass(eq=False)
-class ProcessedDataset(Sequence[DatumSpec]):
+class ProcessedDataset(LazySequence[DatumSpec]):
     """Records turned into samples by a processor, on access (each sample is tokenized when read)."""
 
     records: Sequence[Record]
@@ -71,23 +72,8 @@ class ProcessedDataset(Sequence[DatumSpec]):
     def __len__(self) -> int:
         return len(self.records)
 
-    @overload
-    def __getitem__(self, i: int) -> DatumSpec: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> Sequence[DatumSpec]: ...
-
-    def __getitem__(self, i: int | slice) -> DatumSpec | Sequence[DatumSpec]:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        if not -len(self) <= i < len(self):
-            raise IndexError(f"sample {i} out of range for a dataset of {len(self)}")
-        i %= len(self)
+    def _item(self, i: int) -> DatumSpec:
         return self.processor(self.records[i], self.spec, self.tokenizer, self.max_seq_length, i)
-
-    def __iter__(self) -> Iterator[DatumSpec]:
-        for i in range(len(self)):
-            yield self[i]
 
     @property
     def source(self) -> str:

@@ -8,13 +8,14 @@ import io
 import json
 import math
 import pathlib
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, overload
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from nemo_rl.config.data import DataConfig
 from nemo_rl.data.datasets.formats import MalformedRowError, RowConverter, converter_for
+from nemo_rl.data.datasets.lazy import LazySequence
 from nemo_rl.data.errors import DataError, MissingDataFileError
 from nemo_rl.data.interfaces import Record
 from nemo_rl.data.tiny import tiny_math_splits
@@ -49,7 +50,7 @@ HUB_DEFAULTS: dict[str, HubSource] = {
 """Hub source of each dataset that has one."""
 
 
-class RecordDataset(Sequence[Record]):
+class RecordDataset(LazySequence[Record]):
     """Raw rows seen as canonical records, converted on access (so hub datasets stay lazy).
 
     ``indices`` selects and orders the rows; a malformed row raises with its index in the source and, when
@@ -74,15 +75,7 @@ class RecordDataset(Sequence[Record]):
     def __len__(self) -> int:
         return len(self.indices)
 
-    @overload
-    def __getitem__(self, i: int) -> Record: ...
-
-    @overload
-    def __getitem__(self, i: slice) -> Sequence[Record]: ...
-
-    def __getitem__(self, i: int | slice) -> Record | Sequence[Record]:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
+    def _item(self, i: int) -> Record:
         row_index = self.indices[i]
         try:
             return self.converter(self.rows[row_index], row_index)
@@ -91,10 +84,6 @@ class RecordDataset(Sequence[Record]):
                 raise
             # The converter knows the row; only the file's reader knew the line it is on.
             raise err.at_line(self.lines[row_index]) from None
-
-    def __iter__(self) -> Iterator[Record]:
-        for i in range(len(self)):
-            yield self[i]
 
     def validate(self) -> None:
         """Convert every row once, raising on the first malformed one."""

@@ -24,7 +24,12 @@ import torch
 from nemo_rl.config.env import NumberGuessingEnvConfig
 from nemo_rl.data.interfaces import ChatMessage, Record
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.environments.interfaces import EnvironmentInterface, EnvironmentReturn, Message
+from nemo_rl.environments.interfaces import (
+    EnvironmentInterface,
+    EnvironmentReturn,
+    Message,
+    check_step_batch,
+)
 from nemo_rl.environments.metrics import batch_rewards, last_assistant_text
 
 GameState = dict[str, Any]
@@ -126,8 +131,7 @@ class NumberGuessingEnvironment(EnvironmentInterface[GameState]):
         self, message_log_batch: Sequence[Sequence[Message]], metadata: Sequence[GameState]
     ) -> EnvironmentReturn[GameState]:
         """Answer each conversation's latest guess."""
-        if len(message_log_batch) != len(metadata):
-            raise ValueError(f"{len(message_log_batch)} conversations but {len(metadata)} metadata entries")
+        check_step_batch(message_log_batch, metadata)
         turns = [
             play_turn(last_assistant_text(log), state, self.cfg)
             for log, state in zip(message_log_batch, metadata, strict=True)

@@ -31,7 +31,12 @@ import torch
 
 from nemo_rl.config.env import SlidingPuzzleEnvConfig, SlidingPuzzleSettings
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.environments.interfaces import EnvironmentInterface, EnvironmentReturn, Message
+from nemo_rl.environments.interfaces import (
+    EnvironmentInterface,
+    EnvironmentReturn,
+    Message,
+    check_step_batch,
+)
 from nemo_rl.environments.metrics import batch_rewards, last_assistant_text
 
 ACTION_STOP_STRINGS = ["</action>"]
@@ -209,8 +214,7 @@ class SlidingPuzzleEnv(EnvironmentInterface[SlidingPuzzleMetadata]):
         self, message_log_batch: Sequence[Sequence[Message]], metadata: Sequence[SlidingPuzzleMetadata]
     ) -> EnvironmentReturn[SlidingPuzzleMetadata]:
         """Play each conversation's latest reply."""
-        if len(message_log_batch) != len(metadata):
-            raise ValueError(f"{len(message_log_batch)} conversations but {len(metadata)} metadata entries")
+        check_step_batch(message_log_batch, metadata)
         turns = [
             play_turn(
                 last_assistant_text(log),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from transformers import PreTrainedTokenizerBase
@@ -11,6 +11,7 @@ from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.models.generation.embedded.in_policy import InPolicyEmbeddedGeneration
 from nemo_rl.models.generation.interfaces import GenerationInterface
+from nemo_rl.models.generation.replicated import ReplicatedGeneration
 from nemo_rl.weight_sync.factory import create_refit_transport
 from nemo_rl.weight_sync.interfaces import RefitTransport
 from nemo_rl.weight_sync.refit import refit
@@ -58,8 +59,8 @@ def create_generation(
     ``concurrent_refit`` lets the workers take a refit while they generate (in-flight weight updates).
     """
     check_backend_available(cfg, cluster.use_gpus)
-    # The backends' facades take the same arguments; each is imported only when chosen (vLLM is heavy).
-    backend_cls: Callable[..., GenerationInterface]
+    # Both backends take ReplicatedGeneration's constructor; each is imported only when chosen (vLLM is heavy).
+    backend_cls: type[ReplicatedGeneration]
     if cfg.generation.backend == "vllm":
         from nemo_rl.models.generation.vllm.generation import VllmGeneration
 

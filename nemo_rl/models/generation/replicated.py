@@ -1,8 +1,9 @@
 """The driver side shared by the generation backends: data-parallel replicas of one model on a worker group.
 
 A backend's facade (:class:`~nemo_rl.models.generation.embedded.generation.EmbeddedGeneration`,
-:class:`~nemo_rl.models.generation.vllm.generation.VllmGeneration`) checks its own configuration, picks its
-worker class and layout, and hands them to :class:`ReplicatedGeneration`, which implements
+:class:`~nemo_rl.models.generation.vllm.generation.VllmGeneration`) names its worker class and, in
+:meth:`ReplicatedGeneration._layout`, checks its own configuration and lays its replicas on the bundles;
+:class:`ReplicatedGeneration` takes the constructor's arguments for every backend and implements
 :class:`~nemo_rl.models.generation.interfaces.GenerationInterface` on top of them: rows dealt to the
 replicas by prompt length and gathered back in input order, the colocation hooks, and the refit receiver.
 """
@@ -11,10 +12,12 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import ray
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
@@ -25,6 +28,7 @@ from nemo_rl.models.generation.interfaces import (
     check_generation_input,
     compare_manifests,
 )
+from nemo_rl.models.tokenizer import require_pad_token_id
 from nemo_rl.weight_sync.scope import RefitScope
 
 # How long one call on the generation workers may take before the driver names the workers still running
@@ -106,61 +110,89 @@ class SeededReplicas(abc.ABC):
             )
 
 
-class ReplicatedGeneration(SeededReplicas, WorkerGroupFacade):
-    """Replicas of one generation model on ``bundles`` of ``cluster``; one ``worker_cls`` actor per bundle.
+@dataclass(frozen=True)
+class ReplicaLayout:
+    """How a backend lays its replicas on the bundles generation was given (see
+    :meth:`ReplicatedGeneration._layout`)."""
 
-    ``dp_size`` replicas (default one per bundle) each span ``len(bundles) // dp_size`` consecutive workers,
-    the ranks of one model-parallel engine; all of them receive every replica's rows and refitted weights.
-    Subclasses set :attr:`backend_name` and :attr:`precision_key` (named in refit errors) and validate their
-    configuration before calling this constructor.
+    bundles: list[int]
+    """The bundles the workers run on, in rank order (one worker per bundle)."""
+
+    dp_size: int | None = None
+    """The number of replicas, each spanning ``len(bundles) // dp_size`` consecutive workers (the ranks of one
+    model-parallel engine); ``None``: one replica per bundle."""
+
+    worker_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """The worker constructor's keyword arguments besides ``cfg``, ``tokenizer`` and ``model_path``."""
+
+    env_vars: Mapping[str, str] | None = None
+    """Environment variables set in every worker."""
+
+
+class ReplicatedGeneration(SeededReplicas, WorkerGroupFacade):
+    """Replicas of one generation model on bundles of ``cluster``; one :attr:`worker_cls` actor per bundle.
+
+    Each backend sets :attr:`worker_cls`, :attr:`default_name`, :attr:`backend_name` and
+    :attr:`precision_key` (named in refit errors), and :meth:`_layout` checks its configuration and lays the
+    replicas on the bundles; the replicas all receive every replica's rows and refitted weights.
 
     Args:
         cluster: the cluster whose bundles the workers run on.
-        cfg: the ``policy`` section.
-        worker_cls: the backend's worker class (one replica rank as a Ray actor).
-        bundles: the bundles the workers run on, in rank order.
-        pad_token_id: what ``output_ids`` are right-padded with (see :func:`~nemo_rl.models.tokenizer.require_pad_token_id`).
-        seed: call ``k`` of :meth:`generate` samples with a seed derived from ``(seed, k)``, so a run replays
-            when it makes the same calls with the same data.
-        init_kwargs: the worker constructor's keyword arguments.
-        name: the worker group's name.
-        dp_size: the number of replicas (default: one per bundle).
-        env_vars: environment variables set in every worker.
+        cfg: the ``policy`` section; ``generation.<backend>_cfg`` configures the backend.
+        tokenizer: pad/EOS ids and stop-string decoding.
+        seed: seeds the sampling; call ``k`` of :meth:`generate` uses a seed derived from ``(seed, k)``, so a
+            run replays exactly when it makes the same calls with the same data.
+        bundle_indices: bundles to run on (default: all of the cluster's); the policy's bundles when colocated.
+        model_path: a local checkpoint folder to load instead of ``cfg.model_name``.
         concurrent_refit: workers take a refit while they generate (threaded actors; asynchronous GRPO's
             in-flight weight updates, see :meth:`enable_in_flight_weight_updates`).
+        name: the worker group's name (default :attr:`default_name`).
     """
+
+    worker_cls: ClassVar[type]
+    """The backend's worker class (one replica rank as a Ray actor)."""
+    default_name: ClassVar[str]
+    """The worker group's name unless the caller gives one."""
 
     def __init__(
         self,
         cluster: RayVirtualCluster,
         cfg: PolicyConfig,
-        worker_cls: type,
+        tokenizer: PreTrainedTokenizerBase,
         *,
-        bundles: Sequence[int],
-        pad_token_id: int,
         seed: int,
-        init_kwargs: Mapping[str, Any],
-        name: str,
-        dp_size: int | None = None,
-        env_vars: Mapping[str, str] | None = None,
+        bundle_indices: Sequence[int] | None = None,
+        model_path: str | None = None,
         concurrent_refit: bool = False,
+        name: str | None = None,
     ) -> None:
         self.cfg = cfg
-        SeededReplicas.__init__(self, pad_token_id=pad_token_id, seed=seed)
-        self._node_ids = [cluster.bundle_locations()[b].node_id for b in bundles]
-        WorkerGroupFacade.__init__(
-            self,
+        bundles = list(range(cluster.world_size)) if bundle_indices is None else list(bundle_indices)
+        layout = self._layout(cluster, bundles, seed)
+        SeededReplicas.__init__(self, pad_token_id=require_pad_token_id(tokenizer), seed=seed)
+        self._node_ids = [cluster.bundle_locations()[b].node_id for b in layout.bundles]
+        workers = RayWorkerGroup(
             cluster,
-            worker_cls,
-            name=name,
-            call_timeout_s=WORKER_CALL_TIMEOUT_S,
-            init_kwargs=init_kwargs,
-            bundle_indices=bundles,
-            dp_size=dp_size,
-            env_vars=env_vars,
+            self.worker_cls,
+            name=self.default_name if name is None else name,
+            init_kwargs={
+                "cfg": cfg,
+                "tokenizer": tokenizer,
+                "model_path": model_path,
+                **layout.worker_kwargs,
+            },
+            bundle_indices=layout.bundles,
+            dp_size=layout.dp_size,
+            env_vars=layout.env_vars,
             max_concurrency=2 if concurrent_refit else 1,
         )
+        WorkerGroupFacade.__init__(self, workers, call_timeout_s=WORKER_CALL_TIMEOUT_S)
         self.concurrent_refit = concurrent_refit
+
+    @abc.abstractmethod
+    def _layout(self, cluster: RayVirtualCluster, bundles: list[int], seed: int) -> ReplicaLayout:
+        """Check the backend's configuration (``self.cfg``) against the ``bundles`` of ``cluster`` generation
+        runs on (raise naming the key to change) and lay the replicas on them; ``seed`` is the run's."""
 
     @property
     def worker_node_ids(self) -> list[str]:

@@ -18,7 +18,7 @@ from nemo_rl.config.errors import UserError
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
-from nemo_rl.distributed.worker_groups import WorkerGroupFacade
+from nemo_rl.distributed.worker_groups import RayWorkerGroup, WorkerGroupFacade
 from nemo_rl.models.policy.dtensor_worker import DTensorPolicyWorker
 from nemo_rl.models.policy.hf_io import check_frozen_parameters
 from nemo_rl.models.policy.interfaces import TrainResult, nonfinite_step_flags
@@ -112,11 +112,10 @@ class Policy(WorkerGroupFacade):
         """Optimizer steps of this run skipped for a non-finite loss or gradient norm."""
         self.nonfinite_steps_in_a_row = 0
         """Of those, how many came last in a row (see ``policy.max_nonfinite_steps``)."""
-        super().__init__(
+        workers = RayWorkerGroup(
             cluster,
             worker_cls,
             name=name_prefix,
-            call_timeout_s=WORKER_CALL_TIMEOUT_S,
             init_kwargs={
                 "cfg": cfg,
                 "tokenizer_path": tokenizer_path,
@@ -127,6 +126,7 @@ class Policy(WorkerGroupFacade):
             bundle_indices=bundle_indices,
             dp_size=world_size // model_parallel_size,
         )
+        super().__init__(workers, call_timeout_s=WORKER_CALL_TIMEOUT_S)
         lora = cfg.dtensor_cfg.lora_cfg
         if cfg.dtensor_cfg.enabled and lora.enabled:
             layers, trained, total = self._on_rank_0("lora_summary")

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from transformers import PreTrainedTokenizerBase
-
 from nemo_rl.config.errors import UserError
-from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
-from nemo_rl.models.generation.replicated import ReplicatedGeneration
+from nemo_rl.models.generation.replicated import ReplicaLayout, ReplicatedGeneration
 from nemo_rl.models.generation.vllm.convert import (
     WORKER_ENV_VARS,
     check_vllm_config,
@@ -18,7 +13,6 @@ from nemo_rl.models.generation.vllm.convert import (
     installed_vllm_build,
 )
 from nemo_rl.models.generation.vllm.worker import VllmGenerationWorker
-from nemo_rl.models.tokenizer import require_pad_token_id
 
 
 class VllmGeneration(ReplicatedGeneration):
@@ -38,38 +32,19 @@ class VllmGeneration(ReplicatedGeneration):
     Every worker gets :data:`~.convert.WORKER_ENV_VARS` (with ``vllm_cfg.env_vars`` on top) in its Ray
     runtime environment and its engine's ``VLLM_PORT`` (:func:`~.convert.engine_ports`) before vLLM starts.
 
-    Args:
-        cluster: the cluster whose bundles the workers run on.
-        cfg: the ``policy`` section; ``generation.vllm_cfg`` configures the engines.
-        tokenizer: pad/EOS ids.
-        seed: the engines' seed; call ``k`` of :meth:`generate` samples with seeds derived from ``(seed, k)``,
-            so a run replays when it makes the same calls with the same data.
-        bundle_indices: bundles to run on (default: all of the cluster's); the policy's bundles when colocated.
-        model_path: a local checkpoint folder to load instead of ``cfg.model_name``.
-        name: the worker group's name.
-        concurrent_refit: workers take a refit while they generate (in-flight weight updates).
+    The constructor's arguments are :class:`ReplicatedGeneration`'s; ``policy.generation.vllm_cfg`` configures
+    the engines, and the seed seeds them too.
     """
 
+    worker_cls = VllmGenerationWorker
+    default_name = "vllm_generation"
     backend_name = "vLLM"
     precision_key = "vllm_cfg"
 
-    def __init__(
-        self,
-        cluster: RayVirtualCluster,
-        cfg: PolicyConfig,
-        tokenizer: PreTrainedTokenizerBase,
-        *,
-        seed: int,
-        bundle_indices: Sequence[int] | None = None,
-        model_path: str | None = None,
-        concurrent_refit: bool = False,
-        name: str = "vllm_generation",
-    ) -> None:
-        check_vllm_config(cfg)
+    def _layout(self, cluster: RayVirtualCluster, bundles: list[int], seed: int) -> ReplicaLayout:
+        check_vllm_config(self.cfg)
         check_vllm_runs_here(installed_vllm_build(), cluster.use_gpus)
-        pad_token_id = require_pad_token_id(tokenizer)
-        bundles = list(range(cluster.world_size)) if bundle_indices is None else list(bundle_indices)
-        tp_size = cfg.generation.vllm_cfg.tensor_parallel_size
+        tp_size = self.cfg.generation.vllm_cfg.tensor_parallel_size
         if not bundles or len(bundles) % tp_size != 0:
             raise UserError(
                 f"policy.generation.vllm_cfg.tensor_parallel_size={tp_size} must divide the {len(bundles)} "
@@ -77,22 +52,12 @@ class VllmGeneration(ReplicatedGeneration):
                 "policy.generation.colocated.resources)"
             )
         locations = cluster.bundle_locations()
-        super().__init__(
-            cluster,
-            cfg,
-            VllmGenerationWorker,
-            bundles=bundles,
-            pad_token_id=pad_token_id,
-            seed=seed,
-            init_kwargs={
-                "cfg": cfg,
-                "tokenizer": tokenizer,
+        return ReplicaLayout(
+            bundles,
+            dp_size=len(bundles) // tp_size,
+            worker_kwargs={
                 "seed": seed,
                 "vllm_ports": engine_ports([locations[b].node_id for b in bundles], tp_size),
-                "model_path": model_path,
             },
-            name=name,
-            dp_size=len(bundles) // tp_size,
-            env_vars={**WORKER_ENV_VARS, **cfg.generation.vllm_cfg.env_vars},
-            concurrent_refit=concurrent_refit,
+            env_vars={**WORKER_ENV_VARS, **self.cfg.generation.vllm_cfg.env_vars},
         )
