@@ -14,6 +14,7 @@ from pathlib import Path
 
 from nemo_rl.config.cli import parse_args_and_load, run_cli
 from nemo_rl.config.master import DistillationMasterConfig
+from nemo_rl.config.sources import check_model_source, check_policy_sources
 from nemo_rl.distributed.gc_tuning import use_gc_thresholds
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "distillation_math.yaml"
@@ -25,28 +26,40 @@ def main() -> None:
     use_gc_thresholds()
     config, _ = parse_args_and_load(DistillationMasterConfig, DEFAULT_CONFIG)
 
-    # Heavy imports only after the config is known to be valid, so config mistakes fail within seconds.
-    from nemo_rl.algorithms.distillation import distillation_train, setup
-    from nemo_rl.data.datasets import setup_rl_data
-    from nemo_rl.distributed.device import cuda_available
-    from nemo_rl.environments.tools import task_tool_schemas
-    from nemo_rl.models.generation.factory import check_backend_available
-    from nemo_rl.models.tokenizer import get_policy_tokenizer
+    # A model folder that does not exist is known from the path: say so before Ray starts.
+    check_policy_sources(config.policy)
+    check_model_source(config.teacher.model_name, "teacher.model_name")
+    from nemo_rl.distributed.virtual_cluster import exit_at_once_on_user_error, start_ray_in_background
 
-    # Fail before starting any worker when the backend cannot run here (vLLM without a GPU).
-    check_backend_available(
-        config.policy,
-        cluster_has_gpus=cuda_available(),
-        cpu_config="examples/configs/distillation_tiny_math.yaml",
-    )
-    tokenizer = get_policy_tokenizer(config.policy)
-    train_dataset, val_dataset = setup_rl_data(
-        config.data,
-        tokenizer,
-        max_total_sequence_length=config.policy.max_total_sequence_length,
-        tools=task_tool_schemas(config.env, config.data.env_name or "math"),
-    )
-    components = setup(config, tokenizer, train_dataset, val_dataset)
+    if config.policy.generation.backend != "vllm":
+        # Ray's processes come up while this process imports torch and loads the data; setup waits for
+        # them (not for vLLM: a machine without a GPU must refuse it, below, without starting Ray).
+        start_ray_in_background(config.cluster)
+    # A mistake found before setup takes the background start over exits 2 at once, stopping the Ray
+    # processes started so far.
+    with exit_at_once_on_user_error():
+        # Heavy imports only after the config is known to be valid, so config mistakes fail within seconds.
+        from nemo_rl.algorithms.distillation import distillation_train, setup
+        from nemo_rl.data.datasets import setup_rl_data
+        from nemo_rl.distributed.device import cuda_available
+        from nemo_rl.environments.tools import task_tool_schemas
+        from nemo_rl.models.generation.factory import check_backend_available
+        from nemo_rl.models.tokenizer import get_policy_tokenizer
+
+        # Fail before starting any worker when the backend cannot run here (vLLM without a GPU).
+        check_backend_available(
+            config.policy,
+            cluster_has_gpus=cuda_available(),
+            cpu_config="examples/configs/distillation_tiny_math.yaml",
+        )
+        tokenizer = get_policy_tokenizer(config.policy)
+        train_dataset, val_dataset = setup_rl_data(
+            config.data,
+            tokenizer,
+            max_total_sequence_length=config.policy.max_total_sequence_length,
+            tools=task_tool_schemas(config.env, config.data.env_name or "math"),
+        )
+        components = setup(config, tokenizer, train_dataset, val_dataset)
     try:
         distillation_train(components)
         print(f"Distillation finished at step {components.state.step}", flush=True)

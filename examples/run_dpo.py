@@ -14,6 +14,7 @@ from pathlib import Path
 
 from nemo_rl.config.cli import parse_args_and_load, run_cli
 from nemo_rl.config.master import DPOMasterConfig
+from nemo_rl.config.sources import check_policy_sources
 from nemo_rl.distributed.gc_tuning import use_gc_thresholds
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "dpo.yaml"
@@ -25,16 +26,25 @@ def main() -> None:
     use_gc_thresholds()
     config, _ = parse_args_and_load(DPOMasterConfig, DEFAULT_CONFIG)
 
-    # Heavy imports only after the config is known to be valid, so config mistakes fail within seconds.
-    from nemo_rl.algorithms.dpo import dpo_train, setup
-    from nemo_rl.data.datasets import setup_preference_data
-    from nemo_rl.models.tokenizer import get_policy_tokenizer
+    # A model folder that does not exist is known from the path: say so before Ray starts.
+    check_policy_sources(config.policy)
+    from nemo_rl.distributed.virtual_cluster import exit_at_once_on_user_error, start_ray_in_background
 
-    tokenizer = get_policy_tokenizer(config.policy)
-    train_dataset, val_dataset = setup_preference_data(
-        config.data, tokenizer, max_total_sequence_length=config.policy.max_total_sequence_length
-    )
-    run = setup(config, tokenizer, train_dataset, val_dataset)
+    # Ray's processes come up while this process imports torch and loads the data; setup waits for them.
+    start_ray_in_background(config.cluster)
+    # A mistake found before setup takes the background start over exits 2 at once, stopping the Ray
+    # processes started so far.
+    with exit_at_once_on_user_error():
+        # Heavy imports only after the config is known to be valid, so config mistakes fail within seconds.
+        from nemo_rl.algorithms.dpo import dpo_train, setup
+        from nemo_rl.data.datasets import setup_preference_data
+        from nemo_rl.models.tokenizer import get_policy_tokenizer
+
+        tokenizer = get_policy_tokenizer(config.policy)
+        train_dataset, val_dataset = setup_preference_data(
+            config.data, tokenizer, max_total_sequence_length=config.policy.max_total_sequence_length
+        )
+        run = setup(config, tokenizer, train_dataset, val_dataset)
     try:
         dpo_train(run)
         print(f"DPO finished at step {run.state.step}", flush=True)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from nemo_rl.config.cli import parse_args_and_load, run_cli
 from nemo_rl.config.master import SFTMasterConfig
+from nemo_rl.config.sources import check_policy_sources
 from nemo_rl.distributed.gc_tuning import use_gc_thresholds
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "sft.yaml"
@@ -24,16 +25,25 @@ def main() -> None:
     use_gc_thresholds()
     config, _ = parse_args_and_load(SFTMasterConfig, DEFAULT_CONFIG)
 
-    # Heavy imports only after the config is known to be valid, so config mistakes fail within seconds.
-    from nemo_rl.algorithms.sft import setup, sft_train
-    from nemo_rl.data.datasets import setup_sft_data
-    from nemo_rl.models.tokenizer import get_policy_tokenizer
+    # A model folder that does not exist is known from the path: say so before Ray starts.
+    check_policy_sources(config.policy)
+    from nemo_rl.distributed.virtual_cluster import exit_at_once_on_user_error, start_ray_in_background
 
-    tokenizer = get_policy_tokenizer(config.policy)
-    train_dataset, val_dataset = setup_sft_data(
-        config.data, tokenizer, max_total_sequence_length=config.policy.max_total_sequence_length
-    )
-    components = setup(config, tokenizer, train_dataset, val_dataset)
+    # Ray's processes come up while this process imports torch and loads the data; setup waits for them.
+    start_ray_in_background(config.cluster)
+    # A mistake found before setup takes the background start over exits 2 at once, stopping the Ray
+    # processes started so far.
+    with exit_at_once_on_user_error():
+        # Heavy imports only after the config is known to be valid, so config mistakes fail within seconds.
+        from nemo_rl.algorithms.sft import setup, sft_train
+        from nemo_rl.data.datasets import setup_sft_data
+        from nemo_rl.models.tokenizer import get_policy_tokenizer
+
+        tokenizer = get_policy_tokenizer(config.policy)
+        train_dataset, val_dataset = setup_sft_data(
+            config.data, tokenizer, max_total_sequence_length=config.policy.max_total_sequence_length
+        )
+        components = setup(config, tokenizer, train_dataset, val_dataset)
     try:
         sft_train(components)
         print(f"SFT finished at step {components.state.step}", flush=True)

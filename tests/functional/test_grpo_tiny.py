@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 from kill_resume import kill_and_resume, run_script, script_env, step_metrics
-from run_logs import VLLM_CPU_OWN_SLOT, read_records, wait_until_exists, wait_until_step_logged
+from run_logs import VLLM_CPU_OWN_SLOT, wait_until_exists, wait_until_step_logged
 
 from nemo_rl.models.generation.vllm import convert as vllm_convert
 from nemo_rl.weight_sync.shm_segments import SEGMENT_NAME_PREFIX, SHM_DIR
@@ -93,7 +93,7 @@ def _metrics(log_dir: Path) -> dict[int, dict[str, Any]]:
 
 
 @pytest.mark.slow
-def test_colocated_dp2_lora_survives_a_dead_worker_and_resumes_bit_exact(tmp_path: Path) -> None:
+def test_colocated_dp2_lora_run_ends_naming_a_dead_policy_worker_and_leaves_nothing(tmp_path: Path) -> None:
     # The LoRA recipe (the README's main job with rank-4 adapters on every linear layer) at DP=2, the engine
     # hosted in the policy workers: after the first refit only the adapters are copied into it.
     # Its own Ray session folder (short: Ray's socket paths are limited), to find this run's processes.
@@ -127,6 +127,7 @@ def test_colocated_dp2_lora_survives_a_dead_worker_and_resumes_bit_exact(tmp_pat
         # The recipe's policy workers also host the generation engine, and the error says so.
         assert "also host the embedded generation engine" in text, text[-4000:]
         assert not (tmp_path / "dp2" / "ckpt" / "step_4").exists(), "the kill came after the run's end"
+        assert (tmp_path / "dp2" / "ckpt" / "step_2" / "training_info.json").exists()
         # ...and leaves no process of its Ray session and no shared-memory refit segment behind.
         gone_by = time.monotonic() + 15
         while (alive := [pid for pid in run_pids if _alive(pid)]) and time.monotonic() < gone_by:
@@ -139,7 +140,6 @@ def test_colocated_dp2_lora_survives_a_dead_worker_and_resumes_bit_exact(tmp_pat
             p.name for p in SHM_DIR.glob(f"{SEGMENT_NAME_PREFIX}*") if any(w in p.name for w in writers)
         ]
 
-        killed = read_records(log_dir)
         first = _metrics(log_dir)
         # A step's train metrics are logged before its checkpoint, so the kill cannot lose them.
         for step in (1, 2):
@@ -159,25 +159,16 @@ def test_colocated_dp2_lora_survives_a_dead_worker_and_resumes_bit_exact(tmp_pat
             < 0.05 * _model_bytes(ROOT / "examples" / "assets" / "tiny_math_sft_mid")
         )
 
-        resumed = run_script(cmd, env)
+        # Every metric of a step that refits, samples, scores and trains (step 2, logged in full before step 3).
+        for name in NEMO_RL_STEP_METRICS:
+            assert name in first[2], f"{name} missing at step 2; logged: {sorted(first[2])}"
+        # One optimizer step per batch: the previous policy's log-probs come from the training forward.
+        assert "timing/train/logprobs" not in first[2]
     finally:
         shutil.rmtree(ray_dir, ignore_errors=True)
-    assert "Resuming GRPO from" in resumed.stdout and "(step 2)" in resumed.stdout, resumed.stdout[-3000:]
-    again = read_records(log_dir)[len(killed) :]
-    # Bit for bit: the resumed step 3 samples, scores and trains as the interrupted run's step 3 did.
-    expected, got = step_metrics(killed, 3), step_metrics(again, 3)
-    assert len(expected) > 10 and got == expected
-    after = _metrics(log_dir)
-    # The resumed run starts with stale generation weights, so its first step refits: every metric is there.
-    for name in NEMO_RL_STEP_METRICS:
-        assert name in after[3], f"{name} missing at step 3; logged: {sorted(after[3])}"
-    # Its engines are new: the first refit is a full one again, the next adapters only.
-    assert after[3]["refit/adapters_only"] == 0 and after[4]["refit/adapters_only"] == 1
-    assert after[4]["train/gen_kl_error"] <= 1e-4
-    # One optimizer step per batch: the previous policy's log-probs come from the training forward.
-    assert "timing/train/logprobs" not in after[3]
-    assert "validation/accuracy" in after[4]
-    assert (tmp_path / "dp2" / "ckpt" / "step_4" / "training_info.json").exists()
+    # (Resuming from the checkpoint is checked bit for bit by the other kill tests here and, for LoRA
+    # adapters, by tests/distributed/test_lora.py; a fresh engine's first full refit by
+    # tests/distributed/test_policy_to_generation_refit.py.)
 
 
 def _model_bytes(model_dir: Path) -> int:
