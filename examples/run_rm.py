@@ -29,13 +29,11 @@ def main() -> None:
 
     # A model folder that does not exist is known from the path: say so before Ray starts.
     check_policy_sources(config.policy)
-    from nemo_rl.distributed.virtual_cluster import exit_at_once_on_user_error, start_ray_in_background
+    from nemo_rl.distributed.virtual_cluster import ray_starting_in_background
 
-    # Ray's processes come up while this process imports torch and loads the data; setup waits for them.
-    start_ray_in_background(config.cluster)
-    # A mistake found before setup takes the background start over exits 2 at once, stopping the Ray
-    # processes started so far.
-    with exit_at_once_on_user_error():
+    # Ray's processes come up while this process imports torch and loads the data (setup waits for them);
+    # a mistake found before setup exits 2 at once, stopping them.
+    with ray_starting_in_background(config.cluster):
         # Heavy imports only after the config is known to be valid, so config mistakes fail within seconds.
         from nemo_rl.algorithms.rm import rm_train, setup
         from nemo_rl.data.datasets import setup_preference_data

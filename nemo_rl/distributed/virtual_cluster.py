@@ -183,6 +183,18 @@ def exit_at_once_on_user_error() -> Iterator[None]:
         os._exit(status)
 
 
+@contextlib.contextmanager
+def ray_starting_in_background(cluster_cfg: ClusterConfig, *, start: bool = True) -> Iterator[None]:
+    """A driver's opening: :func:`start_ray_in_background` (unless ``start`` is false), then the block (the
+    driver's heavy imports, data loading and setup, which overlap Ray's start) under
+    :func:`exit_at_once_on_user_error`, so that a mistake found before setup takes the start over exits 2 at
+    once and stops the Ray processes started so far."""
+    if start:
+        start_ray_in_background(cluster_cfg)
+    with exit_at_once_on_user_error():
+        yield
+
+
 def init_ray(cluster_cfg: ClusterConfig | None = None) -> None:
     """Start or attach to Ray; a no-op when Ray is already initialised in this process.
 
