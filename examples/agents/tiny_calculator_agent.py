@@ -28,7 +28,7 @@ from nemo_rl.environments.tools.calculator import CalculatorError, calculate, ca
 MAX_TURNS = 3
 """Requests per problem: one for the call, one for the answer, one to spare."""
 
-TOOLS = [calculator_tool().schema()]
+TOOLS: list[Any] = [calculator_tool().schema()]
 """The tools offered to the model (OpenAI's ``tools`` field)."""
 
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")

@@ -4,7 +4,7 @@ routes and methods included). Imported only when an endpoint starts (FastAPI is 
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Header, Request
@@ -33,7 +33,7 @@ def build_app(endpoint: AgentEndpoint) -> FastAPI:
     """The app serving ``endpoint``'s routes (see the endpoint's module docstring)."""
     app = FastAPI(title="nemo_rl agent endpoint", docs_url=None, redoc_url=None, openapi_url=None)
 
-    def refuse(err: EndpointError, headers: dict[str, str] | None = None) -> JSONResponse:
+    def refuse(err: EndpointError, headers: Mapping[str, str] | None = None) -> JSONResponse:
         status, content = endpoint.error_response(err)
         return JSONResponse(content, status_code=status, headers=headers)
 
