@@ -25,8 +25,8 @@ Then, from the repository root::
 For each shape and thread count, TRL runs first and this project second (``examples/run_grpo_math.py`` in a
 subprocess, the path a user takes; with ``--rounds``, odd rounds run this project first); each side takes ``--warmup`` steps that are not timed and then
 ``--steps`` timed ones. Printed: the median step time of each side, the ratio (this project / TRL), each
-side's median phase breakdown, the time from process start to the end of the first step, and the
-agreement checks: the same prompt token ids on both sides, the mean generated tokens per sample, and the
+side's median phase breakdown, the time from process start to the end of the first step and to the process's
+exit, and the agreement checks: the same prompt token ids on both sides, the mean generated tokens per sample, and the
 reward over the first and second half of the steps (with its standard error). With ``--rounds R`` every
 comparison runs R times (both sides back to back each time, the order alternating between rounds) and a summary lists each round's
 ratio and first-step time with their median and worst: on a small machine two-thread step times move by a
@@ -294,6 +294,7 @@ def run_our_side(
             if first_step_end is None and metrics_file.exists() and '"step": 1' in metrics_file.read_text():
                 first_step_end = time.time()
             time.sleep(0.05)
+    exit_end = time.time()
     if proc.returncode != 0:
         raise SystemExit(f"this project's run failed (exit {proc.returncode}); see {out_dir / 'run.log'}")
     by_step: dict[int, dict[str, float]] = {}
@@ -308,6 +309,7 @@ def run_our_side(
         "step_s": totals,
         "first_step_end": first_step_end if first_step_end is not None else start,
         "start": start,
+        "exit_end": exit_end,
         "phases": phases,
         "rollouts": [
             {"reward": m["train/reward"], "gen_tokens": m["train/mean_gen_tokens_per_sample"]} for m in steps
@@ -382,6 +384,7 @@ def run_pair(
             )
         result: dict[str, Any] = json.loads(result_file.read_text())
         result["start"] = start
+        result["exit_end"] = time.time()
         return result
 
     def run_ours() -> dict[str, Any]:
@@ -426,6 +429,9 @@ def run_pair(
             name: side["first_step_end"] - side["start"]
             for name, side in (("trl", trl_result), ("ours", ours))
         },
+        "time_to_exit_s": {
+            name: side["exit_end"] - side["start"] for name, side in (("trl", trl_result), ("ours", ours))
+        },
         "phases_median_s": {
             name: {p: statistics.median(v[warmup:]) for p, v in side["phases"].items()}
             for name, side in (("trl", trl_result), ("ours", ours))
@@ -449,7 +455,11 @@ def run_pair(
         f"ratio nemo_rl / TRL {report['ratio']:.2f}"
     )
     first = report["time_to_first_step_s"]
-    print(f"time to the end of the first step: TRL {first['trl']:.1f} s, nemo_rl {first['ours']:.1f} s")
+    to_exit = report["time_to_exit_s"]
+    print(
+        f"time to the end of the first step: TRL {first['trl']:.1f} s, nemo_rl {first['ours']:.1f} s; "
+        f"to the process's exit: TRL {to_exit['trl']:.1f} s, nemo_rl {to_exit['ours']:.1f} s"
+    )
     print(f"  TRL phases (median s): {_median_phases(trl_result['phases'], warmup)}")
     print(f"  nemo_rl phases (median s): {_median_phases(ours['phases'], warmup)}")
     tokens = report["gen_tokens_per_sample"]
@@ -462,7 +472,8 @@ def run_pair(
 
 
 def print_round_summary(reports: list[dict[str, Any]]) -> None:
-    """Print, per shape and thread count, every round's ratio and first-step time with their median and worst.
+    """Print, per shape and thread count, every round's ratio and first-step time with their median and worst,
+    and every round's time to the processes' exit.
 
     Each round is its own like-for-like comparison (TRL, then this project, back to back), so a ratio is never
     taken between sides measured in different rounds; the summary shows how much the ratio moves between
@@ -476,11 +487,14 @@ def print_round_summary(reports: list[dict[str, Any]]) -> None:
         ratios = [r["ratio"] for r in rounds]
         ours_first = [r["time_to_first_step_s"]["ours"] for r in rounds]
         trl_first = [r["time_to_first_step_s"]["trl"] for r in rounds]
+        ours_exit = [r["time_to_exit_s"]["ours"] for r in rounds]
+        trl_exit = [r["time_to_exit_s"]["trl"] for r in rounds]
         print(
             f"{shape}, {threads} thread(s), nemo_rl {rounds[0]['ours_layout']}: ratio per round "
             f"{' '.join(f'{x:.2f}' for x in ratios)} (median {statistics.median(ratios):.2f}, "
             f"worst {max(ratios):.2f}); first step nemo_rl {' '.join(f'{x:.1f}' for x in ours_first)} s "
-            f"(worst {max(ours_first):.1f}), TRL {' '.join(f'{x:.1f}' for x in trl_first)} s"
+            f"(worst {max(ours_first):.1f}), TRL {' '.join(f'{x:.1f}' for x in trl_first)} s; exit nemo_rl "
+            f"{' '.join(f'{x:.1f}' for x in ours_exit)} s, TRL {' '.join(f'{x:.1f}' for x in trl_exit)} s"
         )
 
 

@@ -116,8 +116,9 @@ def _traced_driver(script_args: list[str]) -> None:
         timed(module, "_init_ray_now")
         # Where setup waits for that start, and the placement groups' reservation.
         timed(module, "init_ray")
-        timed(module, "RayVirtualCluster")
+        # The method first: timed() replaces the class with a function.
         timed_method(module.RayVirtualCluster, "shutdown", "cluster shutdown done")
+        timed(module, "RayVirtualCluster")
 
     def timed_method(cls: type, name: str, label: str) -> None:
         original = getattr(cls, name)
@@ -180,6 +181,9 @@ def _traced_driver(script_args: list[str]) -> None:
     sys.meta_path.insert(0, _AfterImport(hooks))
     mark("interpreter up")
     sys.argv = [str(SCRIPT), *script_args]
+    # This process stands in for `python examples/run_grpo_math.py ...`: the script ends it as it would end that
+    # one (nemo_rl.utils.script_exit, which checks what Python was started with).
+    sys.orig_argv = [sys.executable, str(SCRIPT), *script_args]
     runpy.run_path(str(SCRIPT), run_name="__main__")
 
 

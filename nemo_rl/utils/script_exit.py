@@ -24,15 +24,26 @@ def run_script(main_fn: Callable[[], object]) -> NoReturn:
     end the process without the interpreter's teardown (see the module).
 
     An exception other than ``SystemExit`` propagates: Python prints its traceback and exits 1 (130 for
-    Ctrl-C) the ordinary way, teardown included.
+    Ctrl-C) the ordinary way, teardown included. So does everything when ``main_fn``'s file is not the program
+    Python was started with (``sys.orig_argv``): a test that runs the script in its own process with ``runpy``
+    and catches its ``SystemExit`` goes on, and its process exits as it would have.
     """
+    arm = _is_the_program(main_fn)
     try:
         run_cli(main_fn)
     except SystemExit as stop:
-        _exit_after_handlers(stop)
+        if arm:
+            _exit_after_handlers(stop)
         raise
-    _exit_after_handlers(SystemExit(0))
+    if arm:
+        _exit_after_handlers(SystemExit(0))
     sys.exit(0)
+
+
+def _is_the_program(main_fn: Callable[[], object]) -> bool:
+    """Whether ``main_fn`` is defined in the script this Python process was started to run."""
+    script = os.path.realpath(main_fn.__code__.co_filename)
+    return any(os.path.realpath(arg) == script for arg in sys.orig_argv[1:])
 
 
 def _exit_after_handlers(stop: SystemExit) -> None:

@@ -6,8 +6,11 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import atexit, sys, threading, time
@@ -40,12 +43,11 @@ run_script(main)
 """
 
 
-def _run(outcome: str) -> subprocess.CompletedProcess[str]:
+def _run(outcome: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(SCRIPT))
     return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(SCRIPT), outcome],
-        capture_output=True,
-        text=True,
-        timeout=120,
+        [sys.executable, str(script), outcome], capture_output=True, text=True, timeout=120, cwd=ROOT
     )
 
 
@@ -60,9 +62,9 @@ def _run(outcome: str) -> subprocess.CompletedProcess[str]:
     ],
 )
 def test_status_output_and_exit_handlers_as_a_normal_exit(
-    outcome: str, status: int, stderr_part: str
+    outcome: str, status: int, stderr_part: str, tmp_path: Path
 ) -> None:
-    done = _run(outcome)
+    done = _run(outcome, tmp_path)
     assert done.returncode == status, done.stderr
     assert stderr_part in done.stderr
     # The thread ran to its end, then the handlers ran, and buffered output reached the pipe.
@@ -70,3 +72,22 @@ def test_status_output_and_exit_handlers_as_a_normal_exit(
     assert done.stdout.index("thread finished") < done.stdout.index("exit handler ran")
     # The teardown itself is skipped, except where an exception ends the script the ordinary way.
     assert ("teardown ran" in done.stdout) == (outcome == "bug")
+
+
+def test_a_script_run_in_another_program_leaves_that_program_s_exit_alone(tmp_path: Path) -> None:
+    # As the functional tests do: the script runs with runpy inside the test's process, which catches its
+    # SystemExit and goes on; that process then exits with its own status, teardown included.
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    host = f"""
+import runpy, sys
+sys.argv = [{str(script)!r}, "exit_3"]
+try:
+    runpy.run_path({str(script)!r}, run_name="__main__")
+except SystemExit as stop:
+    print("caught", stop.code)
+"""
+    done = subprocess.run([sys.executable, "-c", host], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert "caught 3" in done.stdout and "exit handler ran" in done.stdout
+    assert "teardown ran" in done.stdout
