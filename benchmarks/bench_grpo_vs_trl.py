@@ -319,10 +319,12 @@ def run_our_side(
 
 # ------------------------------------------------------------------------------------------------ report
 def _halves(values: list[float], samples_per_step: int) -> str:
-    """Mean of the first and second half of ``values`` (per-step mean rewards), each with its standard error."""
+    """Mean of the first and second half of ``values`` (per-step mean rewards), each with its standard error
+    (one mean for a single step)."""
     half = max(1, len(values) // 2)
     parts = []
-    for chunk in (values[:half], values[half:]):
+    # One step (a start-up comparison) has no second half.
+    for chunk in [c for c in (values[:half], values[half:]) if c]:
         mean = sum(chunk) / len(chunk)
         se = (mean * (1 - mean) / (len(chunk) * samples_per_step)) ** 0.5
         parts.append(f"{mean:.3f}±{se:.3f}")
