@@ -141,8 +141,13 @@ def _traced_driver(script_args: list[str]) -> None:
                 mark("all worker actors created")
             mark("all workers up")
 
-        module.start_together = marked_start_together
+        setattr(module, "start_together", marked_start_together)  # noqa: B010 (a module attribute mypy cannot see)
         timed_method(module.RayWorkerGroup, "shutdown", "a worker group's shutdown done")
+
+    def on_generation_factory(module: ModuleType) -> None:
+        # The script's first call after its heavy imports.
+        timed(module, "check_backend_available", before="driver imports done")
+        timed(module, "create_generation")
 
     def on_ray(module: ModuleType) -> None:
         # Registered after Ray's own exit hook, so it runs first: the end of the script's own work.
@@ -168,10 +173,7 @@ def _traced_driver(script_args: list[str]) -> None:
         "nemo_rl.distributed.worker_groups": on_worker_groups,
         "ray": on_ray,
         "nemo_rl.environments.registry": lambda module: timed(module, "create_task_envs"),
-        "nemo_rl.models.generation.factory": lambda module: (
-            timed(module, "check_backend_available", before="driver imports done"),
-            timed(module, "create_generation"),
-        ),
+        "nemo_rl.models.generation.factory": on_generation_factory,
         "nemo_rl.models.policy.lm_policy": lambda module: timed(module, "Policy"),
         "nemo_rl.algorithms.grpo": lambda module: timed(module, "setup"),
         "nemo_rl.data.datasets": lambda module: timed(module, "setup_rl_data"),
