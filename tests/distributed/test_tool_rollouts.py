@@ -306,7 +306,7 @@ def test_train_batch_from_tensors_equals_the_one_from_message_logs(
     prompts = problem_batch(tokenizer, PROBLEMS, task_to_tools["math"].schemas())
     prompts["loss_multiplier"] = torch.tensor([1.0, 0.0, 1.0, 1.0])
     batch, _ = run_multi_turn_rollout(
-        recorder,
+        recorder,  # type: ignore[arg-type]
         prompts,
         tokenizer,
         {"math": math_env},

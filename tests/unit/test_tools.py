@@ -273,7 +273,7 @@ def test_tools_are_wired_once_where_the_run_starts() -> None:
         spec = TaskDataSpec(
             task, None, None, add_bos=True, add_eos=False, add_generation_prompt=True, tools=tools
         )
-        return ProcessedDataset(records, math_processor, spec, tokenizer, 256)
+        return ProcessedDataset(records, math_processor, spec, tokenizer, 256)  # type: ignore[arg-type]
 
     math, code = dataset("math"), dataset("code")
     env = EnvConfig(math=MathEnvConfig(tools=["calculator"]))
