@@ -235,9 +235,8 @@ def _append_responses(
     """Append each active sample's response, cut to its remaining token budget, to its token tensors (with
     the sampler's log-probs) and, decoded, to its message log; returns the tokens kept."""
     gen_lengths_A = output["generation_lengths"]
-    budgets_A = max_seq_len - rollout.tokens.lengths_B[torch.tensor(active, dtype=torch.long)]
-    keep_A = torch.minimum(gen_lengths_A, budgets_A.clamp(min=0))
     start_A = rollout.tokens.lengths_B[torch.tensor(active, dtype=torch.long)]
+    keep_A = torch.minimum(gen_lengths_A, (max_seq_len - start_A).clamp(min=0))
     rollout.tokens.append_generated(active, output, keep_A)
     for j, i in enumerate(active):
         state = rollout.states[i]
