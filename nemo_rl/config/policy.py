@@ -6,7 +6,7 @@ The backend and generation sub-sections live in their own modules (:mod:`nemo_rl
 
 from __future__ import annotations
 
-from typing import Any, Literal, Self
+from typing import Any, ClassVar, Literal, Self
 
 from pydantic import Field, model_validator
 
@@ -281,17 +281,36 @@ class PolicyConfig(ConfigModel):
             raise refusal("policy.draft.enabled", "set policy.draft.enabled=false")
         return self
 
+    CONDITIONAL_NO_EFFECT: ClassVar[dict[str, str]] = {
+        "sequence_packing.enabled": "on the DTensor backend, without sequence parallelism, for a language model",
+    }
+
     @property
     def packs_sequences(self) -> bool:
         """Whether micro-batches are packed: ``sequence_packing.enabled`` on the DTensor backend with a
-        language-model head and no sequence parallelism (elsewhere sequences are padded, as NeMo RL's
-        recipes that enable packing for every backend then still load)."""
+        language-model head and no sequence parallelism. Elsewhere sequences are padded, so that NeMo RL's
+        recipes that enable packing for every backend still load, and the key is reported as having no
+        effect (:meth:`settings_without_effect`)."""
         return (
             self.sequence_packing.enabled
             and self.dtensor_cfg.enabled
             and not self.dtensor_cfg.sequence_parallel
             and not self.reward_model_cfg.enabled
         )
+
+    def settings_without_effect(self) -> dict[str, str]:
+        """``sequence_packing.enabled`` where micro-batches are padded instead (see :attr:`packs_sequences`)."""
+        if not self.sequence_packing.enabled or self.packs_sequences:
+            return {}
+        if self.megatron_cfg.enabled:
+            why = "the Megatron backend pads its micro-batches; packing is built on the DTensor backend"
+        elif self.dtensor_cfg.sequence_parallel:
+            why = (
+                "sequence parallelism pads its micro-batches; set dtensor_cfg.sequence_parallel=false to pack"
+            )
+        else:
+            why = "a reward model's micro-batches are padded (its head reads each row's last token)"
+        return {"sequence_packing.enabled": why}
 
     @model_validator(mode="after")
     def _check_in_policy_generation(self) -> Self:
