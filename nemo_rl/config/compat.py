@@ -79,7 +79,7 @@ class AdvantageEstimatorConfig(ConfigModel):
     """Must equal ``grpo.use_leave_one_out_baseline``; ``None`` follows it."""
 
     minus_baseline: bool = True
-    """Reinforce++ only (unused with ``name: grpo``)."""
+    """Accepted, no effect here: a Reinforce++ option (``name`` must be ``grpo``)."""
 
     @model_validator(mode="after")
     def _check(self) -> Self:

@@ -285,3 +285,20 @@ def test_loop_sections_declare_shared_keys_once() -> None:
     with pytest.raises(ValueError, match="num_generations_per_prompt"):
         GRPOConfig(num_generations_per_prompt=1)
     assert DistillationConfig(num_generations_per_prompt=1).samples_per_step == 32
+
+
+def test_data_add_system_prompt_reaches_every_chat_template_call() -> None:
+    from nemo_rl.config.master import SFTMasterConfig
+
+    cfg = SFTMasterConfig.model_validate({"policy": {"model_name": "m"}, "data": {"add_system_prompt": True}})
+    assert cfg.policy.tokenizer.chat_template_kwargs == {"add_system_prompt": True}
+    with pytest.raises(ValueError, match="set one of them"):
+        SFTMasterConfig.model_validate(
+            {
+                "policy": {
+                    "model_name": "m",
+                    "tokenizer": {"chat_template_kwargs": {"add_system_prompt": False}},
+                },
+                "data": {"add_system_prompt": True},
+            }
+        )
