@@ -93,7 +93,12 @@ def test_one_architecture_record_from_config_json_and_from_transformers(family: 
     from nemo_rl.config.model_arch import ModelArch
     from nemo_rl.models.hf_decoder import decoder_arch
 
-    extra = {"num_experts": 4, "decoder_sparse_step": 1, "moe_intermediate_size": 16, "norm_topk_prob": True}
+    extra: dict[str, object] = {
+        "num_experts": 4,
+        "decoder_sparse_step": 1,
+        "moe_intermediate_size": 16,
+        "norm_topk_prob": True,
+    }
     if family == "glm4_moe":
         extra = {
             "n_routed_experts": 4,
