@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Self
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from nemo_rl.config.agent import AgentConfig
 from nemo_rl.config.base import ConfigModel
@@ -44,12 +44,10 @@ class LoopConfig(ConfigModel):
     seed: int = 42
     """Seed of data shuffling, sampling and model initialisation."""
 
-    @model_validator(mode="before")
+    @field_validator("max_num_steps", mode="before")
     @classmethod
-    def _no_step_limit(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("max_num_steps") == -1:
-            data = {**data, "max_num_steps": NO_STEP_LIMIT}
-        return data
+    def _no_step_limit(cls, value: Any) -> Any:
+        return NO_STEP_LIMIT if value == -1 else value
 
 
 class SupervisedLoopConfig(LoopConfig):
@@ -69,12 +67,10 @@ class SupervisedLoopConfig(LoopConfig):
     reward model loads with ``AutoModelForSequenceClassification``); ``None`` uses
     ``<checkpointing.checkpoint_dir>/hf_final``."""
 
-    @model_validator(mode="before")
+    @field_validator("val_batches", mode="before")
     @classmethod
-    def _whole_validation_set(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("val_batches") == -1:
-            data = {**data, "val_batches": 0}
-        return data
+    def _whole_validation_set(cls, value: Any) -> Any:
+        return 0 if value == -1 else value
 
 
 class SFTConfig(SupervisedLoopConfig):

@@ -282,6 +282,9 @@ def test_loop_sections_declare_shared_keys_once() -> None:
         cfg = loop.model_validate({"max_num_steps": -1, "val_batches": -1})
         assert (cfg.max_num_steps, cfg.val_batches) == (NO_STEP_LIMIT, 0)
     assert GRPOConfig.model_validate({"max_num_steps": -1}).max_num_steps == NO_STEP_LIMIT
+    assigned = SFTConfig()
+    assigned.max_num_steps = -1
+    assert assigned.max_num_steps == NO_STEP_LIMIT
     with pytest.raises(ValueError, match="num_generations_per_prompt"):
         GRPOConfig(num_generations_per_prompt=1)
     assert DistillationConfig(num_generations_per_prompt=1).samples_per_step == 32
