@@ -205,10 +205,11 @@ class ModelArch:
     @property
     def num_parameters(self) -> int:
         """Parameters of a dense causal LM (a tied output head counted once)."""
-        q, kv = self.q_size, self.kv_size
-        attention = self.hidden_size * (q + 2 * kv) + q * self.hidden_size
-        attention += (q + 2 * kv) * self.qkv_bias + 2 * self.head_dim * self.qk_norm
-        layer = attention + 3 * self.hidden_size * self.intermediate_size + 2 * self.hidden_size
+        q, kv, h, i = self.q_size, self.kv_size, self.hidden_size, self.intermediate_size
+        attention = h * (q + 2 * kv) + q * h + (q + 2 * kv) * self.qkv_bias + h * self.o_bias
+        attention += 2 * self.head_dim * self.qk_norm
+        mlp = 3 * h * i + (2 * i + h) * self.mlp_bias
+        layer = attention + mlp + 2 * h
         heads = 1 if self.tie_word_embeddings else 2
         return self.num_layers * layer + heads * self.vocab_size * self.hidden_size + self.hidden_size
 

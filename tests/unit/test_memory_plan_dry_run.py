@@ -3,6 +3,7 @@ models. ``tests/distributed/test_memory_plan.py`` checks its terms against what 
 
 from __future__ import annotations
 
+import math
 import runpy
 import sys
 from pathlib import Path
@@ -127,3 +128,26 @@ def test_one_architecture_record_from_config_json_and_from_transformers(family: 
     assert (from_json.moe is not None) == family.endswith("_moe")
     assert from_json.qkv_bias == (family in ("qwen2", "glm4_moe"))
     assert from_json.qk_norm == family.startswith("qwen3")
+
+
+def test_parameter_counts_include_every_bias() -> None:
+    # Llama with attention_bias and mlp_bias: q/k/v/o and gate/up/down biases, as transformers builds them.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from nemo_rl.config.memory import dtensor_parameters
+    from nemo_rl.config.model_arch import ModelArch
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_bias=True,
+        mlp_bias=True,
+    )
+    expected = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
+    arch = ModelArch.from_hf_config(config.to_dict())
+    assert arch.num_parameters == expected
+    assert sum(p.count * math.prod(p.shape) for p in dtensor_parameters(arch)) == expected
