@@ -1,17 +1,23 @@
 """The FastAPI app of the agent endpoint (:class:`~nemo_rl.experience.agent_endpoint.AgentEndpoint`): its
-routes, the bearer-token check, and OpenAI error bodies for refused requests. Imported only when an endpoint
-starts (FastAPI is an optional dependency)."""
+routes, the bearer-token check, and OpenAI error bodies for every refused request (malformed bodies, unknown
+routes and methods included). Imported only when an endpoint starts (FastAPI is an optional dependency)."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
-from nemo_rl.experience.agent_openai import ChatCompletionRequest, CompletionRequest
+from nemo_rl.experience.agent_openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EndpointError,
+    validation_error,
+)
 
 if TYPE_CHECKING:
     from nemo_rl.experience.agent_endpoint import AgentEndpoint
@@ -19,12 +25,17 @@ if TYPE_CHECKING:
 SESSION_PREFIX = "/sessions/{trajectory_id}/v1"
 """Where a trajectory's OpenAI routes live (its base URL's path)."""
 
+ROUTES = "POST /chat/completions, POST /completions and GET /models under /sessions/<trajectory_id>/v1"
+"""The routes, as error messages name them."""
+
 
 def build_app(endpoint: AgentEndpoint) -> FastAPI:
     """The app serving ``endpoint``'s routes (see the endpoint's module docstring)."""
-    from nemo_rl.experience.agent_endpoint import EndpointError
-
     app = FastAPI(title="nemo_rl agent endpoint", docs_url=None, redoc_url=None, openapi_url=None)
+
+    def refuse(err: EndpointError, headers: Mapping[str, str] | None = None) -> JSONResponse:
+        status, content = endpoint.error_response(err)
+        return JSONResponse(content, status_code=status, headers=headers)
 
     async def answer(
         authorization: str | None, body: Callable[[], Awaitable[dict[str, Any]]]
@@ -33,8 +44,7 @@ def build_app(endpoint: AgentEndpoint) -> FastAPI:
             endpoint.check_token(authorization)
             return JSONResponse(await body())
         except EndpointError as err:
-            status, content = endpoint.error_response(err)
-            return JSONResponse(content, status_code=status)
+            return refuse(err)
 
     @app.post(SESSION_PREFIX + "/chat/completions")
     async def chat_completions(
@@ -55,19 +65,29 @@ def build_app(endpoint: AgentEndpoint) -> FastAPI:
 
         return await answer(authorization, body)
 
+    # Requests that reach no handler are answered in OpenAI's format too, but only to a caller holding the
+    # token: without it every request gets the same 401, whatever it asks.
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, err: RequestValidationError) -> JSONResponse:
-        # A malformed body is answered in OpenAI's format too, but only to a caller holding the token.
         try:
             endpoint.check_token(request.headers.get("authorization"))
         except EndpointError as auth_err:
-            status, content = endpoint.error_response(auth_err)
-            return JSONResponse(content, status_code=status)
-        first = err.errors()[0] if err.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        status, content = endpoint.error_response(
-            EndpointError(400, f"invalid request body at {where or 'body'}: {first.get('msg', 'invalid')}")
-        )
-        return JSONResponse(content, status_code=status)
+            return refuse(auth_err)
+        return refuse(validation_error(err.errors()))
+
+    @app.exception_handler(HTTPException)
+    async def no_route(request: Request, err: HTTPException) -> JSONResponse:
+        try:
+            endpoint.check_token(request.headers.get("authorization"))
+        except EndpointError as auth_err:
+            return refuse(auth_err)
+        where = f"{request.method} {request.url.path}"
+        if err.status_code == 405:
+            message = f"Method not allowed ({where}): the routes are {ROUTES}"
+        elif err.status_code == 404:
+            message = f"Invalid URL ({where}): the routes are {ROUTES}"
+        else:
+            message = f"{where}: {err.detail}"
+        return refuse(EndpointError(err.status_code, message), headers=err.headers)
 
     return app

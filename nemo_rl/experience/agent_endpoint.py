@@ -11,7 +11,8 @@ agent using the ``openai`` client needs only ``OPENAI_BASE_URL`` and ``OPENAI_AP
 - ``GET .../v1/models``: the one model served.
 
 Every request must carry ``Authorization: Bearer <token>`` with the token generated for this endpoint (401
-otherwise), and only trajectories opened for the rollout in progress are served (404 otherwise). Requests of
+otherwise), name the model served (404 ``model_not_found`` otherwise), and only trajectories opened for the
+rollout in progress are served (404 otherwise); every refusal has OpenAI's error body. Requests of
 one trajectory are served one at a time, each prompt continuing the trajectory's recorded ids
 (:mod:`nemo_rl.experience.agent_trajectories`); requests of all trajectories are sampled together
 (:mod:`nemo_rl.experience.agent_batching`).
@@ -38,13 +39,16 @@ from nemo_rl.experience.agent_batching import GenerationBatcher, SampleRequest
 from nemo_rl.experience.agent_openai import (
     ChatCompletionRequest,
     CompletionRequest,
+    EndpointError,
     chat_response,
+    check_request,
     completion_response,
-    error_body,
-    request_problem,
+    reply_parts,
     response_text,
 )
 from nemo_rl.experience.agent_trajectories import (
+    AssistantReply,
+    Continuation,
     SampledTurn,
     Trajectory,
     TrajectoryStore,
@@ -58,14 +62,6 @@ START_TIMEOUT_S = 30.0
 """Longest wait for the server to start listening, and for it and the batcher to stop."""
 
 
-class EndpointError(Exception):
-    """A request the endpoint refuses: answered with ``status`` and an OpenAI error body."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
 class AgentEndpoint:
     """The endpoint of one run: started once, serving the trajectories each rollout opens.
 
@@ -77,7 +73,8 @@ class AgentEndpoint:
         max_seq_len: Longest trajectory in tokens (``policy.max_total_sequence_length``); a longer prompt is
             refused with OpenAI's context-length error.
         stop_token_ids: Tokens that end a response (the tokenizer's EOS and the configured stop tokens).
-        model_name: The model name responses report.
+        model_name: The model served: what ``/models`` lists, what requests must name as ``model`` (404
+            ``model_not_found`` otherwise), what responses report.
     """
 
     def __init__(
@@ -99,7 +96,8 @@ class AgentEndpoint:
         self._sampling = sampling
         self._max_seq_len = max_seq_len
         self._stop_token_ids = frozenset(stop_token_ids)
-        self._model_name = model_name
+        self.model_name = model_name
+        """The model served (what requests send as ``model``)."""
         pad_token_id = (
             tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         )
@@ -204,13 +202,17 @@ class AgentEndpoint:
         """Refuse (401) a request without this endpoint's bearer token."""
         expected = f"Bearer {self.token}"
         if authorization is None or not secrets.compare_digest(authorization.encode(), expected.encode()):
-            raise EndpointError(401, "missing or wrong API key: send the run's token as the bearer token")
+            raise EndpointError(
+                401,
+                "missing or wrong API key: send the run's token as the bearer token",
+                code="invalid_api_key",
+            )
 
     def model_list(self) -> dict[str, Any]:
         """The ``/v1/models`` body."""
         return {
             "object": "list",
-            "data": [{"id": self._model_name, "object": "model", "owned_by": "nemo_rl"}],
+            "data": [{"id": self.model_name, "object": "model", "owned_by": "nemo_rl"}],
         }
 
     async def chat(self, trajectory_id: str, request: ChatCompletionRequest) -> dict[str, Any]:
@@ -219,30 +221,45 @@ class AgentEndpoint:
         messages = normalise_chat_messages(request.messages)
         tools = request.tools or None
         async with self._trajectory_lock(trajectory_id) as trajectory:
-            previous = trajectory.last
-            rendered = self._render(messages, tools, add_generation_prompt=True)
-            history = None
-            if (
-                previous is not None
-                and len(messages) > previous.num_messages
-                and messages[previous.num_messages]["role"] == "assistant"
-            ):
-                history = self._render(
-                    messages[: previous.num_messages + 1], tools, add_generation_prompt=False
-                )
-            prompt_ids, continuation = chat_prompt(previous, rendered, history, self._stop_token_ids)
+            prompt_ids, continuation, rendered = self._chat_prompt(trajectory, messages, tools)
             turn = await self._sample(
                 prompt_ids, request, request.token_budget(), rendered_ids=rendered, num_messages=len(messages)
             )
-            trajectory.add(turn, continuation)
+            content, tool_calls = reply_parts(
+                turn,
+                with_tools=bool(tools) and request.tool_choice != "none",
+                stop_token_ids=self._stop_token_ids,
+                tokenizer=self._tokenizer,
+            )
+            # What the agent must send back unchanged for its next request to continue these tokens.
+            reply = AssistantReply.of({"content": content, "tool_calls": tool_calls})
+            trajectory.add(dataclasses.replace(turn, reply=reply), continuation)
         return chat_response(
             turn,
-            model=self._model_name,
-            with_tools=bool(tools) and request.tool_choice != "none",
+            content,
+            tool_calls,
+            model=self.model_name,
             with_logprobs=bool(request.logprobs),
-            stop_token_ids=self._stop_token_ids,
             tokenizer=self._tokenizer,
         )
+
+    def _chat_prompt(
+        self, trajectory: Trajectory, messages: list[dict[str, Any]], tools: Any
+    ) -> tuple[list[int], Continuation, list[int]]:
+        """The prompt ids of a chat request, how they continue ``trajectory``, and the request's rendering."""
+        previous = trajectory.last
+        rendered = self._render(messages, tools, add_generation_prompt=True)
+        history = None
+        if (
+            previous is not None
+            and len(messages) > previous.num_messages
+            and messages[previous.num_messages]["role"] == "assistant"
+        ):
+            history = self._render(messages[: previous.num_messages + 1], tools, add_generation_prompt=False)
+        prompt_ids, continuation = chat_prompt(
+            trajectory.turns, messages, rendered, history, self._stop_token_ids
+        )
+        return prompt_ids, continuation, rendered
 
     async def complete(self, trajectory_id: str, request: CompletionRequest) -> dict[str, Any]:
         """Answer a text completion of ``trajectory_id`` and record what it sampled."""
@@ -255,12 +272,10 @@ class AgentEndpoint:
             if isinstance(prompt, str):  # what the agent holds now: a next prompt extending it is spliced
                 turn = dataclasses.replace(turn, text=prompt + text)
             trajectory.add(turn, continuation)
-        return completion_response(turn, text, model=self._model_name)
+        return completion_response(turn, text, model=self.model_name)
 
     def _check_servable(self, request: ChatCompletionRequest | CompletionRequest) -> None:
-        problem = request_problem(request, self._sampling)
-        if problem is not None:
-            raise EndpointError(400, problem)
+        check_request(request, self._sampling, self.model_name)
 
     def _trajectory_lock(self, trajectory_id: str) -> _TrajectoryLock:
         trajectory = self.trajectories.get(trajectory_id)
@@ -268,6 +283,7 @@ class AgentEndpoint:
             raise EndpointError(
                 404,
                 f"trajectory {trajectory_id!r} is not being rolled out (unknown, or its rollout has ended)",
+                code="trajectory_not_found",
             )
         lock = self._locks.setdefault(trajectory_id, asyncio.Lock())
         return _TrajectoryLock(lock, trajectory)
@@ -280,7 +296,9 @@ class AgentEndpoint:
                 messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt
             )
         except Exception as err:  # a template's own refusal (an unknown role...) is the agent's to fix
-            raise EndpointError(400, f"the chat template cannot render these messages: {err}") from err
+            raise EndpointError(
+                400, f"the chat template cannot render these messages: {err}", param="messages"
+            ) from err
         assert isinstance(text, str)
         return self._encode(text)
 
@@ -301,9 +319,14 @@ class AgentEndpoint:
                 400,
                 f"This model's maximum context length is {self._max_seq_len} tokens; the prompt has "
                 f"{len(prompt_ids)} (policy.max_total_sequence_length)",
+                param="messages" if isinstance(request, ChatCompletionRequest) else "prompt",
+                code="context_length_exceeded",
             )
         future = self._batcher.submit(SampleRequest(prompt_ids, request.stop_strings()))
-        result = await asyncio.wrap_future(future)
+        try:
+            result = await asyncio.wrap_future(future)
+        except Exception as err:  # the generation call failed (or the rollout ended): the agent's API error
+            raise EndpointError(500, f"generation failed: {type(err).__name__}: {err}") from err
         keep = len(result.sampled_ids) if budget is None else min(budget, len(result.sampled_ids))
         return SampledTurn(
             prompt_ids=prompt_ids,
@@ -317,7 +340,7 @@ class AgentEndpoint:
     def error_response(self, err: EndpointError) -> tuple[int, dict[str, Any]]:
         """Count a refused request; its status and OpenAI error body."""
         self.num_refused += 1
-        return err.status, error_body(err.status, str(err))
+        return err.status, err.body()
 
 
 class _TrajectoryLock:

@@ -6,7 +6,9 @@ Sampling settings are the policy's (``policy.generation``): a request may omit `
 since tokens drawn from another distribution would not carry the log-probs the loss assumes. ``max_tokens``
 cuts the response after sampling (the tokens kept are a prefix of what was sampled, with their log-probs).
 Besides OpenAI's fields, every response carries the ids the endpoint recorded, under NeMo Gym's names
-(``prompt_token_ids``, ``generation_token_ids``, ``generation_log_probs``).
+(``prompt_token_ids``, ``generation_token_ids``, ``generation_log_probs``). A refused request is answered
+in OpenAI's error format, ``{"error": {"message", "type", "param", "code"}}``, ``param`` naming the field
+at fault (:class:`EndpointError`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Collection
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -24,13 +26,40 @@ from nemo_rl.config.generation import GenerationConfig
 from nemo_rl.environments.tools.parsing import TOOL_CALL_OPEN, ToolCall, parse_tool_calls
 from nemo_rl.experience.agent_trajectories import SampledTurn
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+"""The message roles of OpenAI's chat API."""
+
+
+class EndpointError(Exception):
+    """A request the endpoint refuses, answered with ``status`` and an OpenAI error body.
+
+    Args:
+        status: The HTTP status (the ``openai`` client raises the matching exception).
+        message: What is wrong and what to send instead.
+        param: The request field at fault (``messages[2].content``), ``None`` when none is.
+        code: OpenAI's machine-readable code (``model_not_found``, ``missing_required_parameter``...).
+    """
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        """The error body, as OpenAI's API writes it."""
+        kind = "server_error" if self.status >= 500 else "invalid_request_error"
+        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
+
 
 class _SamplingRequest(BaseModel):
     """Fields every completion request shares; OpenAI fields not listed here are accepted and ignored."""
 
     model_config = ConfigDict(extra="allow")
 
-    model: str | None = None
+    model: str
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -76,18 +105,34 @@ class CompletionRequest(_SamplingRequest):
         return self.prompt  # type: ignore[return-value]
 
 
-def request_problem(
+def check_request(
+    request: ChatCompletionRequest | CompletionRequest, sampling: GenerationConfig, model_name: str
+) -> None:
+    """Refuse (:class:`EndpointError`) a request for another model, or one unservable on-policy."""
+    if request.model != model_name:
+        raise EndpointError(
+            404,
+            f"The model {request.model!r} does not exist: this endpoint serves {model_name!r} (GET /models)",
+            param="model",
+            code="model_not_found",
+        )
+    problem = _sampling_problem(request, sampling) or _body_problem(request)
+    if problem is not None:
+        param, message = problem
+        raise EndpointError(400, message, param=param, code="invalid_value")
+
+
+def _sampling_problem(
     request: ChatCompletionRequest | CompletionRequest, sampling: GenerationConfig
-) -> str | None:
-    """What makes ``request`` unservable on-policy, as a message for the agent (``None``: servable)."""
+) -> tuple[str, str] | None:
     if request.stream:
-        return "stream=true is not supported by this endpoint: send stream=false"
+        return "stream", "stream=true is not supported by this endpoint: send stream=false"
     if request.n not in (None, 1):
-        return f"n={request.n}: this endpoint samples one choice per request (send n=1)"
+        return "n", f"n={request.n}: this endpoint samples one choice per request (send n=1)"
     for key in ("temperature", "top_p"):
         sent, configured = getattr(request, key), getattr(sampling, key)
         if sent is not None and sent != configured:
-            return (
+            return key, (
                 f"{key}={sent} differs from the policy's sampling {key}={configured} (policy.generation.{key}): "
                 f"omit it or send {configured}, so the trained tokens keep the log-probs they were sampled with"
             )
@@ -96,26 +141,76 @@ def request_problem(
         and request.top_k != sampling.top_k
         and not (sampling.top_k is None and request.top_k in (-1, 0))
     ):
-        return f"top_k={request.top_k} differs from the policy's (policy.generation.top_k={sampling.top_k}): omit it"
+        return (
+            "top_k",
+            f"top_k={request.top_k} differs from the policy's (policy.generation.top_k={sampling.top_k}): omit it",
+        )
+    return None
+
+
+def _body_problem(request: ChatCompletionRequest | CompletionRequest) -> tuple[str, str] | None:
     if isinstance(request, ChatCompletionRequest):
         if request.top_logprobs:
-            return "top_logprobs is not supported: the endpoint returns the sampled tokens' log-probs only"
+            return (
+                "top_logprobs",
+                "top_logprobs is not supported: the endpoint returns the sampled tokens' log-probs only",
+            )
         if not request.messages:
-            return "messages is empty: send at least one message"
-    else:
-        if request.echo:
-            return "echo=true is not supported: send echo=false"
-        if request.logprobs:
-            return "logprobs=<k> is not supported for completions: omit it (the sampled tokens' log-probs are in generation_log_probs)"
-        if (
-            isinstance(request.prompt, list)
-            and len(request.prompt) > 1
-            and isinstance(request.prompt[0], str)
-        ):
-            return "prompt holds several texts: send one prompt per request"
-        if not request.prompt:
-            return "prompt is empty"
+            return "messages", "messages is empty: send at least one message"
+        for i, message in enumerate(request.messages):
+            if message.get("role") not in CHAT_ROLES:
+                return f"messages[{i}].role", (
+                    f"messages[{i}].role is {message.get('role')!r}: give one of {', '.join(CHAT_ROLES)}"
+                )
+        return None
+    if request.echo:
+        return "echo", "echo=true is not supported: send echo=false"
+    if request.logprobs:
+        return (
+            "logprobs",
+            "logprobs=<k> is not supported for completions: omit it (the sampled tokens' log-probs are in generation_log_probs)",
+        )
+    if isinstance(request.prompt, list) and len(request.prompt) > 1 and isinstance(request.prompt[0], str):
+        return "prompt", "prompt holds several texts: send one prompt per request"
+    if not request.prompt:
+        return "prompt", "prompt is empty"
     return None
+
+
+def validation_error(errors: Sequence[Mapping[str, Any]]) -> EndpointError:
+    """The OpenAI error for a body that does not parse or match the request schema (FastAPI's validation
+    errors, of which the first is reported), naming the field at fault."""
+    first = errors[0] if errors else {}
+    kind, detail = str(first.get("type", "")), str(first.get("msg", "invalid"))
+    param = _param(first.get("loc", ()))
+    if kind == "json_invalid":
+        return EndpointError(400, f"the body is not valid JSON ({detail}): send a JSON object")
+    if param is None:
+        return EndpointError(400, f"the body must be a JSON object with the request's fields ({detail})")
+    if kind == "missing":
+        return EndpointError(
+            400, f"Missing required parameter: {param!r}", param=param, code="missing_required_parameter"
+        )
+    code = "invalid_type" if kind.endswith(("_type", "_parsing")) else "invalid_value"
+    return EndpointError(400, f"Invalid {param!r}: {detail}", param=param, code=code)
+
+
+def _param(loc: Sequence[Any]) -> str | None:
+    """``messages[0].role`` for the location ``("body", "messages", 0, "role")``. A name that follows a name
+    is pydantic's tag of a union member (``("body", "stop", "list[str]")``), not a field: the path ends there."""
+    if len(loc) < 2 or loc[0] != "body" or not isinstance(loc[1], str):
+        return None
+    param, after_index = loc[1], False
+    for part in loc[2:]:
+        if isinstance(part, int):
+            param += f"[{part}]"
+            after_index = True
+        elif after_index:
+            param += f".{part}"
+            after_index = False
+        else:
+            break
+    return param
 
 
 def response_text(
@@ -169,18 +264,29 @@ def _recorded_ids(turn: SampledTurn) -> dict[str, Any]:
     }
 
 
-def chat_response(
+def reply_parts(
     turn: SampledTurn,
     *,
-    model: str,
     with_tools: bool,
-    with_logprobs: bool,
     stop_token_ids: Collection[int],
     tokenizer: PreTrainedTokenizerBase,
-) -> dict[str, Any]:
-    """The ``chat.completion`` body answering a request that sampled ``turn``."""
+) -> tuple[str | None, list[dict[str, Any]]]:
+    """The content and ``tool_calls`` of the chat message answering a request that sampled ``turn``."""
     text = response_text(turn.sampled_ids, stop_token_ids, tokenizer)
-    content, tool_calls = split_tool_calls(text) if with_tools else (text, [])
+    return split_tool_calls(text) if with_tools else (text, [])
+
+
+def chat_response(
+    turn: SampledTurn,
+    content: str | None,
+    tool_calls: list[dict[str, Any]],
+    *,
+    model: str,
+    with_logprobs: bool,
+    tokenizer: PreTrainedTokenizerBase,
+) -> dict[str, Any]:
+    """The ``chat.completion`` body answering a request that sampled ``turn`` (its message's parts from
+    :func:`reply_parts`)."""
     message: dict[str, Any] = {"role": "assistant", "content": content, **_recorded_ids(turn)}
     if tool_calls:
         message["tool_calls"] = tool_calls
@@ -232,9 +338,3 @@ def completion_response(turn: SampledTurn, text: str, *, model: str) -> dict[str
         "choices": [choice],
         "usage": _usage(turn),
     }
-
-
-def error_body(status: int, message: str) -> dict[str, Any]:
-    """An OpenAI error body (the ``openai`` client raises it as the status's exception with this message)."""
-    kind = {401: "authentication_error", 404: "not_found_error"}.get(status, "invalid_request_error")
-    return {"error": {"message": message, "type": kind, "param": None, "code": status}}

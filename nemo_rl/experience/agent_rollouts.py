@@ -4,7 +4,7 @@ endpoint recorded for each agent's trajectory, in the layout of
 :func:`nemo_rl.experience.rollouts.run_multi_turn_rollout`'s (so GRPO's advantages and loss take it as is).
 
 An agent is a Python function (``grpo.agent.function``) or a program (``grpo.agent.command``), given an
-:class:`AgentTask`. A program reads the task as JSON on stdin, finds ``OPENAI_BASE_URL``, ``OPENAI_API_KEY``
+:class:`AgentTask` (which names the ``model`` to request). A program reads the task as JSON on stdin, finds ``OPENAI_BASE_URL``, ``OPENAI_API_KEY``
 and ``NEMO_RL_TRAJECTORY_ID`` in its environment, and prints its reward as the last line of stdout (a number
 or ``{"reward": x}``). An agent that fails (raises, exits non-zero, prints no reward, outlives
 ``grpo.agent.timeout_s``) gets reward 0 and its sample is not trained on (``agent/failed`` counts them).
@@ -66,6 +66,9 @@ class AgentTask:
 
     task_name: str
     """The sample's task."""
+
+    model: str
+    """The model the endpoint serves: what requests send as ``model`` (the policy's ``model_name``)."""
 
     def to_json(self) -> str:
         """The task as a program reads it on stdin (the token stays out: it is in the environment)."""
@@ -235,6 +238,7 @@ def agent_tasks(endpoint: AgentEndpoint, batch: BatchedDataDict[Any]) -> list[Ag
                 messages=list(messages),
                 extra_env_info=info,
                 task_name=str(task_name),
+                model=endpoint.model_name,
             )
         )
     return tasks

@@ -8,13 +8,15 @@ the agent added (tool results, user turns), the next response... Each request's 
 
 - ``first``: the trajectory's first request, rendered by the chat template (or tokenized);
 - ``exact``: the rendering starts with the previous prompt + sampled ids: used as is;
-- ``spliced``: the history up to the previous response is unchanged but the response re-tokenises
-  differently (whitespace, tool-call JSON reformatted by the template, a stop string): the previous ids are
-  kept and the template's tokens after the response's end-of-turn token are appended (NeMo RL's
-  ``_replace_prefix_tokens`` does the same in its vLLM HTTP server). Drift is counted, never trained on;
-- ``restarted``: the agent rewrote earlier history (summarised, dropped or edited turns): no continuation
-  exists, the trajectory restarts from this request and its earlier turns are dropped from training
-  (counted).
+- ``spliced``: every response was sent back as the endpoint returned it (same content, same tool calls),
+  but the template renders the last one to other tokens (tool calls re-serialised or not rendered, a
+  different tokenisation of the same text): the previous ids are kept and the template's tokens after the
+  response's end-of-turn token are appended (NeMo RL's ``_replace_prefix_tokens`` does the same in its vLLM
+  HTTP server). Drift is counted, never trained on;
+- ``restarted``: the agent rewrote the history: an earlier message edited or dropped, or a response sent
+  back with other content or other tool calls than the endpoint returned. No continuation exists, so the
+  trajectory restarts from this request and its earlier turns are dropped from training (counted): the
+  model never trains on, nor is shown, its own tokens in place of what the agent sent.
 """
 
 from __future__ import annotations
@@ -36,6 +38,39 @@ Continuation = Literal["first", "exact", "spliced", "restarted"]
 
 
 @dataclasses.dataclass(frozen=True)
+class AssistantReply:
+    """A chat response in the form it is compared in when an agent sends it back: its content and its tool
+    calls. The calls' ids are the endpoint's, not sampled tokens, so they are not compared; arguments are
+    compared as JSON values (key order and spacing aside)."""
+
+    content: str
+    """The message's text (``""`` for none)."""
+
+    tool_calls: tuple[tuple[str, str], ...] = ()
+    """Each call's function name and its arguments as canonical JSON."""
+
+    @classmethod
+    def of(cls, message: Mapping[str, Any]) -> AssistantReply:
+        """The reply an assistant message holds (OpenAI's form, or as :func:`normalise_chat_messages` made it)."""
+        content = message.get("content")
+        if isinstance(content, list):
+            content = "".join(str(part.get("text", "")) for part in content if isinstance(part, Mapping))
+        calls = []
+        for call in message.get("tool_calls") or ():
+            function = call.get("function") if isinstance(call, Mapping) else None
+            function = function if isinstance(function, Mapping) else {}
+            calls.append((str(function.get("name")), _canonical_json(function.get("arguments"))))
+        return cls(content=str(content or ""), tool_calls=tuple(calls))
+
+
+def _canonical_json(value: Any) -> str:
+    if isinstance(value, str):
+        with contextlib.suppress(json.JSONDecodeError):
+            value = json.loads(value)
+    return json.dumps(value, sort_keys=True)
+
+
+@dataclasses.dataclass(frozen=True)
 class SampledTurn:
     """One request of a trajectory: the ids generation continued and what it sampled."""
 
@@ -54,6 +89,10 @@ class SampledTurn:
     num_messages: int = 0
     """Messages of a chat request (0 for a completion)."""
 
+    reply: AssistantReply | None = None
+    """The chat response as returned to the agent, which a later request must send back unchanged (``None``
+    for completions)."""
+
     text: str | None = None
     """A text completion's prompt followed by the completion's text as returned, without its stop token
     (``None`` for chat and token-id prompts)."""
@@ -71,24 +110,43 @@ def _starts_with(ids: Sequence[int], prefix: Sequence[int]) -> bool:
     return len(ids) >= len(prefix) and list(ids[: len(prefix)]) == list(prefix)
 
 
+def replies_sent_back(turns: Sequence[SampledTurn], messages: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether ``messages`` hold every chat response of ``turns`` as the endpoint returned it, each right after
+    the messages of the request that sampled it. One edited, substituted or missing is rewritten history."""
+    for turn in turns:
+        if turn.reply is None:
+            continue
+        if turn.num_messages >= len(messages):
+            return False
+        sent = messages[turn.num_messages]
+        if sent.get("role") != "assistant" or AssistantReply.of(sent) != turn.reply:
+            return False
+    return True
+
+
 def chat_prompt(
-    previous: SampledTurn | None,
+    turns: Sequence[SampledTurn],
+    messages: Sequence[Mapping[str, Any]],
     rendered: list[int],
     history_rendered: list[int] | None,
     stop_token_ids: Collection[int],
 ) -> tuple[list[int], Continuation]:
-    """The prompt of a chat request and how it continues ``previous``.
+    """The prompt of a chat request and how it continues the trajectory's last turn.
 
     Args:
-        previous: The trajectory's last turn (``None`` for its first request).
+        turns: The trajectory's turns (none for its first request).
+        messages: The request's messages (normalised).
         rendered: The request's messages rendered with the generation prompt.
-        history_rendered: The request's messages up to and including the one after ``previous``'s own
+        history_rendered: The request's messages up to and including the one after the last turn's own
             messages, rendered without a generation prompt, when that message is the assistant's (the
             previous response as the agent sent it back); ``None`` otherwise.
         stop_token_ids: Tokens that end an assistant turn.
     """
-    if previous is None:
+    if not turns:
         return rendered, "first"
+    if not replies_sent_back(turns, messages):
+        return rendered, "restarted"
+    previous = turns[-1]
     if _starts_with(rendered, previous.ids):
         return rendered, "exact"
     spliceable = (

@@ -1,8 +1,10 @@
 """GRPO on rollouts of external agents (``examples/configs/grpo_agent_endpoint_tiny.yaml``): the example
-agent drives its two-attempt loop with the ``openai`` client against the endpoint, served by the tiny model
-on the embedded engine in the policy workers, and one GRPO step trains on exactly the tokens the endpoint
-sampled (ids and log-probs as the agent received them), with ``gen_kl_error`` ~ 0. (That vLLM's sampled ids
-and log-probs reach the training batch unchanged is checked in tests/distributed/test_tool_rollouts.py.)"""
+agent drives its calculator loop with the ``openai`` client against the endpoint, served by the tiny tools
+checkpoint on the embedded engine in the policy workers: the calls the model writes come back as OpenAI
+``tool_calls``, the agent answers them with ``tool`` messages, and one GRPO step trains on exactly the
+tokens the agent was sent (each row is the last prompt and response the endpoint returned; the sampled ids
+and log-probs as the agent received them), with ``gen_kl_error`` ~ 0. (That vLLM's sampled ids and
+log-probs reach the training batch unchanged is checked in tests/distributed/test_tool_rollouts.py.)"""
 
 from __future__ import annotations
 
@@ -25,10 +27,10 @@ from nemo_rl.models.tokenizer import get_policy_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples" / "configs" / "grpo_agent_endpoint_tiny.yaml"
-AGENT_FILE = ROOT / "examples" / "agents" / "tiny_math_agent.py"
+AGENT_FILE = ROOT / "examples" / "agents" / "tiny_calculator_agent.py"
 
-RESPONSES: dict[str, list[tuple[list[int], list[float]]]] = {}
-"""The sampled ids and log-probs of every response each trajectory's agent received, in order."""
+RESPONSES: dict[str, list[Any]] = {}
+"""The message of every response each trajectory's agent received, in order."""
 _LOCK = threading.Lock()
 
 
@@ -42,15 +44,12 @@ def recording_agent(task: AgentTask) -> float:
 
     def recording_create(**kwargs: Any) -> Any:
         response = create(**kwargs)
-        message = response.choices[0].message
         with _LOCK:
-            RESPONSES.setdefault(task.trajectory_id, []).append(
-                (message.generation_token_ids, message.generation_log_probs)
-            )
+            RESPONSES.setdefault(task.trajectory_id, []).append(response.choices[0].message)
         return response
 
     client.chat.completions.create = recording_create  # type: ignore[method-assign]
-    return solve(client, task.messages, str(task.extra_env_info["ground_truth"]))  # type: ignore[call-arg]
+    return solve(client, task.model, task.messages, str(task.extra_env_info["ground_truth"]))  # type: ignore[call-arg]
 
 
 @pytest.mark.usefixtures("ray_cluster")
@@ -99,13 +98,29 @@ def test_grpo_step_trains_on_the_agents_tokens(tmp_path: Path, monkeypatch: pyte
     assert metrics["agent/failed"] == 0.0
     assert len(RESPONSES) == 16
     assert metrics["agent/requests"] == sum(len(r) for r in RESPONSES.values())
-    # The training rows hold exactly the sampled tokens, with the log-probs the sampler gave them.
+    # The tiny tools checkpoint calls the calculator (about once per problem); each call came back as
+    # tool_calls and was answered, the agent sending every response back unchanged (no restart). The tiny
+    # template does not render tool calls, so each answered call drifts and is spliced.
+    calls = [m for messages in RESPONSES.values() for m in messages if m.tool_calls]
+    assert len(calls) >= 8
+    assert all(call.tool_calls[0].function.name == "calculator" for call in calls)
+    assert metrics["agent/restarts"] == 0.0
+    assert metrics["agent/spliced_requests"] == sum(
+        bool(m.tool_calls) for messages in RESPONSES.values() for m in messages[:-1]
+    )
+    # Each training row is exactly the ids the agent was sent: its last prompt (the earlier prompts,
+    # responses and tool results in it) and response; the sampled tokens train, with their sampler's log-probs.
     ((rollout, batch),) = trained
     for row, trajectory_id in enumerate(rollout["trajectory_id"]):
-        mask = batch["token_mask"][row].bool()
         responses = RESPONSES[trajectory_id]
-        assert batch["input_ids"][row][mask].tolist() == [t for ids, _ in responses for t in ids]
-        expected = [lp for _, lps in responses for lp in lps]
+        last = responses[-1]
+        length = int(batch["input_lengths"][row])
+        assert batch["input_ids"][row][:length].tolist() == last.prompt_token_ids + last.generation_token_ids
+        mask = batch["token_mask"][row].bool()
+        assert batch["input_ids"][row][mask].tolist() == [
+            t for m in responses for t in m.generation_token_ids
+        ]
+        expected = [lp for m in responses for lp in m.generation_log_probs]
         assert batch["generation_logprobs"][row][mask].tolist() == pytest.approx(expected, abs=1e-6)
     # The policy scores the sampled tokens as the sampler did: same weights, same distribution.
     assert abs(metrics["gen_kl_error"]) < 1e-4

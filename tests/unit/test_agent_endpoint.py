@@ -1,7 +1,10 @@
 """The agent endpoint over HTTP, driven by the real ``openai`` client, with a scripted generation backend
-standing in for the model (no Ray, no weights): the bearer token, loopback binding, per-trajectory routes,
-multi-turn recording (exact continuations and spliced drift), tool calls, completions, refused parameters,
-and agent rollouts (function and program agents) whose training rows hold exactly the sampled tokens."""
+standing in for the model (no Ray, no weights; the server path is the real one: tool calls parsed from the
+generated tokens, tool messages rendered by the chat template): the bearer token, loopback binding,
+per-trajectory routes, multi-turn recording, a tool-call round trip, edited responses restarting the
+trajectory, OpenAI error bodies (unknown model, malformed bodies, unknown routes), completions, refused
+parameters, and agent rollouts (function and program agents) whose training rows hold exactly the sampled
+tokens."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 
@@ -26,16 +30,19 @@ from nemo_rl.algorithms.grpo import build_train_batch  # noqa: E402
 from nemo_rl.config.agent import AgentConfig  # noqa: E402
 from nemo_rl.config.generation import GenerationConfig  # noqa: E402
 from nemo_rl.config.policy import PolicyConfig  # noqa: E402
-from nemo_rl.data.llm_message_utils import format_message_log  # noqa: E402
+from nemo_rl.data.llm_message_utils import format_message_log, message_log_token_ids  # noqa: E402
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict  # noqa: E402
 from nemo_rl.experience.agent_endpoint import AgentEndpoint  # noqa: E402
 from nemo_rl.experience.agent_rollouts import AgentTask, load_agent_function, run_agent_rollout  # noqa: E402
+from nemo_rl.experience.agent_trajectories import normalise_chat_messages  # noqa: E402
 from nemo_rl.models.tokenizer import get_policy_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_MODEL = ROOT / "examples" / "assets" / "tiny_qwen2_init"
-AGENT_FILE = ROOT / "examples" / "agents" / "tiny_math_agent.py"
-TOOL_CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2*3"}}\n</tool_call>'
+AGENT_FILE = ROOT / "examples" / "agents" / "tiny_calculator_agent.py"
+MODEL = "tiny"
+"""The model name the test endpoints serve."""
+TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
 
 
 class ScriptedGeneration:
@@ -78,6 +85,15 @@ def arithmetic_reply(prompt: str) -> str:
     return f"{question}=\\boxed{{{int(a) + int(b) + (1 if asked == 1 else 0)}}}"
 
 
+def calculator_reply(prompt: str) -> str:
+    """What the tiny tools checkpoint writes: a calculator call on the last question, then the boxed value the
+    tool returned (the tiny template renders a tool result as a user turn of ``<tool_response>`` blocks)."""
+    if prompt.endswith("</tool_response><|assistant|>"):
+        return "\\boxed{" + prompt.rsplit("<tool_response>", 1)[1].split("</tool_response>")[0] + "}"
+    expression = prompt.rsplit("What is ", 1)[-1].split("?", 1)[0]
+    return '<tool_call>{"name": "calculator", "arguments": {"expression": "' + expression + '"}}</tool_call>'
+
+
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
     return get_policy_tokenizer(PolicyConfig(model_name=str(TINY_MODEL)))
@@ -94,7 +110,7 @@ def start_endpoint(
         GenerationConfig(temperature=1.0),
         max_seq_len=200,  # room for the tiny template's tools section
         stop_token_ids=[tokenizer.eos_token_id],
-        model_name="tiny",
+        model_name=MODEL,
     )
     endpoint.start()
     return endpoint, generation
@@ -140,7 +156,7 @@ def test_loopback_only_and_the_token_is_required(served: tuple[AgentEndpoint, Sc
     question = [{"role": "user", "content": "What is 1+2?"}]
     with pytest.raises(openai.AuthenticationError):
         client_for(endpoint, "t1", api_key="not-the-token").chat.completions.create(
-            model="m", messages=question
+            model=MODEL, messages=question
         )
     no_header = urllib.request.Request(
         f"{endpoint.base_url('t1')}/chat/completions",
@@ -158,17 +174,17 @@ def test_only_open_trajectories_are_served(served: tuple[AgentEndpoint, Scripted
     endpoint, _ = served
     question = [{"role": "user", "content": "What is 1+2?"}]
     with pytest.raises(openai.NotFoundError, match="not being rolled out"):
-        client_for(endpoint, "never-opened").chat.completions.create(model="m", messages=question)
+        client_for(endpoint, "never-opened").chat.completions.create(model=MODEL, messages=question)
     endpoint.open(["t2"])
     client = client_for(endpoint, "t2")
     assert (
-        client.chat.completions.create(model="m", messages=question).choices[0].message.content
+        client.chat.completions.create(model=MODEL, messages=question).choices[0].message.content
         == "1+2=\\boxed{4}"
     )
-    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert [m.id for m in client.models.list().data] == [MODEL]
     endpoint.close(["t2"])
     with pytest.raises(openai.NotFoundError):  # its rollout has ended
-        client.chat.completions.create(model="m", messages=question)
+        client.chat.completions.create(model=MODEL, messages=question)
 
 
 def test_multi_turn_chat_records_the_sampled_ids(
@@ -178,7 +194,7 @@ def test_multi_turn_chat_records_the_sampled_ids(
     endpoint.open(["t3"])
     client = client_for(endpoint, "t3")
     messages: list[dict[str, Any]] = [{"role": "user", "content": "What is 1+2?"}]
-    first = client.chat.completions.create(model="m", messages=messages, logprobs=True)
+    first = client.chat.completions.create(model=MODEL, messages=messages, logprobs=True)
     sampled_1 = first.choices[0].message.generation_token_ids  # type: ignore[attr-defined]
     assert sampled_1[-1] == tokenizer.eos_token_id
     assert [t.logprob for t in first.choices[0].logprobs.content] == pytest.approx(
@@ -190,18 +206,17 @@ def test_multi_turn_chat_records_the_sampled_ids(
         {"role": "assistant", "content": first.choices[0].message.content},
         {"role": "user", "content": "What is 1+2?"},
     ]
-    second = client.chat.completions.create(model="m", messages=messages)
-    # Sent back edited (a trailing space): spliced onto the sampled ids.
+    second = client.chat.completions.create(model=MODEL, messages=messages)
     messages += [
-        {"role": "assistant", "content": second.choices[0].message.content + " "},
+        {"role": "assistant", "content": second.choices[0].message.content},
         {"role": "user", "content": "What is 1+2?"},
     ]
-    third = client.chat.completions.create(model="m", messages=messages, max_tokens=3)
+    third = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3)
     assert third.choices[0].finish_reason == "length"
     assert len(third.choices[0].message.generation_token_ids) == 3  # type: ignore[attr-defined]
 
     trajectory = endpoint.close(["t3"])["t3"]
-    assert (trajectory.num_requests, trajectory.num_spliced, trajectory.num_restarts) == (3, 1, 0)
+    assert (trajectory.num_requests, trajectory.num_spliced, trajectory.num_restarts) == (3, 0, 0)
     turns = trajectory.turns
     for turn, response in zip(turns, (first, second, third), strict=True):
         message = response.choices[0].message
@@ -212,53 +227,198 @@ def test_multi_turn_chat_records_the_sampled_ids(
     assert turns[2].prompt_ids[: len(turns[1].ids)] == turns[1].ids
 
 
-def test_tool_calls_completions_and_refusals(tokenizer: Any) -> None:
-    endpoint, _ = start_endpoint(
-        tokenizer,
-        # The tiny template renders a tool result as a user turn of <tool_response> blocks.
-        lambda prompt: (
-            "6" if "<tool_response>6</tool_response>" in prompt or "<|user|>6" in prompt else TOOL_CALL
-        ),
-    )
+def test_a_tool_call_round_trip_trains_the_exact_tokens(tokenizer: Any) -> None:
+    endpoint, _ = start_endpoint(tokenizer, calculator_reply)
     try:
-        endpoint.open(["t4", "t5"])
+        endpoint.open(["t4"])
         client = client_for(endpoint, "t4")
-        tools = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
         messages: list[dict[str, Any]] = [{"role": "user", "content": "What is 2*3?"}]
-        reply = client.chat.completions.create(model="m", messages=messages, tools=tools)
-        choice = reply.choices[0]
-        assert choice.finish_reason == "tool_calls"
-        call = choice.message.tool_calls[0]
-        assert (call.function.name, call.function.arguments) == ("calculator", '{"expression": "2*3"}')
-        # The tiny template does not render tool calls: the re-rendered history drifts and is spliced.
-        messages += [
-            choice.message.model_dump(exclude_none=True),
-            {"role": "tool", "content": "6", "tool_call_id": call.id},
-        ]
-        assert (
-            client.chat.completions.create(model="m", messages=messages, tools=tools)
-            .choices[0]
-            .message.content
-            == "6"
+        first = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS)
+        choice = first.choices[0]
+        # The call the model wrote comes back as OpenAI tool_calls, parsed from the sampled tokens.
+        assert (choice.finish_reason, choice.message.content) == ("tool_calls", None)
+        (call,) = choice.message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == (
+            "calculator",
+            {"expression": "2*3"},
         )
-        with pytest.raises(openai.BadRequestError, match="temperature"):
-            client.chat.completions.create(model="m", messages=messages, temperature=0.5)
-        with pytest.raises(openai.BadRequestError, match="maximum context length"):
-            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x" * 200}])
+        messages += [
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": "6"},
+        ]
+        second = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS)
+        assert (second.choices[0].message.content, second.choices[0].finish_reason) == ("\\boxed{6}", "stop")
+        # tool_choice="none": the same tokens come back as text.
+        endpoint.open(["t5"])
+        text = client_for(endpoint, "t5").chat.completions.create(
+            model=MODEL, messages=messages[:1], tools=TOOLS, tool_choice="none"
+        )
+        assert text.choices[0].message.content.startswith("<tool_call>")  # type: ignore[union-attr]
+        trajectory = endpoint.close(["t4", "t5"])["t4"]
+    finally:
+        endpoint.stop()
+    # The tiny template does not render tool calls: the call sent back unchanged drifts and is spliced.
+    assert (trajectory.num_requests, trajectory.num_spliced, trajectory.num_restarts) == (2, 1, 0)
+    sent_1, sent_2 = first.choices[0].message, second.choices[0].message
+    first_ids = sent_1.prompt_token_ids + sent_1.generation_token_ids  # type: ignore[attr-defined]
+    # The tool message, rendered by the chat template, follows the sampled call (and its EOS) token for token.
+    tool_turn = tokenizer("<|user|><tool_response>6</tool_response><|assistant|>", add_special_tokens=False)
+    assert sent_2.prompt_token_ids == first_ids + tool_turn["input_ids"]  # type: ignore[attr-defined]
+    # The training row is exactly the ids the agent was sent, the sampled ones trained.
+    log = trajectory.message_log(tokenizer)
+    assert message_log_token_ids(log).tolist() == sent_2.prompt_token_ids + sent_2.generation_token_ids  # type: ignore[attr-defined]
+    trained = [t for m in log if m["role"] == "assistant" for t in m["token_ids"].tolist()]
+    assert trained == sent_1.generation_token_ids + sent_2.generation_token_ids  # type: ignore[attr-defined]
 
-        completions = client_for(endpoint, "t5").completions
+
+def test_edited_responses_restart_the_trajectory(tokenizer: Any) -> None:
+    endpoint, _ = start_endpoint(tokenizer, calculator_reply)
+    try:
+        endpoint.open(["t6", "t7"])
+        # A substituted tool call: the agent sends back other arguments than the model wrote.
+        client = client_for(endpoint, "t6")
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "What is 2*3?"}]
+        call = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS).choices[0].message
+        substituted = call.tool_calls[0].model_dump()  # type: ignore[index]
+        substituted["function"]["arguments"] = json.dumps({"expression": "2*4"})
+        messages += [
+            {"role": "assistant", "content": None, "tool_calls": [substituted]},
+            {"role": "tool", "tool_call_id": substituted["id"], "content": "8"},
+        ]
+        after_call = (
+            client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS).choices[0].message
+        )
+        # An edited answer: the agent sends back "\\boxed{7}" where the model wrote "\\boxed{8}".
+        messages += [
+            {"role": "assistant", "content": "\\boxed{7}"},
+            {"role": "user", "content": "What is 3*3?"},
+        ]
+        after_edit = (
+            client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS).choices[0].message
+        )
+        # The same conversation sent back as returned continues the trajectory.
+        unchanged = client_for(endpoint, "t7")
+        kept = [{"role": "user", "content": "What is 2*3?"}]
+        reply = unchanged.chat.completions.create(model=MODEL, messages=kept, tools=TOOLS).choices[0].message
+        kept += [
+            {"role": "assistant", "content": reply.content, "tool_calls": [reply.tool_calls[0].model_dump()]},  # type: ignore[index]
+            {"role": "tool", "tool_call_id": reply.tool_calls[0].id, "content": "6"},  # type: ignore[index]
+        ]
+        unchanged.chat.completions.create(model=MODEL, messages=kept, tools=TOOLS)
+        recorded = endpoint.close(["t6", "t7"])
+    finally:
+        endpoint.stop()
+    edited = recorded["t6"]
+    counts = (edited.num_requests, edited.num_restarts, edited.num_dropped_turns, edited.num_spliced)
+    assert counts == (3, 2, 2, 0)
+    # The model is shown what the agent sent (its own tokens never stand in for the edit), and only the last
+    # stretch trains.
+    rendered = tokenizer.apply_chat_template(
+        normalise_chat_messages(messages), tools=TOOLS, tokenize=False, add_generation_prompt=True
+    )
+    assert after_edit.prompt_token_ids == tokenizer(rendered, add_special_tokens=False)["input_ids"]  # type: ignore[attr-defined]
+    # (The tiny template does not render tool calls: the substituted call shows as an empty response, and the
+    # call the model sampled is not put in its place.)
+    assert "<tool_call>" not in tokenizer.decode(after_call.prompt_token_ids)  # type: ignore[attr-defined]
+    assert [turn.prompt_ids for turn in edited.turns] == [after_edit.prompt_token_ids]  # type: ignore[attr-defined]
+    assert (recorded["t7"].num_requests, recorded["t7"].num_restarts, len(recorded["t7"].turns)) == (2, 0, 2)
+
+
+def error_of(request: Callable[[], Any]) -> Any:
+    """The ``openai`` exception ``request`` raises, checked to carry an OpenAI error body."""
+    with pytest.raises(openai.APIStatusError) as raised:
+        request()
+    assert set(raised.value.body) == {"message", "type", "param", "code"}
+    return raised.value
+
+
+def test_unknown_models_and_malformed_requests_get_openai_errors(
+    served: tuple[AgentEndpoint, ScriptedGeneration],
+) -> None:
+    endpoint, _ = served
+    endpoint.open(["t8"])
+    client = client_for(endpoint, "t8")
+    create = client.chat.completions.create
+    question = [{"role": "user", "content": "What is 1+2?"}]
+    unknown = error_of(lambda: create(model="gpt-4o", messages=question))
+    assert isinstance(unknown, openai.NotFoundError)
+    assert (unknown.code, unknown.param, unknown.type) == (
+        "model_not_found",
+        "model",
+        "invalid_request_error",
+    )
+    assert "gpt-4o" in unknown.message and MODEL in unknown.message
+    refused = {
+        "max_tokens": (lambda: create(model=MODEL, messages=question, max_tokens="many"), "invalid_type"),  # type: ignore[arg-type]
+        "max_tokens ": (lambda: create(model=MODEL, messages=question, max_tokens=0), "invalid_value"),
+        "messages": (lambda: create(model=MODEL, messages="hi"), "invalid_type"),  # type: ignore[arg-type]
+        "messages[1]": (lambda: create(model=MODEL, messages=[*question, "hi"]), "invalid_type"),  # type: ignore[list-item]
+        "messages[0].role": (lambda: create(model=MODEL, messages=[{"content": "hi"}]), "invalid_value"),  # type: ignore[list-item,typeddict-item]
+        "stop": (lambda: create(model=MODEL, messages=question, stop=5), "invalid_type"),  # type: ignore[arg-type]
+        "temperature": (lambda: create(model=MODEL, messages=question, temperature=0.3), "invalid_value"),
+        "model ": (
+            lambda: client.post("/chat/completions", body={"messages": question}, cast_to=object),
+            "missing_required_parameter",
+        ),
+        "messages ": (
+            lambda: client.post("/chat/completions", body={"model": MODEL}, cast_to=object),
+            "missing_required_parameter",
+        ),
+    }
+    for param, (request, code) in refused.items():
+        err = error_of(request)
+        assert isinstance(err, openai.BadRequestError), param
+        assert (err.param, err.code, err.type) == (param.strip(), code, "invalid_request_error"), param
+    # Routes and methods the endpoint does not serve.
+    route = error_of(lambda: client.embeddings.create(model=MODEL, input="x"))
+    assert (route.status_code, route.param) == (404, None) and "Invalid URL (POST" in route.message
+    method = error_of(lambda: client.get("/chat/completions", cast_to=object))
+    assert method.status_code == 405 and "GET" in method.message
+    # A body that is not JSON: answered in the same format, and only to a caller holding the token.
+    url = f"{endpoint.base_url('t8')}/chat/completions"
+    headers = {"Content-Type": "application/json"}
+    bad_json = httpx.post(
+        url, content=b"{not json", headers={**headers, "Authorization": f"Bearer {endpoint.token}"}
+    )
+    assert bad_json.status_code == 400
+    assert (
+        bad_json.json()["error"]["type"] == "invalid_request_error"
+        and "JSON" in bad_json.json()["error"]["message"]
+    )
+    for anonymous in (
+        httpx.post(url, content=b"{not json", headers=headers),
+        httpx.post(f"{endpoint.base_url('t8')}/embeddings", json={}),
+    ):
+        assert anonymous.status_code == 401 and anonymous.json()["error"]["code"] == "invalid_api_key"
+    assert endpoint.close(["t8"])["t8"].num_requests == 0  # nothing was sampled
+
+
+def test_completions_and_the_context_length(tokenizer: Any) -> None:
+    endpoint, _ = start_endpoint(tokenizer, lambda prompt: "6")
+    try:
+        endpoint.open(["t9", "t10"])
+        too_long = error_of(
+            lambda: client_for(endpoint, "t9").chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "x" * 200}]
+            )
+        )
+        assert (too_long.status_code, too_long.code, too_long.param) == (
+            400,
+            "context_length_exceeded",
+            "messages",
+        )
+
+        completions = client_for(endpoint, "t10").completions
         prompt = "<|bos|><|user|>6<|assistant|>"
-        first = completions.create(model="m", prompt=prompt)
+        first = completions.create(model=MODEL, prompt=prompt)
         assert first.choices[0].text == "6"
         # The full text with its EOS re-encodes to the recorded ids; the returned text alone is spliced.
-        exact = completions.create(model="m", prompt=prompt + "6<|eos|><|user|>6<|assistant|>")
+        exact = completions.create(model=MODEL, prompt=prompt + "6<|eos|><|user|>6<|assistant|>")
         spliced = completions.create(
-            model="m", prompt=prompt + "6<|eos|><|user|>6<|assistant|>6<|user|>6<|assistant|>"
+            model=MODEL, prompt=prompt + "6<|eos|><|user|>6<|assistant|>6<|user|>6<|assistant|>"
         )
-        recorded = endpoint.close(["t4", "t5"])
-        assert (recorded["t4"].num_requests, recorded["t4"].num_spliced) == (2, 1)
-        t5 = recorded["t5"]
-        assert (t5.num_requests, t5.num_spliced, t5.num_restarts) == (3, 1, 0)
+        t10 = endpoint.close(["t9", "t10"])["t10"]
+        assert (t10.num_requests, t10.num_spliced, t10.num_restarts) == (3, 1, 0)
         for earlier, later in ((first, exact), (exact, spliced)):
             ids = earlier.choices[0].prompt_token_ids + earlier.choices[0].generation_token_ids  # type: ignore[attr-defined]
             assert later.choices[0].prompt_token_ids[: len(ids)] == ids  # type: ignore[attr-defined]
@@ -302,22 +462,25 @@ def recording_agent(task: AgentTask) -> float:
         return response
 
     client.chat.completions.create = recording_create  # type: ignore[method-assign]
-    return solve(client, task.messages, task.extra_env_info["ground_truth"])  # type: ignore[call-arg]
+    return solve(client, task.model, task.messages, task.extra_env_info["ground_truth"])  # type: ignore[call-arg]
 
 
 def test_function_agents_roll_out_and_train_on_the_recorded_tokens(tokenizer: Any) -> None:
     SEEN.clear()
-    endpoint, generation = start_endpoint(tokenizer, arithmetic_reply, batch_wait_s=10.0)
+    endpoint, generation = start_endpoint(tokenizer, calculator_reply, batch_wait_s=10.0)
     try:
-        batch = prompt_batch(tokenizer, [("What is 1+2?", "3"), ("What is 2+2?", "7"), ("What is 4+4?", "8")])
+        batch = prompt_batch(
+            tokenizer, [("What is 2*3?", "6"), ("What is 3*4?", "13"), ("What is 4*5?", "20")]
+        )
         cfg = AgentConfig(enabled=True, function=f"{__name__}:recording_agent")
         rollout, metrics = run_agent_rollout(endpoint, batch, tokenizer, cfg)
     finally:
         endpoint.stop()
-    # The scripted model answers wrongly first, rightly when asked again: 0.5 for right answers.
-    assert rollout["total_reward"].tolist() == [0.5, 0.0, 0.5]
+    # The scripted model calls the calculator and boxes its value (the second ground truth is wrong).
+    assert rollout["total_reward"].tolist() == [1.0, 0.0, 1.0]
     assert rollout["num_turns"].tolist() == [2, 2, 2]
     assert metrics["agent/requests"] == 6.0 and metrics["agent/failed"] == 0.0
+    assert metrics["agent/restarts"] == 0.0
     # Concurrent agents' requests are sampled together, without waiting out batch_wait_s once all are queued.
     assert generation.batch_sizes == [3, 3]
 
@@ -335,9 +498,9 @@ def test_function_agents_roll_out_and_train_on_the_recorded_tokens(tokenizer: An
 
 
 def test_program_agents_get_the_endpoint_from_their_environment(tokenizer: Any) -> None:
-    endpoint, _ = start_endpoint(tokenizer, arithmetic_reply)
+    endpoint, _ = start_endpoint(tokenizer, calculator_reply)
     try:
-        batch = prompt_batch(tokenizer, [("What is 1+2?", "3"), ("What is 3+3?", "6")])
+        batch = prompt_batch(tokenizer, [("What is 2*3?", "6"), ("What is 3*3?", "9")])
         cfg = AgentConfig(enabled=True, command=[sys.executable, str(AGENT_FILE)], timeout_s=60)
         rollout, metrics = run_agent_rollout(endpoint, batch, tokenizer, cfg)
         failing = AgentConfig(
@@ -346,7 +509,7 @@ def test_program_agents_get_the_endpoint_from_their_environment(tokenizer: Any) 
         failed, failed_metrics = run_agent_rollout(endpoint, batch, tokenizer, failing)
     finally:
         endpoint.stop()
-    assert rollout["total_reward"].tolist() == [0.5, 0.5]
+    assert rollout["total_reward"].tolist() == [1.0, 1.0]
     assert rollout["loss_multiplier"].tolist() == [1.0, 1.0]
     assert metrics["agent/requests"] == 4.0
     # A failed agent: reward 0, not trained on, its prompt and an empty response as the row.

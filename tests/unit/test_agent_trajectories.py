@@ -1,5 +1,6 @@
 """The agent endpoint's bookkeeping without a server: how each request's prompt continues its trajectory's
-ids (exact, spliced after re-tokenisation drift, restarted after rewritten history), the trajectory as a
+ids (exact, spliced after the template's drift, restarted after rewritten history or an edited or
+substituted response), the trajectory as a
 training message log, the OpenAI request checks and response parts, rewards printed by agent programs, and
 the ``grpo.agent`` config checks."""
 
@@ -25,8 +26,10 @@ from nemo_rl.data.prompt_messages import PROMPT_MESSAGES_KEY, KeepPromptMessages
 from nemo_rl.experience.agent_openai import (
     ChatCompletionRequest,
     CompletionRequest,
-    request_problem,
+    EndpointError,
+    check_request,
     split_tool_calls,
+    validation_error,
 )
 from nemo_rl.experience.agent_rollouts import (
     AgentTask,
@@ -36,6 +39,7 @@ from nemo_rl.experience.agent_rollouts import (
     run_program,
 )
 from nemo_rl.experience.agent_trajectories import (
+    AssistantReply,
     SampledTurn,
     Trajectory,
     chat_prompt,
@@ -47,6 +51,8 @@ from nemo_rl.models.tokenizer import get_policy_tokenizer
 ROOT = Path(__file__).resolve().parents[2]
 TINY_MODEL = ROOT / "examples" / "assets" / "tiny_qwen2_init"
 QUESTION = {"role": "user", "content": "What is 1+2?"}
+AGAIN = {"role": "user", "content": "Again?"}
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "2*3"}}</tool_call>'
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +69,10 @@ def encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def first_turn(tokenizer: Any, reply: str, *, stopped: bool = True) -> SampledTurn:
+def first_turn(
+    tokenizer: Any, reply: str, *, stopped: bool = True, returned: AssistantReply | None = None
+) -> SampledTurn:
+    """The first turn of a trajectory, which sampled ``reply`` and returned it as ``returned`` (its text)."""
     prompt = render(tokenizer, [QUESTION], generation_prompt=True)
     sampled = encode(tokenizer, reply) + ([tokenizer.eos_token_id] if stopped else [])
     return SampledTurn(
@@ -72,13 +81,19 @@ def first_turn(tokenizer: Any, reply: str, *, stopped: bool = True) -> SampledTu
         logprobs=[-0.1 * (k + 1) for k in range(len(sampled))],
         rendered_ids=prompt,
         num_messages=1,
+        reply=returned or AssistantReply(content=reply),
         truncated=not stopped,
     )
 
 
-def second_request(tokenizer: Any, sent_back: str) -> tuple[list[int], list[int]]:
-    messages = [QUESTION, {"role": "assistant", "content": sent_back}, {"role": "user", "content": "Again?"}]
+def request_after(
+    tokenizer: Any, sent_back: dict[str, Any], *then: dict[str, Any]
+) -> tuple[list[dict[str, Any]], list[int], list[int]]:
+    """A second request, which sends ``sent_back`` as the first response: its messages, their rendering, and the
+    rendering of the history up to the response."""
+    messages = normalise_chat_messages([QUESTION, {"role": "assistant", **sent_back}, *(then or (AGAIN,))])
     return (
+        messages,
         render(tokenizer, messages, generation_prompt=True),
         render(tokenizer, messages[:2], generation_prompt=False),
     )
@@ -86,31 +101,88 @@ def second_request(tokenizer: Any, sent_back: str) -> tuple[list[int], list[int]
 
 def test_first_and_exact_continuations_use_the_rendering(tokenizer: Any) -> None:
     turn = first_turn(tokenizer, "1+2=\\boxed{3}")
-    assert chat_prompt(None, turn.prompt_ids, None, {tokenizer.eos_token_id}) == (turn.prompt_ids, "first")
-    rendered, history = second_request(tokenizer, "1+2=\\boxed{3}")
-    prompt, how = chat_prompt(turn, rendered, history, {tokenizer.eos_token_id})
+    stops = {tokenizer.eos_token_id}
+    assert chat_prompt([], [QUESTION], turn.prompt_ids, None, stops) == (turn.prompt_ids, "first")
+    messages, rendered, history = request_after(tokenizer, {"content": "1+2=\\boxed{3}"})
+    prompt, how = chat_prompt([turn], messages, rendered, history, stops)
     assert how == "exact"
     assert prompt == rendered
     assert prompt[: len(turn.ids)] == turn.ids
 
 
-def test_drifted_response_is_spliced_onto_the_sampled_ids(tokenizer: Any) -> None:
-    turn = first_turn(tokenizer, "1+2=\\boxed{3}")
-    # The agent sends the response back reformatted (a trailing space): its rendering no longer holds the ids.
-    rendered, history = second_request(tokenizer, "1+2=\\boxed{3} ")
+def test_tool_calls_sent_back_unchanged_are_spliced_onto_the_sampled_ids(tokenizer: Any) -> None:
+    returned = AssistantReply.of(
+        {
+            "content": None,
+            "tool_calls": [{"function": {"name": "calculator", "arguments": '{"expression": "2*3"}'}}],
+        }
+    )
+    turn = first_turn(tokenizer, CALL, returned=returned)
+    # The agent sends the call back as returned (its own id, the JSON re-spaced); the tiny template does not
+    # render tool calls, so the history no longer holds the sampled ids: drift, not an edit.
+    sent_back = {
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "calculator", "arguments": '{"expression":"2*3"}'},
+            }
+        ],
+    }
+    messages, rendered, history = request_after(
+        tokenizer, sent_back, {"role": "tool", "tool_call_id": "call_1", "content": "6"}
+    )
     assert rendered[: len(turn.ids)] != turn.ids
-    prompt, how = chat_prompt(turn, rendered, history, {tokenizer.eos_token_id})
+    prompt, how = chat_prompt([turn], messages, rendered, history, {tokenizer.eos_token_id})
     assert how == "spliced"
-    # The sampled ids are kept, the sampled EOS stands for the template's, and the new turn follows.
-    assert prompt == turn.ids + encode(tokenizer, "<|user|>Again?<|assistant|>")
+    # The sampled ids are kept, the sampled EOS stands for the template's, and the tool result follows.
+    assert prompt == turn.ids + encode(tokenizer, "<|user|><tool_response>6</tool_response><|assistant|>")
 
 
-def test_response_cut_by_its_budget_gets_the_templates_end_of_turn(tokenizer: Any) -> None:
+def test_edited_or_substituted_responses_restart_the_trajectory(tokenizer: Any) -> None:
+    stops = {tokenizer.eos_token_id}
+    turn = first_turn(tokenizer, "1+2=\\boxed{3}")
+    call = {"id": "c", "type": "function", "function": {"name": "calculator", "arguments": "{}"}}
+    for sent_back in (
+        {"content": "1+2=\\boxed{3} "},  # a trailing space: the text is not what was sampled
+        {"content": "1+2=\\boxed{4}"},  # a substituted answer
+        {"content": "1+2=\\boxed{3}", "tool_calls": [call]},  # a call the model never made
+    ):
+        messages, rendered, history = request_after(tokenizer, sent_back)
+        assert chat_prompt([turn], messages, rendered, history, stops) == (rendered, "restarted"), sent_back
+    # A substituted tool call (other arguments), and a call dropped from the response.
+    called = first_turn(
+        tokenizer,
+        CALL,
+        returned=AssistantReply.of(
+            {
+                "content": None,
+                "tool_calls": [{"function": {"name": "calculator", "arguments": '{"expression": "2*3"}'}}],
+            }
+        ),
+    )
+    other = {
+        "id": "c",
+        "type": "function",
+        "function": {"name": "calculator", "arguments": '{"expression": "2*4"}'},
+    }
+    for sent_back in ({"content": None, "tool_calls": [other]}, {"content": None}):
+        messages, rendered, history = request_after(tokenizer, sent_back)
+        assert chat_prompt([called], messages, rendered, history, stops) == (rendered, "restarted"), sent_back
+
+
+def test_response_cut_by_its_budget_continues_exactly_when_sent_back(tokenizer: Any) -> None:
     turn = first_turn(tokenizer, "1+2=\\box", stopped=False)
-    rendered, history = second_request(tokenizer, "1+2=\\bo")  # the agent trimmed the cut response
-    prompt, how = chat_prompt(turn, rendered, history, {tokenizer.eos_token_id})
-    assert how == "spliced"
-    assert prompt == [*turn.ids, tokenizer.eos_token_id, *encode(tokenizer, "<|user|>Again?<|assistant|>")]
+    stops = {tokenizer.eos_token_id}
+    messages, rendered, history = request_after(tokenizer, {"content": "1+2=\\box"})
+    prompt, how = chat_prompt([turn], messages, rendered, history, stops)
+    # The template's end-of-turn token closes the cut response as context, after the sampled ids.
+    assert (how, prompt) == ("exact", rendered)
+    assert rendered == [*turn.ids, tokenizer.eos_token_id, *encode(tokenizer, "<|user|>Again?<|assistant|>")]
+    # Trimmed by the agent: an edit.
+    messages, rendered, history = request_after(tokenizer, {"content": "1+2=\\bo"})
+    assert chat_prompt([turn], messages, rendered, history, stops) == (rendered, "restarted")
 
 
 def test_rewritten_history_restarts_the_trajectory(tokenizer: Any) -> None:
@@ -118,13 +190,29 @@ def test_rewritten_history_restarts_the_trajectory(tokenizer: Any) -> None:
     messages = [
         {"role": "user", "content": "What is 2+2?"},  # an earlier message edited
         {"role": "assistant", "content": "1+2=\\boxed{3}"},
-        {"role": "user", "content": "Again?"},
+        AGAIN,
     ]
     rendered = render(tokenizer, messages, generation_prompt=True)
     history = render(tokenizer, messages[:2], generation_prompt=False)
-    assert chat_prompt(turn, rendered, history, {tokenizer.eos_token_id}) == (rendered, "restarted")
+    stops = {tokenizer.eos_token_id}
+    assert chat_prompt([turn], messages, rendered, history, stops) == (rendered, "restarted")
     # No assistant message where the previous response belongs: nothing to splice onto either.
-    assert chat_prompt(turn, rendered, None, {tokenizer.eos_token_id}) == (rendered, "restarted")
+    assert chat_prompt([turn], messages[:1] + messages[2:], rendered, None, stops) == (rendered, "restarted")
+    # An earlier response (not the last) edited: the last one sent back unchanged does not save it.
+    messages, rendered, history = request_after(tokenizer, {"content": "1+2=\\boxed{3}"})
+    second = SampledTurn(
+        rendered,
+        [5, tokenizer.eos_token_id],
+        [-1.0, -1.0],
+        rendered,
+        num_messages=3,
+        reply=AssistantReply(content=tokenizer.decode([5])),
+    )
+    edited = [dict(m) for m in messages] + [{"role": "assistant", "content": second.reply.content}, AGAIN]  # type: ignore[union-attr]
+    edited[1]["content"] = "1+2=\\boxed{4}"
+    rendered = render(tokenizer, edited, generation_prompt=True)
+    history = render(tokenizer, edited[:4], generation_prompt=False)
+    assert chat_prompt([turn, second], edited, rendered, history, stops) == (rendered, "restarted")
 
 
 def test_completion_prompts_keep_the_sampled_ids() -> None:
@@ -150,11 +238,21 @@ def test_completion_prompts_keep_the_sampled_ids() -> None:
 
 def test_trajectory_trains_exactly_the_sampled_tokens(tokenizer: Any) -> None:
     trajectory = Trajectory()
-    first = first_turn(tokenizer, "1+2=\\boxed{4}")
+    returned = AssistantReply.of(
+        {
+            "content": None,
+            "tool_calls": [{"function": {"name": "calculator", "arguments": '{"expression": "2*3"}'}}],
+        }
+    )
+    first = first_turn(tokenizer, CALL, returned=returned)
     trajectory.add(first, "first")
-    rendered, history = second_request(tokenizer, "1+2=\\boxed{4} ")
-    prompt, how = chat_prompt(first, rendered, history, {tokenizer.eos_token_id})
-    sampled = [*encode(tokenizer, "1+2=\\boxed{3}"), tokenizer.eos_token_id]
+    sent_back = {
+        "content": None,
+        "tool_calls": [{"function": {"name": "calculator", "arguments": '{"expression": "2*3"}'}}],
+    }
+    messages, rendered, history = request_after(tokenizer, sent_back, {"role": "tool", "content": "6"})
+    prompt, how = chat_prompt(trajectory.turns, messages, rendered, history, {tokenizer.eos_token_id})
+    sampled = [*encode(tokenizer, "\\boxed{6}"), tokenizer.eos_token_id]
     second = SampledTurn(prompt, sampled, [-0.5] * len(sampled), rendered, num_messages=3)
     trajectory.add(second, how)
     assert (trajectory.num_requests, trajectory.num_spliced, trajectory.num_restarts) == (2, 1, 0)
@@ -196,20 +294,51 @@ def test_tool_call_arguments_are_rendered_as_objects() -> None:
 def test_requests_that_would_sample_off_policy_are_refused() -> None:
     sampling = GenerationConfig(temperature=0.7, top_p=0.9)
     chat = [{"role": "user", "content": "hi"}]
-    assert request_problem(ChatCompletionRequest(messages=chat, temperature=0.7, top_p=0.9), sampling) is None
-    assert request_problem(ChatCompletionRequest(messages=chat, top_k=-1), sampling) is None
-    problems = {
-        "temperature=1.0": ChatCompletionRequest(messages=chat, temperature=1.0),
-        "top_p=1.0": ChatCompletionRequest(messages=chat, top_p=1.0),
-        "top_k=5": ChatCompletionRequest(messages=chat, top_k=5),
-        "n=2": ChatCompletionRequest(messages=chat, n=2),
-        "stream=true": ChatCompletionRequest(messages=chat, stream=True),
-        "messages is empty": ChatCompletionRequest(messages=[]),
-        "several texts": CompletionRequest(prompt=["a", "b"]),
-        "echo=true": CompletionRequest(prompt="a", echo=True),
+    check_request(ChatCompletionRequest(model="m", messages=chat, temperature=0.7, top_p=0.9), sampling, "m")
+    check_request(ChatCompletionRequest(model="m", messages=chat, top_k=-1), sampling, "m")
+    problems: dict[str, tuple[str, dict[str, Any]]] = {
+        "temperature=1.0": ("temperature", {"messages": chat, "temperature": 1.0}),
+        "top_p=1.0": ("top_p", {"messages": chat, "top_p": 1.0}),
+        "top_k=5": ("top_k", {"messages": chat, "top_k": 5}),
+        "n=2": ("n", {"messages": chat, "n": 2}),
+        "stream=true": ("stream", {"messages": chat, "stream": True}),
+        "messages is empty": ("messages", {"messages": []}),
+        "messages[1].role is 'robot'": ("messages[1].role", {"messages": [*chat, {"role": "robot"}]}),
+        "several texts": ("prompt", {"prompt": ["a", "b"]}),
+        "echo=true": ("echo", {"prompt": "a", "echo": True}),
     }
-    for expected, request in problems.items():
-        assert expected in (request_problem(request, sampling) or ""), expected
+    for expected, (param, fields) in problems.items():
+        kind = ChatCompletionRequest if "messages" in fields else CompletionRequest
+        with pytest.raises(EndpointError, match=expected.replace("[", r"\[").replace("]", r"\]")) as refused:
+            check_request(kind(model="m", **fields), sampling, "m")
+        assert (refused.value.status, refused.value.param) == (400, param), expected
+    with pytest.raises(EndpointError) as unknown:
+        check_request(ChatCompletionRequest(model="gpt-4o", messages=chat), sampling, "m")
+    assert unknown.value.body() == {
+        "error": {
+            "message": str(unknown.value),
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+    }
+    assert unknown.value.status == 404
+
+
+def test_validation_errors_name_the_field() -> None:
+    cases = {
+        ("missing", ("body", "messages")): ("messages", "missing_required_parameter"),
+        ("int_parsing", ("body", "max_tokens")): ("max_tokens", "invalid_type"),
+        ("greater_than_equal", ("body", "max_tokens")): ("max_tokens", "invalid_value"),
+        ("dict_type", ("body", "messages", 2)): ("messages[2]", "invalid_type"),
+        ("string_type", ("body", "stop", "str")): ("stop", "invalid_type"),  # a union member's tag
+        ("list_type", ("body", "prompt", "list[int]", 0)): ("prompt", "invalid_type"),
+        ("json_invalid", ("body", 12)): (None, None),
+        ("model_attributes_type", ("body",)): (None, None),
+    }
+    for (kind, loc), (param, code) in cases.items():
+        err = validation_error([{"type": kind, "loc": loc, "msg": "bad"}])
+        assert (err.status, err.param, err.code) == (400, param, code), (kind, loc)
 
 
 def test_tool_calls_are_split_from_the_content() -> None:
@@ -235,7 +364,7 @@ def test_rewards_printed_by_agent_programs() -> None:
 
 
 def test_agent_functions_load_from_modules_and_files(tmp_path: Path) -> None:
-    fn = load_agent_function(f"{ROOT / 'examples' / 'agents' / 'tiny_math_agent.py'}:agent")
+    fn = load_agent_function(f"{ROOT / 'examples' / 'agents' / 'tiny_calculator_agent.py'}:agent")
     assert callable(fn)
     assert load_agent_function("json:dumps") is not None
     with pytest.raises(UserError, match="cannot be loaded"):
@@ -260,7 +389,7 @@ def test_agent_config_checks() -> None:
 
 def _task() -> AgentTask:
     return AgentTask(
-        "t", "http://127.0.0.1:1/sessions/t/v1", "secret", [QUESTION], {"ground_truth": "3"}, "math"
+        "t", "http://127.0.0.1:1/sessions/t/v1", "secret", [QUESTION], {"ground_truth": "3"}, "math", "tiny"
     )
 
 

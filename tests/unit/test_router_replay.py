@@ -20,7 +20,8 @@ from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.experience.rollout_tokens import RolloutTokens
 from nemo_rl.experience.train_batch import build_train_batch
 from nemo_rl.models.generation.embedded.engine import EmbeddedEngine, SamplingParams
-from nemo_rl.models.generation.embedded.model import DecoderArch, DecoderLM
+from nemo_rl.models.generation.embedded.model import DecoderLM
+from nemo_rl.models.hf_decoder import decoder_arch
 from nemo_rl.models.policy.moe import RouterRecorder, replay_rows
 from nemo_rl.models.policy.utils import PackedRows
 
@@ -28,7 +29,7 @@ PAD = 0
 
 
 def engine_for(hf: PreTrainedModel, dtype: torch.dtype) -> EmbeddedEngine:
-    model = DecoderLM(DecoderArch.from_hf_config(hf.config), dtype=dtype)
+    model = DecoderLM(decoder_arch(hf.config), dtype=dtype)
     model.load_weights(hf.state_dict().items())
     engine = EmbeddedEngine(model, pad_token_id=PAD, max_sequence_length=64, decode_fn=None)
     engine.record_routing = True

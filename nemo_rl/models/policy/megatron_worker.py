@@ -55,7 +55,7 @@ from nemo_rl.distributed.device import (
 )
 from nemo_rl.models.dtypes import PRECISION_DTYPES
 from nemo_rl.models.hf_config import load_hf_config
-from nemo_rl.models.hf_decoder import DecoderArch, SafetensorsReader, resolve_checkpoint_dir
+from nemo_rl.models.hf_decoder import SafetensorsReader, decoder_arch, resolve_checkpoint_dir
 from nemo_rl.models.lora import adapter_state, adapters_disabled, check_checkpoint_kind, write_lora_metadata
 from nemo_rl.models.megatron import checkpoint, cpu_compat, setup
 from nemo_rl.models.megatron.families import family_for
@@ -127,7 +127,7 @@ class MegatronPolicyWorker(PolicyWorkerBase):
                 f"policy.megatron_cfg.converter_type={megatron.converter_type!r} but {cfg.model_name} is a "
                 f"{architectures}: set converter_type to the checkpoint's architecture (or null)"
             )
-        self.arch = DecoderArch.from_hf_config(self.hf_config)
+        self.arch = decoder_arch(self.hf_config)
         self.family = family_for(self.arch)
         setup.check_divisibility(self.arch, megatron)
         self.checkpoint_dir = resolve_checkpoint_dir(cfg.model_name)
