@@ -1,0 +1,225 @@
+"""A code problem's unit tests, split so that the solution never decides whether it passed.
+
+A test is an ``assert`` statement (the data's format, ``"assert add(1, 2) == 3"``). It is split, in the
+trusted process, into the part the solution computes (``add(1, 2)``) and the check against a literal
+(``== 3``). The sandbox receives only the computed parts: it evaluates each one after loading the solution
+and prints the value as *plain data* (``None``, ``bool``, ``int``, ``float``, ``str``, ``bytes`` and lists,
+tuples, sets, frozensets and dicts of those, by exact type; anything else, such as an object whose ``__eq__``
+always says yes, is refused). The trusted process decodes those values into fresh builtin objects and applies
+the check itself. So the expected values never enter the solution's process, a forged line can only claim a
+value (which is what an honest function returns anyway), and a test passes only when its value satisfies the
+check. The accepted forms (:func:`parse_test`):
+
+- ``assert <expr> <op> <literal>`` or ``assert <literal> <op> <expr>``, ``<op>`` one of ``==``, ``!=``, ``is``,
+  ``is not``, ``<``, ``<=``, ``>``, ``>=``, ``in``, ``not in`` and ``<literal>`` a Python literal (numbers,
+  strings, bytes, ``None``, ``True``, ``False`` and containers of them, a leading ``-`` allowed);
+- ``assert <expr>`` (passes when the value is truthy) and ``assert not <expr>``.
+
+``is`` compares type and value (``x is True`` needs a ``bool``), as an identity check of those literals does.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+RESULT_MARK = "@@nemo_rl_value"
+"""Starts each line on which the harness reports a computed value: ``<mark> <index> <encoded value>``."""
+
+_HARNESS_BODY = """\
+import json, sys
+def _plain(value):
+    kind = type(value)
+    if value is None or kind in (bool, str):
+        return value
+    if kind is int:
+        return ["int", str(value)]
+    if kind is float:
+        return ["float", repr(value)]
+    if kind is bytes:
+        return ["bytes", value.hex()]
+    if kind in (list, tuple, set, frozenset):
+        return [kind.__name__, [_plain(item) for item in value]]
+    if kind is dict:
+        return ["dict", [[_plain(k), _plain(v)] for k, v in value.items()]]
+    raise TypeError(f"{kind.__module__}.{kind.__qualname__} is not plain data")
+def _report(index, encoded):
+    sys.__stdout__.write(f"\\n{_MARK} {index} {encoded}\\n")
+    sys.__stdout__.flush()
+def _run():
+    spec = json.loads(open("tests.json").read())
+    namespace = {"__name__": "solution"}
+    exec(compile(spec["setup"] + "\\n" + open("solution.py").read(), "solution.py", "exec"), namespace)
+    for index, expression in enumerate(spec["expressions"]):
+        try:
+            encoded = json.dumps(_plain(eval(compile(expression, "test", "eval"), namespace)))
+        except BaseException as err:
+            print(f"test {index} failed: {type(err).__name__}: {err}", file=sys.stderr)
+            continue
+        _report(index, encoded)
+_run()
+"""
+HARNESS = f"_MARK = {RESULT_MARK!r}\n" + _HARNESS_BODY
+"""Runs as ``main.py`` in the sandbox beside ``solution.py`` and ``tests.json`` (the setup and the expressions
+to evaluate, never the expected values). Nothing in it is trusted: the solution may replace any of it."""
+
+
+def _is(value: Any, expected: Any) -> bool:
+    return type(value) is type(expected) and value == expected
+
+
+_CHECKS: dict[type[ast.cmpop], Callable[[Any, Any], bool]] = {
+    ast.Eq: operator.eq,
+    ast.NotEq: operator.ne,
+    ast.Is: _is,
+    ast.IsNot: lambda a, b: not _is(a, b),
+    ast.Lt: operator.lt,
+    ast.LtE: operator.le,
+    ast.Gt: operator.gt,
+    ast.GtE: operator.ge,
+    ast.In: lambda a, b: a in b,
+    ast.NotIn: lambda a, b: a not in b,
+}
+
+
+@dataclass(frozen=True)
+class UnitTest:
+    """One test: an expression the solution's process evaluates, and the check the trusted side applies."""
+
+    source: str
+    """The statement as the data wrote it."""
+
+    expression: str
+    """What the sandbox evaluates (the solution's part of the statement)."""
+
+    op: str
+    """``truthy``, ``falsy`` or the comparison's ``ast`` name (``Eq``, ``In``...)."""
+
+    literal: Any = None
+    """The other operand of a comparison (a plain Python value)."""
+
+    value_on_left: bool = True
+    """The computed value is the comparison's left operand."""
+
+    def passes(self, value: Any) -> bool:
+        """Whether ``value`` (plain data decoded by :func:`decode_value`) satisfies the check."""
+        if self.op == "truthy":
+            return bool(value)
+        if self.op == "falsy":
+            return not value
+        check = _CHECKS[getattr(ast, self.op)]
+        left, right = (value, self.literal) if self.value_on_left else (self.literal, value)
+        try:
+            return bool(check(left, right))
+        except TypeError:  # an order or membership between unrelated types: the assert would have raised
+            return False
+
+
+def _literal(node: ast.expr) -> tuple[bool, Any]:
+    try:
+        return True, ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return False, None
+
+
+def parse_test(statement: str) -> UnitTest:
+    """Split an ``assert`` statement into its computed part and its check (the module docstring's forms).
+
+    Raises:
+        ValueError: the statement is not one ``assert`` of those forms.
+    """
+    try:
+        body = ast.parse(statement).body
+    except SyntaxError as err:
+        raise ValueError(f"a code test does not parse: {statement!r} ({err.msg})") from None
+    if len(body) != 1 or not isinstance(body[0], ast.Assert):
+        raise ValueError(f"a code test must be one assert statement, got {statement!r}")
+    test = body[0].test
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        return UnitTest(statement, ast.unparse(test.operand), "falsy")
+    if not isinstance(test, ast.Compare):
+        return UnitTest(statement, ast.unparse(test), "truthy")
+    if len(test.ops) != 1:
+        raise ValueError(f"a code test compares once (no chains like a < b < c), got {statement!r}")
+    (op,), left, right = test.ops, test.left, test.comparators[0]
+    right_is_literal, right_value = _literal(right)
+    if right_is_literal:
+        return UnitTest(statement, ast.unparse(left), type(op).__name__, right_value, value_on_left=True)
+    left_is_literal, left_value = _literal(left)
+    if left_is_literal:
+        return UnitTest(statement, ast.unparse(right), type(op).__name__, left_value, value_on_left=False)
+    raise ValueError(
+        f"a code test compares the solution's value with a literal (assert f(1) == 2), got {statement!r}: "
+        "the expected side must not run in the solution's process"
+    )
+
+
+def _decode(node: Any, depth: int) -> Any:
+    if depth > 100:
+        raise ValueError("nested too deep")
+    if node is None or type(node) in (bool, str):
+        return node
+    if type(node) is not list or len(node) != 2 or type(node[0]) is not str:
+        raise ValueError(f"not an encoded value: {type(node).__name__}")
+    kind, payload = node
+    if kind == "int" and type(payload) is str:
+        return int(payload)
+    if kind == "float" and type(payload) is str:
+        return float(payload)
+    if kind == "bytes" and type(payload) is str:
+        return bytes.fromhex(payload)
+    if type(payload) is not list:
+        raise ValueError(f"bad payload for {kind!r}")
+    items = [_decode(item, depth + 1) for item in payload]
+    containers: dict[str, Callable[[list[Any]], Any]] = {
+        "list": list,
+        "tuple": tuple,
+        "set": set,
+        "frozenset": frozenset,
+    }
+    if kind in containers:
+        return containers[kind](items)
+    if kind == "dict" and all(type(i) is list and len(i) == 2 for i in payload):
+        return {_decode(k, depth + 1): _decode(v, depth + 1) for k, v in payload}
+    raise ValueError(f"unknown kind {kind!r}")
+
+
+def decode_value(encoded: str) -> Any:
+    """The plain value a harness line reports, built from builtin types only.
+
+    Raises:
+        ValueError: ``encoded`` is not a value the harness encodes (unhashable keys, unknown kinds...).
+    """
+    try:
+        return _decode(json.loads(encoded), 0)
+    except (json.JSONDecodeError, TypeError, RecursionError) as err:
+        raise ValueError(f"not an encoded value: {err}") from None
+
+
+def reported_values(stdout: str, num_tests: int) -> dict[int, Any]:
+    """The values reported for each test index in ``stdout``; an index reported twice, or a line that does
+    not decode, counts as not reported (a solution may print anything, harness lines included)."""
+    values: dict[int, Any] = {}
+    seen: set[int] = set()
+    for line in stdout.split("\n"):
+        if not line.startswith(RESULT_MARK + " "):
+            continue
+        index_text, _, encoded = line[len(RESULT_MARK) + 1 :].partition(" ")
+        if not (index_text.isascii() and index_text.isdigit() and len(index_text) < 10):
+            continue
+        if int(index_text) >= num_tests:
+            continue
+        index = int(index_text)
+        if index in seen:
+            values.pop(index, None)
+            continue
+        seen.add(index)
+        try:
+            values[index] = decode_value(encoded)
+        except ValueError:
+            continue
+    return values
