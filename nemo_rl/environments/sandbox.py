@@ -228,7 +228,9 @@ class Sandbox:
             bwrap = bwrap_path()
             assert bwrap is not None, "bubblewrap was found when the isolation was detected"
             command = [*bwrap_argv(bwrap, run_dir, self.python_executable, uid is not None), *command]
-            env, cwd = None, None
+            # Not the caller's environment: bubblewrap's own process is the namespace's pid 1, whose
+            # /proc/1/environ the run could otherwise read.
+            env, cwd = {"PATH": "/usr/bin:/bin"}, None
         else:
             env, cwd = run_env(run_dir), run_dir
         start = time.monotonic()
