@@ -23,7 +23,7 @@ from __future__ import annotations
 import ast
 import json
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,6 +158,14 @@ def parse_test(statement: str) -> UnitTest:
     )
 
 
+_CONTAINERS: dict[str, Callable[[Iterable[Any]], Any]] = {
+    "list": list,
+    "tuple": tuple,
+    "set": set,
+    "frozenset": frozenset,
+}
+
+
 def _decode(node: Any, depth: int) -> Any:
     if depth > 100:
         raise ValueError("nested too deep")
@@ -174,18 +182,13 @@ def _decode(node: Any, depth: int) -> Any:
         return bytes.fromhex(payload)
     if type(payload) is not list:
         raise ValueError(f"bad payload for {kind!r}")
-    items = [_decode(item, depth + 1) for item in payload]
-    containers: dict[str, Callable[[list[Any]], Any]] = {
-        "list": list,
-        "tuple": tuple,
-        "set": set,
-        "frozenset": frozenset,
-    }
-    if kind in containers:
-        return containers[kind](items)
-    if kind == "dict" and all(type(i) is list and len(i) == 2 for i in payload):
+    if kind == "dict":
+        if not all(type(pair) is list and len(pair) == 2 for pair in payload):
+            raise ValueError("a dict's items are [key, value] pairs")
         return {_decode(k, depth + 1): _decode(v, depth + 1) for k, v in payload}
-    raise ValueError(f"unknown kind {kind!r}")
+    if kind not in _CONTAINERS:
+        raise ValueError(f"unknown kind {kind!r}")
+    return _CONTAINERS[kind](_decode(item, depth + 1) for item in payload)
 
 
 def decode_value(encoded: str) -> Any:
