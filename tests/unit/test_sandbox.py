@@ -105,11 +105,11 @@ def test_a_sleeping_program_is_stopped_by_the_wall_clock(sandbox: Sandbox) -> No
     assert _processes_with(token) == []
 
 
-def test_limits_this_machine_cannot_apply_fail_at_once() -> None:
+def test_limits_this_machine_cannot_apply_fail_at_once(sandbox: Sandbox) -> None:
     # Not even root may raise the open-file limit past the kernel's fs.nr_open.
     nr_open = int(Path("/proc/sys/fs/nr_open").read_text())
     with pytest.raises(UserError, match="cannot apply its limits"):
-        Sandbox(LIMITS.model_copy(update={"max_open_files": nr_open + 1}))
+        Sandbox(sandbox.cfg.model_copy(update={"max_open_files": nr_open + 1}), isolation=sandbox.isolation)
 
 
 def test_closing_its_output_neither_ends_nor_escapes_the_run(sandbox: Sandbox) -> None:
