@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -41,6 +42,8 @@ from nemo_rl.environments.registry import check_task_envs
 from nemo_rl.environments.sandbox import Sandbox, check_sandbox
 from nemo_rl.environments.sandbox_isolation import BWRAP_ENV_VAR
 from nemo_rl.environments.tools import build_tool_registry
+
+pytestmark = pytest.mark.timeout(60)  # each test; the whole set takes about 20 s
 
 LIMITS = SandboxConfig(
     wall_time_limit_s=2.0, cpu_time_limit_s=1, memory_limit_mb=256, max_processes=16, max_output_bytes=8192
@@ -101,8 +104,10 @@ def _in_process_runner(python: str) -> Runner:
 @contextlib.contextmanager
 def _ordinary_user_runner() -> Iterator[Runner]:
     """A worker running as a fresh uid with the system interpreter, serving runs one line at a time."""
-    if not os.access(SYSTEM_PYTHON, os.X_OK):
-        pytest.skip(f"no {SYSTEM_PYTHON} that an ordinary user can run")
+    if not os.access(SYSTEM_PYTHON, os.X_OK) or shutil.which("setpriv") is None:
+        pytest.skip(
+            f"no {SYSTEM_PYTHON} that an ordinary user can run, or no setpriv (util-linux) to start it"
+        )
     version = subprocess.run(
         [SYSTEM_PYTHON, "-c", "import sys; print(sys.version_info[:2])"], capture_output=True
     )
