@@ -13,8 +13,13 @@ check. The accepted forms (:func:`parse_test`):
 - ``assert <expr> <op> <literal>`` or ``assert <literal> <op> <expr>``, ``<op>`` one of ``==``, ``!=``, ``is``,
   ``is not``, ``<``, ``<=``, ``>``, ``>=``, ``in``, ``not in`` and ``<literal>`` a Python literal (numbers,
   strings, bytes, ``None``, ``True``, ``False`` and containers of them, a leading ``-`` allowed);
-- ``assert <expr>`` (passes when the value is truthy) and ``assert not <expr>``.
+- ``assert math.isclose(<expr>, <number>[, rel_tol=<number>, abs_tol=<number>])`` and
+  ``assert abs(<expr> - <number>) < <number>`` (or ``<=``): the closeness is checked outside too;
+- ``assert <call>`` (passes when the value is truthy) and ``assert not <call>``, ``<call>`` a call such as
+  ``is_prime(7)`` (not a predicate like ``isinstance``, whose verdict the solution's process would decide).
 
+``<expr>`` holds no comparison or condition (``and``, ``or``, ``if``): whatever it computes is computed by the
+solution's process, so it must be the solution's answer, never a verdict.
 ``is`` compares type and value (``x is True`` needs a ``bool``), as an identity check of those literals does.
 """
 
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import operator
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -111,6 +117,8 @@ class UnitTest:
             return bool(value)
         if self.op == "falsy":
             return not value
+        if self.op in ("isclose", "abs_close"):
+            return _close(self.op, value, self.literal)
         check = _CHECKS[getattr(ast, self.op)]
         left, right = (value, self.literal) if self.value_on_left else (self.literal, value)
         try:
@@ -119,11 +127,77 @@ class UnitTest:
             return False
 
 
+def _close(op: str, value: Any, literal: tuple[float, float, float]) -> bool:
+    if type(value) not in (int, float):
+        return False
+    expected, first, second = literal
+    if op == "isclose":
+        return math.isclose(value, expected, rel_tol=first, abs_tol=second)
+    gap = abs(value - expected)
+    return gap <= first if second else gap < first
+
+
 def _literal(node: ast.expr) -> tuple[bool, Any]:
     try:
         return True, ast.literal_eval(node)
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         return False, None
+
+
+def _number(node: ast.expr) -> float | None:
+    is_literal, value = _literal(node)
+    return float(value) if is_literal and type(value) in (int, float) else None
+
+
+_VERDICT_NODES = (ast.Compare, ast.BoolOp, ast.IfExp, ast.Lambda, ast.NamedExpr)
+_PREDICATES = {"isinstance", "issubclass", "callable", "hasattr", "all", "any", "bool"}
+
+
+def _computed(node: ast.expr, statement: str) -> str:
+    """The source of the part the sandbox evaluates; refused when it would decide the verdict itself."""
+    if any(isinstance(n, _VERDICT_NODES) for n in ast.walk(node)):
+        raise ValueError(
+            f"a code test compares outside the solution's value, got {statement!r}: write one comparison with a "
+            "literal (assert f(1) == 2), not comparisons or conditions inside it"
+        )
+    return ast.unparse(node)
+
+
+def _closeness(test: ast.expr, statement: str) -> UnitTest | None:
+    """``math.isclose(<expr>, <number>[, rel_tol=, abs_tol=])`` or ``abs(<expr> - <number>) < <number>``."""
+    if (
+        isinstance(test, ast.Call)
+        and ast.unparse(test.func) in ("math.isclose", "isclose")
+        and len(test.args) == 2
+    ):
+        options = {k.arg: _number(k.value) for k in test.keywords}
+        if set(options) <= {"rel_tol", "abs_tol"} and None not in options.values():
+            for computed, expected in (test.args, test.args[::-1]):
+                number = _number(expected)
+                if number is not None:
+                    tolerances = (options.get("rel_tol", 1e-9), options.get("abs_tol", 0.0))
+                    return UnitTest(
+                        statement, _computed(computed, statement), "isclose", (number, *tolerances)
+                    )
+    if (
+        isinstance(test, ast.Compare)
+        and len(test.ops) == 1
+        and isinstance(test.ops[0], ast.Lt | ast.LtE)
+        and isinstance(test.left, ast.Call)
+        and ast.unparse(test.left.func) == "abs"
+        and len(test.left.args) == 1
+        and isinstance(test.left.args[0], ast.BinOp)
+        and isinstance(test.left.args[0].op, ast.Sub)
+    ):
+        tolerance, difference = _number(test.comparators[0]), test.left.args[0]
+        for computed, expected in ((difference.left, difference.right), (difference.right, difference.left)):
+            number = _number(expected)
+            if number is not None and tolerance is not None:
+                inclusive = float(isinstance(test.ops[0], ast.LtE))
+                return UnitTest(
+                    statement, _computed(computed, statement), "abs_close", (number, tolerance, inclusive)
+                )
+    return None
 
 
 def parse_test(statement: str) -> UnitTest:
@@ -139,19 +213,40 @@ def parse_test(statement: str) -> UnitTest:
     if len(body) != 1 or not isinstance(body[0], ast.Assert):
         raise ValueError(f"a code test must be one assert statement, got {statement!r}")
     test = body[0].test
-    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-        return UnitTest(statement, ast.unparse(test.operand), "falsy")
-    if not isinstance(test, ast.Compare):
-        return UnitTest(statement, ast.unparse(test), "truthy")
+    close = _closeness(test, statement)
+    if close is not None:
+        return close
+    if isinstance(test, ast.Compare):
+        return _comparison(test, statement)
+    negated = isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not)
+    operand = test.operand if isinstance(test, ast.UnaryOp) and negated else test
+    if not isinstance(operand, ast.Call) or ast.unparse(operand.func) in _PREDICATES:
+        raise ValueError(
+            f"a truth test calls the solution's function (assert is_prime(7)), got {statement!r}; compare "
+            "anything else with a literal (assert f(1) == 2), so that the check runs outside the solution"
+        )
+    return UnitTest(statement, _computed(operand, statement), "falsy" if negated else "truthy")
+
+
+def _comparison(test: ast.Compare, statement: str) -> UnitTest:
     if len(test.ops) != 1:
         raise ValueError(f"a code test compares once (no chains like a < b < c), got {statement!r}")
     (op,), left, right = test.ops, test.left, test.comparators[0]
+    if isinstance(left, ast.Call) and ast.unparse(left.func) == "abs":
+        # A distance computed in the solution's process is a value it can claim (0) without an answer.
+        raise ValueError(
+            f"a closeness test measures from a number (assert abs(f(x) - 2.5) < 1e-9), got {statement!r}"
+        )
     right_is_literal, right_value = _literal(right)
     if right_is_literal:
-        return UnitTest(statement, ast.unparse(left), type(op).__name__, right_value, value_on_left=True)
+        return UnitTest(
+            statement, _computed(left, statement), type(op).__name__, right_value, value_on_left=True
+        )
     left_is_literal, left_value = _literal(left)
     if left_is_literal:
-        return UnitTest(statement, ast.unparse(right), type(op).__name__, left_value, value_on_left=False)
+        return UnitTest(
+            statement, _computed(right, statement), type(op).__name__, left_value, value_on_left=False
+        )
     raise ValueError(
         f"a code test compares the solution's value with a literal (assert f(1) == 2), got {statement!r}: "
         "the expected side must not run in the solution's process"

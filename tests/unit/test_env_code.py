@@ -95,9 +95,7 @@ def test_extract_the_last_code_block() -> None:
         ),
     ],
 )
-def test_reward_is_the_share_of_tests_passed(
-    sandbox: Sandbox, code: str, num_passed: int
-) -> None:
+def test_reward_is_the_share_of_tests_passed(sandbox: Sandbox, code: str, num_passed: int) -> None:
     outcome = run_tests(sandbox, code, UnitTests.from_ground_truth(ADD_TESTS))
     assert (outcome.num_passed, outcome.num_tests, outcome.has_code) == (
         num_passed,
@@ -139,25 +137,19 @@ REWARD_HACKS = {
 
 @pytest.mark.parametrize("name", sorted(REWARD_HACKS))
 def test_reward_hacks_earn_nothing(sandbox: Sandbox, name: str) -> None:
-    outcome = run_tests(
-        sandbox, REWARD_HACKS[name], UnitTests.from_ground_truth(ADD_TESTS)
-    )
+    outcome = run_tests(sandbox, REWARD_HACKS[name], UnitTests.from_ground_truth(ADD_TESTS))
     assert outcome.num_passed == 0 and outcome.reward == 0.0, name
 
 
 def test_sys_exit_in_the_middle_keeps_only_the_tests_that_ran(sandbox: Sandbox) -> None:
     code = "import sys\ndef add(a, b):\n    if a == -1:\n        sys.exit(0)\n    return a + b\n"
-    assert (
-        run_tests(sandbox, code, UnitTests.from_ground_truth(ADD_TESTS)).num_passed == 2
-    )
+    assert run_tests(sandbox, code, UnitTests.from_ground_truth(ADD_TESTS)).num_passed == 2
 
 
 def test_the_reward_stays_in_its_range_whatever_is_printed(sandbox: Sandbox) -> None:
     # A correct solution that also prints result lines: the doubled indices count as not reported, and
     # indices past the problem's tests are ignored, so the reward never leaves [0, 1].
-    spam = "".join(
-        f"print('{RESULT_MARK}', {i}, '[\"int\", \"3\"]')\n" for i in range(-2, 50)
-    )
+    spam = "".join(f"print('{RESULT_MARK}', {i}, '[\"int\", \"3\"]')\n" for i in range(-2, 50))
     outcome = run_tests(
         sandbox,
         "def add(a, b):\n    return a + b\n" + spam,
@@ -189,13 +181,18 @@ def test_the_reward_stays_in_its_range_whatever_is_printed(sandbox: Sandbox) -> 
         ("assert not f(1)", [], True),
         ("assert f(1) == {'a': (1, 2)}", {"a": (1, 2)}, True),
         ("assert f(1) == {'a': (1, 2)}", {"a": [1, 2]}, False),
+        ("assert math.isclose(f(1), 2.5)", 2.5 + 1e-12, True),
+        ("assert math.isclose(2.5, f(1), rel_tol=0.1)", 2.7, True),
+        ("assert math.isclose(f(1), 2.5, abs_tol=0)", 2.6, False),
+        ("assert math.isclose(f(1), 2.5)", "2.5", False),
+        ("assert abs(f(1) - 2.5) < 1e-6", 2.5000001, True),
+        ("assert abs(2.5 - f(1)) <= 0.5", 3.0, True),
+        ("assert abs(f(1) - 2.5) < 0.5", 3.0, False),
     ],
 )
-def test_checks_apply_outside_on_plain_values(
-    statement: str, value: Any, passes: bool
-) -> None:
+def test_checks_apply_outside_on_plain_values(statement: str, value: Any, passes: bool) -> None:
     test = parse_test(statement)
-    assert "1" in test.expression or "'x'" in test.expression
+    assert test.expression in ("f(1)", "f('x')")  # all the sandbox sees: never the expected side
     assert test.passes(value) is passes
 
 
@@ -207,6 +204,11 @@ def test_checks_apply_outside_on_plain_values(
         ("x = 1", "one assert statement"),
         ("assert f(1) == 3; assert f(2) == 4", "one assert statement"),
         ("assert (", "does not parse"),
+        ("assert f(1) == 3 and f(2) == 4", "a truth test calls"),
+        ("assert isinstance(f(1), int)", "a truth test calls"),
+        ("assert (f(1) == 3) == True", "not comparisons or conditions inside it"),
+        ("assert f(1 if x else 2) == 3", "not comparisons or conditions inside it"),
+        ("assert abs(f(1) - g(1)) < 0.1", "measures from a number"),
     ],
 )
 def test_tests_of_other_forms_are_clear_errors(statement: str, error: str) -> None:
@@ -215,9 +217,9 @@ def test_tests_of_other_forms_are_clear_errors(statement: str, error: str) -> No
 
 
 def test_only_plain_data_decodes() -> None:
-    assert decode_value(
-        '["dict", [[["tuple", [["int", "1"], "a"]], ["set", [["float", "inf"]]]]]]'
-    ) == {(1, "a"): {float("inf")}}
+    assert decode_value('["dict", [[["tuple", [["int", "1"], "a"]], ["set", [["float", "inf"]]]]]]') == {
+        (1, "a"): {float("inf")}
+    }
     assert decode_value('["bytes", "00ff"]') == b"\x00\xff"
     for bad in (
         '["object", []]',
@@ -234,10 +236,7 @@ def test_setup_runs_before_the_solution(sandbox: Sandbox) -> None:
     spec = UnitTests.from_ground_truth(
         json.dumps({"tests": ["assert root(16) == 4"], "setup": "import math"})
     )
-    assert (
-        run_tests(sandbox, "def root(x):\n    return math.isqrt(x)", spec).num_passed
-        == 1
-    )
+    assert run_tests(sandbox, "def root(x):\n    return math.isqrt(x)", spec).num_passed == 1
 
 
 @pytest.mark.parametrize(
@@ -284,9 +283,7 @@ def test_the_bundled_problems_are_solvable(sandbox: Sandbox) -> None:
     for row in rows:
         name = row["messages"][0]["content"].split("`")[1].split("(")[0]
         spec = UnitTests.from_ground_truth(row["expected_answer"])
-        assert run_tests(sandbox, SOLUTIONS[name], spec).num_passed == len(
-            spec.tests
-        ), name
+        assert run_tests(sandbox, SOLUTIONS[name], spec).num_passed == len(spec.tests), name
         assert run_tests(sandbox, "pass", spec).num_passed == 0, name
 
 
@@ -295,13 +292,9 @@ def code_env(ray_cluster: dict[str, float]) -> Any:
     try:
         check_sandbox(SANDBOX)
         sandbox = SANDBOX
-    except (
-        UserError
-    ):  # no bubblewrap here: the weak mode, on purpose (tests/unit/test_security.py)
+    except UserError:  # no bubblewrap here: the weak mode, on purpose (tests/unit/test_security.py)
         sandbox = SANDBOX.model_copy(update={"isolation": "rlimits"})
-    env = create_env(
-        "code", EnvConfig(code=CodeEnvConfig(num_workers=2, sandbox=sandbox))
-    )
+    env = create_env("code", EnvConfig(code=CodeEnvConfig(num_workers=2, sandbox=sandbox)))
     yield env
     stop_envs([env], timeout_s=RAY_TIMEOUT_S)
 
@@ -321,9 +314,7 @@ def test_code_environment_step(code_env: Any) -> None:
         ],
     ]
     metadata = [{"ground_truth": ADD_TESTS}] * 4
-    ret: EnvironmentReturn[Any] = ray.get(
-        code_env.step.remote(logs, metadata), timeout=RAY_TIMEOUT_S
-    )
+    ret: EnvironmentReturn[Any] = ray.get(code_env.step.remote(logs, metadata), timeout=RAY_TIMEOUT_S)
     assert ret.rewards.tolist() == pytest.approx([1.0, 1 / 3, 0.0, 1.0])
     assert ret.rewards.dtype == torch.float32
     assert ret.terminateds.tolist() == [True] * 4
@@ -363,9 +354,7 @@ def test_code_metrics(code_env: Any) -> None:
             ],
         }
     )
-    _, metrics = ray.get(
-        code_env.global_post_process_and_metrics.remote(batch), timeout=RAY_TIMEOUT_S
-    )
+    _, metrics = ray.get(code_env.global_post_process_and_metrics.remote(batch), timeout=RAY_TIMEOUT_S)
     assert metrics["accuracy"] == pytest.approx(0.25)
     assert metrics["test_pass_rate"] == pytest.approx(0.375)
     assert metrics["pass@samples_per_prompt"] == pytest.approx(0.5)
