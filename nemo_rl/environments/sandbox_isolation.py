@@ -56,7 +56,13 @@ class Isolation:
     def describe(self) -> str:
         """One line for logs and results."""
         fs = "private read-only view" if self.backend == "bubblewrap" else "host filesystem readable"
-        uid = "own uid" if self.run_uid else "caller's uid"
+        uid = (
+            "own uid"
+            if self.run_uid
+            else "user namespace"
+            if self.backend == "bubblewrap"
+            else "caller's uid"
+        )
         return f"{self.backend} (network: {self.network}; filesystem: {fs}; {uid})"
 
 
