@@ -47,7 +47,7 @@ from nemo_rl.data.collate_fn import rl_collate_fn
 from nemo_rl.data.datasets import ProcessedDataset
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster, init_ray
-from nemo_rl.environments.registry import EnvHandle, create_env, registered_envs, stop_envs
+from nemo_rl.environments.registry import EnvHandle, check_task_envs, create_env, registered_envs, stop_envs
 from nemo_rl.environments.tools import TaskTools, wire_task_tools
 from nemo_rl.evals.metrics import CORRECT_REWARD, mean_and_stderr, metric_ks, problem_metrics, summarize
 from nemo_rl.experience.rollouts import run_multi_turn_rollout
@@ -187,6 +187,7 @@ def setup(
         raise UserError(
             f"data.env_name={env_name} is not a registered environment; registered: {registered_envs()}"
         )
+    check_task_envs([env_name], config.env)  # e.g. the code sandbox's isolation, before any worker starts
     tools = wire_task_tools(config.env, (dataset,))
     task_to_tools = {task: task_tools for task, task_tools in tools.items() if task == env_name}
     init_ray(config.cluster)

@@ -17,7 +17,7 @@ from nemo_rl.data.datasets import ProcessedDataset
 from nemo_rl.data.interfaces import TaskDataSpec
 from nemo_rl.data.processors import math_processor
 from nemo_rl.environments.registry import check_task_envs
-from nemo_rl.environments.sandbox import detect_isolation
+from nemo_rl.environments.sandbox import check_sandbox, detect_isolation
 from nemo_rl.environments.tools import (
     MalformedToolCall,
     TaskTools,
@@ -36,6 +36,12 @@ from nemo_rl.models.tokenizer import get_policy_tokenizer
 TINY_TOKENIZER = Path(__file__).resolve().parents[2] / "examples" / "assets" / "tiny_qwen2_init"
 CALL = '<tool_call>{{"name": "calculator", "arguments": {{"expression": "{}"}}}}</tool_call>'
 SANDBOX = SandboxConfig(wall_time_limit_s=2.0, cpu_time_limit_s=1, memory_limit_mb=256, max_output_bytes=2048)
+try:
+    check_sandbox(SANDBOX)
+except (
+    UserError
+):  # no bubblewrap here: these tests check the tools, not containment (tests/unit/test_security.py)
+    SANDBOX = SANDBOX.model_copy(update={"isolation": "rlimits"})
 
 
 def call_block(payload: object) -> str:
@@ -259,7 +265,7 @@ def test_task_tools_cut_long_results_and_extra_calls() -> None:
     assert truncate_tool_response("abcdefgh", 3, "middle") == "ab...(truncated)...h"
     assert truncate_tool_response("abc", 3, "middle") == "abc"
     assert build_task_tools(EnvConfig()) == {}
-    assert set(build_task_tools(EnvConfig(code=CodeEnvConfig(tools=["python"])))) == {"code"}
+    assert set(build_task_tools(EnvConfig(code=CodeEnvConfig(tools=["python"], sandbox=SANDBOX)))) == {"code"}
 
 
 def test_tools_are_wired_once_where_the_run_starts() -> None:
@@ -291,4 +297,6 @@ def test_tools_are_wired_once_where_the_run_starts() -> None:
 
 
 def test_isolation_is_detected_once() -> None:
-    assert detect_isolation("auto", sys.executable) is detect_isolation("auto", sys.executable)
+    assert detect_isolation(SANDBOX.isolation, sys.executable) is detect_isolation(
+        SANDBOX.isolation, sys.executable
+    )
