@@ -38,7 +38,6 @@ def main() -> None:
         from nemo_rl.algorithms.distillation import distillation_train, setup
         from nemo_rl.data.datasets import setup_rl_data
         from nemo_rl.distributed.device import cuda_available
-        from nemo_rl.environments.tools import task_tool_schemas
         from nemo_rl.models.generation.factory import check_backend_available
         from nemo_rl.models.tokenizer import get_policy_tokenizer
 
@@ -53,7 +52,6 @@ def main() -> None:
             config.data,
             tokenizer,
             max_total_sequence_length=config.policy.max_total_sequence_length,
-            tools=task_tool_schemas(config.env, config.data.env_name or "math"),
         )
         components = setup(config, tokenizer, train_dataset, val_dataset)
     try:

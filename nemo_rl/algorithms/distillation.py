@@ -41,8 +41,8 @@ from nemo_rl.config.errors import UserError
 from nemo_rl.config.master import DistillationMasterConfig
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.data.datasets import ProcessedDataset
-from nemo_rl.data.llm_message_utils import message_logs_to_batch
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.experience.train_batch import train_batch
 from nemo_rl.experience.validation import environment_metrics
 from nemo_rl.models.hf_config import load_hf_config
 from nemo_rl.models.policy.lm_policy import Policy, check_policy_layout
@@ -51,8 +51,6 @@ from nemo_rl.utils.timer import Timer
 
 MasterConfig = DistillationMasterConfig
 """The config of a distillation run, under NeMo RL's name."""
-
-_TRAIN_ROLES = ("assistant",)
 
 
 class DistillationState(RLState):
@@ -155,11 +153,8 @@ def distillation_step(s: DistillationSetup, batch: BatchedDataDict[Any], timer: 
     s.generation.finish_generation()
     rollout_metrics.update(environment_metrics(s.task_to_env, rollout))
 
-    train_data = message_logs_to_batch(
-        rollout["message_log"], pad_token_id=int(s.tokenizer.pad_token_id), train_roles=_TRAIN_ROLES
-    )
     # Prompts cut to fit the sequence budget have a loss multiplier of 0.
-    train_data["sample_mask"] = rollout["loss_multiplier"].float()
+    train_data = train_batch(rollout, int(s.tokenizer.pad_token_id), overlong_filtering=False)
     with timer.time("teacher_topk_logits"):
         teacher_topk(s, train_data)
     with timer.time("policy_training"):

@@ -40,13 +40,12 @@ from nemo_rl.config.algorithms import GRPOConfig
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.master import GRPOMasterConfig
 from nemo_rl.data.datasets import ProcessedDataset
-from nemo_rl.data.llm_message_utils import flat_token_positions, message_logs_to_batch
 from nemo_rl.data.prompt_messages import KeepPromptMessages
-from nemo_rl.data.routed_experts import ROUTED_EXPERTS_KEY, routed_experts_batch
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.experience.agent_endpoint import AgentEndpoint
 from nemo_rl.experience.agent_rollouts import run_agent_rollout, start_agent_endpoint
 from nemo_rl.experience.async_rollouts import AsyncRollouts, InFlightUpdatable, RolloutBatch
+from nemo_rl.experience.train_batch import build_train_batch
 from nemo_rl.experience.validation import request_environment_metrics
 from nemo_rl.models.generation.interfaces import GenerationInterface
 from nemo_rl.models.generation.replicated import WORKER_CALL_TIMEOUT_S
@@ -56,8 +55,6 @@ from nemo_rl.utils.timer import Timer
 
 MasterConfig = GRPOMasterConfig
 """The config of a GRPO run, under NeMo RL's name (``from nemo_rl.algorithms.grpo import MasterConfig``)."""
-
-_TRAIN_ROLES = ("assistant",)
 
 
 @dataclasses.dataclass
@@ -155,42 +152,6 @@ def prev_logprobs_from_training_forward(config: GRPOMasterConfig, policy: Policy
         return False
     # The started policy answers from its workers; without one the driver loads the model's config itself.
     return not (policy.trains_with_dropout() if policy is not None else trains_with_dropout(config.policy))
-
-
-def build_train_batch(
-    rollout: BatchedDataDict[Any], advantages_B: torch.Tensor, pad_token_id: int, overlong_filtering: bool
-) -> BatchedDataDict[Any]:
-    """Flatten the rolled-out conversations into the policy's training batch.
-
-    Adds to the flattened ``input_ids`` / ``input_lengths`` / ``token_mask`` (assistant tokens): per-token
-    ``advantages`` and ``generation_logprobs``, and ``sample_mask`` (prompts cut for length, and truncated
-    responses when ``overlong_filtering`` is on, are masked out); with routing replay the sampler's
-    ``routed_experts`` ``[B, T, MoE layers, top_k]``.
-    """
-    logs = rollout["message_log"]
-    batch = message_logs_to_batch(logs, pad_token_id=pad_token_id, train_roles=_TRAIN_ROLES)
-    generation_logprobs_BT = torch.zeros_like(batch["token_mask"])
-    # One scatter for the batch: the trained messages' sampling log-probs, zeros for the other tokens.
-    rows_N, cols_N = flat_token_positions(batch["input_lengths"].tolist())
-    generation_logprobs_BT[rows_N, cols_N] = torch.cat(
-        [
-            message["generation_logprobs"].to(generation_logprobs_BT.dtype)
-            if message["role"] in _TRAIN_ROLES
-            else generation_logprobs_BT.new_zeros(int(message["token_ids"].numel()))
-            for log in logs
-            for message in log
-        ]
-    )
-    sample_mask_B = rollout["loss_multiplier"].float().clone()
-    if overlong_filtering:
-        sample_mask_B *= (~rollout["truncated"]).float()
-    batch["advantages"] = advantages_B[:, None].expand_as(batch["token_mask"]).contiguous()
-    batch["generation_logprobs"] = generation_logprobs_BT
-    batch["sample_mask"] = sample_mask_B
-    routed_BTLK = routed_experts_batch(logs, int(batch["input_ids"].shape[1]))
-    if routed_BTLK is not None:
-        batch[ROUTED_EXPERTS_KEY] = routed_BTLK
-    return batch
 
 
 def validate(s: GRPOSetup, step: int, rollouts: AsyncRollouts | None = None) -> dict[str, float]:

@@ -48,7 +48,7 @@ from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.distributed.worker_groups import start_together
 from nemo_rl.environments.registry import check_task_envs, create_task_envs, stop_envs, wait_envs_started
-from nemo_rl.environments.tools import TaskTools, build_task_tools
+from nemo_rl.environments.tools import TaskTools, wire_task_tools
 from nemo_rl.experience.rollouts import run_multi_turn_rollout
 from nemo_rl.experience.validation import ENV_TIMEOUT_S, validation_rollouts
 from nemo_rl.models.generation.embedded.in_policy import InPolicyEmbeddedGeneration
@@ -468,7 +468,9 @@ def start_rl_run(
         task_to_env,
         val_task_to_env,
     )
-    task_to_tools = build_task_tools(config.env)  # an unknown tool fails here, before anything starts
+    # The one place tools are wired: built (an unknown tool fails here, before anything starts) and their
+    # schemas declared in the prompts the model reads.
+    task_to_tools = wire_task_tools(config.env, (train_dataset, val_dataset))
     run = open_run(
         config,
         loop.state_cls,

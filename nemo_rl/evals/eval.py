@@ -48,7 +48,7 @@ from nemo_rl.data.datasets import ProcessedDataset
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster, init_ray
 from nemo_rl.environments.registry import EnvHandle, check_task_envs, create_env, registered_envs, stop_envs
-from nemo_rl.environments.tools import TaskTools, build_task_tools
+from nemo_rl.environments.tools import TaskTools, wire_task_tools
 from nemo_rl.evals.metrics import CORRECT_REWARD, mean_and_stderr, metric_ks, problem_metrics, summarize
 from nemo_rl.experience.rollouts import run_multi_turn_rollout
 from nemo_rl.models.generation.factory import create_generation
@@ -188,7 +188,8 @@ def setup(
             f"data.env_name={env_name} is not a registered environment; registered: {registered_envs()}"
         )
     check_task_envs([env_name], config.env)  # e.g. the code sandbox's isolation, before any worker starts
-    task_to_tools = {task: tools for task, tools in build_task_tools(config.env).items() if task == env_name}
+    tools = wire_task_tools(config.env, (dataset,))
+    task_to_tools = {task: task_tools for task, task_tools in tools.items() if task == env_name}
     init_ray(config.cluster)
     cluster = RayVirtualCluster(config.cluster, name="eval", max_colocated_worker_groups=1)
     generation = create_generation(
