@@ -282,10 +282,10 @@ def _assert_engine_scores_as_policy(policy: Policy, generation: Any, tokenizer: 
 def test_lora_refits_send_the_adapters_only_after_the_first(
     lora_stack: tuple[Policy, EmbeddedGeneration, Any, RayVirtualCluster], transport_kind: str
 ) -> None:
-    """Driven as RL loops drive it (``RLWorkers.refit_generation``): the first refit moves the base weights and
+    """Driven as RL loops drive it (``PolicyWeightSync.refit``): the first refit moves the base weights and
     the adapters, later ones the adapters only; a replaced generation worker gets a full refit again (checked
     with the collective transport)."""
-    from nemo_rl.algorithms.rl_startup import RLWorkers
+    from nemo_rl.algorithms.run_backends import PolicyWeightSync
     from nemo_rl.weight_sync.scope import RefitScopePlanner
 
     policy, generation, tokenizer, cluster = lora_stack
@@ -300,24 +300,20 @@ def test_lora_refits_send_the_adapters_only_after_the_first(
             generation_node_ids=generation.worker_node_ids,
         )
 
-    run = RLWorkers(
-        cluster=cluster,
-        policy=policy,
-        scorers=[],
-        generation=generation,
-        refit_transport=make_transport(generation),
-        task_to_env={},
-        val_task_to_env={},
-        owned_envs=[],
-        refit_scopes=RefitScopePlanner(adapters_only=True),
+    run = PolicyWeightSync(
+        policy,
+        generation,
+        make_transport(generation),
+        timeout_s=TIMEOUT_S,
+        scopes=RefitScopePlanner(adapters_only=True),
     )
     full_bytes = sum(4 * math.prod(shape) for shape, _ in policy.weights_manifest(torch.float32).values())
     fresh = None
     try:
-        first = run.refit_generation(TIMEOUT_S)
+        first = run.refit()
         assert first["refit/adapters_only"] == 0.0 and first["refit/bytes"] == full_bytes
         policy.train(_sft_batch(tokenizer), NLLLoss())
-        second = run.refit_generation(TIMEOUT_S)
+        second = run.refit()
         assert second["refit/adapters_only"] == 1.0
         assert second["refit/bytes"] == _adapter_bytes(policy) < full_bytes / 10
         _assert_engine_scores_as_policy(policy, generation, tokenizer)
@@ -327,17 +323,17 @@ def test_lora_refits_send_the_adapters_only_after_the_first(
         # process group names its members, so it is the transport checked) refuses adapters alone, and the
         # driver never sends them: the refit after the replacement is full.
         fresh = create_generation(cluster, cfg, tokenizer, seed=0, bundle_indices=[1])
-        assert run.refit_transport is not None
-        run.refit_transport.shutdown()
-        run.generation, run.refit_transport = fresh, make_transport(fresh)
+        assert run.transport is not None
+        run.transport.shutdown()
+        run.generation, run.transport = fresh, make_transport(fresh)
         with pytest.raises(RefitError, match="holds no base weights"):
-            refit(policy.workers, fresh.workers, run.refit_transport, timeout_s=TIMEOUT_S, scope="adapters")
-        replaced = run.refit_generation(TIMEOUT_S)
+            refit(policy.workers, fresh.workers, run.transport, timeout_s=TIMEOUT_S, scope="adapters")
+        replaced = run.refit()
         assert replaced["refit/adapters_only"] == 0.0 and replaced["refit/bytes"] == full_bytes
         _assert_engine_scores_as_policy(policy, fresh, tokenizer)
     finally:
-        if run.refit_transport is not None:
-            run.refit_transport.shutdown()
+        if run.transport is not None:
+            run.transport.shutdown()
         if fresh is not None:
             fresh.shutdown()
 

@@ -518,7 +518,7 @@ def test_lora_refits_install_vllms_adapter_and_match_the_policy(
     the adapters, the next one after a training step the adapters only, and the engine's greedy tokens then
     carry the policy's log-probs."""
     from nemo_rl.algorithms.loss_functions import NLLLoss
-    from nemo_rl.algorithms.rl_startup import RLWorkers
+    from nemo_rl.algorithms.run_backends import PolicyWeightSync
     from nemo_rl.models.generation.vllm.generation import VllmGeneration
     from nemo_rl.models.policy.lm_policy import Policy
     from nemo_rl.weight_sync.factory import create_refit_transport
@@ -539,20 +539,12 @@ def test_lora_refits_install_vllms_adapter_and_match_the_policy(
         policy_node_ids=[cluster.bundle_locations()[0].node_id],
         generation_node_ids=generation.worker_node_ids,
     )
-    run = RLWorkers(
-        cluster=cluster,
-        policy=policy,
-        scorers=[],
-        generation=generation,
-        refit_transport=transport,
-        task_to_env={},
-        val_task_to_env={},
-        owned_envs=[],
-        refit_scopes=RefitScopePlanner(adapters_only=True),
+    run = PolicyWeightSync(
+        policy, generation, transport, timeout_s=TIMEOUT_S, scopes=RefitScopePlanner(adapters_only=True)
     )
     try:
         data = _prompts(tiny["tokenizer"], PROMPTS)
-        full = run.refit_generation(TIMEOUT_S)
+        full = run.refit()
         assert full["refit/adapters_only"] == 0.0
         batch = BatchedDataDict(
             input_ids=data["input_ids"],
@@ -561,7 +553,7 @@ def test_lora_refits_install_vllms_adapter_and_match_the_policy(
             sample_mask=torch.ones(len(PROMPTS)),
         )
         policy.train(batch, NLLLoss())
-        adapters = run.refit_generation(TIMEOUT_S)
+        adapters = run.refit()
         adapter_manifest = policy.weights_manifest(torch.float32, "adapters")
         assert adapters["refit/adapters_only"] == 1.0
         assert adapters["refit/bytes"] == sum(

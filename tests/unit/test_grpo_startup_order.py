@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 import nemo_rl.algorithms.grpo as grpo
-import nemo_rl.algorithms.rl_startup as rl_startup
-import nemo_rl.algorithms.run_setup as run_setup
+import nemo_rl.algorithms.run_backends as run_backends
+import nemo_rl.algorithms.run_build as run_build
 from nemo_rl.config.master import GRPOMasterConfig
 
 
@@ -71,11 +71,11 @@ def _setup_events(
         started_together.append(enabled)
         yield
 
-    monkeypatch.setattr(run_setup, "init_ray", lambda cluster_cfg: None)
-    monkeypatch.setattr(run_setup, "RayVirtualCluster", lambda *args, **kwargs: object())
-    monkeypatch.setattr(rl_startup, "create_generation", create_generation)
-    monkeypatch.setattr(run_setup, "Policy", policy)
-    monkeypatch.setattr(rl_startup, "start_together", start_together)
+    monkeypatch.setattr(run_build, "init_ray", lambda cluster_cfg: None)
+    monkeypatch.setattr(run_build, "RayVirtualCluster", lambda *args, **kwargs: object())
+    monkeypatch.setattr(run_backends, "create_generation", create_generation)
+    monkeypatch.setattr(run_build, "Policy", policy)
+    monkeypatch.setattr(run_backends, "start_together", start_together)
     placement: dict[str, Any] = (
         {"enabled": True} if colocated else {"enabled": False, "resources": {"gpus_per_node": 1}}
     )

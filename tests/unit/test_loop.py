@@ -278,7 +278,7 @@ def test_batches_until_reads_the_step_counter_before_each_batch() -> None:
 
 def test_training_data_smaller_than_one_batch_names_the_key() -> None:
     from nemo_rl.algorithms.loop import Resume
-    from nemo_rl.algorithms.run_setup import make_train_loader
+    from nemo_rl.algorithms.run_build import make_train_loader
 
     with pytest.raises(UserError, match=r"3 samples, fewer than one batch \(grpo.num_prompts_per_step=4\)"):
         make_train_loader(

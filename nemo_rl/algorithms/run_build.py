@@ -1,0 +1,411 @@
+"""Building a :class:`~nemo_rl.algorithms.run.Run`: one function, :func:`build_run`, from the typed config, the
+runtime objects (tokenizer, datasets, environments) and a :class:`RunSpec` that says what the algorithm needs.
+
+It goes, in this order:
+
+1. the input checks that need no workers (environments for every task of the data, tools, the policy's layout
+   and optimizer, the checkpoint metric, writable folders), so a mistake ends the driver before Ray starts;
+2. the checkpoint to resume (its loop state) and the loaders, put where that checkpoint left them;
+3. Ray and the cluster's slots;
+4. for a run that samples: the environment actors of the tasks the caller did not pass in (created first, so
+   their imports overlap the workers' start), then the generation workers, the policy and the scorers started
+   together (:mod:`nemo_rl.algorithms.run_backends`), then it waits for the environments (if anything failed
+   so far, the environments it started are stopped), then the weight transport; otherwise the policy (and the
+   scorers) on every slot;
+5. the logger, with the config logged and saved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any, Generic, TypeVar
+
+from transformers import PreTrainedTokenizerBase
+
+from nemo_rl.algorithms.generation_weights import GenerationWeights
+from nemo_rl.algorithms.loop import Resume, check_run_setup, find_resume
+from nemo_rl.algorithms.run import Loader, Run, RunState, Sampling, TrainingConfig
+from nemo_rl.algorithms.run_backends import (
+    PolicyWeightSync,
+    sleep_colocated_generation,
+    start_policy_and_generation,
+)
+from nemo_rl.config.agent import AgentConfig
+from nemo_rl.config.cluster import ClusterConfig
+from nemo_rl.config.env import EnvConfig
+from nemo_rl.config.errors import UserError
+from nemo_rl.config.loader import save_config
+from nemo_rl.config.policy import PolicyConfig
+from nemo_rl.data.dataloader import StatefulDataLoader
+from nemo_rl.data.datasets import ProcessedDataset, dataset_task_names
+from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.distributed.virtual_cluster import RayVirtualCluster, init_ray
+from nemo_rl.environments.registry import check_task_envs, create_task_envs, stop_envs, wait_envs_started
+from nemo_rl.environments.tools import TaskTools, build_task_tools
+from nemo_rl.experience.agent_rollouts import start_agent_endpoint
+from nemo_rl.experience.validation import ENV_TIMEOUT_S
+from nemo_rl.models.policy.lm_policy import Policy
+from nemo_rl.utils.checkpoint import CheckpointManager
+from nemo_rl.utils.logger import Logger
+
+C = TypeVar("C", bound=TrainingConfig)
+S = TypeVar("S", bound=RunState)
+
+Collate = Callable[[list[Any]], BatchedDataDict[Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoringPolicy:
+    """A frozen policy started with the trained one, on its slots, that only scores (distillation's teacher).
+    It keeps its weights off the device except while scoring."""
+
+    cfg: PolicyConfig
+    name: str
+    """Its key in ``Run.scorers``; also names its worker actors apart from the trained policy's."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingSpec:
+    """What a run that samples needs besides the policy: environments, and how its generation is used."""
+
+    env: EnvConfig
+    """The ``env`` section: the environments started for the data's tasks, and their tools."""
+    task_to_env: Mapping[str, Any] | None = None
+    """The caller's environment actor per task of the training data; ``None``: started from ``env``."""
+    val_task_to_env: Mapping[str, Any] | None = None
+    """The same for validation; ``None``: ``task_to_env``'s (or started from ``env``)."""
+    concurrent_refit: bool = False
+    """The generation workers take refits while they generate (asynchronous GRPO's in-flight updates)."""
+    agent: AgentConfig | None = None
+    """External agents roll the samples out through an endpoint serving the generation workers."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunSpec(Generic[S]):
+    """What an algorithm asks of :func:`build_run`."""
+
+    name: str
+    """Names the run in messages ("Resuming GRPO from ..."); lower-cased, the cluster."""
+    state_cls: type[S]
+    """The loop's checkpointed progress."""
+    metric_names: Collection[str]
+    """What ``checkpointing.metric_name`` may be (what the loop records)."""
+    seed: int
+    """Seeds the loaders' shuffle (and the generation workers' sampling)."""
+    batch_size: int
+    """Samples (prompts, conversations, pairs) per batch of the training loader."""
+    batch_size_key: str
+    """The key that sets ``batch_size``, named in the error for data smaller than one batch."""
+    collate_fn: Collate
+    train_groups: Sequence[Sequence[int]] | None = None
+    """Samples the training loader serves together (see :class:`StatefulDataLoader`)."""
+    val_batch_size: int | None = None
+    """Batches of a validation loader over ``val_dataset`` (loops on a fixed data set); ``None``: no loader."""
+    keep_reference_model: bool = False
+    """The policy keeps its initial weights for reference log-probabilities."""
+    scorers: Sequence[ScoringPolicy] = ()
+    sampling: SamplingSpec | None = None
+    """Generation workers, environments and refit; ``None`` for a loop on a fixed data set."""
+
+
+def placement(policy: PolicyConfig, cluster: ClusterConfig, *, samples: bool) -> tuple[list[int], list[int]]:
+    """Bundle indices of the policy and the generation workers.
+
+    Without sampling, or colocated, both use every bundle (and take turns). Otherwise the last
+    ``policy.generation.colocated.resources.gpus_per_node`` bundles of each node go to generation.
+    """
+    total = cluster.gpus_per_node * cluster.num_nodes
+    if not samples or policy.generation.colocated.enabled:
+        return list(range(total)), list(range(total)) if samples else []
+    gen_per_node = policy.generation.colocated.resources.gpus_per_node
+    assert gen_per_node is not None  # checked by the master config
+    if gen_per_node >= cluster.gpus_per_node:
+        raise UserError(
+            f"non-colocated generation takes policy.generation.colocated.resources.gpus_per_node="
+            f"{gen_per_node} of cluster.gpus_per_node={cluster.gpus_per_node} slots per node, leaving "
+            "none for the policy: raise cluster.gpus_per_node or lower the generation slots"
+        )
+    policy_bundles: list[int] = []
+    generation_bundles: list[int] = []
+    for node in range(cluster.num_nodes):
+        first = node * cluster.gpus_per_node
+        split = first + cluster.gpus_per_node - gen_per_node
+        policy_bundles += range(first, split)
+        generation_bundles += range(split, first + cluster.gpus_per_node)
+    return policy_bundles, generation_bundles
+
+
+def tasks_to_start(
+    spec: SamplingSpec, train_dataset: ProcessedDataset, val_dataset: ProcessedDataset | None
+) -> set[str]:
+    """The tasks :func:`build_run` starts environments for (those not passed in); fails before anything starts
+    when a task of the data would have no environment."""
+    to_start: set[str] = set()
+    val_given = spec.val_task_to_env if spec.val_task_to_env is not None else spec.task_to_env
+    for name, dataset, given in (
+        ("train_dataset", train_dataset, spec.task_to_env),
+        ("val_dataset", val_dataset, val_given),
+    ):
+        tasks = dataset_task_names(dataset)
+        if given is None:
+            to_start |= tasks
+        elif tasks - given.keys():
+            raise UserError(
+                f"{name} has samples of task {sorted(tasks - given.keys())[0]!r}, which the environments passed "
+                f"to setup do not cover (they cover {sorted(given)}); add an environment for it"
+            )
+    check_task_envs(to_start, spec.env)
+    return to_start
+
+
+def make_train_loader(
+    dataset: ProcessedDataset,
+    resume: Resume,
+    *,
+    batch_size: int,
+    batch_size_key: str,
+    shuffle: bool,
+    seed: int,
+    collate_fn: Collate,
+    groups: Sequence[Sequence[int]] | None = None,
+) -> Loader:
+    """The training loader (whole batches only), put where the resumed checkpoint left it; ``batch_size_key``
+    names the key that sets ``batch_size`` in the error for data smaller than one batch, and ``groups``
+    are samples served together (see :class:`StatefulDataLoader`)."""
+    loader: Loader = StatefulDataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=True,
+        collate_fn=collate_fn,
+        batch_size_key=batch_size_key,
+        groups=groups,
+        # Custom datasets (the sliding-puzzle script's generator) come without a source to name.
+        data_name=(
+            f"the training data ({dataset.source})"
+            if isinstance(dataset, ProcessedDataset)
+            else "the training data"
+        ),
+    )
+    resume.restore_loader(loader)
+    return loader
+
+
+def make_val_loader(
+    dataset: ProcessedDataset | None, *, batch_size: int, seed: int, collate_fn: Collate
+) -> Loader | None:
+    """The validation loader, in order and keeping the last short batch; ``None`` without validation data."""
+    if dataset is None or len(dataset) == 0:
+        return None
+    return StatefulDataLoader(
+        dataset, batch_size=batch_size, shuffle=False, seed=seed, drop_last=False, collate_fn=collate_fn
+    )
+
+
+def start_logger(config: TrainingConfig) -> Logger:
+    """The run's logger, with the config logged as hyperparameters and saved next to the logs."""
+    logger = Logger(config.logger)
+    logger.log_hyperparams(config.model_dump(mode="json"))
+    save_config(config, config.logger.log_dir)
+    return logger
+
+
+@dataclasses.dataclass(frozen=True)
+class _SamplingChecks:
+    """What the checks before Ray found for a run that samples."""
+
+    envs_to_start: set[str]
+    """The tasks whose environments the run starts (see :func:`tasks_to_start`)."""
+    task_to_tools: dict[str, TaskTools]
+
+
+@dataclasses.dataclass
+class _Workers:
+    policy: Policy
+    scorers: dict[str, Policy]
+    sampling: Sampling | None
+
+
+def _start_policies(
+    cluster: RayVirtualCluster,
+    config: TrainingConfig,
+    spec: RunSpec[Any],
+    resume: Resume,
+    bundles: list[int] | None,
+) -> tuple[Policy, list[Policy]]:
+    """The trained policy (with the resumed checkpoint's weights and optimizer) and the scorers, on ``bundles``
+    (every slot when ``None``)."""
+    policy = Policy(
+        cluster,
+        config.policy,
+        bundle_indices=bundles,
+        init_reference_model=spec.keep_reference_model,
+        weights_path=resume.weights_path,
+        optimizer_path=resume.optimizer_path,
+    )
+    scorers = [
+        Policy(cluster, s.cfg, name_prefix=s.name, bundle_indices=bundles, init_reference_model=False)
+        for s in spec.scorers
+    ]
+    return policy, scorers
+
+
+def _start_sampling_workers(
+    cluster: RayVirtualCluster,
+    config: TrainingConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    spec: RunSpec[Any],
+    sampling: SamplingSpec,
+    resume: Resume,
+    envs_to_start: set[str],
+) -> tuple[Policy, list[Policy], PolicyWeightSync, dict[str, Any]]:
+    """Step 4 of the module docstring for a run that samples: environments, workers, transport."""
+    policy_bundles, generation_bundles = placement(config.policy, config.cluster, samples=True)
+    started: dict[str, Any] = {}
+    try:
+        started = create_task_envs(envs_to_start, sampling.env)
+        policy, scorers, generation = start_policy_and_generation(
+            cluster,
+            config.policy,
+            tokenizer,
+            seed=spec.seed,
+            policy_bundles=policy_bundles,
+            generation_bundles=generation_bundles,
+            concurrent_refit=sampling.concurrent_refit,
+            start_policies=lambda: _start_policies(cluster, config, spec, resume, policy_bundles),
+        )
+        wait_envs_started(started.values(), ENV_TIMEOUT_S)
+    except BaseException:
+        stop_envs(started.values(), ENV_TIMEOUT_S)
+        raise
+    sleep_colocated_generation(config.policy, generation)
+    for scorer in scorers:
+        scorer.offload_after_refit()
+    sync = PolicyWeightSync.start(
+        cluster,
+        config.policy,
+        policy,
+        generation,
+        policy_bundles=policy_bundles,
+        generation_bundles=generation_bundles,
+    )
+    return policy, scorers, sync, started
+
+
+def _start_workers(
+    cluster: RayVirtualCluster,
+    config: TrainingConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    spec: RunSpec[Any],
+    resume: Resume,
+    checkpointer: CheckpointManager,
+    val_dataset: ProcessedDataset | None,
+    checks: _SamplingChecks | None,
+) -> _Workers:
+    """Step 4 of the module docstring."""
+    sampling = spec.sampling
+    if sampling is None or checks is None:
+        policy, scorers = _start_policies(cluster, config, spec, resume, None)
+        return _Workers(policy, {s.name: p for s, p in zip(spec.scorers, scorers, strict=True)}, None)
+    policy, scorers, sync, started = _start_sampling_workers(
+        cluster, config, tokenizer, spec, sampling, resume, checks.envs_to_start
+    )
+    # The per-call sampling seeds continue where the checkpoint left them.
+    checkpointer.track("generation", sync.generation)
+    task_to_env = dict(started if sampling.task_to_env is None else sampling.task_to_env)
+    run_sampling = Sampling(
+        generation=sync.generation,
+        weights=GenerationWeights(sync),
+        task_to_env=task_to_env,
+        val_task_to_env=dict(task_to_env if sampling.val_task_to_env is None else sampling.val_task_to_env),
+        owned_envs=list(started.values()),
+        task_to_tools=checks.task_to_tools,
+        val_dataset=val_dataset,
+        max_seq_len=config.policy.max_total_sequence_length,
+        agent=sampling.agent,
+    )
+    return _Workers(policy, {s.name: p for s, p in zip(spec.scorers, scorers, strict=True)}, run_sampling)
+
+
+def _start_cluster(config: TrainingConfig, spec: RunSpec[Any]) -> RayVirtualCluster:
+    """Start (or attach to) Ray and reserve the run's slots."""
+    init_ray(config.cluster)
+    name = spec.name.lower()
+    if spec.sampling is None:
+        return RayVirtualCluster(config.cluster, name=name)
+    # The trained policy, its generation workers and each scorer share a slot and take turns on it.
+    return RayVirtualCluster(config.cluster, name=name, max_colocated_worker_groups=2 + len(spec.scorers))
+
+
+def build_run(
+    config: C,
+    tokenizer: PreTrainedTokenizerBase,
+    train_dataset: ProcessedDataset,
+    val_dataset: ProcessedDataset | None,
+    spec: RunSpec[S],
+) -> Run[C, S]:
+    """Check the inputs, resume, build the loaders, start Ray and the workers, and the logger (see the module
+    docstring); the run is the caller's to :meth:`~nemo_rl.algorithms.run.Run.shutdown`."""
+    checks = None
+    if spec.sampling is not None:
+        checks = _SamplingChecks(
+            envs_to_start=tasks_to_start(spec.sampling, train_dataset, val_dataset),
+            # An unknown tool fails here, before anything starts.
+            task_to_tools=build_task_tools(spec.sampling.env),
+        )
+    check_run_setup(
+        config.policy,
+        config.checkpointing,
+        config.logger.log_dir,
+        policy_world_size=len(placement(config.policy, config.cluster, samples=checks is not None)[0]),
+        run_name=spec.name,
+        metric_names=spec.metric_names,
+    )
+    checkpointer = CheckpointManager(config.checkpointing)
+    resume = find_resume(checkpointer, spec.name, config)
+    train_loader = make_train_loader(
+        train_dataset,
+        resume,
+        batch_size=spec.batch_size,
+        batch_size_key=spec.batch_size_key,
+        shuffle=config.data.shuffle,
+        seed=spec.seed,
+        collate_fn=spec.collate_fn,
+        groups=spec.train_groups,
+    )
+    val_loader = None
+    if spec.val_batch_size is not None:
+        val_loader = make_val_loader(
+            val_dataset, batch_size=spec.val_batch_size, seed=spec.seed, collate_fn=spec.collate_fn
+        )
+    cluster = _start_cluster(config, spec)
+    workers = _start_workers(cluster, config, tokenizer, spec, resume, checkpointer, val_dataset, checks)
+    run: Run[C, S] = Run(
+        config=config,
+        tokenizer=tokenizer,
+        cluster=cluster,
+        policy=workers.policy,
+        scorers=workers.scorers,
+        sampling=workers.sampling,
+        train_loader=train_loader,
+        val_loader=val_loader,
+        logger=start_logger(config),
+        checkpointer=checkpointer,
+        state=resume.state(spec.state_cls),
+    )
+    if workers.sampling is not None and workers.sampling.agent is not None:
+        _start_agent_endpoint(run, workers.sampling.agent)
+    return run
+
+
+def _start_agent_endpoint(run: Run[Any, Any], agent: AgentConfig) -> None:
+    """Serve the run's generation workers to external agents; a failed start stops the run."""
+    try:
+        run.rl.agent_endpoint = start_agent_endpoint(
+            agent, run.config.policy, run.rl.generation, run.tokenizer
+        )
+    except BaseException:
+        run.shutdown()
+        raise
