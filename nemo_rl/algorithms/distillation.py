@@ -165,7 +165,7 @@ def distillation_step(s: DistillationSetup, batch: BatchedDataDict[Any], timer: 
     with timer.time("policy_training"):
         s.policy.prepare_for_training()
         train_result = s.policy.train(train_data, s.loss_fn)
-    s.generation_stale = True
+    s.refitter.mark_stale()
     s.state.total_valid_tokens += float(train_result["global_valid_toks"].sum())
     return train_metrics(train_result, {"reward": float(rollout["total_reward"].mean()), **rollout_metrics})
 

@@ -316,7 +316,7 @@ def train_on_rollout(
     with timer.time("policy_training"):
         s.policy.prepare_for_training()
         train_result = s.policy.train(train_data, s.loss_fn)
-    s.generation_stale = True
+    s.refitter.mark_stale()
     s.state.total_valid_tokens += float(train_result["global_valid_toks"].sum())
     return train_metrics(
         train_result,

@@ -6,12 +6,11 @@ take, the workers started together, the refit transport between them, and the en
 1. Ray and the cluster's slots;
 2. the environment actors of the tasks the caller did not pass in, so their imports overlap the workers'
    start instead of delaying the first step;
-3. the generation workers and the policy (and any frozen scoring policies, such as distillation's teacher) in
-   one :func:`start_together` block; vLLM is the exception, started first and alone: it starts only when its
-   share of each GPU's memory is free, and colocated engines then sleep (weights to host memory, caches
-   freed) while the policy loads;
+3. the policy (and any frozen scoring policies, such as distillation's teacher) and the generation backend,
+   in the order the backend needs (:func:`~nemo_rl.models.generation.factory.start_policy_and_generation`);
 4. it waits for the environments; if anything failed so far, the environments it started are stopped;
-5. the refit transport that moves the policy's weights into the generation workers.
+5. the :class:`~nemo_rl.weight_sync.refitter.Refitter` that moves the policy's weights into the generation
+   backend (it checks both ends' manifests first).
 
 The result, :class:`RLWorkers`, is the base of :class:`RLRun`, which adds what every RL loop's setup holds
 (loader, logger, checkpoints, state) and what it does besides its step: refit, validate, save and shut down.
@@ -46,24 +45,17 @@ from nemo_rl.data.collate_fn import rl_collate_fn
 from nemo_rl.data.datasets import ProcessedDataset, dataset_task_names
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
-from nemo_rl.distributed.worker_groups import start_together
 from nemo_rl.environments.registry import check_task_envs, create_task_envs, stop_envs, wait_envs_started
 from nemo_rl.environments.tools import TaskTools, build_task_tools
 from nemo_rl.experience.rollouts import run_multi_turn_rollout
 from nemo_rl.experience.validation import ENV_TIMEOUT_S, validation_rollouts
-from nemo_rl.models.generation.embedded.in_policy import InPolicyEmbeddedGeneration
-from nemo_rl.models.generation.factory import (
-    create_generation,
-    create_policy_refit_transport,
-    refit_from_policy,
-)
+from nemo_rl.models.generation.factory import start_policy_and_generation
 from nemo_rl.models.generation.interfaces import GenerationInterface
 from nemo_rl.models.policy.lm_policy import Policy
 from nemo_rl.utils.checkpoint import CheckpointManager
 from nemo_rl.utils.logger import Logger
 from nemo_rl.utils.timer import Timer
-from nemo_rl.weight_sync.interfaces import RefitTransport
-from nemo_rl.weight_sync.scope import RefitScopePlanner, worker_identities
+from nemo_rl.weight_sync.refitter import Refitter
 
 RLConfig = GRPOMasterConfig | DistillationMasterConfig
 """The master configs of the RL loops: a policy with generation settings, environments and a cluster."""
@@ -142,8 +134,8 @@ class RLWorkers:
     """The frozen scoring policies, in the order of :func:`start_rl_workers`'s ``scorers``."""
     generation: GenerationInterface
     """The trained policy's generation workers."""
-    refit_transport: RefitTransport | None
-    """``None`` when the generation engines live in the policy workers (an in-process refit)."""
+    refitter: Refitter
+    """Moves the policy's weights into ``generation`` (scope, transport, offloads, staleness)."""
     task_to_env: dict[str, Any]
     """Environment actor per task for training rollouts."""
     val_task_to_env: dict[str, Any]
@@ -151,33 +143,10 @@ class RLWorkers:
     owned_envs: list[Any]
     """Environment actors the start-up started (and ``shutdown_workers`` stops); those passed in stay the
     caller's."""
-    generation_stale: bool = True
-    """Whether the policy trained since the generation workers last received its weights."""
-    refit_scopes: RefitScopePlanner = dataclasses.field(default_factory=lambda: RefitScopePlanner(False))
-    """Chooses each refit's scope: after the first, a LoRA policy sends its adapters only."""
 
     def worker_fields(self) -> dict[str, Any]:
         """This object's fields by name, to build a loop's setup dataclass (a subclass) from it."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(RLWorkers)}
-
-    def refit_generation(self, timeout_s: float) -> dict[str, float]:
-        """Copy the policy's current weights into the generation workers; returns the ``refit/*`` metrics.
-
-        The scope (:mod:`nemo_rl.weight_sync.scope`) is ``"full"`` the first time, after a failed refit and
-        whenever the generation workers changed; with LoRA it is ``"adapters"`` otherwise
-        (``refit/adapters_only`` says which)."""
-        workers = worker_identities(self.generation.workers)
-        scope = self.refit_scopes.scope_for(workers)
-        try:
-            metrics = refit_from_policy(
-                self.policy, self.generation, self.refit_transport, timeout_s=timeout_s, scope=scope
-            )
-        except BaseException:
-            self.refit_scopes.failed()
-            raise
-        self.refit_scopes.succeeded(workers, scope)
-        self.generation_stale = False
-        return {**metrics, "refit/adapters_only": float(scope == "adapters")}
 
     def shutdown_workers(self) -> None:
         """Stop the workers and the environments the start-up started, release the placement groups."""
@@ -185,8 +154,7 @@ class RLWorkers:
         for scorer in self.scorers:
             scorer.shutdown()
         self.policy.shutdown()
-        if self.refit_transport is not None:
-            self.refit_transport.shutdown()
+        self.refitter.shutdown()
         stop_envs(self.owned_envs, ENV_TIMEOUT_S)
         self.cluster.shutdown()
 
@@ -209,24 +177,10 @@ def _start_policies(
     init_reference_model: bool,
     scorers: Sequence[ScoringPolicy],
 ) -> tuple[Policy, list[Policy], GenerationInterface]:
-    """Start the generation workers, the policy and the scoring policies (steps 3 of the module docstring)."""
+    """Start the policy, the scoring policies and the generation backend (step 3 of the module docstring)."""
     policy_bundles, generation_bundles = placement(config.policy, config.cluster)
-    colocated = config.policy.generation.colocated.enabled
-    together = config.policy.generation.backend != "vllm"
-    in_policy = config.policy.generation.embedded_cfg.in_policy_workers
-    generation: GenerationInterface
-    with start_together(enabled=together):
-        if not in_policy:
-            generation = create_generation(
-                cluster,
-                config.policy,
-                tokenizer,
-                seed=seed,
-                bundle_indices=generation_bundles,
-                concurrent_refit=_refits_in_flight(config),
-            )
-            if colocated and not together:
-                generation.finish_generation()
+
+    def start_policies() -> tuple[Policy, list[Policy]]:
         policy = start_policy(
             cluster,
             config.policy,
@@ -244,9 +198,17 @@ def _start_policies(
             )
             for scorer in scorers
         ]
-    if in_policy:
-        generation = InPolicyEmbeddedGeneration(policy, tokenizer, seed=seed)
-    return policy, started_scorers, generation
+        return policy, started_scorers
+
+    return start_policy_and_generation(
+        cluster,
+        config.policy,
+        tokenizer,
+        start_policies,
+        seed=seed,
+        bundle_indices=generation_bundles,
+        concurrent_refit=_refits_in_flight(config),
+    )
 
 
 def start_rl_workers(
@@ -287,31 +249,18 @@ def start_rl_workers(
     except BaseException:
         stop_envs(started.values(), ENV_TIMEOUT_S)
         raise
-    if config.policy.generation.colocated.enabled and config.policy.generation.backend != "vllm":
-        generation.finish_generation()
     # The per-call sampling seeds continue where the checkpoint left them.
     checkpointer.track("generation", generation)
     for scorer in started_scorers:
         scorer.offload_after_refit()
-    policy_bundles, generation_bundles = placement(config.policy, config.cluster)
-    refit_transport = create_policy_refit_transport(
-        cluster,
-        config.policy,
-        policy,
-        generation,
-        policy_bundles=policy_bundles,
-        generation_bundles=generation_bundles,
-    )
     task_to_env = started if task_to_env is None else task_to_env
     val_task_to_env = task_to_env if val_task_to_env is None else val_task_to_env
-    dtensor_cfg = config.policy.dtensor_cfg
     return RLWorkers(
-        refit_scopes=RefitScopePlanner(dtensor_cfg.enabled and dtensor_cfg.lora_cfg.enabled),
+        refitter=Refitter.create(config.policy, policy, generation),
         cluster=cluster,
         policy=policy,
         scorers=started_scorers,
         generation=generation,
-        refit_transport=refit_transport,
         task_to_env=dict(task_to_env),
         val_task_to_env=dict(val_task_to_env),
         owned_envs=list(started.values()),
@@ -349,12 +298,12 @@ class RLRun(RLWorkers):
 
     def refit(self) -> dict[str, float]:
         """Copy the policy's current weights into the generation workers; returns the ``refit/*`` metrics."""
-        return self.refit_generation(self.config.policy.refit.timeout_s)
+        return self.refitter.refit()
 
     def refit_if_stale(self, timer: Timer) -> None:
         """Before sampling: refit the generation workers when the policy trained since they were last
         updated (its ``refit/*`` metrics are logged at the coming step), then wake them."""
-        if self.generation_stale:
+        if self.refitter.stale:
             with timer.time("refit"):
                 refit_metrics = self.refit()
             self.logger.log_metrics(refit_metrics, self.state.step + 1)
@@ -388,7 +337,7 @@ class RLRun(RLWorkers):
         logged at ``step`` with the samples, and kept in ``state.val_accuracy``."""
         if self.val_dataset is None or len(self.val_dataset) == 0:
             return {}
-        if self.generation_stale:
+        if self.refitter.stale:
             self.refit()
         metrics, samples = validation_rollouts(
             self.generation,
