@@ -8,7 +8,9 @@ through :meth:`GenerationWeights.generating`, and the trainer's :meth:`Generatio
 call in progress and goes before the thread's next one (the lock alone is not fair). With in-flight weight
 updates a refit takes no lock: the generation workers load the new weights between two decode steps.
 
-The copy itself is :class:`WeightSync`'s (the backend side: scope, transport, offloads).
+The copy itself, with its scope, transport, offloads and staleness flag, is the
+:class:`~nemo_rl.weight_sync.refitter.Refitter`'s; this object adds what only a run that generates while it
+trains needs around it.
 """
 
 from __future__ import annotations
@@ -20,27 +22,39 @@ from collections.abc import Callable, Iterator
 from typing import Protocol
 
 
-class WeightSync(Protocol):
-    """Copies the trained policy's current weights into the generation workers."""
+class WeightCopy(Protocol):
+    """Copies the trained policy's current weights into the generation backend (a
+    :class:`~nemo_rl.weight_sync.refitter.Refitter`)."""
+
+    @property
+    def stale(self) -> bool:
+        """Whether the policy trained since the last copy."""
 
     def refit(self) -> dict[str, float]:
         """Copy the weights now; returns the ``refit/*`` metrics."""
 
-    def enable_in_flight_updates(self, recompute_kv_cache: bool) -> None:
-        """Let the generation workers take a refit while they generate (between two decode steps)."""
+    def mark_stale(self) -> None:
+        """Record that the policy trained."""
 
     def shutdown(self) -> None:
         """Release what the copies use (transport groups, shared-memory segments)."""
+
+
+class InFlightUpdatable(Protocol):
+    """A generation backend that can take a refit while it decodes."""
+
+    def enable_in_flight_weight_updates(self, recompute_kv_cache: bool) -> None:
+        """Apply weights that arrive during a generation call between two decode steps; with
+        ``recompute_kv_cache`` the running requests' keys and values are recomputed with them."""
 
 
 class GenerationWeights:
     """The generation workers' weights: stale or not, their policy version, and the refit lock (see the module
     docstring)."""
 
-    def __init__(self, sync: WeightSync) -> None:
-        self._sync = sync
-        self.stale = True
-        """Whether the policy trained since the generation workers last received its weights."""
+    def __init__(self, copy: WeightCopy, generation: InFlightUpdatable | None = None) -> None:
+        self._copy = copy
+        self._generation = generation
         self.version = 0
         """Policy version (optimizer steps) of the weights the generation workers hold, as last published."""
         self.in_flight = False
@@ -62,8 +76,7 @@ class GenerationWeights:
         try:
             with contextlib.nullcontext() if self.in_flight else self._lock:
                 self._refit_waited_s += time.perf_counter() - start
-                metrics = self._sync.refit()
-                self.stale = False
+                metrics = self._copy.refit()
                 if version is not None:
                     self.publish(version)
         finally:
@@ -71,6 +84,19 @@ class GenerationWeights:
                 self._refits_waiting -= 1
                 self._refit_turn.notify_all()
         return metrics
+
+    @property
+    def stale(self) -> bool:
+        """Whether the policy trained since the generation workers last received its weights."""
+        return self._copy.stale
+
+    def mark_stale(self) -> None:
+        """After an optimizer step: the next :meth:`refit_if_stale` copies."""
+        self._copy.mark_stale()
+
+    def refit_if_stale(self) -> dict[str, float] | None:
+        """:meth:`refit` when the policy trained since the last copy; ``None`` otherwise."""
+        return self.refit() if self.stale else None
 
     def publish(self, version: int) -> None:
         """Record ``version`` as the policy version the generation workers hold, waking its waiters."""
@@ -81,7 +107,11 @@ class GenerationWeights:
     def enable_in_flight_updates(self, recompute_kv_cache: bool) -> None:
         """From now on refits run while the generation workers generate; with ``recompute_kv_cache`` the running
         requests' keys and values are recomputed with the new weights."""
-        self._sync.enable_in_flight_updates(recompute_kv_cache)
+        if self._generation is None:
+            raise RuntimeError(
+                "in-flight weight updates need the generation backend (GenerationWeights(...))"
+            )
+        self._generation.enable_in_flight_weight_updates(recompute_kv_cache)
         self.in_flight = True
 
     @contextlib.contextmanager
@@ -116,4 +146,4 @@ class GenerationWeights:
 
     def shutdown(self) -> None:
         """Release the weight copy's transport."""
-        self._sync.shutdown()
+        self._copy.shutdown()

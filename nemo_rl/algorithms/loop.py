@@ -308,10 +308,9 @@ def find_resume(
 
 
 # Changing these between a checkpoint and the run resuming from it would load weights or shards into a
-# model they do not fit: refused unless ``checkpointing.allow_incompatible_resume``.
-_INCOMPATIBLE_KEYS = re.compile(
-    r"^policy\.(model_name|tokenizer\.name|megatron_cfg\.enabled|(dtensor_cfg|megatron_cfg)\.\w*parallel_size)$"
-)
+# model they do not fit: refused unless ``checkpointing.allow_incompatible_resume``. The model, its tokenizer,
+# and any policy section's switch (the policy backend, the reward head) or parallel layout.
+_INCOMPATIBLE_KEYS = re.compile(r"^policy\.(model_name|tokenizer\.name|\w+_cfg\.(enabled|\w*parallel_size))$")
 # Bookkeeping that does not change what the resumed steps compute.
 _NEUTRAL_KEYS = re.compile(
     r"^(logger|checkpointing)\.|\.(max_num_steps|max_num_epochs|export_dir|val_period|val_at_start)$"

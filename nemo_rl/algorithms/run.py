@@ -239,7 +239,7 @@ class Run(Generic[C, S]):
 
     def mark_trained(self) -> None:
         """After an optimizer step: the generation workers' weights are stale."""
-        self.rl.weights.stale = True
+        self.rl.weights.mark_stale()
 
     def sample(
         self,

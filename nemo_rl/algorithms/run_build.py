@@ -8,10 +8,11 @@ It goes, in this order:
 2. the checkpoint to resume (its loop state) and the loaders, put where that checkpoint left them;
 3. Ray and the cluster's slots;
 4. for a run that samples: the environment actors of the tasks the caller did not pass in (created first, so
-   their imports overlap the workers' start), then the generation workers, the policy and the scorers started
-   together (:mod:`nemo_rl.algorithms.run_backends`), then it waits for the environments (if anything failed
-   so far, the environments it started are stopped), then the weight transport; otherwise the policy (and the
-   scorers) on every slot;
+   their imports overlap the workers' start), then the policy, the scorers and the generation backend in the
+   order the backend needs (:func:`~nemo_rl.models.generation.factory.start_policy_and_generation`), then it
+   waits for the environments (if anything failed so far, the environments it started are stopped), then the
+   :class:`~nemo_rl.weight_sync.refitter.Refitter` (both ends' manifests checked); otherwise the policy (and
+   the scorers) on every slot;
 5. the logger, with the config logged and saved.
 """
 
@@ -19,18 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 from transformers import PreTrainedTokenizerBase
 
-from nemo_rl.algorithms.generation_weights import GenerationWeights
+from nemo_rl.algorithms.generation_weights import GenerationWeights, InFlightUpdatable
 from nemo_rl.algorithms.loop import Resume, check_run_setup, find_resume
 from nemo_rl.algorithms.run import Loader, Run, RunState, Sampling, TrainingConfig
-from nemo_rl.algorithms.run_backends import (
-    PolicyWeightSync,
-    sleep_colocated_generation,
-    start_policy_and_generation,
-)
 from nemo_rl.config.agent import AgentConfig
 from nemo_rl.config.cluster import ClusterConfig
 from nemo_rl.config.env import EnvConfig
@@ -45,9 +41,12 @@ from nemo_rl.environments.registry import check_task_envs, create_task_envs, sto
 from nemo_rl.environments.tools import TaskTools, build_task_tools
 from nemo_rl.experience.agent_rollouts import start_agent_endpoint
 from nemo_rl.experience.validation import ENV_TIMEOUT_S
+from nemo_rl.models.generation.factory import start_policy_and_generation
+from nemo_rl.models.generation.interfaces import GenerationInterface
 from nemo_rl.models.policy.lm_policy import Policy
 from nemo_rl.utils.checkpoint import CheckpointManager
 from nemo_rl.utils.logger import Logger
+from nemo_rl.weight_sync.refitter import Refitter
 
 C = TypeVar("C", bound=TrainingConfig)
 S = TypeVar("S", bound=RunState)
@@ -260,8 +259,8 @@ def _start_sampling_workers(
     sampling: SamplingSpec,
     resume: Resume,
     envs_to_start: set[str],
-) -> tuple[Policy, list[Policy], PolicyWeightSync, dict[str, Any]]:
-    """Step 4 of the module docstring for a run that samples: environments, workers, transport."""
+) -> tuple[Policy, list[Policy], GenerationInterface, dict[str, Any]]:
+    """Step 4 of the module docstring for a run that samples: environments, then the workers."""
     policy_bundles, generation_bundles = placement(config.policy, config.cluster, samples=True)
     started: dict[str, Any] = {}
     try:
@@ -270,28 +269,18 @@ def _start_sampling_workers(
             cluster,
             config.policy,
             tokenizer,
+            lambda: _start_policies(cluster, config, spec, resume, policy_bundles),
             seed=spec.seed,
-            policy_bundles=policy_bundles,
-            generation_bundles=generation_bundles,
+            bundle_indices=generation_bundles,
             concurrent_refit=sampling.concurrent_refit,
-            start_policies=lambda: _start_policies(cluster, config, spec, resume, policy_bundles),
         )
         wait_envs_started(started.values(), ENV_TIMEOUT_S)
     except BaseException:
         stop_envs(started.values(), ENV_TIMEOUT_S)
         raise
-    sleep_colocated_generation(config.policy, generation)
     for scorer in scorers:
         scorer.offload_after_refit()
-    sync = PolicyWeightSync.start(
-        cluster,
-        config.policy,
-        policy,
-        generation,
-        policy_bundles=policy_bundles,
-        generation_bundles=generation_bundles,
-    )
-    return policy, scorers, sync, started
+    return policy, scorers, generation, started
 
 
 def _start_workers(
@@ -309,15 +298,17 @@ def _start_workers(
     if sampling is None or checks is None:
         policy, scorers = _start_policies(cluster, config, spec, resume, None)
         return _Workers(policy, {s.name: p for s, p in zip(spec.scorers, scorers, strict=True)}, None)
-    policy, scorers, sync, started = _start_sampling_workers(
+    policy, scorers, generation, started = _start_sampling_workers(
         cluster, config, tokenizer, spec, sampling, resume, checks.envs_to_start
     )
     # The per-call sampling seeds continue where the checkpoint left them.
-    checkpointer.track("generation", sync.generation)
+    checkpointer.track("generation", generation)
+    # Only backends that take refits while they generate are started with concurrent_refit.
+    in_flight = cast(InFlightUpdatable, generation) if sampling.concurrent_refit else None
     task_to_env = dict(started if sampling.task_to_env is None else sampling.task_to_env)
     run_sampling = Sampling(
-        generation=sync.generation,
-        weights=GenerationWeights(sync),
+        generation=generation,
+        weights=GenerationWeights(Refitter.create(config.policy, policy, generation), in_flight),
         task_to_env=task_to_env,
         val_task_to_env=dict(task_to_env if sampling.val_task_to_env is None else sampling.val_task_to_env),
         owned_envs=list(started.values()),

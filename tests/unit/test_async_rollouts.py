@@ -57,8 +57,12 @@ class FakeGeneration:
 
     def __init__(self) -> None:
         self.calls: list[str] = []
+        self.in_flight = False
         self.hold: threading.Event | None = None
         self.entered = threading.Event()
+
+    def enable_in_flight_weight_updates(self, recompute_kv_cache: bool) -> None:
+        self.in_flight = True
 
     def generate(self, data: BatchedDataDict[Any], greedy: bool = False) -> BatchedDataDict[Any]:
         self.calls.append("generate")
@@ -77,20 +81,23 @@ def prompt_batches() -> Iterator[BatchedDataDict[Any]]:
         index += 1
 
 
-class FakeSync:
-    """The weight copy of :class:`GenerationWeights`: records each refit among the generation calls."""
+class FakeCopy:
+    """The weight copy of :class:`GenerationWeights` (a Refitter): records each refit among the generation
+    calls."""
 
     def __init__(self, generation: FakeGeneration) -> None:
         self.generation = generation
         self.refits = 0
+        self.stale = True
 
     def refit(self) -> dict[str, float]:
         self.generation.calls.append("refit")
         self.refits += 1
+        self.stale = False
         return {"refit/bytes": 1.0}
 
-    def enable_in_flight_updates(self, recompute_kv_cache: bool) -> None:
-        pass
+    def mark_stale(self) -> None:
+        self.stale = True
 
     def shutdown(self) -> None:
         pass
@@ -107,8 +114,8 @@ class Harness:
         self._generated_cond = threading.Condition()
         self.drawn = 0
         self.fail_next = failures
-        self.sync = FakeSync(self.generation)
-        self.weights = GenerationWeights(self.sync)
+        self.sync = FakeCopy(self.generation)
+        self.weights = GenerationWeights(self.sync, self.generation)
         self.weights.publish(start_version)
         if kw.pop("in_flight", False):
             self.weights.enable_in_flight_updates(recompute_kv_cache=False)
@@ -206,6 +213,7 @@ def test_a_refit_waits_for_the_generation_call_in_progress_unless_in_flight() ->
             assert h.sync.refits == 1
             calls = h.generation.calls
             assert calls.index("refit") == (1 if in_flight else calls.index("generate") + 1)
+            assert h.generation.in_flight is in_flight
         finally:
             h.generation.hold.set()
             h.rollouts.close()

@@ -58,6 +58,7 @@ from nemo_rl.models.policy.hf_io import (
     export_hf_checkpoint,
     load_sharded_model,
 )
+from nemo_rl.models.policy.interfaces import LoraSummary
 from nemo_rl.models.policy.loss_interface import LossFunction
 from nemo_rl.models.policy.moe import RouterRecorder, moe_step_terms, replay_rows
 from nemo_rl.models.policy.optim import build_optimizer, build_scheduler, clip_grad_norm_, freeze_parameters
@@ -382,12 +383,14 @@ class DTensorPolicyWorker(DTensorRefitMixin, PolicyWorkerBase):
     def _after_eval_step(self) -> None:
         reshard_all(self.model)
 
-    def lora_summary(self) -> tuple[int, int, int]:
-        """``(adapted layers, trained parameters, all parameters)``: full counts (a DTensor's ``numel`` is its
-        global size), for the line the driver prints at start."""
+    def lora_summary(self) -> LoraSummary | None:
+        """The adapters' size: full counts (a DTensor's ``numel`` is its global size); ``None`` without LoRA."""
+        if not self.lora_targets:
+            return None
         params = list(self.model.parameters())
         trained = sum(p.numel() for p in params if p.requires_grad)
-        return len(self.lora_targets), trained, sum(p.numel() for p in params)
+        rank = self.cfg.dtensor_cfg.lora_cfg.dim
+        return LoraSummary(rank, len(self.lora_targets), trained, sum(p.numel() for p in params))
 
     def trains_with_dropout(self) -> bool:
         """Whether the model's config (with ``policy.hf_config_overrides``) sets a positive dropout probability
