@@ -28,7 +28,7 @@ from transformers import PreTrainedTokenizerBase
 from nemo_rl.algorithms.loop import train_metrics
 from nemo_rl.algorithms.loss_functions import DistillationLossFn
 from nemo_rl.algorithms.run import RLState, Run
-from nemo_rl.algorithms.run_build import RunSpec, SamplingSpec, ScoringPolicy, build_run, placement
+from nemo_rl.algorithms.run_build import ExtraPolicy, RunSpec, SamplingSpec, build_run
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.master import DistillationMasterConfig
 from nemo_rl.config.policy import PolicyConfig
@@ -37,7 +37,6 @@ from nemo_rl.data.datasets import ProcessedDataset
 from nemo_rl.data.llm_message_utils import message_logs_to_batch
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.models.hf_config import load_hf_config
-from nemo_rl.models.policy.lm_policy import check_policy_layout
 from nemo_rl.models.tokenizer import get_policy_tokenizer
 from nemo_rl.utils.timer import Timer
 
@@ -46,7 +45,7 @@ MasterConfig = DistillationMasterConfig
 
 _TRAIN_ROLES = ("assistant",)
 TEACHER = "teacher"
-"""The teacher's key in ``Run.scorers``."""
+"""The teacher's key in ``Run.models``."""
 
 
 class DistillationState(RLState):
@@ -55,7 +54,7 @@ class DistillationState(RLState):
 
 
 DistillationRun = Run[DistillationMasterConfig, DistillationState]
-"""A started distillation run: the trained ``policy`` is the student, ``scorers["teacher"]`` the teacher."""
+"""A started distillation run: the trained ``policy`` is the student, ``models["teacher"]`` the teacher."""
 
 
 def check_teacher_matches_student(
@@ -104,9 +103,7 @@ def setup(
     ``env.<task>``.
     """
     cfg = config.distillation
-    # Input checks that need no workers, before Ray starts.
-    policy_world_size = len(placement(config.policy, config.cluster, samples=True)[0])
-    check_policy_layout(config.teacher, policy_world_size)
+    # Input checks that need no workers, before Ray starts (the teacher's layout: build_run's).
     check_teacher_matches_student(config.policy, config.teacher, tokenizer, cfg.topk_logits_k)
     spec = RunSpec(
         name="distillation",
@@ -116,7 +113,7 @@ def setup(
         batch_size=cfg.num_prompts_per_step,
         batch_size_key="distillation.num_prompts_per_step",
         collate_fn=rl_collate_fn,
-        scorers=[ScoringPolicy(config.teacher, name=TEACHER)],
+        models=[ExtraPolicy(config.teacher, name=TEACHER)],
         sampling=SamplingSpec(env=config.env),
     )
     return build_run(config, tokenizer, train_dataset, val_dataset, spec)
@@ -124,7 +121,7 @@ def setup(
 
 def teacher_topk(run: DistillationRun, train_data: BatchedDataDict[Any]) -> None:
     """Add the teacher's ``teacher_topk_logits`` / ``teacher_topk_indices`` [B, T, k] to ``train_data``."""
-    teacher = run.scorers[TEACHER]
+    teacher = run.models[TEACHER]
     teacher.prepare_for_lp_inference()
     topk = teacher.get_topk_logits(train_data, run.config.distillation.topk_logits_k)
     teacher.offload_after_refit()

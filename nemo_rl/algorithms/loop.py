@@ -247,12 +247,19 @@ class Resume:
     @property
     def weights_path(self) -> str | None:
         """Where the policy's weights were saved (``Policy(weights_path=...)``)."""
-        return None if self.path is None else str(self.path / _POLICY_DIR / "weights")
+        return self.policy_paths()[0]
 
     @property
     def optimizer_path(self) -> str | None:
         """Where the optimizer and scheduler state were saved (``Policy(optimizer_path=...)``)."""
-        return None if self.path is None else str(self.path / _POLICY_DIR / "optimizer")
+        return self.policy_paths()[1]
+
+    def policy_paths(self, name: str = _POLICY_DIR) -> tuple[str | None, str | None]:
+        """Where the weights and the optimizer state of the trained policy ``name`` were saved (the run's
+        policy by default; another trained policy, such as a critic, under its own name)."""
+        if self.path is None:
+            return None, None
+        return str(self.path / name / "weights"), str(self.path / name / "optimizer")
 
     def state(self, state_cls: type[S]) -> S:
         """The loop state saved in the checkpoint: ``state_cls`` (a dataclass) built from the saved values of
@@ -421,16 +428,24 @@ def save_training_checkpoint(
     policy: PolicyInterface,
     train_loader: SupportsStateDict,
     metric_value: float | None = None,
+    other_policies: Mapping[str, PolicyInterface] | None = None,
 ) -> Path:
     """Write the policy (weights, optimizer, scheduler), the loader position and the loop state as
     ``step_<state.step>``, atomically; with ``checkpointing.save_consolidated`` also a Hugging Face export of
     the weights in ``step_<N>/consolidated``.
 
     ``metric_value`` is recorded under ``checkpointing.metric_name`` (see :func:`training_info`).
+    ``other_policies`` are further trained policies (a critic), each saved under its name
+    (:meth:`Resume.policy_paths` finds them).
     """
+    others = dict(other_policies or {})
+    reserved = {_POLICY_DIR, _CONSOLIDATED_DIR} & others.keys()
+    if reserved:
+        raise ValueError(f"a trained policy cannot be named {sorted(reserved)[0]!r} (a checkpoint folder)")
     info = training_info(state, checkpointer.cfg.metric_name, metric_value)
     tmp = checkpointer.init_tmp_checkpoint(state.step, info, run_config)
-    policy.save_checkpoint(str(tmp / _POLICY_DIR / "weights"), str(tmp / _POLICY_DIR / "optimizer"))
+    for name, trained in {_POLICY_DIR: policy, **others}.items():
+        trained.save_checkpoint(str(tmp / name / "weights"), str(tmp / name / "optimizer"))
     if checkpointer.cfg.save_consolidated:
         policy.export_hf(str(tmp / _CONSOLIDATED_DIR))
     torch.save(train_loader.state_dict(), tmp / _LOADER_FILE)

@@ -1,7 +1,7 @@
 """One training run: the object every algorithm's loop calls.
 
 A :class:`Run` owns everything a training loop touches besides its own step: the cluster, the trained policy
-and any frozen scorers (distillation's teacher), for the loops that sample the generation workers with their
+and any further policies (distillation's frozen teacher, a trained critic), for the loops that sample the generation workers with their
 environments, tools and weights (:class:`Sampling`), the checkpoint manager, the logger, the loaders and the
 loop state. :func:`nemo_rl.algorithms.run_build.build_run` builds it from the typed config and the runtime
 objects; an algorithm file holds only its setup call, its step and its loss wiring::
@@ -159,8 +159,11 @@ class Run(Generic[C, S]):
     cluster: RayVirtualCluster
     policy: Policy
     """The trained policy."""
-    scorers: dict[str, Policy]
-    """Frozen policies that only score, by name (distillation's ``"teacher"``); on the policy's slots."""
+    models: dict[str, Policy]
+    """Policies besides the trained one, by name, on its slots: frozen scorers (distillation's ``"teacher"``)
+    and further trained models (a critic)."""
+    trained_models: tuple[str, ...] = ()
+    """The names in ``models`` that train: checkpointed with the run and resumed with it."""
     sampling: Sampling | None
     """Generation, weights and environments; ``None`` for loops on a fixed data set (SFT, DPO, RM)."""
     train_loader: Loader
@@ -220,6 +223,7 @@ class Run(Generic[C, S]):
             policy=self.policy,
             train_loader=self.train_loader if loader_position is None else loader_position,
             metric_value=self.state.checkpoint_metric,
+            other_policies={name: self.models[name] for name in self.trained_models},
         )
 
     # ---------------------------------------------------------------------------------- sampling
@@ -323,8 +327,8 @@ class Run(Generic[C, S]):
             if rl.agent_endpoint is not None:
                 rl.agent_endpoint.stop()
             rl.generation.shutdown()
-        for scorer in self.scorers.values():
-            scorer.shutdown()
+        for model in self.models.values():
+            model.shutdown()
         self.policy.shutdown()
         if rl is not None:
             rl.weights.shutdown()

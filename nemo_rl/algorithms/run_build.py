@@ -8,11 +8,11 @@ It goes, in this order:
 2. the checkpoint to resume (its loop state) and the loaders, put where that checkpoint left them;
 3. Ray and the cluster's slots;
 4. for a run that samples: the environment actors of the tasks the caller did not pass in (created first, so
-   their imports overlap the workers' start), then the policy, the scorers and the generation backend in the
+   their imports overlap the workers' start), then the policy, the extra policies and the generation backend in the
    order the backend needs (:func:`~nemo_rl.models.generation.factory.start_policy_and_generation`), then it
    waits for the environments (if anything failed so far, the environments it started are stopped), then the
    :class:`~nemo_rl.weight_sync.refitter.Refitter` (both ends' manifests checked); otherwise the policy (and
-   the scorers) on every slot;
+   the extra policies) on every slot;
 5. the logger, with the config logged and saved.
 """
 
@@ -43,7 +43,8 @@ from nemo_rl.experience.agent_rollouts import start_agent_endpoint
 from nemo_rl.experience.validation import ENV_TIMEOUT_S
 from nemo_rl.models.generation.factory import start_policy_and_generation
 from nemo_rl.models.generation.interfaces import GenerationInterface
-from nemo_rl.models.policy.lm_policy import Policy
+from nemo_rl.models.policy.lm_policy import Policy, check_policy_layout
+from nemo_rl.models.policy.optim import check_optimizer_config
 from nemo_rl.utils.checkpoint import CheckpointManager
 from nemo_rl.utils.logger import Logger
 from nemo_rl.weight_sync.refitter import Refitter
@@ -55,13 +56,15 @@ Collate = Callable[[list[Any]], BatchedDataDict[Any]]
 
 
 @dataclasses.dataclass(frozen=True)
-class ScoringPolicy:
-    """A frozen policy started with the trained one, on its slots, that only scores (distillation's teacher).
-    It keeps its weights off the device except while scoring."""
+class ExtraPolicy:
+    """A policy started with the run's policy, on its slots: frozen, it only scores (distillation's teacher)
+    and keeps its weights off the device except while scoring; trained (a critic), it is checkpointed with the
+    run and resumed from its checkpoint."""
 
     cfg: PolicyConfig
     name: str
-    """Its key in ``Run.scorers``; also names its worker actors apart from the trained policy's."""
+    """Its key in ``Run.models`` and its folder in a checkpoint; also names its worker actors."""
+    trained: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -103,7 +106,8 @@ class RunSpec(Generic[S]):
     """Batches of a validation loader over ``val_dataset`` (loops on a fixed data set); ``None``: no loader."""
     keep_reference_model: bool = False
     """The policy keeps its initial weights for reference log-probabilities."""
-    scorers: Sequence[ScoringPolicy] = ()
+    models: Sequence[ExtraPolicy] = ()
+    """Policies besides the trained one (a frozen teacher, a trained critic)."""
     sampling: SamplingSpec | None = None
     """Generation workers, environments and refit; ``None`` for a loop on a fixed data set."""
 
@@ -223,7 +227,7 @@ class _SamplingChecks:
 @dataclasses.dataclass
 class _Workers:
     policy: Policy
-    scorers: dict[str, Policy]
+    models: dict[str, Policy]
     sampling: Sampling | None
 
 
@@ -234,8 +238,8 @@ def _start_policies(
     resume: Resume,
     bundles: list[int] | None,
 ) -> tuple[Policy, list[Policy]]:
-    """The trained policy (with the resumed checkpoint's weights and optimizer) and the scorers, on ``bundles``
-    (every slot when ``None``)."""
+    """The trained policy and the extra policies (the trained ones with the resumed checkpoint's weights and
+    optimizer), on ``bundles`` (every slot when ``None``)."""
     policy = Policy(
         cluster,
         config.policy,
@@ -244,11 +248,21 @@ def _start_policies(
         weights_path=resume.weights_path,
         optimizer_path=resume.optimizer_path,
     )
-    scorers = [
-        Policy(cluster, s.cfg, name_prefix=s.name, bundle_indices=bundles, init_reference_model=False)
-        for s in spec.scorers
-    ]
-    return policy, scorers
+    models = []
+    for extra in spec.models:
+        weights_path, optimizer_path = resume.policy_paths(extra.name) if extra.trained else (None, None)
+        models.append(
+            Policy(
+                cluster,
+                extra.cfg,
+                name_prefix=extra.name,
+                bundle_indices=bundles,
+                init_reference_model=False,
+                weights_path=weights_path,
+                optimizer_path=optimizer_path,
+            )
+        )
+    return policy, models
 
 
 def _start_sampling_workers(
@@ -265,7 +279,7 @@ def _start_sampling_workers(
     started: dict[str, Any] = {}
     try:
         started = create_task_envs(envs_to_start, sampling.env)
-        policy, scorers, generation = start_policy_and_generation(
+        policy, models, generation = start_policy_and_generation(
             cluster,
             config.policy,
             tokenizer,
@@ -278,9 +292,10 @@ def _start_sampling_workers(
     except BaseException:
         stop_envs(started.values(), ENV_TIMEOUT_S)
         raise
-    for scorer in scorers:
-        scorer.offload_after_refit()
-    return policy, scorers, generation, started
+    for extra, model in zip(spec.models, models, strict=True):
+        if not extra.trained:
+            model.offload_after_refit()
+    return policy, models, generation, started
 
 
 def _start_workers(
@@ -296,9 +311,9 @@ def _start_workers(
     """Step 4 of the module docstring."""
     sampling = spec.sampling
     if sampling is None or checks is None:
-        policy, scorers = _start_policies(cluster, config, spec, resume, None)
-        return _Workers(policy, {s.name: p for s, p in zip(spec.scorers, scorers, strict=True)}, None)
-    policy, scorers, generation, started = _start_sampling_workers(
+        policy, models = _start_policies(cluster, config, spec, resume, None)
+        return _Workers(policy, {s.name: p for s, p in zip(spec.models, models, strict=True)}, None)
+    policy, models, generation, started = _start_sampling_workers(
         cluster, config, tokenizer, spec, sampling, resume, checks.envs_to_start
     )
     # The per-call sampling seeds continue where the checkpoint left them.
@@ -317,7 +332,15 @@ def _start_workers(
         max_seq_len=config.policy.max_total_sequence_length,
         agent=sampling.agent,
     )
-    return _Workers(policy, {s.name: p for s, p in zip(spec.scorers, scorers, strict=True)}, run_sampling)
+    return _Workers(policy, {s.name: p for s, p in zip(spec.models, models, strict=True)}, run_sampling)
+
+
+def check_extra_policy(extra: ExtraPolicy, world_size: int) -> None:
+    """The checks of an extra policy before Ray starts: its layout on the policy's ``world_size`` slots, and a
+    trained one's optimizer and scheduler."""
+    check_policy_layout(extra.cfg, world_size)
+    if extra.trained:
+        check_optimizer_config(extra.cfg)
 
 
 def _start_cluster(config: TrainingConfig, spec: RunSpec[Any]) -> RayVirtualCluster:
@@ -326,8 +349,8 @@ def _start_cluster(config: TrainingConfig, spec: RunSpec[Any]) -> RayVirtualClus
     name = spec.name.lower()
     if spec.sampling is None:
         return RayVirtualCluster(config.cluster, name=name)
-    # The trained policy, its generation workers and each scorer share a slot and take turns on it.
-    return RayVirtualCluster(config.cluster, name=name, max_colocated_worker_groups=2 + len(spec.scorers))
+    # The trained policy, its generation workers and each extra policy share a slot and take turns on it.
+    return RayVirtualCluster(config.cluster, name=name, max_colocated_worker_groups=2 + len(spec.models))
 
 
 def build_run(
@@ -346,14 +369,17 @@ def build_run(
             # An unknown tool fails here, before anything starts.
             task_to_tools=build_task_tools(spec.sampling.env),
         )
+    world_size = len(placement(config.policy, config.cluster, samples=checks is not None)[0])
     check_run_setup(
         config.policy,
         config.checkpointing,
         config.logger.log_dir,
-        policy_world_size=len(placement(config.policy, config.cluster, samples=checks is not None)[0]),
+        policy_world_size=world_size,
         run_name=spec.name,
         metric_names=spec.metric_names,
     )
+    for extra in spec.models:
+        check_extra_policy(extra, world_size)
     checkpointer = CheckpointManager(config.checkpointing)
     resume = find_resume(checkpointer, spec.name, config)
     train_loader = make_train_loader(
@@ -378,7 +404,8 @@ def build_run(
         tokenizer=tokenizer,
         cluster=cluster,
         policy=workers.policy,
-        scorers=workers.scorers,
+        models=workers.models,
+        trained_models=tuple(m.name for m in spec.models if m.trained),
         sampling=workers.sampling,
         train_loader=train_loader,
         val_loader=val_loader,
