@@ -32,7 +32,6 @@ from nemo_rl.algorithms.run_build import ExtraPolicy, RunSpec, SamplingSpec, bui
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.master import DistillationMasterConfig
 from nemo_rl.config.policy import PolicyConfig
-from nemo_rl.data.collate_fn import rl_collate_fn
 from nemo_rl.data.datasets import ProcessedDataset
 from nemo_rl.data.llm_message_utils import message_logs_to_batch
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
@@ -105,16 +104,14 @@ def setup(
     cfg = config.distillation
     # Input checks that need no workers, before Ray starts (the teacher's layout: build_run's).
     check_teacher_matches_student(config.policy, config.teacher, tokenizer, cfg.topk_logits_k)
-    spec = RunSpec(
-        name="distillation",
-        state_cls=DistillationState,
-        metric_names={"val_accuracy", "validation/accuracy", "val:accuracy"},
+    spec = RunSpec.sampling_loop(
+        "distillation",
+        DistillationState,
+        SamplingSpec(env=config.env),
+        section="distillation",
         seed=cfg.seed,
-        batch_size=cfg.num_prompts_per_step,
-        batch_size_key="distillation.num_prompts_per_step",
-        collate_fn=rl_collate_fn,
+        num_prompts=cfg.num_prompts_per_step,
         models=[ExtraPolicy(config.teacher, name=TEACHER)],
-        sampling=SamplingSpec(env=config.env),
     )
     return build_run(config, tokenizer, train_dataset, val_dataset, spec)
 

@@ -38,7 +38,6 @@ from nemo_rl.algorithms.run_build import RunSpec, SamplingSpec, build_run
 from nemo_rl.config.algorithms import GRPOConfig
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.master import GRPOMasterConfig
-from nemo_rl.data.collate_fn import rl_collate_fn
 from nemo_rl.data.datasets import ProcessedDataset
 from nemo_rl.data.llm_message_utils import flat_token_positions, message_logs_to_batch
 from nemo_rl.data.prompt_messages import KeepPromptMessages
@@ -105,22 +104,20 @@ def setup(
         train_dataset = dataclasses.replace(
             train_dataset, processor=KeepPromptMessages(train_dataset.processor)
         )
-    spec = RunSpec(
-        name="GRPO",
-        state_cls=GRPOState,
-        metric_names={"val_accuracy", "validation/accuracy", "val:accuracy"},
-        seed=grpo.seed,
-        batch_size=grpo.prompts_per_generation_batch,
-        batch_size_key="grpo.num_prompts_per_step",
-        collate_fn=rl_collate_fn,
-        keep_reference_model=config.loss_fn.reference_policy_kl_penalty > 0,
-        sampling=SamplingSpec(
+    spec = RunSpec.sampling_loop(
+        "GRPO",
+        GRPOState,
+        SamplingSpec(
             env=config.env,
             task_to_env=task_to_env,
             val_task_to_env=val_task_to_env,
             concurrent_refit=grpo.async_grpo.enabled and grpo.async_grpo.in_flight_weight_updates,
             agent=grpo.agent if grpo.agent.enabled else None,
         ),
+        section="grpo",
+        seed=grpo.seed,
+        num_prompts=grpo.prompts_per_generation_batch,
+        keep_reference_model=config.loss_fn.reference_policy_kl_penalty > 0,
     )
     return build_run(config, tokenizer, train_dataset, val_dataset, spec)
 

@@ -88,16 +88,13 @@ class RunState(LoopState, Protocol):
 
 @dataclasses.dataclass
 class SupervisedState:
-    """What a checkpoint records about the progress of a loop trained on a fixed data set (SFT, DPO, RM)."""
+    """What a checkpoint records about the progress of a loop trained on a fixed data set (SFT, DPO, RM): the
+    optimizer steps taken, the epochs begun, and the latest validation loss (what
+    ``checkpointing.metric_name: val_loss`` ranks checkpoints by)."""
 
     step: int = 0
-    """Optimizer steps taken."""
-
     epoch: int = 0
-    """Epochs begun."""
-
     val_loss: float | None = None
-    """Latest validation loss (what ``checkpointing.metric_name: val_loss`` ranks checkpoints by)."""
 
     @property
     def checkpoint_metric(self) -> float | None:
@@ -107,21 +104,17 @@ class SupervisedState:
 
 @dataclasses.dataclass
 class RLState:
-    """What a checkpoint records about an RL loop's progress."""
-
-    step: int = 0
-    """Steps taken."""
-
-    total_valid_tokens: float = 0.0
-    """Tokens trained on so far."""
-
-    val_accuracy: float | None = None
-    """Latest validation accuracy."""
+    """What a checkpoint records about an RL loop's progress: the steps taken, the tokens trained on so far and
+    the latest validation accuracy (what ranks its checkpoints)."""
 
     @property
     def checkpoint_metric(self) -> float | None:
         """The validation accuracy."""
         return self.val_accuracy
+
+    step: int = 0
+    total_valid_tokens: float = 0.0
+    val_accuracy: float | None = None
 
 
 @dataclasses.dataclass(kw_only=True, eq=False)

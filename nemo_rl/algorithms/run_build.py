@@ -33,6 +33,7 @@ from nemo_rl.config.env import EnvConfig
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.loader import save_config
 from nemo_rl.config.policy import PolicyConfig
+from nemo_rl.data.collate_fn import rl_collate_fn
 from nemo_rl.data.dataloader import StatefulDataLoader
 from nemo_rl.data.datasets import ProcessedDataset, dataset_task_names
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
@@ -110,6 +111,34 @@ class RunSpec(Generic[S]):
     """Policies besides the trained one (a frozen teacher, a trained critic)."""
     sampling: SamplingSpec | None = None
     """Generation workers, environments and refit; ``None`` for a loop on a fixed data set."""
+
+    @classmethod
+    def sampling_loop(
+        cls,
+        name: str,
+        state_cls: type[S],
+        sampling: SamplingSpec,
+        *,
+        section: str,
+        seed: int,
+        num_prompts: int,
+        keep_reference_model: bool = False,
+        models: Sequence[ExtraPolicy] = (),
+    ) -> RunSpec[S]:
+        """The spec of a loop that samples (GRPO, distillation): prompt batches of ``num_prompts``, set by
+        ``<section>.num_prompts_per_step``; checkpoints ranked by validation accuracy."""
+        return cls(
+            name=name,
+            state_cls=state_cls,
+            metric_names={"val_accuracy", "validation/accuracy", "val:accuracy"},
+            seed=seed,
+            batch_size=num_prompts,
+            batch_size_key=f"{section}.num_prompts_per_step",
+            collate_fn=rl_collate_fn,
+            keep_reference_model=keep_reference_model,
+            models=models,
+            sampling=sampling,
+        )
 
 
 def placement(policy: PolicyConfig, cluster: ClusterConfig, *, samples: bool) -> tuple[list[int], list[int]]:

@@ -204,6 +204,8 @@ class AsyncRollouts:
         max_failures: int,
         take_timeout_s: float,
     ) -> None:
+        # At most max_age batches ahead of the one the trainer takes next.
+        self.buffer = TrajectoryBuffer(capacity=max_age + 1)
         self._generation = generation
         self.weights = weights
         self._roll_out = roll_out
@@ -214,7 +216,6 @@ class AsyncRollouts:
         self.max_age = max_age
         self._max_failures = max_failures
         self._take_timeout_s = take_timeout_s
-        self.buffer = TrajectoryBuffer(capacity=max_age + 1)
         self._counters = _Counters()
         self._counters_lock = threading.Lock()
         self._consumed_state = loader_state()
