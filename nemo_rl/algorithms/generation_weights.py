@@ -91,12 +91,8 @@ class GenerationWeights:
         return self._copy.stale
 
     def mark_stale(self) -> None:
-        """After an optimizer step: the next :meth:`refit_if_stale` copies."""
+        """After an optimizer step: the generation workers' weights are behind the policy's."""
         self._copy.mark_stale()
-
-    def refit_if_stale(self) -> dict[str, float] | None:
-        """:meth:`refit` when the policy trained since the last copy; ``None`` otherwise."""
-        return self.refit() if self.stale else None
 
     def publish(self, version: int) -> None:
         """Record ``version`` as the policy version the generation workers hold, waking its waiters."""

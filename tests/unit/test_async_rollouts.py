@@ -312,3 +312,24 @@ def test_a_valid_async_config_loads() -> None:
 def test_combinations_that_cannot_work_fail_at_config_time(changes: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message.replace(".", r"\.")):
         GRPOMasterConfig.model_validate(config(**changes))
+
+
+def test_the_run_weights_track_staleness_versions_and_hold_refits_out_of_a_validation() -> None:
+    generation = FakeGeneration()
+    copy = FakeCopy(generation)
+    weights = GenerationWeights(copy)
+    assert weights.stale and weights.version == 0
+    assert weights.refit(version=3) == {"refit/bytes": 1.0}
+    assert not weights.stale and weights.version == 3
+    weights.mark_stale()
+    assert weights.stale
+    # A validation holds the generation workers: a refit waits for it to end.
+    with weights.exclusive():
+        refit = threading.Thread(target=weights.refit, args=(4,))
+        refit.start()
+        refit.join(timeout=0.2)
+        assert refit.is_alive() and weights.version == 3
+    refit.join(TIMEOUT_S)
+    assert weights.version == 4 and copy.refits == 2
+    with pytest.raises(RuntimeError, match="in-flight weight updates need the generation backend"):
+        weights.enable_in_flight_updates(recompute_kv_cache=False)
