@@ -1,6 +1,6 @@
 """GRPO: group relative policy optimisation with verifiable rewards.
 
-Each step (see DESIGN.md, "One GRPO step"):
+Each step (see docs/design.md, "One GRPO step", for its path through the modules):
 
 1. take ``grpo.num_prompts_per_step`` prompts and repeat each ``num_generations_per_prompt`` times;
 2. refit the generation workers if the policy changed since they were last updated;
