@@ -1,4 +1,5 @@
-"""``grpo.setup`` starts vLLM before the policy and, when colocated, puts it to sleep first.
+"""``grpo.setup`` starts vLLM before the policy and, when colocated, puts it to sleep first (the order
+``nemo_rl.models.generation.factory.start_policy_and_generation`` decides).
 
 vLLM refuses to start unless ``gpu_memory_utilization`` of the GPU is free, so a policy holding a large part
 of the GPU (an 8B model with its optimizer) must load after the engines have started and slept. The embedded

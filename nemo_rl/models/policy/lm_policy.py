@@ -53,6 +53,8 @@ class WorkerBackend:
     """Ranks sharing one data shard."""
     trains_lora: bool
     """Whether the policy trains LoRA adapters (the workers then report their size at start)."""
+    expert_parallel_size: int = 1
+    """Ranks a MoE layer's experts are split over (among the data-parallel ranks)."""
 
 
 def _worker_backend(cfg: PolicyConfig) -> WorkerBackend:
@@ -69,7 +71,9 @@ def _worker_backend(cfg: PolicyConfig) -> WorkerBackend:
     worker_cls: type[PolicyWorkerBase] = importlib.import_module(MEGATRON_WORKER_MODULE).MegatronPolicyWorker
     megatron = cfg.megatron_cfg
     model_parallel_size = megatron.tensor_model_parallel_size * megatron.pipeline_model_parallel_size
-    return WorkerBackend(worker_cls, model_parallel_size, megatron.peft.enabled)
+    return WorkerBackend(
+        worker_cls, model_parallel_size, megatron.peft.enabled, megatron.expert_model_parallel_size
+    )
 
 
 def check_policy_layout(cfg: PolicyConfig, world_size: int) -> int:
@@ -77,7 +81,8 @@ def check_policy_layout(cfg: PolicyConfig, world_size: int) -> int:
     do not divide into its model-parallel groups, ``policy.train_global_batch_size`` or the expert-parallel
     size does not divide over the data-parallel ranks, or ``policy.frozen_parameters`` names no parameter. Ray-free, so setups call it
     before starting anything."""
-    model_parallel_size = _worker_backend(cfg).model_parallel_size
+    backend = _worker_backend(cfg)
+    model_parallel_size = backend.model_parallel_size
     check_frozen_parameters(cfg)
     if world_size % model_parallel_size != 0:
         raise UserError(
@@ -91,7 +96,7 @@ def check_policy_layout(cfg: PolicyConfig, world_size: int) -> int:
             f"{dp_size} data-parallel ranks ({world_size} workers / model-parallel size {model_parallel_size}); "
             "make it a multiple"
         )
-    ep = cfg.megatron_cfg.expert_model_parallel_size if cfg.megatron_cfg.enabled else 1
+    ep = backend.expert_parallel_size
     if dp_size % ep != 0:
         raise UserError(
             f"policy.megatron_cfg.expert_model_parallel_size={ep} does not divide the policy's {dp_size} "

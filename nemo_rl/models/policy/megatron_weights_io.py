@@ -56,7 +56,7 @@ class MegatronWeightsMixin:
     scheduler: Any
     hf_config: Any
     arch: DecoderArch
-    checkpoint_dir: str
+    checkpoint_dir: Path
     rank: int
     dp_rank: int
     dp_size: int

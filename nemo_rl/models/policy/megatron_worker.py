@@ -141,13 +141,17 @@ class MegatronPolicyWorker(MegatronWeightsMixin, PolicyWorkerBase):
         self.has_reference = init_reference_model
         self.reference_shards = self.weights.snapshot() if init_reference_model and not self.lora else None
         if self.rank == 0:
-            for setting in no_effect_settings(megatron):
-                logger.warning("policy.megatron_cfg.%s is accepted but has no effect here", setting)
-            if cfg.optimizer is not None or cfg.scheduler:
-                logger.warning(
-                    "policy.optimizer / policy.scheduler configure the DTensor backend and are not used; the "
-                    "Megatron backend trains with policy.megatron_cfg.optimizer / scheduler"
-                )
+            self._warn_unused_settings()
+
+    def _warn_unused_settings(self) -> None:
+        """Warn about accepted settings this backend does not use."""
+        for setting in no_effect_settings(self.cfg.megatron_cfg):
+            logger.warning("policy.megatron_cfg.%s is accepted but has no effect here", setting)
+        if self.cfg.optimizer is not None or self.cfg.scheduler:
+            logger.warning(
+                "policy.optimizer / policy.scheduler configure the DTensor backend and are not used; the "
+                "Megatron backend trains with policy.megatron_cfg.optimizer / scheduler"
+            )
 
     def _build_stage(self) -> None:
         """This rank's stage of the ``GPTModel`` with its weights (and LoRA adapters) loaded; unwrapped."""
