@@ -382,15 +382,14 @@ def _start_cluster(config: TrainingConfig, spec: RunSpec[Any]) -> RayVirtualClus
     return RayVirtualCluster(config.cluster, name=name, max_colocated_worker_groups=2 + len(spec.models))
 
 
-def build_run(
-    config: C,
-    tokenizer: PreTrainedTokenizerBase,
+def check_inputs(
+    config: TrainingConfig,
+    spec: RunSpec[Any],
     train_dataset: ProcessedDataset,
     val_dataset: ProcessedDataset | None,
-    spec: RunSpec[S],
-) -> Run[C, S]:
-    """Check the inputs, resume, build the loaders, start Ray and the workers, and the logger (see the module
-    docstring); the run is the caller's to :meth:`~nemo_rl.algorithms.run.Run.shutdown`."""
+) -> _SamplingChecks | None:
+    """Step 1 of the module docstring: every check that needs no worker, each a one-line
+    :class:`UserError`; returns what the checks of a run that samples found."""
     checks = None
     if spec.sampling is not None:
         checks = _SamplingChecks(
@@ -409,6 +408,19 @@ def build_run(
     )
     for extra in spec.models:
         check_extra_policy(extra, world_size)
+    return checks
+
+
+def build_run(
+    config: C,
+    tokenizer: PreTrainedTokenizerBase,
+    train_dataset: ProcessedDataset,
+    val_dataset: ProcessedDataset | None,
+    spec: RunSpec[S],
+) -> Run[C, S]:
+    """Check the inputs, resume, build the loaders, start Ray and the workers, and the logger (see the module
+    docstring); the run is the caller's to :meth:`~nemo_rl.algorithms.run.Run.shutdown`."""
+    checks = check_inputs(config, spec, train_dataset, val_dataset)
     checkpointer = CheckpointManager(config.checkpointing)
     resume = find_resume(checkpointer, spec.name, config)
     train_loader = make_train_loader(
