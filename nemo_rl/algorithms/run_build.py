@@ -8,11 +8,11 @@ It goes, in this order:
 2. the checkpoint to resume (its loop state) and the loaders, put where that checkpoint left them;
 3. Ray and the cluster's slots;
 4. for a run that samples: the environment actors of the tasks the caller did not pass in (created first, so
-   their imports overlap the workers' start), then the policy, the extra policies and the generation backend in the
-   order the backend needs (:func:`~nemo_rl.models.generation.factory.start_policy_and_generation`), then it
-   waits for the environments (if anything failed so far, the environments it started are stopped), then the
-   :class:`~nemo_rl.weight_sync.refitter.Refitter` (both ends' manifests checked); otherwise the policy (and
-   the extra policies) on every slot;
+   their imports overlap the workers' start), then the policy, the extra policies and the generation backend
+   in the order the backend needs (:func:`~nemo_rl.models.generation.factory.start_policy_and_generation`),
+   then it waits for the environments (if anything failed so far, the environments it started are stopped),
+   then the :class:`~nemo_rl.weight_sync.refitter.Refitter` (both ends' manifests checked); otherwise the
+   policy (and the extra policies) on every slot;
 5. the logger, with the config logged and saved.
 """
 
