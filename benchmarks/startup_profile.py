@@ -113,16 +113,14 @@ def _traced_driver(script_args: list[str]) -> None:
         # The local start or the attach itself, on whichever thread runs it.
         timed(module, "_init_ray_now")
 
-    def on_grpo(module: ModuleType) -> None:
-        for name in (
-            "init_ray",
-            "RayVirtualCluster",
-            "create_task_envs",
-            "create_generation",
-            "Policy",
-            "setup",
-        ):
+    def on_run_build(module: ModuleType) -> None:
+        for name in ("init_ray", "RayVirtualCluster", "create_task_envs", "Policy", "build_run"):
             timed(module, name)
+
+    def on_generation_factory(module: ModuleType) -> None:
+        # The script's first call after its heavy imports.
+        timed(module, "check_backend_available", before="driver imports done")
+        timed(module, "create_generation")
         start_together = module.start_together
 
         @contextlib.contextmanager
@@ -149,13 +147,10 @@ def _traced_driver(script_args: list[str]) -> None:
 
     hooks: dict[str, Callable[[ModuleType], None]] = {
         "nemo_rl.distributed.virtual_cluster": on_virtual_cluster,
-        "nemo_rl.algorithms.grpo": on_grpo,
+        "nemo_rl.algorithms.run_build": on_run_build,
         "nemo_rl.data.datasets": lambda module: timed(module, "setup_rl_data"),
         "nemo_rl.models.tokenizer": lambda module: timed(module, "get_policy_tokenizer"),
-        # The script's first call after its heavy imports.
-        "nemo_rl.models.generation.factory": lambda module: timed(
-            module, "check_backend_available", before="driver imports done"
-        ),
+        "nemo_rl.models.generation.factory": on_generation_factory,
         "nemo_rl.utils.logger": on_logger,
     }
     sys.meta_path.insert(0, _AfterImport(hooks))

@@ -245,6 +245,11 @@ class MegatronLoRA:
         """The Hugging Face side's config of these adapters (drawing, merging, metadata, PEFT export)."""
         return self.cfg.lora_config(self.hf_targets)
 
+    def num_params(self, arch: ModelArch) -> int:
+        """Parameters of all the adapters, full (unsharded): ``dim * (in + out)`` per adapted layer."""
+        shapes = _hf_shapes(arch)
+        return sum(self.cfg.dim * sum(shapes[module.rsplit(".", 1)[-1]]) for module in self.hf_targets)
+
     def merged(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """A Hugging Face weight stream with the adapters folded into their layers' weights (and dropped)."""
         return merged_weights(named, self.cfg.alpha / self.cfg.dim, set(self.hf_targets))
