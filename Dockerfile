@@ -30,12 +30,16 @@ ENV UV_PROJECT_ENVIRONMENT=/opt/nemo_rl_venv \
     RAY_ENABLE_UV_RUN_RUNTIME_ENV=0 \
     RAY_USAGE_STATS_ENABLED=0 \
     PYTHONUNBUFFERED=1
-# A Debian base without pip (debootstrap) gets Debian's; the official Python image already has one.
+# bubblewrap: the code sandbox's default isolation (without it, code environments and the python tool refuse
+# to start; docs/security.md). A Debian base without pip (debootstrap) gets Debian's; the official Python image
+# already has one.
 # hadolint ignore=DL3008
-RUN if ! python3 -m pip --version >/dev/null 2>&1; then \
-        apt-get update && apt-get install -y --no-install-recommends python3-pip ca-certificates \
-        && rm -rf /var/lib/apt/lists/*; \
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends bubblewrap \
+    && if ! python3 -m pip --version >/dev/null 2>&1; then \
+        apt-get install -y --no-install-recommends python3-pip ca-certificates; \
     fi \
+    && rm -rf /var/lib/apt/lists/* \
     && python3 -m pip install --no-cache-dir --break-system-packages "uv==${UV_VERSION}"
 WORKDIR /opt/nemo_rl
 # Dependencies first (a layer that changes only with the lock), then the project itself.
@@ -64,8 +68,8 @@ ENV UV_PROJECT_ENVIRONMENT=/opt/nemo_rl_venv \
     RAY_ENABLE_UV_RUN_RUNTIME_ENV=0 \
     RAY_USAGE_STATS_ENABLED=0 \
     PYTHONUNBUFFERED=1
-# git: Hugging Face and W&B read repository state; bubblewrap: the namespaces of the code sandbox (where the
-# container may make them; docs/security.md); the rest is what pip and the te build need.
+# git: Hugging Face and W&B read repository state; bubblewrap: the code sandbox's default isolation (the
+# container must allow it namespaces, docs/security.md); the rest is what pip and the te build need.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-pip ca-certificates git bubblewrap \

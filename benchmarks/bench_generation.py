@@ -26,7 +26,8 @@ from transformers import GenerationConfig, Qwen2ForCausalLM
 
 from nemo_rl.data.tiny import build_tiny_model, build_tiny_tokenizer
 from nemo_rl.models.generation.embedded.engine import EmbeddedEngine, SamplingParams
-from nemo_rl.models.generation.embedded.model import DecoderArch, DecoderLM
+from nemo_rl.models.generation.embedded.model import DecoderLM
+from nemo_rl.models.hf_decoder import decoder_arch
 
 PAD_ID = 0
 
@@ -101,7 +102,7 @@ def main() -> None:
     )
     left_ids, left_mask = left_pad(ids, lengths)
 
-    model = DecoderLM(DecoderArch.from_hf_config(hf_model.config), dtype=torch.float32)
+    model = DecoderLM(decoder_arch(hf_model.config), dtype=torch.float32)
     model.load_weights(hf_model.state_dict().items())
     engine = EmbeddedEngine(
         model,

@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen2Config
 
+from nemo_rl.config.model_arch import ModelArch
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.models.generation.embedded.model import (
-    DecoderArch,
     DecoderLM,
     KVCache,
     _Attend,
@@ -39,6 +39,7 @@ from nemo_rl.models.generation.embedded.model import (
     _rms_norm,
 )
 from nemo_rl.models.generation.lora import AdapterLayout, MergedAdapters
+from nemo_rl.models.hf_decoder import decoder_arch
 
 
 class UnmergedLoraLM(DecoderLM):
@@ -88,7 +89,7 @@ class UnmergedLoraLM(DecoderLM):
         return _residual_linear(x_MH, act, w.down_t, w.down_b) + self._delta(act, lora["down"])
 
 
-def _arch(args: argparse.Namespace) -> DecoderArch:
+def _arch(args: argparse.Namespace) -> ModelArch:
     config = Qwen2Config(
         vocab_size=args.vocab,
         hidden_size=args.hidden,
@@ -98,7 +99,7 @@ def _arch(args: argparse.Namespace) -> DecoderArch:
         intermediate_size=args.hidden * 3,
         tie_word_embeddings=True,
     )
-    return DecoderArch.from_hf_config(config)
+    return decoder_arch(config)
 
 
 def _fill(model: DecoderLM, seed: int) -> dict[str, torch.Tensor]:

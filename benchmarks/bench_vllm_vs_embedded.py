@@ -29,7 +29,8 @@ from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.data.tiny import generate_arithmetic_problems
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.models.generation.embedded.engine import EmbeddedEngine, SamplingParams
-from nemo_rl.models.generation.embedded.model import DecoderArch, DecoderLM
+from nemo_rl.models.generation.embedded.model import DecoderLM
+from nemo_rl.models.hf_decoder import decoder_arch
 from nemo_rl.models.tokenizer import get_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,7 +93,7 @@ def main() -> None:
     print(f"vLLM engine started in {time.perf_counter() - start:.1f} s")
     torch.set_num_threads(args.threads)  # vLLM's CPU worker may have replaced set_num_threads; re-assert
     hf = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
-    decoder = DecoderLM(DecoderArch.from_hf_config(hf.config), dtype=torch.float32)
+    decoder = DecoderLM(decoder_arch(hf.config), dtype=torch.float32)
     decoder.load_weights(hf.state_dict().items())
     engine = EmbeddedEngine(
         decoder, pad_token_id=int(tokenizer.pad_token_id), max_sequence_length=96, decode_fn=None

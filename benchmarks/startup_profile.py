@@ -175,7 +175,7 @@ def _traced_driver(script_args: list[str]) -> None:
         "nemo_rl.environments.registry": lambda module: timed(module, "create_task_envs"),
         "nemo_rl.models.generation.factory": on_generation_factory,
         "nemo_rl.models.policy.lm_policy": lambda module: timed(module, "Policy"),
-        "nemo_rl.algorithms.grpo": lambda module: timed(module, "setup"),
+        "nemo_rl.algorithms.run_build": lambda module: timed(module, "build_run"),
         "nemo_rl.data.datasets": lambda module: timed(module, "setup_rl_data"),
         "nemo_rl.models.tokenizer": lambda module: timed(module, "get_policy_tokenizer"),
         "nemo_rl.utils.logger": on_logger,

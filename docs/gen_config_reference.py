@@ -31,8 +31,10 @@ from pydantic_core import PydanticUndefined, to_jsonable_python
 from nemo_rl.config.keys import format_type
 from nemo_rl.config.master import (
     DistillationMasterConfig,
+    DPOMasterConfig,
     EvalMasterConfig,
     GRPOMasterConfig,
+    RMMasterConfig,
     SFTMasterConfig,
 )
 
@@ -47,6 +49,9 @@ MASTERS: tuple[tuple[str, type[BaseModel]], ...] = (
     ("examples/run_sft.py", SFTMasterConfig),
     ("examples/run_eval.py", EvalMasterConfig),
     ("examples/run_distillation_math.py", DistillationMasterConfig),
+    ("examples/run_grpo_sliding_puzzle.py", GRPOMasterConfig),
+    ("examples/run_dpo.py", DPOMasterConfig),
+    ("examples/run_rm.py", RMMasterConfig),
 )
 """Each driver script and the master config it validates its YAML against."""
 

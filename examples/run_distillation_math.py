@@ -31,15 +31,15 @@ def main() -> None:
     check_policy_sources(config.policy)
     check_model_source(config.teacher.model_name, "teacher.model_name")
     from nemo_rl.distributed.virtual_cluster import ray_starting_in_background
+    from nemo_rl.models.generation.backends import ray_may_start_in_background
 
     # Ray's processes come up while this process imports torch and loads the data (setup waits for them);
     # not for vLLM: a machine without a GPU must refuse it, below, without starting Ray.
-    with ray_starting_in_background(config.cluster, start=config.policy.generation.backend != "vllm"):
+    with ray_starting_in_background(config.cluster, start=ray_may_start_in_background(config.policy)):
         # Heavy imports only after the config is known to be valid, so config mistakes fail within seconds.
         from nemo_rl.algorithms.distillation import distillation_train, setup
         from nemo_rl.data.datasets import setup_rl_data
         from nemo_rl.distributed.device import cuda_available
-        from nemo_rl.environments.tools import task_tool_schemas
         from nemo_rl.models.generation.factory import check_backend_available
         from nemo_rl.models.tokenizer import get_policy_tokenizer
 
@@ -54,7 +54,6 @@ def main() -> None:
             config.data,
             tokenizer,
             max_total_sequence_length=config.policy.max_total_sequence_length,
-            tools=task_tool_schemas(config.env, config.data.env_name or "math"),
         )
         components = setup(config, tokenizer, train_dataset, val_dataset)
     try:

@@ -29,7 +29,6 @@ def main() -> None:
     # Heavy imports only after the config is known to be valid, so config mistakes fail within seconds.
     from nemo_rl.data.datasets.eval_datasets import setup_eval_data
     from nemo_rl.distributed.device import cuda_available
-    from nemo_rl.environments.tools import task_tool_schemas
     from nemo_rl.evals.eval import (
         generation_policy_config,
         load_eval_tokenizer,
@@ -52,7 +51,6 @@ def main() -> None:
         config.data,
         tokenizer,
         max_total_sequence_length=config.generation.max_total_sequence_length,
-        tools=task_tool_schemas(config.env, config.data.env_name),
     )
     components = setup(config, tokenizer, dataset, model)
     try:

@@ -29,17 +29,17 @@ def main() -> None:
     # A model folder that does not exist is known from the path: say so before Ray starts.
     check_policy_sources(config.policy)
     from nemo_rl.distributed.virtual_cluster import ray_starting_in_background
+    from nemo_rl.models.generation.backends import ray_may_start_in_background
 
     # Ray's processes come up while this process imports torch and loads the data (setup waits for them).
     # Not for vLLM, whose start takes far longer anyway: a machine without a GPU must refuse it (below) as
     # quickly as possible, without starting Ray. A mistake found before setup (bad data, a task with no
     # environment, a check that needs the tokenizer) exits 2 at once, stopping what the start began.
-    with ray_starting_in_background(config.cluster, start=config.policy.generation.backend != "vllm"):
+    with ray_starting_in_background(config.cluster, start=ray_may_start_in_background(config.policy)):
         # Heavy imports only after the config is known to be valid, so config mistakes fail within seconds.
         from nemo_rl.algorithms.grpo import grpo_train, setup
         from nemo_rl.data.datasets import setup_rl_data
         from nemo_rl.distributed.device import cuda_available
-        from nemo_rl.environments.tools import task_tool_schemas
         from nemo_rl.models.generation.factory import check_backend_available
         from nemo_rl.models.tokenizer import get_policy_tokenizer
 
@@ -50,7 +50,6 @@ def main() -> None:
             config.data,
             tokenizer,
             max_total_sequence_length=config.policy.max_total_sequence_length,
-            tools=task_tool_schemas(config.env, config.data.env_name or "math"),
         )
         components = setup(config, tokenizer, train_dataset, val_dataset)
     try:

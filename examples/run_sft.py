@@ -47,9 +47,7 @@ def main() -> None:
         sft_train(components)
         print(f"SFT finished at step {components.state.step}", flush=True)
     finally:
-        components.logger.close()
-        components.policy.shutdown()
-        components.cluster.shutdown()
+        components.shutdown()
 
 
 if __name__ == "__main__":

@@ -21,31 +21,21 @@ checkpoint when there is one) and ``distillation_train`` runs the loop.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.algorithms.loop import train_metrics
 from nemo_rl.algorithms.loss_functions import DistillationLossFn
-from nemo_rl.algorithms.rl_startup import (
-    RLLoop,
-    RLRun,
-    RLState,
-    ScoringPolicy,
-    placement,
-    start_rl_run,
-)
-from nemo_rl.algorithms.run_setup import make_train_loop
+from nemo_rl.algorithms.run import RLState, Run
+from nemo_rl.algorithms.run_build import ExtraPolicy, RunSpec, SamplingSpec, build_run
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.master import DistillationMasterConfig
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.data.datasets import ProcessedDataset
-from nemo_rl.data.llm_message_utils import message_logs_to_batch
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.experience.validation import environment_metrics
+from nemo_rl.experience.train_batch import train_batch
 from nemo_rl.models.hf_config import load_hf_config
-from nemo_rl.models.policy.lm_policy import Policy, check_policy_layout
 from nemo_rl.models.tokenizer import get_policy_tokenizer
 from nemo_rl.utils.timer import Timer
 
@@ -53,6 +43,8 @@ MasterConfig = DistillationMasterConfig
 """The config of a distillation run, under NeMo RL's name."""
 
 _TRAIN_ROLES = ("assistant",)
+TEACHER = "teacher"
+"""The teacher's key in ``Run.models``."""
 
 
 class DistillationState(RLState):
@@ -60,18 +52,8 @@ class DistillationState(RLState):
     the student's validation accuracy)."""
 
 
-@dataclasses.dataclass(kw_only=True)
-class DistillationSetup(RLRun):
-    """Everything ``distillation_train`` needs, built by ``setup``: the run (see :class:`RLRun`; the trained
-    ``policy`` is the student and ``scorers`` holds the teacher) and its loss."""
-
-    config: DistillationMasterConfig
-    loss_fn: DistillationLossFn
-
-    @property
-    def teacher(self) -> Policy:
-        """The frozen teacher that scores the student's samples."""
-        return self.scorers[0]
+DistillationRun = Run[DistillationMasterConfig, DistillationState]
+"""A started distillation run: the trained ``policy`` is the student, ``models["teacher"]`` the teacher."""
 
 
 def check_teacher_matches_student(
@@ -110,7 +92,7 @@ def setup(
     tokenizer: PreTrainedTokenizerBase,
     train_dataset: ProcessedDataset,
     val_dataset: ProcessedDataset | None,
-) -> DistillationSetup:
+) -> DistillationRun:
     """Start Ray, the student (policy and generation), the teacher and the environments; restore the latest
     checkpoint if any.
 
@@ -120,65 +102,61 @@ def setup(
     ``env.<task>``.
     """
     cfg = config.distillation
-    # Input checks that need no workers, before Ray starts.
-    policy_world_size = len(placement(config.policy, config.cluster)[0])
-    check_policy_layout(config.teacher, policy_world_size)
+    # Input checks that need no workers, before Ray starts (the teacher's layout: build_run's).
     check_teacher_matches_student(config.policy, config.teacher, tokenizer, cfg.topk_logits_k)
-    loop = RLLoop(
-        DistillationState, "distillation", seed=cfg.seed, prompts_per_batch=cfg.num_prompts_per_step
+    spec = RunSpec.sampling_loop(
+        "distillation",
+        DistillationState,
+        SamplingSpec(env=config.env),
+        section="distillation",
+        seed=cfg.seed,
+        num_prompts=cfg.num_prompts_per_step,
+        models=[ExtraPolicy(config.teacher, name=TEACHER)],
     )
-    teacher = ScoringPolicy(config.teacher, name_prefix="teacher")
-    run = start_rl_run(config, tokenizer, train_dataset, val_dataset, loop, scorers=[teacher])
-    return DistillationSetup(**run.run_fields(), loss_fn=DistillationLossFn(config.loss_fn))
+    return build_run(config, tokenizer, train_dataset, val_dataset, spec)
 
 
-def validate(s: DistillationSetup, step: int) -> dict[str, float]:
-    """The student's sampled accuracy on up to ``distillation.max_val_samples`` held-out prompts."""
-    cfg = s.config.distillation
-    return s.validate_accuracy(step, cfg, greedy=False)
-
-
-def teacher_topk(s: DistillationSetup, train_data: BatchedDataDict[Any]) -> None:
+def teacher_topk(run: DistillationRun, train_data: BatchedDataDict[Any]) -> None:
     """Add the teacher's ``teacher_topk_logits`` / ``teacher_topk_indices`` [B, T, k] to ``train_data``."""
-    s.teacher.prepare_for_lp_inference()
-    topk = s.teacher.get_topk_logits(train_data, s.config.distillation.topk_logits_k)
-    s.teacher.offload_after_refit()
+    teacher = run.models[TEACHER]
+    teacher.prepare_for_lp_inference()
+    topk = teacher.get_topk_logits(train_data, run.config.distillation.topk_logits_k)
+    teacher.offload_after_refit()
     train_data["teacher_topk_logits"] = topk["topk_logits"]
     train_data["teacher_topk_indices"] = topk["topk_indices"]
 
 
-def distillation_step(s: DistillationSetup, batch: BatchedDataDict[Any], timer: Timer) -> dict[str, float]:
+def distillation_step(
+    run: DistillationRun, batch: BatchedDataDict[Any], timer: Timer, loss_fn: DistillationLossFn
+) -> dict[str, float]:
     """One distillation step on a batch of prompts; returns its ``train/`` metrics."""
-    cfg = s.config
-    s.refit_if_stale(timer)
-    rollout, rollout_metrics = s.sample(batch, cfg.distillation, timer)
-    s.generation.finish_generation()
-    rollout_metrics.update(environment_metrics(s.task_to_env, rollout))
+    run.refit_if_stale(timer)
+    rollout, rollout_metrics, env_metrics = run.sample(batch, run.config.distillation, timer)
+    run.rl.generation.finish_generation()
+    rollout_metrics.update(env_metrics())
 
-    train_data = message_logs_to_batch(
-        rollout["message_log"], pad_token_id=int(s.tokenizer.pad_token_id), train_roles=_TRAIN_ROLES
-    )
     # Prompts cut to fit the sequence budget have a loss multiplier of 0.
-    train_data["sample_mask"] = rollout["loss_multiplier"].float()
+    train_data = train_batch(rollout, int(run.tokenizer.pad_token_id), overlong_filtering=False)
     with timer.time("teacher_topk_logits"):
-        teacher_topk(s, train_data)
+        teacher_topk(run, train_data)
     with timer.time("policy_training"):
-        s.policy.prepare_for_training()
-        train_result = s.policy.train(train_data, s.loss_fn)
-    s.generation_stale = True
-    s.state.total_valid_tokens += float(train_result["global_valid_toks"].sum())
+        run.policy.prepare_for_training()
+        train_result = run.policy.train(train_data, loss_fn)
+    run.mark_trained()
+    run.state.total_valid_tokens += float(train_result["global_valid_toks"].sum())
     return train_metrics(train_result, {"reward": float(rollout["total_reward"].mean()), **rollout_metrics})
 
 
-def distillation_train(s: DistillationSetup) -> dict[str, float]:
+def distillation_train(run: DistillationRun) -> dict[str, float]:
     """Run distillation to ``distillation.max_num_steps`` (or ``max_num_epochs``); returns the last step's
     metrics."""
-    cfg = s.config.distillation
+    cfg = run.config.distillation
+    loss_fn = DistillationLossFn(run.config.loss_fn)
     metrics: dict[str, float] = {}
-    loop = make_train_loop(
-        "distillation", s, cfg, save_checkpoint=s.save_checkpoint, validate=lambda step: validate(s, step)
+    loop = run.train_loop(
+        "distillation", cfg, validate=lambda step: run.validate_by_sampling(step, cfg, greedy=False)
     )
     for batch in loop:
-        metrics = distillation_step(s, batch, loop.timer)
+        metrics = distillation_step(run, batch, loop.timer, loss_fn)
         loop.end_step(metrics, num_tokens=metrics["mean_conversation_tokens"] * cfg.samples_per_step)
     return metrics

@@ -22,12 +22,14 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from nemo_rl.algorithms.loop import step_budget
 from nemo_rl.algorithms.loss_functions import DPOLossFn
 from nemo_rl.algorithms.preference import PreferenceRun, setup_preference_run, train_on_preferences
 from nemo_rl.config.master import DPOMasterConfig
 from nemo_rl.data.datasets import ProcessedDataset
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+
+DPORun = PreferenceRun[DPOMasterConfig]
+"""A started DPO run: what ``setup`` returns and ``dpo_train`` runs."""
 
 
 def setup(
@@ -35,31 +37,30 @@ def setup(
     tokenizer: PreTrainedTokenizerBase,
     train_dataset: ProcessedDataset,
     val_dataset: ProcessedDataset | None,
-) -> PreferenceRun:
+) -> DPORun:
     """Start Ray and the policy workers (keeping the reference weights), build the loaders of preference
     pairs, and restore the latest checkpoint if any."""
     return setup_preference_run(
-        config,
-        config.dpo,
-        tokenizer,
-        train_dataset,
-        val_dataset,
-        name="dpo",
-        loss_fn=DPOLossFn(config.dpo),
-        keep_reference_model=True,
+        config, config.dpo, tokenizer, train_dataset, val_dataset, name="DPO", keep_reference_model=True
     )
 
 
-def add_reference_logprobs(run: PreferenceRun, batch: BatchedDataDict[Any]) -> BatchedDataDict[Any]:
+def add_reference_logprobs(run: DPORun, batch: BatchedDataDict[Any]) -> BatchedDataDict[Any]:
     """``batch`` with ``reference_policy_logprobs`` [B, T]: its tokens' log-probabilities under the initial
     weights, aligned with ``input_ids`` as the loss reads them."""
     batch["reference_policy_logprobs"] = run.policy.get_reference_policy_logprobs(batch)["reference_logprobs"]
     return batch
 
 
-def dpo_train(run: PreferenceRun) -> dict[str, float]:
+def dpo_train(run: DPORun) -> dict[str, float]:
     """Run DPO to ``dpo.max_num_steps`` (or ``dpo.max_num_epochs``) and export the final policy; returns the
     last step's ``train/*`` metrics."""
-    cfg = run.loop_cfg
-    total_steps = step_budget(cfg.max_num_steps, cfg.max_num_epochs, len(run.train_loader))
-    return train_on_preferences(run, "dpo", total_steps, lambda batch: add_reference_logprobs(run, batch))
+    cfg = run.config.dpo
+    return train_on_preferences(
+        run,
+        cfg,
+        DPOLossFn(cfg),
+        name="dpo",
+        total_steps=run.step_budget(cfg),
+        prepare=lambda batch: add_reference_logprobs(run, batch),
+    )

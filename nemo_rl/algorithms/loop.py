@@ -247,12 +247,19 @@ class Resume:
     @property
     def weights_path(self) -> str | None:
         """Where the policy's weights were saved (``Policy(weights_path=...)``)."""
-        return None if self.path is None else str(self.path / _POLICY_DIR / "weights")
+        return self.policy_paths()[0]
 
     @property
     def optimizer_path(self) -> str | None:
         """Where the optimizer and scheduler state were saved (``Policy(optimizer_path=...)``)."""
-        return None if self.path is None else str(self.path / _POLICY_DIR / "optimizer")
+        return self.policy_paths()[1]
+
+    def policy_paths(self, name: str = _POLICY_DIR) -> tuple[str | None, str | None]:
+        """Where the weights and the optimizer state of the trained policy ``name`` were saved (the run's
+        policy by default; another trained policy, such as a critic, under its own name)."""
+        if self.path is None:
+            return None, None
+        return str(self.path / name / "weights"), str(self.path / name / "optimizer")
 
     def state(self, state_cls: type[S]) -> S:
         """The loop state saved in the checkpoint: ``state_cls`` (a dataclass) built from the saved values of
@@ -308,10 +315,9 @@ def find_resume(
 
 
 # Changing these between a checkpoint and the run resuming from it would load weights or shards into a
-# model they do not fit: refused unless ``checkpointing.allow_incompatible_resume``.
-_INCOMPATIBLE_KEYS = re.compile(
-    r"^policy\.(model_name|tokenizer\.name|megatron_cfg\.enabled|(dtensor_cfg|megatron_cfg)\.\w*parallel_size)$"
-)
+# model they do not fit: refused unless ``checkpointing.allow_incompatible_resume``. The model, its tokenizer,
+# and any policy section's switch (the policy backend, the reward head) or parallel layout.
+_INCOMPATIBLE_KEYS = re.compile(r"^policy\.(model_name|tokenizer\.name|\w+_cfg\.(enabled|\w*parallel_size))$")
 # Bookkeeping that does not change what the resumed steps compute.
 _NEUTRAL_KEYS = re.compile(
     r"^(logger|checkpointing)\.|\.(max_num_steps|max_num_epochs|export_dir|val_period|val_at_start)$"
@@ -422,16 +428,24 @@ def save_training_checkpoint(
     policy: PolicyInterface,
     train_loader: SupportsStateDict,
     metric_value: float | None = None,
+    other_policies: Mapping[str, PolicyInterface] | None = None,
 ) -> Path:
     """Write the policy (weights, optimizer, scheduler), the loader position and the loop state as
     ``step_<state.step>``, atomically; with ``checkpointing.save_consolidated`` also a Hugging Face export of
     the weights in ``step_<N>/consolidated``.
 
     ``metric_value`` is recorded under ``checkpointing.metric_name`` (see :func:`training_info`).
+    ``other_policies`` are further trained policies (a critic), each saved under its name
+    (:meth:`Resume.policy_paths` finds them).
     """
+    others = dict(other_policies or {})
+    reserved = {_POLICY_DIR, _CONSOLIDATED_DIR} & others.keys()
+    if reserved:
+        raise ValueError(f"a trained policy cannot be named {sorted(reserved)[0]!r} (a checkpoint folder)")
     info = training_info(state, checkpointer.cfg.metric_name, metric_value)
     tmp = checkpointer.init_tmp_checkpoint(state.step, info, run_config)
-    policy.save_checkpoint(str(tmp / _POLICY_DIR / "weights"), str(tmp / _POLICY_DIR / "optimizer"))
+    for name, trained in {_POLICY_DIR: policy, **others}.items():
+        trained.save_checkpoint(str(tmp / name / "weights"), str(tmp / name / "optimizer"))
     if checkpointer.cfg.save_consolidated:
         policy.export_hf(str(tmp / _CONSOLIDATED_DIR))
     torch.save(train_loader.state_dict(), tmp / _LOADER_FILE)

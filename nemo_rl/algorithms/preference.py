@@ -13,32 +13,24 @@ reference log-probabilities, which it adds to every batch through the ``prepare`
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.algorithms.interfaces import LossFunction
 from nemo_rl.algorithms.loop import train_metrics
-from nemo_rl.algorithms.run_setup import (
-    SupervisedRun,
-    SupervisedState,
-    make_train_loop,
-    save_run_checkpoint,
-    start_supervised_run,
-)
+from nemo_rl.algorithms.run import Run, SupervisedState
+from nemo_rl.algorithms.run_build import RunSpec, build_run
 from nemo_rl.config.algorithms import DPOConfig, RMConfig
 from nemo_rl.config.master import PreferenceMasterConfig
 from nemo_rl.data.collate_fn import make_preference_collate_fn
-from nemo_rl.data.dataloader import StatefulDataLoader
 from nemo_rl.data.datasets import ProcessedDataset, prompt_groups
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
 ROWS_PER_PAIR = 2
 
-PreferenceLoader = StatefulDataLoader[Any, BatchedDataDict[Any]]
 PrepareBatch = Callable[[BatchedDataDict[Any]], BatchedDataDict[Any]]
 """Completes a preference batch before the policy trains or validates on it (DPO: reference log-probs)."""
 
@@ -51,51 +43,43 @@ class PreferenceState(SupervisedState):
     """What a checkpoint records about a DPO or reward-model loop's progress (steps, epoch, validation loss)."""
 
 
-@dataclasses.dataclass(kw_only=True)
-class PreferenceRun(SupervisedRun):
-    """Everything a DPO or reward-model loop needs, built by :func:`setup_preference_run`: the run (see
-    :class:`SupervisedRun`), its config and its loss."""
+P = TypeVar("P", bound=PreferenceMasterConfig)
 
-    config: PreferenceMasterConfig
-    loop_cfg: DPOConfig | RMConfig
-    """The algorithm's own section (``dpo`` or ``rm``)."""
-    loss_fn: LossFunction
+PreferenceRun = Run[P, PreferenceState]
+"""A started DPO or reward-model run."""
 
 
 def setup_preference_run(
-    config: PreferenceMasterConfig,
+    config: P,
     loop_cfg: DPOConfig | RMConfig,
     tokenizer: PreTrainedTokenizerBase,
     train_dataset: ProcessedDataset,
     val_dataset: ProcessedDataset | None,
     *,
     name: str,
-    loss_fn: LossFunction,
     keep_reference_model: bool,
-) -> PreferenceRun:
+) -> PreferenceRun[P]:
     """Start Ray and the policy workers, build the loaders of preference pairs, and restore the latest
     checkpoint if any. ``keep_reference_model`` keeps the initial weights for reference log-probabilities."""
-    run = start_supervised_run(
-        config,
-        tokenizer,
-        train_dataset,
-        val_dataset,
-        PreferenceState,
+    spec = RunSpec(
         name=name,
+        state_cls=PreferenceState,
         metric_names={"val_loss", "val:val_loss", "val:validation-default_loss"},
         seed=loop_cfg.seed,
-        val_batch_size=loop_cfg.val_global_batch_size,
+        batch_size=config.policy.train_global_batch_size,
+        batch_size_key="policy.train_global_batch_size",
         collate_fn=make_preference_collate_fn(
             tokenizer, config.data.max_input_seq_length or config.policy.max_total_sequence_length
         ),
-        init_reference_model=keep_reference_model,
         train_groups=(
             prompt_groups(train_dataset, loop_cfg.group_pairs_by_prompt)
             if loop_cfg.group_pairs_by_prompt
             else None
         ),
+        val_batch_size=loop_cfg.val_global_batch_size,
+        keep_reference_model=keep_reference_model,
     )
-    return PreferenceRun(**run.run_fields(), config=config, loop_cfg=loop_cfg, loss_fn=loss_fn)
+    return build_run(config, tokenizer, train_dataset, val_dataset, spec)
 
 
 def pad_to_whole_pairs_per_rank(batch: BatchedDataDict[Any], dp_size: int) -> BatchedDataDict[Any]:
@@ -111,28 +95,33 @@ def pad_to_whole_pairs_per_rank(batch: BatchedDataDict[Any], dp_size: int) -> Ba
     return padded
 
 
-def validate(run: PreferenceRun, step: int, prepare: PrepareBatch = _unchanged) -> dict[str, float]:
+def validate(
+    run: PreferenceRun[P],
+    loop_cfg: DPOConfig | RMConfig,
+    loss_fn: LossFunction,
+    step: int,
+    prepare: PrepareBatch = _unchanged,
+) -> dict[str, float]:
     """The loss's metrics on up to ``val_batches`` held-out batches (all when 0 or -1), averaged over their
     valid pairs (``num_valid_samples`` is their number); logged as ``validation/*`` at ``step``."""
     if run.val_loader is None:
         return {}
-    cfg = run.loop_cfg
     dp_size = run.policy.dp_size
     totals: dict[str, float] = {}
     num_pairs = 0.0
     # Every validation run reads the same batches from the start of the (unshuffled) validation set.
     run.val_loader.load_state_dict(run.val_loader.state_dict() | {"epoch": 0, "batch_index": 0})
     for batch_index, batch in enumerate(run.val_loader):
-        if 0 < cfg.val_batches <= batch_index:
+        if 0 < loop_cfg.val_batches <= batch_index:
             break
         batch = prepare(pad_to_whole_pairs_per_rank(batch, dp_size))
         pairs_per_rank = batch.size // ROWS_PER_PAIR // dp_size
         result = run.policy.train(
             batch,
-            run.loss_fn,
+            loss_fn,
             eval_mode=True,
             gbs=batch.size,
-            mbs=min(cfg.val_micro_batch_size, pairs_per_rank) * ROWS_PER_PAIR,
+            mbs=min(loop_cfg.val_micro_batch_size, pairs_per_rank) * ROWS_PER_PAIR,
         )
         # One step: each metric is this batch's mean over its valid pairs; weight batches by their pairs.
         pairs = result["metrics"]["num_valid_samples"][0]
@@ -147,25 +136,23 @@ def validate(run: PreferenceRun, step: int, prepare: PrepareBatch = _unchanged) 
     return metrics
 
 
-def save_checkpoint(run: PreferenceRun) -> Path:
-    """Write the policy, optimizer, scheduler, loader position and loop state as ``step_<N>`` (atomically)."""
-    return save_run_checkpoint(run, run.state.val_loss)
-
-
 def train_on_preferences(
-    run: PreferenceRun, name: str, total_steps: int, prepare: PrepareBatch = _unchanged
+    run: PreferenceRun[P],
+    loop_cfg: DPOConfig | RMConfig,
+    loss_fn: LossFunction,
+    *,
+    name: str,
+    total_steps: int,
+    prepare: PrepareBatch = _unchanged,
 ) -> dict[str, float]:
     """The loop: one optimizer step per batch of pairs until ``total_steps``, validating and checkpointing
     as configured; then the final weights are exported in Hugging Face format. Returns the last step's
     ``train/*`` metrics."""
-    cfg = run.loop_cfg
     metrics: dict[str, float] = {}
-    loop = make_train_loop(
+    loop = run.train_loop(
         name,
-        run,
-        cfg,
-        save_checkpoint=lambda: save_checkpoint(run),
-        validate=lambda step: validate(run, step, prepare),
+        loop_cfg,
+        validate=lambda step: validate(run, loop_cfg, loss_fn, step, prepare),
         total_steps=total_steps,
     )
     policy_cfg = run.config.policy
@@ -176,14 +163,14 @@ def train_on_preferences(
         with loop.timer.time("policy_training"):
             result = run.policy.train(
                 batch,
-                run.loss_fn,
+                loss_fn,
                 gbs=policy_cfg.train_global_batch_size * ROWS_PER_PAIR,
                 mbs=policy_cfg.train_micro_batch_size * ROWS_PER_PAIR,
             )
         metrics = train_metrics(result)
         loop.end_step(metrics)
 
-    export_dir = cfg.export_dir or str(Path(run.config.checkpointing.checkpoint_dir) / "hf_final")
+    export_dir = loop_cfg.export_dir or str(Path(run.config.checkpointing.checkpoint_dir) / "hf_final")
     run.policy.export_hf(export_dir)
     print(f"Exported the final model to {export_dir}", flush=True)
     return metrics

@@ -23,31 +23,28 @@ from nemo_rl.algorithms.preference import PreferenceRun, setup_preference_run, t
 from nemo_rl.config.master import RMMasterConfig
 from nemo_rl.data.datasets import ProcessedDataset
 
+RMRun = PreferenceRun[RMMasterConfig]
+"""A started reward-model run: what ``setup`` returns and ``rm_train`` runs."""
+
 
 def setup(
     config: RMMasterConfig,
     tokenizer: PreTrainedTokenizerBase,
     train_dataset: ProcessedDataset,
     val_dataset: ProcessedDataset | None,
-) -> PreferenceRun:
+) -> RMRun:
     """Start Ray and the reward-model workers, build the loaders of preference pairs, and restore the latest
     checkpoint if any."""
     return setup_preference_run(
-        config,
-        config.rm,
-        tokenizer,
-        train_dataset,
-        val_dataset,
-        name="rm",
-        loss_fn=PreferenceLoss(),
-        keep_reference_model=False,
+        config, config.rm, tokenizer, train_dataset, val_dataset, name="RM", keep_reference_model=False
     )
 
 
-def rm_train(run: PreferenceRun) -> dict[str, float]:
+def rm_train(run: RMRun) -> dict[str, float]:
     """Train the reward model to ``rm.max_num_steps`` (every step of ``rm.max_num_epochs`` epochs when it is
     -1) and export it; returns the last step's ``train/*`` metrics."""
-    cfg = run.loop_cfg
+    cfg = run.config.rm
     steps_per_epoch = len(run.train_loader)
     max_steps = cfg.max_num_epochs * steps_per_epoch if cfg.max_num_steps == -1 else cfg.max_num_steps
-    return train_on_preferences(run, "rm", step_budget(max_steps, cfg.max_num_epochs, steps_per_epoch))
+    total_steps = step_budget(max_steps, cfg.max_num_epochs, steps_per_epoch)
+    return train_on_preferences(run, cfg, PreferenceLoss(), name="rm", total_steps=total_steps)

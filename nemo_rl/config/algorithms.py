@@ -1,55 +1,120 @@
-"""Schemas of the algorithm sections: ``sft``, ``grpo``, ``dpo``, ``rm`` and ``distillation``."""
+"""Schemas of the algorithm sections: ``sft``, ``grpo``, ``dpo``, ``rm`` and ``distillation``.
+
+Every loop's section inherits its step budget, validation schedule and seed from :class:`LoopConfig`; the
+loops over a fixed data set add batch-wise validation (:class:`SupervisedLoopConfig`), the loops that sample
+add prompt counts and sampled validation (:class:`RolloutLoopConfig`). Each key is declared, with its
+default and its docstring, in exactly one of these classes.
+"""
 
 from __future__ import annotations
 
 from typing import Any, Literal, Self
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from nemo_rl.config.agent import AgentConfig
 from nemo_rl.config.base import ConfigModel
 from nemo_rl.config.compat import AdvantageEstimatorConfig
 from nemo_rl.config.loss import DPOLossConfig
 
+NO_STEP_LIMIT = 1_000_000
+"""``max_num_steps`` of a run bounded by its epochs alone (also what NeMo RL's ``max_num_steps: -1`` reads as)."""
 
-class SFTConfig(ConfigModel):
-    """The supervised fine-tuning loop."""
+
+class LoopConfig(ConfigModel):
+    """What every training loop's section holds: the step budget, when to validate, and the seed."""
 
     max_num_epochs: int = Field(default=1, ge=1)
     """Passes over the training set; training stops at whichever of this and ``max_num_steps`` comes first."""
 
-    max_num_steps: int = Field(default=60, ge=1)
-    """Optimizer steps to run in total (a resumed run counts the steps already taken)."""
+    max_num_steps: int = Field(default=NO_STEP_LIMIT, ge=1)
+    """Optimizer steps to run in total (a resumed run counts the steps already taken); -1 (NeMo RL's
+    spelling of "no step limit") trains for ``max_num_epochs`` epochs."""
 
     val_period: int = Field(default=10, ge=0)
     """Validate every this many steps; 0 disables periodic validation."""
 
-    val_batches: int = Field(default=8, ge=0)
-    """Validation batches per validation run; 0 uses the whole validation set."""
-
-    val_global_batch_size: int = Field(default=32, ge=1)
-    """Sequences per validation batch, summed over data-parallel ranks."""
-
-    val_micro_batch_size: int = Field(default=1, ge=1)
-    """Sequences per validation forward pass on one rank."""
-
-    val_at_start: bool = True
+    val_at_start: bool = False
     """Validate once before the first training step."""
-
-    seed: int = 42
-    """Seed of data shuffling and model initialisation."""
 
     val_at_end: bool = False
     """Also validate after the last step when ``val_period`` does not fall on it, so the final checkpoint
     carries validation metrics."""
 
+    seed: int = 42
+    """Seed of data shuffling, sampling and model initialisation."""
+
+    @field_validator("max_num_steps", mode="before")
+    @classmethod
+    def _no_step_limit(cls, value: Any) -> Any:
+        return NO_STEP_LIMIT if value == -1 else value
+
+
+class SupervisedLoopConfig(LoopConfig):
+    """A loop over a fixed data set (SFT, DPO, RM): validation runs the loss over held-out batches."""
+
+    val_batches: int = Field(default=8, ge=0)
+    """Validation batches per validation run; 0 (or NeMo RL's -1) uses the whole validation set."""
+
+    val_global_batch_size: int = Field(default=32, ge=1)
+    """Sequences per validation batch, summed over data-parallel ranks (preference pairs for DPO and RM)."""
+
+    val_micro_batch_size: int = Field(default=1, ge=1)
+    """Sequences per validation forward pass on one rank (preference pairs for DPO and RM)."""
+
+    export_dir: str | None = None
+    """Where the final weights are exported as a Hugging Face folder (safetensors, config, tokenizer; a
+    reward model loads with ``AutoModelForSequenceClassification``); ``None`` uses
+    ``<checkpointing.checkpoint_dir>/hf_final``."""
+
+    @field_validator("val_batches", mode="before")
+    @classmethod
+    def _whole_validation_set(cls, value: Any) -> Any:
+        return 0 if value == -1 else value
+
+
+class SFTConfig(SupervisedLoopConfig):
+    """The supervised fine-tuning loop."""
+
     only_unmask_final: Literal[False] = False
     """Train only on the final assistant turn; not built here: must be false (every assistant turn is
     trained)."""
 
-    export_dir: str | None = None
-    """Where the final weights are exported as a Hugging Face folder (safetensors, config, tokenizer);
-    ``None`` uses ``<checkpointing.checkpoint_dir>/hf_final``."""
+
+class PreferenceLoopConfig(SupervisedLoopConfig):
+    """A loop over preference pairs (DPO, RM). ``policy.train_global_batch_size`` and
+    ``policy.train_micro_batch_size`` count pairs; the workers see twice as many sequences, a pair's chosen
+    and rejected responses always in one micro-batch."""
+
+    group_pairs_by_prompt: int = Field(default=0, ge=0)
+    """Serve up to this many pairs of one prompt together (0: every pair shuffled on its own): each prompt's
+    pairs are cut into groups of this size, each epoch shuffles the groups, and a group's pairs stay
+    consecutive in a batch. With ``policy.shared_prefix`` and its ``dedupe_rows``, a group's prompt and its
+    repeated chosen response then run once; large groups make batches less varied (fewer prompts each)."""
+
+
+class RolloutLoopConfig(LoopConfig):
+    """A loop that samples responses to prompts (GRPO, distillation): validation samples and scores them."""
+
+    num_prompts_per_step: int = Field(default=32, ge=1)
+    """Distinct prompts sampled per step."""
+
+    num_generations_per_prompt: int = Field(default=1, ge=1)
+    """Responses sampled per prompt (GRPO's own default and bound override this)."""
+
+    max_rollout_turns: int = Field(default=1, ge=1)
+    """Generate / environment-step turns per rollout (1 = single turn)."""
+
+    max_val_samples: int = Field(default=256, ge=1)
+    """Validation prompts per validation run."""
+
+    val_batch_size: int = Field(default=256, ge=1)
+    """Validation prompts per generation call."""
+
+    @property
+    def samples_per_step(self) -> int:
+        """Responses trained on per step: ``num_prompts_per_step`` x ``num_generations_per_prompt``."""
+        return self.num_prompts_per_step * self.num_generations_per_prompt
 
 
 class RewardShapingConfig(ConfigModel):
@@ -156,23 +221,11 @@ class AsyncGRPOConfig(ConfigModel):
         return self
 
 
-class GRPOConfig(ConfigModel):
+class GRPOConfig(RolloutLoopConfig):
     """The GRPO loop: sampling, scoring, advantage estimation and policy updates."""
 
-    num_prompts_per_step: int = Field(default=32, ge=1)
-    """Distinct prompts sampled per step."""
-
     num_generations_per_prompt: int = Field(default=16, ge=2)
-    """Responses sampled per prompt (at least 2); advantages compare responses within a prompt's group."""
-
-    max_rollout_turns: int = Field(default=1, ge=1)
-    """Generate / environment-step turns per rollout (1 = single turn)."""
-
-    max_num_epochs: int = Field(default=1, ge=1)
-    """Passes over the prompt set; training stops at whichever of this and ``max_num_steps`` comes first."""
-
-    max_num_steps: int = Field(default=1_000_000, ge=1)
-    """Steps to run in total (a resumed run counts the steps already taken)."""
+    """Responses sampled per prompt (at least 2: advantages compare responses within a prompt's group)."""
 
     normalize_rewards: bool = True
     """Divide advantages by the reward standard deviation of the prompt's group."""
@@ -180,23 +233,8 @@ class GRPOConfig(ConfigModel):
     use_leave_one_out_baseline: bool = True
     """Baseline each response with the mean reward of the *other* responses to its prompt."""
 
-    val_period: int = Field(default=10, ge=0)
-    """Validate every this many steps; 0 disables periodic validation."""
-
-    val_at_start: bool = False
-    """Validate once before the first step."""
-
-    max_val_samples: int = Field(default=256, ge=1)
-    """Validation prompts per validation run."""
-
-    val_batch_size: int = Field(default=256, ge=1)
-    """Validation prompts per generation call."""
-
     val_greedy: bool = False
     """Decode validation responses greedily instead of sampling with ``policy.generation`` settings."""
-
-    seed: int = 42
-    """Seed of prompt shuffling, sampling and initialisation."""
 
     overlong_filtering: bool = False
     """Exclude truncated responses (no end of sequence within the budget) from the loss."""
@@ -232,10 +270,6 @@ class GRPOConfig(ConfigModel):
 
     val_start_at: Literal[-1] = -1
     """First step eligible for periodic validation; not built here: must be -1 (no delay)."""
-
-    val_at_end: bool = False
-    """Also validate after the last step when ``val_period`` does not fall on it, so the final checkpoint
-    carries validation metrics."""
 
     val_num_generations_per_prompt: Literal[1] = 1
     """Validation responses per prompt (pass@k); not built here: must be 1."""
@@ -293,11 +327,6 @@ class GRPOConfig(ConfigModel):
         return self
 
     @property
-    def samples_per_step(self) -> int:
-        """Responses trained on per step: ``num_prompts_per_step`` x ``num_generations_per_prompt``."""
-        return self.num_prompts_per_step * self.num_generations_per_prompt
-
-    @property
     def prompts_per_generation_batch(self) -> int:
         """Prompts the loader yields per generation batch: ``num_prompts_per_step``, times
         ``batch_multiplier`` under dynamic sampling."""
@@ -316,149 +345,20 @@ class GRPOConfig(ConfigModel):
         return self
 
 
-class DistillationConfig(ConfigModel):
+class DistillationConfig(RolloutLoopConfig):
     """On-policy distillation (NeMo RL's ``distillation`` section): the student samples, the teacher scores.
 
     ``num_prompts_per_step`` x ``num_generations_per_prompt`` responses per step must be a multiple of
     ``policy.train_global_batch_size``.
     """
 
-    num_prompts_per_step: int = Field(default=128, ge=1)
-    """Distinct prompts sampled per step."""
-
-    num_generations_per_prompt: int = Field(default=1, ge=1)
-    """Responses the student samples per prompt."""
-
-    max_rollout_turns: int = Field(default=1, ge=1)
-    """Generate / environment-step turns per rollout (1 = single turn, as for math)."""
-
-    max_num_steps: int = Field(default=1000, ge=1)
-    """Steps to run in total (a resumed run counts the steps already taken)."""
-
-    max_num_epochs: int = Field(default=10, ge=1)
-    """Passes over the prompt set; training stops at whichever of this and ``max_num_steps`` comes first."""
-
-    val_batch_size: int = Field(default=64, ge=1)
-    """Validation prompts per generation call."""
-
-    val_period: int = Field(default=20, ge=0)
-    """Validate every this many steps; 0 disables periodic validation."""
-
-    val_at_start: bool = False
-    """Validate once before the first step."""
-
-    val_at_end: bool = False
-    """Also validate after the last step when ``val_period`` does not fall on it, so the final checkpoint
-    carries validation metrics."""
-
-    max_val_samples: int = Field(default=512, ge=1)
-    """Validation prompts per validation run (one sampled response each)."""
-
     topk_logits_k: int = Field(default=64, ge=1)
     """Teacher logits kept per position: the KL is taken on the teacher's ``k`` most likely next tokens."""
 
-    seed: int = 42
-    """Seed of prompt shuffling, sampling and initialisation."""
 
-    @property
-    def samples_per_step(self) -> int:
-        """Responses trained on per step: ``num_prompts_per_step`` x ``num_generations_per_prompt``."""
-        return self.num_prompts_per_step * self.num_generations_per_prompt
+class DPOConfig(DPOLossConfig, PreferenceLoopConfig):
+    """The DPO loop and its loss terms (NeMo RL's ``dpo`` section)."""
 
 
-class DPOConfig(DPOLossConfig):
-    """The DPO loop and its loss terms (NeMo RL's ``dpo`` section).
-
-    ``policy.train_global_batch_size`` and ``policy.train_micro_batch_size`` count preference pairs; the
-    workers see twice as many sequences, a pair's chosen and rejected responses always in one micro-batch.
-    """
-
-    max_num_epochs: int = Field(default=1, ge=1)
-    """Passes over the preference pairs; training stops at whichever of this and ``max_num_steps`` comes
-    first."""
-
-    max_num_steps: int = Field(default=150, ge=1)
-    """Optimizer steps to run in total (a resumed run counts the steps already taken)."""
-
-    val_period: int = Field(default=25, ge=0)
-    """Validate every this many steps; 0 disables periodic validation."""
-
-    val_batches: int = Field(default=8, ge=-1)
-    """Validation batches per validation run; 0 or -1 use the whole validation set."""
-
-    val_global_batch_size: int = Field(default=8, ge=1)
-    """Preference pairs per validation batch, summed over data-parallel ranks."""
-
-    val_micro_batch_size: int = Field(default=1, ge=1)
-    """Preference pairs per validation forward pass on one rank."""
-
-    val_at_start: bool = True
-    """Validate once before the first training step."""
-
-    val_at_end: bool = False
-    """Also validate after the last step when ``val_period`` does not fall on it, so the final checkpoint
-    carries validation metrics."""
-
-    seed: int = 42
-    """Seed of the shuffling of the preference pairs."""
-
-    group_pairs_by_prompt: int = Field(default=0, ge=0)
-    """Serve up to this many pairs of one prompt together (0: every pair shuffled on its own): each prompt's
-    pairs are cut into groups of this size, each epoch shuffles the groups, and a group's pairs stay
-    consecutive in a batch. With ``policy.shared_prefix`` and its ``dedupe_rows``, a group's prompt and its
-    repeated chosen response then run once; large groups make batches less varied (fewer prompts each)."""
-
-    export_dir: str | None = None
-    """Where the final weights are exported as a Hugging Face folder; ``None`` uses
-    ``<checkpointing.checkpoint_dir>/hf_final``."""
-
-
-class RMConfig(ConfigModel):
-    """The Bradley-Terry reward-model loop (NeMo RL's ``rm`` section).
-
-    ``policy.train_global_batch_size`` and ``policy.train_micro_batch_size`` count preference pairs, as in DPO.
-    """
-
-    max_num_epochs: int = Field(default=1, ge=1)
-    """Passes over the preference pairs; training stops at whichever of this and ``max_num_steps`` comes
-    first."""
-
-    max_num_steps: int = Field(default=-1, ge=-1)
-    """Optimizer steps to run in total; -1 trains for ``max_num_epochs`` epochs."""
-
-    val_period: int = Field(default=16, ge=0)
-    """Validate every this many steps; 0 disables periodic validation."""
-
-    val_batches: int = Field(default=-1, ge=-1)
-    """Validation batches per validation run; -1 or 0 use the whole validation set."""
-
-    val_global_batch_size: int = Field(default=32, ge=1)
-    """Preference pairs per validation batch, summed over data-parallel ranks."""
-
-    val_micro_batch_size: int = Field(default=1, ge=1)
-    """Preference pairs per validation forward pass on one rank."""
-
-    val_at_start: bool = False
-    """Validate once before the first training step."""
-
-    val_at_end: bool = False
-    """Also validate after the last step when ``val_period`` does not fall on it."""
-
-    seed: int = 42
-    """Seed of the shuffling of the preference pairs."""
-
-    group_pairs_by_prompt: int = Field(default=0, ge=0)
-    """Serve up to this many pairs of one prompt together (0: every pair shuffled on its own): each prompt's
-    pairs are cut into groups of this size, each epoch shuffles the groups, and a group's pairs stay
-    consecutive in a batch. With ``policy.shared_prefix`` and its ``dedupe_rows``, a group's prompt and its
-    repeated chosen response then run once; large groups make batches less varied (fewer prompts each)."""
-
-    export_dir: str | None = None
-    """Where the final reward model is exported as a Hugging Face folder (it loads with
-    ``AutoModelForSequenceClassification``); ``None`` uses ``<checkpointing.checkpoint_dir>/hf_final``."""
-
-    @model_validator(mode="after")
-    def _check_steps(self) -> Self:
-        if self.max_num_steps == 0:
-            raise ValueError("rm.max_num_steps must be >= 1, or -1 to train for rm.max_num_epochs epochs")
-        return self
+class RMConfig(PreferenceLoopConfig):
+    """The Bradley-Terry reward-model loop (NeMo RL's ``rm`` section)."""

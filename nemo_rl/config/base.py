@@ -12,7 +12,7 @@ attributes (``cfg.policy.model_name = ...``), which are validated.
 from __future__ import annotations
 
 import difflib
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -26,6 +26,16 @@ class ConfigModel(BaseModel):
         validate_default=True,
         validate_assignment=True,
     )
+
+    CONDITIONAL_NO_EFFECT: ClassVar[dict[str, str]] = {}
+    """Keys below this section that do nothing in some combinations of the others: ``{key: where they work}``.
+    :meth:`settings_without_effect` says when; ``nemo_rl.config.no_effect`` lists both with the keys that
+    never have an effect."""
+
+    def settings_without_effect(self) -> dict[str, str]:
+        """``{key: why}`` of keys of :data:`CONDITIONAL_NO_EFFECT` this section sets but the rest of it leaves
+        without effect (reported at start and by ``--dry-run``, never silently ignored)."""
+        return {}
 
     def keys(self) -> list[str]:
         """The section's keys: its fields in declaration order, then any extra keys it allows."""

@@ -38,7 +38,8 @@ class SequencePackingConfig(ConfigModel):
     Built on the DTensor backend (see ``PolicyConfig.packs_sequences``): each micro-batch's rows run as one
     row whose position ids restart at every sequence, so attention stays within each sequence and no compute
     goes to padding; the logits are unpacked to ``[B, T, V]`` before the loss, so every loss works unchanged.
-    The Megatron backend, sequence parallelism and reward models pad instead."""
+    The Megatron backend, sequence parallelism and reward models pad instead, and report ``enabled`` as
+    having no effect (at start and under ``--dry-run``)."""
 
     enabled: bool = False
     """Pack training and log-prob micro-batches (exclusive with ``policy.dynamic_batching``)."""
@@ -78,7 +79,7 @@ class AdvantageEstimatorConfig(ConfigModel):
     """Must equal ``grpo.use_leave_one_out_baseline``; ``None`` follows it."""
 
     minus_baseline: bool = True
-    """Reinforce++ only (unused with ``name: grpo``)."""
+    """Accepted, no effect here: a Reinforce++ option (``name`` must be ``grpo``)."""
 
     @model_validator(mode="after")
     def _check(self) -> Self:

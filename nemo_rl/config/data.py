@@ -211,8 +211,9 @@ class DataConfig(ConfigModel):
     """Text file whose content becomes a system message at the start of each conversation that has none."""
 
     add_system_prompt: bool = False
-    """Passed as ``add_system_prompt`` to the chat template by scripts that render their own prompts (NeMo
-    RL's sliding-puzzle example); a template that reads it adds its default system prompt."""
+    """Pass ``add_system_prompt=true`` to every chat-template call (it is added to
+    ``policy.tokenizer.chat_template_kwargs`` at load); a template that reads it adds its default system
+    prompt (NeMo RL's sliding-puzzle recipe)."""
 
     env_name: str | None = None
     """Environment that scores RL prompts (their ``task_name``), e.g. ``reward_model`` to reward responses with

@@ -30,13 +30,16 @@ class SandboxConfig(ConfigModel):
     docs/security.md for what each one does and does not promise."""
 
     isolation: Literal["auto", "bubblewrap", "rlimits"] = "auto"
-    """``bubblewrap``: run under bubblewrap (new PID, network, IPC and mount namespaces, a read-only view of
-    only the interpreter's files); refused at start when ``bwrap`` is missing or cannot make namespaces.
-    ``rlimits``: resource limits and a process session only (weaker: the filesystem stays readable).
-    ``auto``: bubblewrap when it works on this machine, else rlimits."""
+    """How runs are contained. ``auto`` and ``bubblewrap``: under bubblewrap (new PID, network, IPC and mount
+    namespaces, a read-only view of only the interpreter's files, as root a uid of its own); where bubblewrap
+    is missing or cannot make namespaces the run stops at start with one line that says what to do.
+    ``rlimits``: resource limits and a process session only, on purpose; that does NOT contain a program
+    (it can read the filesystem and reach other processes and the network stack: docs/security.md), and a
+    warning says so each time a sandbox starts."""
 
     wall_time_limit_s: float = Field(default=10.0, gt=0.0)
-    """Longest a run may take by the clock (sleeping counts); then everything it started is killed."""
+    """Longest a run may take by the clock (sleeping counts); then everything it started is killed (under
+    bubblewrap within a second of the limit, whatever it started)."""
 
     cpu_time_limit_s: int = Field(default=5, ge=1)
     """CPU seconds a process of the run may use (``RLIMIT_CPU``); then the kernel kills it."""

@@ -34,6 +34,26 @@ class TrainingRunConfig(ConfigModel):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     """Worker slots (GPUs, or CPU slots without CUDA) and nodes."""
 
+    @model_validator(mode="after")
+    def _system_prompt_flag_reaches_the_chat_template(self) -> Self:
+        # `data.add_system_prompt` is NeMo RL's flag for templates that add a default system prompt; every
+        # chat-template call here reads `policy.tokenizer.chat_template_kwargs`, so the flag goes there.
+        data, policy = getattr(self, "data", None), getattr(self, "policy", None)
+        if (
+            not isinstance(data, DataConfig)
+            or not isinstance(policy, PolicyConfig)
+            or not data.add_system_prompt
+        ):
+            return self
+        kwargs = dict(policy.tokenizer.chat_template_kwargs or {})
+        if kwargs.get("add_system_prompt", True) is not True:
+            raise ValueError(
+                "data.add_system_prompt=true but policy.tokenizer.chat_template_kwargs.add_system_prompt="
+                f"{kwargs['add_system_prompt']}: set one of them"
+            )
+        policy.tokenizer.chat_template_kwargs = {**kwargs, "add_system_prompt": True}
+        return self
+
 
 class SFTMasterConfig(TrainingRunConfig):
     """Everything ``examples/run_sft.py`` reads."""

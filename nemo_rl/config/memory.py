@@ -83,6 +83,11 @@ def dtensor_parameters(arch: ModelArch, lora_rank: int | None = None) -> list[Pa
         params += [
             ParamShape(f"{n}.bias", (size,), 0, layers, base) for n, size in (("q", q), ("k", kv), ("v", kv))
         ]
+    if arch.o_bias:  # a row-parallel layer's bias is replicated
+        params.append(ParamShape("o_proj.bias", (h,), None, layers, base))
+    if arch.mlp_bias:
+        params += [ParamShape(f"{n}.bias", (i,), 0, layers, base) for n in ("gate_proj", "up_proj")]
+        params.append(ParamShape("down_proj.bias", (h,), None, layers, base))
     params.append(ParamShape("layer norms", (h,), None, layers * 2, base))
     if arch.qk_norm:
         params.append(ParamShape("q/k norms", (arch.head_dim,), None, layers * 2, base))
@@ -129,6 +134,13 @@ def megatron_parameters(arch: ModelArch, tp: int, stage: int, stage_layers: list
     ]
     if arch.qkv_bias:
         params.append(ParamShape("linear_qkv.bias", (qkv,), 0, layers))
+    if arch.o_bias:  # a row-parallel layer's bias is replicated
+        params.append(ParamShape("linear_proj.bias", (h,), None, layers))
+    if arch.mlp_bias:
+        params += [
+            ParamShape("linear_fc1.bias", (2 * i,), 0, layers),
+            ParamShape("linear_fc2.bias", (h,), None, layers),
+        ]
     if arch.qk_norm:
         params.append(ParamShape("q/k norms", (arch.head_dim,), None, 2 * layers))
     first, last = stage == 0, stage == len(stage_layers) - 1
@@ -246,7 +258,8 @@ def layer_elements(arch: ModelArch) -> int:
     """Parameters of one decoder layer."""
     h, i = arch.hidden_size, arch.intermediate_size
     q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-    return h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h + (q + 2 * kv) * arch.qkv_bias
+    biases = (q + 2 * kv) * arch.qkv_bias + h * arch.o_bias + (2 * i + h) * arch.mlp_bias
+    return h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h + biases + 2 * arch.head_dim * arch.qk_norm
 
 
 def refit_buffer_bytes(arch: ModelArch, bucket_bytes: int, dtype_bytes: int) -> int:

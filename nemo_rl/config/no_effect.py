@@ -1,13 +1,17 @@
 """Keys accepted for NeMo RL recipes that change nothing here, and keys refused unless left neutral.
 
-NeMo RL's recipes carry keys for machinery this project does not build (sequence packing, LoRA, async GRPO,
-NeMo-Gym, other generation backends...). So that those recipes load unchanged, every such key has a schema
-field in one of two groups:
+NeMo RL's recipes carry keys for machinery this project does not build (NeMo-Gym, the TransferQueue data
+plane, FP8, context parallelism, speculative decoding, other generation backends...) and knobs that only tune
+NeMo RL's own kernels. So that those recipes load unchanged, every such key has a schema field in one of two
+groups:
 
 - **Accepted, no effect here**: knobs that do not change what is computed here (speed and memory knobs,
   settings of a disabled backend). The field's docstring starts with :data:`NO_EFFECT_PREFIX` followed by the
   reason; that docstring *is* the registry entry. :func:`no_effect_settings` lists the ones a config sets
   away from their default, and the example scripts print that list once at start (:func:`report_no_effect`).
+  A key that works in some combinations only (``policy.sequence_packing.enabled`` packs on the DTensor
+  backend, not on Megatron) is declared in its section's ``CONDITIONAL_NO_EFFECT`` and reported where the
+  section's ``settings_without_effect`` says it does nothing.
 - **Refused unless neutral**: keys that select behaviour this project does not build. The field accepts the
   neutral value (``enabled: false``, ``null``...) and a validator refuses any other with a one-line message
   naming the key and the value to set (:func:`refuse_unbuilt`).
@@ -25,6 +29,8 @@ from typing import Any, TextIO
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
+
+from nemo_rl.config.base import ConfigModel
 
 NO_EFFECT_PREFIX = "Accepted, no effect here"
 """How the docstring of a field accepted with no effect starts; the rest of the sentence gives the reason."""
@@ -116,7 +122,20 @@ def no_effect_settings(cfg: BaseModel, prefix: str = "") -> list[NoEffectSetting
         for child_key, child in _children(value, key):
             if not _is_disabled(child):
                 found.extend(no_effect_settings(child, child_key + "."))
+    if isinstance(cfg, ConfigModel):
+        for key, reason in cfg.settings_without_effect().items():
+            assert key in type(cfg).CONDITIONAL_NO_EFFECT, (
+                f"{type(cfg).__name__}.CONDITIONAL_NO_EFFECT lacks {key}"
+            )
+            found.append(NoEffectSetting(f"{prefix}{key}", _value_at(cfg, key), reason))
     return found
+
+
+def _value_at(cfg: BaseModel, dotted: str) -> Any:
+    value: Any = cfg
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def no_effect_keys(schema: type[BaseModel], prefix: str = "") -> dict[str, str]:
@@ -128,6 +147,9 @@ def no_effect_keys(schema: type[BaseModel], prefix: str = "") -> dict[str, str]:
     stack: list[tuple[type[BaseModel], str, tuple[type, ...]]] = [(schema, prefix, ())]
     while stack:
         model, path, seen = stack.pop()
+        if issubclass(model, ConfigModel):
+            for key, where in model.CONDITIONAL_NO_EFFECT.items():
+                found[f"{path}{key}"] = f"no effect unless {where}"
         for name, field in model.model_fields.items():
             key = f"{path}{name}"
             reason = field_no_effect_reason(model, name)

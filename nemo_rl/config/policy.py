@@ -6,7 +6,7 @@ The backend and generation sub-sections live in their own modules (:mod:`nemo_rl
 
 from __future__ import annotations
 
-from typing import Any, Literal, Self
+from typing import Any, ClassVar, Literal, Self
 
 from pydantic import Field, model_validator
 
@@ -281,17 +281,36 @@ class PolicyConfig(ConfigModel):
             raise refusal("policy.draft.enabled", "set policy.draft.enabled=false")
         return self
 
+    CONDITIONAL_NO_EFFECT: ClassVar[dict[str, str]] = {
+        "sequence_packing.enabled": "on the DTensor backend, without sequence parallelism, for a language model",
+    }
+
     @property
     def packs_sequences(self) -> bool:
         """Whether micro-batches are packed: ``sequence_packing.enabled`` on the DTensor backend with a
-        language-model head and no sequence parallelism (elsewhere sequences are padded, as NeMo RL's
-        recipes that enable packing for every backend then still load)."""
+        language-model head and no sequence parallelism. Elsewhere sequences are padded, so that NeMo RL's
+        recipes that enable packing for every backend still load, and the key is reported as having no
+        effect (:meth:`settings_without_effect`)."""
         return (
             self.sequence_packing.enabled
             and self.dtensor_cfg.enabled
             and not self.dtensor_cfg.sequence_parallel
             and not self.reward_model_cfg.enabled
         )
+
+    def settings_without_effect(self) -> dict[str, str]:
+        """``sequence_packing.enabled`` where micro-batches are padded instead (see :attr:`packs_sequences`)."""
+        if not self.sequence_packing.enabled or self.packs_sequences:
+            return {}
+        if self.megatron_cfg.enabled:
+            why = "the Megatron backend pads its micro-batches; packing is built on the DTensor backend"
+        elif self.dtensor_cfg.sequence_parallel:
+            why = (
+                "sequence parallelism pads its micro-batches; set dtensor_cfg.sequence_parallel=false to pack"
+            )
+        else:
+            why = "a reward model's micro-batches are padded (its head reads each row's last token)"
+        return {"sequence_packing.enabled": why}
 
     @model_validator(mode="after")
     def _check_in_policy_generation(self) -> Self:
@@ -347,58 +366,69 @@ class PolicyConfig(ConfigModel):
 
     @model_validator(mode="after")
     def _check(self) -> PolicyConfig:
+        self._check_backend()
+        if self.megatron_cfg.enabled:
+            self._check_megatron()
+        if self.shared_prefix.enabled:
+            self._check_shared_prefix()
+        check_router_replay(self)
+        self._check_batching()
+        self._check_scheduler()
+        return self
+
+    def _check_backend(self) -> None:
         if self.dtensor_cfg.enabled == self.megatron_cfg.enabled:
             raise ValueError(
                 "exactly one of policy.dtensor_cfg.enabled and policy.megatron_cfg.enabled must be true"
             )
-        if self.dtensor_cfg.enabled and self.optimizer is None:
+        if not self.dtensor_cfg.enabled:
+            return
+        if self.optimizer is None:
             raise ValueError(
                 "policy.optimizer is null but the DTensor backend needs it: set policy.optimizer"
             )
-        replicated = self.dtensor_cfg.enabled and self.dtensor_cfg.data_parallel_mode == "replicate"
-        if replicated and self.precision != "float32":
+        if self.dtensor_cfg.data_parallel_mode == "replicate" and self.precision != "float32":
             raise ValueError(
                 f"policy.dtensor_cfg.data_parallel_mode=replicate trains in float32, not policy.precision="
                 f"{self.precision}: set policy.precision=float32 or data_parallel_mode=fsdp"
             )
-        if self.dtensor_cfg.enabled:
-            self._check_moe_tensor_parallel()
-        if self.megatron_cfg.enabled:
-            self.megatron_cfg.check_with_policy(self.precision, self.max_grad_norm)
-            megatron = self.megatron_cfg
-            megatron.check_moe_checkpoint(
-                local_hf_config(self.model_name, self.hf_config_overrides),
-                megatron.tensor_model_parallel_size,
-                megatron.pipeline_model_parallel_size,
-                megatron.peft.enabled,
+        self._check_moe_tensor_parallel()
+
+    def _check_megatron(self) -> None:
+        megatron = self.megatron_cfg
+        megatron.check_with_policy(self.precision, self.max_grad_norm)
+        megatron.check_moe_checkpoint(
+            local_hf_config(self.model_name, self.hf_config_overrides),
+            megatron.tensor_model_parallel_size,
+            megatron.pipeline_model_parallel_size,
+            megatron.peft.enabled,
+        )
+        if self.frozen_parameters:
+            raise ValueError(
+                "policy.frozen_parameters is implemented by the DTensor backend only: remove it or set "
+                "policy.dtensor_cfg.enabled=true and policy.megatron_cfg.enabled=false"
             )
-            if self.frozen_parameters:
-                raise ValueError(
-                    "policy.frozen_parameters is implemented by the DTensor backend only: remove it or set "
-                    "policy.dtensor_cfg.enabled=true and policy.megatron_cfg.enabled=false"
-                )
-            if self.reward_model_cfg.enabled:
-                raise ValueError(
-                    "policy.reward_model_cfg.enabled=true needs the DTensor backend (the Megatron backend builds "
-                    "causal LMs only): set policy.dtensor_cfg.enabled=true and policy.megatron_cfg.enabled=false"
-                )
-        if self.shared_prefix.enabled:
-            self._check_shared_prefix()
-        check_router_replay(self)
+        if self.reward_model_cfg.enabled:
+            raise ValueError(
+                "policy.reward_model_cfg.enabled=true needs the DTensor backend (the Megatron backend builds "
+                "causal LMs only): set policy.dtensor_cfg.enabled=true and policy.megatron_cfg.enabled=false"
+            )
+
+    def _check_batching(self) -> None:
         if self.sequence_packing.enabled and self.dynamic_batching.enabled:
             raise ValueError(
                 "policy.sequence_packing and policy.dynamic_batching are both enabled: pick one (packing "
                 "computes no padding at all)"
             )
-        if (
-            self.train_global_batch_size % self.train_micro_batch_size != 0
-            and not self.dynamic_batching.enabled
-            and not self.packs_sequences
-        ):
+        # Token-budget micro-batches (dynamic batching, packing) need no whole number of micro-batches.
+        fixed_micro_batches = not self.dynamic_batching.enabled and not self.packs_sequences
+        if fixed_micro_batches and self.train_global_batch_size % self.train_micro_batch_size != 0:
             raise ValueError(
                 f"policy.train_global_batch_size ({self.train_global_batch_size}) must be a multiple of "
                 f"policy.train_micro_batch_size ({self.train_micro_batch_size})"
             )
+
+    def _check_scheduler(self) -> None:
         entries = [s for s in self.scheduler or [] if isinstance(s, SchedulerEntry)]
         milestones = [s for s in self.scheduler or [] if isinstance(s, SchedulerMilestones)]
         if len(milestones) > 1:
@@ -410,7 +440,6 @@ class PolicyConfig(ConfigModel):
             )
         if len(entries) > 1 and not milestones:
             raise ValueError("policy.scheduler chains several schedulers: add a `milestones: [...]` entry")
-        return self
 
     def _check_moe_tensor_parallel(self) -> None:
         dtensor = self.dtensor_cfg

@@ -12,6 +12,7 @@ rendering of the whole conversation once, and cuts it at the points where the re
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,44 +49,12 @@ def format_message_log(
         tools: JSON schemas of the tools the conversation may call, passed to the template as ``tools=``
             (empty: none; the Qwen templates then render no tools section).
     """
-    if not messages:
-        raise ValueError("cannot format an empty conversation: give at least one message")
-    if tokenizer.chat_template is None:
-        raise ValueError(
-            f"tokenizer {tokenizer.name_or_path} has no chat template: set policy.tokenizer.chat_template "
-            "(a Jinja template, a path to a .jinja file, or 'default' for plain 'role: content' lines)"
-        )
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or "role" not in message or "content" not in message:
-            raise ValueError(f"message {i} of the conversation needs 'role' and 'content', got {message!r}")
-
-    def render_ids(num_messages: int) -> list[int]:
-        prefix = [{"role": m["role"], "content": m["content"]} for m in messages[:num_messages]]
-        text = tokenizer.apply_chat_template(
-            prefix,
-            tools=list(tools) or None,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt and prefix[-1]["role"] in _PROMPTING_ROLES,
-        )
-        assert isinstance(text, str)
-        ids: list[int] = tokenizer(text, add_special_tokens=False)["input_ids"]
-        return ids
-
-    full_ids = render_ids(len(messages))
-    ends = []
-    end = 0
-    for i in range(1, len(messages)):
-        prefix_ids = render_ids(i)
-        # The longest common prefix, not len(prefix_ids): a template may render a turn differently once
-        # another follows it, and the tokens it disagrees on belong to the next turn.
-        common = _common_prefix_length(prefix_ids, full_ids)
-        end = max(end, common)
-        ends.append(end)
-    ends.append(len(full_ids))
-
-    chunks = [full_ids[start:stop] for start, stop in zip([0, *ends[:-1]], ends, strict=True)]
+    _check_conversation(messages, tokenizer)
+    render = _ChatRendering(messages, tokenizer, tools, add_generation_prompt)
+    chunks = _turn_chunks(render)
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
-    if add_bos and bos is not None and full_ids[:1] != [bos]:
+    first_id = next((chunk[0] for chunk in chunks if chunk), None)
+    if add_bos and bos is not None and first_id != bos:
         chunks[0] = [bos, *chunks[0]]
     # A template that closes the turn with EOS and then a newline (ChatML) has already ended it.
     if add_eos and eos is not None and eos not in chunks[-1]:
@@ -99,6 +68,60 @@ def format_message_log(
             LLMMessage(role=message["role"], content=content, token_ids=torch.tensor(chunk, dtype=torch.long))
         )
     return message_log
+
+
+def _check_conversation(messages: Sequence[ChatMessage], tokenizer: PreTrainedTokenizerBase) -> None:
+    """Refuse an empty conversation, a message without role or content, and a tokenizer without a template."""
+    if not messages:
+        raise ValueError("cannot format an empty conversation: give at least one message")
+    if tokenizer.chat_template is None:
+        raise ValueError(
+            f"tokenizer {tokenizer.name_or_path} has no chat template: set policy.tokenizer.chat_template "
+            "(a Jinja template, a path to a .jinja file, or 'default' for plain 'role: content' lines)"
+        )
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise ValueError(f"message {i} of the conversation needs 'role' and 'content', got {message!r}")
+
+
+@dataclass(frozen=True)
+class _ChatRendering:
+    """Renders prefixes of one conversation with the chat template and tokenizes them."""
+
+    messages: Sequence[ChatMessage]
+    tokenizer: PreTrainedTokenizerBase
+    tools: Sequence[dict[str, Any]]
+    add_generation_prompt: bool
+
+    def ids(self, num_messages: int) -> list[int]:
+        """The token ids of the first ``num_messages`` messages rendered (the generation prompt after a
+        user or tool turn when ``add_generation_prompt``)."""
+        prefix = [{"role": m["role"], "content": m["content"]} for m in self.messages[:num_messages]]
+        text = self.tokenizer.apply_chat_template(
+            prefix,
+            tools=list(self.tools) or None,
+            tokenize=False,
+            add_generation_prompt=self.add_generation_prompt and prefix[-1]["role"] in _PROMPTING_ROLES,
+        )
+        assert isinstance(text, str)
+        ids: list[int] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return ids
+
+
+def _turn_chunks(render: _ChatRendering) -> list[list[int]]:
+    """The whole conversation's token ids cut into one chunk per message: each cut where the rendering of
+    the messages so far stops agreeing with the whole rendering."""
+    num_messages = len(render.messages)
+    full_ids = render.ids(num_messages)
+    ends = []
+    end = 0
+    for i in range(1, num_messages):
+        # The longest common prefix, not len(prefix_ids): a template may render a turn differently once
+        # another follows it, and the tokens it disagrees on belong to the next turn.
+        end = max(end, _common_prefix_length(render.ids(i), full_ids))
+        ends.append(end)
+    ends.append(len(full_ids))
+    return [full_ids[start:stop] for start, stop in zip([0, *ends[:-1]], ends, strict=True)]
 
 
 def _common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:

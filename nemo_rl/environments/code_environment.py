@@ -6,15 +6,14 @@ Single turn, like the math environment. A problem's ground truth (``extra_env_in
 
     {"tests": ["assert add(1, 2) == 3", "assert add(-1, 1) == 0"], "setup": "import math"}
 
-``tests`` are Python statements, each passing when it raises nothing; ``setup`` (optional) runs before the
-solution. The solution is the response's last fenced code block (```` ```python ```` or a bare ````
-``` ````); a response without one scores 0. Each response runs once in a fresh sandbox
-(:mod:`nemo_rl.environments.sandbox`, limits from ``env.code.sandbox``) with every test of its problem; a
-run that hits a limit scores the tests it finished.
-
-The solution runs in the same process as the test harness, which reports results on a line tagged with a
-nonce the program is not given; a program that digs it out of the harness's memory could forge its score
-(docs/security.md). The sandbox keeps such a program from reaching anything else.
+``tests`` are ``assert`` statements comparing what the solution computes with a literal (the forms are in
+:mod:`nemo_rl.environments.code_tests`); ``setup`` (optional) runs before the solution. The solution is the
+response's last fenced code block (```` ```python ```` or a bare ```` ``` ````); a response without one scores
+0. Each response runs once in a fresh sandbox (:mod:`nemo_rl.environments.sandbox`, limits from
+``env.code.sandbox``), which evaluates the solution's side of every test and prints the values as plain data;
+this process then decides which tests passed. The reward is the share that did, in [0, 1]: the expected values
+never enter the solution's process, so neither printing nor faking a verdict pays (docs/security.md). A run
+that hits a limit scores the values it reported before.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from __future__ import annotations
 import functools
 import json
 import re
-import secrets
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -33,6 +31,7 @@ import torch
 
 from nemo_rl.config.env import CodeEnvConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.environments.code_tests import HARNESS, UnitTest, parse_test, reported_values
 from nemo_rl.environments.interfaces import (
     EnvironmentInterface,
     EnvironmentReturn,
@@ -49,44 +48,13 @@ CodeMetadata = dict[str, Any]
 
 _CODE_BLOCK = re.compile(r"```[ \t]*(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
-# Runs as main.py. The nonce arrives on stdin, which is closed before the solution runs, and lives only in
-# this function's frame, so a solution's prints cannot fake the results line by chance or by reading files.
-_HARNESS = """\
-import json, sys
-def _run_tests():
-    nonce = sys.stdin.readline().strip()
-    sys.stdin.close()
-    spec = json.loads(open("tests.json").read())
-    namespace = {"__name__": "solution"}
-    passed = []
-    try:
-        exec(compile(spec["setup"] + "\\n" + open("solution.py").read(), "solution.py", "exec"), namespace)
-        loaded = True
-    except BaseException as err:
-        print(f"solution failed to load: {type(err).__name__}: {err}", file=sys.stderr)
-        loaded = False
-    for test in spec["tests"]:
-        ok = False
-        if loaded:
-            try:
-                exec(compile(test, "test", "exec"), namespace)
-                ok = True
-            except BaseException as err:
-                print(f"test failed: {test!r}: {type(err).__name__}: {err}", file=sys.stderr)
-        passed.append(ok)
-        sys.stdout.flush()
-        sys.__stdout__.write(f"\\n{nonce} {json.dumps(passed)}\\n")
-        sys.__stdout__.flush()
-_run_tests()
-"""
-
 
 @dataclass(frozen=True)
 class UnitTests:
     """A problem's unit tests, read from its ground truth."""
 
-    tests: list[str]
-    """Python statements; each passes when it raises nothing."""
+    tests: list[UnitTest]
+    """The tests, each split into what the solution computes and the check (:func:`parse_test`)."""
 
     setup: str = ""
     """Code run before the solution (imports the tests assume)."""
@@ -96,7 +64,8 @@ class UnitTests:
         """Read ``{"tests": [...], "setup": "..."}``.
 
         Raises:
-            ValueError: the ground truth is not such an object, or has no tests.
+            ValueError: the ground truth is not such an object, has no tests, or a test is not of a form
+                :func:`parse_test` accepts.
         """
         try:
             spec = json.loads(ground_truth)
@@ -111,7 +80,7 @@ class UnitTests:
         unknown = set(spec) - {"tests", "setup"}
         if unknown:
             raise ValueError(f"a code problem's ground truth has unknown keys {sorted(unknown)}")
-        return cls(tests=spec["tests"], setup=spec.get("setup", ""))
+        return cls(tests=[parse_test(t) for t in spec["tests"]], setup=spec.get("setup", ""))
 
 
 def extract_code(response: str) -> str | None:
@@ -136,21 +105,23 @@ class UnitTestOutcome:
     timed_out: bool = False
     """Its run hit the wall-clock limit."""
 
+    @property
+    def reward(self) -> float:
+        """The share of tests passed, in [0, 1]: ``num_passed`` counts distinct tests of the problem."""
+        assert 0 <= self.num_passed <= self.num_tests, "each test counts at most once"
+        return self.num_passed / self.num_tests
+
 
 def run_tests(sandbox: Sandbox, code: str | None, spec: UnitTests) -> UnitTestOutcome:
-    """Run ``spec``'s tests against ``code`` in ``sandbox`` (one run for all of them)."""
+    """Run ``spec``'s tests against ``code`` in ``sandbox`` (one run for all of them) and check the values it
+    reports here, outside the sandbox (:mod:`nemo_rl.environments.code_tests`)."""
     if code is None:
         return UnitTestOutcome(0, len(spec.tests), has_code=False)
-    nonce = secrets.token_hex(16)
-    tests_json = json.dumps({"tests": spec.tests, "setup": spec.setup})
-    result = sandbox.run_python(
-        _HARNESS, stdin=nonce + "\n", files={"solution.py": code, "tests.json": tests_json}
-    )
-    passed: list[bool] = []
-    for line in result.stdout.splitlines():
-        if line.startswith(nonce + " "):
-            passed = json.loads(line[len(nonce) + 1 :])
-    return UnitTestOutcome(sum(passed), len(spec.tests), has_code=True, timed_out=result.timed_out)
+    tests_json = json.dumps({"expressions": [t.expression for t in spec.tests], "setup": spec.setup})
+    result = sandbox.run_python(HARNESS, files={"solution.py": code, "tests.json": tests_json})
+    values = reported_values(result.stdout, len(spec.tests))
+    num_passed = sum(1 for i, test in enumerate(spec.tests) if i in values and test.passes(values[i]))
+    return UnitTestOutcome(num_passed, len(spec.tests), has_code=True, timed_out=result.timed_out)
 
 
 @ray.remote
@@ -179,7 +150,7 @@ class CodeEnvironment(EnvironmentInterface[CodeMetadata]):
         specs = [UnitTests.from_ground_truth(str(m["ground_truth"])) for m in metadata]
         codes = [extract_code(last_assistant_text(log)) for log in message_log_batch]
         outcomes = list(self._executor.map(functools.partial(run_tests, self._sandbox), codes, specs))
-        rewards = [o.num_passed / o.num_tests for o in outcomes]
+        rewards = [o.reward for o in outcomes]
         return EnvironmentReturn(
             observations=[
                 {

@@ -37,6 +37,7 @@ from ray.exceptions import RayActorError
 from nemo_rl.config.env import EnvConfig
 from nemo_rl.config.errors import UserError
 from nemo_rl.environments.interfaces import EnvironmentInterface
+from nemo_rl.environments.sandbox import check_sandbox
 
 EnvClass = type[EnvironmentInterface[Any]] | ActorClass[Any]
 """A plain environment class (started with ``ray.remote``), or one already decorated with ``ray.remote``."""
@@ -166,7 +167,8 @@ def check_env_sections(env_cfg: EnvConfig) -> None:
 
 def check_task_envs(task_names: Iterable[str], env_cfg: EnvConfig) -> None:
     """What :func:`create_task_envs` checks, without starting anything: every ``env`` section and every
-    task names a registered environment (else a :class:`UserError`). A task's ``tools`` are run by the
+    task names a registered environment, and the ``code`` task's sandbox has an isolation that contains its
+    runs, or was set to ``rlimits`` on purpose (else a :class:`UserError`). A task's ``tools`` are run by the
     rollout, not by its environment (see :func:`nemo_rl.environments.tools.build_task_tools`)."""
     check_env_sections(env_cfg)
     for task in sorted(set(task_names)):
@@ -176,6 +178,9 @@ def check_task_envs(task_names: Iterable[str], env_cfg: EnvConfig) -> None:
                 f"{', '.join(registered_envs())}); register one with "
                 f"nemo_rl.environments.registry.register_env({task!r}, cls) or pass task_to_env to setup"
             )
+        if task == "code":
+            # Untrusted code runs contained or not at all: refused here, before any worker starts.
+            check_sandbox(env_cfg.code.sandbox)
 
 
 def create_task_envs(task_names: Iterable[str], env_cfg: EnvConfig) -> dict[str, EnvHandle]:

@@ -4,29 +4,26 @@
 directory and returns its exit status and capped output as a :class:`SandboxResult`. Each run gets:
 
 - CPU-time, address-space, file-size, open-file and process-count limits (``setrlimit`` in the run's first
-  process, inherited by everything it starts) and a wall-clock limit kept by the caller;
-- its own session and process group, and (as root) a user id of its own, so that ``RLIMIT_NPROC`` counts
-  only this run's processes and the run can write nowhere but its directory;
-- no network: a new network namespace (only a loopback device, down), or where the machine cannot make one,
-  a ``socket`` module that refuses to open sockets (Python code only, and weaker: see docs/security.md);
-- with bubblewrap (``bwrap`` on the ``PATH``): new PID, IPC, UTS and mount namespaces; the filesystem it sees
-  is read-only and holds only the system libraries, the interpreter's files and its own directory, so files
-  elsewhere cannot be read; everything it started dies with the namespace's first process.
+  process, inherited by everything it starts), ``no_new_privs`` (a setuid program gains nothing) and a
+  wall-clock limit kept by the caller, which then kills everything the run started;
+- by default, bubblewrap (:mod:`nemo_rl.environments.sandbox_isolation`): new PID, network, IPC, UTS and mount
+  namespaces, a read-only view of only the system libraries, the interpreter's files and its own directory,
+  and (as root) a user id of its own without capabilities. Without bubblewrap a sandbox refuses to start,
+  unless the config asks for the weak ``rlimits`` mode on purpose (limits and a session only; a warning each
+  time a sandbox starts).
 
-When the run ends (or is stopped at a limit), every process it started is killed. What is promised and what
-is not is written down in docs/security.md; :func:`detect_isolation` says what this machine allows.
+What is promised and what is not is written down in docs/security.md; :func:`detect_isolation` says what
+this machine allows.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import os
 import random
 import selectors
-import shutil
 import signal
 import subprocess
 import sys
@@ -39,17 +36,15 @@ from typing import Literal
 
 from nemo_rl.config.env import SandboxConfig
 from nemo_rl.config.errors import UserError
+from nemo_rl.environments import sandbox_isolation
+from nemo_rl.environments.sandbox_isolation import Isolation, bwrap_argv, bwrap_path, run_env
 
 logger = logging.getLogger(__name__)
 
 _LAUNCHER_SOURCE = (Path(__file__).parent / "sandbox_launcher.py").read_text()
 _SETUP_FAILED_EXIT_CODE = 125  # sandbox_launcher.SETUP_FAILED_EXIT_CODE (it is never imported)
-_SANDBOX_DIR = "/sandbox"
-"""Where a bubblewrap run sees its directory (and its working directory)."""
-
 _RUN_UID_RANGE = (1_000_000, 2_000_000_000)
 """User ids drawn for runs as root: unused by any account, and two concurrent runs almost never share one."""
-
 _REFUSE_SOCKETS_PRELUDE = """\
 import socket as _socket, sys as _sys, runpy as _runpy
 class _NoNetwork(_socket.socket):
@@ -63,32 +58,6 @@ _runpy.run_path(_sys.argv[0], run_name="__main__")
 """
 """Run before a Python program where no network namespace can be made: sockets cannot be created through
 the ``socket`` module. Code that reaches the ``_socket`` C module or ``ctypes`` gets around it."""
-
-
-Network = Literal["namespace", "socket_refusal"]
-"""How runs are kept off the network (see :attr:`Isolation.network`)."""
-_FALLBACK_NETWORKS: tuple[Network, ...] = ("namespace", "socket_refusal")
-
-
-@dataclass(frozen=True)
-class Isolation:
-    """What a sandbox run is isolated by on this machine (see :func:`detect_isolation`)."""
-
-    backend: Literal["bubblewrap", "rlimits"]
-    """``bubblewrap``: namespaces and a private read-only filesystem view; ``rlimits``: limits and a session."""
-
-    network: Network
-    """A network namespace of its own, or only Python's ``socket`` module refusing to open sockets."""
-
-    run_uid: bool
-    """Each run has a user id of its own (the parent is root): ``RLIMIT_NPROC`` counts only its processes,
-    it can write only to its directory, and at the end every process of that id is killed."""
-
-    def describe(self) -> str:
-        """One line for logs and results."""
-        fs = "private read-only view" if self.backend == "bubblewrap" else "host filesystem readable"
-        uid = "own uid" if self.run_uid else "caller's uid"
-        return f"{self.backend} (network: {self.network}; filesystem: {fs}; {uid})"
 
 
 @dataclass(frozen=True)
@@ -125,90 +94,24 @@ class SandboxResult:
         return self.exit_code == 0 and not self.timed_out and not self.output_truncated
 
 
-def _bwrap_path() -> str | None:
-    return shutil.which("bwrap")
-
-
-def _readonly_binds(python_executable: str) -> list[str]:
-    """bubblewrap arguments that show the system libraries and the interpreter's files, read-only."""
-    args: list[str] = ["--ro-bind", "/usr", "/usr"]
-    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
-        if os.path.islink(top):
-            args += ["--symlink", os.readlink(top), top]
-        elif os.path.isdir(top):
-            args += ["--ro-bind", top, top]
-    exe = Path(python_executable)
-    roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
-    roots |= {str(exe.parent.parent), str(exe.resolve().parent.parent)}
-    paths = sorted(
-        path
-        for path in {*roots, *(os.path.realpath(r) for r in roots)}
-        if not path.startswith("/usr/") and os.path.isdir(path)
-    )
-    # bubblewrap would create the folders above a bind mount private (0700), which the run's own uid could
-    # not cross; they are created open to all, and hold nothing but the way down.
-    parents = sorted({str(p) for path in paths for p in Path(path).parents if str(p) != "/"})
-    for parent in parents:
-        args += ["--perms", "0755", "--dir", parent]
-    for path in paths:
-        args += ["--ro-bind", path, path]
-    return args
-
-
-def _bwrap_argv(bwrap: str, run_dir: str, python_executable: str, as_root: bool) -> list[str]:
-    """The bubblewrap command line up to its program."""
-    argv = [bwrap, "--die-with-parent", "--new-session", "--unshare-pid", "--unshare-net"]
-    argv += ["--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
-    if as_root:
-        # No user namespace: the launcher inside drops to the run's own uid, which needs these two
-        # capabilities once (bubblewrap drops every other); the uid change then clears them.
-        argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
-    else:
-        argv += ["--unshare-user"]
-    argv += _readonly_binds(python_executable)
-    argv += ["--proc", "/proc", "--dev", "/dev", "--bind", run_dir, _SANDBOX_DIR]
-    argv += ["--remount-ro", "/", "--chdir", _SANDBOX_DIR, "--clearenv"]
-    for key, value in _run_env(_SANDBOX_DIR).items():
-        argv += ["--setenv", key, value]
-    return [*argv, "--"]
-
-
-def _run_env(run_dir: str) -> dict[str, str]:
-    return {"PATH": "/usr/bin:/bin", "HOME": run_dir, "TMPDIR": run_dir, "LANG": "C.UTF-8"}
-
-
-@functools.cache
 def detect_isolation(
     requested: Literal["auto", "bubblewrap", "rlimits"], python_executable: str
 ) -> Isolation:
-    """The strongest isolation that works here, found by running a probe program once per process.
+    """The isolation runs get here (see :func:`nemo_rl.environments.sandbox_isolation.detect_isolation`).
 
     Raises:
-        UserError: ``requested`` is ``bubblewrap`` and it is missing or cannot make namespaces here.
+        UserError: ``requested`` is ``auto`` or ``bubblewrap`` and bubblewrap is missing or cannot run here.
     """
-    as_root = os.geteuid() == 0
-    if requested in ("auto", "bubblewrap"):
-        bwrap = _bwrap_path()
-        if bwrap is not None:
-            candidate = Isolation("bubblewrap", "namespace", run_uid=as_root)
-            if _probe(candidate, python_executable):
-                logger.info("sandbox runs are isolated by %s", candidate.describe())
-                return candidate
-        if requested == "bubblewrap":
-            raise UserError(
-                "sandbox.isolation=bubblewrap, but bubblewrap "
-                + ("is not installed (apt-get install bubblewrap)" if bwrap is None else "cannot run here")
-                + "; set sandbox.isolation=auto to fall back to resource limits (see docs/security.md)"
-            )
-    for network in _FALLBACK_NETWORKS:
-        for run_uid in (True, False) if as_root else (False,):
-            candidate = Isolation("rlimits", network, run_uid=run_uid)
-            if _probe(candidate, python_executable):
-                # Said loudly when bubblewrap was wanted: the filesystem is then readable by the runs.
-                log = logger.warning if requested == "auto" else logger.info
-                log("sandbox runs are isolated by %s only; see docs/security.md", candidate.describe())
-                return candidate
-    raise RuntimeError("no sandbox configuration can run Python on this machine; see docs/security.md")
+    return sandbox_isolation.detect_isolation(requested, python_executable, _probe)
+
+
+def check_sandbox(cfg: SandboxConfig) -> Isolation:
+    """What runs under ``cfg`` would be isolated by, found now (before any worker starts).
+
+    Raises:
+        UserError: nothing this machine offers contains a run, and ``cfg`` did not ask for ``rlimits``.
+    """
+    return detect_isolation(cfg.isolation, cfg.python_executable or sys.executable)
 
 
 _PROBE_PROGRAM = "import socket; print(len(socket.if_nameindex()))"
@@ -243,6 +146,14 @@ class Sandbox:
         self.isolation = isolation or detect_isolation(cfg.isolation, self.python_executable)
         """What isolates this sandbox's runs."""
         if check_limits:
+            if not self.isolation.contains:
+                logger.warning(
+                    "sandbox.isolation=%s: untrusted code runs under %s, which does NOT contain it (it can read "
+                    "the filesystem and reach other processes; docs/security.md); install bubblewrap "
+                    "(apt-get install bubblewrap) and set sandbox.isolation: auto",
+                    cfg.isolation,
+                    self.isolation.describe(),
+                )
             self._check_limits()
 
     def _check_limits(self) -> None:
@@ -314,12 +225,14 @@ class Sandbox:
     def _run_in(self, run_dir: str, argv: list[str], uid: int | None, stdin: str) -> SandboxResult:
         command = [*self._launcher_argv(uid), *argv]
         if self.isolation.backend == "bubblewrap":
-            bwrap = _bwrap_path()
+            bwrap = bwrap_path()
             assert bwrap is not None, "bubblewrap was found when the isolation was detected"
-            command = [*_bwrap_argv(bwrap, run_dir, self.python_executable, uid is not None), *command]
-            env, cwd = None, None
+            command = [*bwrap_argv(bwrap, run_dir, self.python_executable, uid is not None), *command]
+            # Not the caller's environment: bubblewrap's own process is the namespace's pid 1, whose
+            # /proc/1/environ the run could otherwise read.
+            env, cwd = {"PATH": "/usr/bin:/bin"}, None
         else:
-            env, cwd = _run_env(run_dir), run_dir
+            env, cwd = run_env(run_dir), run_dir
         start = time.monotonic()
         # An unnamed file, so the program cannot find its input again once it has closed stdin.
         with tempfile.TemporaryFile() as stdin_file:

@@ -8,7 +8,8 @@ backend, which has no PID namespace to end).
 
 Spec keys: ``rlimits`` (resource name -> [soft, hard]), ``nproc`` (``RLIMIT_NPROC``, counted on top of the
 user's current processes when ``nproc_relative``), ``unshare_net`` (enter a new network namespace; a failure
-exits with status 125), ``uid`` (drop to this user and group id, no supplementary groups).
+exits with status 125), ``uid`` (drop to this user and group id, no supplementary groups). Every run is
+marked ``no_new_privs`` before the program starts.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import sys
 
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
+PR_SET_NO_NEW_PRIVS = 38
 SETUP_FAILED_EXIT_CODE = 125
 
 
@@ -43,6 +45,13 @@ def _unshare_net() -> None:
     flags = CLONE_NEWNET if os.geteuid() == 0 else CLONE_NEWUSER | CLONE_NEWNET
     if libc.unshare(flags) != 0:
         raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNET) failed")
+
+
+def _no_new_privs() -> None:
+    # A setuid program the run starts (su, mount) then gains neither a uid nor capabilities.
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
 
 
 def _kill_uid(uid: int) -> None:
@@ -78,6 +87,7 @@ def main() -> None:
         if spec["nproc_relative"]:
             nproc += _count_user_processes(os.getuid())
         resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+        _no_new_privs()
     except (OSError, ValueError) as err:  # setrlimit raises ValueError for a limit it may not raise
         sys.stderr.write(f"sandbox setup failed: {err}\n")
         sys.exit(SETUP_FAILED_EXIT_CODE)

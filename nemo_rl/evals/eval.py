@@ -47,10 +47,11 @@ from nemo_rl.data.collate_fn import rl_collate_fn
 from nemo_rl.data.datasets import ProcessedDataset
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster, init_ray
-from nemo_rl.environments.registry import EnvHandle, create_env, registered_envs, stop_envs
-from nemo_rl.environments.tools import TaskTools, build_task_tools
+from nemo_rl.environments.registry import EnvHandle, check_task_envs, create_env, registered_envs, stop_envs
+from nemo_rl.environments.tools import TaskTools, wire_task_tools
 from nemo_rl.evals.metrics import CORRECT_REWARD, mean_and_stderr, metric_ks, problem_metrics, summarize
 from nemo_rl.experience.rollouts import run_multi_turn_rollout
+from nemo_rl.experience.validation import ENV_TIMEOUT_S
 from nemo_rl.models.generation.factory import create_generation
 from nemo_rl.models.generation.interfaces import GenerationInterface
 from nemo_rl.models.policy.dcp_io import (
@@ -67,9 +68,6 @@ RESPONSES_FILE = "responses.jsonl"
 
 METRICS_FILE = "metrics.json"
 """The benchmark metrics under ``eval.save_path``."""
-
-# Longest wait for an environment actor's metrics or shutdown.
-_ENV_TIMEOUT_S = 600.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +160,7 @@ class EvalSetup:
         """Stop the generation workers and the environment, flush the loggers, release the placement groups."""
         self.logger.close()
         self.generation.shutdown()
-        stop_envs(self.task_to_env.values(), _ENV_TIMEOUT_S)
+        stop_envs(self.task_to_env.values(), ENV_TIMEOUT_S)
         self.cluster.shutdown()
 
 
@@ -187,7 +185,9 @@ def setup(
         raise UserError(
             f"data.env_name={env_name} is not a registered environment; registered: {registered_envs()}"
         )
-    task_to_tools = {task: tools for task, tools in build_task_tools(config.env).items() if task == env_name}
+    check_task_envs([env_name], config.env)  # e.g. the code sandbox's isolation, before any worker starts
+    tools = wire_task_tools(config.env, (dataset,))
+    task_to_tools = {task: task_tools for task, task_tools in tools.items() if task == env_name}
     init_ray(config.cluster)
     cluster = RayVirtualCluster(config.cluster, name="eval", max_colocated_worker_groups=1)
     generation = create_generation(
@@ -279,7 +279,7 @@ def _rollout(s: EvalSetup, batch: BatchedDataDict[Any], greedy: bool) -> Batched
         max_seq_len=s.config.generation.max_total_sequence_length,
         max_rollout_turns=s.config.eval.max_rollout_turns,
         greedy=greedy,
-        env_timeout_s=_ENV_TIMEOUT_S,
+        env_timeout_s=ENV_TIMEOUT_S,
         task_to_tools=s.task_to_tools,
     )
     return rollout
@@ -335,7 +335,7 @@ def _environment_metrics(s: EvalSetup, rollouts: list[BatchedDataDict[Any]]) -> 
         s.task_to_env[env_name].global_post_process_and_metrics.remote(
             BatchedDataDict.from_batches(rollouts)
         ),
-        timeout=_ENV_TIMEOUT_S,
+        timeout=ENV_TIMEOUT_S,
     )
     return {f"{env_name}/{name}": float(value) for name, value in metrics.items()}
 

@@ -39,6 +39,7 @@ from nemo_rl.data.prompt_messages import PROMPT_MESSAGES_KEY
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.experience.agent_endpoint import AgentEndpoint
 from nemo_rl.experience.agent_trajectories import Trajectory, trajectory_counts
+from nemo_rl.experience.rollout_tokens import pack_message_logs
 from nemo_rl.models.generation.interfaces import GenerationInterface
 from nemo_rl.models.tokenizer import eos_token_ids
 from nemo_rl.utils.timer import Timer
@@ -297,9 +298,10 @@ def rollout_batch(
     outcomes: Sequence[AgentOutcome],
     tokenizer: PreTrainedTokenizerBase,
 ) -> BatchedDataDict[Any]:
-    """The rolled-out batch: ``input_batch`` plus each trajectory's ``trajectory_id``, ``message_log``,
-    ``total_reward``, ``truncated``, ``num_turns``, ``generated_tokens``, ``answers`` (``None``), and
-    ``loss_multiplier`` zeroed for failed agents and trajectories that sampled nothing."""
+    """The rolled-out batch: ``input_batch`` plus each trajectory's ``trajectory_id``, ``message_log``, its
+    token tensors (:func:`~nemo_rl.experience.rollout_tokens.pack_message_logs`), ``total_reward``,
+    ``truncated``, ``num_turns``, ``generated_tokens``, ``answers`` (``None``), and ``loss_multiplier`` zeroed for failed agents and
+    trajectories that sampled nothing."""
     logs: list[MessageLog] = []
     trained: list[bool] = []
     for trajectory, outcome, prompt_log in zip(
@@ -316,6 +318,7 @@ def rollout_batch(
     result.pop("stop_strings", None)
     result["trajectory_id"] = list(trajectory_ids)
     result["message_log"] = logs
+    result.update(pack_message_logs(logs, int(tokenizer.pad_token_id)))
     result["total_reward"] = torch.tensor([o.reward for o in outcomes], dtype=torch.float32)
     result["truncated"] = torch.tensor([bool(t.turns) and t.turns[-1].truncated for t in trajectories])
     result["num_turns"] = torch.tensor([len(t.turns) for t in trajectories], dtype=torch.long)

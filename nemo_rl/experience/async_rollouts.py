@@ -3,7 +3,7 @@
 :class:`AsyncRollouts` owns a thread of the driver that keeps drawing prompt batches, rolling them out on the
 (non-colocated) generation workers, scoring them with the environments, and putting the scored groups into a
 bounded :class:`TrajectoryBuffer`. The training loop takes one batch per step from :meth:`AsyncRollouts.steps`
-and, after each optimizer step, hands the new weights over with :meth:`AsyncRollouts.publish_weights`.
+and, after each optimizer step, refits the generation workers through the run, which publishes the new version.
 
 Versions and ages. The policy version is the number of optimizer steps behind a set of weights. A batch
 carries the version of the weights its first generation call ran on (a later turn, or an in-flight update,
@@ -13,8 +13,9 @@ is only started once the weights are recent enough for it to be trained at age `
 never runs more than ``max_age`` steps ahead; the trainer still checks every batch it takes, and drops and
 counts one that is older (none, while the rule holds).
 
-Weight updates. Without in-flight updates a refit waits for the generation call in progress to end (the
-"request boundary"): generation calls and refits hold the same lock. With them the refit runs while the
+Weight updates. The run owns the generation workers' weights and their refits (a :class:`PolicyWeights`
+passed in): each generation call of the thread holds them through ``weights.generating()``, which a refit
+without in-flight updates waits for (the "request boundary"); with in-flight updates the refit runs while the
 generation workers decode, and they apply the new weights between two decode steps.
 
 Checkpoints. The prompt loader runs ahead of training, so what a checkpoint saves as the loader's position
@@ -24,24 +25,37 @@ The buffer is not saved; its prompts are drawn and sampled again after a resume.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.models.generation.interfaces import GenerationInterface
 
 
-class InFlightUpdatable(Protocol):
-    """A generation backend that can take a refit while it decodes (see :meth:`AsyncRollouts.start`)."""
+class PolicyWeights(Protocol):
+    """The generation workers' weights as the rollout thread needs them; the run owns them and their refits
+    (:class:`nemo_rl.algorithms.generation_weights.GenerationWeights`)."""
 
-    def enable_in_flight_weight_updates(self, recompute_kv_cache: bool) -> None:
-        """Apply weights that arrive during a generation call between two decode steps; with
-        ``recompute_kv_cache`` the running requests' keys and values are recomputed with them."""
+    @property
+    def version(self) -> int:
+        """Policy version of the weights the generation workers hold (published once a refit completes)."""
+
+    def generating(self) -> AbstractContextManager[int]:
+        """Hold the weights for one generation call (a refit waits for it); gives their version."""
+
+    def wait_for_version(self, min_version: int, stopped: Callable[[], bool]) -> None:
+        """Wait until the published version is at least ``min_version`` or ``stopped()``."""
+
+    def wake(self) -> None:
+        """Wake :meth:`wait_for_version`'s waiters (to see a stop)."""
+
+    def take_refit_wait_s(self) -> float:
+        """Seconds refits waited for a generation call since last asked."""
 
 
 RollOut = Callable[[Any, BatchedDataDict[Any]], tuple[BatchedDataDict[Any], dict[str, float]]]
@@ -141,8 +155,8 @@ class _Counters:
 
 
 class _VersionedGeneration:
-    """The generation backend as the rollout thread sees it: each call holds the generation lock (which a refit
-    also takes unless it goes in flight) and records the policy version it started on."""
+    """The generation backend as the rollout thread sees it: each call holds the run's weights (which a refit
+    also waits for unless it goes in flight) and records the policy version it started on."""
 
     def __init__(self, owner: AsyncRollouts, generation: GenerationInterface) -> None:
         self._owner = owner
@@ -150,9 +164,9 @@ class _VersionedGeneration:
         self.first_version: int | None = None
 
     def generate(self, data: BatchedDataDict[Any], greedy: bool = False) -> BatchedDataDict[Any]:
-        self._owner.wait_for_waiting_refit()
-        with self._owner.generation_lock:
-            version = self._owner.version
+        start = time.perf_counter()
+        with self._owner.weights.generating() as version:
+            self._owner.count(generation_idle_s=time.perf_counter() - start)
             if self.first_version is None:
                 self.first_version = version
             return self._generation.generate(data, greedy=greedy)
@@ -166,15 +180,13 @@ class AsyncRollouts:
 
     Args:
         generation: the generation backend (its own workers, not the policy's).
+        weights: the generation workers' weights, which the run refits (see :class:`PolicyWeights`); their
+            version at the start is that of the steps already taken (a resumed run refits before :meth:`start`).
         roll_out: samples and scores one prompt batch (see :data:`RollOut`).
-        refit: moves the policy's current weights into the generation workers; returns ``refit/*`` metrics.
         batches: the prompt batches, one per step, in loader order.
         loader_state: the prompt loader's state now (called right after each draw).
-        start_version: the policy version of the weights in the generation workers at the start (the steps
-            already taken: a resumed run's generation workers are refitted before :meth:`start`).
         num_batches: batches to draw at most (the steps left to run).
         max_age: ``grpo.async_grpo.max_trajectory_age_steps``.
-        in_flight: ``grpo.async_grpo.in_flight_weight_updates``.
         max_failures: ``grpo.async_grpo.max_generation_failures``.
         take_timeout_s: the longest the trainer waits for a batch.
     """
@@ -182,45 +194,34 @@ class AsyncRollouts:
     def __init__(
         self,
         generation: GenerationInterface,
+        weights: PolicyWeights,
         roll_out: RollOut,
-        refit: Callable[[], dict[str, float]],
         *,
         batches: Iterator[BatchedDataDict[Any]],
         loader_state: Callable[[], dict[str, Any]],
-        start_version: int,
         num_batches: int,
         max_age: int,
-        in_flight: bool,
         max_failures: int,
         take_timeout_s: float,
     ) -> None:
+        # At most max_age batches ahead of the one the trainer takes next.
+        self.buffer = TrajectoryBuffer(capacity=max_age + 1)
         self._generation = generation
+        self.weights = weights
         self._roll_out = roll_out
-        self._refit = refit
         self._batches = batches
         self._loader_state = loader_state
-        self.start_version = start_version
-        self.version = start_version
-        """Policy version of the weights the generation workers hold (set once a refit completes)."""
+        self.start_version = weights.version
         self._num_batches = num_batches
         self.max_age = max_age
-        self.in_flight = in_flight
         self._max_failures = max_failures
         self._take_timeout_s = take_timeout_s
-        self.generation_lock = threading.Lock()
-        """Held by each generation call, by validation and, without in-flight updates, by each refit."""
-        self._version_changed = threading.Condition()
-        # A refit waiting for the generation lock goes before the next generation call (the lock is not fair).
-        self._refits_waiting = 0
-        self._refit_turn = threading.Condition()
-        self.buffer = TrajectoryBuffer(capacity=max_age + 1)
         self._counters = _Counters()
         self._counters_lock = threading.Lock()
         self._consumed_state = loader_state()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_take_s = time.perf_counter()
-        self._refit_waited_s = 0.0
         self.dropped_groups_total = 0
 
     # ------------------------------------------------------------------------------ generation thread
@@ -235,29 +236,23 @@ class AsyncRollouts:
     def _run(self) -> None:
         try:
             for index in range(self._num_batches):
-                if not self._wait_for_version(self.start_version + index - self.max_age):
+                # Batch `index` feeds step start + index + 1: started on weights no older than the age bound.
+                min_version = self.start_version + index - self.max_age
+                waited_from = time.perf_counter()
+                self.weights.wait_for_version(min_version, self._stop.is_set)
+                self.count(generation_idle_s=time.perf_counter() - waited_from)
+                if self._stop.is_set():
                     return
                 batch = next(self._batches)
-                loader_state = self._loader_state()
-                rolled = self._roll_out_with_retries(batch, index, loader_state)
+                rolled = self._roll_out_with_retries(batch, self._loader_state())
                 if rolled is None:
                     return
-                waited = self.buffer.put(rolled)
-                self._count(generation_idle_s=waited)
+                self.count(generation_idle_s=self.buffer.put(rolled))
         except BaseException as err:  # the trainer raises it at its next take
             self.buffer.fail(err)
 
-    def _wait_for_version(self, min_version: int) -> bool:
-        """Wait until the generation weights are at least ``min_version`` (so the next batch cannot be too old
-        when its step comes); False when stopped meanwhile."""
-        start = time.perf_counter()
-        with self._version_changed:
-            self._version_changed.wait_for(lambda: self._stop.is_set() or self.version >= min_version)
-        self._count(generation_idle_s=time.perf_counter() - start)
-        return not self._stop.is_set()
-
     def _roll_out_with_retries(
-        self, batch: BatchedDataDict[Any], index: int, loader_state: dict[str, Any]
+        self, batch: BatchedDataDict[Any], loader_state: dict[str, Any]
     ) -> RolloutBatch | None:
         while not self._stop.is_set():
             generation = _VersionedGeneration(self, self._generation)
@@ -274,18 +269,19 @@ class AsyncRollouts:
                         f"grpo.async_grpo.max_generation_failures={self._max_failures}: {err}"
                     ) from err
                 continue
-            self._count(generating_s=time.perf_counter() - start)
-            version = generation.first_version if generation.first_version is not None else self.version
+            self.count(generating_s=time.perf_counter() - start)
+            first = generation.first_version
             return RolloutBatch(
                 rollout=rollout,
                 metrics=metrics,
-                version=version,
+                version=self.weights.version if first is None else first,
                 loader_state=loader_state,
                 num_prompts=len(batch["message_log"]),
             )
         return None
 
-    def _count(self, *, generation_idle_s: float = 0.0, generating_s: float = 0.0) -> None:
+    def count(self, *, generation_idle_s: float = 0.0, generating_s: float = 0.0) -> None:
+        """Add to the generation thread's idle and generating time (reported at the next :meth:`take`)."""
         with self._counters_lock:
             self._counters.generation_idle_s += generation_idle_s
             self._counters.generating_s += generating_s
@@ -301,7 +297,6 @@ class AsyncRollouts:
         interval_s, self._last_take_s = now - self._last_take_s, now
         with self._counters_lock:
             counters, self._counters = self._counters, _Counters(failures=self._counters.failures)
-        refit_waited_s, self._refit_waited_s = self._refit_waited_s, 0.0
         dropped_groups = sum(d.num_prompts for d in dropped)
         self.dropped_groups_total += dropped_groups
         age = step - 1 - batch.version
@@ -312,7 +307,7 @@ class AsyncRollouts:
             "async/dropped_stale_groups": float(dropped_groups),
             "async/dropped_stale_groups_total": float(self.dropped_groups_total),
             # Waiting for a batch, and for the generation call in progress before the last refit.
-            "async/training_idle_s": waited_s + refit_waited_s,
+            "async/training_idle_s": waited_s + self.weights.take_refit_wait_s(),
             "async/generation_idle_s": counters.generation_idle_s,
             "async/generation_s": counters.generating_s,
             "async/buffered_batches": float(len(self.buffer)),
@@ -320,39 +315,6 @@ class AsyncRollouts:
             "async/samples_per_s": samples / interval_s if interval_s > 0 else 0.0,
         }
         return batch, metrics, dropped
-
-    def publish_weights(self, version: int) -> dict[str, float]:
-        """Refit the generation workers with the policy's weights of ``version``; returns the refit's metrics.
-        Without in-flight updates it first waits for the generation call in progress (counted as training
-        idle time at the next :meth:`take`)."""
-        start = time.perf_counter()
-        with self._refit_turn:
-            self._refits_waiting += 1
-        try:
-            with contextlib.nullcontext() if self.in_flight else self.generation_lock:
-                self._refit_waited_s += time.perf_counter() - start
-                metrics = self._refit()
-                with self._version_changed:
-                    self.version = version
-                    self._version_changed.notify_all()
-        finally:
-            with self._refit_turn:
-                self._refits_waiting -= 1
-                self._refit_turn.notify_all()
-        return metrics
-
-    def wait_for_waiting_refit(self) -> None:
-        """Let a refit that waits for the generation lock go first (called before each generation call)."""
-        start = time.perf_counter()
-        with self._refit_turn:
-            self._refit_turn.wait_for(lambda: self._refits_waiting == 0 or self.in_flight)
-        self._count(generation_idle_s=time.perf_counter() - start)
-
-    @contextlib.contextmanager
-    def exclusive(self) -> Iterator[None]:
-        """Hold the generation workers between two generation calls (validation samples meanwhile)."""
-        with self.generation_lock:
-            yield
 
     @property
     def position(self) -> ConsumedLoaderPosition:
@@ -366,8 +328,7 @@ class AsyncRollouts:
     def close(self, timeout_s: float = 600.0) -> None:
         """Stop the generation thread after its current call; what it had buffered is discarded."""
         self._stop.set()
-        with self._version_changed:
-            self._version_changed.notify_all()
+        self.weights.wake()
         self.buffer.close()
         if self._thread is not None:
             self._thread.join(timeout=timeout_s)

@@ -1,11 +1,12 @@
 """Rollouts: generate, let the environments respond, append their observations, repeat.
 
 A rollout works on a batch of message logs (one per sample; GRPO repeats each prompt
-``num_generations_per_prompt`` times before calling it). Each turn:
+``num_generations_per_prompt`` times before calling it) and keeps every conversation as a row of token tensors
+beside its log (:class:`~nemo_rl.experience.rollout_tokens.RolloutTokens`). Each turn:
 
-1. the still-active logs are flattened into right-padded prompts and sampled by the generation backend;
-2. each response is cut to the sample's remaining token budget (``max_seq_len``) and appended to its log as an
-   assistant message that also carries the sampler's log-probs;
+1. the still-active rows are sampled by the generation backend, as right-padded prompts;
+2. each response is cut to the sample's remaining token budget (``max_seq_len``) and copied from the engine's
+   output into the rows with the sampler's log-probs (and routing), then decoded into an assistant message;
 3. responses of a task with tools (``task_to_tools``) that call tools get the results appended as a tool
    turn and skip the environment this turn (:mod:`nemo_rl.experience.tool_turns`);
 4. the environments (grouped by ``task_name``) score the other responses and say which samples are finished;
@@ -30,11 +31,10 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.data.interfaces import LLMMessage, MessageLog
-from nemo_rl.data.llm_message_utils import message_log_length, message_logs_to_batch
-from nemo_rl.data.routed_experts import ROUTED_EXPERTS_KEY, attach_routed_experts
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.environments.interfaces import EnvironmentReturn
 from nemo_rl.environments.tools import TaskTools
+from nemo_rl.experience.rollout_tokens import RolloutTokens
 from nemo_rl.experience.tool_turns import rendered_continuation, run_tool_turns
 from nemo_rl.models.generation.interfaces import GenerationInterface
 from nemo_rl.utils.timer import Timer
@@ -70,26 +70,69 @@ class _SampleState:
     tool_errors: int = 0
 
 
+@dataclasses.dataclass
+class _Rollout:
+    """A rollout in progress: each sample's state and message log, and the token tensors of all of them."""
+
+    states: list[_SampleState]
+    tokens: RolloutTokens
+    task_names: list[str]
+    env_info: list[Any]
+
+    @classmethod
+    def start(cls, input_batch: BatchedDataDict[Any], tokenizer: PreTrainedTokenizerBase) -> _Rollout:
+        """The rollout of ``input_batch``'s prompts (their logs copied, not changed)."""
+        pad_token_id = int(
+            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        )
+        logs: list[MessageLog] = input_batch["message_log"]
+        first_stops = input_batch["stop_strings"] if "stop_strings" in input_batch else [None] * len(logs)
+        return cls(
+            states=[
+                _SampleState(log=copy.copy(log), stop_strings=stops)
+                for log, stops in zip(logs, first_stops, strict=True)
+            ],
+            tokens=RolloutTokens.from_prompts(logs, pad_token_id),
+            task_names=list(input_batch["task_name"]),
+            env_info=list(input_batch["extra_env_info"]),
+        )
+
+    def active(self) -> list[int]:
+        """The samples not finished yet."""
+        return [i for i, s in enumerate(self.states) if not s.done]
+
+    def generation_input(self, active: list[int]) -> BatchedDataDict[Any]:
+        """The prompts of the next generation call: the active conversations so far and their stop strings."""
+        gen_input = self.tokens.generation_input(active)
+        if any(self.states[i].stop_strings for i in active):
+            gen_input["stop_strings"] = [self.states[i].stop_strings for i in active]
+        return gen_input
+
+    def length(self, i: int) -> int:
+        """Tokens of sample ``i``'s conversation so far."""
+        return int(self.tokens.lengths_B[i])
+
+
 _StepResult = tuple[float, bool, str | None, list[str] | None, Any, str | None]
 """An environment's answer for one sample: (reward, terminated, observation, next stop strings, info, answer)."""
 
 
+def _timed(timer: Timer | None, name: str) -> contextlib.AbstractContextManager[object]:
+    return timer.time(name) if timer else contextlib.nullcontext()
+
+
 def _env_step(
-    task_to_env: Mapping[str, Any],
-    states: list[_SampleState],
-    active: list[int],
-    task_names: list[str],
-    env_info: list[Any],
-    timeout_s: float,
+    task_to_env: Mapping[str, Any], rollout: _Rollout, active: list[int], timeout_s: float
 ) -> dict[int, _StepResult]:
     """Step every environment on its active samples; returns per-sample (reward, terminated, obs, stops, info,
     answer)."""
     by_task: dict[str, list[int]] = defaultdict(list)
     for i in active:
-        by_task[task_names[i]].append(i)
+        by_task[rollout.task_names[i]].append(i)
     missing = sorted(set(by_task) - set(task_to_env))
     if missing:
         raise KeyError(f"no environment registered for task(s) {missing}; known tasks: {sorted(task_to_env)}")
+    states, env_info = rollout.states, rollout.env_info
     futures = {
         task: task_to_env[task].step.remote([states[i].log for i in idx], [env_info[i] for i in idx])
         for task, idx in by_task.items()
@@ -141,55 +184,35 @@ def run_multi_turn_rollout(
             are parsed for tool calls.
 
     Returns:
-        The input batch plus ``message_log`` (with the new turns), ``total_reward`` [B], ``truncated`` [B]
-        bool, ``num_turns`` [B], ``generated_tokens`` [B] (summed over turns), ``num_tool_calls`` [B],
-        ``extra_env_info`` (as updated by the environments), ``answers`` (the answer the environment
-        extracted from each sample's last response, ``None`` where it gave none); and metrics (with tools:
-        ``mean_tool_calls_per_sample``, ``malformed_tool_call_rate`` and ``tool_error_rate``, the last two
-        per call).
+        The input batch plus ``message_log`` (with the new turns), the conversations' token tensors under
+        :data:`~nemo_rl.experience.rollout_tokens.TOKEN_KEYS` (what the training batch is built from, see
+        :mod:`nemo_rl.experience.train_batch`), ``total_reward`` [B], ``truncated`` [B] bool, ``num_turns``
+        [B], ``generated_tokens`` [B] (summed over turns), ``num_tool_calls`` [B], ``extra_env_info`` (as
+        updated by the environments), ``answers`` (the answer the environment extracted from each sample's
+        last response, ``None`` where it gave none); and metrics (with tools: ``mean_tool_calls_per_sample``,
+        ``malformed_tool_call_rate`` and ``tool_error_rate``, the last two per call).
     """
-    pad_token_id = int(
-        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    )
-    logs: list[MessageLog] = input_batch["message_log"]
-    first_stops = input_batch["stop_strings"] if "stop_strings" in input_batch else [None] * len(logs)
-    states = [
-        _SampleState(log=copy.copy(log), stop_strings=stops)
-        for log, stops in zip(logs, first_stops, strict=True)
-    ]
-    task_names: list[str] = list(input_batch["task_name"])
-    env_info: list[Any] = list(input_batch["extra_env_info"])
+    rollout = _Rollout.start(input_batch, tokenizer)
     turn_metrics: dict[str, float] = {}
-
     for turn in range(max_rollout_turns):
-        active = [i for i, s in enumerate(states) if not s.done]
+        active = rollout.active()
         if not active:
             break
-        gen_input = message_logs_to_batch(
-            [states[i].log for i in active], pad_token_id=pad_token_id, train_roles=()
-        )
-        if any(states[i].stop_strings for i in active):
-            gen_input["stop_strings"] = [states[i].stop_strings for i in active]
-        with timer.time("generation") if timer else contextlib.nullcontext():
-            output = generation.generate(gen_input, greedy=greedy)
-
-        turn_tokens = _append_responses(states, active, gen_input, output, tokenizer, max_seq_len)
         out_of_turns = turn == max_rollout_turns - 1
+        with _timed(timer, "generation"):
+            output = generation.generate(rollout.generation_input(active), greedy=greedy)
+        turn_tokens = _append_responses(rollout, active, output, tokenizer, max_seq_len)
         calling_tools: set[int] = set()
         if task_to_tools and not out_of_turns:
-            with timer.time("tool_calls") if timer else contextlib.nullcontext():
-                calling_tools = run_tool_turns(
-                    states, active, task_names, task_to_tools, tokenizer, max_seq_len
-                )
+            with _timed(timer, "tool_calls"):
+                calling_tools = _tool_turns(rollout, active, task_to_tools, tokenizer, max_seq_len)
         scored = [i for i in active if i not in calling_tools]
-        with timer.time("reward") if timer else contextlib.nullcontext():
-            results = _env_step(task_to_env, states, scored, task_names, env_info, env_timeout_s)
-        _apply_env_results(states, scored, results, env_info, tokenizer, max_seq_len, out_of_turns)
-
+        with _timed(timer, "reward"):
+            results = _env_step(task_to_env, rollout, scored, env_timeout_s)
+        _apply_env_results(rollout, scored, results, tokenizer, max_seq_len, out_of_turns)
         turn_metrics[f"turn_{turn + 1}/active_samples"] = float(len(active))
         turn_metrics[f"turn_{turn + 1}/mean_gen_tokens"] = turn_tokens / len(active)
-
-    return _finished_batch(input_batch, states, env_info, turn_metrics, bool(task_to_tools))
+    return _finished_batch(input_batch, rollout, turn_metrics, bool(task_to_tools))
 
 
 def _tool_metrics(states: list[_SampleState]) -> dict[str, float]:
@@ -203,44 +226,52 @@ def _tool_metrics(states: list[_SampleState]) -> dict[str, float]:
 
 
 def _append_responses(
-    states: list[_SampleState],
+    rollout: _Rollout,
     active: list[int],
-    gen_input: BatchedDataDict[Any],
     output: BatchedDataDict[Any],
     tokenizer: PreTrainedTokenizerBase,
     max_seq_len: int,
 ) -> int:
-    """Append each active sample's response (cut to its remaining token budget) with its sampling log-probs;
-    returns the tokens kept."""
-    turn_tokens = 0
+    """Append each active sample's response, cut to its remaining token budget, to its token tensors (with
+    the sampler's log-probs) and, decoded, to its message log; returns the tokens kept."""
+    gen_lengths_A = output["generation_lengths"]
+    start_A = rollout.tokens.lengths_B[torch.tensor(active, dtype=torch.long)]
+    keep_A = torch.minimum(gen_lengths_A, (max_seq_len - start_A).clamp(min=0))
+    rollout.tokens.append_generated(active, output, keep_A)
     for j, i in enumerate(active):
-        state = states[i]
-        prompt_len = int(gen_input["input_lengths"][j])
-        gen_len = int(output["generation_lengths"][j])
-        budget = max_seq_len - message_log_length(state.log)
-        keep = min(gen_len, max(budget, 0))
-        ids = output["output_ids"][j, prompt_len : prompt_len + keep].clone()
-        logprobs = output["logprobs"][j, prompt_len : prompt_len + keep].clone().float()
-        message = LLMMessage(
-            role="assistant", content=str(tokenizer.decode(ids, skip_special_tokens=False)), token_ids=ids
-        )
-        message["generation_logprobs"] = logprobs  # type: ignore[typeddict-unknown-key]
-        state.log.append(message)
-        if ROUTED_EXPERTS_KEY in output:
-            attach_routed_experts(state.log, output[ROUTED_EXPERTS_KEY][j])
+        state = rollout.states[i]
+        start, keep = int(start_A[j]), int(keep_A[j])
+        ids = rollout.tokens.ids_BT[i, start : start + keep].clone()
+        content = str(tokenizer.decode(ids, skip_special_tokens=False))
+        state.log.append(LLMMessage(role="assistant", content=content, token_ids=ids))
         state.turns += 1
         state.generated_tokens += keep
-        turn_tokens += keep
-        if keep < gen_len or bool(output["truncated"][j]):
+        if keep < int(gen_lengths_A[j]) or bool(output["truncated"][j]):
             state.truncated = True
-    return turn_tokens
+    return int(keep_A.sum())
+
+
+def _tool_turns(
+    rollout: _Rollout,
+    active: list[int],
+    task_to_tools: Mapping[str, TaskTools],
+    tokenizer: PreTrainedTokenizerBase,
+    max_seq_len: int,
+) -> set[int]:
+    """Run the tool calls of the active samples' responses and append the tool turns to their token tensors
+    (see :func:`run_tool_turns`); returns the samples that continue with a tool turn."""
+    continuing = run_tool_turns(
+        rollout.states, active, rollout.task_names, task_to_tools, tokenizer, max_seq_len
+    )
+    for i in sorted(continuing):
+        rollout.tokens.append(i, rollout.states[i].log[-1]["token_ids"])
+    return continuing
 
 
 def _apply_env_results(
-    states: list[_SampleState],
+    rollout: _Rollout,
     active: list[int],
     results: dict[int, _StepResult],
-    env_info: list[Any],
     tokenizer: PreTrainedTokenizerBase,
     max_seq_len: int,
     out_of_turns: bool,
@@ -248,39 +279,38 @@ def _apply_env_results(
     """Add each active sample's reward and end it, or append the environment's observation as the next user
     turn when it fits the budget."""
     for i in active:
-        state = states[i]
+        state = rollout.states[i]
         reward, terminated, observation, stop_strings, info, answer = results[i]
         state.reward += reward
         state.answer = answer
-        env_info[i] = info
+        rollout.env_info[i] = info
         state.stop_strings = stop_strings
         if terminated or state.truncated or out_of_turns or observation is None:
             state.done = True
             continue
         text = render_observation_turn(tokenizer, observation)
         obs_ids = torch.tensor(tokenizer.encode(text, add_special_tokens=False), dtype=torch.long)
-        if message_log_length(state.log) + obs_ids.numel() >= max_seq_len:
+        if rollout.length(i) + obs_ids.numel() >= max_seq_len:
             state.truncated = True
             state.done = True
             continue
         state.log.append(LLMMessage(role="user", content=text, token_ids=obs_ids))
+        rollout.tokens.append(i, obs_ids)
 
 
 def _finished_batch(
-    input_batch: BatchedDataDict[Any],
-    states: list[_SampleState],
-    env_info: list[Any],
-    turn_metrics: dict[str, float],
-    with_tools: bool,
+    input_batch: BatchedDataDict[Any], rollout: _Rollout, turn_metrics: dict[str, float], with_tools: bool
 ) -> tuple[BatchedDataDict[Any], dict[str, float]]:
     """The rolled-out batch (see :func:`run_multi_turn_rollout`) and its metrics (``with_tools``: the tool
     metrics too)."""
+    states = rollout.states
     batch_size = len(states)
     result = BatchedDataDict(input_batch.copy())
     # An input of the first turn only; dropping it keeps rollouts of batches with and without it joinable.
     result.pop("stop_strings", None)
     result["message_log"] = [s.log for s in states]
-    result["extra_env_info"] = env_info
+    result.update(rollout.tokens.batch_fields())
+    result["extra_env_info"] = rollout.env_info
     result["total_reward"] = torch.tensor([s.reward for s in states], dtype=torch.float32)
     result["truncated"] = torch.tensor([s.truncated for s in states], dtype=torch.bool)
     result["num_turns"] = torch.tensor([s.turns for s in states], dtype=torch.long)
@@ -292,7 +322,7 @@ def _finished_batch(
         "truncation_rate": sum(s.truncated for s in states) / batch_size,
         "mean_turns_per_sample": sum(s.turns for s in states) / batch_size,
         "mean_total_reward": float(result["total_reward"].mean()),
-        "mean_conversation_tokens": sum(message_log_length(s.log) for s in states) / batch_size,
+        "mean_conversation_tokens": int(rollout.tokens.lengths_B.sum()) / batch_size,
         **turn_metrics,
         **(_tool_metrics(states) if with_tools else {}),
     }

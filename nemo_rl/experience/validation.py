@@ -19,6 +19,7 @@ from nemo_rl.data.collate_fn import rl_collate_fn
 from nemo_rl.data.datasets import ProcessedDataset
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.environments.tools import TaskTools
+from nemo_rl.experience.rollout_tokens import TOKEN_KEYS
 from nemo_rl.experience.rollouts import run_multi_turn_rollout
 from nemo_rl.models.generation.interfaces import GenerationInterface
 
@@ -33,11 +34,14 @@ def request_environment_metrics(
     waits for them, as ``<task>/<metric>``. The environments compute them while the caller goes on (GRPO
     trains meanwhile)."""
     task_names = list(rollout["task_name"])
+    # Environments read the conversations as messages: the token tensors (the largest part with routing
+    # replay) stay here.
+    scored = BatchedDataDict[Any]({k: v for k, v in rollout.items() if k not in TOKEN_KEYS})
     requests = []
     for task, env in task_to_env.items():
         indices = [i for i, name in enumerate(task_names) if name == task]
         if indices:
-            ref = env.global_post_process_and_metrics.remote(rollout.select_indices(indices))
+            ref = env.global_post_process_and_metrics.remote(scored.select_indices(indices))
             requests.append((task, ref))
 
     def wait() -> dict[str, float]:

@@ -1,4 +1,5 @@
-"""The mixture-of-experts facts of a Hugging Face config, for nemo_rl's own decoder (the embedded engine).
+"""Mixture-of-experts weights of a Hugging Face checkpoint, for nemo_rl's own decoder (the embedded engine);
+the layers' layout, :class:`~nemo_rl.config.model_arch.MoeArch`, is part of the architecture record.
 
 Two routers are supported, each exactly as ``transformers`` computes it:
 
@@ -18,91 +19,11 @@ expert (``mlp.experts.{e}.gate_proj.weight``...), which :func:`expert_weight_nam
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import TypeVar
 
 import torch
 
-DECODER_MOE_MODEL_TYPES = ("qwen3_moe", "glm4_moe")
-"""Hugging Face ``model_type`` of the mixture-of-experts families nemo_rl's own decoder runs."""
-
-RouterKind = Literal["softmax", "sigmoid"]
 DtypeT = TypeVar("DtypeT")
-
-
-@dataclass(frozen=True)
-class MoeArch:
-    """A decoder's mixture-of-experts layers, read (and checked) from its Hugging Face config."""
-
-    router: RouterKind
-    """How the router scores experts (see the module docstring)."""
-    num_experts: int
-    """Routed experts per MoE layer (E)."""
-    top_k: int
-    """Experts each token is routed to."""
-    expert_intermediate_size: int
-    """Width of one expert's gated MLP (I)."""
-    norm_topk_prob: bool
-    """Renormalise the chosen experts' weights to sum to 1."""
-    shared_intermediate_size: int
-    """Width of the shared-expert MLP added to every token; 0 without one."""
-    num_groups: int
-    """Expert groups of the sigmoid router (1: no group limit)."""
-    topk_groups: int
-    """Groups the sigmoid router keeps before choosing experts."""
-    routed_scaling_factor: float
-    """Factor on the sigmoid router's weights."""
-    sparse_layers: tuple[bool, ...]
-    """Per decoder layer: whether its MLP is a MoE block (else a dense MLP of ``intermediate_size``)."""
-    num_extra_layers: int = 0
-    """Multi-token-prediction layers a checkpoint may hold after the last decoder layer (GLM-4.5's
-    ``num_nextn_predict_layers``); the causal LM never runs them."""
-
-    @classmethod
-    def from_hf_config(cls, config: Any) -> MoeArch:
-        """Read a ``qwen3_moe`` or ``glm4_moe`` ``PretrainedConfig``."""
-        model_type = config.model_type
-        num_layers = config.num_hidden_layers
-        if model_type == "qwen3_moe":
-            skip = set(getattr(config, "mlp_only_layers", None) or [])
-            step = config.decoder_sparse_step
-            return cls(
-                router="softmax",
-                num_experts=config.num_experts,
-                top_k=config.num_experts_per_tok,
-                expert_intermediate_size=config.moe_intermediate_size,
-                norm_topk_prob=bool(config.norm_topk_prob),
-                shared_intermediate_size=0,
-                num_groups=1,
-                topk_groups=1,
-                routed_scaling_factor=1.0,
-                sparse_layers=tuple(
-                    i not in skip and config.num_experts > 0 and (i + 1) % step == 0
-                    for i in range(num_layers)
-                ),
-            )
-        if model_type == "glm4_moe":
-            num_experts = config.n_routed_experts
-            if num_experts % config.n_group != 0:
-                raise ValueError(
-                    f"n_routed_experts ({num_experts}) must be a multiple of n_group ({config.n_group})"
-                )
-            return cls(
-                router="sigmoid",
-                num_experts=num_experts,
-                top_k=config.num_experts_per_tok,
-                expert_intermediate_size=config.moe_intermediate_size,
-                norm_topk_prob=bool(config.norm_topk_prob),
-                shared_intermediate_size=config.moe_intermediate_size * config.n_shared_experts,
-                num_groups=config.n_group,
-                topk_groups=config.topk_group,
-                routed_scaling_factor=float(config.routed_scaling_factor),
-                sparse_layers=tuple(i >= config.first_k_dense_replace for i in range(num_layers)),
-                num_extra_layers=int(getattr(config, "num_nextn_predict_layers", 0) or 0),
-            )
-        raise ValueError(
-            f"no mixture-of-experts layout for model type {model_type!r} (known: {DECODER_MOE_MODEL_TYPES})"
-        )
 
 
 def expert_weight_names(prefix: str, num_experts: int) -> dict[str, tuple[str, int, int | None]]:

@@ -1,9 +1,10 @@
 """Refit (weight sync): moving and resharding weights from the policy workers to the generation workers.
 
-Driver::
+Driver (:mod:`.refitter`: built once at setup, it checks both ends' manifests, picks the transport and each
+refit's scope, and offloads the policy around the copy)::
 
-    transport = create_refit_transport(policy_cfg, refit_cfg, policy_node_ids=..., generation_node_ids=...)
-    metrics = refit(policy_group.workers, generation_group.workers, transport, timeout_s=refit_cfg.timeout_s)
+    refitter = Refitter.create(policy_cfg, policy, generation)   # RefitSource, RefitTarget
+    metrics = refitter.refit_if_stale()                           # after refitter.mark_stale()
 
 Workers (one thin method each)::
 
@@ -29,6 +30,7 @@ from nemo_rl.weight_sync.interfaces import (
 )
 from nemo_rl.weight_sync.manifest import ManifestLike, TensorSpec, WeightManifest
 from nemo_rl.weight_sync.refit import refit
+from nemo_rl.weight_sync.refitter import RefitSource, RefitTarget, Refitter, check_refit_manifests
 from nemo_rl.weight_sync.resharding import iter_full_tensors, tp_shard_fn
 from nemo_rl.weight_sync.scope import RefitScope, RefitScopePlanner
 from nemo_rl.weight_sync.shm import SharedMemoryTransport
@@ -44,7 +46,10 @@ __all__ = [
     "RefitIntegrityError",
     "RefitScope",
     "RefitScopePlanner",
+    "RefitSource",
+    "RefitTarget",
     "RefitTransport",
+    "Refitter",
     "ShardFn",
     "SharedMemoryTransport",
     "TensorSpec",
@@ -54,6 +59,7 @@ __all__ = [
     "WeightReceiver",
     "WeightSender",
     "build_refit_transport",
+    "check_refit_manifests",
     "close_refit_groups",
     "close_store_clients",
     "create_refit_transport",

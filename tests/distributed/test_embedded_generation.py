@@ -25,7 +25,14 @@ from nemo_rl.models.generation.embedded.generation import EmbeddedGeneration
 from nemo_rl.models.generation.embedded.model import DecoderLM
 from nemo_rl.models.generation.factory import create_generation
 from nemo_rl.models.generation.interfaces import GENERATION_OUTPUT_KEYS, GenerationInterface
-from nemo_rl.weight_sync import TransferStats, WeightSender, create_refit_transport, refit
+from nemo_rl.weight_sync import (
+    RefitIntegrityError,
+    TransferStats,
+    WeightManifest,
+    WeightSender,
+    create_refit_transport,
+    refit,
+)
 
 TIMEOUT_S = 300.0
 MAX_NEW_TOKENS = 8
@@ -160,12 +167,15 @@ def test_update_weights_and_manifest_checks(
     manifest = generation.expected_weights_manifest()
     assert set(manifest) == {name for name, _ in hf.named_parameters()}  # tied: lm_head.weight is not sent
     assert manifest["model.embed_tokens.weight"] == ((len(tokenizer), 128), "float32")
-    generation.prepare_refit_info(manifest)
+    # The setup check of a Refitter: what a sender offers against what these workers expect.
+    WeightManifest(manifest).check_matches(manifest, "the policy")
     wrong = dict(manifest)
     wrong["model.norm.weight"] = ((3,), "bfloat16")
     del wrong["model.layers.0.mlp.up_proj.weight"]
-    with pytest.raises(ValueError, match=r"up_proj(.|\n)*model.norm.weight: shape \(3,\)(.|\n)*bfloat16"):
-        generation.prepare_refit_info(wrong)
+    with pytest.raises(
+        RefitIntegrityError, match=r"missing: .*up_proj.*model.norm.weight \(expected .*bfloat16\[3\]"
+    ):
+        WeightManifest(manifest).check_matches(wrong, "the policy")
 
     data = prompt_batch(tokenizer, TEXTS)
     original = generation.generate(data, greedy=True)

@@ -11,6 +11,7 @@ are spawned as in ``test_megatron_worker.py``, whose tiny model, helpers and spa
 from __future__ import annotations
 
 import json
+from dataclasses import astuple
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,7 @@ def _reference_scenarios(save: SaveFn, model_dir: Path, out_dir: Path) -> None:
     from nemo_rl.models.policy.dtensor_worker import DTensorPolicyWorker
 
     worker = DTensorPolicyWorker(dtensor_cfg(model_dir, {"lora_cfg": LORA_CFG}))
+    save("summary", [*astuple(worker.lora_summary()), worker.adapter_refits()])
     state = get_model_state_dict(worker.model, options=StateDictOptions(full_state_dict=True))
     save("adapters_init", {name: value.clone() for name, value in state.items() if is_adapter_name(name)})
     save("nll", worker.train(train_data(), NLLLoss()))
@@ -70,6 +72,7 @@ def _megatron_scenarios(save: SaveFn, model_dir: Path, out_dir: Path) -> None:
 
     data = train_data()
     worker = MegatronPolicyWorker(lora_megatron(model_dir, tp=2))
+    save("tp2_summary", [*astuple(worker.lora_summary()), worker.adapter_refits()])
     save("tp2_adapters_init", _stage_adapters(worker))
     save("tp2_trainable", sorted(n for n, p in worker.gpt.named_parameters() if p.requires_grad))
     save("tp2_optimizer_params", sum(len(g["params"]) for g in worker.optimizer.param_groups))
@@ -135,6 +138,15 @@ def test_adapters_start_as_the_dtensor_workers_and_only_they_train(results: Path
     trainable = load(results, "megatron.tp2_trainable")
     assert len(trainable) == len(expected) and all(".lora." in name for name in trainable)
     assert load(results, "megatron.tp2_optimizer_params") == len(expected)
+
+
+def test_lora_summary_counts_the_whole_model_as_the_dtensor_worker(results: Path) -> None:
+    """Both backends report the same adapters (rank, layers, full parameter counts) for the start-up line; only
+    the DTensor worker sends its adapters alone (Megatron folds them into every refit)."""
+    *summary, adapter_refits = load(results, "reference.summary")
+    assert adapter_refits is True and summary[0] == LORA_CFG["dim"]
+    for rank in range(2):
+        assert load(results, "megatron.tp2_summary", rank) == [*summary, False]
 
 
 @pytest.mark.parametrize("scenario", ["tp2_nll", "sp2_nll", "pp2"])

@@ -36,6 +36,7 @@ from nemo_rl.models.tokenizer import get_policy_tokenizer
 from nemo_rl.weight_sync.errors import RefitError
 from nemo_rl.weight_sync.factory import create_refit_transport
 from nemo_rl.weight_sync.refit import refit
+from nemo_rl.weight_sync.refitter import Refitter
 
 TINY_MODEL = Path(__file__).resolve().parents[2] / "examples" / "assets" / "tiny_math_sft"
 TIMEOUT_S = 300.0
@@ -207,7 +208,10 @@ def test_in_policy_engine_refits_in_process_and_samples_as_separate_workers(
     policy, generation, tokenizer, _ = stack
     in_policy = InPolicyEmbeddedGeneration(policy, tokenizer, seed=0)
     policy.train(_sft_batch(tokenizer), NLLLoss())
-    metrics = in_policy.refit()
+    # As RL runs refit it: the Refitter checks both manifests, builds no transport and copies in process.
+    refitter = Refitter.create(policy.cfg, policy, in_policy)
+    assert refitter.transport is None
+    metrics = refitter.refit()
     policy_weights = _policy_weights(policy, tmp_path / "export")
     # Every replica (the first tensor-parallel rank of each data-parallel group) holds the full weights.
     group = policy.worker_group
@@ -282,42 +286,32 @@ def _assert_engine_scores_as_policy(policy: Policy, generation: Any, tokenizer: 
 def test_lora_refits_send_the_adapters_only_after_the_first(
     lora_stack: tuple[Policy, EmbeddedGeneration, Any, RayVirtualCluster], transport_kind: str
 ) -> None:
-    """Driven as RL loops drive it (``RLWorkers.refit_generation``): the first refit moves the base weights and
-    the adapters, later ones the adapters only; a replaced generation worker gets a full refit again (checked
-    with the collective transport)."""
-    from nemo_rl.algorithms.rl_startup import RLWorkers
-    from nemo_rl.weight_sync.scope import RefitScopePlanner
-
+    """Driven as RL loops drive it (the run's ``Refitter``): the first refit moves the base weights and the
+    adapters, later ones the adapters only; a replaced generation worker gets a full refit again (checked with
+    the collective transport)."""
     policy, generation, tokenizer, cluster = lora_stack
-    cfg = _policy_cfg(1, lora=True)
+    refit_cfg = RefitConfig.model_validate({"transport": transport_kind, "timeout_s": TIMEOUT_S})
+    cfg = _policy_cfg(1, lora=True).model_copy(update={"refit": refit_cfg})
     locations = cluster.bundle_locations()
 
     def make_transport(generation: EmbeddedGeneration) -> Any:
         return create_refit_transport(
             cfg,
-            RefitConfig.model_validate({"transport": transport_kind, "timeout_s": TIMEOUT_S}),
+            refit_cfg,
             policy_node_ids=[locations[b].node_id for b in range(2)],
             generation_node_ids=generation.worker_node_ids,
         )
 
-    run = RLWorkers(
-        cluster=cluster,
-        policy=policy,
-        scorers=[],
-        generation=generation,
-        refit_transport=make_transport(generation),
-        task_to_env={},
-        val_task_to_env={},
-        owned_envs=[],
-        refit_scopes=RefitScopePlanner(adapters_only=True),
-    )
+    refitter = Refitter.create(cfg, policy, generation)
+    assert refitter.transport is not None and refitter.transport.kind == transport_kind
     full_bytes = sum(4 * math.prod(shape) for shape, _ in policy.weights_manifest(torch.float32).values())
     fresh = None
     try:
-        first = run.refit_generation(TIMEOUT_S)
+        first = refitter.refit()
         assert first["refit/adapters_only"] == 0.0 and first["refit/bytes"] == full_bytes
         policy.train(_sft_batch(tokenizer), NLLLoss())
-        second = run.refit_generation(TIMEOUT_S)
+        refitter.mark_stale()
+        second = refitter.refit_if_stale()
         assert second["refit/adapters_only"] == 1.0
         assert second["refit/bytes"] == _adapter_bytes(policy) < full_bytes / 10
         _assert_engine_scores_as_policy(policy, generation, tokenizer)
@@ -327,17 +321,16 @@ def test_lora_refits_send_the_adapters_only_after_the_first(
         # process group names its members, so it is the transport checked) refuses adapters alone, and the
         # driver never sends them: the refit after the replacement is full.
         fresh = create_generation(cluster, cfg, tokenizer, seed=0, bundle_indices=[1])
-        assert run.refit_transport is not None
-        run.refit_transport.shutdown()
-        run.generation, run.refit_transport = fresh, make_transport(fresh)
+        refitter.shutdown()
+        refitter.target, refitter.transport = fresh, make_transport(fresh)
+        assert refitter.transport is not None
         with pytest.raises(RefitError, match="holds no base weights"):
-            refit(policy.workers, fresh.workers, run.refit_transport, timeout_s=TIMEOUT_S, scope="adapters")
-        replaced = run.refit_generation(TIMEOUT_S)
+            refit(policy.workers, fresh.workers, refitter.transport, timeout_s=TIMEOUT_S, scope="adapters")
+        replaced = refitter.refit()
         assert replaced["refit/adapters_only"] == 0.0 and replaced["refit/bytes"] == full_bytes
         _assert_engine_scores_as_policy(policy, fresh, tokenizer)
     finally:
-        if run.refit_transport is not None:
-            run.refit_transport.shutdown()
+        refitter.shutdown()
         if fresh is not None:
             fresh.shutdown()
 
@@ -347,12 +340,12 @@ def test_lora_in_policy_engine_refits_adapters_in_process(
 ) -> None:
     policy, _, tokenizer, _ = lora_stack
     in_policy = InPolicyEmbeddedGeneration(policy, tokenizer, seed=0)
-    full = in_policy.refit("full")
+    full = in_policy.refit_in_process("full")
     assert full["refit/bytes"] == sum(
         4 * math.prod(shape) for shape, _ in in_policy.expected_weights_manifest("full").values()
     )
     policy.train(_sft_batch(tokenizer), NLLLoss())
-    adapters = in_policy.refit("adapters")
+    adapters = in_policy.refit_in_process("adapters")
     assert adapters["refit/bytes"] == _adapter_bytes(policy)
     assert adapters["refit/bytes_received"] == adapters["refit/bytes"] * policy.dp_size
     _assert_engine_scores_as_policy(policy, in_policy, tokenizer)

@@ -18,7 +18,7 @@ import torch
 
 from nemo_rl.config.env import EnvConfig, MathEnvConfig, NumberGuessingEnvConfig
 from nemo_rl.config.policy import PolicyConfig
-from nemo_rl.data.llm_message_utils import format_message_log, message_log_token_ids, message_logs_to_batch
+from nemo_rl.data.llm_message_utils import format_message_log, message_log_token_ids
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.environments.games.number_guessing import game_prompt, new_game
 from nemo_rl.environments.registry import create_env
@@ -127,17 +127,17 @@ def test_multi_turn_number_guessing(ray_cluster: Any, tokenizer: Any) -> None:
                 assert re.search(r"higher|lower", message["content"]), message["content"]
                 # The observation is a full user turn that ends by handing the turn back to the assistant.
                 assert message["content"].endswith("<|assistant|>")
-            else:
-                assert torch.all(message["generation_logprobs"] == SAMPLER_LOGPROB)
 
-    # Flattened for training, only the assistant's tokens are trained on.
-    flat = message_logs_to_batch(
-        batch["message_log"], pad_token_id=tokenizer.pad_token_id, train_roles=("assistant",)
-    )
+    # The rollout's token tensors hold each conversation, the assistant's tokens marked with their log-probs.
     for b, log in enumerate(batch["message_log"]):
-        assert torch.equal(flat["input_ids"][b, : flat["input_lengths"][b]], message_log_token_ids(log))
+        length = int(batch["input_lengths"][b])
+        assert torch.equal(batch["input_ids"][b, :length], message_log_token_ids(log))
+        assert bool((batch["input_ids"][b, length:] == tokenizer.pad_token_id).all())
         assistant_tokens = sum(m["token_ids"].numel() for m in log if m["role"] == "assistant")
-        assert int(flat["token_mask"][b].sum()) == assistant_tokens
+        mask = batch["token_mask"][b].bool()
+        assert int(mask.sum()) == assistant_tokens
+        assert bool((batch["generation_logprobs"][b][mask] == SAMPLER_LOGPROB).all())
+        assert bool((batch["generation_logprobs"][b][~mask] == 0).all())
     ray.kill(env)
 
 

@@ -17,17 +17,22 @@ import torch
 from test_rollouts import TINY_MODEL, ScriptedGeneration
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
-from nemo_rl.algorithms.grpo import build_train_batch
 from nemo_rl.config.cluster import ClusterConfig
 from nemo_rl.config.env import EnvConfig, MathEnvConfig
 from nemo_rl.config.policy import PolicyConfig
-from nemo_rl.data.llm_message_utils import format_message_log, message_log_token_ids, message_logs_to_batch
+from nemo_rl.data.llm_message_utils import (
+    flat_token_positions,
+    format_message_log,
+    message_log_token_ids,
+    message_logs_to_batch,
+)
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.environments.registry import EnvHandle, create_env
 from nemo_rl.environments.tools import TaskTools, ToolResult, build_task_tools
 from nemo_rl.experience.rollouts import run_multi_turn_rollout
 from nemo_rl.experience.tool_turns import render_tool_turn
+from nemo_rl.experience.train_batch import build_train_batch, train_batch
 from nemo_rl.models.generation.factory import create_generation
 from nemo_rl.models.generation.vllm.convert import installed_vllm_build
 from nemo_rl.models.tokenizer import get_policy_tokenizer
@@ -191,6 +196,148 @@ def test_tool_calls_run_and_only_sampled_tokens_train(
         assert tokenizer.decode(message_log_token_ids(log)) == rendered
         assert rendered.startswith("<|bos|><|system|><tools>calculator(expression)</tools><|user|>")
     assert_trained_tokens_are_sampled(batch, recorder)
+
+
+class RoutingGeneration:
+    """Wraps a generation backend, gives every output a made-up MoE routing ([A, T', 2 layers, top 2]; -1 at
+    each response's last token, which no forward ran, and at padding) and keeps every call's input lengths
+    and output."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.calls: list[tuple[torch.Tensor, BatchedDataDict[Any]]] = []
+
+    def generate(self, data: BatchedDataDict[Any], greedy: bool = False) -> BatchedDataDict[Any]:
+        out = self.inner.generate(data, greedy=greedy)
+        rows, width = out["output_ids"].shape
+        routed = torch.randint(
+            0,
+            8,
+            (rows, width, 2, 2),
+            generator=torch.Generator().manual_seed(len(self.calls)),
+            dtype=torch.int16,
+        )
+        ran = torch.arange(width)[None, :] < (out["unpadded_sequence_lengths"] - 1)[:, None]
+        out["routed_experts"] = torch.where(ran[:, :, None, None], routed, -1)
+        self.calls.append((data["input_lengths"].clone(), out))
+        return out
+
+
+def _old_attach_routed_experts(log: list[dict[str, Any]], routed_TLK: torch.Tensor) -> None:
+    """The routing of one generation call given to the messages of the log it covered, as rollouts did it
+    before they kept token tensors."""
+    start = 0
+    for index, message in enumerate(log):
+        num_tokens = int(message["token_ids"].numel())
+        new_TLK = routed_TLK[start : start + num_tokens]
+        start += num_tokens
+        old_TLK = message.get("routed_experts")
+        if old_TLK is not None:
+            new_TLK = torch.where(old_TLK[:, :1, :1] < 0, new_TLK, old_TLK)
+        log[index] = {**message, "routed_experts": new_TLK.clone()}
+
+
+def _old_message_logs(batch: BatchedDataDict[Any], calls: list[tuple[torch.Tensor, Any]]) -> list[Any]:
+    """The rollout's message logs as rollouts built them before they kept token tensors: every assistant
+    message with its sampler's log-probs, every message with the routing of the calls that covered it."""
+    turns = batch["num_turns"].tolist()
+    logs = []
+    for b, final in enumerate(batch["message_log"]):
+        log = [dict(m) for m in final]
+        assistant_at = [i for i, m in enumerate(log) if m["role"] == "assistant"]
+        for k, (input_lengths, out) in enumerate(calls[: turns[b]]):
+            j = [i for i, n in enumerate(turns) if n > k].index(b)  # rows of call k: samples with > k turns
+            at, start = assistant_at[k], int(input_lengths[j])
+            keep = int(log[at]["token_ids"].numel())
+            log[at]["generation_logprobs"] = out["logprobs"][j, start : start + keep].clone().float()
+            prefix = log[: at + 1]
+            _old_attach_routed_experts(prefix, out["routed_experts"][j])
+            log[: at + 1] = prefix
+        logs.append(log)
+    return logs
+
+
+def _old_train_batch(
+    logs: list[Any], rollout: BatchedDataDict[Any], advantages_B: torch.Tensor, pad_token_id: int
+) -> BatchedDataDict[Any]:
+    """GRPO's training batch as it was built from the message logs before rollouts kept token tensors
+    (overlong filtering on)."""
+    batch = message_logs_to_batch(logs, pad_token_id=pad_token_id, train_roles=("assistant",))
+    logprobs_BT = torch.zeros_like(batch["token_mask"])
+    rows_N, cols_N = flat_token_positions(batch["input_lengths"].tolist())
+    logprobs_BT[rows_N, cols_N] = torch.cat(
+        [
+            m["generation_logprobs"]
+            if m["role"] == "assistant"
+            else logprobs_BT.new_zeros(m["token_ids"].numel())
+            for log in logs
+            for m in log
+        ]
+    )
+    batch["advantages"] = advantages_B[:, None].expand_as(batch["token_mask"]).contiguous()
+    batch["generation_logprobs"] = logprobs_BT
+    batch["sample_mask"] = rollout["loss_multiplier"].float() * (~rollout["truncated"]).float()
+    shape_TLK = (batch["input_ids"].shape[1], 2, 2)
+    batch["routed_experts"] = torch.stack(
+        [
+            torch.cat(
+                [torch.cat([m["routed_experts"] for m in log]), torch.full(shape_TLK, -1, dtype=torch.int16)]
+            )[: shape_TLK[0]]
+            for log in logs
+        ]
+    )
+    return batch
+
+
+def test_train_batch_from_tensors_equals_the_one_from_message_logs(
+    tokenizer: Any, math_env: EnvHandle, task_to_tools: dict[str, TaskTools]
+) -> None:
+    """Tool turns, a response cut by the token budget (truncated: overlong filtering masks it), a prompt with
+    loss multiplier 0, routing replay; and the same rows selected and joined with another rollout's (padded
+    by ``from_batches`` with zeros): the batch built from the rollout's tensors is the one built from its
+    message logs, bit for bit."""
+
+    def agent(conversation: str) -> str:
+        if "tool_response" in conversation and "1111*2222" in conversation:
+            return "\\boxed{" + "9" * 400 + "}"  # longer than the budget left
+        return calculator_agent(conversation)
+
+    recorder = RoutingGeneration(VaryingLogprobs(tokenizer, agent))
+    prompts = problem_batch(tokenizer, PROBLEMS, task_to_tools["math"].schemas())
+    prompts["loss_multiplier"] = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    batch, _ = run_multi_turn_rollout(
+        recorder,  # type: ignore[arg-type]
+        prompts,
+        tokenizer,
+        {"math": math_env},
+        max_seq_len=256,
+        max_rollout_turns=3,
+        env_timeout_s=60,
+        task_to_tools=task_to_tools,
+    )
+    assert batch["truncated"].tolist() == [False, False, True, False]
+    assert batch["num_tool_calls"].tolist() == [1, 1, 1, 1]
+    logs = _old_message_logs(batch, recorder.calls)
+    advantages_B = torch.tensor([0.5, -1.0, 2.0, -0.25])
+    pad = int(tokenizer.pad_token_id)
+    expected = _old_train_batch(logs, batch, advantages_B, pad)
+    actual = build_train_batch(batch, advantages_B, pad, overlong_filtering=True)
+    assert list(actual) == list(expected)
+    for key, value in expected.items():
+        assert actual[key].dtype == value.dtype and torch.equal(actual[key], value), key
+
+    # The shorter rows selected, then joined with another rollout's (longer) rows.
+    short = batch.select_indices([0, 1])
+    joined = BatchedDataDict.from_batches([short, batch.select_indices([2, 3])])
+    for rows, part in (([0, 1], short), ([0, 1, 2, 3], joined)):
+        sub = batch.select_indices(rows)
+        expected = _old_train_batch([logs[r] for r in rows], sub, advantages_B[rows], pad)
+        actual = build_train_batch(part, advantages_B[rows], pad, overlong_filtering=True)
+        for key, value in expected.items():
+            assert torch.equal(actual[key], value), (rows, key)
+    tensors_only = train_batch(batch, pad, overlong_filtering=False)
+    assert list(tensors_only) == ["input_ids", "input_lengths", "token_mask", "sample_mask"]
+    assert tensors_only["sample_mask"].tolist() == [1.0, 0.0, 1.0, 1.0]
 
 
 def test_malformed_and_failing_calls_become_error_results(

@@ -518,41 +518,26 @@ def test_lora_refits_install_vllms_adapter_and_match_the_policy(
     the adapters, the next one after a training step the adapters only, and the engine's greedy tokens then
     carry the policy's log-probs."""
     from nemo_rl.algorithms.loss_functions import NLLLoss
-    from nemo_rl.algorithms.rl_startup import RLWorkers
     from nemo_rl.models.generation.vllm.generation import VllmGeneration
     from nemo_rl.models.policy.lm_policy import Policy
-    from nemo_rl.weight_sync.factory import create_refit_transport
-    from nemo_rl.weight_sync.scope import RefitScopePlanner
+    from nemo_rl.weight_sync.refitter import Refitter
 
     dumped = _cfg(tiny["dirs"]["a"]).model_dump()
     lora = {"enabled": True, "dim": 8, "alpha": 16}
-    cfg = PolicyConfig.model_validate({**dumped, "dtensor_cfg": {**dumped["dtensor_cfg"], "lora_cfg": lora}})
+    refit_cfg = {"transport": "collective", "timeout_s": TIMEOUT_S}
+    cfg = PolicyConfig.model_validate(
+        {**dumped, "dtensor_cfg": {**dumped["dtensor_cfg"], "lora_cfg": lora}, "refit": refit_cfg}
+    )
     policy = Policy(
         cluster, cfg, name_prefix="vllm_lora_policy", bundle_indices=[0], init_reference_model=False
     )
     generation = VllmGeneration(
         cluster, cfg, tiny["tokenizer"], seed=0, bundle_indices=[NUM_SLOTS - 1], name="vllm_lora"
     )
-    transport = create_refit_transport(
-        cfg,
-        RefitConfig.model_validate({"transport": "collective", "timeout_s": TIMEOUT_S}),
-        policy_node_ids=[cluster.bundle_locations()[0].node_id],
-        generation_node_ids=generation.worker_node_ids,
-    )
-    run = RLWorkers(
-        cluster=cluster,
-        policy=policy,
-        scorers=[],
-        generation=generation,
-        refit_transport=transport,
-        task_to_env={},
-        val_task_to_env={},
-        owned_envs=[],
-        refit_scopes=RefitScopePlanner(adapters_only=True),
-    )
+    refitter = Refitter.create(cfg, policy, generation)  # checks both ends' full and adapter manifests
     try:
         data = _prompts(tiny["tokenizer"], PROMPTS)
-        full = run.refit_generation(TIMEOUT_S)
+        full = refitter.refit()
         assert full["refit/adapters_only"] == 0.0
         batch = BatchedDataDict(
             input_ids=data["input_ids"],
@@ -561,7 +546,8 @@ def test_lora_refits_install_vllms_adapter_and_match_the_policy(
             sample_mask=torch.ones(len(PROMPTS)),
         )
         policy.train(batch, NLLLoss())
-        adapters = run.refit_generation(TIMEOUT_S)
+        refitter.mark_stale()
+        adapters = refitter.refit_if_stale()
         adapter_manifest = policy.weights_manifest(torch.float32, "adapters")
         assert adapters["refit/adapters_only"] == 1.0
         assert adapters["refit/bytes"] == sum(
@@ -580,6 +566,6 @@ def test_lora_refits_install_vllms_adapter_and_match_the_policy(
             diff = (out["logprobs"][row, start:end] - scored[row, start:end]).abs().max()
             assert float(diff) < 1e-3, (row, float(diff))
     finally:
-        transport.shutdown()
+        refitter.shutdown()
         generation.shutdown()
         policy.shutdown()

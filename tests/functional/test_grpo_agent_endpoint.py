@@ -90,7 +90,7 @@ def test_grpo_step_trains_on_the_agents_tokens(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setattr(grpo, "build_train_batch", capture)
     s = grpo.setup(config, tokenizer, train, val)
     try:
-        assert s.agent_endpoint is not None and s.agent_endpoint.url.startswith("http://127.0.0.1:")
+        assert s.rl.agent_endpoint is not None and s.rl.agent_endpoint.url.startswith("http://127.0.0.1:")
         metrics = grpo.grpo_train(s)
     finally:
         s.shutdown()

@@ -1,6 +1,6 @@
 """Asynchronous GRPO's rollout side without workers: the trajectory buffer, the age rule that keeps generation
-at most ``max_trajectory_age_steps`` ahead, version tags, refits at request boundaries, failures, and the
-consumed loader position a checkpoint saves."""
+at most ``max_trajectory_age_steps`` ahead, version tags, refits at request boundaries (the run's
+:class:`GenerationWeights`), failures, and the consumed loader position a checkpoint saves."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from nemo_rl.algorithms.generation_weights import GenerationWeights
 from nemo_rl.config.master import GRPOMasterConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.experience.async_rollouts import AsyncRollouts, RolloutBatch, TrajectoryBuffer
@@ -56,8 +57,12 @@ class FakeGeneration:
 
     def __init__(self) -> None:
         self.calls: list[str] = []
+        self.in_flight = False
         self.hold: threading.Event | None = None
         self.entered = threading.Event()
+
+    def enable_in_flight_weight_updates(self, recompute_kv_cache: bool) -> None:
+        self.in_flight = True
 
     def generate(self, data: BatchedDataDict[Any], greedy: bool = False) -> BatchedDataDict[Any]:
         self.calls.append("generate")
@@ -76,8 +81,30 @@ def prompt_batches() -> Iterator[BatchedDataDict[Any]]:
         index += 1
 
 
+class FakeCopy:
+    """The weight copy of :class:`GenerationWeights` (a Refitter): records each refit among the generation
+    calls."""
+
+    def __init__(self, generation: FakeGeneration) -> None:
+        self.generation = generation
+        self.refits = 0
+        self.stale = True
+
+    def refit(self) -> dict[str, float]:
+        self.generation.calls.append("refit")
+        self.refits += 1
+        self.stale = False
+        return {"refit/bytes": 1.0}
+
+    def mark_stale(self) -> None:
+        self.stale = True
+
+    def shutdown(self) -> None:
+        pass
+
+
 class Harness:
-    """An :class:`AsyncRollouts` over :class:`FakeGeneration` with a counting loader and refit."""
+    """An :class:`AsyncRollouts` over :class:`FakeGeneration` with a counting loader and the run's weights."""
 
     def __init__(
         self, *, max_age: int, num_batches: int = 6, start_version: int = 0, failures: int = 0, **kw: Any
@@ -87,7 +114,11 @@ class Harness:
         self._generated_cond = threading.Condition()
         self.drawn = 0
         self.fail_next = failures
-        self.refits = 0
+        self.sync = FakeCopy(self.generation)
+        self.weights = GenerationWeights(self.sync, self.generation)
+        self.weights.publish(start_version)
+        if kw.pop("in_flight", False):
+            self.weights.enable_in_flight_updates(recompute_kv_cache=False)
         batches = prompt_batches()
 
         def draw() -> BatchedDataDict[Any]:
@@ -96,14 +127,12 @@ class Harness:
 
         self.rollouts = AsyncRollouts(
             self.generation,  # type: ignore[arg-type]
+            self.weights,
             self.roll_out,
-            self.refit,
             batches=iter(draw, None),
             loader_state=lambda: {"batch_index": self.drawn},
-            start_version=start_version,
             num_batches=num_batches,
             max_age=max_age,
-            in_flight=kw.pop("in_flight", False),
             max_failures=kw.pop("max_failures", 0),
             take_timeout_s=TIMEOUT_S,
         )
@@ -123,11 +152,6 @@ class Harness:
     def wait_generated(self, count: int) -> None:
         with self._generated_cond:
             assert self._generated_cond.wait_for(lambda: self.generated >= count, timeout=TIMEOUT_S)
-
-    def refit(self) -> dict[str, float]:
-        self.generation.calls.append("refit")
-        self.refits += 1
-        return {"refit/bytes": 1.0}
 
 
 @pytest.mark.parametrize("max_age", [1, 2])
@@ -149,7 +173,7 @@ def test_generation_runs_at_most_max_age_steps_ahead_and_every_trained_batch_is_
             assert rollouts.consumed_loader_state() == {"batch_index": step}
             # Let generation sample every batch the age rule allows before the new weights arrive.
             h.wait_generated(min(step + max_age, 6))
-            rollouts.publish_weights(step)
+            h.weights.refit(version=step)
         assert max(ages) == max_age  # generation did run ahead, and no further
         assert ages[0] == 0
     finally:
@@ -165,7 +189,7 @@ def test_before_its_first_refit_generation_draws_only_the_batches_the_age_bound_
         assert (batch.version, second.version) == (0, 0)
         # Batch 2 would be trained at step 3 with age 2: it is not even drawn before the weights of step 1.
         assert h.drawn == 2
-        h.rollouts.publish_weights(1)
+        h.weights.refit(version=1)
         third, _, _ = h.rollouts.take(3)
         assert third.version == 1
     finally:
@@ -179,16 +203,17 @@ def test_a_refit_waits_for_the_generation_call_in_progress_unless_in_flight() ->
         h.rollouts.start()
         try:
             assert h.generation.entered.wait(TIMEOUT_S)
-            refit = threading.Thread(target=h.rollouts.publish_weights, args=(1,))
+            refit = threading.Thread(target=h.weights.refit, args=(1,))
             refit.start()
             refit.join(timeout=0.5 if not in_flight else TIMEOUT_S)
             # Without in-flight updates the refit is still blocked behind the held call.
             assert refit.is_alive() is (not in_flight)
             h.generation.hold.set()
             refit.join(TIMEOUT_S)
-            assert h.refits == 1
+            assert h.sync.refits == 1
             calls = h.generation.calls
             assert calls.index("refit") == (1 if in_flight else calls.index("generate") + 1)
+            assert h.generation.in_flight is in_flight
         finally:
             h.generation.hold.set()
             h.rollouts.close()
@@ -287,3 +312,24 @@ def test_a_valid_async_config_loads() -> None:
 def test_combinations_that_cannot_work_fail_at_config_time(changes: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message.replace(".", r"\.")):
         GRPOMasterConfig.model_validate(config(**changes))
+
+
+def test_the_run_weights_track_staleness_versions_and_hold_refits_out_of_a_validation() -> None:
+    generation = FakeGeneration()
+    copy = FakeCopy(generation)
+    weights = GenerationWeights(copy)
+    assert weights.stale and weights.version == 0
+    assert weights.refit(version=3) == {"refit/bytes": 1.0}
+    assert not weights.stale and weights.version == 3
+    weights.mark_stale()
+    assert weights.stale
+    # A validation holds the generation workers: a refit waits for it to end.
+    with weights.exclusive():
+        refit = threading.Thread(target=weights.refit, args=(4,))
+        refit.start()
+        refit.join(timeout=0.2)
+        assert refit.is_alive() and weights.version == 3
+    refit.join(TIMEOUT_S)
+    assert weights.version == 4 and copy.refits == 2
+    with pytest.raises(RuntimeError, match="in-flight weight updates need the generation backend"):
+        weights.enable_in_flight_updates(recompute_kv_cache=False)

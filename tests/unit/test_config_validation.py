@@ -254,3 +254,54 @@ def test_several_problems_reported_together() -> None:
     assert "missing required key 'policy.model_name'" in text
     assert "unknown key 'policy.bogus'" in text
     assert "policy.train_micro_batch_size: expected int" in text
+
+
+def test_loop_sections_declare_shared_keys_once() -> None:
+    from nemo_rl.config.algorithms import (
+        NO_STEP_LIMIT,
+        DistillationConfig,
+        DPOConfig,
+        GRPOConfig,
+        LoopConfig,
+        RMConfig,
+        RolloutLoopConfig,
+        SFTConfig,
+        SupervisedLoopConfig,
+    )
+
+    bases = (LoopConfig, SupervisedLoopConfig, RolloutLoopConfig)
+    for loop in (SFTConfig, DPOConfig, RMConfig, GRPOConfig, DistillationConfig):
+        for base in bases:
+            if not issubclass(loop, base):
+                continue
+            own = set(loop.__annotations__) & set(base.model_fields)
+            # GRPO narrows the sampled responses per prompt to at least 2; every other key is inherited.
+            assert own <= {"num_generations_per_prompt"}, (loop.__name__, own)
+    # NeMo RL's -1 spellings of "no step limit" and "the whole validation set" read the same on every loop.
+    for loop in (SFTConfig, DPOConfig, RMConfig):
+        cfg = loop.model_validate({"max_num_steps": -1, "val_batches": -1})
+        assert (cfg.max_num_steps, cfg.val_batches) == (NO_STEP_LIMIT, 0)
+    assert GRPOConfig.model_validate({"max_num_steps": -1}).max_num_steps == NO_STEP_LIMIT
+    assigned = SFTConfig()
+    assigned.max_num_steps = -1
+    assert assigned.max_num_steps == NO_STEP_LIMIT
+    with pytest.raises(ValueError, match="num_generations_per_prompt"):
+        GRPOConfig(num_generations_per_prompt=1)
+    assert DistillationConfig(num_generations_per_prompt=1).samples_per_step == 32
+
+
+def test_data_add_system_prompt_reaches_every_chat_template_call() -> None:
+    from nemo_rl.config.master import SFTMasterConfig
+
+    cfg = SFTMasterConfig.model_validate({"policy": {"model_name": "m"}, "data": {"add_system_prompt": True}})
+    assert cfg.policy.tokenizer.chat_template_kwargs == {"add_system_prompt": True}
+    with pytest.raises(ValueError, match="set one of them"):
+        SFTMasterConfig.model_validate(
+            {
+                "policy": {
+                    "model_name": "m",
+                    "tokenizer": {"chat_template_kwargs": {"add_system_prompt": False}},
+                },
+                "data": {"add_system_prompt": True},
+            }
+        )

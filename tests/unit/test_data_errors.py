@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from nemo_rl.algorithms.loop import Resume
-from nemo_rl.algorithms.run_setup import make_train_loader
+from nemo_rl.algorithms.run_build import make_train_loader
 from nemo_rl.config.cli import run_cli
 from nemo_rl.config.data import DataConfig
 from nemo_rl.config.eval import EvalDataConfig

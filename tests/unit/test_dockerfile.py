@@ -177,6 +177,18 @@ def test_cpu_image_runs_the_readme_main_command_on_the_pinned_python() -> None:
     assert f"python:{python}-" in _args()["CPU_BASE_IMAGE"]
 
 
+@pytest.mark.parametrize("stage", ["cpu", "gpu"])
+def test_each_image_installs_bubblewrap_for_the_sandbox(stage: str) -> None:
+    # Without it the code environment and the python tool refuse to start (docs/security.md).
+    installs = [
+        rest
+        for s, keyword, rest in _instructions()
+        if s == stage and keyword == "RUN" and re.search(r"apt-get install\b[^;&|]*\bbubblewrap\b", rest)
+    ]
+    assert installs, f"the {stage} image does not apt-get install bubblewrap"
+    assert all(re.search(r"apt-get update\b", rest) for rest in installs)
+
+
 def test_cuda_base_matches_the_locked_cuda_wheels() -> None:
     lock = (ROOT / "uv.lock").read_text()
     runtime = re.search(r'name = "nvidia-cuda-runtime"\nversion = "(\d+)\.', lock)

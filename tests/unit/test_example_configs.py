@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from nemo_rl.config.algorithms import NO_STEP_LIMIT
 from nemo_rl.config.errors import ConfigError
 from nemo_rl.config.loader import load_and_validate
 from nemo_rl.config.master import (
@@ -125,7 +126,7 @@ def test_public_preference_recipe_defaults() -> None:
     )
     assert flipped.dpo.sft_average_log_probs
     rm = load_and_validate(CONFIG_DIR / "rm.yaml", RMMasterConfig)
-    assert rm.policy.reward_model_cfg.enabled and rm.rm.max_num_steps == -1
+    assert rm.policy.reward_model_cfg.enabled and rm.rm.max_num_steps == NO_STEP_LIMIT  # the recipe's -1
     assert rm.checkpointing.save_period == rm.rm.val_period == 16
 
 

@@ -20,7 +20,8 @@ from nemo_rl.models.generation.embedded.engine import (
     SamplingParams,
     sample_tokens,
 )
-from nemo_rl.models.generation.embedded.model import DecoderArch, DecoderLM
+from nemo_rl.models.generation.embedded.model import DecoderLM
+from nemo_rl.models.hf_decoder import decoder_arch
 from nemo_rl.models.policy.utils import token_logprobs
 from nemo_rl.models.sampling import filter_top_k_top_p, sampling_logits
 
@@ -56,7 +57,7 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> PreTrainedTokenizerBa
 def make_engine(
     hf: Qwen2ForCausalLM, *, max_sequence_length: int = 128, tokenizer: PreTrainedTokenizerBase | None = None
 ) -> EmbeddedEngine:
-    model = DecoderLM(DecoderArch.from_hf_config(hf.config), dtype=torch.float32)
+    model = DecoderLM(decoder_arch(hf.config), dtype=torch.float32)
     model.load_weights(hf.state_dict().items())
     decode_fn = (
         None if tokenizer is None else (lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True)))

@@ -120,34 +120,89 @@ def test_in_policy_workers_accepts_the_colocated_dtensor_embedded_default() -> N
     assert not PolicyConfig.model_validate({"model_name": "unused"}).generation.embedded_cfg.in_policy_workers
 
 
-def test_policy_refit_transport_is_none_in_policy_and_placed_by_bundles_otherwise(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    from types import SimpleNamespace
+class _Recorder:
+    """A fake backend / policy that appends what happens to it, in order, to a shared log."""
+
+    def __init__(self, log: list[str], name: str) -> None:
+        self.log, self.name = log, name
+
+    def finish_generation(self) -> None:
+        self.log.append(f"{self.name}.finish_generation")
+
+
+def _start(
+    monkeypatch: pytest.MonkeyPatch, overrides: dict[str, Any]
+) -> tuple[list[str], tuple[Any, list[Any], Any]]:
+    """Run ``start_policy_and_generation`` with fakes for the workers; returns the event log and its result."""
+    import contextlib
 
     from nemo_rl.models.generation import factory
-    from nemo_rl.models.generation.embedded.in_policy import InPolicyEmbeddedGeneration
+    from nemo_rl.models.generation.embedded import in_policy
 
-    calls: list[tuple[Any, ...]] = []
+    log: list[str] = []
+
+    @contextlib.contextmanager
+    def together() -> Any:
+        log.append("together:begin")
+        yield
+        log.append("together:end")
+
+    def create(*args: Any, **kwargs: Any) -> _Recorder:
+        log.append("generation")
+        return _Recorder(log, "generation")
+
+    def start_policies() -> tuple[Any, list[Any]]:
+        log.append("policies")
+        return _Recorder(log, "policy"), []
+
+    monkeypatch.setattr(factory, "start_together", together)
+    monkeypatch.setattr(factory, "create_generation", create)
     monkeypatch.setattr(
-        factory, "create_refit_transport", lambda *a, **kw: calls.append((a, kw)) or "transport"
+        in_policy, "InPolicyEmbeddedGeneration", lambda policy, tok, seed: create() if policy else None
     )
-    nodes = ["n0", "n1", "n2", "n3"]
-    cluster: Any = SimpleNamespace(bundle_locations=lambda: [SimpleNamespace(node_id=n) for n in nodes])
-    policy: Any = SimpleNamespace(refit_streams=lambda: [0, 1])
-    policy_cfg = cfg("embedded")
-    in_policy = object.__new__(InPolicyEmbeddedGeneration)
-    placed = {"policy_bundles": [0, 2], "generation_bundles": [1, 3]}
-    assert factory.create_policy_refit_transport(cluster, policy_cfg, policy, in_policy, **placed) is None
-    assert not calls
-    separate: Any = object()
-    assert (
-        factory.create_policy_refit_transport(cluster, policy_cfg, policy, separate, **placed) == "transport"
+    policy_cfg = PolicyConfig.model_validate({"model_name": "unused", "generation": overrides})
+    started = factory.start_policy_and_generation(
+        Any, policy_cfg, Any, start_policies, seed=0, bundle_indices=[0]
     )
-    (args, kwargs), *_ = calls
-    assert args == (policy_cfg, policy_cfg.refit)
-    assert kwargs == {
-        "policy_node_ids": ["n0", "n2"],
-        "generation_node_ids": ["n1", "n3"],
-        "policy_streams": [0, 1],
-    }
+    return log, started
+
+
+COLOCATED = {"colocated": {"enabled": True}}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "order"),
+    [
+        (
+            {"backend": "vllm", **COLOCATED},
+            ["generation", "generation.finish_generation", "policies"],
+        ),
+        (
+            {"backend": "embedded", **COLOCATED},
+            ["together:begin", "generation", "policies", "together:end", "generation.finish_generation"],
+        ),
+        (
+            {"backend": "embedded", "colocated": {"enabled": False, "resources": {"gpus_per_node": 1}}},
+            ["together:begin", "generation", "policies", "together:end"],
+        ),
+        (
+            {"embedded_cfg": {"in_policy_workers": True}, **COLOCATED},
+            ["together:begin", "policies", "together:end", "generation", "generation.finish_generation"],
+        ),
+    ],
+    ids=["vllm_first_and_alone", "embedded_together", "embedded_separate", "in_policy_after_the_policy"],
+)
+def test_start_order_is_the_backends(
+    monkeypatch: pytest.MonkeyPatch, overrides: dict[str, Any], order: list[str]
+) -> None:
+    log, (policy, scorers, generation) = _start(monkeypatch, overrides)
+    assert log == order
+    assert isinstance(policy, _Recorder) and policy.name == "policy" and scorers == []
+    assert isinstance(generation, _Recorder) and generation.name == "generation"
+
+
+def test_ray_starts_in_the_background_unless_the_backend_must_be_refused_first() -> None:
+    from nemo_rl.models.generation.backends import ray_may_start_in_background
+
+    assert ray_may_start_in_background(cfg("embedded"))
+    assert not ray_may_start_in_background(cfg("vllm"))

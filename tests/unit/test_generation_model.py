@@ -18,7 +18,8 @@ from transformers import (
 )
 
 from nemo_rl.models.generation.embedded.engine import EmbeddedEngine, SamplingParams
-from nemo_rl.models.generation.embedded.model import DecoderArch, DecoderLM, KVCache
+from nemo_rl.models.generation.embedded.model import DecoderLM, KVCache
+from nemo_rl.models.hf_decoder import decoder_arch
 
 VOCAB = 96
 COMMON: dict[str, Any] = dict(
@@ -56,7 +57,7 @@ def make_hf(kind: str, tie: bool, seed: int = 0, **overrides: Any) -> PreTrained
 
 
 def to_decoder(hf: PreTrainedModel, dtype: torch.dtype = torch.float32) -> DecoderLM:
-    model = DecoderLM(DecoderArch.from_hf_config(hf.config), dtype=dtype)
+    model = DecoderLM(decoder_arch(hf.config), dtype=dtype)
     loaded = model.load_weights(hf.state_dict().items())
     assert loaded == set(model.weights_manifest())
     return model
@@ -137,7 +138,7 @@ def test_weights_keep_hf_names_and_fused_storage(tmp_path: Path) -> None:
 
 def test_tied_manifest_omits_lm_head_and_accepts_it() -> None:
     hf = make_hf("qwen2", tie=True)
-    model = DecoderLM(DecoderArch.from_hf_config(hf.config), dtype=torch.bfloat16)
+    model = DecoderLM(decoder_arch(hf.config), dtype=torch.bfloat16)
     manifest = model.weights_manifest()
     assert "lm_head.weight" not in manifest
     assert manifest["model.embed_tokens.weight"] == ((VOCAB, 64), torch.bfloat16)
@@ -173,19 +174,19 @@ def test_unsupported_configs_fail_clearly() -> None:
     config = Qwen2Config(**COMMON)
     config.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0}
     with pytest.raises(ValueError, match="rope types"):
-        DecoderArch.from_hf_config(config)
+        decoder_arch(config)
     sliding = Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=16, max_window_layers=0)
     with pytest.raises(ValueError, match="sliding-window"):
-        DecoderArch.from_hf_config(sliding)
+        decoder_arch(sliding)
     gelu = LlamaConfig(**COMMON, hidden_act="gelu")
     with pytest.raises(ValueError, match="SiLU"):
-        DecoderArch.from_hf_config(gelu)
+        decoder_arch(gelu)
 
     class Other:
         model_type = "gpt2"
 
     with pytest.raises(ValueError, match="backend=vllm"):
-        DecoderArch.from_hf_config(Other())
+        decoder_arch(Other())
 
 
 @pytest.mark.cuda

@@ -1,4 +1,5 @@
-"""``grpo.setup`` starts vLLM before the policy and, when colocated, puts it to sleep first.
+"""``grpo.setup`` starts vLLM before the policy and, when colocated, puts it to sleep first (the order
+``nemo_rl.models.generation.factory.start_policy_and_generation`` decides).
 
 vLLM refuses to start unless ``gpu_memory_utilization`` of the GPU is free, so a policy holding a large part
 of the GPU (an 8B model with its optimizer) must load after the engines have started and slept. The embedded
@@ -15,8 +16,8 @@ from typing import Any
 import pytest
 
 import nemo_rl.algorithms.grpo as grpo
-import nemo_rl.algorithms.rl_startup as rl_startup
-import nemo_rl.algorithms.run_setup as run_setup
+import nemo_rl.algorithms.run_build as run_build
+import nemo_rl.models.generation.factory as factory
 from nemo_rl.config.master import GRPOMasterConfig
 
 
@@ -71,11 +72,11 @@ def _setup_events(
         started_together.append(enabled)
         yield
 
-    monkeypatch.setattr(run_setup, "init_ray", lambda cluster_cfg: None)
-    monkeypatch.setattr(run_setup, "RayVirtualCluster", lambda *args, **kwargs: object())
-    monkeypatch.setattr(rl_startup, "create_generation", create_generation)
-    monkeypatch.setattr(run_setup, "Policy", policy)
-    monkeypatch.setattr(rl_startup, "start_together", start_together)
+    monkeypatch.setattr(run_build, "init_ray", lambda cluster_cfg: None)
+    monkeypatch.setattr(run_build, "RayVirtualCluster", lambda *args, **kwargs: object())
+    monkeypatch.setattr(factory, "create_generation", create_generation)
+    monkeypatch.setattr(run_build, "Policy", policy)
+    monkeypatch.setattr(factory, "start_together", start_together)
     placement: dict[str, Any] = (
         {"enabled": True} if colocated else {"enabled": False, "resources": {"gpus_per_node": 1}}
     )
@@ -99,5 +100,6 @@ def _setup_events(
     )
     with pytest.raises(_PolicyStarted):
         grpo.setup(config, None, [{"prompt": "x", "task_name": "math"}], None, task_to_env={"math": object()})  # type: ignore[arg-type]
-    assert started_together == [backend == "embedded"]
+    # vLLM starts alone and first; the embedded workers start together with the policy.
+    assert started_together == ([True] if backend == "embedded" else [])
     return events

@@ -278,7 +278,7 @@ def test_batches_until_reads_the_step_counter_before_each_batch() -> None:
 
 def test_training_data_smaller_than_one_batch_names_the_key() -> None:
     from nemo_rl.algorithms.loop import Resume
-    from nemo_rl.algorithms.run_setup import make_train_loader
+    from nemo_rl.algorithms.run_build import make_train_loader
 
     with pytest.raises(UserError, match=r"3 samples, fewer than one batch \(grpo.num_prompts_per_step=4\)"):
         make_train_loader(
@@ -289,4 +289,38 @@ def test_training_data_smaller_than_one_batch_names_the_key() -> None:
             shuffle=False,
             seed=0,
             collate_fn=list,
+        )
+
+
+def test_further_trained_policies_are_saved_and_found_under_their_names(tmp_path: Path) -> None:
+    # A second trained policy (PPO's critic) is checkpointed beside the run's policy and resumed from there.
+    checkpointer = CheckpointManager(CheckpointingConfig(checkpoint_dir=str(tmp_path / "ckpt")))
+    policy, critic = FakePolicy(), FakePolicy()
+    save_training_checkpoint(
+        checkpointer,
+        state=ToyState(step=1),
+        run_config=checkpointer.cfg,
+        policy=policy,  # type: ignore[arg-type]
+        train_loader=_loader(),
+        other_policies={"critic": critic},  # type: ignore[dict-item]
+    )
+    resume = find_resume(checkpointer, "toy")
+    weights, optimizer = resume.policy_paths("critic")
+    assert weights is not None and optimizer is not None and len(critic.saves) == 1
+    assert resume.weights_path is not None and Path(resume.weights_path, "w").read_text() == "w"
+    assert Path(weights, "w").read_text() == "w" and weights != resume.weights_path
+    assert find_resume(CheckpointManager(CheckpointingConfig(enabled=False)), "toy").policy_paths(
+        "critic"
+    ) == (
+        None,
+        None,
+    )
+    with pytest.raises(ValueError, match="cannot be named 'policy'"):
+        save_training_checkpoint(
+            checkpointer,
+            state=ToyState(step=2),
+            run_config=checkpointer.cfg,
+            policy=policy,  # type: ignore[arg-type]
+            train_loader=_loader(),
+            other_policies={"policy": critic},  # type: ignore[dict-item]
         )

@@ -20,7 +20,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from nemo_rl.models.hf_decoder import DecoderArch
+from nemo_rl.config.model_arch import ModelArch
+from nemo_rl.models.hf_decoder import decoder_arch
 from nemo_rl.models.megatron.convert import Kind, WeightRule, pad_vocab, to_hugging_face, to_megatron
 from nemo_rl.models.megatron.families import DecoderFamily, family_for
 
@@ -47,7 +48,7 @@ def make_hf(kind: str, tie: bool, **overrides: Any) -> PreTrainedModel:
 
 
 def shard_everything(
-    hf: PreTrainedModel, family: DecoderFamily, arch: DecoderArch
+    hf: PreTrainedModel, family: DecoderFamily, arch: ModelArch
 ) -> dict[tuple[int, int], dict[str, torch.Tensor]]:
     """Megatron state of every (pp, tp) rank, built from the HF state dict as the workers do."""
     state = hf.state_dict()
@@ -70,7 +71,7 @@ def shard_everything(
 
 
 def gather_back(
-    shards: dict[tuple[int, int], dict[str, torch.Tensor]], family: DecoderFamily, arch: DecoderArch
+    shards: dict[tuple[int, int], dict[str, torch.Tensor]], family: DecoderFamily, arch: ModelArch
 ) -> dict[str, torch.Tensor]:
     """The HF tensors every stage exports, rebuilt from its TP shards."""
     out: dict[str, torch.Tensor] = {}
@@ -102,7 +103,7 @@ def gather_back(
 )
 def test_round_trip_through_tp2_pp2_is_bit_exact(kind: str, tie: bool, overrides: dict[str, Any]) -> None:
     hf = make_hf(kind, tie, **overrides)
-    arch = DecoderArch.from_hf_config(hf.config)
+    arch = decoder_arch(hf.config)
     family = family_for(arch)
     back = gather_back(shard_everything(hf, family, arch), family, arch)
     # Exactly the parameters a HF checkpoint stores (a tied LM head once, as the embedding).
@@ -114,7 +115,7 @@ def test_round_trip_through_tp2_pp2_is_bit_exact(kind: str, tie: bool, overrides
 
 def test_shards_have_megatron_layouts() -> None:
     hf = make_hf("qwen2", tie=True)
-    arch = DecoderArch.from_hf_config(hf.config)
+    arch = decoder_arch(hf.config)
     family = family_for(arch)
     shards = shard_everything(hf, family, arch)
     state = hf.state_dict()
@@ -142,7 +143,7 @@ def test_shards_have_megatron_layouts() -> None:
 
 
 def test_transformer_engine_names_fuse_the_norms() -> None:
-    arch = DecoderArch.from_hf_config(make_hf("qwen3", tie=False).config)
+    arch = decoder_arch(make_hf("qwen3", tie=False).config)
     rules = family_for(arch).layer_rules(arch, local=0, layer=5, te_norms=True)
     by_hf = {rule.hf: rule for rule in rules}
     assert by_hf[("model.layers.5.input_layernorm.weight",)].megatron == (
@@ -155,24 +156,24 @@ def test_transformer_engine_names_fuse_the_norms() -> None:
 
 
 def test_model_options_follow_the_config() -> None:
-    arch = DecoderArch.from_hf_config(make_hf("qwen3", tie=False).config)
+    arch = decoder_arch(make_hf("qwen3", tie=False).config)
     options = family_for(arch).model_options(arch)
     assert options["kv_channels"] == 12  # Qwen3's head_dim differs from hidden_size / heads
     assert options["qk_layernorm"] and not options["add_qkv_bias"]
-    assert family_for(DecoderArch.from_hf_config(make_hf("qwen2", tie=False).config)).model_options(
-        DecoderArch.from_hf_config(make_hf("qwen2", tie=False).config)
+    assert family_for(decoder_arch(make_hf("qwen2", tie=False).config)).model_options(
+        decoder_arch(make_hf("qwen2", tie=False).config)
     )["add_qkv_bias"]
 
 
 def test_unexpressible_variants_fail_clearly() -> None:
-    arch = DecoderArch.from_hf_config(make_hf("llama", tie=False, attention_bias=True).config)
+    arch = decoder_arch(make_hf("llama", tie=False, attention_bias=True).config)
     with pytest.raises(ValueError, match="add_bias_linear"):
         family_for(arch)
 
 
 def test_wrong_tensor_count_is_an_error() -> None:
     rule = WeightRule("x", ("a", "b"), Kind.GATE_UP)
-    arch = DecoderArch.from_hf_config(make_hf("qwen2", tie=False).config)
+    arch = decoder_arch(make_hf("qwen2", tie=False).config)
     with pytest.raises(ValueError, match="made of 2 tensors"):
         to_megatron(
             rule,
@@ -195,7 +196,7 @@ def test_moe_rules_split_experts_over_expert_parallel_ranks_bit_exactly() -> Non
     from nemo_rl.models.hf_config import load_hf_config
 
     path = Path(__file__).resolve().parents[2] / "examples" / "assets" / "tiny_qwen3_moe_init"
-    arch = DecoderArch.from_hf_config(load_hf_config(str(path)))
+    arch = decoder_arch(load_hf_config(str(path)))
     family = family_for(arch)
     assert arch.moe is not None and family.model_options(arch)["num_moe_experts"] == 8
     state = load_file(path / "model.safetensors")

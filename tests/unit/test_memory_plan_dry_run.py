@@ -3,6 +3,7 @@ models. ``tests/distributed/test_memory_plan.py`` checks its terms against what 
 
 from __future__ import annotations
 
+import math
 import runpy
 import sys
 from pathlib import Path
@@ -83,3 +84,70 @@ def test_device_memory_comes_from_the_key_or_is_unknown_without_a_gpu(
     assert device_memory_bytes(80.0) == (80 * 2**30, "cluster.device_memory_gb=80")
     monkeypatch.setattr("shutil.which", lambda _: None)
     assert device_memory_bytes(None)[0] is None
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe"])
+def test_one_architecture_record_from_config_json_and_from_transformers(family: str) -> None:
+    # The memory plan reads a config.json dict, the decoders a transformers config: the same record.
+    from transformers import AutoConfig
+
+    from nemo_rl.config.model_arch import ModelArch
+    from nemo_rl.models.hf_decoder import decoder_arch
+
+    extra: dict[str, object] = {
+        "num_experts": 4,
+        "decoder_sparse_step": 1,
+        "moe_intermediate_size": 16,
+        "norm_topk_prob": True,
+    }
+    if family == "glm4_moe":
+        extra = {
+            "n_routed_experts": 4,
+            "n_shared_experts": 1,
+            "n_group": 2,
+            "topk_group": 1,
+            "moe_intermediate_size": 16,
+            "first_k_dense_replace": 1,
+            "partial_rotary_factor": 1.0,
+            "attention_bias": True,
+        }
+    config = AutoConfig.for_model(
+        family,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts_per_tok=2,
+        **(extra if family.endswith("_moe") else {}),
+    )
+    from_json = ModelArch.from_hf_config(config.to_dict())
+    assert from_json == decoder_arch(config)
+    assert (from_json.moe is not None) == family.endswith("_moe")
+    assert from_json.qkv_bias == (family in ("qwen2", "glm4_moe"))
+    assert from_json.qk_norm == family.startswith("qwen3")
+
+
+def test_parameter_counts_include_every_bias() -> None:
+    # Llama with attention_bias and mlp_bias: q/k/v/o and gate/up/down biases, as transformers builds them.
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from nemo_rl.config.memory import dtensor_parameters
+    from nemo_rl.config.model_arch import ModelArch
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attention_bias=True,
+        mlp_bias=True,
+    )
+    expected = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
+    arch = ModelArch.from_hf_config(config.to_dict())
+    assert arch.num_parameters == expected
+    assert sum(p.count * math.prod(p.shape) for p in dtensor_parameters(arch)) == expected

@@ -12,8 +12,9 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.data.tiny_moe import MOE_FAMILIES, build_tiny_moe_model
-from nemo_rl.models.generation.embedded.model import DecoderArch, DecoderLM, KVCache
+from nemo_rl.models.generation.embedded.model import DecoderLM, KVCache
 from nemo_rl.models.generation.embedded.moe import route
+from nemo_rl.models.hf_decoder import decoder_arch
 
 ASSETS = Path(__file__).resolve().parents[2] / "examples" / "assets"
 TOLERANCE = 1e-5
@@ -36,7 +37,7 @@ def hf_model(family: str, scale: float | None = None) -> PreTrainedModel:
 
 
 def to_decoder(hf: PreTrainedModel) -> DecoderLM:
-    model = DecoderLM(DecoderArch.from_hf_config(hf.config), dtype=torch.float32)
+    model = DecoderLM(decoder_arch(hf.config), dtype=torch.float32)
     # The state dict holds the persistent buffers too (GLM-4-MoE's correction bias), as a refit sends them.
     assert model.load_weights(hf.state_dict().items()) == set(model.weights_manifest())
     return model

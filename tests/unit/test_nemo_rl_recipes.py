@@ -89,13 +89,38 @@ def test_grpo_recipe_reports_what_has_no_effect_and_dry_run_prints_it(
     reported = {s.key: s.reason for s in no_effect_settings(cfg)}
     # Sequence packing (on in NeMo RL's recipe) is built here: it is not reported, it packs.
     assert "policy.sequence_packing" not in reported
-    assert cfg.policy.packs_sequences  # type: ignore[attr-defined]
+    assert cfg.policy.packs_sequences
     assert "policy.megatron_cfg.checkpoint.async_save" not in reported  # megatron_cfg is disabled
     with pytest.raises(SystemExit) as exit_info:
         parse_args_and_load(master_configs.GRPOMasterConfig, path, ["--dry-run"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert "dataset_name: OpenMathInstruct-2" in out  # data.train read into the flat keys
+
+
+@pytest.mark.parametrize(
+    ("overrides", "why"),
+    [
+        (
+            ["policy.dtensor_cfg.enabled=false", "policy.megatron_cfg.enabled=true"],
+            "the Megatron backend pads",
+        ),
+        (
+            ["policy.dtensor_cfg.tensor_parallel_size=2", "policy.dtensor_cfg.sequence_parallel=true"],
+            "sequence parallelism pads",
+        ),
+        (["policy.reward_model_cfg.enabled=true"], "a reward model's micro-batches are padded"),
+    ],
+)
+def test_sequence_packing_where_it_is_not_built_is_reported_not_ignored(
+    overrides: list[str], why: str
+) -> None:
+    path = RECIPES / "main" / "grpo_math_1B.yaml"
+    schema = master_configs.GRPOMasterConfig
+    cfg = load_and_validate(path, schema, ["policy.sequence_packing.enabled=true", *overrides])
+    reported = {s.key: s.reason for s in no_effect_settings(cfg)}
+    assert why in reported["policy.sequence_packing.enabled"]
+    assert "policy.sequence_packing.enabled" in no_effect_keys(schema)
 
 
 @pytest.mark.parametrize(

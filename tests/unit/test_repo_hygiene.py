@@ -1,5 +1,5 @@
 """Repository-level invariants: CI runs exactly the README's test command; no function or module in the
-package is longer than a reader can hold in view."""
+package is longer than a reader can hold in view; the paths and names the docs and docstrings mention exist."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def test_no_function_in_the_package_is_longer_than_80_lines() -> None:
 
 
 MAX_MODULE_LINES = 600
-"""Longest module in ``nemo_rl/``; a longer one is split along a seam (STYLE.md, section 1)."""
+"""Longest module in ``nemo_rl/``; a longer one is split along a seam."""
 
 
 def test_no_module_in_the_package_is_longer_than_600_lines() -> None:
@@ -70,3 +70,57 @@ def test_the_other_algorithms_are_near_the_top() -> None:
         if re.match(r"uv run (--\S+ )*python examples/run_\w+\.py", line.strip()) and line.strip() != main_job
     )
     assert first <= 60, f"README line {first} is the first command running another algorithm"
+
+
+_PATH = re.compile(
+    r"(?<![\w/.-])((?:nemo_rl|docs|examples|tests|benchmarks|tools|infra)/[\w./-]*\w)(?![\w*<{])"
+)
+"""A repository path in prose (``nemo_rl/config/base.py``); a glob or template (``examples/run_*.py``) is not one."""
+
+_LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+"""The target of a markdown link, without its anchor."""
+
+_DOTTED = re.compile(r"(?<![\w.])nemo_rl(?:\.\w+)+")
+"""A dotted name in the package (``nemo_rl.config.model_arch.ModelArch``)."""
+
+
+def _prose_files() -> list[Path]:
+    return [
+        *sorted((ROOT / "docs").rglob("*.md")),
+        ROOT / "README.md",
+        *sorted((ROOT / "nemo_rl").rglob("*.py")),
+    ]
+
+
+def _dotted_name_exists(dotted: str) -> bool:
+    """Whether ``dotted`` names a module of the package, or a class, function or top-level name of one."""
+    path, rest = ROOT / "nemo_rl", dotted.split(".")[1:]
+    while rest and (path / rest[0]).is_dir():
+        path = path / rest.pop(0)
+    if rest and (path / f"{rest[0]}.py").is_file():
+        path = path / f"{rest.pop(0)}.py"
+    if not rest:
+        return True
+    module = path / "__init__.py" if path.is_dir() else path
+    if not module.is_file():
+        return False
+    name = re.escape(rest[0])
+    defined = rf"^\s*(class|def|async def)\s+{name}\b|^\s*{name}\s*[:=]|\bimport\b.*\b{name}\b|^\s+{name},?$"
+    return re.search(defined, module.read_text(), re.M) is not None
+
+
+def test_paths_and_names_the_docs_and_docstrings_mention_exist() -> None:
+    stale = []
+    for path in _prose_files():
+        text = path.read_text()
+        where = path.relative_to(ROOT)
+        stale += [f"{where}: {m[1]}" for m in _PATH.finditer(text) if not (ROOT / m[1]).exists()]
+        stale += [f"{where}: {m[0]}" for m in _DOTTED.finditer(text) if not _dotted_name_exists(m[0])]
+        if path.suffix == ".md":
+            links = (
+                m[1] for m in _LINK.finditer(text) if "://" not in m[1] and not m[1].startswith("mailto:")
+            )
+            stale += [f"{where}: ({target})" for target in links if not (path.parent / target).exists()]
+        # The design lives in docs/design.md; no DESIGN.md or STYLE.md is part of the repository.
+        stale += [f"{where}: {m[0]}" for m in re.finditer(r"\b(DESIGN|STYLE)\.md\b", text)]
+    assert not stale, f"docs and docstrings mention paths or names that do not exist: {stale}"

@@ -11,15 +11,17 @@ import torch
 from test_moe_models import ASSETS, hf_model
 from transformers import PreTrainedModel
 
-from nemo_rl.algorithms.grpo import build_train_batch
 from nemo_rl.config.master import SFTMasterConfig
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.data.interfaces import LLMMessage, MessageLog
-from nemo_rl.data.routed_experts import attach_routed_experts, routed_experts_batch
+from nemo_rl.data.routed_experts import ROUTED_EXPERTS_KEY
 from nemo_rl.data.tiny_moe import MOE_FAMILIES
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.experience.rollout_tokens import RolloutTokens
+from nemo_rl.experience.train_batch import build_train_batch
 from nemo_rl.models.generation.embedded.engine import EmbeddedEngine, SamplingParams
-from nemo_rl.models.generation.embedded.model import DecoderArch, DecoderLM
+from nemo_rl.models.generation.embedded.model import DecoderLM
+from nemo_rl.models.hf_decoder import decoder_arch
 from nemo_rl.models.policy.moe import RouterRecorder, replay_rows
 from nemo_rl.models.policy.utils import PackedRows
 
@@ -27,7 +29,7 @@ PAD = 0
 
 
 def engine_for(hf: PreTrainedModel, dtype: torch.dtype) -> EmbeddedEngine:
-    model = DecoderLM(DecoderArch.from_hf_config(hf.config), dtype=dtype)
+    model = DecoderLM(decoder_arch(hf.config), dtype=dtype)
     model.load_weights(hf.state_dict().items())
     engine = EmbeddedEngine(model, pad_token_id=PAD, max_sequence_length=64, decode_fn=None)
     engine.record_routing = True
@@ -118,38 +120,37 @@ def test_bfloat16_routing_replayed_lowers_the_mismatch(family: str) -> None:
     assert after < 0.7 * before
 
 
-def test_routing_travels_through_logs_batch_and_packing() -> None:
-    """A two-turn log: the observation takes the second call's prefill, the first response keeps its own
-    routing but gets its last token from that prefill; the batch and a packed forward lay it out by token."""
+def test_routing_travels_through_rollout_tensors_batch_and_packing() -> None:
+    """A two-turn conversation: the observation takes the second call's prefill, the first response keeps its
+    own routing but gets its last token from that prefill; the batch and a packed forward lay it out by
+    token."""
     base = torch.arange(2 * 10 * 2 * 2, dtype=torch.int16).view(2, 10, 2, 2) % 8
     first = torch.where(torch.arange(10)[None, :, None, None] < 5, base, -1)  # last token (5), padding
     second = torch.where(torch.arange(10)[None, :, None, None] < 8, (base + 1) % 8, -1)
-    log: MessageLog = [
-        LLMMessage(role="user", content="a", token_ids=torch.arange(3)),
-        LLMMessage(role="assistant", content="b", token_ids=torch.arange(3)),
-    ]
-    attach_routed_experts(log, first[0])
-    prompt_routing = log[0]["routed_experts"]  # type: ignore[typeddict-item]
-    log.append(LLMMessage(role="user", content="c", token_ids=torch.arange(1)))
-    log.append(LLMMessage(role="assistant", content="d", token_ids=torch.arange(2)))
-    attach_routed_experts(log, second[0])
-    assert torch.equal(log[0]["routed_experts"], prompt_routing)  # type: ignore[typeddict-item]
-    assert torch.equal(log[1]["routed_experts"][:2], first[0, 3:5])  # type: ignore[typeddict-item]
-    assert torch.equal(log[1]["routed_experts"][2], second[0, 5])  # type: ignore[typeddict-item]
-    assert torch.equal(log[2]["routed_experts"], second[0, 6:7])  # type: ignore[typeddict-item]
+    log: MessageLog = [LLMMessage(role="user", content="a", token_ids=torch.arange(3))]
     short: MessageLog = [LLMMessage(role="user", content="e", token_ids=torch.arange(2))]
+    tokens = RolloutTokens.from_prompts([log, short], PAD)
+
+    def output(routed: torch.Tensor) -> BatchedDataDict:
+        ids = torch.arange(10)[None, :] + 1
+        return BatchedDataDict(output_ids=ids, logprobs=-ids.float() / 10, routed_experts=routed[:1])
+
+    tokens.append_generated([0], output(first), torch.tensor([3]))  # one row sampled: the other is done
+    tokens.append(0, torch.arange(1))
+    assert tokens.generation_input([0])["input_lengths"].tolist() == [7]
+    tokens.append_generated([0], output(second), torch.tensor([2]))
     rollout = BatchedDataDict(
         message_log=[log, short], loss_multiplier=torch.ones(2), truncated=torch.zeros(2, dtype=torch.bool)
     )
-    for message in log:
-        message["generation_logprobs"] = torch.zeros(int(message["token_ids"].numel()))  # type: ignore[typeddict-unknown-key]
+    rollout.update(tokens.batch_fields())
     batch = build_train_batch(rollout, torch.zeros(2), PAD, overlong_filtering=False)
+    assert batch["token_mask"][0].tolist() == [0, 0, 0, 1, 1, 1, 0, 1, 1]
     routed = batch["routed_experts"]
     assert routed.shape == (2, 9, 2, 2)
     assert torch.equal(routed[0], torch.cat([first[0, :5], second[0, 5:9]]))
     assert bool((routed[0, 8] == -1).all())  # the last response's last token: no forward ran it
-    assert bool((routed[1] == -1).all())  # a log without routing, and padding
-    assert routed_experts_batch([short], 2) is None
+    assert bool((routed[1] == -1).all())  # a row no call covered, and padding
+    assert ROUTED_EXPERTS_KEY not in RolloutTokens.from_prompts([short], PAD).batch_fields()
     packed = PackedRows.pack(batch["input_ids"], batch["input_lengths"], 4)
     rows = replay_rows(batch, packed)
     assert rows is not None and rows.shape == (12, 2, 2)

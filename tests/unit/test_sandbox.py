@@ -1,7 +1,8 @@
-"""The sandbox holds: each escape a program might try is contained, under every isolation this machine has.
+"""The sandbox's limits and clean-up, under every isolation this machine has.
 
-Each test runs under bubblewrap (when it works here) and under the resource-limit fallback; an escape the
-fallback cannot contain on this machine (docs/security.md says which) is skipped with the reason.
+Each test runs under bubblewrap (when it works here) and under the weak ``rlimits`` mode (chosen on purpose
+only); an escape that mode cannot contain (docs/security.md says which) is skipped with the reason. The
+escape classes the default must contain are checked in tests/unit/test_security.py.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pytest
 from nemo_rl.config.env import SandboxConfig
 from nemo_rl.config.errors import UserError
 from nemo_rl.environments.sandbox import Isolation, Sandbox, detect_isolation
+from nemo_rl.environments.sandbox_isolation import BWRAP_ENV_VAR
 
 LIMITS = SandboxConfig(
     wall_time_limit_s=2.0,
@@ -103,11 +105,11 @@ def test_a_sleeping_program_is_stopped_by_the_wall_clock(sandbox: Sandbox) -> No
     assert _processes_with(token) == []
 
 
-def test_limits_this_machine_cannot_apply_fail_at_once() -> None:
+def test_limits_this_machine_cannot_apply_fail_at_once(sandbox: Sandbox) -> None:
     # Not even root may raise the open-file limit past the kernel's fs.nr_open.
     nr_open = int(Path("/proc/sys/fs/nr_open").read_text())
     with pytest.raises(UserError, match="cannot apply its limits"):
-        Sandbox(LIMITS.model_copy(update={"max_open_files": nr_open + 1}))
+        Sandbox(sandbox.cfg.model_copy(update={"max_open_files": nr_open + 1}), isolation=sandbox.isolation)
 
 
 def test_closing_its_output_neither_ends_nor_escapes_the_run(sandbox: Sandbox) -> None:
@@ -222,14 +224,11 @@ def test_output_flooding_is_cut_and_killed(sandbox: Sandbox) -> None:
 
 
 def test_a_missing_bubblewrap_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("nemo_rl.environments.sandbox._bwrap_path", lambda: None)
-    detect_isolation.cache_clear()
-    try:
-        with pytest.raises(UserError, match="bubblewrap is not installed"):
-            detect_isolation("bubblewrap", sys.executable)
-        assert detect_isolation("auto", sys.executable).backend == "rlimits"
-    finally:
-        detect_isolation.cache_clear()
+    monkeypatch.setenv(BWRAP_ENV_VAR, "none")
+    for requested in ("bubblewrap", "auto"):
+        with pytest.raises(UserError, match="which is not installed here: install it"):
+            detect_isolation(requested, sys.executable)
+    assert detect_isolation("rlimits", sys.executable).backend == "rlimits"
 
 
 def test_files_must_be_plain_names(sandbox: Sandbox) -> None:

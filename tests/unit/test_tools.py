@@ -12,8 +12,12 @@ from transformers import AutoTokenizer
 
 from nemo_rl.config.env import CodeEnvConfig, EnvConfig, MathEnvConfig, SandboxConfig
 from nemo_rl.config.errors import UserError
+from nemo_rl.config.policy import PolicyConfig
+from nemo_rl.data.datasets import ProcessedDataset
+from nemo_rl.data.interfaces import TaskDataSpec
+from nemo_rl.data.processors import math_processor
 from nemo_rl.environments.registry import check_task_envs
-from nemo_rl.environments.sandbox import detect_isolation
+from nemo_rl.environments.sandbox import check_sandbox, detect_isolation
 from nemo_rl.environments.tools import (
     MalformedToolCall,
     TaskTools,
@@ -23,14 +27,21 @@ from nemo_rl.environments.tools import (
     build_task_tools,
     build_tool_registry,
     parse_tool_calls,
-    task_tool_schemas,
     truncate_tool_response,
+    wire_task_tools,
 )
 from nemo_rl.environments.tools.calculator import CalculatorError, calculate
+from nemo_rl.models.tokenizer import get_policy_tokenizer
 
 TINY_TOKENIZER = Path(__file__).resolve().parents[2] / "examples" / "assets" / "tiny_qwen2_init"
 CALL = '<tool_call>{{"name": "calculator", "arguments": {{"expression": "{}"}}}}</tool_call>'
 SANDBOX = SandboxConfig(wall_time_limit_s=2.0, cpu_time_limit_s=1, memory_limit_mb=256, max_output_bytes=2048)
+try:
+    check_sandbox(SANDBOX)
+except (
+    UserError
+):  # no bubblewrap here: these tests check the tools, not containment (tests/unit/test_security.py)
+    SANDBOX = SANDBOX.model_copy(update={"isolation": "rlimits"})
 
 
 def call_block(payload: object) -> str:
@@ -254,13 +265,38 @@ def test_task_tools_cut_long_results_and_extra_calls() -> None:
     assert truncate_tool_response("abcdefgh", 3, "middle") == "ab...(truncated)...h"
     assert truncate_tool_response("abc", 3, "middle") == "abc"
     assert build_task_tools(EnvConfig()) == {}
-    assert set(build_task_tools(EnvConfig(code=CodeEnvConfig(tools=["python"])))) == {"code"}
-    assert (
-        task_tool_schemas(EnvConfig(math=MathEnvConfig(tools=["calculator"])), "math")[0]["function"]["name"]
-        == "calculator"
+    assert set(build_task_tools(EnvConfig(code=CodeEnvConfig(tools=["python"], sandbox=SANDBOX)))) == {"code"}
+
+
+def test_tools_are_wired_once_where_the_run_starts() -> None:
+    """``wire_task_tools`` builds the tools and declares their schemas in the prompts of their task's
+    datasets (read lazily, so the prompts read afterwards show them); other tasks' prompts stay as they are,
+    and prompts that declare other tools are refused."""
+    tokenizer = get_policy_tokenizer(PolicyConfig(model_name=str(TINY_TOKENIZER)))
+    records = [{"messages": [{"role": "user", "content": "What is 2*3?"}], "expected_answer": "6"}]
+
+    def dataset(task: str, tools: tuple[dict[str, object], ...] = ()) -> ProcessedDataset:
+        spec = TaskDataSpec(
+            task, None, None, add_bos=True, add_eos=False, add_generation_prompt=True, tools=tools
+        )
+        return ProcessedDataset(records, math_processor, spec, tokenizer, 256)  # type: ignore[arg-type]
+
+    math, code = dataset("math"), dataset("code")
+    env = EnvConfig(math=MathEnvConfig(tools=["calculator"]))
+    assert "<tools>" not in math[0]["message_log"][0]["content"]
+    task_to_tools = wire_task_tools(env, (math, code, None))
+    assert set(task_to_tools) == {"math"}
+    assert math.spec.tools == tuple(task_to_tools["math"].schemas())
+    assert math[0]["message_log"][0]["content"].startswith(
+        "<|bos|><|system|><tools>calculator(expression)</tools>"
     )
-    assert task_tool_schemas(EnvConfig(), "math") == []
+    assert code.spec.tools == ()
+    assert wire_task_tools(env, (math,))["math"].schemas() == list(math.spec.tools)  # wired again: unchanged
+    with pytest.raises(UserError, match=r"already declare other tools than env\.math\.tools"):
+        wire_task_tools(env, (dataset("math", tuple(build_tool_registry(["python"], SANDBOX).schemas())),))
 
 
 def test_isolation_is_detected_once() -> None:
-    assert detect_isolation("auto", sys.executable) is detect_isolation("auto", sys.executable)
+    assert detect_isolation(SANDBOX.isolation, sys.executable) is detect_isolation(
+        SANDBOX.isolation, sys.executable
+    )

@@ -1,14 +1,20 @@
 """The tools of one task as its rollouts use them: the registry of ``env.<task>.tools`` with the limits of a
-tool turn (``max_parallel_calls``, ``max_tool_response_length``, ``tool_response_truncate_side``), and
-:func:`build_task_tools`, which builds them for every environment section that declares tools."""
+tool turn (``max_parallel_calls``, ``max_tool_response_length``, ``tool_response_truncate_side``);
+:func:`build_task_tools`, which builds them for every environment section that declares tools, and
+:func:`wire_task_tools`, which a run's start-up calls once to build them and declare their schemas in the
+prompts."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from nemo_rl.config.env import EnvConfig, RuleBasedEnvConfig
+from nemo_rl.config.errors import UserError
+from nemo_rl.data.datasets import ProcessedDataset
+from nemo_rl.data.interfaces import DatumSpec
 from nemo_rl.environments.tools.base import ToolRegistry, ToolResult
 from nemo_rl.environments.tools.builtin import build_tool_registry
 from nemo_rl.environments.tools.parsing import MalformedToolCall, ToolCall
@@ -83,11 +89,34 @@ class TaskTools:
         ]
 
 
-def task_tool_schemas(env_cfg: EnvConfig, task: str) -> list[dict[str, Any]]:
-    """The JSON schemas of ``env.<task>.tools`` (empty when the task has none): what its prompts declare
-    (``setup_rl_data(..., tools=...)``)."""
-    section = env_cfg.tool_sections().get(task)
-    return [] if section is None else TaskTools.from_config(section).schemas()
+def wire_task_tools(
+    env_cfg: EnvConfig, datasets: Iterable[Sequence[DatumSpec] | None]
+) -> dict[str, TaskTools]:
+    """Build the tools of every ``env.<task>`` section that declares some (:func:`build_task_tools`) and
+    declare their schemas in the prompts of ``datasets`` of those tasks: the one place a run wires its tools,
+    so that the tools the chat template shows the model are the ones its rollouts run. Called once at
+    start-up, before any prompt is read for training.
+
+    Only a :class:`~nemo_rl.data.datasets.ProcessedDataset` (prompts tokenized when read) can be given the
+    schemas; samples tokenized already (a list of :class:`DatumSpec`) must have been formatted with them.
+
+    Raises:
+        UserError: a tool name is neither built in nor an importable ``module:function``, or a dataset's
+            prompts declare other tools than its task's ``env.<task>.tools``.
+    """
+    task_to_tools = build_task_tools(env_cfg)
+    for dataset in datasets:
+        if not isinstance(dataset, ProcessedDataset) or dataset.spec.task_name not in task_to_tools:
+            continue
+        task = dataset.spec.task_name
+        schemas = tuple(task_to_tools[task].schemas())
+        if dataset.spec.tools and dataset.spec.tools != schemas:
+            raise UserError(
+                f"the prompts of task {task!r} ({dataset.source}) already declare other tools than "
+                f"env.{task}.tools; leave the dataset's tools empty: the run declares env.{task}.tools"
+            )
+        dataset.spec = dataclasses.replace(dataset.spec, tools=schemas)
+    return task_to_tools
 
 
 def build_task_tools(env_cfg: EnvConfig) -> dict[str, TaskTools]:

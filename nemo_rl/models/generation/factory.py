@@ -1,24 +1,48 @@
-"""Choosing the generation backend from ``policy.generation.backend``."""
+"""Choosing the generation backend from ``policy.generation``: the one place that knows the backends apart.
+
+Three backends implement :class:`~nemo_rl.models.generation.interfaces.GenerationInterface`: the embedded
+engine in generation workers of its own (``backend: embedded``), the embedded engine hosted in the DTensor
+policy's workers (``embedded_cfg.in_policy_workers``) and vLLM (``backend: vllm``). They differ in how they
+start next to the policy, and :func:`start_policy_and_generation` is where that is decided:
+
+- vLLM starts first and alone: an engine starts only when its share of each GPU's memory is free, so it
+  comes up before the policy loads, and colocated engines then sleep (weights to host memory, caches freed);
+- the embedded engine's workers start together with the policy (and the frozen scorers), in one
+  :func:`~nemo_rl.distributed.worker_groups.start_together` block, and colocated ones then free their memory;
+- in-policy engines are built in the started policy's workers.
+
+:func:`create_generation` starts a backend with workers of its own alone (evaluation, tests);
+:func:`ray_may_start_in_background` (in the torch-free :mod:`.backends`) tells a driver whether Ray may start
+while it imports.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
-from nemo_rl.models.generation.embedded.in_policy import InPolicyEmbeddedGeneration
+from nemo_rl.distributed.worker_groups import start_together
+from nemo_rl.models.generation.backends import ray_may_start_in_background
 from nemo_rl.models.generation.interfaces import GenerationInterface
 from nemo_rl.models.generation.replicated import ReplicatedGeneration
-from nemo_rl.weight_sync.factory import create_refit_transport
-from nemo_rl.weight_sync.interfaces import RefitTransport
-from nemo_rl.weight_sync.refit import refit
-from nemo_rl.weight_sync.scope import RefitScope
 
 if TYPE_CHECKING:
     from nemo_rl.models.policy.lm_policy import Policy
+
+__all__ = [
+    "StartPolicies",
+    "check_backend_available",
+    "create_generation",
+    "ray_may_start_in_background",
+    "start_policy_and_generation",
+]
+
+StartPolicies = Callable[[], "tuple[Policy, list[Policy]]"]
+"""Starts the trained policy and the frozen scoring policies (on their bundles); returns them."""
 
 
 def check_backend_available(
@@ -80,54 +104,54 @@ def create_generation(
     )
 
 
-def create_policy_refit_transport(
+def start_policy_and_generation(
     cluster: RayVirtualCluster,
     cfg: PolicyConfig,
-    policy: Policy,
-    generation: GenerationInterface,
+    tokenizer: PreTrainedTokenizerBase,
+    start_policies: StartPolicies,
     *,
-    policy_bundles: Sequence[int],
-    generation_bundles: Sequence[int],
-) -> RefitTransport | None:
-    """The transport :func:`refit_from_policy` moves ``policy``'s weights into ``generation`` with.
+    seed: int,
+    bundle_indices: Sequence[int],
+    concurrent_refit: bool = False,
+) -> tuple[Policy, list[Policy], GenerationInterface]:
+    """Start the policy and the scorers (``start_policies``) and the generation backend ``cfg.generation``
+    selects, in the order the backend needs (the module docstring); returns ``(policy, scorers,
+    generation)``. A colocated backend has released the devices when this returns.
 
-    None for engines hosted in the policy's own workers (they copy in process); otherwise
-    :func:`nemo_rl.weight_sync.factory.create_refit_transport` for the workers on ``policy_bundles`` and
-    ``generation_bundles`` of ``cluster``, one stream per pipeline stage of ``policy``.
+    ``bundle_indices`` are the generation workers' bundles of ``cluster``; ``seed`` seeds the sampling;
+    ``concurrent_refit`` lets the workers take a refit while they generate (in-flight weight updates).
     """
-    if isinstance(generation, InPolicyEmbeddedGeneration):
-        return None
-    locations = cluster.bundle_locations()
-    return create_refit_transport(
-        cfg,
-        cfg.refit,
-        policy_node_ids=[locations[b].node_id for b in policy_bundles],
-        generation_node_ids=[locations[b].node_id for b in generation_bundles],
-        policy_streams=policy.refit_streams(),
-    )
+    colocated = cfg.generation.colocated.enabled
+    if cfg.generation.embedded_cfg.in_policy_workers:
+        from nemo_rl.models.generation.embedded.in_policy import InPolicyEmbeddedGeneration
 
-
-def refit_from_policy(
-    policy: Policy,
-    generation: GenerationInterface,
-    transport: RefitTransport | None,
-    *,
-    timeout_s: float,
-    scope: RefitScope = "full",
-) -> dict[str, float]:
-    """Copy ``policy``'s current weights of refit ``scope`` into ``generation``; returns ``refit/*`` metrics.
-
-    The policy's optimizer state goes to host memory first (room for the gathers) and its weights after
-    (the devices are left to generation). Engines hosted in the policy's own workers
-    (``policy.generation.embedded_cfg.in_policy_workers``) copy in process, the offloads around the copy
-    included, in one call to the workers and with no ``transport``; separate generation workers receive
-    through ``transport`` (:func:`nemo_rl.weight_sync.refit.refit`).
-    """
-    if isinstance(generation, InPolicyEmbeddedGeneration):
-        return generation.refit(scope)
-    if transport is None:
-        raise ValueError("separate generation workers need a refit transport (create_policy_refit_transport)")
-    policy.offload_before_refit()
-    metrics = refit(policy.workers, generation.workers, transport, timeout_s=timeout_s, scope=scope)
-    policy.offload_after_refit()
-    return metrics
+        with start_together():
+            policy, scorers = start_policies()
+        generation: GenerationInterface = InPolicyEmbeddedGeneration(policy, tokenizer, seed=seed)
+    elif cfg.generation.backend == "vllm":
+        generation = create_generation(
+            cluster,
+            cfg,
+            tokenizer,
+            seed=seed,
+            bundle_indices=bundle_indices,
+            concurrent_refit=concurrent_refit,
+        )
+        if colocated:
+            generation.finish_generation()  # asleep while the policy loads into the memory it freed
+        policy, scorers = start_policies()
+        return policy, scorers, generation
+    else:
+        with start_together():
+            generation = create_generation(
+                cluster,
+                cfg,
+                tokenizer,
+                seed=seed,
+                bundle_indices=bundle_indices,
+                concurrent_refit=concurrent_refit,
+            )
+            policy, scorers = start_policies()
+    if colocated:
+        generation.finish_generation()
+    return policy, scorers, generation

@@ -34,7 +34,10 @@ two are equal for the same weights and GRPO's importance ratios and ``gen_kl_err
 Refit (receiver side). On the wire weights carry their Hugging Face names. A backend exposes its workers as
 Ray actors with a ``refit_receive(receiver) -> TransferStats`` method (the generation-worker side of
 :func:`nemo_rl.weight_sync.refit.refit`), the Ray node of each worker (for
-:func:`nemo_rl.weight_sync.factory.create_refit_transport`), and the manifest of the weights it expects.
+:func:`nemo_rl.weight_sync.factory.create_refit_transport`), and the manifest of the weights it expects;
+:class:`nemo_rl.weight_sync.refitter.Refitter` checks that manifest against the policy's at setup. A backend
+whose engines live in the policy's processes (:attr:`GenerationInterface.hosted_in_policy`) copies in process
+instead (:meth:`GenerationInterface.refit_in_process`).
 """
 
 from __future__ import annotations
@@ -167,12 +170,15 @@ class GenerationInterface(Protocol):
         the generation dtype."""
         ...
 
-    def prepare_refit_info(self, manifest: WeightManifestDict) -> None:
-        """Check a sender's manifest against :meth:`expected_weights_manifest` before the first refit.
+    @property
+    def hosted_in_policy(self) -> bool:
+        """Whether the engines live in the policy's worker processes (``embedded_cfg.in_policy_workers``):
+        refits then copy in process (:meth:`refit_in_process`) instead of through a transport."""
+        ...
 
-        Raises ``ValueError`` naming the missing, unexpected and mis-shaped weights, and the dtype when the
-        sender does not cast to the generation dtype.
-        """
+    def refit_in_process(self, scope: RefitScope) -> dict[str, float]:
+        """Copy the policy's current weights of ``scope`` into engines hosted in its processes; returns the
+        ``refit/*`` metrics. Backends with workers of their own raise: they receive through a transport."""
         ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -182,23 +188,3 @@ class GenerationInterface(Protocol):
         :func:`nemo_rl.weight_sync.refit.refit` instead.
         """
         ...
-
-
-def compare_manifests(expected: WeightManifestDict, sent: WeightManifestDict) -> list[str]:
-    """Human-readable differences between what a receiver expects and what a sender sends (empty if equal)."""
-    problems = []
-    missing = sorted(set(expected) - set(sent))
-    unexpected = sorted(set(sent) - set(expected))
-    if missing:
-        problems.append(f"the sender does not send {len(missing)} expected weights: {missing[:10]}")
-    if unexpected:
-        problems.append(
-            f"the sender sends {len(unexpected)} weights the generation model lacks: {unexpected[:10]}"
-        )
-    for name in sorted(set(expected) & set(sent)):
-        (want_shape, want_dtype), (got_shape, got_dtype) = expected[name], sent[name]
-        if tuple(want_shape) != tuple(got_shape):
-            problems.append(f"{name}: shape {tuple(got_shape)} sent, {tuple(want_shape)} expected")
-        if str(want_dtype).removeprefix("torch.") != str(got_dtype).removeprefix("torch."):
-            problems.append(f"{name}: dtype {got_dtype} sent, {want_dtype} expected (the generation dtype)")
-    return problems

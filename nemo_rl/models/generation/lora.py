@@ -1,6 +1,7 @@
 """What a generation engine knows of the policy's LoRA adapters, and the exact merge the embedded engine uses.
 
-A policy with ``policy.dtensor_cfg.lora_cfg.enabled`` sends refits by scope (:mod:`nemo_rl.weight_sync.scope`):
+A policy that sends its LoRA adapters apart from its base weights (:func:`unmerged_adapters`: the DTensor
+backend with ``policy.dtensor_cfg.lora_cfg.enabled``) sends refits by scope (:mod:`nemo_rl.weight_sync.scope`):
 a ``"full"`` refit carries the frozen base weights and the adapters (``<module>.lora_A`` [r, in],
 ``<module>.lora_B`` [out, r]), an ``"adapters"`` refit the adapters alone. :class:`AdapterLayout` is the
 receiver's side of that contract: which layers are adapted (chosen from the engine's own layer names by the
@@ -20,6 +21,7 @@ from typing import NoReturn
 
 import torch
 
+from nemo_rl.config.lora import LoraConfig
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.models.lora import merge_lora, select_lora_targets
 from nemo_rl.weight_sync.errors import RefitIntegrityError
@@ -28,6 +30,16 @@ from nemo_rl.weight_sync.scope import RefitScope, check_scope
 
 ShapeManifest = Mapping[str, tuple[tuple[int, ...], str]]
 """``{hf_name: (full shape, dtype name)}``, the generation backends' manifest format."""
+
+
+def unmerged_adapters(cfg: PolicyConfig) -> LoraConfig | None:
+    """The LoRA adapters the policy of ``cfg`` sends apart from its base weights, which the engines must then
+    hold and merge themselves; ``None`` when it sends plain weights: it trains no adapters, or it folds them
+    into the weights before sending (the Megatron backend, whose refits are always full). The one place the
+    generation side reads the policy's LoRA settings."""
+    if cfg.dtensor_cfg.enabled and cfg.dtensor_cfg.lora_cfg.enabled:
+        return cfg.dtensor_cfg.lora_cfg
+    return None
 
 
 def adaptable_linears(manifest: ShapeManifest) -> dict[str, tuple[int, int]]:
@@ -59,10 +71,10 @@ class AdapterLayout:
     def from_policy_config(
         cls, cfg: PolicyConfig, base_manifest: ShapeManifest, dtype_name: str
     ) -> AdapterLayout | None:
-        """The layout ``cfg.dtensor_cfg.lora_cfg`` gives the engine whose weights ``base_manifest`` lists,
-        with adapters in the generation dtype ``dtype_name``; ``None`` without LoRA."""
-        lora_cfg = cfg.dtensor_cfg.lora_cfg
-        if not (cfg.dtensor_cfg.enabled and lora_cfg.enabled):
+        """The layout of the policy's :func:`unmerged_adapters` on the engine whose weights ``base_manifest``
+        lists, with adapters in the generation dtype ``dtype_name``; ``None`` when there are none."""
+        lora_cfg = unmerged_adapters(cfg)
+        if lora_cfg is None:
             return None
         linears = adaptable_linears(base_manifest)
         targets = select_lora_targets(list(linears), lora_cfg)

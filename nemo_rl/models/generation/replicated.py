@@ -23,11 +23,7 @@ from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.distributed.worker_groups import RayWorkerGroup, WorkerGroupFacade
-from nemo_rl.models.generation.interfaces import (
-    WeightManifestDict,
-    check_generation_input,
-    compare_manifests,
-)
+from nemo_rl.models.generation.interfaces import WeightManifestDict, check_generation_input
 from nemo_rl.models.tokenizer import require_pad_token_id
 from nemo_rl.weight_sync.scope import RefitScope
 
@@ -42,8 +38,7 @@ LENGTH_KEY = "input_lengths"
 
 class SeededReplicas(abc.ABC):
     """What every driver of data-parallel generation replicas shares: the per-call seeds (and their place in
-    checkpoints), dealing rows to the replicas and gathering them back in input order, and the check of a
-    refit sender's manifest. :class:`ReplicatedGeneration` drives replicas in generation workers of their own,
+    checkpoints), dealing rows to the replicas and gathering them back in input order. :class:`ReplicatedGeneration` drives replicas in generation workers of their own,
     :class:`~nemo_rl.models.generation.embedded.in_policy.InPolicyEmbeddedGeneration` replicas hosted in the
     policy workers; the same calls on the same replicas sample the same tokens.
 
@@ -55,8 +50,6 @@ class SeededReplicas(abc.ABC):
 
     backend_name: ClassVar[str]
     """The backend as error messages name it."""
-    precision_key: ClassVar[str]
-    """The ``policy.generation`` subsection whose ``precision`` the refit must cast to."""
 
     def __init__(self, *, pad_token_id: int, seed: int) -> None:
         self.pad_token_id = pad_token_id
@@ -99,16 +92,6 @@ class SeededReplicas(abc.ABC):
     def expected_weights_manifest(self, scope: RefitScope = "full") -> WeightManifestDict:
         """``{hf_name: (full shape, dtype name)}`` the replicas expect from a refit of ``scope``."""
 
-    def prepare_refit_info(self, manifest: WeightManifestDict) -> None:
-        """Fail early, with every difference named, when a sender's manifest does not fit the workers."""
-        problems = compare_manifests(self.expected_weights_manifest(), manifest)
-        if problems:
-            raise ValueError(
-                f"the policy's weights do not fit the {self.backend_name} generation model (is policy.model_name "
-                f"the same architecture, and does the refit cast to policy.generation.{self.precision_key}"
-                ".precision?):\n  " + "\n  ".join(problems)
-            )
-
 
 @dataclass(frozen=True)
 class ReplicaLayout:
@@ -132,8 +115,8 @@ class ReplicaLayout:
 class ReplicatedGeneration(SeededReplicas, WorkerGroupFacade):
     """Replicas of one generation model on bundles of ``cluster``; one :attr:`worker_cls` actor per bundle.
 
-    Each backend sets :attr:`worker_cls`, :attr:`default_name`, :attr:`backend_name` and
-    :attr:`precision_key` (named in refit errors), and :meth:`_layout` checks its configuration and lays the
+    Each backend sets :attr:`worker_cls`, :attr:`default_name` and :attr:`backend_name` (named in
+    errors), and :meth:`_layout` checks its configuration and lays the
     replicas on the bundles; the replicas all receive every replica's rows and refitted weights.
 
     Args:
@@ -222,6 +205,18 @@ class ReplicatedGeneration(SeededReplicas, WorkerGroupFacade):
         self._on_all("enable_in_flight_weight_updates", recompute_kv_cache)
 
     # ------------------------------------------------------------------------------- refit receiver
+    @property
+    def hosted_in_policy(self) -> bool:
+        """False: these workers are processes of their own and receive refits through a transport."""
+        return False
+
+    def refit_in_process(self, scope: RefitScope) -> dict[str, float]:
+        """Not for these workers: they run in processes of their own and receive through a transport."""
+        raise ValueError(
+            f"the {self.backend_name} generation workers run in processes of their own: refit them through "
+            "nemo_rl.weight_sync.Refitter, which sends the weights over a transport"
+        )
+
     def expected_weights_manifest(self, scope: RefitScope = "full") -> WeightManifestDict:
         """``{hf_name: (full shape, dtype name)}`` the workers expect from a refit of ``scope`` (every worker
         loads full tensors)."""

@@ -30,7 +30,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nemo_rl.models.hf_decoder import DecoderArch
+from nemo_rl.config.model_arch import ModelArch
 from nemo_rl.models.megatron.convert import AttentionShape, Kind, WeightRule
 
 
@@ -73,7 +73,7 @@ class DecoderFamily:
     architecture: str
     """Hugging Face causal-LM class of the family (``config.architectures[0]`` of its checkpoints)."""
 
-    def check(self, arch: DecoderArch) -> None:
+    def check(self, arch: ModelArch) -> None:
         """Raise ``ValueError`` for an architecture variant ``GPTModel`` cannot reproduce."""
         if arch.o_bias != arch.mlp_bias:
             raise ValueError(
@@ -86,7 +86,7 @@ class DecoderFamily:
                 "cannot express: use the DTensor backend"
             )
 
-    def model_options(self, arch: DecoderArch) -> dict[str, Any]:
+    def model_options(self, arch: ModelArch) -> dict[str, Any]:
         """``TransformerConfig`` fields that reproduce the architecture (sizes, norms, biases, activation)."""
         return {
             "num_layers": arch.num_layers,
@@ -103,13 +103,13 @@ class DecoderFamily:
             "qk_layernorm": arch.qk_norm,
         }
 
-    def attention_shape(self, arch: DecoderArch) -> AttentionShape:
+    def attention_shape(self, arch: ModelArch) -> AttentionShape:
         """The sizes the fused QKV layout depends on."""
         return AttentionShape(arch.num_heads, arch.num_kv_heads, arch.head_dim)
 
     def layer_rules(
         self,
-        arch: DecoderArch,
+        arch: ModelArch,
         local: int,
         layer: int,
         te_norms: bool,
@@ -154,14 +154,14 @@ class DecoderFamily:
         return rules + _adapter_rules(local, h, adapted)
 
     def mlp_rules(
-        self, arch: DecoderArch, m: str, h: str, layer: int, experts: Sequence[int]
+        self, arch: ModelArch, m: str, h: str, layer: int, experts: Sequence[int]
     ) -> list[WeightRule]:
         """The MLP weights of decoder layer ``layer`` (Megatron prefix ``m``, Hugging Face prefix ``h``)."""
         return _mlp_rules(m, h, "weight", down_kind=Kind.ROW)
 
     def stage_rules(
         self,
-        arch: DecoderArch,
+        arch: ModelArch,
         layers: Sequence[int],
         *,
         first_stage: bool,
@@ -203,7 +203,7 @@ class MoeDecoderFamily(DecoderFamily):
     GLM-4-MoE's (DeepSeek-V3's) sigmoid router with a score-correction bias, expert groups, a routing scale
     and shared experts."""
 
-    def check(self, arch: DecoderArch) -> None:
+    def check(self, arch: ModelArch) -> None:
         """Also refuse routing megatron-core's router computes differently from ``transformers``."""
         super().check(arch)
         moe = arch.moe
@@ -224,7 +224,7 @@ class MoeDecoderFamily(DecoderFamily):
                 "experts in megatron-core but their top 2 in transformers: use the DTensor backend"
             )
 
-    def model_options(self, arch: DecoderArch) -> dict[str, Any]:
+    def model_options(self, arch: ModelArch) -> dict[str, Any]:
         """The dense options plus the MoE layer's: experts, their width, top-k and the router (softmax: top-k
         of the logits then a softmax over them, which is ``transformers``' renormalised top-k probabilities;
         sigmoid: with the correction bias as megatron-core's expert bias, groups and scale)."""
@@ -251,7 +251,7 @@ class MoeDecoderFamily(DecoderFamily):
         }
 
     def mlp_rules(
-        self, arch: DecoderArch, m: str, h: str, layer: int, experts: Sequence[int]
+        self, arch: ModelArch, m: str, h: str, layer: int, experts: Sequence[int]
     ) -> list[WeightRule]:
         """A MoE layer's router (with its correction bias) and shared experts, on every rank, and the gated
         MLPs of this rank's ``experts``."""
@@ -295,7 +295,7 @@ FAMILIES: dict[str, DecoderFamily] = {
 """The families the Megatron backend converts, by Hugging Face ``model_type``."""
 
 
-def family_for(arch: DecoderArch) -> DecoderFamily:
+def family_for(arch: ModelArch) -> DecoderFamily:
     """The family of ``arch`` (checked: raises ``ValueError`` naming what Megatron-core cannot express)."""
     family = FAMILIES.get(arch.model_type)
     if family is None:

@@ -48,7 +48,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import nn
 
 from nemo_rl.config.lora import MEGATRON_LINEARS, LoraConfig, MegatronPeftConfig
-from nemo_rl.models.hf_decoder import DecoderArch
+from nemo_rl.config.model_arch import ModelArch
 from nemo_rl.models.lora import merged_weights, peft_target_modules, save_peft_adapter
 from nemo_rl.models.megatron.families import ADAPTED_LINEARS, AdaptedLinear
 
@@ -201,7 +201,7 @@ def _add_update(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     return out + adapter(x), bias
 
 
-def _hf_shapes(arch: DecoderArch) -> dict[str, tuple[int, int]]:
+def _hf_shapes(arch: ModelArch) -> dict[str, tuple[int, int]]:
     """``(out, in)`` of each Hugging Face linear layer of a decoder layer, by its last name."""
     q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
     h, f = arch.hidden_size, arch.intermediate_size
@@ -245,6 +245,11 @@ class MegatronLoRA:
         """The Hugging Face side's config of these adapters (drawing, merging, metadata, PEFT export)."""
         return self.cfg.lora_config(self.hf_targets)
 
+    def num_params(self, arch: ModelArch) -> int:
+        """Parameters of all the adapters, full (unsharded): ``dim * (in + out)`` per adapted layer."""
+        shapes = _hf_shapes(arch)
+        return sum(self.cfg.dim * sum(shapes[module.rsplit(".", 1)[-1]]) for module in self.hf_targets)
+
     def merged(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """A Hugging Face weight stream with the adapters folded into their layers' weights (and dropped)."""
         return merged_weights(named, self.cfg.alpha / self.cfg.dim, set(self.hf_targets))
@@ -259,7 +264,7 @@ class MegatronLoRA:
             targets = peft_target_modules(self.hf_targets, self.all_hf_linears)
             save_peft_adapter(path, adapters, self.lora_config, base_model, targets)
 
-    def attach(self, gpt: nn.Module, arch: DecoderArch, config: TransformerConfig) -> None:
+    def attach(self, gpt: nn.Module, arch: ModelArch, config: TransformerConfig) -> None:
         """Add the adapters of this rank's stage to ``gpt`` (before loading and wrapping it) and freeze the rest.
 
         ``A`` starts empty and ``B`` at zero: load the initial adapters with the stage's weight rules.

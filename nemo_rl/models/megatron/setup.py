@@ -1,7 +1,7 @@
 """Building a Megatron policy rank: process groups, ``GPTModel``, the DDP wrapper, optimizer and schedule.
 
 Everything here is driven by ``policy.megatron_cfg`` (:mod:`nemo_rl.config.megatron`) and the Hugging Face
-config (:class:`~nemo_rl.models.hf_decoder.DecoderArch`); the weights come in and go out through
+config (:class:`~nemo_rl.config.model_arch.ModelArch`); the weights come in and go out through
 :mod:`nemo_rl.models.megatron.weights`. Callers on a machine without CUDA run these functions inside
 :func:`nemo_rl.models.megatron.cpu_compat.device_redirect`.
 
@@ -39,10 +39,11 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from nemo_rl.config.megatron import MegatronConfig
+from nemo_rl.config.model_arch import ModelArch
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.device import cuda_available, get_device
 from nemo_rl.models.dtypes import PRECISION_DTYPES
-from nemo_rl.models.hf_decoder import DecoderArch
+from nemo_rl.models.hf_decoder import rope_inv_freq
 from nemo_rl.models.megatron.convert import pad_vocab
 from nemo_rl.models.megatron.families import DecoderFamily
 from nemo_rl.models.megatron.moe import RecordingRouter
@@ -68,7 +69,7 @@ def init_model_parallel(cfg: MegatronConfig) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(SEED)
 
 
-def check_divisibility(arch: DecoderArch, cfg: MegatronConfig) -> None:
+def check_divisibility(arch: ModelArch, cfg: MegatronConfig) -> None:
     """Raise ``ValueError`` when the model cannot be split over the configured TP / PP sizes."""
     tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
     for what, size in (
@@ -96,7 +97,7 @@ def check_divisibility(arch: DecoderArch, cfg: MegatronConfig) -> None:
         )
 
 
-def uses_transformer_engine(cfg: MegatronConfig, arch: DecoderArch) -> bool:
+def uses_transformer_engine(cfg: MegatronConfig, arch: ModelArch) -> bool:
     """Whether to build Transformer Engine layers: on CUDA, with ``te`` installed, unless ``local`` is asked,
     LoRA is on (its adapters need the normalised input, which Transformer Engine's fused norm-linear
     layers keep to themselves) or the model is a mixture of experts (built from the local spec, whose
@@ -123,7 +124,7 @@ _SAME_NAMED_KEYS = (
 after it)."""
 
 
-def transformer_config(arch: DecoderArch, family: DecoderFamily, policy: PolicyConfig) -> TransformerConfig:
+def transformer_config(arch: ModelArch, family: DecoderFamily, policy: PolicyConfig) -> TransformerConfig:
     """The ``TransformerConfig`` of ``arch`` with the parallelism, precision and recomputation of ``policy``."""
     cfg = policy.megatron_cfg
     dtype = PRECISION_DTYPES[policy.precision]
@@ -175,7 +176,7 @@ def transformer_config(arch: DecoderArch, family: DecoderFamily, policy: PolicyC
     )
 
 
-def build_model(arch: DecoderArch, policy: PolicyConfig, config: TransformerConfig) -> GPTModel:
+def build_model(arch: ModelArch, policy: PolicyConfig, config: TransformerConfig) -> GPTModel:
     """This rank's pipeline stage of the model, randomly initialised (load the weights, then
     :func:`wrap_for_training`)."""
     spec: ModuleSpec | TransformerBlockSubmodules
@@ -195,7 +196,7 @@ def build_model(arch: DecoderArch, policy: PolicyConfig, config: TransformerConf
         rotary_base=int(float(arch.rope_parameters["rope_theta"])),
     )
     # Hugging Face's rotary frequencies (with its linear / llama3 scaling) replace Megatron's own.
-    inv_freq, _ = arch.rope_inv_freq()
+    inv_freq, _ = rope_inv_freq(arch)
     gpt.rotary_pos_emb.inv_freq = inv_freq.to(gpt.rotary_pos_emb.inv_freq.device)
     # Plain torch modules (the norms) are created on the host; Megatron's own layers already are on the device.
     return gpt.to(get_device())
@@ -223,7 +224,7 @@ class RMSNorm(torch.nn.Module):
         return self.weight * normed.to(hidden.dtype)
 
 
-def _local_block_spec(arch: DecoderArch, config: TransformerConfig) -> TransformerBlockSubmodules:
+def _local_block_spec(arch: ModelArch, config: TransformerConfig) -> TransformerBlockSubmodules:
     """megatron-core's local layers with :class:`RMSNorm` as every norm (decoder layers and the final norm)."""
     dense = _local_layer_spec(arch, None)
     if arch.moe is None:
@@ -236,7 +237,7 @@ def _local_block_spec(arch: DecoderArch, config: TransformerConfig) -> Transform
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=RMSNorm)
 
 
-def _local_layer_spec(arch: DecoderArch, num_experts: int | None) -> ModuleSpec:
+def _local_layer_spec(arch: ModelArch, num_experts: int | None) -> ModuleSpec:
     """megatron-core's local decoder layer (a MoE layer with ``num_experts``) with :class:`RMSNorm` norms and,
     in a MoE layer, :class:`~nemo_rl.models.megatron.moe.RecordingRouter` as the router."""
     layer = get_gpt_layer_local_spec(

@@ -23,8 +23,8 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
+from nemo_rl.config.model_arch import ModelArch
 from nemo_rl.config.policy import TokenizerConfig
-from nemo_rl.models.hf_decoder import DecoderArch
 from nemo_rl.models.hf_moe import per_expert_manifest
 from nemo_rl.models.lora import is_adapter_name
 from nemo_rl.models.megatron.convert import Kind, WeightRule, pad_vocab, to_hugging_face, to_megatron
@@ -41,7 +41,7 @@ class StageWeights:
     def __init__(
         self,
         model: nn.Module,
-        arch: DecoderArch,
+        arch: ModelArch,
         family: DecoderFamily,
         *,
         first_stage: bool,

@@ -53,12 +53,6 @@ class DTensorRefitMixin:
     _hosts_generation: bool
     _generation_replica: EmbeddedReplica | None
 
-    if TYPE_CHECKING:
-        # The worker's own methods, used by the refit around its copy into a hosted engine.
-        def offload_before_refit(self) -> None: ...
-
-        def offload_after_refit(self) -> None: ...
-
     # -------------------------------------------------------------------------------- refit (sender)
     def _persistent_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
         for module_name, module in self.model.named_modules():
@@ -83,6 +77,11 @@ class DTensorRefitMixin:
             return
         for name, buffer in self._persistent_buffers():
             yield name, buffer.to(dtype) if buffer.is_floating_point() else buffer
+
+    def adapter_refits(self) -> bool:
+        """With LoRA: the base is frozen and refits send the adapters unmerged, so later refits may send them
+        alone."""
+        return bool(self.lora_targets)
 
     def _adapters_only(self, scope: RefitScope) -> bool:
         if scope == "adapters" and not self.lora_targets:
@@ -181,7 +180,7 @@ class DTensorRefitMixin:
     def _embedded_replica(self) -> EmbeddedReplica | None:
         if not self._hosts_generation:
             raise RuntimeError(
-                "this policy worker holds no embedded engine: start it with InPolicyEmbeddedGeneration "
+                "this policy worker holds no embedded engine: start it with in-policy generation "
                 "(policy.generation.embedded_cfg.in_policy_workers=true)"
             )
         return self._generation_replica
@@ -205,16 +204,10 @@ class DTensorRefitMixin:
             replica.finish_generation()
 
     def refit_embedded_generation(self, scope: RefitScope = "full") -> int:
-        """Copy this policy's current weights of refit ``scope`` into the hosted engine between
-        ``offload_before_refit`` and ``offload_after_refit`` (what a refit through a transport does around
-        it); the bytes copied, in the generation dtype (0 on the ranks that hold none). A collective: with
-        FSDP alone every rank all-gathers every weight at once, with TP each weight's shards in turn."""
-        self.offload_before_refit()
-        num_bytes = self._copy_into_embedded_engine(scope)
-        self.offload_after_refit()
-        return num_bytes
-
-    def _copy_into_embedded_engine(self, scope: RefitScope) -> int:
+        """Copy this policy's current weights of refit ``scope`` into the hosted engine (the driver's
+        ``Refitter`` offloads around it, as around a refit through a transport); the bytes copied, in the
+        generation dtype (0 on the ranks that hold none). A collective: with FSDP alone every rank all-gathers
+        every weight at once, with TP each weight's shards in turn."""
         replica = self._embedded_replica()
         adapters_only = self._adapters_only(scope)
         weights: Iterator[tuple[str, torch.Tensor]]

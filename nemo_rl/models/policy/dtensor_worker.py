@@ -27,15 +27,12 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from nemo_rl.config.policy import TokenizerConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.device import (
     configure_worker_threads,
@@ -43,25 +40,18 @@ from nemo_rl.distributed.device import (
     get_device,
     init_process_group_from_env,
 )
-from nemo_rl.models.dtypes import PRECISION_DTYPES
 from nemo_rl.models.lora import (
-    adapter_state,
-    adapters_disabled,
-    check_checkpoint_kind,
     lora_modules,
-    write_lora_metadata,
 )
 from nemo_rl.models.policy.dtensor_refit import DTensorRefitMixin
+from nemo_rl.models.policy.dtensor_weights_io import DTensorWeightsMixin
 from nemo_rl.models.policy.hf_io import (
-    LoraExport,
-    config_has_dropout,
-    export_hf_checkpoint,
     load_sharded_model,
 )
 from nemo_rl.models.policy.loss_interface import LossFunction
 from nemo_rl.models.policy.moe import RouterRecorder, moe_step_terms, replay_rows
 from nemo_rl.models.policy.optim import build_optimizer, build_scheduler, clip_grad_norm_, freeze_parameters
-from nemo_rl.models.policy.parallelize import local_tensor, reshard_all
+from nemo_rl.models.policy.parallelize import reshard_all
 from nemo_rl.models.policy.shared_prefix import (
     SharedPrefixRows,
     identical_rows,
@@ -79,7 +69,6 @@ from nemo_rl.models.policy.utils import (
 from nemo_rl.models.policy.worker_base import PolicyWorkerBase, ScoreFn
 from nemo_rl.models.policy.worker_batches import StepBatch, TrainLog, merge_rows
 from nemo_rl.models.sampling import sampling_logits
-from nemo_rl.utils.rng import get_rng_state, set_rng_state
 
 if TYPE_CHECKING:
     from nemo_rl.models.generation.embedded.replica import EmbeddedReplica
@@ -89,19 +78,8 @@ logger = logging.getLogger(__name__)
 # DTensor and torch.distributed.checkpoint are imported in the methods that use them: the driver imports
 # this module to start the workers, and importing them costs it seconds of CPU for nothing.
 
-SCHEDULER_STATE_FILE = "scheduler.pt"
-RNG_STATE_FILE = "rng_rank{rank}.pt"
-"""Each rank's RNG state (torch, numpy, python) in the optimizer folder, so a resumed run continues it."""
 
-
-def _to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """A host copy of ``tensor`` (pinned when CUDA is used, so copies back are fast)."""
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=cuda_available())
-    host.copy_(tensor.detach())
-    return host
-
-
-class DTensorPolicyWorker(DTensorRefitMixin, PolicyWorkerBase):
+class DTensorPolicyWorker(DTensorWeightsMixin, DTensorRefitMixin, PolicyWorkerBase):
     """One rank of the DTensor policy; run as a Ray actor by ``RayWorkerGroup``."""
 
     def _build(self, init_reference_model: bool) -> None:
@@ -382,18 +360,6 @@ class DTensorPolicyWorker(DTensorRefitMixin, PolicyWorkerBase):
     def _after_eval_step(self) -> None:
         reshard_all(self.model)
 
-    def lora_summary(self) -> tuple[int, int, int]:
-        """``(adapted layers, trained parameters, all parameters)``: full counts (a DTensor's ``numel`` is its
-        global size), for the line the driver prints at start."""
-        params = list(self.model.parameters())
-        trained = sum(p.numel() for p in params if p.requires_grad)
-        return len(self.lora_targets), trained, sum(p.numel() for p in params)
-
-    def trains_with_dropout(self) -> bool:
-        """Whether the model's config (with ``policy.hf_config_overrides``) sets a positive dropout probability
-        (see ``hf_io.trains_with_dropout``; asked here, where the config is loaded, not in the driver)."""
-        return config_has_dropout(self.model.config)
-
     def _all_reduce_replicated_grads(self) -> None:
         """With ``data_parallel_mode=replicate`` at DP>1, sum every gradient over the dp ranks with one
         all-reduce of one flat buffer (losses are globally normalised, so the step's gradient is the sum).
@@ -436,112 +402,6 @@ class DTensorPolicyWorker(DTensorRefitMixin, PolicyWorkerBase):
         if isinstance(self.model, FSDPModule):
             self.model.set_requires_gradient_sync(last_micro_batch)
             self.model.set_reshard_after_backward(last_micro_batch)
-
-    # ------------------------------------------------------------------------------ reference weights
-    @torch.no_grad()
-    def _snapshot_local_shards(self) -> dict[str, torch.Tensor]:
-        reshard_all(self.model)
-        return {name: _to_host(local_tensor(p)) for name, p in self.model.named_parameters()}
-
-    @contextmanager
-    def _reference_weights(self) -> Iterator[None]:
-        """Swap the reference weights into the model's shards for the duration of the block (with LoRA:
-        switch the adapters off)."""
-        if self.lora_targets and self.has_reference:
-            with adapters_disabled(self.model):
-                yield
-            return
-        if self.reference_shards is None:
-            raise RuntimeError(
-                "this policy was built with init_reference_model=False, so it has no reference weights"
-            )
-        current = self._snapshot_local_shards()
-        self._copy_into_local_shards(self.reference_shards)
-        try:
-            yield
-        finally:
-            reshard_all(self.model)
-            self._copy_into_local_shards(current)
-
-    @torch.no_grad()
-    def _copy_into_local_shards(self, shards: dict[str, torch.Tensor]) -> None:
-        for name, p in self.model.named_parameters():
-            local_tensor(p).copy_(shards[name], non_blocking=True)
-        if cuda_available():
-            torch.cuda.synchronize()
-
-    # -------------------------------------------------------------------------------------- checkpoints
-    def save_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
-        """Save this rank's shards with torch.distributed.checkpoint (any later layout can load them).
-
-        ``optimizer_path`` also saves the optimizer state (sharded) and the scheduler state (rank 0).
-        """
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-        reshard_all(self.model)
-        dcp.save(self._checkpointed(get_model_state_dict(self.model)), checkpoint_id=weights_path)
-        if self.lora_targets and self.rank == 0:
-            write_lora_metadata(weights_path, self.cfg.dtensor_cfg.lora_cfg, self.cfg.model_name)
-        if optimizer_path is not None:
-            optim_state = get_optimizer_state_dict(self.model, self.optimizer)
-            dcp.save({"optim": optim_state}, checkpoint_id=optimizer_path)
-            if self.rank == 0:
-                torch.save(self.scheduler.state_dict(), os.path.join(optimizer_path, SCHEDULER_STATE_FILE))
-            torch.save(get_rng_state(), os.path.join(optimizer_path, RNG_STATE_FILE.format(rank=self.rank)))
-        dist.barrier()
-
-    def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
-        """Load what :meth:`save_checkpoint` wrote (optimizer and scheduler only with ``optimizer_path``)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        reshard_all(self.model)
-        model_state = self._checkpointed(get_model_state_dict(self.model))
-        check_checkpoint_kind(weights_path, bool(self.lora_targets), "policy.dtensor_cfg.lora_cfg.enabled")
-        dcp.load(model_state, checkpoint_id=weights_path)
-        set_model_state_dict(self.model, model_state, options=StateDictOptions(strict=not self.lora_targets))
-        if optimizer_path is not None:
-            optim_state = {"optim": get_optimizer_state_dict(self.model, self.optimizer)}
-            dcp.load(optim_state, checkpoint_id=optimizer_path)
-            set_optimizer_state_dict(self.model, self.optimizer, optim_state["optim"])
-            scheduler_file = os.path.join(optimizer_path, SCHEDULER_STATE_FILE)
-            self.scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
-            # Absent from checkpoints of another layout (or older ones): the RNG then continues as seeded.
-            rng_file = os.path.join(optimizer_path, RNG_STATE_FILE.format(rank=self.rank))
-            if os.path.isfile(rng_file):
-                set_rng_state(torch.load(rng_file, weights_only=True))
-        dist.barrier()
-
-    def _checkpointed(self, state: dict[str, Any]) -> dict[str, Any]:
-        """What a checkpoint holds of the model's state: everything, or with LoRA the adapters only (the
-        frozen base is ``policy.model_name``'s, recorded in the checkpoint's ``lora.json``)."""
-        if not self.lora_targets:
-            return state
-        return adapter_state(state.items())
-
-    def export_hf(self, path: str) -> None:
-        """Write a Hugging Face checkpoint in ``policy.precision`` (rank 0 writes; all ranks must call)."""
-        reshard_all(self.model)
-        export_hf_checkpoint(
-            self.model,
-            path,
-            PRECISION_DTYPES[self.cfg.precision],
-            TokenizerConfig(name=self.tokenizer_source, chat_template=self.cfg.tokenizer.chat_template),
-            self.cfg.trust_remote_code,
-            lora=self._lora_export(),
-        )
-
-    def _lora_export(self) -> LoraExport | None:
-        if not self.lora_targets:
-            return None
-        return LoraExport(self.cfg.dtensor_cfg.lora_cfg, self.lora_targets, self.cfg.model_name)
 
     # --------------------------------------------------------------------------- memory / placement
     def _move_optimizer_state(self, device: torch.device | str) -> None:

@@ -11,6 +11,7 @@ the keys above alone (a pair's chosen and rejected rows are consecutive). Log-pr
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, NotRequired, Protocol, TypedDict
 
 import torch
@@ -40,6 +41,28 @@ class TrainResult(TypedDict):
     metrics: dict[str, list[float]]
     """The loss function's metrics per step: shares summed over micro-batches and ranks (``*_min`` /
     ``*_max`` metrics reduced with min / max instead)."""
+
+
+@dataclass(frozen=True)
+class LoraSummary:
+    """The size of a policy's LoRA adapters (full counts, whatever the sharding), for the line printed at start."""
+
+    rank: int
+    """The adapters' rank (``lora_cfg.dim`` / ``peft.dim``)."""
+    num_layers: int
+    """Adapted (Hugging Face) linear layers."""
+    num_trained: int
+    """Parameters that train: the adapters'."""
+    num_params: int
+    """All parameters, the adapters included."""
+
+    def describe(self, name: str) -> str:
+        """One line about the adapters of the policy ``name``."""
+        return (
+            f"LoRA: rank-{self.rank} adapters on {self.num_layers} linear layers of {name}; "
+            f"{self.num_trained:,} of {self.num_params:,} parameters train "
+            f"({self.num_trained / self.num_params:.1%}), the base model is frozen"
+        )
 
 
 def nonfinite_step_flags(result: TrainResult) -> list[bool]:

@@ -1,6 +1,7 @@
 """The driver-side policy: one object that runs a sharded language model on a group of Ray workers.
 
-``Policy`` picks the worker backend from the config (DTensor or Megatron), starts one worker per bundle and
+``Policy`` picks the worker backend from the config (DTensor or Megatron, :func:`_worker_backend`; both
+implement :class:`~nemo_rl.models.policy.worker_base.PolicyWorkerBase`), starts one worker per bundle and
 implements :class:`~nemo_rl.models.policy.interfaces.PolicyInterface` by sharding batches over the
 data-parallel groups, calling every worker (the calls are collectives) and merging the dp leaders' results.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,8 +23,9 @@ from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.distributed.worker_groups import RayWorkerGroup, WorkerGroupFacade
 from nemo_rl.models.policy.dtensor_worker import DTensorPolicyWorker
 from nemo_rl.models.policy.hf_io import check_frozen_parameters
-from nemo_rl.models.policy.interfaces import TrainResult, nonfinite_step_flags
+from nemo_rl.models.policy.interfaces import LoraSummary, TrainResult, nonfinite_step_flags
 from nemo_rl.models.policy.loss_interface import LossFunction
+from nemo_rl.models.policy.worker_base import PolicyWorkerBase
 from nemo_rl.weight_sync.scope import RefitScope
 
 
@@ -41,19 +44,36 @@ MEGATRON_WORKER_MODULE = "nemo_rl.models.policy.megatron_worker"
 LENGTH_KEY = "input_lengths"
 
 
-def _worker_backend(cfg: PolicyConfig) -> tuple[type, int]:
-    """The worker class the config selects and its model-parallel size (ranks sharing one data shard)."""
+@dataclass(frozen=True)
+class WorkerBackend:
+    """The policy worker backend a config selects (the one place that tells DTensor and Megatron apart)."""
+
+    worker_cls: type[PolicyWorkerBase]
+    model_parallel_size: int
+    """Ranks sharing one data shard."""
+    trains_lora: bool
+    """Whether the policy trains LoRA adapters (the workers then report their size at start)."""
+    expert_parallel_size: int = 1
+    """Ranks a MoE layer's experts are split over (among the data-parallel ranks)."""
+
+
+def _worker_backend(cfg: PolicyConfig) -> WorkerBackend:
+    """The worker backend the config selects."""
     if cfg.dtensor_cfg.enabled:
-        return DTensorPolicyWorker, cfg.dtensor_cfg.tensor_parallel_size
+        dtensor = cfg.dtensor_cfg
+        return WorkerBackend(DTensorPolicyWorker, dtensor.tensor_parallel_size, dtensor.lora_cfg.enabled)
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
         raise UserError(
             "policy.megatron_cfg.enabled=true but megatron-core is not installed: install the `mcore` extra "
             "(uv sync --extra mcore), or use the DTensor backend (policy.dtensor_cfg.enabled=true "
             "policy.megatron_cfg.enabled=false)"
         )
-    worker_cls: type = importlib.import_module(MEGATRON_WORKER_MODULE).MegatronPolicyWorker
+    worker_cls: type[PolicyWorkerBase] = importlib.import_module(MEGATRON_WORKER_MODULE).MegatronPolicyWorker
     megatron = cfg.megatron_cfg
-    return worker_cls, megatron.tensor_model_parallel_size * megatron.pipeline_model_parallel_size
+    model_parallel_size = megatron.tensor_model_parallel_size * megatron.pipeline_model_parallel_size
+    return WorkerBackend(
+        worker_cls, model_parallel_size, megatron.peft.enabled, megatron.expert_model_parallel_size
+    )
 
 
 def check_policy_layout(cfg: PolicyConfig, world_size: int) -> int:
@@ -61,7 +81,8 @@ def check_policy_layout(cfg: PolicyConfig, world_size: int) -> int:
     do not divide into its model-parallel groups, ``policy.train_global_batch_size`` or the expert-parallel
     size does not divide over the data-parallel ranks, or ``policy.frozen_parameters`` names no parameter. Ray-free, so setups call it
     before starting anything."""
-    _, model_parallel_size = _worker_backend(cfg)
+    backend = _worker_backend(cfg)
+    model_parallel_size = backend.model_parallel_size
     check_frozen_parameters(cfg)
     if world_size % model_parallel_size != 0:
         raise UserError(
@@ -75,7 +96,7 @@ def check_policy_layout(cfg: PolicyConfig, world_size: int) -> int:
             f"{dp_size} data-parallel ranks ({world_size} workers / model-parallel size {model_parallel_size}); "
             "make it a multiple"
         )
-    ep = cfg.megatron_cfg.expert_model_parallel_size if cfg.megatron_cfg.enabled else 1
+    ep = backend.expert_parallel_size
     if dp_size % ep != 0:
         raise UserError(
             f"policy.megatron_cfg.expert_model_parallel_size={ep} does not divide the policy's {dp_size} "
@@ -104,7 +125,7 @@ class Policy(WorkerGroupFacade):
         ``weights_path`` / ``optimizer_path`` resume from a :meth:`save_checkpoint`; ``init_reference_model``
         keeps the initial weights for :meth:`get_reference_policy_logprobs`.
         """
-        worker_cls, model_parallel_size = _worker_backend(cfg)
+        backend = _worker_backend(cfg)
         world_size = cluster.world_size if bundle_indices is None else len(bundle_indices)
         check_policy_layout(cfg, world_size)
         self.cfg = cfg
@@ -114,7 +135,7 @@ class Policy(WorkerGroupFacade):
         """Of those, how many came last in a row (see ``policy.max_nonfinite_steps``)."""
         workers = RayWorkerGroup(
             cluster,
-            worker_cls,
+            backend.worker_cls,
             name=name_prefix,
             init_kwargs={
                 "cfg": cfg,
@@ -124,17 +145,12 @@ class Policy(WorkerGroupFacade):
                 "init_reference_model": init_reference_model,
             },
             bundle_indices=bundle_indices,
-            dp_size=world_size // model_parallel_size,
+            dp_size=world_size // backend.model_parallel_size,
         )
         super().__init__(workers, call_timeout_s=WORKER_CALL_TIMEOUT_S)
-        lora = cfg.dtensor_cfg.lora_cfg
-        if cfg.dtensor_cfg.enabled and lora.enabled:
-            layers, trained, total = self._on_rank_0("lora_summary")
-            print(
-                f"LoRA: rank-{lora.dim} adapters on {layers} linear layers of {name_prefix}; "
-                f"{trained:,} of {total:,} parameters train ({trained / total:.1%}), the base model is frozen",
-                flush=True,
-            )
+        if backend.trains_lora:
+            summary: LoraSummary = self._on_rank_0("lora_summary")
+            print(summary.describe(name_prefix), flush=True)
 
     # ------------------------------------------------------------------------------------------ calls
     def _prompt_run_length(self, data: BatchedDataDict[Any], rows_per_shard: int) -> int:
@@ -295,10 +311,20 @@ class Policy(WorkerGroupFacade):
     def trains_with_dropout(self) -> bool:
         """Whether the training forward differs from the scoring forward (see ``hf_io.trains_with_dropout``),
         answered by a worker, which has the model's config loaded: loading it in the driver imports
-        transformers' model code there. The Megatron backend builds its models with dropout off."""
-        if not self.cfg.dtensor_cfg.enabled:
-            return False
+        transformers' model code there."""
         return bool(self._on_rank_0("trains_with_dropout"))
+
+    def adapter_refits(self) -> bool:
+        """Whether refits after the first may move the LoRA adapters alone (asked of the workers: the DTensor
+        backend sends them unmerged, the Megatron backend folds them into the weights)."""
+        return bool(self._on_rank_0("adapter_refits"))
+
+    @property
+    def worker_node_ids(self) -> list[str]:
+        """Ray node id of each worker, in rank order (for choosing the refit transport)."""
+        group = self.worker_group
+        locations = group.cluster.bundle_locations()
+        return [locations[b].node_id for b in group.bundle_indices]
 
     def refit_streams(self) -> list[int]:
         """The refit stream each worker sends, in rank order: its pipeline stage (Megatron; each stage sends

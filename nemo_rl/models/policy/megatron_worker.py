@@ -33,10 +33,9 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,7 +44,6 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from nemo_rl.config.megatron import no_effect_settings
-from nemo_rl.config.policy import TokenizerConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.device import (
     configure_worker_threads,
@@ -53,10 +51,9 @@ from nemo_rl.distributed.device import (
     get_device,
     init_process_group_from_env,
 )
-from nemo_rl.models.dtypes import PRECISION_DTYPES
 from nemo_rl.models.hf_config import load_hf_config
-from nemo_rl.models.hf_decoder import DecoderArch, SafetensorsReader, resolve_checkpoint_dir
-from nemo_rl.models.lora import adapter_state, adapters_disabled, check_checkpoint_kind, write_lora_metadata
+from nemo_rl.models.hf_decoder import SafetensorsReader, decoder_arch, resolve_checkpoint_dir
+from nemo_rl.models.lora import adapters_disabled
 from nemo_rl.models.megatron import checkpoint, cpu_compat, setup
 from nemo_rl.models.megatron.families import family_for
 from nemo_rl.models.megatron.lora import MegatronLoRA
@@ -73,31 +70,20 @@ from nemo_rl.models.megatron.moe import (
 )
 from nemo_rl.models.megatron.weights import (
     StageWeights,
-    hf_weights_manifest,
-    write_hf_metadata,
-    write_stage_safetensors,
 )
-from nemo_rl.models.policy.hf_io import LORA_ADAPTER_SUBDIR, initial_lora_adapters
+from nemo_rl.models.policy.hf_io import initial_lora_adapters
 from nemo_rl.models.policy.loss_interface import LossFunction
+from nemo_rl.models.policy.megatron_weights_io import MegatronWeightsMixin
 from nemo_rl.models.policy.moe import RoutingRecord, aux_loss_coef_of, moe_step_terms
 from nemo_rl.models.policy.utils import global_valid_counts, pad_sequence_dim, valid_token_mask
 from nemo_rl.models.policy.worker_base import PolicyWorkerBase, ScoreFn
 from nemo_rl.models.policy.worker_batches import StepBatch, TrainLog, merge_rows
 from nemo_rl.models.sampling import sampling_logits
-from nemo_rl.weight_sync.interfaces import TransferStats, WeightSender
-from nemo_rl.weight_sync.scope import RefitScope
 
 logger = logging.getLogger(__name__)
 
 
-def _full_only(scope: RefitScope) -> None:
-    if scope != "full":
-        raise ValueError(
-            f"the Megatron policy trains no LoRA adapters: it sends full refits only, not {scope!r}"
-        )
-
-
-class MegatronPolicyWorker(PolicyWorkerBase):
+class MegatronPolicyWorker(MegatronWeightsMixin, PolicyWorkerBase):
     """One rank of the Megatron policy; run as a Ray actor by ``RayWorkerGroup``."""
 
     def _build(self, init_reference_model: bool) -> None:
@@ -127,7 +113,7 @@ class MegatronPolicyWorker(PolicyWorkerBase):
                 f"policy.megatron_cfg.converter_type={megatron.converter_type!r} but {cfg.model_name} is a "
                 f"{architectures}: set converter_type to the checkpoint's architecture (or null)"
             )
-        self.arch = DecoderArch.from_hf_config(self.hf_config)
+        self.arch = decoder_arch(self.hf_config)
         self.family = family_for(self.arch)
         setup.check_divisibility(self.arch, megatron)
         self.checkpoint_dir = resolve_checkpoint_dir(cfg.model_name)
@@ -155,13 +141,17 @@ class MegatronPolicyWorker(PolicyWorkerBase):
         self.has_reference = init_reference_model
         self.reference_shards = self.weights.snapshot() if init_reference_model and not self.lora else None
         if self.rank == 0:
-            for setting in no_effect_settings(megatron):
-                logger.warning("policy.megatron_cfg.%s is accepted but has no effect here", setting)
-            if cfg.optimizer is not None or cfg.scheduler:
-                logger.warning(
-                    "policy.optimizer / policy.scheduler configure the DTensor backend and are not used; the "
-                    "Megatron backend trains with policy.megatron_cfg.optimizer / scheduler"
-                )
+            self._warn_unused_settings()
+
+    def _warn_unused_settings(self) -> None:
+        """Warn about accepted settings this backend does not use."""
+        for setting in no_effect_settings(self.cfg.megatron_cfg):
+            logger.warning("policy.megatron_cfg.%s is accepted but has no effect here", setting)
+        if self.cfg.optimizer is not None or self.cfg.scheduler:
+            logger.warning(
+                "policy.optimizer / policy.scheduler configure the DTensor backend and are not used; the "
+                "Megatron backend trains with policy.megatron_cfg.optimizer / scheduler"
+            )
 
     def _build_stage(self) -> None:
         """This rank's stage of the ``GPTModel`` with its weights (and LoRA adapters) loaded; unwrapped."""
@@ -419,124 +409,6 @@ class MegatronPolicyWorker(PolicyWorkerBase):
             yield
         finally:
             self.weights.restore(current)
-
-    # -------------------------------------------------------------------------------------- checkpoints
-    def _layout(self) -> dict[str, Any]:
-        """What optimizer state depends on: the parallel layout and the optimizer's own settings."""
-        megatron = self.cfg.megatron_cfg
-        return {
-            "tensor_model_parallel_size": megatron.tensor_model_parallel_size,
-            "pipeline_model_parallel_size": megatron.pipeline_model_parallel_size,
-            "num_layers_in_first_pipeline_stage": megatron.num_layers_in_first_pipeline_stage,
-            "num_layers_in_last_pipeline_stage": megatron.num_layers_in_last_pipeline_stage,
-            "data_parallel_size": self.dp_size,
-            "optimizer": megatron.optimizer.optimizer,
-            "use_distributed_optimizer": megatron.optimizer.use_distributed_optimizer,
-            "precision": self.cfg.precision,
-            "lora_layers": self.lora.hf_targets if self.lora is not None else None,
-            # Only when set, so checkpoints of dense layouts written before the key existed still resume.
-            **({"expert_model_parallel_size": self.ep_size} if self.ep_size > 1 else {}),
-        }
-
-    def _checkpoint_parts(self) -> checkpoint.CheckpointParts:
-        """What a checkpoint holds of this rank: its stage's weights, the optimizer, the schedule, the layout."""
-        return checkpoint.CheckpointParts(self.weights, self.optimizer, self.scheduler, self._layout())
-
-    def save_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
-        """Save the weights as Hugging Face safetensors (any layout loads them; with LoRA the adapters and
-        ``lora.json``) and, with ``optimizer_path``, each rank's optimizer state and the schedule (see
-        :mod:`nemo_rl.models.megatron.checkpoint`)."""
-        if self.lora is not None and self.rank == 0:
-            os.makedirs(weights_path, exist_ok=True)
-            write_lora_metadata(weights_path, self.lora.lora_config, self.cfg.model_name)
-        checkpoint.save(
-            self._checkpoint_parts(),
-            weights_path=weights_path,
-            optimizer_path=optimizer_path,
-            writer=self._is_stage_writer,
-            file_index=self.refit_stream(),
-            num_files=self.pp_size * self.ep_size,
-        )
-
-    def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
-        """Load what :meth:`save_checkpoint` wrote (optimizer and schedule only with ``optimizer_path``)."""
-        check_checkpoint_kind(weights_path, self.lora is not None, "policy.megatron_cfg.peft.enabled")
-        with cpu_compat.device_redirect():
-            checkpoint.load(
-                self._checkpoint_parts(), weights_path=weights_path, optimizer_path=optimizer_path
-            )
-
-    @property
-    def _is_stage_writer(self) -> bool:
-        """Whether this rank writes its stream's file (one rank per pipeline stage and expert-parallel rank:
-        the first of the ranks holding the same experts)."""
-        return self.tp_rank == 0 and self.dp_rank // self.ep_size == 0
-
-    def export_hf(self, path: str) -> None:
-        """Write a Hugging Face checkpoint in ``policy.precision``, one safetensors file per pipeline stage; with
-        LoRA the merged weights, and the adapters alone as a PEFT folder in ``path``/``lora_adapter``."""
-        dtype = PRECISION_DTYPES[self.cfg.precision]
-        named: Iterable[tuple[str, torch.Tensor]] = self.weights.iter_hf_tensors(None if self.lora else dtype)
-        if self.lora is not None:
-            named = list(named)  # the stage's tensors: the adapters go to the PEFT folder, then are merged
-            self.lora.save_peft(
-                os.path.join(path, LORA_ADAPTER_SUBDIR),
-                adapter_state(named) if self._is_stage_writer else {},
-                self.cfg.model_name,
-            )
-        write_stage_safetensors(
-            ((name, tensor.to(dtype)) for name, tensor in self._merged(named)),
-            path,
-            writer=self._is_stage_writer,
-            file_index=self.refit_stream(),
-            num_files=self.pp_size * self.ep_size,
-        )
-        if self.rank == 0:
-            write_hf_metadata(
-                path,
-                dtype=dtype,
-                hf_config=self.hf_config,
-                checkpoint_dir=Path(self.checkpoint_dir),
-                tokenizer_cfg=TokenizerConfig(
-                    name=self.tokenizer_source, chat_template=self.cfg.tokenizer.chat_template
-                ),
-                trust_remote_code=self.cfg.trust_remote_code,
-            )
-        dist.barrier()
-
-    # -------------------------------------------------------------------------------- refit (sender)
-    def iter_hf_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """This rank's pipeline stage's weights under their Hugging Face names, as FULL tensors cast to ``dtype``.
-
-        A collective over the tensor-parallel group (each parameter is gathered when it is reached); each
-        pipeline stage yields only its own layers (its refit stream, see :meth:`refit_stream`). With LoRA the
-        adapters are folded into their layers' weights (in the training dtype, then cast).
-        """
-        if self.lora is None:
-            return self.weights.iter_hf_tensors(dtype)
-        return ((name, tensor.to(dtype)) for name, tensor in self._merged(self.weights.iter_hf_tensors(None)))
-
-    def _merged(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """``named`` with the LoRA adapters folded into their layers' weights; unchanged without LoRA."""
-        return iter(named) if self.lora is None else self.lora.merged(named)
-
-    def refit_stream(self) -> int:
-        """The refit stream this rank belongs to: its pipeline stage and expert-parallel rank (each stage sends
-        its own layers, each expert-parallel rank its own experts; the first also the weights they share)."""
-        return self.pp_rank * self.ep_size + self.ep_rank
-
-    def weights_manifest(
-        self, dtype: torch.dtype, scope: RefitScope = "full"
-    ) -> dict[str, tuple[tuple[int, ...], str]]:
-        """``{hf_name: (full shape, dtype name)}`` of the whole model's weights (all stages); no communication."""
-        _full_only(scope)
-        return hf_weights_manifest(self.hf_config, dtype)
-
-    def refit_send(self, sender: WeightSender, scope: RefitScope = "full") -> TransferStats:
-        """Stream this stage's weights through ``sender`` (every rank calls it with its own sender); every
-        refit is ``"full"`` (the Megatron policy trains no LoRA adapters)."""
-        _full_only(scope)
-        return sender.send(self.iter_hf_weights(sender.dtype))
 
     # --------------------------------------------------------------------------- memory / placement
     def _move(self, device: str) -> None:

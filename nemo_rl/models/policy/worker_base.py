@@ -13,11 +13,19 @@ keeps only building its model and stepping it, through these hooks:
 - :meth:`~PolicyWorkerBase._optimizer_step`: clip, step the optimizer and the scheduler (skipped for a
   non-finite gradient norm), recording the update in the step log.
 
+and implements the public methods the driver's ``Policy`` calls on every backend alike, with the same
+signatures (abstract here): checkpoints and export, the memory moves around training and refits, the refit
+sender (:meth:`~PolicyWorkerBase.iter_hf_weights`, :meth:`~PolicyWorkerBase.weights_manifest`,
+:meth:`~PolicyWorkerBase.refit_stream`, :meth:`~PolicyWorkerBase.refit_send`,
+:meth:`~PolicyWorkerBase.adapter_refits`) and what the driver asks about the model
+(:meth:`~PolicyWorkerBase.lora_summary`, :meth:`~PolicyWorkerBase.trains_with_dropout`).
+
 Every public method is a collective: all ranks of the policy call it.
 """
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
@@ -26,16 +34,18 @@ import torch
 
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.models.policy.interfaces import TrainResult
+from nemo_rl.models.policy.interfaces import LoraSummary, TrainResult
 from nemo_rl.models.policy.loss_interface import LossFunction
 from nemo_rl.models.policy.utils import token_logprobs, topk_logits
 from nemo_rl.models.policy.worker_batches import StepBatch, TrainLog, micro_batches, step_batches
+from nemo_rl.weight_sync.interfaces import TransferStats, WeightSender
+from nemo_rl.weight_sync.scope import RefitScope
 
 ScoreFn = Callable[[torch.Tensor, BatchedDataDict[Any]], dict[str, torch.Tensor]]
 """Maps a micro-batch's model output (logits [B, T, V], or rewards [B]) and the micro-batch to per-row outputs."""
 
 
-class PolicyWorkerBase:
+class PolicyWorkerBase(abc.ABC):
     """The scoring methods and the training step loop of a policy worker; see the module docstring."""
 
     cfg: PolicyConfig
@@ -76,38 +86,38 @@ class PolicyWorkerBase:
             self.load_checkpoint(weights_path, optimizer_path)
 
     # ------------------------------------------------------------------------------------------ hooks
+    @abc.abstractmethod
     def _build(self, init_reference_model: bool) -> None:
         """Join the process groups, build the model, optimizer and scheduler, and keep a host copy of the
         initial weights as the reference policy when ``init_reference_model`` (backend hook)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
         """Load what ``save_checkpoint`` wrote: weights, and with ``optimizer_path`` the optimizer, scheduler
         and RNG state (backend hook)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _score(
         self, data: BatchedDataDict[Any], fn: ScoreFn, micro_batch_size: int | None
     ) -> BatchedDataDict[Any]:
         """Run ``fn`` over ``data``'s micro-batches in inference mode and merge its outputs (backend hook)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _reference_weights(self) -> AbstractContextManager[None]:
         """A context in which the model holds the reference (initial) weights (backend hook)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _forward_backward(
         self, step: StepBatch, loss_fn: LossFunction, eval_mode: bool
     ) -> tuple[float, list[dict[str, Any]]]:
         """One global step's forward (and, unless ``eval_mode``, backward) passes; returns the summed loss of
         its micro-batches and the loss function's metrics of each (backend hook)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _optimizer_step(self, log: TrainLog) -> None:
         """Apply the accumulated gradients and record the update in ``log`` (backend hook)."""
-        raise NotImplementedError
 
-    def _after_eval_step(self) -> None:
+    def _after_eval_step(self) -> None:  # noqa: B027 (an optional hook: most backends do nothing)
         """What a backend does after a step computed without gradients (nothing unless it says so)."""
 
     def _micro_batch_options(self) -> dict[str, Any]:
@@ -216,3 +226,70 @@ class PolicyWorkerBase:
                 self._optimizer_step(log)
             log.end_step(step, step_loss, mb_metrics, self.dp_group, self.device)
         return log.result(eval_mode)
+
+    # ------------------------------------------------------------------ checkpoints, memory, shutdown
+    @abc.abstractmethod
+    def save_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
+        """Save the weights (and with ``optimizer_path`` the optimizer, scheduler and RNG state)."""
+
+    @abc.abstractmethod
+    def export_hf(self, path: str) -> None:
+        """Write a Hugging Face checkpoint of the current weights (with LoRA: merged, plus a PEFT folder)."""
+
+    @abc.abstractmethod
+    def prepare_for_training(self) -> None:
+        """Weights and optimizer state onto the device; training mode."""
+
+    @abc.abstractmethod
+    def prepare_for_lp_inference(self) -> None:
+        """Weights onto the device, optimizer state to the host; inference mode."""
+
+    @abc.abstractmethod
+    def offload_before_refit(self) -> None:
+        """Optimizer state to the host, so the refit's gathers fit on the device."""
+
+    @abc.abstractmethod
+    def offload_after_refit(self) -> None:
+        """Weights and optimizer state to the host, leaving the device to generation."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Release the model, the optimizer and the process groups."""
+
+    # ------------------------------------------------------------------------------- refit (sender)
+    @abc.abstractmethod
+    def iter_hf_weights(
+        self, dtype: torch.dtype, scope: RefitScope = "full"
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights of refit ``scope`` this rank's stream sends, under their Hugging Face names, as FULL
+        tensors cast to ``dtype`` (floating point only). A collective over the ranks that gather them."""
+
+    @abc.abstractmethod
+    def weights_manifest(
+        self, dtype: torch.dtype, scope: RefitScope = "full"
+    ) -> dict[str, tuple[tuple[int, ...], str]]:
+        """``{hf_name: (full shape, dtype name)}`` of what a refit of ``scope`` sends, all streams together;
+        no communication."""
+
+    @abc.abstractmethod
+    def refit_stream(self) -> int:
+        """The refit stream this rank sends (see :mod:`nemo_rl.weight_sync.interfaces`)."""
+
+    @abc.abstractmethod
+    def refit_send(self, sender: WeightSender, scope: RefitScope = "full") -> TransferStats:
+        """Stream this rank's weights of refit ``scope`` through ``sender`` (every rank calls it)."""
+
+    @abc.abstractmethod
+    def adapter_refits(self) -> bool:
+        """Whether a refit may move the LoRA adapters alone (scope ``"adapters"``): the policy trains adapters
+        on a frozen base and sends them unmerged."""
+
+    # ------------------------------------------------------------------------ what the driver asks
+    @abc.abstractmethod
+    def lora_summary(self) -> LoraSummary | None:
+        """The LoRA adapters' size, for the line the driver prints at start; ``None`` without LoRA."""
+
+    @abc.abstractmethod
+    def trains_with_dropout(self) -> bool:
+        """Whether the training forward differs from the scoring forward (a positive dropout probability in
+        the model), so log-probs of a training forward cannot stand in for a scoring pass."""

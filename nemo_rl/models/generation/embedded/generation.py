@@ -21,7 +21,6 @@ class EmbeddedGeneration(ReplicatedGeneration):
     worker_cls = EmbeddedGenerationWorker
     default_name = "embedded_generation"
     backend_name = "embedded"
-    precision_key = "embedded_cfg"
 
     def _layout(self, cluster: RayVirtualCluster, bundles: list[int], seed: int) -> ReplicaLayout:
         num_replicas = self.cfg.generation.embedded_cfg.data_parallel_size or len(bundles)

@@ -7,7 +7,8 @@ through a transport every step. Here each data-parallel group of the policy hold
 
 - generating deals the rows to the policy's dp groups exactly as separate workers would (same call seeds,
   same per-rank and per-chunk seeds: the same tokens for the same weights);
-- a refit is an in-process copy: every rank gathers the full weights (with FSDP alone in one all-gather, with
+- a refit is an in-process copy (:meth:`InPolicyEmbeddedGeneration.refit_in_process`, which the
+  :class:`~nemo_rl.weight_sync.refitter.Refitter` calls instead of building a transport): every rank gathers the full weights (with FSDP alone in one all-gather, with
   TP as a refit sender does) and the replica copies them into its fused storage; nothing crosses a process
   boundary;
 - ``prepare_for_generation`` / ``finish_generation`` bring the engine's weights back and drop its KV cache
@@ -53,7 +54,6 @@ class InPolicyEmbeddedGeneration(SeededReplicas):
     """
 
     backend_name = "embedded"
-    precision_key = "embedded_cfg"
 
     def __init__(self, policy: Policy, tokenizer: PreTrainedTokenizerBase, *, seed: int) -> None:
         if not policy.cfg.generation.embedded_cfg.in_policy_workers:
@@ -98,10 +98,15 @@ class InPolicyEmbeddedGeneration(SeededReplicas):
         """Nothing to stop: the replicas live in the policy's workers and go with ``Policy.shutdown``."""
 
     # --------------------------------------------------------------------------------------- refit
-    def refit(self, scope: RefitScope = "full") -> dict[str, float]:
-        """Copy the policy's current weights of refit ``scope`` into every replica, in process, with the
-        policy's offload hooks around the copy (one call to the workers); returns ``refit/*`` metrics
-        (``refit/bytes``: what one replica received; ``refit/bytes_received``: summed over the replicas)."""
+    @property
+    def hosted_in_policy(self) -> bool:
+        """True: the replicas live in the policy's workers and refits copy in process."""
+        return True
+
+    def refit_in_process(self, scope: RefitScope) -> dict[str, float]:
+        """Copy the policy's current weights of refit ``scope`` into every replica, in process (one call to the
+        workers; the :class:`~nemo_rl.weight_sync.refitter.Refitter` offloads around it); returns ``refit/*``
+        metrics (``refit/bytes``: what one replica received; ``refit/bytes_received``: summed over them)."""
         start_s = time.perf_counter()
         loaded = [int(n) for n in self._on_all("refit_embedded_generation", scope)]
         time_s = time.perf_counter() - start_s

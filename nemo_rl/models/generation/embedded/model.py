@@ -30,11 +30,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from nemo_rl.config.model_arch import ModelArch
 from nemo_rl.models.generation.embedded.moe import MoeWeights, bind_moe_weights, moe_mlp, plan_moe_storage
-from nemo_rl.models.hf_decoder import DecoderArch, iter_safetensors
+from nemo_rl.models.hf_decoder import decoder_arch, iter_safetensors, rope_inv_freq
 from nemo_rl.models.hf_moe import expert_weight_names, per_expert_manifest
 
-__all__ = ["DecoderArch", "DecoderLM", "KVCache", "iter_safetensors"]
+__all__ = ["DecoderLM", "KVCache", "iter_safetensors"]
 
 # Names some checkpoints carry that are derived buffers, not weights.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -125,7 +126,7 @@ class KVCache:
     """
 
     def __init__(
-        self, arch: DecoderArch, num_rows: int, num_positions: int, dtype: torch.dtype, device: torch.device
+        self, arch: ModelArch, num_rows: int, num_positions: int, dtype: torch.dtype, device: torch.device
     ):
         # Zeros, not empty: masked slots are still read, and garbage NaN/inf there would poison the attention
         # output (0 * NaN = NaN) even with a zero attention weight.
@@ -178,7 +179,7 @@ class DecoderLM:
     :meth:`load_weights` (any stream of ``(name, tensor)``). Weights are uninitialised until loaded.
     """
 
-    def __init__(self, arch: DecoderArch, *, dtype: torch.dtype, device: torch.device | str = "cpu"):
+    def __init__(self, arch: ModelArch, *, dtype: torch.dtype, device: torch.device | str = "cpu"):
         self.arch = arch
         self.dtype = dtype
         self.device = torch.device(device)
@@ -418,7 +419,7 @@ class DecoderLM:
 
         folder = Path(path)
         config = load_hf_config(folder, overrides=config_overrides)
-        model = cls(DecoderArch.from_hf_config(config), dtype=dtype, device=device)
+        model = cls(decoder_arch(config), dtype=dtype, device=device)
         loaded = model.load_weights(iter_safetensors(folder))
         missing = sorted(set(model.weights_manifest()) - loaded)
         if missing:
@@ -432,7 +433,7 @@ class DecoderLM:
         """Tables ``[P, 1, D]`` for positions ``0..P-1``: ``[cos, cos]`` and ``[-sin, sin]`` (see :func:`_rotate`),
         computed in fp32 as Hugging Face does, then cast. The unit dim broadcasts over heads, so indexing by
         positions gives the ``[B, 1, D]`` a decode step needs in one op."""
-        inv_freq, scaling = self.arch.rope_inv_freq()
+        inv_freq, scaling = rope_inv_freq(self.arch)
         inv_freq = inv_freq.to(self.device)
         freqs = torch.arange(num_positions, device=self.device).float()[:, None] * inv_freq[None, :]
         cos, sin = (freqs.cos() * scaling).to(self.dtype), (freqs.sin() * scaling).to(self.dtype)

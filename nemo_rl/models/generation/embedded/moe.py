@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from nemo_rl.models.hf_moe import MoeArch
+from nemo_rl.config.model_arch import MoeArch
 
 AddBuffer = Callable[..., None]
 """``DecoderLM._add``: declare a storage buffer (optionally split among Hugging Face names, or float32)."""

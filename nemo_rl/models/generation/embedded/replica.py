@@ -28,7 +28,7 @@ from nemo_rl.models.generation.interfaces import (
     empty_generation_output,
 )
 from nemo_rl.models.generation.lora import AdapterLayout, MergedAdapters, base_manifest_for
-from nemo_rl.models.hf_decoder import DecoderArch, resolve_checkpoint_dir
+from nemo_rl.models.hf_decoder import decoder_arch, resolve_checkpoint_dir
 from nemo_rl.models.hf_moe import per_expert_weights
 from nemo_rl.models.tokenizer import eos_token_ids, require_pad_token_id
 from nemo_rl.weight_sync.manifest import WeightManifest, dtype_from_name
@@ -90,7 +90,7 @@ class EmbeddedReplica:
         checkpoint_dir = resolve_checkpoint_dir(cfg.model_name)
         config = load_hf_config(checkpoint_dir, overrides=cfg.hf_config_overrides)
         model = DecoderLM(
-            DecoderArch.from_hf_config(config),
+            decoder_arch(config),
             dtype=dtype_from_name(cfg.generation.embedded_cfg.precision),
             device=device,
         )

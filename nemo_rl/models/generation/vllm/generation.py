@@ -39,7 +39,6 @@ class VllmGeneration(ReplicatedGeneration):
     worker_cls = VllmGenerationWorker
     default_name = "vllm_generation"
     backend_name = "vLLM"
-    precision_key = "vllm_cfg"
 
     def _layout(self, cluster: RayVirtualCluster, bundles: list[int], seed: int) -> ReplicaLayout:
         check_vllm_config(self.cfg)

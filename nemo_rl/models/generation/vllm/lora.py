@@ -24,7 +24,7 @@ import torch
 
 from nemo_rl.config.lora import VLLM_MAX_LORA_RANK
 from nemo_rl.config.policy import PolicyConfig
-from nemo_rl.models.generation.lora import AdapterLayout, adaptable_linears
+from nemo_rl.models.generation.lora import AdapterLayout, adaptable_linears, unmerged_adapters
 from nemo_rl.models.lora import is_adapter_name, peft_target_modules, save_peft_adapter
 from nemo_rl.weight_sync.errors import RefitIntegrityError
 from nemo_rl.weight_sync.scope import RefitScope
@@ -39,8 +39,8 @@ ADAPTER_ID = 1
 
 def lora_engine_kwargs(cfg: PolicyConfig) -> dict[str, Any]:
     """``vllm.LLM`` arguments for a policy that trains LoRA adapters (none without LoRA)."""
-    lora_cfg = cfg.dtensor_cfg.lora_cfg
-    if not (cfg.dtensor_cfg.enabled and lora_cfg.enabled):
+    lora_cfg = unmerged_adapters(cfg)
+    if lora_cfg is None:
         return {}
     ranks = [rank for rank in VLLM_LORA_RANKS if rank >= lora_cfg.dim]
     if not ranks:
@@ -68,7 +68,7 @@ class VllmAdapters:
     """The LoRA adapter one vLLM worker serves, installed from refits.
 
     Args:
-        cfg: the ``policy`` section (its ``dtensor_cfg.lora_cfg``).
+        cfg: the ``policy`` section (its :func:`~nemo_rl.models.generation.lora.unmerged_adapters`).
         layout: the adapted layers (:class:`~nemo_rl.models.generation.lora.AdapterLayout`).
         base_manifest: the engine's Hugging Face weights (names the adapted layers for PEFT's config).
         base_model: recorded in the adapter's PEFT config.
@@ -77,7 +77,9 @@ class VllmAdapters:
     def __init__(
         self, cfg: PolicyConfig, layout: AdapterLayout, base_manifest: dict[str, Any], base_model: str
     ) -> None:
-        self.cfg = cfg.dtensor_cfg.lora_cfg
+        lora_cfg = unmerged_adapters(cfg)
+        assert lora_cfg is not None, "VllmAdapters serve a policy that sends its adapters apart"
+        self.cfg = lora_cfg
         self.layout = layout
         self.base_model = base_model
         self.target_modules = peft_target_modules(

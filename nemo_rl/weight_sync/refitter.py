@@ -1,0 +1,203 @@
+"""The one refit path: :class:`Refitter` plans and runs every refit from the policy into the generation engines.
+
+Built once at setup (:meth:`Refitter.create`) from the policy (a :class:`RefitSource`), the generation backend
+(a :class:`RefitTarget`) and the ``policy`` config, it owns everything a refit decides:
+
+- the manifest check: what the policy sends against what the engines expect, at setup, so a mismatch (an
+  other architecture, a wrong generation dtype) fails before the first step instead of at the first refit;
+- the transport (:func:`~nemo_rl.weight_sync.factory.create_refit_transport`, chosen from the workers' nodes),
+  none for engines that live in the policy's own processes (:attr:`RefitTarget.hosted_in_policy`: they copy
+  in process);
+- the scope of each refit (:class:`~nemo_rl.weight_sync.scope.RefitScopePlanner`): ``"adapters"`` after the
+  first when the policy says its adapters may travel alone (:meth:`RefitSource.adapter_refits`);
+- the offloads around it (optimizer state to the host before, weights after);
+- the staleness flag: :meth:`mark_stale` after a training step, :meth:`refit_if_stale` before sampling.
+
+The policy and the generation backends live a layer above (``nemo_rl.models``); they implement the two
+Protocols below, which are this layer's contract with them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from nemo_rl.config.policy import PolicyConfig
+from nemo_rl.weight_sync.factory import create_refit_transport, generation_dtype
+from nemo_rl.weight_sync.interfaces import RefitTransport
+from nemo_rl.weight_sync.manifest import SpecLike, WeightManifest
+from nemo_rl.weight_sync.refit import refit
+from nemo_rl.weight_sync.scope import RefitScope, RefitScopePlanner, worker_identities
+
+
+class RefitSource(Protocol):
+    """The sending side of a refit: the trained policy (``nemo_rl.models.policy.lm_policy.Policy``)."""
+
+    @property
+    def workers(self) -> Sequence[Any]:
+        """The policy's Ray actors in rank order; each has ``refit_send(sender, scope) -> TransferStats``."""
+        ...
+
+    @property
+    def worker_node_ids(self) -> list[str]:
+        """Ray node id of each worker, in rank order (for choosing the transport)."""
+        ...
+
+    def refit_streams(self) -> list[int]:
+        """The refit stream each worker sends, in rank order (its pipeline stage; 0 for a whole model)."""
+        ...
+
+    def adapter_refits(self) -> bool:
+        """Whether refits after the first may move the LoRA adapters alone (the base weights never change and
+        the workers send the adapters unmerged)."""
+        ...
+
+    def weights_manifest(self, dtype: torch.dtype, scope: RefitScope = "full") -> Mapping[str, SpecLike]:
+        """``{hf_name: (full shape, dtype name)}`` of what a refit of ``scope`` sends, cast to ``dtype``."""
+        ...
+
+    def offload_before_refit(self) -> None:
+        """Optimizer state to the host, so the gathers of the refit fit on the devices."""
+        ...
+
+    def offload_after_refit(self) -> None:
+        """Weights (and optimizer state) to the host, leaving the devices to generation."""
+        ...
+
+
+class RefitTarget(Protocol):
+    """The receiving side of a refit: a generation backend
+    (``nemo_rl.models.generation.interfaces.GenerationInterface``)."""
+
+    @property
+    def workers(self) -> Sequence[Any]:
+        """The generation actors in rank order; each has ``refit_receive(receiver, scope) -> TransferStats``."""
+        ...
+
+    @property
+    def worker_node_ids(self) -> list[str]:
+        """Ray node id of each worker, in rank order."""
+        ...
+
+    @property
+    def hosted_in_policy(self) -> bool:
+        """Whether the engines live in the policy's worker processes: then :meth:`refit_in_process` copies the
+        weights and no transport is built."""
+        ...
+
+    def refit_in_process(self, scope: RefitScope) -> dict[str, float]:
+        """Copy the policy's weights of ``scope`` into engines hosted in the policy's processes; returns the
+        ``refit/*`` metrics (only called when :attr:`hosted_in_policy`)."""
+        ...
+
+    def expected_weights_manifest(self, scope: RefitScope = "full") -> Mapping[str, SpecLike]:
+        """What a refit of ``scope`` must deliver: full shapes, in the generation dtype."""
+        ...
+
+
+def check_refit_manifests(
+    source: RefitSource, target: RefitTarget, dtype: torch.dtype, scopes: Sequence[RefitScope]
+) -> None:
+    """Raise :class:`~nemo_rl.weight_sync.errors.RefitIntegrityError` naming the missing, unexpected and
+    mis-shaped weights when what ``source`` sends for a scope of ``scopes`` differs from what ``target``
+    expects."""
+    for scope in scopes:
+        expected = WeightManifest(target.expected_weights_manifest(scope))
+        expected.check_matches(
+            source.weights_manifest(dtype, scope),
+            f"the policy's {scope} refit (is policy.model_name the generation model's architecture?)",
+        )
+
+
+class Refitter:
+    """Plans and runs the refits of one run (see the module docstring); build it with :meth:`create`.
+
+    Args:
+        source: the policy.
+        target: the generation backend.
+        transport: moves the weights; ``None`` for a target hosted in the policy's processes.
+        timeout_s: a refit that has not finished after this many seconds fails.
+        adapter_refits: refits after the first may move the LoRA adapters alone.
+    """
+
+    def __init__(
+        self,
+        source: RefitSource,
+        target: RefitTarget,
+        transport: RefitTransport | None,
+        *,
+        timeout_s: float,
+        adapter_refits: bool,
+    ) -> None:
+        if transport is None and not target.hosted_in_policy:
+            raise ValueError("generation workers in processes of their own need a refit transport")
+        self.source = source
+        self.target = target
+        self.transport = transport
+        self.timeout_s = timeout_s
+        self._scopes = RefitScopePlanner(adapter_refits)
+        self.stale = True
+        """Whether the policy trained since the engines last received its weights."""
+
+    @classmethod
+    def create(cls, cfg: PolicyConfig, source: RefitSource, target: RefitTarget) -> Refitter:
+        """Check the manifests of both ends (:func:`check_refit_manifests`) and build the transport
+        ``cfg.refit`` selects between the workers' nodes (none for engines hosted in the policy)."""
+        adapter_refits = source.adapter_refits()
+        scopes: list[RefitScope] = ["full", "adapters"] if adapter_refits else ["full"]
+        check_refit_manifests(source, target, generation_dtype(cfg), scopes)
+        transport = None
+        if not target.hosted_in_policy:
+            transport = create_refit_transport(
+                cfg,
+                cfg.refit,
+                policy_node_ids=source.worker_node_ids,
+                generation_node_ids=target.worker_node_ids,
+                policy_streams=source.refit_streams(),
+            )
+        return cls(source, target, transport, timeout_s=cfg.refit.timeout_s, adapter_refits=adapter_refits)
+
+    def mark_stale(self) -> None:
+        """Record that the policy trained: the next :meth:`refit_if_stale` refits."""
+        self.stale = True
+
+    def refit(self) -> dict[str, float]:
+        """Copy the policy's current weights into the engines; returns the ``refit/*`` metrics.
+
+        The scope is ``"full"`` the first time, after a failed refit and whenever the generation workers
+        changed; with adapter refits ``"adapters"`` otherwise (``refit/adapters_only`` says which)."""
+        workers = worker_identities(self.target.workers)
+        scope = self._scopes.scope_for(workers)
+        try:
+            self.source.offload_before_refit()
+            if self.transport is None:
+                metrics = self.target.refit_in_process(scope)
+            else:
+                metrics = refit(
+                    self.source.workers,
+                    self.target.workers,
+                    self.transport,
+                    timeout_s=self.timeout_s,
+                    scope=scope,
+                )
+            self.source.offload_after_refit()
+        except BaseException:
+            # The engines may be half loaded: the next refit is due, and full.
+            self._scopes.failed()
+            self.stale = True
+            raise
+        self._scopes.succeeded(workers, scope)
+        self.stale = False
+        return {**metrics, "refit/adapters_only": float(scope == "adapters")}
+
+    def refit_if_stale(self) -> dict[str, float]:
+        """:meth:`refit` when the policy trained since the last one; no metrics (an empty dict) otherwise."""
+        return self.refit() if self.stale else {}
+
+    def shutdown(self) -> None:
+        """Release the transport (its store, groups and segments)."""
+        if self.transport is not None:
+            self.transport.shutdown()
+            self.transport = None
