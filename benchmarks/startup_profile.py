@@ -38,7 +38,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_grpo_vs_trl import CONFIG, SCRIPT, grpo_overrides  # noqa: E402
+from bench_grpo_vs_trl import CONFIG, SCRIPT, cpu_by_process, grpo_overrides  # noqa: E402
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -190,32 +190,6 @@ def _traced_driver(script_args: list[str]) -> None:
 
 
 # ------------------------------------------------------------------------------------- the observer
-def _cpu_by_process(root: int) -> dict[int, tuple[float, str]]:
-    """CPU seconds and command line of ``root`` and every process below it."""
-    parents: dict[int, int] = {}
-    cpu: dict[int, float] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            parents[int(entry)] = int(fields[1])
-            cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
-    family, grew = {root}, True
-    while grew:
-        grew = False
-        for pid, parent in parents.items():
-            if parent in family and pid not in family:
-                family.add(pid)
-                grew = True
-    found = {}
-    for pid in family & cpu.keys():
-        with contextlib.suppress(OSError):
-            command = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ").strip()
-            found[pid] = (cpu[pid], command or Path(f"/proc/{pid}/comm").read_text().strip())
-    return found
-
-
 # A driver that only starts Ray as a run does (init_ray, no config), starts one empty actor, waits for it and
 # exits the way a run does (Ray's exit hook stops the local cluster): what Ray itself costs per run.
 _RAY_ONLY = """
@@ -248,7 +222,7 @@ def _run_polled(
         proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         driver_start_s = _process_start_s(proc.pid)
         while proc.poll() is None:
-            found = _cpu_by_process(proc.pid)
+            found = cpu_by_process(proc.pid)
             snapshots.append((time.time() - driver_start_s, {pid: c for pid, (c, _) in found.items()}))
             seen.update(found)
             time.sleep(0.25)
