@@ -79,6 +79,8 @@ def _own_slurm_env(tmp: Path, munge_dir: Path) -> dict[str, str]:
         "SLURM_LOCAL_CTLD_PORT": str(ctld_port),
         "SLURM_LOCAL_PORT": str(ctld_port + 1),
         "SLURM_LOCAL_MUNGE_DIR": str(munge_dir),
+        # Job ids name the jobs' Ray temp directories and ports (ray.sub): apart from another cluster's 1, 2, ...
+        "SLURM_LOCAL_FIRST_JOB_ID": str(ctld_port * 10),
     }
 
 

@@ -22,6 +22,7 @@
 #   SLURM_LOCAL_MUNGE_DIR   when set, a munged of this cluster's own (key, socket, pid file and log there),
 #                           which `stop` stops too; unset, the machine's munged (started if needed, left running)
 #   SLURM_LOCAL_WAIT_S      how long `start` waits for the nodes to be idle (default 120)
+#   SLURM_LOCAL_FIRST_JOB_ID  the first job id (default 1); another cluster's jobs may use the same ids
 # With its own SLURM_CONF, SLURM_LOCAL_DIR, ports and munge directory, a cluster runs beside any other SLURM
 # on the machine (tests/functional/test_slurm.py starts one so; its clients need SLURM_CONF in their
 # environment).
@@ -118,6 +119,7 @@ write_conf() {
     # Seconds between a job's SIGTERM and SIGKILL (scancel, time limit).
     echo "KillWait=30"
     echo "MinJobAge=600"
+    echo "FirstJobId=${SLURM_LOCAL_FIRST_JOB_ID:-1}"
     echo "SlurmctldTimeout=30"
     echo "SlurmdTimeout=60"
     local i=0
