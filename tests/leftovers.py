@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,3 +97,19 @@ def find_leftovers(session: str, before: Snapshot, check: str) -> list[str]:
             if not any(fnmatch.fnmatch(name, kept) for kept in KEPT_IN_TMP)
         ]
     return problems
+
+
+def main(argv: list[str]) -> int:
+    """``python tests/leftovers.py MARK``: after a run started with ``NEMO_RL_TEST_SESSION=MARK`` in its
+    environment (``.ci/run``'s main job), name and kill its processes still running; exit 1 if there were any."""
+    if len(argv) != 1:
+        print("usage: python tests/leftovers.py MARK", file=sys.stderr)
+        return 2
+    problems = find_leftovers(argv[0], Snapshot.take(), "processes")
+    for problem in problems:
+        print(f"left behind: {problem}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
