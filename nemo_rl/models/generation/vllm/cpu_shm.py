@@ -9,7 +9,8 @@ a static destructor that a killed Ray actor never runs: they outlive the engine,
 to create them ("create shm in SHMManager failed. errno: 17").
 
 :func:`prepare_cpu_shm` (called by each rank before the engine starts) gives the engine its own ident,
-``nemo_rl_vllm_<pid of rank 0>``, and removes the segments of engines whose rank-0 process is gone;
+``nemo_rl_vllm_<pid of rank 0>``, and removes the segments of engines whose rank-0 process is gone (and of
+a dead one that had the same pid);
 :meth:`CpuShmSegments.remove` (at the worker's shutdown) removes the engine's own. Segments named by a vLLM
 without this (the shared names above) are left alone: nothing tells whether their engine still runs.
 """
@@ -84,9 +85,13 @@ def name_segments_after(ident: str) -> None:
 def prepare_cpu_shm() -> CpuShmSegments:
     """Before a CPU tensor-parallel engine starts, on every rank of its (initialised) torch.distributed world:
     agree on the engine's ident (rank 0's process id), remove stale segments and name this engine's."""
+    if torch.distributed.get_rank() == 0:
+        # Before the broadcast releases the other ranks, so none of this engine's segments exists yet: the
+        # segments of dead engines, and any named after this pid (a dead process that had it before).
+        remove_stale_segments()
+        CpuShmSegments(f"{IDENT_PREFIX}{os.getpid()}").remove()
     rank0_pid = [os.getpid()]
     torch.distributed.broadcast_object_list(rank0_pid, src=0)
     segments = CpuShmSegments(f"{IDENT_PREFIX}{rank0_pid[0]}")
-    remove_stale_segments()
     name_segments_after(segments.ident)
     return segments
