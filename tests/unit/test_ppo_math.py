@@ -131,6 +131,26 @@ def test_lambda_zero_is_the_one_step_td_error() -> None:
     assert advantages[0, 4].item() == pytest.approx(rewards[0][4] - VALUES[0][4])
 
 
+def test_gae_by_hand() -> None:
+    """Three tokens, final reward 5, values 1, 2, 3, gamma 1: lambda 0 gives the TD errors 1, 1, 2; lambda 1
+    gives the reward minus the value, 4, 3, 2; the returns of lambda 1 are 5 everywhere."""
+    rewards = terminal_token_rewards(torch.tensor([5.0]), torch.ones(1, 3))
+    td, _ = gae(rewards, torch.tensor([[1.0, 2.0, 3.0]]), torch.ones(1, 3), gamma=1.0, lam=0.0)
+    mc, returns = gae(rewards, torch.tensor([[1.0, 2.0, 3.0]]), torch.ones(1, 3), gamma=1.0, lam=1.0)
+    assert td.tolist() == [[1.0, 1.0, 2.0]]
+    assert mc.tolist() == [[4.0, 3.0, 2.0]]
+    assert returns.tolist() == [[5.0, 5.0, 5.0]]
+
+
+def test_gae_computes_in_float32_without_gradient() -> None:
+    values = torch.tensor([[0.5, 0.25, 0.125]], dtype=torch.bfloat16, requires_grad=True)
+    advantages, returns = gae(
+        torch.zeros(1, 3, dtype=torch.bfloat16), values, torch.ones(1, 3), gamma=1.0, lam=1.0
+    )
+    assert advantages.dtype == returns.dtype == torch.float32
+    assert not advantages.requires_grad and not returns.requires_grad
+
+
 def test_per_sequence_lambda_and_vectorised_batch() -> None:
     lams = [0.3, 0.9, 1.0]
     rewards = masked(DENSE_REWARDS, MASK)
@@ -332,3 +352,28 @@ def test_value_metrics_and_explained_variance() -> None:
     assert ev == pytest.approx(1 - var_e / var_r, rel=1e-6)
     # A perfect critic explains everything.
     assert explained_variance(0.5, 0.5, 1.0, 0.0) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("token_level", [True, False])
+def test_micro_batch_shares_add_up_to_the_batch_loss(token_level: bool) -> None:
+    """Each micro-batch returns its share of the global mean, so the shares of two halves sum to the whole."""
+    whole = clipped_value_loss(
+        t(V_NOW), t(V_OLD), t(RETURNS), _masks(), scale=0.4, cliprange=0.2, token_level=token_level
+    ).loss
+    token_mask = t(TOKEN_MASK)
+    shares = []
+    for b in range(2):
+        rows = slice(b, b + 1)
+        masks = Masks.of(token_mask[rows], t([[1.0]])[0], torch.tensor(2.0), token_mask.sum())
+        shares.append(
+            clipped_value_loss(
+                t(V_NOW)[rows],
+                t(V_OLD)[rows],
+                t(RETURNS)[rows],
+                masks,
+                scale=0.4,
+                cliprange=0.2,
+                token_level=token_level,
+            ).loss
+        )
+    assert (shares[0] + shares[1]).item() == pytest.approx(whole.item(), rel=1e-7)
