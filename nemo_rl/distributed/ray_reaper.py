@@ -60,7 +60,10 @@ def start_reaper(temp_dir: str) -> None:
 
 
 # Ray's head processes that no driver call goes through: the autoscaler's monitor and the dashboard's API server.
-_SIDE_PROCESS_SCRIPTS = ("/autoscaler/_private/monitor.py", "/dashboard/dashboard.py")
+# The monitor is killed rather than asked: on SIGTERM it reports "The autoscaler failed ... Terminated with signal
+# 15" with a traceback, which the raylet forwards to the driver's stdout after the run's summary.
+_KILLED_SIDE_PROCESS_SCRIPTS = ("/autoscaler/_private/monitor.py",)
+_TERMINATED_SIDE_PROCESS_SCRIPTS = ("/dashboard/dashboard.py",)
 
 
 def _stop_side_processes(roots: Sequence[psutil.Process]) -> None:
@@ -72,7 +75,10 @@ def _stop_side_processes(roots: Sequence[psutil.Process]) -> None:
     lines)."""
     for process in roots:
         with contextlib.suppress(psutil.Error):
-            if any(script in " ".join(process.cmdline()) for script in _SIDE_PROCESS_SCRIPTS):
+            command = " ".join(process.cmdline())
+            if any(script in command for script in _KILLED_SIDE_PROCESS_SCRIPTS):
+                process.kill()
+            elif any(script in command for script in _TERMINATED_SIDE_PROCESS_SCRIPTS):
                 process.terminate()
 
 

@@ -213,7 +213,7 @@ def test_scripts_fail_with_one_line_on_bad_input(
         ([*preference_files, f"data.train_data_path={bad_rows}"], [str(bad_rows), "row 1", "'rejected'"]),
     ]
     module = _script(script)
-    # In this process, without Ray's background start: a data error then ends the run through run_cli, as
+    # In this process, without Ray's background start: a data error then ends the run through run_script (run_cli), as
     # it does before that start (with the start under way the script exits at once instead, stopping Ray:
     # tests/faults/test_bad_input.py checks that in a process of its own).
     import nemo_rl.distributed.virtual_cluster as virtual_cluster
@@ -222,7 +222,7 @@ def test_scripts_fail_with_one_line_on_bad_input(
     for overrides, expected in cases:
         monkeypatch.setattr(sys, "argv", [f"{script}.py", "--config", str(config), *overrides])
         with pytest.raises(SystemExit) as exit_info:
-            module.run_cli(module.main)
+            module.run_script(module.main)
         err = capsys.readouterr().err
         assert exit_info.value.code == 2, err
         assert all(part in err for part in expected), (expected, err)
