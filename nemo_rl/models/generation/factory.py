@@ -60,7 +60,7 @@ def check_backend_available(
     if cfg.generation.backend != "vllm":
         return
     # The vLLM package's checks import no vLLM: the build is read from package metadata.
-    from nemo_rl.models.generation.vllm.convert import check_vllm_runs_here, installed_vllm_build
+    from nemo_rl.models.generation.vllm.engine_setup import check_vllm_runs_here, installed_vllm_build
 
     check_vllm_runs_here(
         installed_vllm_build(), cluster_has_gpus, key_prefix=key_prefix, cpu_config=cpu_config
