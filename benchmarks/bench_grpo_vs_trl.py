@@ -25,8 +25,9 @@ Then, from the repository root::
 For each shape and thread count, TRL runs first and this project second (``examples/run_grpo_math.py`` in a
 subprocess, the path a user takes; with ``--rounds``, odd rounds run this project first); each side takes ``--warmup`` steps that are not timed and then
 ``--steps`` timed ones. Printed: the median step time of each side, the ratio (this project / TRL), each
-side's median phase breakdown, the time from process start to the end of the first step, and the
-agreement checks: the same prompt token ids on both sides, the mean generated tokens per sample, and the
+side's median phase breakdown, the time from process start to the end of the first step and to the process's
+exit, the CPU seconds of every process each side started (polled from /proc: on a busy machine the number to
+compare), and the agreement checks: the same prompt token ids on both sides, the mean generated tokens per sample, and the
 reward over the first and second half of the steps (with its standard error). With ``--rounds R`` every
 comparison runs R times (both sides back to back each time, the order alternating between rounds) and a summary lists each round's
 ratio and first-step time with their median and worst: on a small machine two-thread step times move by a
@@ -44,6 +45,7 @@ Timings on a shared machine are noisy: the two sides run one after the other, so
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -63,6 +65,56 @@ SEED = 0
 MAX_SEQ_LEN = 80
 OUR_PHASES = ("refit", "generation", "reward", "logprobs", "policy_training")
 TRL_PHASES = ("generation", "reward", "rollout_other", "training")
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_by_process(root: int) -> dict[int, tuple[float, str]]:
+    """CPU seconds and command line of ``root`` and every process below it."""
+    parents: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            parents[int(entry)] = int(fields[1])
+            cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+    family, grew = {root}, True
+    while grew:
+        grew = False
+        for pid, parent in parents.items():
+            if parent in family and pid not in family:
+                family.add(pid)
+                grew = True
+    found = {}
+    for pid in family & cpu.keys():
+        with contextlib.suppress(OSError):
+            command = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ").strip()
+            found[pid] = (cpu[pid], command or Path(f"/proc/{pid}/comm").read_text().strip())
+    return found
+
+
+class TreeCpu:
+    """The CPU seconds of a process and of every process it starts, polled from /proc (the last value seen of
+    each: a process that ends between two polls loses at most one interval's CPU)."""
+
+    def __init__(self, root: int) -> None:
+        self.root = root
+        self.seen: dict[int, float] = {}
+        self._next_poll_s = 0.0
+
+    def poll(self, every_s: float = 0.25) -> None:
+        """Read the tree's CPU times, at most once per ``every_s``."""
+        if time.monotonic() < self._next_poll_s:
+            return
+        self._next_poll_s = time.monotonic() + every_s
+        self.seen.update({pid: cpu_s for pid, (cpu_s, _) in cpu_by_process(self.root).items()})
+
+    def summary(self) -> dict[str, float]:
+        """``{"cpu_s": total CPU seconds, "processes": how many processes were seen}``."""
+        return {"cpu_s": sum(self.seen.values()), "processes": len(self.seen)}
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:
@@ -290,10 +342,13 @@ def run_our_side(
     with open(out_dir / "run.log", "w") as log:
         env = {**os.environ, "NEMO_RL_TORCH_THREADS": str(torch_threads)}
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+        tree = TreeCpu(proc.pid)
         while proc.poll() is None:
             if first_step_end is None and metrics_file.exists() and '"step": 1' in metrics_file.read_text():
                 first_step_end = time.time()
+            tree.poll()
             time.sleep(0.05)
+    exit_end = time.time()
     if proc.returncode != 0:
         raise SystemExit(f"this project's run failed (exit {proc.returncode}); see {out_dir / 'run.log'}")
     by_step: dict[int, dict[str, float]] = {}
@@ -308,6 +363,8 @@ def run_our_side(
         "step_s": totals,
         "first_step_end": first_step_end if first_step_end is not None else start,
         "start": start,
+        "exit_end": exit_end,
+        "cpu": tree.summary(),
         "phases": phases,
         "rollouts": [
             {"reward": m["train/reward"], "gen_tokens": m["train/mean_gen_tokens_per_sample"]} for m in steps
@@ -317,10 +374,12 @@ def run_our_side(
 
 # ------------------------------------------------------------------------------------------------ report
 def _halves(values: list[float], samples_per_step: int) -> str:
-    """Mean of the first and second half of ``values`` (per-step mean rewards), each with its standard error."""
+    """Mean of the first and second half of ``values`` (per-step mean rewards), each with its standard error
+    (one mean for a single step)."""
     half = max(1, len(values) // 2)
     parts = []
-    for chunk in (values[:half], values[half:]):
+    # One step (a start-up comparison) has no second half.
+    for chunk in [c for c in (values[:half], values[half:]) if c]:
         mean = sum(chunk) / len(chunk)
         se = (mean * (1 - mean) / (len(chunk) * samples_per_step)) ** 0.5
         parts.append(f"{mean:.3f}±{se:.3f}")
@@ -369,19 +428,26 @@ def run_pair(
         start = time.time()
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
         with open(case_dir / "trl" / "run.log", "w") as log:
-            done = subprocess.run(
+            proc = subprocess.Popen(
                 [trl_python, __file__, "--side", str(spec_file), str(result_file)],
                 cwd=ROOT,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
             )
-        if done.returncode != 0:
+            tree = TreeCpu(proc.pid)
+            while proc.poll() is None:
+                tree.poll()
+                time.sleep(0.05)
+        exit_end = time.time()
+        if proc.returncode != 0:
             raise SystemExit(
-                f"the TRL side failed (exit {done.returncode}); see {case_dir / 'trl' / 'run.log'}"
+                f"the TRL side failed (exit {proc.returncode}); see {case_dir / 'trl' / 'run.log'}"
             )
         result: dict[str, Any] = json.loads(result_file.read_text())
         result["start"] = start
+        result["exit_end"] = exit_end
+        result["cpu"] = tree.summary()
         return result
 
     def run_ours() -> dict[str, Any]:
@@ -426,6 +492,10 @@ def run_pair(
             name: side["first_step_end"] - side["start"]
             for name, side in (("trl", trl_result), ("ours", ours))
         },
+        "time_to_exit_s": {
+            name: side["exit_end"] - side["start"] for name, side in (("trl", trl_result), ("ours", ours))
+        },
+        "cpu_start_to_exit": {name: side["cpu"] for name, side in (("trl", trl_result), ("ours", ours))},
         "phases_median_s": {
             name: {p: statistics.median(v[warmup:]) for p, v in side["phases"].items()}
             for name, side in (("trl", trl_result), ("ours", ours))
@@ -449,7 +519,17 @@ def run_pair(
         f"ratio nemo_rl / TRL {report['ratio']:.2f}"
     )
     first = report["time_to_first_step_s"]
-    print(f"time to the end of the first step: TRL {first['trl']:.1f} s, nemo_rl {first['ours']:.1f} s")
+    to_exit = report["time_to_exit_s"]
+    print(
+        f"time to the end of the first step: TRL {first['trl']:.1f} s, nemo_rl {first['ours']:.1f} s; "
+        f"to the process's exit: TRL {to_exit['trl']:.1f} s, nemo_rl {to_exit['ours']:.1f} s"
+    )
+    cpu = report["cpu_start_to_exit"]
+    print(
+        f"CPU seconds from start to exit, every process: TRL {cpu['trl']['cpu_s']:.1f} s "
+        f"({cpu['trl']['processes']:.0f} processes), nemo_rl {cpu['ours']['cpu_s']:.1f} s "
+        f"({cpu['ours']['processes']:.0f} processes)"
+    )
     print(f"  TRL phases (median s): {_median_phases(trl_result['phases'], warmup)}")
     print(f"  nemo_rl phases (median s): {_median_phases(ours['phases'], warmup)}")
     tokens = report["gen_tokens_per_sample"]
@@ -462,7 +542,8 @@ def run_pair(
 
 
 def print_round_summary(reports: list[dict[str, Any]]) -> None:
-    """Print, per shape and thread count, every round's ratio and first-step time with their median and worst.
+    """Print, per shape and thread count, every round's ratio and first-step time with their median and worst,
+    and every round's time to the processes' exit.
 
     Each round is its own like-for-like comparison (TRL, then this project, back to back), so a ratio is never
     taken between sides measured in different rounds; the summary shows how much the ratio moves between
@@ -476,11 +557,14 @@ def print_round_summary(reports: list[dict[str, Any]]) -> None:
         ratios = [r["ratio"] for r in rounds]
         ours_first = [r["time_to_first_step_s"]["ours"] for r in rounds]
         trl_first = [r["time_to_first_step_s"]["trl"] for r in rounds]
+        ours_exit = [r["time_to_exit_s"]["ours"] for r in rounds]
+        trl_exit = [r["time_to_exit_s"]["trl"] for r in rounds]
         print(
             f"{shape}, {threads} thread(s), nemo_rl {rounds[0]['ours_layout']}: ratio per round "
             f"{' '.join(f'{x:.2f}' for x in ratios)} (median {statistics.median(ratios):.2f}, "
             f"worst {max(ratios):.2f}); first step nemo_rl {' '.join(f'{x:.1f}' for x in ours_first)} s "
-            f"(worst {max(ours_first):.1f}), TRL {' '.join(f'{x:.1f}' for x in trl_first)} s"
+            f"(worst {max(ours_first):.1f}), TRL {' '.join(f'{x:.1f}' for x in trl_first)} s; exit nemo_rl "
+            f"{' '.join(f'{x:.1f}' for x in ours_exit)} s, TRL {' '.join(f'{x:.1f}' for x in trl_exit)} s"
         )
 
 

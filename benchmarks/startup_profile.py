@@ -20,6 +20,7 @@ times are inflated by other work; compare versions by running them alternately, 
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import functools
 import importlib.abc
@@ -37,7 +38,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_grpo_vs_trl import CONFIG, SCRIPT, grpo_overrides  # noqa: E402
+from bench_grpo_vs_trl import CONFIG, SCRIPT, cpu_by_process, grpo_overrides  # noqa: E402
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -85,7 +86,8 @@ def _traced_driver(script_args: list[str]) -> None:
 
     def mark(what: str) -> None:
         print(
-            f"[startup {time.time() - start_s:7.2f} s, driver CPU {time.process_time():6.2f} s] {what}",
+            f"[startup {time.time() - start_s:7.2f} s, driver CPU {time.process_time():6.2f} s, "
+            f"{len(sys.modules):4d} modules] {what}",
             file=sys.stderr,
             flush=True,
         )
@@ -112,15 +114,24 @@ def _traced_driver(script_args: list[str]) -> None:
         timed(module, "start_ray_in_background")
         # The local start or the attach itself, on whichever thread runs it.
         timed(module, "_init_ray_now")
+        # Where setup waits for that start, and the placement groups' reservation.
+        timed(module, "init_ray")
+        # The method first: timed() replaces the class with a function.
+        timed_method(module.RayVirtualCluster, "shutdown", "cluster shutdown done")
+        timed(module, "RayVirtualCluster")
 
-    def on_run_build(module: ModuleType) -> None:
-        for name in ("init_ray", "RayVirtualCluster", "create_task_envs", "Policy", "build_run"):
-            timed(module, name)
+    def timed_method(cls: type, name: str, label: str) -> None:
+        original = getattr(cls, name)
 
-    def on_generation_factory(module: ModuleType) -> None:
-        # The script's first call after its heavy imports.
-        timed(module, "check_backend_available", before="driver imports done")
-        timed(module, "create_generation")
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            mark(label)
+            return result
+
+        setattr(cls, name, wrapper)
+
+    def on_worker_groups(module: ModuleType) -> None:
         start_together = module.start_together
 
         @contextlib.contextmanager
@@ -130,7 +141,17 @@ def _traced_driver(script_args: list[str]) -> None:
                 mark("all worker actors created")
             mark("all workers up")
 
-        module.start_together = marked_start_together
+        setattr(module, "start_together", marked_start_together)  # noqa: B010 (a module attribute mypy cannot see)
+        timed_method(module.RayWorkerGroup, "shutdown", "a worker group's shutdown done")
+
+    def on_generation_factory(module: ModuleType) -> None:
+        # The script's first call after its heavy imports.
+        timed(module, "check_backend_available", before="driver imports done")
+        timed(module, "create_generation")
+
+    def on_ray(module: ModuleType) -> None:
+        # Registered after Ray's own exit hook, so it runs first: the end of the script's own work.
+        atexit.register(mark, "exit hooks begin")
 
     def on_logger(module: ModuleType) -> None:
         log_metrics = module.Logger.log_metrics
@@ -147,43 +168,74 @@ def _traced_driver(script_args: list[str]) -> None:
 
     hooks: dict[str, Callable[[ModuleType], None]] = {
         "nemo_rl.distributed.virtual_cluster": on_virtual_cluster,
-        "nemo_rl.algorithms.run_build": on_run_build,
+        # Hooked where each name is defined, so that whichever module of the algorithm imports it gets the
+        # marked one.
+        "nemo_rl.distributed.worker_groups": on_worker_groups,
+        "ray": on_ray,
+        "nemo_rl.environments.registry": lambda module: timed(module, "create_task_envs"),
+        "nemo_rl.models.generation.factory": on_generation_factory,
+        "nemo_rl.models.policy.lm_policy": lambda module: timed(module, "Policy"),
+        "nemo_rl.algorithms.run_build": lambda module: timed(module, "build_run"),
         "nemo_rl.data.datasets": lambda module: timed(module, "setup_rl_data"),
         "nemo_rl.models.tokenizer": lambda module: timed(module, "get_policy_tokenizer"),
-        "nemo_rl.models.generation.factory": on_generation_factory,
         "nemo_rl.utils.logger": on_logger,
     }
     sys.meta_path.insert(0, _AfterImport(hooks))
     mark("interpreter up")
     sys.argv = [str(SCRIPT), *script_args]
+    # This process stands in for `python examples/run_grpo_math.py ...`: the script ends it as it would end that
+    # one (nemo_rl.utils.script_exit, which checks what Python was started with).
+    sys.orig_argv = [sys.executable, str(SCRIPT), *script_args]
     runpy.run_path(str(SCRIPT), run_name="__main__")
 
 
 # ------------------------------------------------------------------------------------- the observer
-def _cpu_by_process(root: int) -> dict[int, tuple[float, str]]:
-    """CPU seconds and command line of ``root`` and every process below it."""
-    parents: dict[int, int] = {}
-    cpu: dict[int, float] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            parents[int(entry)] = int(fields[1])
-            cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
-    family, grew = {root}, True
-    while grew:
-        grew = False
-        for pid, parent in parents.items():
-            if parent in family and pid not in family:
-                family.add(pid)
-                grew = True
-    found = {}
-    for pid in family & cpu.keys():
-        with contextlib.suppress(OSError):
-            command = Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ").strip()
-            found[pid] = (cpu[pid], command or Path(f"/proc/{pid}/comm").read_text().strip())
-    return found
+# A driver that only starts Ray as a run does (init_ray, no config), starts one empty actor, waits for it and
+# exits the way a run does (Ray's exit hook stops the local cluster): what Ray itself costs per run.
+_RAY_ONLY = """
+import os, sys, time
+_stat = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
+_boot_s = float(open("/proc/stat").read().split("btime ")[1].split()[0])
+START_S = _boot_s + int(_stat[19]) / os.sysconf("SC_CLK_TCK")
+from nemo_rl.distributed.virtual_cluster import init_ray
+import ray
+init_ray(None)
+print(f"[startup {time.time() - START_S:7.2f} s] Ray up", file=sys.stderr, flush=True)
+@ray.remote(num_cpus=1)
+class Empty:
+    def ready(self):
+        return True
+ray.get(Empty.remote().ready.remote(), timeout=300)
+print(f"[startup {time.time() - START_S:7.2f} s] an empty actor up", file=sys.stderr, flush=True)
+"""
+
+
+def _run_polled(
+    command: list[str], log_path: Path
+) -> tuple[int, dict[int, tuple[float, str]], list[tuple[float, dict[int, float]]], float]:
+    """Run ``command`` with its output in ``log_path``, polling the CPU time of its process tree every 0.25 s:
+    its exit status, the last CPU time and command line of every process seen, the polls (seconds since it
+    started, CPU seconds per pid) and when it exited."""
+    seen: dict[int, tuple[float, str]] = {}
+    snapshots: list[tuple[float, dict[int, float]]] = []
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        driver_start_s = _process_start_s(proc.pid)
+        while proc.poll() is None:
+            found = cpu_by_process(proc.pid)
+            snapshots.append((time.time() - driver_start_s, {pid: c for pid, (c, _) in found.items()}))
+            seen.update(found)
+            time.sleep(0.25)
+        exit_s = time.time() - driver_start_s
+    return proc.returncode, seen, snapshots, exit_s
+
+
+def _print_cpu(seen: dict[int, tuple[float, str]]) -> None:
+    print(f"CPU seconds per process (load average {os.getloadavg()[0]:.1f}):")
+    for cpu_s, command in sorted(seen.values(), reverse=True):
+        if cpu_s >= 0.2:
+            print(f"  {cpu_s:6.2f}  {command[:110]}")
+    print(f"  {sum(c for c, _ in seen.values()):6.2f}  in all ({len(seen)} processes)")
 
 
 def main() -> None:
@@ -192,34 +244,37 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--threads", type=int, default=1, help="policy and generation workers (DP size)")
+    parser.add_argument(
+        "--ray-only",
+        action="store_true",
+        help="profile only Ray's start, one empty actor and the exit (what Ray costs a run)",
+    )
     parser.add_argument("--traced-driver", action="store_true", help=argparse.SUPPRESS)
     args, extra = parser.parse_known_args()
     if args.traced_driver:
         _traced_driver(extra)
         return
     with tempfile.TemporaryDirectory(prefix="startup_profile_") as tmp:
-        overrides = grpo_overrides(8, 8, 32, args.threads, 2, Path(tmp) / "logs")
-        command = [sys.executable, __file__, "--traced-driver", "--config", str(CONFIG), *overrides, *extra]
-        seen: dict[int, tuple[float, str]] = {}
-        # (seconds since the driver started, each process's CPU seconds then), for the per-phase table.
-        snapshots: list[tuple[float, dict[int, float]]] = []
-        with open(Path(tmp) / "run.log", "w") as log:
-            proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-            driver_start_s = _process_start_s(proc.pid)
-            while proc.poll() is None:
-                found = _cpu_by_process(proc.pid)
-                snapshots.append((time.time() - driver_start_s, {pid: c for pid, (c, _) in found.items()}))
-                seen.update(found)
-                time.sleep(0.25)
+        if args.ray_only:
+            command = [sys.executable, "-c", _RAY_ONLY]
+        else:
+            overrides = grpo_overrides(8, 8, 32, args.threads, 2, Path(tmp) / "logs")
+            command = [
+                sys.executable,
+                __file__,
+                "--traced-driver",
+                "--config",
+                str(CONFIG),
+                *overrides,
+                *extra,
+            ]
+        returncode, seen, snapshots, exit_s = _run_polled(command, Path(tmp) / "run.log")
         text = (Path(tmp) / "run.log").read_text()
-        if proc.returncode != 0:
-            raise SystemExit(f"the run failed (exit {proc.returncode}):\n{text[-4000:]}")
+    if returncode != 0:
+        raise SystemExit(f"the run failed (exit {returncode}):\n{text[-4000:]}")
     print("\n".join(line for line in text.splitlines() if line.startswith("[startup ")))
-    print(f"CPU seconds per process (load average {os.getloadavg()[0]:.1f}):")
-    for cpu_s, command in sorted(seen.values(), reverse=True):
-        if cpu_s >= 0.2:
-            print(f"  {cpu_s:6.2f}  {command[:110]}")
-    print(f"  {sum(c for c, _ in seen.values()):6.2f}  in all ({len(seen)} processes)")
+    print(f"[startup {exit_s:7.2f} s] driver exited (to within 0.25 s)")
+    _print_cpu(seen)
     _print_phase_cpu(text, snapshots, seen)
 
 

@@ -29,7 +29,6 @@ from omegaconf import OmegaConf
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.algorithms.grpo import MasterConfig, grpo_train, setup
-from nemo_rl.config.cli import run_cli
 from nemo_rl.config.loader import format_config
 from nemo_rl.config.no_effect import format_no_effect, no_effect_settings
 from nemo_rl.config.validation import validate_dict
@@ -44,6 +43,7 @@ from nemo_rl.environments.games.sliding_puzzle import (
 )
 from nemo_rl.models.tokenizer import get_policy_tokenizer
 from nemo_rl.utils.config import load_config, parse_hydra_overrides
+from nemo_rl.utils.script_exit import run_script
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "grpo_sliding_puzzle.yaml"
 TASK_NAME = "sliding_puzzle_game"
@@ -216,4 +216,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    run_script(main)

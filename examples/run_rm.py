@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nemo_rl.config.cli import parse_args_and_load, run_cli
+from nemo_rl.config.cli import parse_args_and_load
 from nemo_rl.config.master import RMMasterConfig
 from nemo_rl.config.sources import check_policy_sources
 from nemo_rl.distributed.gc_tuning import use_gc_thresholds
+from nemo_rl.utils.script_exit import run_script
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "rm.yaml"
 
@@ -52,4 +53,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    run_script(main)
