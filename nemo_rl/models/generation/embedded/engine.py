@@ -8,8 +8,8 @@ stop costing compute (compacting at every finish would copy the cache more often
 
 A decode step is a fixed, short list of tensor ops: at batch 64 on a ~1M-parameter model the Python and
 dispatcher cost of each op is a sizeable share of the step. So the prompts are left-aligned in the KV cache
-(every row writes each step's keys into the same slot, see :class:`~.model.KVCache`), sampled tokens go into
-a per-row buffer by plain column copies, a row's results are copied out once when it finishes, and the
+(every row writes each step's keys into the same slot, see :class:`~.kv_cache.KVCache`), sampled tokens go
+into a per-row buffer by plain column copies, a row's results are copied out once when it finishes, and the
 checks for finished rows run only when they can fire (stop tokens or strings configured, or a step where some
 row's budget runs out).
 
@@ -271,9 +271,9 @@ class EmbeddedEngine:
             self._decode_loop(
                 input_ids_BT.to(device), lengths_B, budget_B, params, greedy, seed, row_stops, generated
             )
-            # The sampler skips multinomial's per-step input checks (see _draw); non-finite logits would
-            # otherwise pass silently as NaN log-probs and arbitrary tokens. One check per call instead, over
-            # the tokens rows kept (positions past a row's end may hold what its unused cache slots gave).
+            # The sampler skips multinomial's per-step input checks (see sampler._draw); non-finite logits
+            # would otherwise pass silently as NaN log-probs and arbitrary tokens. One check per call instead,
+            # over the tokens rows kept (positions past a row's end may hold what its unused cache slots gave).
             kept_BT = torch.arange(max_budget, device=device)[None, :] < generated.lengths_B[:, None]
             if not bool(torch.isfinite(generated.logprobs_BT[kept_BT]).all()):
                 raise FloatingPointError(

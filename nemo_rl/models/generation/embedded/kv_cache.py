@@ -14,7 +14,7 @@ from nemo_rl.config.model_arch import ModelArch
 class KVCache:
     """Preallocated keys and values, ``[L, 2, B, K, S, D]``, one row per sequence, rows *left-aligned*.
 
-    Row ``b`` keeps position ``p`` in slot ``start_B[b] + p``, where :meth:`DecoderLM.prefill` chooses the starts
+    Row ``b`` keeps position ``p`` in slot ``start_B[b] + p``, where :meth:`.model.DecoderLM.prefill` chooses the starts
     so that every prompt ends in the same slot. From then on all rows advance in lockstep: each decode step
     writes every row's new keys and values into one slot (a plain strided copy, no per-row scatter) and
     attends over the slots written so far, slots before a row's start masked out by ``mask_BK1S``, which is

@@ -10,8 +10,8 @@ loading a named weight writes straight into the fused storage and nothing has to
 
 The model knows nothing about batching policy or sampling (that is the engine's job); it offers a prefill
 over right-padded prompts that fills a KV cache (only the real tokens run through the layers, and the rows
-are left-aligned in the cache, see :class:`KVCache`), and a one-token decode step over rows of that cache.
-All three forward passes (``forward``, ``prefill``, ``decode``) share one layer body over token rows
+are left-aligned in the cache, see :class:`~.kv_cache.KVCache`), and a one-token decode step over rows of
+that cache. All three forward passes (``forward``, ``prefill``, ``decode``) share one layer body over token rows
 ``[M, H]`` and differ only in how attention reads keys and values.
 
 Tensor legend: B = rows (sequences), T = tokens, H = hidden size, V = vocabulary, N = attention heads,
