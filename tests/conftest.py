@@ -12,11 +12,17 @@ their ``PYTHONPATH``, so worker classes defined in test modules unpickle in the 
 
 ``tiny_assets`` (module scope): the tiny character-level tokenizer and the random tiny Qwen2 checkpoint of
 :mod:`nemo_rl.data.tiny` (seed 0), built in a temporary folder; yields ``(model_dir, tokenizer)``.
+
+The session ends with a check that it left nothing behind (:mod:`leftovers`): a process it started still
+running fails the session, and so, where ``NEMO_RL_LEFTOVER_CHECK=all`` (CI), does a ``/dev/shm`` segment or
+``/tmp`` entry it made. ``--record-skipped PATH`` writes the node ids of the tests (and modules) that skipped,
+one a line: CI's lane with the optional extras runs those again (docs/testing.md).
 """
 
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,6 +34,7 @@ os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 import pytest
 import ray
 import torch
+from leftovers import CHECK_ENV, SESSION_ENV, Snapshot, find_leftovers
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.distributed.ray_reaper import start_reaper
@@ -62,6 +69,58 @@ def _collection_rank(nodeid: str) -> int:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Order the collected tests heavy directories first (a stable sort: files keep their order within)."""
     items.sort(key=lambda item: _collection_rank(item.nodeid))
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--record-skipped",
+        metavar="PATH",
+        help="write the node ids of skipped tests and modules to PATH, one a line (CI reruns them with extras)",
+    )
+
+
+class _SessionRecords:
+    """In the session's main process: what skipped, and at the end what the session left behind."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.snapshot = Snapshot.take()
+        self.skipped: set[str] = set()
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        """Also a module skipped when collected (``pytest.importorskip`` at its top); xdist forwards these."""
+        self._record(report)
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self._record(report)
+
+    def _record(self, report: pytest.CollectReport | pytest.TestReport) -> None:
+        if report.skipped and not hasattr(report, "wasxfail"):
+            self.skipped.add(report.nodeid)
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        """After the session's fixtures are torn down: write the skipped ids, then fail the session for what
+        it left behind (the terminal summary follows)."""
+        path = self.config.getoption("record_skipped")
+        if path:
+            Path(path).write_text("".join(f"{nodeid}\n" for nodeid in sorted(self.skipped)))
+        check = os.environ.get(CHECK_ENV, "processes")
+        problems = find_leftovers(os.environ[SESSION_ENV], self.snapshot, check)
+        if problems:
+            reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+            reporter.write_sep("=", f"left behind by this session ({CHECK_ENV}={check})", red=True)
+            for problem in problems:
+                reporter.write_line(problem, red=True)
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """In the main process (not an xdist worker), before xdist starts its workers (they inherit the mark):
+    mark the session's processes and start recording (see the module docstring)."""
+    if not hasattr(config, "workerinput"):
+        os.environ[SESSION_ENV] = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        config.pluginmanager.register(_SessionRecords(config), "nemo_rl_session_records")
 
 
 @pytest.fixture(scope="session")

@@ -305,6 +305,90 @@ def clipped_pg_metrics(
     }
 
 
+# --- clipped value loss (PPO's critic) ----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueTerms:
+    """The critic's clipped value loss and the per-token pieces its metrics read."""
+
+    loss: torch.Tensor
+    clipped_BS: torch.Tensor
+    """True where the clipped squared error is the larger one (the clip stopped the token's gradient)."""
+
+
+def clipped_value_loss(
+    values_BS: torch.Tensor,
+    old_values_BS: torch.Tensor,
+    returns_BS: torch.Tensor,
+    masks: Masks,
+    *,
+    scale: float,
+    cliprange: float | None,
+    token_level: bool,
+) -> ValueTerms:
+    """``0.5 * scale * mean(max((V - R)^2, (V_clip - R)^2))`` with ``V_clip = clamp(V, V_old - c, V_old + c)``.
+
+    ``values_BS`` are the critic's predictions now, ``old_values_BS`` those the returns were computed with
+    (before this step's updates), ``returns_BS`` the GAE value targets. ``cliprange`` ``None`` or <= 0 drops
+    the clipped branch (plain half squared error), as NeMo RL's ``value_loss_fn.cliprange`` does. The mean
+    is over the global batch's valid tokens (``token_level``) or per sequence then over the sequences.
+    """
+    values_BS = at_least_fp32(values_BS)
+    returns_BS = returns_BS.to(values_BS.dtype)
+    unclipped_BS = (values_BS - returns_BS) ** 2
+    if cliprange is not None and cliprange > 0:
+        old_BS = old_values_BS.to(values_BS.dtype)
+        clamped_values_BS = torch.clamp(values_BS, old_BS - cliprange, old_BS + cliprange)
+        clipped_error_BS = (clamped_values_BS - returns_BS) ** 2
+        squared_error_BS = torch.maximum(unclipped_BS, clipped_error_BS)
+        clipped_BS = (clipped_error_BS > unclipped_BS).detach()
+    else:
+        squared_error_BS = unclipped_BS
+        clipped_BS = torch.zeros_like(unclipped_BS, dtype=torch.bool)
+    loss = 0.5 * scale * masks.mean(squared_error_BS, token_level=token_level)
+    return ValueTerms(loss=loss, clipped_BS=clipped_BS)
+
+
+def value_metrics(
+    values_BS: torch.Tensor, returns_BS: torch.Tensor, terms: ValueTerms, masks: Masks
+) -> dict[str, float]:
+    """The critic's diagnostics (NeMo RL names), token shares except ``values_min`` / ``values_max``.
+
+    ``returns_sq_mean`` and ``residual_sq_mean`` are there so that :func:`explained_variance` can be taken
+    over the whole batch once the shares of all micro-batches are summed.
+    """
+    values_BS, returns_BS = values_BS.detach(), returns_BS.detach().to(values_BS.dtype)
+    values_min, values_max = masked_min_max(values_BS, masks.mask_BS)
+    return {
+        "loss": terms.loss.item(),
+        "vf_clipfrac": masks.token_mean(terms.clipped_BS.to(values_BS.dtype)).item(),
+        "returns_mean": masks.token_mean(returns_BS).item(),
+        "values_mean": masks.token_mean(values_BS).item(),
+        "values_min": values_min,
+        "values_max": values_max,
+        "returns_sq_mean": masks.token_mean(returns_BS**2).item(),
+        "residual_sq_mean": masks.token_mean((returns_BS - values_BS) ** 2).item(),
+        "num_valid_samples": masks.sample_mask_B.sum().item(),
+    }
+
+
+EXPLAINED_VARIANCE_MIN_VAR = 1e-8
+"""Floor of the returns' variance in :func:`explained_variance`, so constant returns do not divide by 0."""
+
+
+def explained_variance(
+    returns_mean: float, values_mean: float, returns_sq_mean: float, residual_sq_mean: float
+) -> float:
+    """``1 - Var(R - V) / Var(R)`` over the batch, from the summed shares of :func:`value_metrics`.
+
+    1 is a perfect critic, 0 one no better than the mean return, negative one worse than that.
+    """
+    returns_var = returns_sq_mean - returns_mean**2
+    residual_var = residual_sq_mean - (returns_mean - values_mean) ** 2
+    return 1.0 - residual_var / max(returns_var, EXPLAINED_VARIANCE_MIN_VAR)
+
+
 # --- preference pairs ------------------------------------------------------------------------------------
 
 

@@ -14,19 +14,19 @@ import atexit
 import os
 import sys
 from collections.abc import Callable
-from typing import NoReturn
 
 from nemo_rl.config.cli import run_cli
 
 
-def run_script(main_fn: Callable[[], object]) -> NoReturn:
+def run_script(main_fn: Callable[[], object]) -> None:
     """Run ``main_fn`` as :func:`~nemo_rl.config.cli.run_cli` does (a user error exits 2 with one line), then
     end the process without the interpreter's teardown (see the module).
 
     An exception other than ``SystemExit`` propagates: Python prints its traceback and exits 1 (130 for
     Ctrl-C) the ordinary way, teardown included. So does everything when ``main_fn``'s file is not the program
     Python was started with (``sys.orig_argv``): a test that runs the script in its own process with ``runpy``
-    and catches its ``SystemExit`` goes on, and its process exits as it would have.
+    gets ``main_fn``'s return (or catches its ``SystemExit``) and goes on, and its process exits as it would
+    have.
     """
     arm = _is_the_program(main_fn)
     try:
@@ -37,7 +37,7 @@ def run_script(main_fn: Callable[[], object]) -> NoReturn:
         raise
     if arm:
         _exit_after_handlers(SystemExit(0))
-    sys.exit(0)
+        sys.exit(0)
 
 
 def _is_the_program(main_fn: Callable[[], object]) -> bool:

@@ -1,7 +1,7 @@
 """`sbatch ray.sub` on a real SLURM (Debian's slurmctld/slurmd, two slurmd on this host as two nodes).
 
-`tools/slurm/local_cluster.sh` installs (if needed) and starts the daemons; this module needs root for that
-and skips otherwise. Every job runs from a fresh clone of this checkout (plus its uncommitted changes) with
+`tools/slurm/local_cluster.sh` starts the daemons, a cluster of this module's own; this module needs root and
+SLURM's Debian packages (`tools/slurm/local_cluster.sh install`, which CI runs) and skips otherwise. Every job runs from a fresh clone of this checkout (plus its uncommitted changes) with
 its own `uv sync --locked` environment, as a user would submit it:
 
 - batch mode: tiny GRPO for 2 steps across both nodes, its metrics, checkpoint and per-node logs;
@@ -18,12 +18,15 @@ the GRPO loop's use of the same check.)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,22 +52,70 @@ def _run(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=kwargs.pop("timeout", 120), **kwargs)
 
 
+def _free_port_run(length: int) -> int:
+    """The first of ``length`` consecutive TCP ports that are free now (slurmctld's, then one per slurmd)."""
+    for _ in range(100):
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            first = probe.getsockname()[1]
+        if first + length > 65535:
+            continue
+        try:
+            with contextlib.ExitStack() as bound:
+                for port in range(first, first + length):
+                    bound.enter_context(socket.socket()).bind(("", port))
+        except OSError:
+            continue
+        return first
+    raise RuntimeError(f"no {length} consecutive free TCP ports")
+
+
+def _own_slurm_env(tmp: Path, munge_dir: Path) -> dict[str, str]:
+    """Where this module's SLURM lives: its own config, state, munged and ports, beside any other SLURM."""
+    ctld_port = _free_port_run(3)
+    return {
+        "SLURM_CONF": str(tmp / "etc" / "slurm.conf"),
+        "SLURM_LOCAL_DIR": str(tmp / "state"),
+        "SLURM_LOCAL_CTLD_PORT": str(ctld_port),
+        "SLURM_LOCAL_PORT": str(ctld_port + 1),
+        "SLURM_LOCAL_MUNGE_DIR": str(munge_dir),
+        # Job ids name the jobs' Ray temp directories and ports (ray.sub): apart from another cluster's 1, 2, ...
+        "SLURM_LOCAL_FIRST_JOB_ID": str(ctld_port * 10),
+    }
+
+
 @pytest.fixture(scope="module")
-def slurm_nodes() -> Iterator[list[str]]:
-    """A running local SLURM with two nodes; stopped again at the end if this fixture started it."""
+def slurm_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
+    """A two-node SLURM of this module's own (:func:`_own_slurm_env`), whatever else runs on the machine; its
+    clients find it through ``SLURM_CONF``, set in this process's environment while the module runs. Its
+    daemons, munged included, are stopped at the end, also when they failed to start."""
     if os.geteuid() != 0:
         pytest.skip("starting SLURM daemons needs root (tools/slurm/local_cluster.sh)")
-    if shutil.which("slurmctld") is None and shutil.which("apt-get") is None:
-        pytest.skip("SLURM is not installed and there is no apt-get to install it")
-    was_running = _run(["bash", str(LOCAL_CLUSTER), "status"]).returncode == 0
-    up = _run(["bash", str(LOCAL_CLUSTER), "up", "--nodes", "2"], timeout=600)
-    assert up.returncode == 0, f"local SLURM did not start:\n{up.stdout}\n{up.stderr}"
-    nodes = _run(["sinfo", "-h", "-N", "-o", "%N"]).stdout.split()
+    missing = [name for name in ("slurmctld", "slurmd", "sbatch", "munged") if shutil.which(name) is None]
+    if missing:
+        # The suite installs no system packages; CI's extras lane does (docs/testing.md).
+        pytest.skip(
+            f"SLURM is not installed ({', '.join(missing)} missing): tools/slurm/local_cluster.sh install"
+        )
+    # munged runs as the munge user, which cannot enter pytest's private temporary folders.
+    munge_dir = Path(tempfile.mkdtemp(prefix="nemo_rl_munge_", dir="/run" if os.path.isdir("/run") else None))
+    env = _own_slurm_env(tmp_path_factory.mktemp("slurm_cluster"), munge_dir)
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
     try:
+        up = _run(["bash", str(LOCAL_CLUSTER), "start", "--nodes", "2"], timeout=600)
+        assert up.returncode == 0, f"local SLURM did not start:\n{up.stdout}\n{up.stderr}"
+        nodes = _run(["sinfo", "-h", "-N", "-o", "%N"]).stdout.split()
         yield sorted(set(nodes))
     finally:
-        if not was_running:
-            _run(["bash", str(LOCAL_CLUSTER), "stop"])
+        stop = _run(["bash", str(LOCAL_CLUSTER), "stop"])
+        shutil.rmtree(munge_dir, ignore_errors=True)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        assert stop.returncode == 0, f"local SLURM did not stop:\n{stop.stdout}\n{stop.stderr}"
 
 
 # What the jobs' processes import: the driver, Ray's workers, the policy, generation and environment actors.

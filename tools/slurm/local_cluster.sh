@@ -7,20 +7,31 @@
 #   tools/slurm/local_cluster.sh stop             # stop the daemons this script started
 #   tools/slurm/local_cluster.sh up [--nodes N]    # install if needed, then start (what the tests call)
 #
-# Needs root (daemons, /etc/slurm/slurm.conf) and, for `install`, apt-get. The configuration is the
+# Needs root (daemons, the config file) and, for `install`, apt-get. The configuration is the
 # smallest that runs batch jobs on a machine without cgroup support: proctrack/linuxproc, task/none, no
 # accounting. `--nodes 2` declares two nodes on this host, each with its own slurmd (`slurmd -N`), which
 # emulates a two-node allocation for scripts like ray.sub (see docs/cluster.md for what this can and
 # cannot show).
 #
-# Environment:
-#   SLURM_LOCAL_DIR   state, spool and logs of the daemons (default /var/lib/nemo_rl_slurm)
-#   SLURM_LOCAL_CPUS  CPUs each node declares (default: nproc)
-#   SLURM_LOCAL_PORT  first slurmd port; node i listens on PORT+i (default 6818)
+# Environment (the defaults make the machine's SLURM: plain `sbatch` finds it):
+#   SLURM_CONF              the config file the daemons and every client read (default /etc/slurm/slurm.conf)
+#   SLURM_LOCAL_DIR         state, spool, pid files and logs of the daemons (default /var/lib/nemo_rl_slurm)
+#   SLURM_LOCAL_CPUS        CPUs each node declares (default: nproc)
+#   SLURM_LOCAL_PORT        first slurmd port; node i listens on PORT+i (default 6818)
+#   SLURM_LOCAL_CTLD_PORT   slurmctld's port (default 6817)
+#   SLURM_LOCAL_MUNGE_DIR   when set, a munged of this cluster's own (key, socket, pid file and log there),
+#                           which `stop` stops too; unset, the machine's munged (started if needed, left running)
+#   SLURM_LOCAL_WAIT_S      how long `start` waits for the nodes to be idle (default 120)
+#   SLURM_LOCAL_FIRST_JOB_ID  the first job id (default 1); another cluster's jobs may use the same ids
+# With its own SLURM_CONF, SLURM_LOCAL_DIR, ports and munge directory, a cluster runs beside any other SLURM
+# on the machine (tests/functional/test_slurm.py starts one so; its clients need SLURM_CONF in their
+# environment).
 set -euo pipefail
 
 STATE_DIR=${SLURM_LOCAL_DIR:-/var/lib/nemo_rl_slurm}
-CONF=/etc/slurm/slurm.conf
+export SLURM_CONF=${SLURM_CONF:-/etc/slurm/slurm.conf}
+CONF=$SLURM_CONF
+MUNGE_DIR=${SLURM_LOCAL_MUNGE_DIR:-}
 MARKER="# Written by nemo_rl tools/slurm/local_cluster.sh"
 PACKAGES=(slurmctld slurmd slurm-client munge)
 CLUSTER_NAME=nemorl
@@ -67,22 +78,25 @@ node_names() {
 }
 
 write_conf() {
-  local nodes=$1 cpus=$2 port=$3 host
+  local nodes=$1 cpus=$2 port=$3 ctld_port=$4 host
   host=$(hostname -s)
   if [[ -f $CONF ]] && ! grep -qF "$MARKER" "$CONF"; then
     die "$CONF exists and was not written by this script; move it away first (this script never overwrites it)"
   fi
-  mkdir -p "$STATE_DIR"/{ctld,log,run} /etc/slurm
+  mkdir -p "$STATE_DIR"/{ctld,log,run} "$(dirname "$CONF")"
   local memory_mb
   memory_mb=$(($(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 / nodes / 2))
   {
     echo "$MARKER"
     echo "ClusterName=$CLUSTER_NAME"
     echo "SlurmctldHost=$host"
+    echo "SlurmctldPort=$ctld_port"
     echo "SlurmUser=root"
     echo "SlurmdUser=root"
     echo "AuthType=auth/munge"
     echo "CredType=cred/munge"
+    [[ -z $MUNGE_DIR ]] || echo "AuthInfo=socket=$MUNGE_DIR/munge.socket"
+    echo "PlugStackConfig=$(dirname "$CONF")/plugstack.conf"
     echo "StateSaveLocation=$STATE_DIR/ctld"
     echo "SlurmdSpoolDir=$STATE_DIR/spool-%n"
     echo "SlurmctldPidFile=$STATE_DIR/run/slurmctld.pid"
@@ -105,6 +119,7 @@ write_conf() {
     # Seconds between a job's SIGTERM and SIGKILL (scancel, time limit).
     echo "KillWait=30"
     echo "MinJobAge=600"
+    echo "FirstJobId=${SLURM_LOCAL_FIRST_JOB_ID:-1}"
     echo "SlurmctldTimeout=30"
     echo "SlurmdTimeout=60"
     local i=0
@@ -115,7 +130,7 @@ write_conf() {
     echo "PartitionName=$PARTITION Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO"
   } >"$CONF"
   # srun and sbatch read the plugin stack; the package ships one that includes an empty directory.
-  [[ -f /etc/slurm/plugstack.conf ]] || : >/etc/slurm/plugstack.conf
+  [[ -f $(dirname "$CONF")/plugstack.conf ]] || : >"$(dirname "$CONF")/plugstack.conf"
 }
 
 pid_alive() {
@@ -123,7 +138,25 @@ pid_alive() {
   [[ -f $file ]] && kill -0 "$(cat "$file")" 2>/dev/null
 }
 
+start_own_munge() {
+  local pidfile=$MUNGE_DIR/munged.pid
+  if pid_alive "$pidfile"; then return; fi
+  mkdir -p "$MUNGE_DIR"
+  [[ -s $MUNGE_DIR/munge.key ]] || dd if=/dev/urandom bs=1 count=1024 of="$MUNGE_DIR/munge.key" status=none
+  chown -R munge:munge "$MUNGE_DIR"
+  chmod 0755 "$MUNGE_DIR" # clients need to reach the socket; the key stays readable by munge only
+  chmod 0400 "$MUNGE_DIR/munge.key"
+  runuser -u munge -- /usr/sbin/munged --socket="$MUNGE_DIR/munge.socket" --key-file="$MUNGE_DIR/munge.key" \
+    --pid-file="$pidfile" --log-file="$MUNGE_DIR/munged.log" --seed-file="$MUNGE_DIR/munged.seed"
+  munge -n --socket="$MUNGE_DIR/munge.socket" | unmunge --socket="$MUNGE_DIR/munge.socket" >/dev/null ||
+    die "munged started but a credential does not round-trip"
+}
+
 start_munge() {
+  if [[ -n $MUNGE_DIR ]]; then
+    start_own_munge
+    return
+  fi
   local pidfile=/run/munge/munged.pid
   if pid_alive "$pidfile"; then return; fi
   mkdir -p /run/munge /var/lib/munge /var/log/munge /etc/munge
@@ -154,7 +187,8 @@ start_daemons() {
 }
 
 wait_idle() {
-  local nodes=$1 deadline=$((SECONDS + 60)) states
+  local nodes=$1 wait_s=${SLURM_LOCAL_WAIT_S:-120} states
+  local deadline=$((SECONDS + wait_s))
   while ((SECONDS < deadline)); do
     states=$(sinfo -h -N -p "$PARTITION" -o "%t" 2>/dev/null | sort | uniq -c | awk '{print $2 "=" $1}' | tr '\n' ' ')
     if [[ $(sinfo -h -N -p "$PARTITION" -t idle,mix,alloc -o "%N" 2>/dev/null | wc -l) -eq $nodes ]]; then
@@ -164,13 +198,14 @@ wait_idle() {
     sleep 0.5
   done
   sinfo -N -l >&2 || true
-  die "nodes not idle within 60 s (states: ${states:-none}); see $STATE_DIR/log/"
+  die "nodes not idle within $wait_s s (states: ${states:-none}); see $STATE_DIR/log/"
 }
 
 cmd_start() {
   need_root
   installed || die "SLURM is not installed: run '$0 install' first"
   local nodes=1 cpus=${SLURM_LOCAL_CPUS:-$(nproc)} port=${SLURM_LOCAL_PORT:-6818}
+  local ctld_port=${SLURM_LOCAL_CTLD_PORT:-6817}
   while [[ $# -gt 0 ]]; do
     case $1 in
       --nodes) nodes=$2; shift 2 ;;
@@ -188,7 +223,7 @@ cmd_start() {
       cmd_stop
     fi
   fi
-  write_conf "$nodes" "$cpus" "$port"
+  write_conf "$nodes" "$cpus" "$port" "$ctld_port"
   start_munge
   start_daemons "$nodes"
   wait_idle "$nodes"
@@ -214,7 +249,12 @@ cmd_stop() {
     [[ -e $file ]] && stop_pidfile "$file"
   done
   stop_pidfile "$STATE_DIR/run/slurmctld.pid"
-  echo "SLURM daemons stopped (munged left running)"
+  if [[ -n $MUNGE_DIR ]]; then
+    stop_pidfile "$MUNGE_DIR/munged.pid"
+    echo "SLURM daemons and this cluster's munged stopped"
+  else
+    echo "SLURM daemons stopped (the machine's munged left running)"
+  fi
 }
 
 cmd_status() {

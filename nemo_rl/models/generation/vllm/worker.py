@@ -57,6 +57,7 @@ from nemo_rl.models.generation.vllm.engine_setup import (
     max_sequence_length,
     worker_env,
 )
+from nemo_rl.models.generation.vllm.cpu_shm import CpuShmSegments, prepare_cpu_shm
 from nemo_rl.models.generation.vllm.lora import VllmAdapters, lora_engine_kwargs, split_adapters
 from nemo_rl.models.generation.vllm.worker_extension import keep_cpu_linear_weights_in_place
 from nemo_rl.models.hf_config import load_hf_config
@@ -135,6 +136,8 @@ class VllmGenerationWorker:
         # (vLLM's CPU platform has none; its engine stays resident next to the policy). Set by _start_engine.
         self._sleeps = False
         self._sampling_params_cls: Any = None
+        # A CPU tensor-parallel engine's shared-memory segments, removed at shutdown (see .cpu_shm).
+        self._cpu_shm: CpuShmSegments | None = None
         self.llm: Any = self._start_engine(seed)
         # Asynchronous GRPO's in-flight updates: off until enable_in_flight_weight_updates.
         self._in_flight: InFlightWeights | None = None
@@ -167,6 +170,8 @@ class VllmGenerationWorker:
         self._sleeps = self.colocated and not cpu
         if cpu:
             keep_cpu_linear_weights_in_place()
+        if cpu and tp_size > 1:
+            self._cpu_shm = prepare_cpu_shm()
         tokenizer_source = self.cfg.tokenizer.name or self.model_source
         return vllm.LLM(
             **engine_kwargs(self.cfg, model=self.model_source, tokenizer=tokenizer_source, seed=seed, cpu=cpu)
@@ -334,8 +339,10 @@ class VllmGenerationWorker:
         return stats
 
     def shutdown(self) -> None:
-        """Drop the engine and free its GPU memory."""
+        """Drop the engine, free its GPU memory and remove a CPU engine's shared-memory segments."""
         del self.llm
+        if self._cpu_shm is not None:
+            self._cpu_shm.remove()
         if self._adapters is not None:
             self._adapters.close()
         gc.collect()
