@@ -49,6 +49,7 @@ from nemo_rl.models.generation.vllm.convert import (
     rows_to_retry,
     sampling_params_for_rows,
 )
+from nemo_rl.models.generation.vllm.cpu_shm import CpuShmSegments, prepare_cpu_shm
 from nemo_rl.models.generation.vllm.engine_setup import (
     check_engine_arg_names,
     check_vllm_config,
@@ -57,7 +58,6 @@ from nemo_rl.models.generation.vllm.engine_setup import (
     max_sequence_length,
     worker_env,
 )
-from nemo_rl.models.generation.vllm.cpu_shm import CpuShmSegments, prepare_cpu_shm
 from nemo_rl.models.generation.vllm.lora import VllmAdapters, lora_engine_kwargs, split_adapters
 from nemo_rl.models.generation.vllm.worker_extension import keep_cpu_linear_weights_in_place
 from nemo_rl.models.hf_config import load_hf_config
