@@ -30,14 +30,8 @@ from transformers import Qwen2Config
 
 from nemo_rl.config.model_arch import ModelArch
 from nemo_rl.config.policy import PolicyConfig
-from nemo_rl.models.generation.embedded.model import (
-    DecoderLM,
-    KVCache,
-    _Attend,
-    _linear,
-    _residual_linear,
-    _rms_norm,
-)
+from nemo_rl.models.generation.embedded.layer_ops import Attend, linear, residual_linear, rms_norm
+from nemo_rl.models.generation.embedded.model import DecoderLM, KVCache
 from nemo_rl.models.generation.lora import AdapterLayout, MergedAdapters
 from nemo_rl.models.hf_decoder import decoder_arch
 
@@ -70,23 +64,23 @@ class UnmergedLoraLM(DecoderLM):
         return torch.mm(torch.mm(x, a_t), b_t).mul_(self.scale)
 
     def _layer(
-        self, layer: int, x_MH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: _Attend
+        self, layer: int, x_MH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
     ) -> torch.Tensor:
         a, w, lora = self.arch, self._layers[layer], self.lora[layer]
-        h = _rms_norm(x_MH, w.ln1, a.rms_norm_eps)
-        heads = (_linear(h, w.qkv_t, w.qkv_b) + self._delta(h, lora["qkv"])).view(
+        h = rms_norm(x_MH, w.ln1, a.rms_norm_eps)
+        heads = (linear(h, w.qkv_t, w.qkv_b) + self._delta(h, lora["qkv"])).view(
             -1, a.num_heads + 2 * a.num_kv_heads, a.head_dim
         )
         n, k = a.num_heads, a.num_kv_heads
         qk = torch.cat((heads[:, :n], heads[:, n : n + k]), dim=1)
         qk = qk * cos + torch.roll(qk, qk.shape[-1] // 2, dims=-1) * sin
         attn = attend(layer, qk[:, :n], qk[:, n:], heads[:, n + k :])
-        x_MH = _residual_linear(x_MH, attn, w.o_t, w.o_b) + self._delta(attn, lora["o"])
-        h2 = _rms_norm(x_MH, w.ln2, a.rms_norm_eps)
-        gate_up = _linear(h2, w.gate_up_t, w.gate_up_b) + self._delta(h2, lora["gate_up"])
+        x_MH = residual_linear(x_MH, attn, w.o_t, w.o_b) + self._delta(attn, lora["o"])
+        h2 = rms_norm(x_MH, w.ln2, a.rms_norm_eps)
+        gate_up = linear(h2, w.gate_up_t, w.gate_up_b) + self._delta(h2, lora["gate_up"])
         i = a.intermediate_size
         act = F.silu(gate_up[:, :i]).mul_(gate_up[:, i:])
-        return _residual_linear(x_MH, act, w.down_t, w.down_b) + self._delta(act, lora["down"])
+        return residual_linear(x_MH, act, w.down_t, w.down_b) + self._delta(act, lora["down"])
 
 
 def _arch(args: argparse.Namespace) -> ModelArch:

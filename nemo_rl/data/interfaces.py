@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import string
-from collections.abc import Sequence
-from typing import Any, NotRequired, Protocol, TypedDict
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any, NotRequired, TypedDict
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -197,8 +198,46 @@ def _read_text_file(path: str, *, key: str) -> str:
     return read_utf8(file).removesuffix("\n")
 
 
-class Processor(Protocol):
-    """Turns a record into a datum: ``processor(record, spec, tokenizer, max_seq_length, idx)``."""
+Processor = Callable[[Record, TaskDataSpec, PreTrainedTokenizerBase, int, int], DatumSpec]
+"""Turns a record into a datum: ``processor(record, spec, tokenizer, max_seq_length, idx)`` returns the
+sample for ``record``, the ``idx``-th row of its dataset. Any such callable is one; nemo_rl's own derive from
+:class:`RecordProcessor`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessorInput:
+    """What a :class:`RecordProcessor` is given besides the record."""
+
+    spec: TaskDataSpec
+    """How the task formats its conversations."""
+    tokenizer: PreTrainedTokenizerBase
+    """Applies the chat template and tokenizes."""
+    max_seq_length: int
+    """Longest sample the policy takes."""
+    idx: int
+    """The record's row in its dataset."""
+
+    def datum(
+        self,
+        message_log: MessageLog,
+        *,
+        length: int,
+        extra_env_info: dict[str, Any] | None = None,
+        loss_multiplier: float = 1.0,
+    ) -> DatumSpec:
+        """The record's sample: ``message_log`` of ``length`` tokens, tagged with this row and task."""
+        return DatumSpec(
+            message_log=message_log,
+            length=length,
+            extra_env_info=extra_env_info,
+            loss_multiplier=loss_multiplier,
+            idx=self.idx,
+            task_name=self.spec.task_name,
+        )
+
+
+class RecordProcessor(ABC):
+    """A :data:`Processor` written as :meth:`process`, which takes the record and one :class:`ProcessorInput`."""
 
     def __call__(
         self,
@@ -208,5 +247,9 @@ class Processor(Protocol):
         max_seq_length: int,
         idx: int,
     ) -> DatumSpec:
-        """Return the processed sample for ``record`` (the ``idx``-th row of its dataset)."""
-        ...
+        """The :data:`Processor` call: :meth:`process` of ``record``."""
+        return self.process(record, ProcessorInput(spec, tokenizer, max_seq_length, idx))
+
+    @abstractmethod
+    def process(self, record: Record, given: ProcessorInput) -> DatumSpec:
+        """The sample for ``record``."""

@@ -5,36 +5,28 @@ from __future__ import annotations
 
 import dataclasses
 
-from transformers import PreTrainedTokenizerBase
-
-from nemo_rl.data.interfaces import DatumSpec, Processor, Record, TaskDataSpec
-from nemo_rl.data.processors import apply_task_spec
+from nemo_rl.data.interfaces import DatumSpec, Processor, ProcessorInput, Record, RecordProcessor
+from nemo_rl.data.processors import apply_task_spec, last_user_turn
 
 PROMPT_MESSAGES_KEY = "prompt_messages"
 """The ``extra_env_info`` key under which :class:`KeepPromptMessages` keeps the prompt as OpenAI messages."""
 
 
 @dataclasses.dataclass(frozen=True)
-class KeepPromptMessages:
+class KeepPromptMessages(RecordProcessor):
     """A processor that runs ``processor`` and also keeps the sample's prompt (every turn up to the last user
     turn, the task's prompt template and system prompt applied) as OpenAI messages in its
     ``extra_env_info[PROMPT_MESSAGES_KEY]``."""
 
     processor: Processor
-    """Makes the sample itself (e.g. :func:`nemo_rl.data.processors.math_processor`)."""
+    """Makes the sample itself (e.g. :data:`nemo_rl.data.processors.math_processor`)."""
 
-    def __call__(
-        self,
-        record: Record,
-        spec: TaskDataSpec,
-        tokenizer: PreTrainedTokenizerBase,
-        max_seq_length: int,
-        idx: int,
-    ) -> DatumSpec:
+    def process(self, record: Record, given: ProcessorInput) -> DatumSpec:
         """``processor``'s sample for ``record``, its prompt messages added."""
-        datum = self.processor(record, spec, tokenizer, max_seq_length, idx)
+        datum = self.processor(record, given.spec, given.tokenizer, given.max_seq_length, given.idx)
         messages = record["messages"]
-        last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=len(messages) - 1)
-        prompt = [dict(m) for m in apply_task_spec(list(messages[: last_user + 1]), spec)]
+        last_user = last_user_turn(messages)
+        prompt_end = len(messages) if last_user is None else last_user + 1
+        prompt = [dict(m) for m in apply_task_spec(list(messages[:prompt_end]), given.spec)]
         datum["extra_env_info"] = {**(datum["extra_env_info"] or {}), PROMPT_MESSAGES_KEY: prompt}
         return datum

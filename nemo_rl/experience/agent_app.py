@@ -32,10 +32,20 @@ ROUTES = "POST /chat/completions, POST /completions and GET /models under /sessi
 def build_app(endpoint: AgentEndpoint) -> FastAPI:
     """The app serving ``endpoint``'s routes (see the endpoint's module docstring)."""
     app = FastAPI(title="nemo_rl agent endpoint", docs_url=None, redoc_url=None, openapi_url=None)
+    _add_routes(app, endpoint)
+    _add_error_handlers(app, endpoint)
+    return app
 
-    def refuse(err: EndpointError, headers: Mapping[str, str] | None = None) -> JSONResponse:
-        status, content = endpoint.error_response(err)
-        return JSONResponse(content, status_code=status, headers=headers)
+
+def _refuse(
+    endpoint: AgentEndpoint, err: EndpointError, headers: Mapping[str, str] | None = None
+) -> JSONResponse:
+    status, content = endpoint.error_response(err)
+    return JSONResponse(content, status_code=status, headers=headers)
+
+
+def _add_routes(app: FastAPI, endpoint: AgentEndpoint) -> None:
+    """The OpenAI routes, each answering only a caller holding the endpoint's token."""
 
     async def answer(
         authorization: str | None, body: Callable[[], Awaitable[dict[str, Any]]]
@@ -44,7 +54,7 @@ def build_app(endpoint: AgentEndpoint) -> FastAPI:
             endpoint.check_token(authorization)
             return JSONResponse(await body())
         except EndpointError as err:
-            return refuse(err)
+            return _refuse(endpoint, err)
 
     @app.post(SESSION_PREFIX + "/chat/completions")
     async def chat_completions(
@@ -65,22 +75,30 @@ def build_app(endpoint: AgentEndpoint) -> FastAPI:
 
         return await answer(authorization, body)
 
-    # Requests that reach no handler are answered in OpenAI's format too, but only to a caller holding the
-    # token: without it every request gets the same 401, whatever it asks.
+
+def _token_refusal(endpoint: AgentEndpoint, request: Request) -> JSONResponse | None:
+    """The answer to a request that lacks the endpoint's token; None when it holds it."""
+    try:
+        endpoint.check_token(request.headers.get("authorization"))
+    except EndpointError as err:
+        return _refuse(endpoint, err)
+    return None
+
+
+def _add_error_handlers(app: FastAPI, endpoint: AgentEndpoint) -> None:
+    """Requests that reach no handler are answered in OpenAI's format too, but only to a caller holding the
+    token: without it every request gets the same 401, whatever it asks."""
+
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, err: RequestValidationError) -> JSONResponse:
-        try:
-            endpoint.check_token(request.headers.get("authorization"))
-        except EndpointError as auth_err:
-            return refuse(auth_err)
-        return refuse(validation_error(err.errors()))
+        refusal = _token_refusal(endpoint, request)
+        return refusal if refusal is not None else _refuse(endpoint, validation_error(err.errors()))
 
     @app.exception_handler(HTTPException)
     async def no_route(request: Request, err: HTTPException) -> JSONResponse:
-        try:
-            endpoint.check_token(request.headers.get("authorization"))
-        except EndpointError as auth_err:
-            return refuse(auth_err)
+        refusal = _token_refusal(endpoint, request)
+        if refusal is not None:
+            return refusal
         where = f"{request.method} {request.url.path}"
         if err.status_code == 405:
             message = f"Method not allowed ({where}): the routes are {ROUTES}"
@@ -88,6 +106,4 @@ def build_app(endpoint: AgentEndpoint) -> FastAPI:
             message = f"Invalid URL ({where}): the routes are {ROUTES}"
         else:
             message = f"{where}: {err.detail}"
-        return refuse(EndpointError(err.status_code, message), headers=err.headers)
-
-    return app
+        return _refuse(endpoint, EndpointError(err.status_code, message), headers=err.headers)

@@ -224,47 +224,63 @@ def pack_buckets(
     if bucket_size_bytes < 1:
         raise ValueError(f"bucket_size_bytes must be positive, got {bucket_size_bytes}")
     capacity = align_up(bucket_size_bytes)
-    index = 0
-    buffer: torch.Tensor | None = None
-    entries: list[WireEntry] = []
-    used = 0
-
-    def finish(payload: torch.Tensor) -> tuple[BucketHeader, torch.Tensor]:
-        nonlocal index, buffer, entries, used
-        header = BucketHeader(index, payload.numel(), payload_checksum(payload), tuple(entries), stream)
-        index, buffer, entries, used = index + 1, None, [], 0
-        return header, payload
-
+    bucket = _OpenBucket(stream)
     for name, tensor in weights:
         full = gather_full(tensor)
         # Only floating-point weights take the generation dtype; integer buffers keep theirs.
         wire_dtype = dtype if full.is_floating_point() else full.dtype
         nbytes = full.numel() * wire_dtype.itemsize
         if nbytes > capacity:
-            if entries:
-                assert buffer is not None
-                yield finish(buffer[:used])
-            entries.append(WireEntry(name, wire_dtype, tuple(full.shape), 0, nbytes))
+            if bucket.entries:
+                yield bucket.finish_buffer()
+            bucket.entries.append(WireEntry(name, wire_dtype, tuple(full.shape), 0, nbytes))
             if send_oversized_in_place:
-                yield finish(_wire_bytes(full, wire_dtype, wire_device))
+                yield bucket.finish(_wire_bytes(full, wire_dtype, wire_device))
             else:
-                buffer = acquire(index, align_up(nbytes))
+                buffer = acquire(bucket.index, align_up(nbytes))
                 _copy_into(buffer, 0, full, wire_dtype)
-                yield finish(buffer[: align_up(nbytes)])
+                yield bucket.finish(buffer[: align_up(nbytes)])
             continue
-        if used + nbytes > capacity:
-            assert buffer is not None
-            yield finish(buffer[:used])
-        if buffer is None:
-            buffer = acquire(index, capacity)
+        if bucket.used + nbytes > capacity:
+            yield bucket.finish_buffer()
+        if bucket.buffer is None:
+            bucket.buffer = acquire(bucket.index, capacity)
         if reserve is not None:
-            reserve(index, used + nbytes)
-        _copy_into(buffer, used, full, wire_dtype)
-        entries.append(WireEntry(name, wire_dtype, tuple(full.shape), used, nbytes))
-        used = align_up(used + nbytes)
-    if entries:
-        assert buffer is not None
-        yield finish(buffer[:used])
+            reserve(bucket.index, bucket.used + nbytes)
+        bucket.add(name, full, wire_dtype, nbytes)
+    if bucket.entries:
+        yield bucket.finish_buffer()
+
+
+class _OpenBucket:
+    """The bucket :func:`pack_buckets` is filling: its index, buffer, entries and bytes used so far."""
+
+    def __init__(self, stream: int):
+        self.stream = stream
+        self.index = 0
+        self.buffer: torch.Tensor | None = None
+        self.entries: list[WireEntry] = []
+        self.used = 0
+
+    def add(self, name: str, full: torch.Tensor, wire_dtype: torch.dtype, nbytes: int) -> None:
+        """Copy ``full`` (cast to ``wire_dtype``) into the buffer after the bytes used, aligned for the next."""
+        assert self.buffer is not None
+        _copy_into(self.buffer, self.used, full, wire_dtype)
+        self.entries.append(WireEntry(name, wire_dtype, tuple(full.shape), self.used, nbytes))
+        self.used = align_up(self.used + nbytes)
+
+    def finish(self, payload: torch.Tensor) -> tuple[BucketHeader, torch.Tensor]:
+        """Close the bucket with ``payload`` as its bytes on the wire, and open the next (empty) one."""
+        header = BucketHeader(
+            self.index, payload.numel(), payload_checksum(payload), tuple(self.entries), self.stream
+        )
+        self.index, self.buffer, self.entries, self.used = self.index + 1, None, [], 0
+        return header, payload
+
+    def finish_buffer(self) -> tuple[BucketHeader, torch.Tensor]:
+        """Close the bucket with the used part of its buffer as the payload."""
+        assert self.buffer is not None
+        return self.finish(self.buffer[: self.used])
 
 
 def _copy_into(buffer: torch.Tensor, offset: int, tensor: torch.Tensor, dtype: torch.dtype) -> None:

@@ -89,9 +89,25 @@ def refit(
         if failed:
             transport.cleanup(refit_id)
     time_s = time.perf_counter() - start_s
-    sent = [stats for stats in results[: len(senders)] if isinstance(stats, TransferStats)]
-    received = [stats for stats in results[len(senders) :] if isinstance(stats, TransferStats)]
-    if len(sent) != len(senders) or len(received) != len(receivers):
+    return _refit_metrics(
+        results, len(senders), len(receivers), time_s, refit_id, send_method, receive_method
+    )
+
+
+def _refit_metrics(
+    results: list[Any],
+    num_senders: int,
+    num_receivers: int,
+    time_s: float,
+    refit_id: str,
+    send_method: str,
+    receive_method: str,
+) -> dict[str, float]:
+    """``refit/*`` metrics (see :func:`refit`) from the senders' results, then the receivers'; a result that
+    is not :class:`TransferStats` means a refit method broke the contract."""
+    sent = [stats for stats in results[:num_senders] if isinstance(stats, TransferStats)]
+    received = [stats for stats in results[num_senders:] if isinstance(stats, TransferStats)]
+    if len(sent) != num_senders or len(received) != num_receivers:
         raise RefitError(
             f"refit {refit_id}: the workers' refit methods must return TransferStats "
             f"(check {send_method!r} and {receive_method!r})"

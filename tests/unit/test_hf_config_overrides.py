@@ -13,7 +13,7 @@ import torch
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.models.generation.embedded.model import DecoderLM
-from nemo_rl.models.generation.vllm.convert import OWNED_ENGINE_ARGS, engine_kwargs
+from nemo_rl.models.generation.vllm.engine_setup import OWNED_ENGINE_ARGS, engine_kwargs
 from nemo_rl.models.hf_config import load_hf_config
 from nemo_rl.models.policy import hf_io
 

@@ -33,24 +33,26 @@ from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.data.tiny import build_tiny_tokenizer
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.models.generation.vllm.convert import (
-    OWNED_ENGINE_ARGS,
-    PORTS_PER_ENGINE,
     RELOAD_WEIGHTS_RPC,
-    VLLM_PORT_BASE,
-    WORKER_ENV_VARS,
-    WORKER_EXTENSION_CLS,
     assemble_outputs,
-    check_engine_arg_names,
-    check_vllm_config,
-    engine_kwargs,
-    engine_ports,
     generation_budgets,
     hf_weights_manifest,
-    max_sequence_length,
     prompt_token_ids,
     request_seeds,
     rows_to_retry,
     sampling_params_for_rows,
+)
+from nemo_rl.models.generation.vllm.engine_setup import (
+    OWNED_ENGINE_ARGS,
+    PORTS_PER_ENGINE,
+    VLLM_PORT_BASE,
+    WORKER_ENV_VARS,
+    WORKER_EXTENSION_CLS,
+    check_engine_arg_names,
+    check_vllm_config,
+    engine_kwargs,
+    engine_ports,
+    max_sequence_length,
     worker_env,
 )
 from nemo_rl.models.generation.vllm.worker import MAX_REQUEST_RETRIES, VllmGenerationWorker

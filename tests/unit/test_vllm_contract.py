@@ -50,19 +50,21 @@ from transformers import (
 from nemo_rl.config.policy import VLLM_TEMPERATURE_RANGE, PolicyConfig
 from nemo_rl.models.generation.vllm.convert import (
     FINISH_STOP,
-    LOGPROBS_MODE,
-    OWNED_ENGINE_ARGS,
     RETRIED_FINISH_REASONS,
     TRUNCATING_FINISH_REASONS,
-    WORKER_EXTENSION_CLS,
     assemble_outputs,
+    hf_weights_manifest,
+    request_seeds,
+    sampling_params_for_rows,
+)
+from nemo_rl.models.generation.vllm.engine_setup import (
+    LOGPROBS_MODE,
+    OWNED_ENGINE_ARGS,
+    WORKER_EXTENSION_CLS,
     check_engine_arg_names,
     engine_arg_names,
     engine_kwargs,
-    hf_weights_manifest,
     installed_vllm_build,
-    request_seeds,
-    sampling_params_for_rows,
 )
 from nemo_rl.models.generation.vllm.worker_extension import VllmWorkerExtension
 from nemo_rl.models.hf_moe import per_expert_weights

@@ -60,7 +60,7 @@ def check_backend_available(
     if cfg.generation.backend != "vllm":
         return
     # The vLLM package's checks import no vLLM: the build is read from package metadata.
-    from nemo_rl.models.generation.vllm.convert import check_vllm_runs_here, installed_vllm_build
+    from nemo_rl.models.generation.vllm.engine_setup import check_vllm_runs_here, installed_vllm_build
 
     check_vllm_runs_here(
         installed_vllm_build(), cluster_has_gpus, key_prefix=key_prefix, cpu_config=cpu_config
@@ -122,14 +122,9 @@ def start_policy_and_generation(
     ``concurrent_refit`` lets the workers take a refit while they generate (in-flight weight updates).
     """
     colocated = cfg.generation.colocated.enabled
-    if cfg.generation.embedded_cfg.in_policy_workers:
-        from nemo_rl.models.generation.embedded.in_policy import InPolicyEmbeddedGeneration
 
-        with start_together():
-            policy, scorers = start_policies()
-        generation: GenerationInterface = InPolicyEmbeddedGeneration(policy, tokenizer, seed=seed)
-    elif cfg.generation.backend == "vllm":
-        generation = create_generation(
+    def start_generation() -> GenerationInterface:
+        return create_generation(
             cluster,
             cfg,
             tokenizer,
@@ -137,20 +132,22 @@ def start_policy_and_generation(
             bundle_indices=bundle_indices,
             concurrent_refit=concurrent_refit,
         )
+
+    if cfg.generation.embedded_cfg.in_policy_workers:
+        from nemo_rl.models.generation.embedded.in_policy import InPolicyEmbeddedGeneration
+
+        with start_together():
+            policy, scorers = start_policies()
+        generation: GenerationInterface = InPolicyEmbeddedGeneration(policy, tokenizer, seed=seed)
+    elif cfg.generation.backend == "vllm":
+        generation = start_generation()
         if colocated:
             generation.finish_generation()  # asleep while the policy loads into the memory it freed
         policy, scorers = start_policies()
         return policy, scorers, generation
     else:
         with start_together():
-            generation = create_generation(
-                cluster,
-                cfg,
-                tokenizer,
-                seed=seed,
-                bundle_indices=bundle_indices,
-                concurrent_refit=concurrent_refit,
-            )
+            generation = start_generation()
             policy, scorers = start_policies()
     if colocated:
         generation.finish_generation()

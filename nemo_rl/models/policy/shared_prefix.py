@@ -298,6 +298,19 @@ def shared_prefix_attention(
             scaling=scaling,
             **kwargs,
         )
+    return _blockwise_attention(query_BHSD, key_BHSD, value_BHSD, layout, dropout, scaling), None
+
+
+def _blockwise_attention(
+    query_BHSD: torch.Tensor,
+    key_BHSD: torch.Tensor,
+    value_BHSD: torch.Tensor,
+    layout: SharedPrefixLayout,
+    dropout: float,
+    scaling: float | None,
+) -> torch.Tensor:
+    """Attention of ``layout``'s groups, ``[1, L, H, D]``: each prompt once over itself, then each response
+    over its prompt and itself."""
     batch, num_heads, width, head_dim = query_BHSD.shape
     num_kv_heads = key_BHSD.shape[1]
 
@@ -331,7 +344,7 @@ def shared_prefix_attention(
         out = out.index_copy(
             0, layout.response_slots, response_out.index_select(0, layout.response_valid_flat)
         )
-    return out.reshape(batch, width, num_heads, head_dim), None
+    return out.reshape(batch, width, num_heads, head_dim)
 
 
 def use_shared_prefix_attention(model: torch.nn.Module) -> None:

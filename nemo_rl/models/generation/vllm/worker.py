@@ -42,20 +42,22 @@ from nemo_rl.models.generation.vllm.convert import (
     RELOAD_WEIGHTS_RPC,
     RETRIED_FINISH_REASONS,
     assemble_outputs,
-    check_engine_arg_names,
-    check_vllm_config,
-    engine_arg_names,
-    engine_kwargs,
     generation_budgets,
     hf_weights_manifest,
-    max_sequence_length,
     prompt_token_ids,
     request_seeds,
     rows_to_retry,
     sampling_params_for_rows,
-    worker_env,
 )
 from nemo_rl.models.generation.vllm.cpu_shm import CpuShmSegments, prepare_cpu_shm
+from nemo_rl.models.generation.vllm.engine_setup import (
+    check_engine_arg_names,
+    check_vllm_config,
+    engine_arg_names,
+    engine_kwargs,
+    max_sequence_length,
+    worker_env,
+)
 from nemo_rl.models.generation.vllm.lora import VllmAdapters, lora_engine_kwargs, split_adapters
 from nemo_rl.models.generation.vllm.worker_extension import keep_cpu_linear_weights_in_place
 from nemo_rl.models.hf_config import load_hf_config
@@ -83,7 +85,7 @@ class VllmGenerationWorker:
         cfg: the ``policy`` section (model, sampling settings, ``generation.vllm_cfg``, sequence limits).
         tokenizer: the policy's tokenizer, for the pad and EOS ids.
         seed: the engine seed, equal on every rank (tensor-parallel ranks must sample alike).
-        vllm_ports: ``VLLM_PORT`` of every worker of the group, by rank (see ``convert.engine_ports``).
+        vllm_ports: ``VLLM_PORT`` of every worker of the group, by rank (see ``engine_setup.engine_ports``).
         model_path: a local Hugging Face checkpoint folder overriding ``cfg.model_name``.
     """
 
