@@ -35,8 +35,10 @@ from nemo_rl.algorithms.loss_functions import NLLLoss
 from nemo_rl.config.cluster import ClusterConfig
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.distributed.virtual_cluster import RayVirtualCluster, init_ray
-from nemo_rl.distributed.worker_groups import RayWorkerGroup, WorkerGroupFacade
+from nemo_rl.distributed.ray_start import init_ray
+from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
+from nemo_rl.distributed.worker_group_facade import WorkerGroupFacade
+from nemo_rl.distributed.worker_groups import RayWorkerGroup
 from nemo_rl.models.policy.dtensor_worker import DTensorPolicyWorker
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -110,13 +110,15 @@ def _traced_driver(script_args: list[str]) -> None:
 
         setattr(module, name, wrapper)
 
-    def on_virtual_cluster(module: ModuleType) -> None:
+    def on_ray_start(module: ModuleType) -> None:
         timed(module, "start_ray_in_background")
         # The local start or the attach itself, on whichever thread runs it.
         timed(module, "_init_ray_now")
-        # Where setup waits for that start, and the placement groups' reservation.
+        # Where setup waits for that start.
         timed(module, "init_ray")
-        # The method first: timed() replaces the class with a function.
+
+    def on_virtual_cluster(module: ModuleType) -> None:
+        # The placement groups' reservation. The method first: timed() replaces the class with a function.
         timed_method(module.RayVirtualCluster, "shutdown", "cluster shutdown done")
         timed(module, "RayVirtualCluster")
 
@@ -131,7 +133,7 @@ def _traced_driver(script_args: list[str]) -> None:
 
         setattr(cls, name, wrapper)
 
-    def on_worker_groups(module: ModuleType) -> None:
+    def on_start_together(module: ModuleType) -> None:
         start_together = module.start_together
 
         @contextlib.contextmanager
@@ -142,6 +144,8 @@ def _traced_driver(script_args: list[str]) -> None:
             mark("all workers up")
 
         setattr(module, "start_together", marked_start_together)  # noqa: B010 (a module attribute mypy cannot see)
+
+    def on_worker_groups(module: ModuleType) -> None:
         timed_method(module.RayWorkerGroup, "shutdown", "a worker group's shutdown done")
 
     def on_generation_factory(module: ModuleType) -> None:
@@ -167,9 +171,11 @@ def _traced_driver(script_args: list[str]) -> None:
         module.Logger.log_metrics = marked_log_metrics
 
     hooks: dict[str, Callable[[ModuleType], None]] = {
-        "nemo_rl.distributed.virtual_cluster": on_virtual_cluster,
         # Hooked where each name is defined, so that whichever module of the algorithm imports it gets the
         # marked one.
+        "nemo_rl.distributed.ray_start": on_ray_start,
+        "nemo_rl.distributed.virtual_cluster": on_virtual_cluster,
+        "nemo_rl.distributed.worker_group_facade": on_start_together,
         "nemo_rl.distributed.worker_groups": on_worker_groups,
         "ray": on_ray,
         "nemo_rl.environments.registry": lambda module: timed(module, "create_task_envs"),
@@ -197,7 +203,7 @@ import os, sys, time
 _stat = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
 _boot_s = float(open("/proc/stat").read().split("btime ")[1].split()[0])
 START_S = _boot_s + int(_stat[19]) / os.sysconf("SC_CLK_TCK")
-from nemo_rl.distributed.virtual_cluster import init_ray
+from nemo_rl.distributed.ray_start import init_ray
 import ray
 init_ray(None)
 print(f"[startup {time.time() - START_S:7.2f} s] Ray up", file=sys.stderr, flush=True)

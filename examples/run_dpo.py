@@ -29,7 +29,7 @@ def main() -> None:
 
     # A model folder that does not exist is known from the path: say so before Ray starts.
     check_policy_sources(config.policy)
-    from nemo_rl.distributed.virtual_cluster import ray_starting_in_background
+    from nemo_rl.distributed.ray_start import ray_starting_in_background
 
     # Ray's processes come up while this process imports torch and loads the data (setup waits for them);
     # a mistake found before setup exits 2 at once, stopping them.

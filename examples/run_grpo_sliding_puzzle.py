@@ -33,7 +33,7 @@ from nemo_rl.config.loader import format_config
 from nemo_rl.config.no_effect import format_no_effect, no_effect_settings
 from nemo_rl.config.validation import validate_dict
 from nemo_rl.data.interfaces import DatumSpec
-from nemo_rl.distributed.virtual_cluster import init_ray
+from nemo_rl.distributed.ray_start import init_ray
 from nemo_rl.environments.games.sliding_puzzle import (
     ACTION_STOP_STRINGS,
     SlidingPuzzleConfig,

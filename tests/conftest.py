@@ -38,7 +38,7 @@ from leftovers import CHECK_ENV, SESSION_ENV, Snapshot, find_leftovers
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.distributed.ray_reaper import start_reaper
-from nemo_rl.distributed.virtual_cluster import default_ray_temp_dir, job_runtime_env
+from nemo_rl.distributed.ray_start import default_ray_temp_dir, job_runtime_env
 
 RAY_CLUSTER_NUM_CPUS = 8
 

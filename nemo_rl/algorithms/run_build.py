@@ -37,7 +37,8 @@ from nemo_rl.data.collate_fn import rl_collate_fn
 from nemo_rl.data.dataloader import StatefulDataLoader
 from nemo_rl.data.datasets import ProcessedDataset, dataset_task_names
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.distributed.virtual_cluster import RayVirtualCluster, init_ray
+from nemo_rl.distributed.ray_start import init_ray
+from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.environments.registry import check_task_envs, create_task_envs, stop_envs, wait_envs_started
 from nemo_rl.environments.tools import TaskTools, wire_task_tools
 from nemo_rl.experience.agent_rollouts import start_agent_endpoint

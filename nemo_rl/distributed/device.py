@@ -58,7 +58,7 @@ def configure_driver_threads() -> None:
     the training batch, rewards, metrics) while the workers keep every core busy. With torch's default of one
     thread per core, each of those small operations starts a parallel region whose threads wait for cores the
     workers hold, and one thread is several times faster (benchmarks/README.md, "The step's overheads at
-    64x32"). :func:`~nemo_rl.distributed.virtual_cluster.init_ray` calls this.
+    64x32"). :func:`~nemo_rl.distributed.ray_start.init_ray` calls this.
     """
     torch.set_num_threads(_threads_from_env(DRIVER_TORCH_THREADS_ENV))
 

@@ -11,18 +11,16 @@ in data-parallel group ``r // tp_size`` with tensor-parallel rank ``r % tp_size`
 
 ``CUDA_VISIBLE_DEVICES`` is left to Ray, which assigns each actor the GPU of its bundle.
 
-:class:`WorkerGroupFacade` is the driver side the policy and generation facades build on: it starts a group,
-waits for it, and calls its workers with a timeout.
+The driver side the policy and generation facades build on (waiting for a group, starting several together,
+calls with a timeout) is :mod:`nemo_rl.distributed.worker_group_facade`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import logging
 import re
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ray
@@ -440,96 +438,3 @@ class RayWorkerGroup:
             where = f"rank {owner[0]}, method {owner[1]!r}" if owner else "a worker"
             error.add_note(f"raised in {where} of worker group {self.name!r}")
             raise
-
-
-# Facades created inside ``start_together`` blocks: the innermost open block's list, or None outside any.
-_STARTING_TOGETHER: contextvars.ContextVar[list[WorkerGroupFacade] | None] = contextvars.ContextVar(
-    "nemo_rl_starting_together", default=None
-)
-
-
-@contextlib.contextmanager
-def start_together(enabled: bool = True) -> Iterator[None]:
-    """Start the worker groups of the facades created in this block at once; wait for all of them at its end.
-
-    A worker's start is mostly its process importing torch and loading a model, so groups that start
-    together overlap those waits instead of adding them up. Until the block ends, do not call the new
-    facades' workers (a call would wait for that group alone). When any group fails to start, every group of
-    the block is shut down before the error propagates. ``enabled=False`` makes the block a no-op (each
-    facade waits for its own group when it is created), for backends that must start in order.
-    """
-    if not enabled:
-        yield
-        return
-    started: list[WorkerGroupFacade] = []
-    token = _STARTING_TOGETHER.set(started)
-    try:
-        yield
-    except BaseException:
-        for facade in started:
-            facade.shutdown()
-        raise
-    finally:
-        _STARTING_TOGETHER.reset(token)
-    try:
-        # Every group's readiness requested before any is waited on; the waits then overlap.
-        pending = [(facade, facade.worker_group.request_ready()) for facade in started]
-        for facade, refs in pending:
-            facade.worker_group.get_all_worker_results(refs, facade.call_timeout_s)
-    except BaseException:
-        for facade in started:
-            facade.shutdown()
-        raise
-
-
-class WorkerGroupFacade:
-    """The driver side of a worker group: what the policy and generation facades share.
-
-    Takes a just-started :class:`RayWorkerGroup` and waits until every actor has finished ``__init__`` (inside
-    a :func:`start_together` block: when the block ends); when one fails to start or the wait times out, the
-    group is shut down (its bundles released) before the error propagates, so a failed start leaves no
-    half-started actors holding the cluster. Every later call on the workers waits at most ``call_timeout_s``
-    and then names the workers still running.
-    """
-
-    def __init__(self, worker_group: RayWorkerGroup, *, call_timeout_s: float) -> None:
-        self.call_timeout_s = call_timeout_s
-        self.worker_group = worker_group
-        starting_together = _STARTING_TOGETHER.get()
-        if starting_together is not None:
-            starting_together.append(self)
-            return
-        try:
-            self.worker_group.wait_until_ready(call_timeout_s)
-        except BaseException:
-            self.worker_group.shutdown()
-            raise
-
-    @property
-    def dp_size(self) -> int:
-        """Number of data-parallel groups (each gets a different shard of every batch)."""
-        return self.worker_group.dp_size
-
-    @property
-    def workers(self) -> list[ActorHandle]:
-        """The worker actors in rank order (what ``nemo_rl.weight_sync.refit`` sends from or to)."""
-        return self.worker_group.workers
-
-    def _on_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """``method(*args, **kwargs)`` on every worker (a collective call); the results in rank order."""
-        refs = self.worker_group.run_all_workers_single_data(method, *args, **kwargs)
-        return self.worker_group.get_all_worker_results(refs, self.call_timeout_s)
-
-    def _on_all_deferred(self, method: str) -> None:
-        """``method()`` on every worker, waited for with the next call that waits (see
-        :meth:`RayWorkerGroup.run_all_workers_deferred`)."""
-        self.worker_group.run_all_workers_deferred(method)
-
-    def _on_rank_0(self, method: str, *args: Any) -> Any:
-        """``method(*args)`` on worker 0 only (a query every worker would answer alike)."""
-        ref = self.worker_group.run_single_worker(method, 0, *args)
-        return self.worker_group.get_all_worker_results([ref], self.call_timeout_s)[0]
-
-    def shutdown(self) -> None:
-        """Stop the workers and release their bundles."""
-        self.worker_group.shutdown()

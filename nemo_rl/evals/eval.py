@@ -46,7 +46,8 @@ from nemo_rl.config.policy import GenerationConfig, PolicyConfig, TokenizerConfi
 from nemo_rl.data.collate_fn import rl_collate_fn
 from nemo_rl.data.datasets import ProcessedDataset
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.distributed.virtual_cluster import RayVirtualCluster, init_ray
+from nemo_rl.distributed.ray_start import init_ray
+from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.environments.registry import EnvHandle, check_task_envs, create_env, registered_envs, stop_envs
 from nemo_rl.environments.tools import TaskTools, wire_task_tools
 from nemo_rl.evals.metrics import CORRECT_REWARD, mean_and_stderr, metric_ks, problem_metrics, summarize

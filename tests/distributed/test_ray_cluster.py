@@ -10,12 +10,8 @@ import ray
 from ray.util import placement_group_table
 
 from nemo_rl.config.cluster import ClusterConfig
-from nemo_rl.distributed.virtual_cluster import (
-    PlacementTimeoutError,
-    RayVirtualCluster,
-    init_ray,
-    worker_pythonpath,
-)
+from nemo_rl.distributed.ray_start import init_ray, worker_pythonpath
+from nemo_rl.distributed.virtual_cluster import PlacementTimeoutError, RayVirtualCluster
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 

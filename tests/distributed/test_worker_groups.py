@@ -19,12 +19,8 @@ from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.device import configure_worker_threads, init_process_group_from_env
 from nemo_rl.distributed.lost_calls import LostCallError
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
-from nemo_rl.distributed.worker_groups import (
-    RayWorkerGroup,
-    WorkerDiedError,
-    WorkerGroupFacade,
-    start_together,
-)
+from nemo_rl.distributed.worker_group_facade import WorkerGroupFacade, start_together
+from nemo_rl.distributed.worker_groups import RayWorkerGroup, WorkerDiedError
 
 TIMEOUT_S = 120.0
 

@@ -143,10 +143,10 @@ def test_grpo_script_refuses_a_missing_model_folder_before_starting_ray(
 ) -> None:
     # The GRPO script starts Ray in the background as soon as its config is valid; a model folder that does
     # not exist is known from the path alone, so it must be refused before that start.
-    import nemo_rl.distributed.virtual_cluster as virtual_cluster
+    import nemo_rl.distributed.ray_start as ray_start
 
     starts: list[object] = []
-    monkeypatch.setattr(virtual_cluster, "start_ray_in_background", starts.append)
+    monkeypatch.setattr(ray_start, "start_ray_in_background", starts.append)
     argv = [
         "run_grpo_math.py",
         "--config",

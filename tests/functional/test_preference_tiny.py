@@ -216,9 +216,9 @@ def test_scripts_fail_with_one_line_on_bad_input(
     # In this process, without Ray's background start: a data error then ends the run through run_script (run_cli), as
     # it does before that start (with the start under way the script exits at once instead, stopping Ray:
     # tests/faults/test_bad_input.py checks that in a process of its own).
-    import nemo_rl.distributed.virtual_cluster as virtual_cluster
+    import nemo_rl.distributed.ray_start as ray_start
 
-    monkeypatch.setattr(virtual_cluster, "start_ray_in_background", lambda cluster_cfg=None: None)
+    monkeypatch.setattr(ray_start, "start_ray_in_background", lambda cluster_cfg=None: None)
     for overrides, expected in cases:
         monkeypatch.setattr(sys, "argv", [f"{script}.py", "--config", str(config), *overrides])
         with pytest.raises(SystemExit) as exit_info:

@@ -357,7 +357,7 @@ def _ports(offset: int) -> dict[str, str]:
 DRIVER = """
 import mmap, os, sys, time
 import ray
-from nemo_rl.distributed.virtual_cluster import init_ray
+from nemo_rl.distributed.ray_start import init_ray
 from nemo_rl.utils.timer import TimeoutChecker
 
 init_ray()
@@ -467,7 +467,7 @@ def test_scancel_leaves_no_process_directory_or_segment(
         [
             str(clone / ".venv" / "bin" / "python"),
             "-c",
-            "from nemo_rl.config.cli import run_cli; from nemo_rl.distributed.virtual_cluster import init_ray; "
+            "from nemo_rl.config.cli import run_cli; from nemo_rl.distributed.ray_start import init_ray; "
             "run_cli(init_ray)",
         ],
         cwd=clone,

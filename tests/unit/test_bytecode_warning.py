@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_rl.distributed.virtual_cluster import uncached_bytecode_warning
+from nemo_rl.distributed.ray_start import uncached_bytecode_warning
 
 
 def _flags(dont_write_bytecode: bool) -> types.SimpleNamespace:

@@ -317,9 +317,9 @@ def _run_script(
     """Run ``examples/<script>`` in this process as a user would; assert exit 2 and one line, return it.
     Ray's background start is left out: with it under way a script exits at once (``os._exit``), which
     tests/faults/test_bad_input.py checks in a process of its own."""
-    import nemo_rl.distributed.virtual_cluster as virtual_cluster
+    import nemo_rl.distributed.ray_start as ray_start
 
-    monkeypatch.setattr(virtual_cluster, "start_ray_in_background", lambda cluster_cfg=None: None)
+    monkeypatch.setattr(ray_start, "start_ray_in_background", lambda cluster_cfg=None: None)
     monkeypatch.setattr(sys, "argv", [script, *args])
     with pytest.raises(SystemExit) as exit_info:
         runpy.run_path(str(ROOT / "examples" / script), run_name="__main__")

@@ -9,8 +9,9 @@ import pytest
 from ray.exceptions import AuthenticationError
 
 from nemo_rl.config.errors import UserError
-from nemo_rl.distributed import virtual_cluster
-from nemo_rl.distributed.virtual_cluster import RayAuthenticationError, free_port, init_ray
+from nemo_rl.distributed import ray_start, virtual_cluster
+from nemo_rl.distributed.ray_start import RayAuthenticationError, init_ray
+from nemo_rl.distributed.virtual_cluster import free_port
 
 
 def test_refused_token_names_the_variables_to_set(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -20,8 +21,8 @@ def test_refused_token_names_the_variables_to_set(monkeypatch: pytest.MonkeyPatc
         calls.append(kwargs)
         raise AuthenticationError("RPC error: InvalidAuthToken: Authentication token is missing or incorrect")
 
-    monkeypatch.setattr(virtual_cluster.ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(virtual_cluster.ray, "init", refuse)
+    monkeypatch.setattr(ray_start.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray_start.ray, "init", refuse)
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:1200")
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
     with pytest.raises(RayAuthenticationError) as info:
@@ -64,8 +65,8 @@ def test_a_refusal_quoted_by_the_gcs_client_is_a_user_error_and_others_pass_thro
     def fail(**kwargs: Any) -> None:
         raise error
 
-    monkeypatch.setattr(virtual_cluster.ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(virtual_cluster.ray, "init", fail)
+    monkeypatch.setattr(ray_start.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray_start.ray, "init", fail)
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:1200")
     with pytest.raises(RayAuthenticationError if refused else ConnectionError) as info:
         init_ray()
@@ -98,24 +99,24 @@ def test_a_background_start_is_waited_for_and_its_error_raised_on_the_callers_th
         release.wait(timeout=30)
         raise AuthenticationError("RPC error: InvalidAuthToken: Authentication token is missing or incorrect")
 
-    monkeypatch.setattr(virtual_cluster.ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(virtual_cluster.ray, "init", refuse_after_release)
+    monkeypatch.setattr(ray_start.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray_start.ray, "init", refuse_after_release)
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:1200")
-    monkeypatch.setattr(virtual_cluster, "_background_start", None)
+    monkeypatch.setattr(ray_start, "_background_start", None)
     previous_handler = signal.getsignal(signal.SIGTERM)
     try:
-        virtual_cluster.start_ray_in_background()
+        ray_start.start_ray_in_background()
         # The caller goes on while ray.init runs on another thread; Ray's SIGTERM handler (exit, so that
         # atexit stops the cluster) is installed on the main thread, where only it can be.
-        assert signal.getsignal(signal.SIGTERM) is virtual_cluster._exit_on_sigterm
-        virtual_cluster.start_ray_in_background()  # a second request while one runs is a no-op
+        assert signal.getsignal(signal.SIGTERM) is ray_start._exit_on_sigterm
+        ray_start.start_ray_in_background()  # a second request while one runs is a no-op
         release.set()
         with pytest.raises(RayAuthenticationError, match=r"10\.0\.0\.1:1200"):
             init_ray()
     finally:
         signal.signal(signal.SIGTERM, previous_handler)
     assert calls == ["nemo-rl-ray-start"]
-    assert virtual_cluster._background_start is None
+    assert ray_start._background_start is None
 
 
 def test_the_driver_keeps_one_torch_thread_unless_told_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -123,9 +124,7 @@ def test_the_driver_keeps_one_torch_thread_unless_told_otherwise(monkeypatch: py
     regions waiting for cores the workers hold); NEMO_RL_DRIVER_TORCH_THREADS sets another count."""
     import torch
 
-    monkeypatch.setattr(
-        virtual_cluster.ray, "is_initialized", lambda: True
-    )  # Ray already up: nothing started
+    monkeypatch.setattr(ray_start.ray, "is_initialized", lambda: True)  # Ray already up: nothing started
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # A driver that starts a local Ray the way the scripts do, prints its session's processes and waits on stdin.
 RAY_DRIVER = """
 import json, os, sys, psutil, ray
-from nemo_rl.distributed.virtual_cluster import init_ray
+from nemo_rl.distributed.ray_start import init_ray
 init_ray(None)
 ray.get(ray.remote(lambda: 0).remote(), timeout=120)
 print(json.dumps([p.pid for p in psutil.Process().children(recursive=True)]), flush=True)

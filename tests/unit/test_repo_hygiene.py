@@ -182,33 +182,15 @@ def test_no_function_in_the_package_is_longer_than_60_lines() -> None:
 MAX_MODULE_LINES = 500
 """Longest module in ``nemo_rl/``; a longer one is split along a seam."""
 
-MODULES_BEING_SPLIT = {
-    "nemo_rl/distributed/virtual_cluster.py": 600,
-    "nemo_rl/distributed/worker_groups.py": 600,
-}
-"""The two modules still over :data:`MAX_MODULE_LINES`, with the old cap they must stay under: the cluster
-and worker-group code is being reworked, and split, in a change of its own. Remove an entry once its module
-is under the target (the test below says when)."""
-
 
 def test_no_module_in_the_package_is_longer_than_500_lines() -> None:
     too_long = []
     for path in sorted((ROOT / "nemo_rl").rglob("*.py")):
         name = path.relative_to(ROOT).as_posix()
         num_lines = len(path.read_text().splitlines())
-        if num_lines > MODULES_BEING_SPLIT.get(name, MAX_MODULE_LINES):
+        if num_lines > MAX_MODULE_LINES:
             too_long.append(f"{name} ({num_lines} lines)")
     assert not too_long, f"modules over {MAX_MODULE_LINES} lines: {too_long}"
-
-
-def test_every_module_being_split_is_still_over_the_target() -> None:
-    """An exception outlives its reason only until the module is split; then the entry must go."""
-    done = [
-        name
-        for name in MODULES_BEING_SPLIT
-        if not (ROOT / name).exists() or len((ROOT / name).read_text().splitlines()) <= MAX_MODULE_LINES
-    ]
-    assert not done, f"remove {done} from MODULES_BEING_SPLIT: they are {MAX_MODULE_LINES} lines or fewer now"
 
 
 def test_the_other_algorithms_are_near_the_top() -> None:

@@ -8,7 +8,7 @@ start next to the policy, and :func:`start_policy_and_generation` is where that 
 - vLLM starts first and alone: an engine starts only when its share of each GPU's memory is free, so it
   comes up before the policy loads, and colocated engines then sleep (weights to host memory, caches freed);
 - the embedded engine's workers start together with the policy (and the frozen scorers), in one
-  :func:`~nemo_rl.distributed.worker_groups.start_together` block, and colocated ones then free their memory;
+  :func:`~nemo_rl.distributed.worker_group_facade.start_together` block, and colocated ones then free their memory;
 - in-policy engines are built in the started policy's workers.
 
 :func:`create_generation` starts a backend with workers of its own alone (evaluation, tests);
@@ -25,7 +25,7 @@ from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
-from nemo_rl.distributed.worker_groups import start_together
+from nemo_rl.distributed.worker_group_facade import start_together
 from nemo_rl.models.generation.backends import ray_may_start_in_background
 from nemo_rl.models.generation.interfaces import GenerationInterface
 from nemo_rl.models.generation.replicated import ReplicatedGeneration

@@ -22,7 +22,8 @@ from transformers import PreTrainedTokenizerBase
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
-from nemo_rl.distributed.worker_groups import RayWorkerGroup, WorkerGroupFacade
+from nemo_rl.distributed.worker_group_facade import WorkerGroupFacade
+from nemo_rl.distributed.worker_groups import RayWorkerGroup
 from nemo_rl.models.generation.interfaces import WeightManifestDict, check_generation_input
 from nemo_rl.models.tokenizer import require_pad_token_id
 from nemo_rl.weight_sync.scope import RefitScope

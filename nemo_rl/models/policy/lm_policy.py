@@ -20,7 +20,8 @@ from nemo_rl.config.errors import UserError
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
-from nemo_rl.distributed.worker_groups import RayWorkerGroup, WorkerGroupFacade
+from nemo_rl.distributed.worker_group_facade import WorkerGroupFacade
+from nemo_rl.distributed.worker_groups import RayWorkerGroup
 from nemo_rl.models.policy.dtensor_worker import DTensorPolicyWorker
 from nemo_rl.models.policy.hf_io import check_frozen_parameters
 from nemo_rl.models.policy.interfaces import LoraSummary, TrainResult, nonfinite_step_flags
