@@ -21,6 +21,7 @@ one a line: CI's lane with the optional extras runs those again (docs/testing.md
 
 from __future__ import annotations
 
+import atexit
 import os
 import uuid
 from collections.abc import Iterator
@@ -121,6 +122,14 @@ def pytest_configure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput"):
         os.environ[SESSION_ENV] = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         config.pluginmanager.register(_SessionRecords(config), "nemo_rl_session_records")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """In an xdist worker, run the exit handlers now: execnet ends its worker processes without them, and they
+    are what removes the temporary folders libraries make when imported (wandb's media and artifact folders,
+    multiprocessing's ``pymp-*``), which the main process's leftover check would then find in ``/tmp``."""
+    if hasattr(config, "workerinput"):
+        atexit._run_exitfuncs()
 
 
 @pytest.fixture(scope="session")
