@@ -16,6 +16,8 @@ import gc
 import itertools
 import logging
 import os
+import shutil
+import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -138,6 +140,8 @@ class VllmGenerationWorker:
         self._sampling_params_cls: Any = None
         # A CPU tensor-parallel engine's shared-memory segments, removed at shutdown (see .cpu_shm).
         self._cpu_shm: CpuShmSegments | None = None
+        # The folder of the engine's ZeroMQ sockets (see _start_engine), removed at shutdown.
+        self._rpc_dir: str | None = None
         self.llm: Any = self._start_engine(seed)
         # Asynchronous GRPO's in-flight updates: off until enable_in_flight_weight_updates.
         self._in_flight: InFlightWeights | None = None
@@ -154,6 +158,10 @@ class VllmGenerationWorker:
         """Build the ``vllm.LLM`` (and remember vLLM's ``SamplingParams`` class)."""
         # Before vLLM is imported: it reads some of these once.
         os.environ.update(worker_env(self.cfg, self.vllm_port))
+        # The engine's ZeroMQ sockets go in a folder of this worker's, removed at shutdown: vLLM puts them in
+        # /tmp under random names and leaves them there when its engine process is ended.
+        self._rpc_dir = tempfile.mkdtemp(prefix="nemo_rl_vllm_rpc_")
+        os.environ["VLLM_RPC_BASE_PATH"] = self._rpc_dir
         tp_size = self.cfg.generation.vllm_cfg.tensor_parallel_size
         if tp_size > 1:
             # vLLM's external launcher picks its GPU by LOCAL_RANK; Ray shows this actor only its own GPU. A
@@ -346,5 +354,7 @@ class VllmGenerationWorker:
         if self._adapters is not None:
             self._adapters.close()
         gc.collect()
+        if self._rpc_dir is not None:
+            shutil.rmtree(self._rpc_dir, ignore_errors=True)
         if cuda_available():
             torch.cuda.empty_cache()
