@@ -140,8 +140,6 @@ class VllmGenerationWorker:
         self._sampling_params_cls: Any = None
         # A CPU tensor-parallel engine's shared-memory segments, removed at shutdown (see .cpu_shm).
         self._cpu_shm: CpuShmSegments | None = None
-        # The folder of the engine's ZeroMQ sockets (see _start_engine), removed at shutdown.
-        self._rpc_dir: str | None = None
         self.llm: Any = self._start_engine(seed)
         # Asynchronous GRPO's in-flight updates: off until enable_in_flight_weight_updates.
         self._in_flight: InFlightWeights | None = None
@@ -160,7 +158,7 @@ class VllmGenerationWorker:
         os.environ.update(worker_env(self.cfg, self.vllm_port))
         # The engine's ZeroMQ sockets go in a folder of this worker's, removed at shutdown: vLLM puts them in
         # /tmp under random names and leaves them there when its engine process is ended.
-        self._rpc_dir = tempfile.mkdtemp(prefix="nemo_rl_vllm_rpc_")
+        self._rpc_dir: str | None = tempfile.mkdtemp(prefix="nemo_rl_vllm_rpc_")
         os.environ["VLLM_RPC_BASE_PATH"] = self._rpc_dir
         tp_size = self.cfg.generation.vllm_cfg.tensor_parallel_size
         if tp_size > 1:
