@@ -37,6 +37,12 @@ KEPT_IN_TMP = ("pytest-of-*", "ray_nemo_rl_*", "torchinductor_*", "uv-*.lock")
 directory (its last three sessions), the Ray session folder of ``default_ray_temp_dir``, torch's compile cache
 and uv's lock files."""
 
+LEFT_BY_KILLED_PROCESSES = ("tmp*wandb-media", "tmp*wandb-artifacts", "pymp-*")
+"""Folders that libraries make in a process when imported (wandb's media and artifact folders) or started
+(multiprocessing's ``pymp-*``) and that only the process's exit handlers remove: the kill-and-resume tests end
+drivers and workers with SIGKILL on purpose, and a killed process cannot remove them. Not counted as leftovers;
+the processes themselves still are."""
+
 PROCESS_GRACE_S = 30.0
 """How long the session's processes get to exit after the last test (Ray's shutdown ends them in seconds)."""
 
@@ -94,7 +100,7 @@ def find_leftovers(session: str, before: Snapshot, check: str) -> list[str]:
         problems += [
             f"/tmp/{name} appeared and is still there"
             for name in sorted(after.tmp - before.tmp)
-            if not any(fnmatch.fnmatch(name, kept) for kept in KEPT_IN_TMP)
+            if not any(fnmatch.fnmatch(name, kept) for kept in (*KEPT_IN_TMP, *LEFT_BY_KILLED_PROCESSES))
         ]
     return problems
 
