@@ -7,7 +7,8 @@ An agent is a Python function (``grpo.agent.function``) or a program (``grpo.age
 :class:`AgentTask` (which names the ``model`` to request). A program reads the task as JSON on stdin, finds ``OPENAI_BASE_URL``, ``OPENAI_API_KEY``
 and ``NEMO_RL_TRAJECTORY_ID`` in its environment, and prints its reward as the last line of stdout (a number
 or ``{"reward": x}``). An agent that fails (raises, exits non-zero, prints no reward, outlives
-``grpo.agent.timeout_s``) gets reward 0 and its sample is not trained on (``agent/failed`` counts them).
+``grpo.agent.timeout_s``) gets reward 0 and its sample is not trained on (``agent/failed`` counts them);
+when every agent of a step fails, :class:`AgentRolloutError` stops the run.
 """
 
 from __future__ import annotations
@@ -244,6 +245,10 @@ def agent_tasks(endpoint: AgentEndpoint, batch: BatchedDataDict[Any]) -> list[Ag
     return tasks
 
 
+class AgentRolloutError(RuntimeError):
+    """Every agent of a step failed, so the step has nothing to train on."""
+
+
 def run_agent_rollout(
     endpoint: AgentEndpoint,
     input_batch: BatchedDataDict[Any],
@@ -283,6 +288,12 @@ def run_agent_rollout(
         "agent/mean_requests_per_call": (rows - rows_before) / max(calls - calls_before, 1),
     }
     failures = [o.error for o in outcomes if o.error is not None]
+    if failures and len(failures) == len(outcomes):
+        # Every row would have a loss multiplier of 0: a step trained on nothing, and every later one too.
+        raise AgentRolloutError(
+            f"all {len(outcomes)} agents of this step failed (first: {failures[0]}); check grpo.agent "
+            "(its command or function, timeout_s) and run one agent by hand against the endpoint"
+        )
     if failures:
         print(f"[agent] {len(failures)} of {len(outcomes)} agents failed; first: {failures[0]}", flush=True)
     batch = rollout_batch(

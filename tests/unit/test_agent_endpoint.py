@@ -33,13 +33,27 @@ from nemo_rl.config.policy import PolicyConfig  # noqa: E402
 from nemo_rl.data.llm_message_utils import format_message_log, message_log_token_ids  # noqa: E402
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict  # noqa: E402
 from nemo_rl.experience.agent_endpoint import AgentEndpoint  # noqa: E402
-from nemo_rl.experience.agent_rollouts import AgentTask, load_agent_function, run_agent_rollout  # noqa: E402
+from nemo_rl.experience.agent_rollouts import (  # noqa: E402
+    AgentRolloutError,
+    AgentTask,
+    load_agent_function,
+    run_agent_rollout,
+)
 from nemo_rl.experience.agent_trajectories import normalise_chat_messages  # noqa: E402
 from nemo_rl.models.tokenizer import get_policy_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_MODEL = ROOT / "examples" / "assets" / "tiny_qwen2_init"
 AGENT_FILE = ROOT / "examples" / "agents" / "tiny_calculator_agent.py"
+AGENT_FAILING_ON_THE_SECOND_PROMPT = """
+import io, runpy, sys
+task = sys.stdin.read()
+if "3*3" in task:
+    sys.exit(3)
+sys.stdin = io.StringIO(task)
+runpy.run_path({agent!r}, run_name="__main__")
+"""
+"""The example agent program, except that it fails on the prompt asking for 3*3."""
 MODEL = "tiny"
 """The model name the test endpoints serve."""
 TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
@@ -506,13 +520,21 @@ def test_program_agents_get_the_endpoint_from_their_environment(tokenizer: Any) 
         failing = AgentConfig(
             enabled=True, command=[sys.executable, "-c", "import sys; sys.exit(3)"], timeout_s=60
         )
-        failed, failed_metrics = run_agent_rollout(endpoint, batch, tokenizer, failing)
+        # A step whose every agent failed stops the run instead of training on nothing.
+        with pytest.raises(AgentRolloutError, match="all 2 agents of this step failed"):
+            run_agent_rollout(endpoint, batch, tokenizer, failing)
+        # One failed agent of two: reward 0, not trained on, its prompt and an empty response as the row.
+        half = AgentConfig(
+            enabled=True,
+            command=[sys.executable, "-c", AGENT_FAILING_ON_THE_SECOND_PROMPT.format(agent=str(AGENT_FILE))],
+            timeout_s=60,
+        )
+        failed, failed_metrics = run_agent_rollout(endpoint, batch, tokenizer, half)
     finally:
         endpoint.stop()
     assert rollout["total_reward"].tolist() == [1.0, 1.0]
     assert rollout["loss_multiplier"].tolist() == [1.0, 1.0]
     assert metrics["agent/requests"] == 4.0
-    # A failed agent: reward 0, not trained on, its prompt and an empty response as the row.
-    assert failed_metrics["agent/failed"] == 2.0
-    assert failed["loss_multiplier"].tolist() == [0.0, 0.0]
-    assert [m["role"] for m in failed["message_log"][0]] == ["user", "assistant"]
+    assert failed_metrics["agent/failed"] == 1.0
+    assert failed["loss_multiplier"].tolist() == [1.0, 0.0]
+    assert [m["role"] for m in failed["message_log"][1]] == ["user", "assistant"]
