@@ -1,5 +1,6 @@
 """Loss functions the policy workers train with: clipped policy gradient (GRPO/PPO/GSPO/REINFORCE),
-negative log-likelihood (SFT), DPO / pairwise preference losses and top-k distillation.
+PPO's clipped value loss (the critic), negative log-likelihood (SFT), DPO / pairwise preference losses and
+top-k distillation.
 
 Each class is a thin adapter from :mod:`nemo_rl.models.policy.loss_interface`'s ``LossFunction`` contract to
 the pure functions of :mod:`nemo_rl.algorithms.losses`: it checks and reads the batch keys, aligns the
@@ -23,7 +24,7 @@ import torch
 from nemo_rl.algorithms import losses
 from nemo_rl.algorithms.losses import Masks, PGInputs, at_least_fp32, pair_halves
 from nemo_rl.algorithms.utils import next_token_logprobs
-from nemo_rl.config.loss import ClippedPGLossConfig, DistillationLossConfig, DPOLossConfig
+from nemo_rl.config.loss import ClippedPGLossConfig, DistillationLossConfig, DPOLossConfig, ValueLossConfig
 from nemo_rl.models.policy.loss_interface import LossType
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ __all__ = [
     "DistillationLossFn",
     "NLLLoss",
     "PreferenceLoss",
+    "ValueLossFn",
 ]
 
 
@@ -50,7 +52,8 @@ class LossCall:
     """One call of a loss by the workers: the model's output, the micro-batch and the global counts."""
 
     output: torch.Tensor
-    """Next-token logits [B, T, V], or a reward model's rewards [B] / [B, 1]."""
+    """Next-token logits [B, T, V], a reward model's rewards [B] / [B, 1], or a value model's head output at
+    every position [B, T]."""
     data: BatchedDataDict[Any]
     global_valid_seqs: torch.Tensor
     global_valid_toks: torch.Tensor
@@ -179,6 +182,39 @@ class ClippedPGLossFn(_LossAdapter):
             detached = dataclasses.replace(x, curr_BS=curr_BS.detach())
             metrics = losses.clipped_pg_metrics(call.output, detached, terms, masks, self.cfg)
         return terms.loss, metrics
+
+
+class ValueLossFn(_LossAdapter):
+    """PPO's clipped value loss (:func:`nemo_rl.algorithms.losses.clipped_value_loss`) for a value model.
+
+    The model output is the value head at every position, ``head_BT``; the value of the state in which token
+    ``t`` was chosen is ``head_BT[:, t - 1]``, so ``head_BT[:, :-1]`` lines up with the per-token batch keys
+    ``returns`` and ``old_values`` sliced ``[:, 1:]`` (both aligned with the tokens, as ``get_values`` returns
+    them). Metrics: the loss, the clipped share ``vf_clipfrac``, value and return means, and the shares that
+    :func:`nemo_rl.algorithms.losses.explained_variance` reads once summed over the batch."""
+
+    def __init__(self, cfg: ValueLossConfig) -> None:
+        """``cfg``: the ``value_loss_fn`` section."""
+        self.cfg = cfg
+        self.loss_type = LossType.TOKEN_LEVEL
+        self.rows_per_group = 1
+
+    def compute(self, call: LossCall) -> tuple[torch.Tensor, dict[str, float]]:
+        """Needs ``input_ids``, ``token_mask``, ``sample_mask``, ``returns`` and ``old_values``."""
+        call.require((*_TOKEN_LOSS_KEYS, "returns", "old_values"), "ValueLossFn")
+        values_BS = at_least_fp32(call.output[:, :-1])
+        masks = call.masks(values_BS)
+        returns_BS = call.per_token("returns", values_BS)
+        terms = losses.clipped_value_loss(
+            values_BS,
+            call.per_token("old_values", values_BS),
+            returns_BS,
+            masks,
+            scale=self.cfg.scale,
+            cliprange=self.cfg.cliprange,
+            token_level=True,
+        )
+        return terms.loss, losses.value_metrics(values_BS, returns_BS, terms, masks)
 
 
 class NLLLoss(_LossAdapter):

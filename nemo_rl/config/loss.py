@@ -159,3 +159,19 @@ class DistillationLossConfig(ConfigModel):
     """``False``: renormalise both distributions over the teacher's top-k tokens. ``True``: the teacher has
     (almost) zero probability outside its top-k, and the student keeps its full-vocabulary probabilities, so
     the student is also pushed to move mass into the teacher's top-k."""
+
+
+class ValueLossConfig(ConfigModel):
+    """PPO's clipped value loss for the critic (NeMo RL's ``value_loss_fn`` section)::
+
+        loss = scale * 0.5 * mean_t max((V_t - R_t)^2, (clip(V_t, V_old_t - c, V_old_t + c) - R_t)^2)
+
+    over the response tokens of the batch, with ``R`` the GAE returns and ``V_old`` the values the returns
+    were computed with."""
+
+    scale: float = Field(default=0.4, gt=0.0)
+    """Weight of the value loss (the critic's only loss, so it acts as a learning-rate multiplier)."""
+
+    cliprange: float | None = Field(default=0.2, ge=0.0)
+    """How far a value may move from the rollout's value before its error stops giving gradient; ``null`` or
+    0 trains on the plain squared error."""

@@ -258,6 +258,11 @@ def _check_preference_run(algorithm: str, policy: PolicyConfig, data: DataConfig
                 else " (it trains the language-model head)"
             )
         )
+    if reward_model and policy.reward_model_cfg.reward_model_type != "bradley_terry":
+        raise ValueError(
+            f"{algorithm} trains a Bradley-Terry reward model on preference pairs: set "
+            "policy.reward_model_cfg.reward_model_type=bradley_terry (regression is PPO's value model)"
+        )
 
 
 class PreferenceMasterConfig(TrainingRunConfig):

@@ -71,16 +71,19 @@ class TokenizerConfig(ConfigModel):
 
 
 class RewardModelConfig(ConfigModel):
-    """Load and train the model as a reward model: a scalar head on the last token instead of the LM head
-    (NeMo RL's ``policy.reward_model_cfg``)."""
+    """Load and train the model with a scalar head instead of the LM head: a reward model (one reward per
+    sequence) or PPO's value model (one value per token); NeMo RL's ``policy.reward_model_cfg`` and
+    ``value.reward_model_cfg``."""
 
     enabled: bool = False
     """Load ``model_name`` with ``AutoModelForSequenceClassification`` and one output (a checkpoint without
-    that head gets a freshly initialised one); the workers then return one reward per sequence."""
+    that head gets a freshly initialised one); the workers then return the head's output instead of logits."""
 
-    reward_model_type: Literal["bradley_terry"] = "bradley_terry"
-    """Kind of reward model: ``bradley_terry``, a scalar trained on preference pairs with
-    ``-log sigmoid(r_chosen - r_rejected)``."""
+    reward_model_type: Literal["bradley_terry", "regression"] = "bradley_terry"
+    """What the head is trained as: ``bradley_terry``, a reward model read at each sequence's last token and
+    trained on preference pairs with ``-log sigmoid(r_chosen - r_rejected)``; ``regression``, a value model
+    read at every token and regressed onto PPO's returns (the critic of ``run_ppo.py``, whose ``value``
+    section sets it)."""
 
 
 class OptimizerConfig(ConfigModel):

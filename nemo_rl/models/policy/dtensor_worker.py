@@ -17,7 +17,9 @@ the sampler drew from (:func:`nemo_rl.models.sampling.sampling_logits`; a no-op 
 Reward models: with ``policy.reward_model_cfg.enabled`` the same worker holds the model with a scalar head
 (``AutoModelForSequenceClassification``, one output) instead of the LM head. Its losses receive one reward per
 sequence ([B], read at the sequence's last token) instead of logits, ``score`` returns those rewards, and the
-log-prob methods refuse to run. Everything else (sharding, training, checkpoints, export) is shared.
+log-prob methods refuse to run. With ``reward_model_type: regression`` the model is PPO's value model: its losses
+receive the head's output at every token ([B, T]) and ``get_values`` returns it aligned with the tokens.
+Everything else (sharding, training, checkpoints, export) is shared.
 
 Tensor legend: B = sequences, T = tokens, V = vocabulary, K = top-k.
 """
@@ -139,8 +141,46 @@ class DTensorPolicyWorker(DTensorWeightsMixin, DTensorRefitMixin, PolicyWorkerBa
         if self.cfg.shared_prefix.enabled and self.cfg.shared_prefix.dedupe_rows:
             unique, copies = identical_rows(mb)
             mb = mb.select_indices(unique) if unique is not None else mb
-        out = self._rewards(mb) if self.is_reward_model else self._logits(mb)
+        if self.is_value_model:
+            out = self._values(mb)
+        else:
+            out = self._rewards(mb) if self.is_reward_model else self._logits(mb)
         return out if unique is None else out.index_select(0, copies.to(out.device))
+
+    def _values(self, mb: BatchedDataDict[Any]) -> torch.Tensor:
+        """[B, T] float32: a value model's scalar head at every position (0 past each row's length), caught on
+        its way out of the head (Hugging Face's sequence-classification forward then reads one token, which
+        nothing uses). Packed and shared-prompt rows are mapped back to the batch's rows."""
+        head_out: list[torch.Tensor] = []
+        hook = self.model.get_submodule("score").register_forward_hook(
+            lambda _module, _args, output: head_out.append(output)
+        )
+        packed = shared = None
+        try:
+            if self.cfg.packs_sequences:
+                multiple = math.lcm(self.cfg.sequence_packing.sequence_length_round, self.seq_multiple)
+                packed = PackedRows.pack(mb["input_ids"], mb["input_lengths"], multiple)
+                self.model(
+                    input_ids=packed.input_ids_1L, position_ids=packed.position_ids_1L, use_cache=False
+                )
+            elif self.cfg.shared_prefix.enabled and (shared := self._shared_prefix_rows(mb)) is not None:
+                self.model(**self._shared_prefix_inputs(shared))
+            else:
+                self.model(input_ids=mb["input_ids"], use_cache=False)
+        finally:
+            hook.remove()
+        from torch.distributed.tensor import DTensor
+
+        head = head_out[0].full_tensor() if isinstance(head_out[0], DTensor) else head_out[0]
+        layout = packed or shared
+        valid_BT = valid_token_mask(mb["input_lengths"].to(head.device), mb["input_ids"].shape[1])
+        self._fed_valid_N = (
+            fed_token_mask(layout.index_BT, layout.valid_BT, head.shape[1])
+            if layout is not None
+            else valid_BT
+        ).reshape(-1)
+        head_BT = (layout.unpack(head) if layout is not None else head)[..., 0].float()
+        return head_BT * valid_BT
 
     def _rewards(self, mb: BatchedDataDict[Any]) -> torch.Tensor:
         """[B] float32 reward of each sequence: the scalar head's output at its last token."""

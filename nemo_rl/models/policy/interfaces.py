@@ -103,6 +103,11 @@ class PolicyInterface(Protocol):
         (``policy.reward_model_cfg.enabled``: the model's scalar head read at the sequence's last token)."""
         ...
 
+    def get_values(self, data: BatchedDataDict[Any]) -> BatchedDataDict[Any]:
+        """``{"values": [B, T] float32}``: a value model's (``reward_model_type: regression``) value of the
+        state before each token, aligned as log-probs are (0 at position 0 and padding)."""
+        ...
+
     def train(
         self,
         data: BatchedDataDict[Any],

@@ -217,6 +217,11 @@ class Policy(WorkerGroupFacade):
         """``{"scores": [B]}``: each sequence's reward (reward models only)."""
         return self._score("score", data)
 
+    def get_values(self, data: BatchedDataDict[Any]) -> BatchedDataDict[Any]:
+        """``{"values": [B, T]}``: a value model's value of the state before each token (0 at position 0 and
+        padding; value models only, see ``PolicyWorkerBase.get_values``)."""
+        return self._score("get_values", data)
+
     def train(
         self,
         data: BatchedDataDict[Any],

@@ -42,7 +42,18 @@ from nemo_rl.weight_sync.interfaces import TransferStats, WeightSender
 from nemo_rl.weight_sync.scope import RefitScope
 
 ScoreFn = Callable[[torch.Tensor, BatchedDataDict[Any]], dict[str, torch.Tensor]]
-"""Maps a micro-batch's model output (logits [B, T, V], or rewards [B]) and the micro-batch to per-row outputs."""
+"""Maps a micro-batch's model output (logits [B, T, V], a reward model's rewards [B], or a value model's head
+output [B, T]) and the micro-batch to per-row outputs."""
+
+
+def token_values(head_BT: torch.Tensor, input_lengths_B: torch.Tensor) -> torch.Tensor:
+    """A value model's values aligned with the tokens, like log-probs: position ``t`` holds the head's output
+    after reading ``input_ids[:, :t]`` (the value of the state in which token ``t`` was chosen), 0 at position
+    0 and at padding. ``head_BT`` is the head's output at every position (not shifted)."""
+    values_BT = torch.zeros_like(head_BT, dtype=torch.float32)
+    values_BT[:, 1:] = head_BT[:, :-1].float()
+    positions_BT = torch.arange(head_BT.shape[1], device=head_BT.device)[None, :]
+    return values_BT * (positions_BT < input_lengths_B.to(head_BT.device)[:, None])
 
 
 class PolicyWorkerBase(abc.ABC):
@@ -142,14 +153,21 @@ class PolicyWorkerBase(abc.ABC):
     # ---------------------------------------------------------------------------------------- scoring
     @property
     def is_reward_model(self) -> bool:
-        """Whether the model has a scalar reward head (``policy.reward_model_cfg.enabled``)."""
+        """Whether the model has a scalar head (``reward_model_cfg.enabled``): a reward model, or with
+        ``reward_model_type: regression`` a value model."""
         return self.cfg.reward_model_cfg.enabled
+
+    @property
+    def is_value_model(self) -> bool:
+        """Whether the model is PPO's value model: a scalar head read at every token
+        (``reward_model_cfg.reward_model_type: regression``)."""
+        return self.is_reward_model and self.cfg.reward_model_cfg.reward_model_type == "regression"
 
     def _require_language_model(self, method: str) -> None:
         if self.is_reward_model:
             raise ValueError(
-                f"{method} needs next-token logits, but this policy is a reward model "
-                "(policy.reward_model_cfg.enabled=true); use score() for its rewards"
+                f"{method} needs next-token logits, but this model has a scalar head "
+                "(reward_model_cfg.enabled=true); use score() for a reward model, get_values() for a value model"
             )
 
     def get_logprobs(
@@ -185,12 +203,29 @@ class PolicyWorkerBase(abc.ABC):
 
     def score(self, data: BatchedDataDict[Any], micro_batch_size: int | None = None) -> BatchedDataDict[Any]:
         """``{"scores": [B]}``: a reward model's reward of each sequence of ``data``."""
-        if not self.is_reward_model:
+        if not self.is_reward_model or self.is_value_model:
             raise ValueError(
-                "score() needs a reward model: set policy.reward_model_cfg.enabled=true (this policy is a "
-                "language model; use get_logprobs() for it)"
+                "score() needs a reward model: set policy.reward_model_cfg.enabled=true with "
+                "reward_model_type=bradley_terry (use get_logprobs() for a language model, get_values() for a "
+                "value model)"
             )
         return self._score(data, lambda rewards_B, mb: {"scores": rewards_B}, micro_batch_size)
+
+    def get_values(
+        self, data: BatchedDataDict[Any], micro_batch_size: int | None = None
+    ) -> BatchedDataDict[Any]:
+        """``{"values": [B, T] float32}``: a value model's values, aligned with the tokens as log-probs are
+        (see :func:`token_values`)."""
+        if not self.is_value_model:
+            raise ValueError(
+                "get_values() needs a value model: reward_model_cfg.enabled=true and "
+                "reward_model_cfg.reward_model_type=regression (the value section of a PPO config)"
+            )
+        return self._score(
+            data,
+            lambda head_BT, mb: {"values": token_values(head_BT, mb["input_lengths"])},
+            micro_batch_size,
+        )
 
     # --------------------------------------------------------------------------------------- training
     def train(
