@@ -24,6 +24,8 @@ ALGORITHM_OF_FILE = {
     "dpo.yaml": "DPOMasterConfig",
     "rm.yaml": "RMMasterConfig",
     "distillation_math.yaml": "DistillationMasterConfig",
+    "ppo_math_1B.yaml": "PPOMasterConfig",
+    "ppo_math_1B_megatron.yaml": "PPOMasterConfig",
 }
 FILES = sorted(RECIPES.glob("*/*.yaml"))
 
