@@ -411,10 +411,16 @@ class PolicyConfig(ConfigModel):
                 "policy.frozen_parameters is implemented by the DTensor backend only: remove it or set "
                 "policy.dtensor_cfg.enabled=true and policy.megatron_cfg.enabled=false"
             )
-        if self.reward_model_cfg.enabled:
+        if self.reward_model_cfg.enabled and self.reward_model_cfg.reward_model_type != "regression":
             raise ValueError(
                 "policy.reward_model_cfg.enabled=true needs the DTensor backend (the Megatron backend builds "
-                "causal LMs only): set policy.dtensor_cfg.enabled=true and policy.megatron_cfg.enabled=false"
+                "causal LMs and value models only): set policy.dtensor_cfg.enabled=true and "
+                "policy.megatron_cfg.enabled=false"
+            )
+        if self.reward_model_cfg.enabled and megatron.peft.enabled:
+            raise ValueError(
+                "policy.megatron_cfg.peft.enabled=true with a value model would leave its new scalar head "
+                "untrained: set it false (train the value model fully)"
             )
 
     def _check_batching(self) -> None:
