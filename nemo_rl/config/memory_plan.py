@@ -354,6 +354,26 @@ def plan_config(config: Any) -> MemoryPlan | str:
         )
         plan.workers.append(WorkerPlan("reference", scoring, note))
         plan.phases["reference log-prob pass"] = scoring
+    missing = _add_teacher_and_critic(plan, config, slots)
+    if missing:
+        return missing
+    if algorithm is not None:
+        rows = _generation_rows(policy, algorithm.samples_per_step, gen_slots, slots)
+        gen = generation_terms(arch, policy.generation, policy.max_total_sequence_length, rows, device_bytes)
+        plan.workers.append(WorkerPlan("generation", gen, _generation_note(policy)))
+        plan.phases["generation"] = gen
+        refit = refit_terms(arch, policy)
+        plan.workers.append(WorkerPlan("refit (policy side)", refit))
+        gen_weights = _generation_weights(arch, policy.generation)
+        if policy.generation.colocated.enabled:
+            plan.phases["refit"] = _weights_only(train) + refit + gen_weights
+        else:
+            plan.phases["refit (policy devices)"] = _weights_only(train) + refit
+    return plan
+
+
+def _add_teacher_and_critic(plan: MemoryPlan, config: Any, slots: int) -> str | None:
+    """Add distillation's teacher and PPO's critic to ``plan``; one line when an architecture is unknown."""
     teacher: PolicyConfig | None = getattr(config, "teacher", None)
     if teacher is not None:
         teacher_arch, teacher_source = resolve_arch(teacher.model_name, teacher.hf_config_overrides)
@@ -373,19 +393,7 @@ def plan_config(config: Any) -> MemoryPlan | str:
             WorkerPlan("value (critic training)", critic, "offloaded while the policy trains")
         )
         plan.phases["critic training"] = critic
-    if algorithm is not None:
-        rows = _generation_rows(policy, algorithm.samples_per_step, gen_slots, slots)
-        gen = generation_terms(arch, policy.generation, policy.max_total_sequence_length, rows, device_bytes)
-        plan.workers.append(WorkerPlan("generation", gen, _generation_note(policy)))
-        plan.phases["generation"] = gen
-        refit = refit_terms(arch, policy)
-        plan.workers.append(WorkerPlan("refit (policy side)", refit))
-        gen_weights = _generation_weights(arch, policy.generation)
-        if policy.generation.colocated.enabled:
-            plan.phases["refit"] = _weights_only(train) + refit + gen_weights
-        else:
-            plan.phases["refit (policy devices)"] = _weights_only(train) + refit
-    return plan
+    return None
 
 
 def _generation_weights(arch: ModelArch, gen: GenerationConfig) -> list[Term]:

@@ -15,6 +15,7 @@ from nemo_rl.config.master import (
     DPOMasterConfig,
     EvalMasterConfig,
     GRPOMasterConfig,
+    PPOMasterConfig,
     RMMasterConfig,
     SFTMasterConfig,
 )
@@ -30,6 +31,7 @@ Master = (
     | type[RMMasterConfig]
     | type[EvalMasterConfig]
     | type[DistillationMasterConfig]
+    | type[PPOMasterConfig]
 )
 
 
@@ -47,8 +49,10 @@ def _schema_for(path: Path) -> Master:
         return DPOMasterConfig
     if name.startswith("rm"):
         return RMMasterConfig
+    if name.startswith("ppo"):
+        return PPOMasterConfig
     raise AssertionError(
-        f"no schema known for {path}: name it after its algorithm (grpo*, sft*, dpo*, rm*, distillation*)"
+        f"no schema known for {path}: name it after its algorithm (grpo*, ppo*, sft*, dpo*, rm*, distillation*)"
     )
 
 
