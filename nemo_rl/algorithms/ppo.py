@@ -48,6 +48,7 @@ from nemo_rl.data.datasets import ProcessedDataset
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.experience.train_batch import build_train_batch
 from nemo_rl.models.policy.hf_io import trains_with_dropout
+from nemo_rl.models.policy.interfaces import TrainResult
 from nemo_rl.models.policy.lm_policy import Policy
 from nemo_rl.models.tokenizer import get_policy_tokenizer
 from nemo_rl.utils.timer import Timer
@@ -169,7 +170,7 @@ def advantages_and_returns(
 
 
 def _critic_metrics(
-    result: Mapping[str, Any], values_BT: torch.Tensor, data: BatchedDataDict[Any]
+    result: TrainResult, values_BT: torch.Tensor, data: BatchedDataDict[Any]
 ) -> dict[str, float]:
     """``critic/*``: the critic's training metrics and, over the batch, how well its values before this step's
     updates explained the returns."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -31,7 +31,9 @@ class PromptsState(RLState):
     dropped as too old (its loader reads ahead of training, and only what the steps took counts)."""
 
 
-PGRun = Run[Any, PromptsState]
+S = TypeVar("S", bound=PromptsState)
+
+PGRun = Run[Any, S]
 """A run whose loop samples prompts and records how many it consumed (GRPO, PPO)."""
 
 
@@ -55,7 +57,7 @@ def with_transformed_rewards(
 
 
 def score(
-    run: PGRun, batch: BatchedDataDict[Any], cfg: PolicyGradientLoopConfig, timer: Timer
+    run: PGRun[S], batch: BatchedDataDict[Any], cfg: PolicyGradientLoopConfig, timer: Timer
 ) -> tuple[BatchedDataDict[Any], dict[str, float], EnvMetrics]:
     """Sample ``num_generations_per_prompt`` responses per prompt of ``batch`` and score them (see
     :meth:`Run.sample`), with the transformed rewards; the function returned last waits for the
@@ -64,7 +66,7 @@ def score(
     return (*with_transformed_rewards(rollout, metrics, cfg), env_metrics)
 
 
-def draw(run: PGRun, batches: Iterator[BatchedDataDict[Any]]) -> BatchedDataDict[Any]:
+def draw(run: PGRun[S], batches: Iterator[BatchedDataDict[Any]]) -> BatchedDataDict[Any]:
     """A further prompt batch drawn within a step (dynamic sampling), counted as consumed."""
     batch = next(batches)
     run.state.consumed_prompts += len(batch["message_log"])
@@ -72,7 +74,7 @@ def draw(run: PGRun, batches: Iterator[BatchedDataDict[Any]]) -> BatchedDataDict
 
 
 def sample_step(
-    run: PGRun,
+    run: PGRun[S],
     batch: BatchedDataDict[Any],
     cfg: PolicyGradientLoopConfig,
     timer: Timer,
