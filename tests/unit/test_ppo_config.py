@@ -37,11 +37,11 @@ def _error(data: dict[str, Any]) -> str:
 
 
 def test_the_critic_is_always_a_regression_head_on_the_policy_checkpoint() -> None:
-    config = _tiny()
+    config = _tiny("ppo.ppo_epochs=1", "ppo.critic_ppo_epochs=3")
     assert config.value.model_name == config.policy.model_name
     assert config.value.reward_model_cfg.enabled
     assert config.value.reward_model_cfg.reward_model_type == "regression"
-    assert config.ppo.critic_epochs == 4 and config.ppo.ppo_epochs == 1
+    assert config.ppo.critic_epochs == 3 and config.ppo.ppo_epochs == 1
     # NeMo RL's recipe: critic epochs follow the policy's when unset; its Megatron recipe's
     # reward_model_cfg.enabled=false still gives the critic its head.
     recipe = load_and_validate(NEMO_RL_RECIPE, PPOMasterConfig, ["ppo.critic_ppo_epochs=null"])
@@ -69,7 +69,7 @@ def test_a_run_without_a_critic_says_how_to_add_one() -> None:
         ),
         (["value.train_global_batch_size=384"], "must be a multiple of value.train_global_batch_size=384"),
         (["policy.train_global_batch_size=96"], "must be a multiple of policy.train_global_batch_size=96"),
-        (["ppo.policy_training_start_step=40"], "the policy would never train"),
+        (["ppo.max_num_steps=5", "ppo.policy_training_start_step=5"], "the policy would never train"),
         (["ppo.async_ppo.enabled=true"], "ppo.async_ppo.enabled"),
         (["ppo.seq_logprob_error_threshold=0.5"], "seq_logprob_error_threshold"),
     ],
