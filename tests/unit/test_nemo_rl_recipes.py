@@ -88,7 +88,9 @@ def test_nemo_rl_recipe_loads_unchanged(path: Path) -> None:
 @pytest.mark.parametrize("version", ["v0.4.0", "v0.5.0", "main"])
 def test_distillation_recipe_fails_only_for_what_is_not_built(version: str) -> None:
     with pytest.raises(ConfigError) as err:
-        load_and_validate(RECIPES / version / "distillation_math.yaml", master_configs.DistillationMasterConfig)
+        load_and_validate(
+            RECIPES / version / "distillation_math.yaml", master_configs.DistillationMasterConfig
+        )
     problems = [line for line in str(err.value).splitlines() if line.strip().startswith("- ")]
     assert problems and all(any(key in line for key in _NOT_BUILT_KEYS) for line in problems), problems
 
