@@ -167,7 +167,7 @@ def test_malformed_verl_rows_name_the_row(tmp_path: pathlib.Path, row: dict[str,
 def test_validation_from_another_dataset_must_hold_the_same_kind_of_rows() -> None:
     # Preference pairs cannot validate a math run: one line saying what to do.
     with pytest.raises(
-        ValidationError, match="holds preference pairs but data.dataset_name=DAPOMath17K holds"
+        ValidationError, match=r"holds preference pairs but data\.dataset_name=DAPOMath17K holds"
     ):
         nemo_rl_data({"dataset_name": "DAPOMath17K"}, {"dataset_name": "HelpSteer3"})
     # Another conversation dataset is fine (one processor reads both), also with the flat keys.
@@ -180,9 +180,9 @@ def test_validation_from_another_dataset_must_hold_the_same_kind_of_rows() -> No
         ValidationError, match=r"data.validation.env_name='code' differs from data.train's 'math'"
     ):
         nemo_rl_data({"dataset_name": "DAPOMath17K"}, {"dataset_name": "AIME2024", "env_name": "code"})
-    with pytest.raises(ValidationError, match="has no default source: set data.val_data_path"):
+    with pytest.raises(ValidationError, match=r"has no default source: set data\.val_data_path"):
         DataConfig(dataset_name="DAPOMath17K", val_dataset_name="response")
     with pytest.raises(ValidationError, match="generated together with its training problems"):
         DataConfig(dataset_name="OpenMathInstruct-2", val_dataset_name="tiny_math")
-    with pytest.raises(ValidationError, match="data.train.repeat"):
+    with pytest.raises(ValidationError, match=r"data\.train\.repeat"):
         nemo_rl_data({"dataset_name": "AIME2024", "repeat": 2}, None)
