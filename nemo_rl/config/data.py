@@ -237,8 +237,8 @@ class DataConfig(ConfigModel):
     a ``val_dataset_name`` of its own (which reads its usual subset)."""
 
     val_fraction: float = Field(default=0.05, ge=0.0, lt=1.0)
-    """Share of the training rows held out (seeded) for validation when the source has no validation split;
-    0 means no validation set."""
+    """Share of the training rows held out (seeded) for validation when the source has no validation split
+    and no ``val_data_path`` or ``val_dataset_name`` of its own is given; 0 means no validation set."""
 
     input_key: str = "input"
     """Column holding the prompt for ``dataset_name: response``."""
