@@ -99,7 +99,8 @@ class RuleBasedEnvConfig(ConfigModel):
 
 
 class MathEnvConfig(RuleBasedEnvConfig):
-    """The math environment: the last ``\\boxed{}`` answer checked against the ground truth by math-verify."""
+    """The math environment: the response's final answer checked against the ground truth, by math-verify or
+    DAPO's rule (``math_verify_impl``)."""
 
     num_workers: int = Field(default=8, ge=1)
     """Verifier processes checking answers in parallel."""
@@ -119,8 +120,12 @@ class MathEnvConfig(RuleBasedEnvConfig):
     stop_strings: list[str] | None = None
     """Stop strings for the response (``None``: stop at end of sequence only)."""
 
-    math_verify_impl: Literal["hf_math_verify"] = "hf_math_verify"
-    """Verifier implementation (NeMo RL key); Hugging Face math-verify is the one provided."""
+    math_verify_impl: Literal["hf_math_verify", "dapo_math_verify"] = "hf_math_verify"
+    """How answers are checked (NeMo RL's key). ``hf_math_verify``: the last ``\\boxed{}`` answer, compared
+    mathematically by Hugging Face math-verify in the verifier processes. ``dapo_math_verify``: DAPO's rule
+    (for its ``Answer:``-line prompts, e.g. ``DAPOMath17K``): the last ``Answer:`` line of the response's last
+    300 characters, normalised the Minerva way, must equal the normalised ground truth as text; it runs in
+    the environment, so ``num_workers``, ``verify_timeout_s`` and ``verify_memory_limit_mb`` do not apply."""
 
 
 class CodeEnvConfig(RuleBasedEnvConfig):
