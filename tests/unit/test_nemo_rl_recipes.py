@@ -81,6 +81,8 @@ def test_nemo_rl_recipe_loads_unchanged(path: Path) -> None:
         assert generic in documented and setting.reason, setting
     # The policy section is the one every recipe shares; spot-check it read NeMo RL's values.
     raw = yaml.safe_load(path.read_text())
+    if "model_name" not in raw["policy"]:  # the recipe inherits them (``defaults:``)
+        raw = yaml.safe_load((path.parent / raw["defaults"]).read_text())
     assert cfg.policy.model_name == raw["policy"]["model_name"]  # type: ignore[attr-defined]
     assert cfg.policy.train_global_batch_size == raw["policy"]["train_global_batch_size"]  # type: ignore[attr-defined]
 
