@@ -1,6 +1,7 @@
 """A NeMo RL-style user script with its own environment: ``examples/run_grpo_sliding_puzzle.py`` builds the
-sliding-puzzle prompts and environment actor and hands them to ``grpo.setup`` (``task_to_env``), or to ``ppo.setup`` for a PPO recipe. Run in-process
-on the session Ray cluster with the tiny warm-started checkpoint, with dynamic sampling on."""
+sliding-puzzle prompts and environment actor and hands them to ``grpo.setup`` (``task_to_env``), or to
+``ppo.setup`` for a PPO recipe. Run in-process on the session Ray cluster with the tiny warm-started
+checkpoint, with dynamic sampling on."""
 
 from __future__ import annotations
 
