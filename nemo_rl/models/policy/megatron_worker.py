@@ -196,7 +196,7 @@ class MegatronPolicyWorker(MegatronWeightsMixin, PolicyWorkerBase):
             value_head=self.is_value_model,
         )
         reader = SafetensorsReader(self.checkpoint_dir)
-        get = reader.get
+        get: Callable[[str], torch.Tensor] = reader.get
         if self.is_value_model:
             get = value_head.checkpoint_getter(
                 reader, self.arch.hidden_size, self.hf_config.initializer_range
