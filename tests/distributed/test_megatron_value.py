@@ -92,7 +92,7 @@ def reference_training(model: torch.nn.Module, data: BatchedDataDict[Any]) -> di
         loss, _ = loss_fn(head_BT(model, batch), batch, *global_valid_counts(batch))
         loss.backward()
         log["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
-        log["loss"].append(float(loss))
+        log["loss"].append(float(loss.detach()))
         log["lr"].append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         scheduler.step()
