@@ -16,6 +16,7 @@ One pair of spawned rank processes runs every scenario in turn and writes its re
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import traceback
@@ -40,7 +41,7 @@ from test_dtensor_worker import (
 )
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
-from nemo_rl.algorithms.loss_functions import ValueLossFn
+from nemo_rl.algorithms.loss_functions import PreferenceLoss, ValueLossFn
 from nemo_rl.algorithms.losses import explained_variance
 from nemo_rl.config.loss import ValueLossConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
@@ -152,6 +153,9 @@ def _scenarios(rank: int, model_dir: Path, out_dir: Path) -> None:
         if name == "dp2":
             save("refuse_get_logprobs", _refusal(worker.get_logprobs, scored))
             save("refuse_score", _refusal(worker.score, scored))
+            # Last: the refused step stops inside the forward of its first micro-batch.
+            rm_step = functools.partial(worker.train, loss_fn=PreferenceLoss())
+            save("refuse_rm_train", _refusal(rm_step, steps(worker, 0, 1)))
         if name == "tp2":
             worker.export_hf(str(out_dir / "export"))
         worker.shutdown()
@@ -373,6 +377,27 @@ def test_layouts_ran_their_forward(results: Path) -> None:
         assert result(results, "dp2_attention", rank) == "sdpa"
 
 
+def test_training_moves_the_values(results: Path) -> None:
+    scored = score_data()
+    positions = torch.arange(SEQ_LEN)[None, :]
+    inside = (positions > 0) & (positions < scored["input_lengths"][:, None])
+    for layout in LAYOUTS:
+        before = result(results, f"{layout}_values_init")["values"]
+        after = result(results, f"{layout}_values_trained")["values"]
+        moved = (after - before).abs()
+        assert float(moved[inside].min()) > 1e-4 and float(moved.max()) > 1e-2, (layout, moved)
+        assert bool((after[~inside] == 0).all()), layout
+
+
+def test_packed_and_shared_prompt_values_equal_the_plain_forward(results: Path) -> None:
+    for layout in ("packed", "shared"):
+        for name in ("values_init", "values_grouped"):
+            plain = result(results, f"dp2_{name}")["values"]
+            torch.testing.assert_close(
+                result(results, f"{layout}_{name}")["values"], plain, rtol=1e-6, atol=1e-6
+            )
+
+
 def test_get_values_hold_the_head_after_each_prefix(results: Path, reference: dict[str, Any]) -> None:
     scored = score_data()
     positions = torch.arange(SEQ_LEN)[None, :]
@@ -416,6 +441,7 @@ def test_export_loads_as_a_sequence_classification_model(results: Path) -> None:
     [
         ("refuse_get_logprobs", "get_values() for a value model"),
         ("refuse_score", "get_values() for a value model"),
+        ("refuse_rm_train", "reward_model_type=bradley_terry"),
         ("refuse_get_values_lm", "reward_model_type=regression"),
         ("refuse_get_values_bradley_terry", "reward_model_type=regression"),
     ],
