@@ -5,10 +5,12 @@ on the clipped value loss written out plainly here.
 
 FSDP (dp=2), TP (tp=2), TP with sequence parallelism, sequence packing and shared prompts (rows of a group
 sharing their prompt, as GRPO and PPO send them) each take the same three steps as the reference; values
-before and after, the per-step loss, gradient norm and the loss's metrics agree in float32 (rtol 1e-5).
-``get_values`` is checked against the head run on each prefix alone; a checkpoint taken after step two resumes
-step three bit for bit; the export loads in transformers and gives the worker's values; and the methods of
-the other model kinds refuse a value model (and ``get_values`` refuses them) with one line.
+before and after, the per-step loss, gradient norm and the loss's metrics agree in float32 (rtol 1e-5); the
+steps move every value, and packed and shared-prompt values equal the plain forward's. ``get_values`` is
+checked against the head run on each prefix alone; a checkpoint taken after step two resumes step three bit
+for bit; the export loads in transformers and gives the worker's values; and the methods of the other model
+kinds (log-probs, ``score``, a reward model's training step) refuse a value model, and ``get_values``
+refuses them, with one line.
 
 One pair of spawned rank processes runs every scenario in turn and writes its results to disk
 (``rank_groups.spawn_and_wait``); the tiny model, data and optimizer schedule are ``test_dtensor_worker.py``'s.
