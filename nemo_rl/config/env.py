@@ -228,7 +228,7 @@ class RewardModelEnvConfig(ConfigModel):
     """Parallelism of the reward-model workers (tensor parallel size...)."""
 
     reward_model_cfg: RewardModelConfig = Field(default_factory=lambda: RewardModelConfig(enabled=True))
-    """Kind of reward model; ``enabled`` must stay true."""
+    """Kind of reward model; ``enabled`` must stay true and ``reward_model_type`` ``bradley_terry``."""
 
     dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig)
     """Token-budget micro-batches for scoring (``logprob_mb_tokens`` bounds a forward pass)."""
@@ -246,6 +246,11 @@ class RewardModelEnvConfig(ConfigModel):
         if not self.reward_model_cfg.enabled:
             raise ValueError(
                 "env.reward_model.reward_model_cfg.enabled must be true: the environment loads a reward model"
+            )
+        if self.reward_model_cfg.reward_model_type != "bradley_terry":
+            raise ValueError(
+                "env.reward_model.reward_model_cfg.reward_model_type=regression is PPO's value model, which scores "
+                "every token rather than a response: set it to bradley_terry (or leave it out)"
             )
         return self
 

@@ -146,6 +146,20 @@ def test_grpo_reward_model_recipes() -> None:
         )
 
 
+def test_reward_models_refuse_a_value_head() -> None:
+    """``regression`` is PPO's value model: RM training and the reward-model environment refuse it."""
+
+    def value_head(section: str) -> list[str]:
+        return [
+            f"{section}.reward_model_cfg.{key}" for key in ("enabled=true", "reward_model_type=regression")
+        ]
+
+    with pytest.raises(ConfigError, match=r"regression is PPO's value model"):
+        load_and_validate(CONFIG_DIR / "rm.yaml", RMMasterConfig, value_head("policy"))
+    with pytest.raises(ConfigError, match=r"is PPO's value model, which scores every token"):
+        load_and_validate(CONFIG_DIR / "grpo_rm_tiny.yaml", GRPOMasterConfig, value_head("env.reward_model"))
+
+
 def test_distillation_recipes() -> None:
     # NeMo RL's distillation_math.yaml values; the teacher inherits the student's section.
     public = load_and_validate(CONFIG_DIR / "distillation_math.yaml", DistillationMasterConfig)
