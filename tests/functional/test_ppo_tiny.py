@@ -42,6 +42,7 @@ def _command(tmp: Path) -> list[str]:
         "policy.train_global_batch_size=16",
         "policy.train_micro_batch_size=8",
         "policy.logprob_batch_size=8",
+        "value.train_global_batch_size=8",
         "value.train_micro_batch_size=8",
         "checkpointing.save_period=2",
         "checkpointing.save_consolidated=true",
