@@ -120,11 +120,13 @@ def setup(
     _check_warm_up(config, train_dataset)
     ppo = config.ppo
     warm_start = ppo.warm_start_value_checkpoint
+    colocated = ppo.value_colocated
     critic = ExtraPolicy(
         config.value,
         VALUE,
         trained=True,
         warm_start=None if warm_start is None else str(Path(warm_start) / VALUE / "weights"),
+        own_slots_per_node=0 if colocated.enabled else colocated.resources.gpus_per_node or 0,
     )
     spec = RunSpec.sampling_loop(
         "PPO",
@@ -213,8 +215,9 @@ def train_on_rollout(
             with timer.time("value_training"):
                 critic.prepare_for_training()
                 critic_result = critic.train(data, loss.value)
-                # The critic shares the policy's devices: its weights and optimizer leave them in turn.
-                critic.offload_after_refit()
+                if cfg.ppo.value_colocated.enabled:
+                    # The critic shares the policy's devices: its weights and optimizer leave them in turn.
+                    critic.offload_after_refit()
         if trains_policy and epoch < cfg.ppo.ppo_epochs:
             with timer.time("policy_training"):
                 run.policy.prepare_for_training()

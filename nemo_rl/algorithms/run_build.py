@@ -27,9 +27,9 @@ from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.algorithms.generation_weights import GenerationWeights, InFlightUpdatable
 from nemo_rl.algorithms.loop import Resume, check_run_setup, find_resume
+from nemo_rl.algorithms.placement import Placement, placement
 from nemo_rl.algorithms.run import Loader, Run, RunState, Sampling, TrainingConfig
 from nemo_rl.config.agent import AgentConfig
-from nemo_rl.config.cluster import ClusterConfig
 from nemo_rl.config.env import EnvConfig
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.loader import save_config
@@ -71,6 +71,9 @@ class ExtraPolicy:
     warm_start: str | None = None
     """A trained policy's weights (a ``<step>/<name>/weights`` folder of another run) that a fresh run starts
     from instead of ``cfg.model_name``; a resumed run restores its own checkpoint and ignores this."""
+    own_slots_per_node: int = 0
+    """Worker slots of its own on each node (see :mod:`nemo_rl.algorithms.placement`); 0 shares the
+    policy's slots and takes turns on them."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -144,33 +147,6 @@ class RunSpec(Generic[S]):
             models=models,
             sampling=sampling,
         )
-
-
-def placement(policy: PolicyConfig, cluster: ClusterConfig, *, samples: bool) -> tuple[list[int], list[int]]:
-    """Bundle indices of the policy and the generation workers.
-
-    Without sampling, or colocated, both use every bundle (and take turns). Otherwise the last
-    ``policy.generation.colocated.resources.gpus_per_node`` bundles of each node go to generation.
-    """
-    total = cluster.gpus_per_node * cluster.num_nodes
-    if not samples or policy.generation.colocated.enabled:
-        return list(range(total)), list(range(total)) if samples else []
-    gen_per_node = policy.generation.colocated.resources.gpus_per_node
-    assert gen_per_node is not None  # checked by the master config
-    if gen_per_node >= cluster.gpus_per_node:
-        raise UserError(
-            f"non-colocated generation takes policy.generation.colocated.resources.gpus_per_node="
-            f"{gen_per_node} of cluster.gpus_per_node={cluster.gpus_per_node} slots per node, leaving "
-            "none for the policy: raise cluster.gpus_per_node or lower the generation slots"
-        )
-    policy_bundles: list[int] = []
-    generation_bundles: list[int] = []
-    for node in range(cluster.num_nodes):
-        first = node * cluster.gpus_per_node
-        split = first + cluster.gpus_per_node - gen_per_node
-        policy_bundles += range(first, split)
-        generation_bundles += range(split, first + cluster.gpus_per_node)
-    return policy_bundles, generation_bundles
 
 
 def tasks_to_start(
@@ -270,10 +246,11 @@ def _start_policies(
     config: TrainingConfig,
     spec: RunSpec[Any],
     resume: Resume,
-    bundles: list[int] | None,
+    slots: Placement | None,
 ) -> tuple[Policy, list[Policy]]:
     """The trained policy and the extra policies (the trained ones with the resumed checkpoint's weights and
-    optimizer), on ``bundles`` (every slot when ``None``)."""
+    optimizer), on their ``slots`` (every slot when ``None``)."""
+    bundles = None if slots is None else slots.policy
     policy = Policy(
         cluster,
         config.policy,
@@ -292,7 +269,7 @@ def _start_policies(
                 cluster,
                 extra.cfg,
                 name_prefix=extra.name,
-                bundle_indices=bundles,
+                bundle_indices=None if slots is None else slots.of_extra(extra.name),
                 init_reference_model=False,
                 weights_path=weights_path,
                 optimizer_path=optimizer_path,
@@ -311,7 +288,7 @@ def _start_sampling_workers(
     envs_to_start: set[str],
 ) -> tuple[Policy, list[Policy], GenerationInterface, dict[str, Any]]:
     """Step 4 of the module docstring for a run that samples: environments, then the workers."""
-    policy_bundles, generation_bundles = placement(config.policy, config.cluster, samples=True)
+    slots = _placement(config, spec, samples=True)
     started: dict[str, Any] = {}
     try:
         started = create_task_envs(envs_to_start, sampling.env)
@@ -319,9 +296,9 @@ def _start_sampling_workers(
             cluster,
             config.policy,
             tokenizer,
-            lambda: _start_policies(cluster, config, spec, resume, policy_bundles),
+            lambda: _start_policies(cluster, config, spec, resume, slots),
             seed=spec.seed,
-            bundle_indices=generation_bundles,
+            bundle_indices=slots.generation,
             concurrent_refit=sampling.concurrent_refit,
         )
         wait_envs_started(started.values(), ENV_TIMEOUT_S)
@@ -371,9 +348,14 @@ def _start_workers(
     return _Workers(policy, {s.name: p for s, p in zip(spec.models, models, strict=True)}, run_sampling)
 
 
+def _placement(config: TrainingConfig, spec: RunSpec[Any], *, samples: bool) -> Placement:
+    own = {extra.name: extra.own_slots_per_node for extra in spec.models}
+    return placement(config.policy, config.cluster, samples=samples, own_slots_per_node=own)
+
+
 def check_extra_policy(extra: ExtraPolicy, world_size: int) -> None:
-    """The checks of an extra policy before Ray starts: its layout on the policy's ``world_size`` slots, and a
-    trained one's optimizer and scheduler."""
+    """The checks of an extra policy before Ray starts: its layout on its ``world_size`` slots, and a trained
+    one's optimizer and scheduler."""
     check_policy_layout(extra.cfg, world_size)
     if extra.trained:
         check_optimizer_config(extra.cfg)
@@ -410,7 +392,8 @@ def check_inputs(
             # their schemas declared in the prompts the model reads.
             task_to_tools=wire_task_tools(spec.sampling.env, (train_dataset, val_dataset)),
         )
-    world_size = len(placement(config.policy, config.cluster, samples=checks is not None)[0])
+    slots = _placement(config, spec, samples=checks is not None)
+    world_size = len(slots.policy)
     check_run_setup(
         config.policy,
         config.checkpointing,
@@ -420,7 +403,7 @@ def check_inputs(
         metric_names=spec.metric_names,
     )
     for extra in spec.models:
-        check_extra_policy(extra, world_size)
+        check_extra_policy(extra, len(slots.of_extra(extra.name)))
     return checks
 
 

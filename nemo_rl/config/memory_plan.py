@@ -333,7 +333,8 @@ def plan_config(config: Any) -> MemoryPlan | str:
     if arch is None:
         return f"no memory plan: the architecture of policy.model_name is unknown ({source})"
     device_bytes, device_source = device_memory_bytes(config.cluster.device_memory_gb)
-    slots, gen_slots = _policy_slots(policy, config.cluster.world_size)
+    critic_slots = _critic_own_slots(config)
+    slots, gen_slots = _policy_slots(policy, config.cluster.world_size - critic_slots)
     plan = MemoryPlan(source, device_bytes, device_source)
     train = policy_train_terms(arch, policy, slots)
     plan.workers.append(WorkerPlan("policy (training)", train))
@@ -354,7 +355,7 @@ def plan_config(config: Any) -> MemoryPlan | str:
         )
         plan.workers.append(WorkerPlan("reference", scoring, note))
         plan.phases["reference log-prob pass"] = scoring
-    missing = _add_teacher_and_critic(plan, config, slots)
+    missing = _add_teacher_and_critic(plan, config, slots, critic_slots)
     if missing:
         return missing
     if algorithm is not None:
@@ -372,8 +373,17 @@ def plan_config(config: Any) -> MemoryPlan | str:
     return plan
 
 
-def _add_teacher_and_critic(plan: MemoryPlan, config: Any, slots: int) -> str | None:
-    """Add distillation's teacher and PPO's critic to ``plan``; one line when an architecture is unknown."""
+def _critic_own_slots(config: Any) -> int:
+    """PPO's critic's slots of its own (0 when it shares the policy's)."""
+    colocated = getattr(getattr(config, "ppo", None), "value_colocated", None)
+    if colocated is None or colocated.enabled:
+        return 0
+    return int(colocated.resources.gpus_per_node or 0) * config.cluster.num_nodes
+
+
+def _add_teacher_and_critic(plan: MemoryPlan, config: Any, slots: int, critic_slots: int) -> str | None:
+    """Add distillation's teacher and PPO's critic (on the policy's ``slots``, or on ``critic_slots`` of its
+    own) to ``plan``; one line when an architecture is unknown."""
     teacher: PolicyConfig | None = getattr(config, "teacher", None)
     if teacher is not None:
         teacher_arch, teacher_source = resolve_arch(teacher.model_name, teacher.hf_config_overrides)
@@ -388,11 +398,12 @@ def _add_teacher_and_critic(plan: MemoryPlan, config: Any, slots: int) -> str | 
         if value_arch is None:
             return f"no memory plan: the architecture of value.model_name is unknown ({value_source})"
         # The critic's head has one output per token: no vocabulary-wide logits.
-        critic = [t for t in policy_train_terms(value_arch, value, slots) if t.name != "logits spike"]
-        plan.workers.append(
-            WorkerPlan("value (critic training)", critic, "offloaded while the policy trains")
-        )
-        plan.phases["critic training"] = critic
+        own = critic_slots > 0
+        terms = policy_train_terms(value_arch, value, critic_slots if own else slots)
+        critic = [t for t in terms if t.name != "logits spike"]
+        note = "on slots of its own" if own else "offloaded while the policy trains"
+        plan.workers.append(WorkerPlan("value (critic training)", critic, note))
+        plan.phases["critic training (critic devices)" if own else "critic training"] = critic
     return None
 
 

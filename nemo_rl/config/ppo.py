@@ -14,6 +14,7 @@ from pydantic import Field, model_validator
 
 from nemo_rl.config.algorithms import PolicyGradientLoopConfig
 from nemo_rl.config.base import ConfigModel
+from nemo_rl.config.generation import ColocatedConfig
 
 
 class GAEConfig(ConfigModel):
@@ -97,6 +98,12 @@ class PPOConfig(PolicyGradientLoopConfig):
     adv_estimator: GAEConfig = Field(default_factory=GAEConfig)
     """GAE's settings."""
 
+    value_colocated: ColocatedConfig = Field(default_factory=ColocatedConfig)
+    """Where the critic runs: on the policy's worker slots, taking turns with it (``enabled: true``, NeMo RL's
+    layout, the critic's weights and optimizer leaving the devices while the policy trains), or on
+    ``resources.gpus_per_node`` slots of its own on each node (``enabled: false``; ``resources.num_nodes``
+    must stay null), where it keeps them."""
+
     async_ppo: AsyncPPOConfig = Field(default_factory=AsyncPPOConfig)
     """Asynchronous PPO (not built here)."""
 
@@ -115,6 +122,21 @@ class PPOConfig(PolicyGradientLoopConfig):
     def critic_epochs(self) -> int:
         """The critic's passes over each batch (``critic_ppo_epochs``, or ``ppo_epochs`` when unset)."""
         return self.critic_ppo_epochs if self.critic_ppo_epochs is not None else self.ppo_epochs
+
+    @model_validator(mode="after")
+    def _check_value_placement(self) -> Self:
+        resources = self.value_colocated.resources
+        if not self.value_colocated.enabled and not resources.gpus_per_node:
+            raise ValueError(
+                "ppo.value_colocated.enabled=false needs ppo.value_colocated.resources.gpus_per_node: the critic's "
+                "slots on each node"
+            )
+        if resources.num_nodes is not None:
+            raise ValueError(
+                "ppo.value_colocated.resources.num_nodes: the critic takes its slots on every node of the cluster; "
+                "leave it null"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_warm_up(self) -> Self:

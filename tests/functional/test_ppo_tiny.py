@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kill_resume import kill_and_resume, step_metrics
+from kill_resume import kill_and_resume, run_script, step_metrics
 from run_logs import read_records
 from safetensors.torch import load_file
 
@@ -22,7 +22,7 @@ TINY_SFT = ROOT / "examples" / "assets" / "tiny_math_sft"
 TIMEOUT_S = 900
 
 
-def _command(tmp: Path) -> list[str]:
+def _command(tmp: Path, *extra: str) -> list[str]:
     return [
         sys.executable,
         str(SCRIPT),
@@ -50,6 +50,7 @@ def _command(tmp: Path) -> list[str]:
         f"logger.log_dir={tmp / 'logs'}",
         "logger.progress_bar=false",
         "logger.console_enabled=false",
+        *extra,
     ]
 
 
@@ -62,7 +63,9 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_ppo_warms_up_the_critic_alone_and_resumes_both_models_after_kill_9_bit_exact(tmp_path: Path) -> None:
+def test_ppo_warms_up_the_critic_alone_resumes_both_models_bit_exact_and_places_the_critic_anywhere(
+    tmp_path: Path,
+) -> None:
     # Four steps, killed (SIGKILL) at a random moment after step 3 logged, with the step-2 checkpoint the
     # latest: the rerun resumes policy and critic (weights, optimizers, schedules, RNG) and the loader, and
     # repeats every step the killed run logged after it bit for bit, the critic's metrics included.
@@ -99,3 +102,22 @@ def test_ppo_warms_up_the_critic_alone_and_resumes_both_models_after_kill_9_bit_
     assert (tmp_path / "ckpt" / "step_2" / "value" / "weights").is_dir()
     trained = _weights(tmp_path / "ckpt" / "step_4" / "consolidated")
     assert any(not torch.equal(trained[name], tensor) for name, tensor in start.items())
+
+    # The critic on a slot of its own (the policy and its in-worker engine on the other) computes the same run:
+    # every metric of the first three steps, bit for bit.
+    own = tmp_path / "own_slot"
+    run_script(
+        _command(
+            own,
+            "ppo.max_num_steps=3",
+            "cluster.gpus_per_node=2",
+            "ppo.value_colocated.enabled=false",
+            "ppo.value_colocated.resources.gpus_per_node=1",
+        ),
+        timeout_s=TIMEOUT_S,
+    )
+    own_records = read_records(own / "logs")
+    for step in (1, 2, 3):
+        expected = step_metrics(resumed.killed, step)
+        got = step_metrics(own_records, step)
+        assert {key: got.get(key) for key in expected} == expected, step

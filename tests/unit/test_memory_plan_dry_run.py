@@ -151,3 +151,32 @@ def test_parameter_counts_include_every_bias() -> None:
     arch = ModelArch.from_hf_config(config.to_dict())
     assert arch.num_parameters == expected
     assert sum(p.count * math.prod(p.shape) for p in dtensor_parameters(arch)) == expected
+
+
+def test_the_critic_shares_the_policy_devices_or_has_its_own() -> None:
+    from nemo_rl.config.loader import load_and_validate
+    from nemo_rl.config.master import PPOMasterConfig
+    from nemo_rl.config.memory_plan import plan_config
+
+    recipe = ROOT / "examples/configs/ppo_math_1B.yaml"
+    shared = plan_config(load_and_validate(recipe, PPOMasterConfig, ["cluster.gpus_per_node=8"]))
+    own = plan_config(
+        load_and_validate(
+            recipe,
+            PPOMasterConfig,
+            [
+                "cluster.gpus_per_node=8",
+                "ppo.value_colocated.enabled=false",
+                "ppo.value_colocated.resources.gpus_per_node=4",
+            ],
+        )
+    )
+    assert not isinstance(shared, str) and not isinstance(own, str)
+    critic = {w.kind: w for w in shared.workers}["value (critic training)"]
+    own_critic = {w.kind: w for w in own.workers}["value (critic training)"]
+    assert "critic training" in shared.phases and "critic training (critic devices)" in own.phases
+    assert critic.note == "offloaded while the policy trains" and own_critic.note == "on slots of its own"
+    # Four slots instead of eight: each holds twice the critic's FSDP shard of weights.
+    shard = {t.name: t.nbytes for t in critic.terms}["weights (float32 master)"]
+    own_shard = {t.name: t.nbytes for t in own_critic.terms}["weights (float32 master)"]
+    assert own_shard == pytest.approx(2 * shard, rel=1e-3)

@@ -71,6 +71,15 @@ def test_a_run_without_a_critic_says_how_to_add_one() -> None:
         (["policy.train_global_batch_size=96"], "must be a multiple of policy.train_global_batch_size=96"),
         (["ppo.max_num_steps=5", "ppo.policy_training_start_step=5"], "the policy would never train"),
         (["ppo.async_ppo.enabled=true"], "ppo.async_ppo.enabled"),
+        (["ppo.value_colocated.enabled=false"], "needs ppo.value_colocated.resources.gpus_per_node"),
+        (
+            [
+                "ppo.value_colocated.enabled=false",
+                "++ppo.value_colocated.resources.gpus_per_node=1",
+                "++ppo.value_colocated.resources.num_nodes=1",
+            ],
+            "leave it null",
+        ),
         (["ppo.seq_logprob_error_threshold=0.5"], "seq_logprob_error_threshold"),
     ],
 )
