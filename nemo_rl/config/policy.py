@@ -375,6 +375,8 @@ class PolicyConfig(ConfigModel):
         if self.shared_prefix.enabled:
             self._check_shared_prefix()
         check_router_replay(self)
+        if self.dtensor_cfg.enabled and self.dtensor_cfg.context_parallel_size > 1:
+            self._check_context_parallel()
         self._check_batching()
         self._check_scheduler()
         return self
@@ -454,6 +456,36 @@ class PolicyConfig(ConfigModel):
                 f"policy.dtensor_cfg.tensor_parallel_size={dtensor.tensor_parallel_size}: the built-in TP plan does "
                 f"not cover the experts of this {model_type} model; set tensor_parallel_size=1 (FSDP2 shards them)"
             )
+
+    def _check_context_parallel(self) -> None:
+        """CP's sequence multiple (NeMo RL's meaning of ``make_sequence_length_divisible_by``) and what CP does
+        not combine with (see ``nemo_rl/models/policy/context_parallel.py``)."""
+        dtensor = self.dtensor_cfg
+        cp = dtensor.context_parallel_size
+        key = f"policy.dtensor_cfg.context_parallel_size={cp}"
+        multiple = 2 * cp * (dtensor.tensor_parallel_size if dtensor.sequence_parallel else 1)
+        if self.make_sequence_length_divisible_by % multiple != 0:
+            raise ValueError(
+                f"{key} splits each sequence into 2 x CP{' x TP' if dtensor.sequence_parallel else ''} = "
+                f"{multiple} equal chunks, but policy.make_sequence_length_divisible_by="
+                f"{self.make_sequence_length_divisible_by} is not a multiple of {multiple}: set it to one"
+            )
+        refused = [
+            (self.shared_prefix.enabled, "the shared-prompt forward", "policy.shared_prefix.enabled=false"),
+            (
+                self.reward_model_cfg.enabled and self.reward_model_cfg.reward_model_type == "bradley_terry",
+                "a Bradley-Terry reward model (its head reads one token per row)",
+                "train the reward model without CP",
+            ),
+            (
+                local_model_type(self.model_name) in MOE_MODEL_TYPES,
+                "a mixture-of-experts model (its load-balancing loss and routing replay read every token)",
+                "use the Megatron backend for long MoE sequences",
+            ),
+        ]
+        for blocked, what, fix in refused:
+            if blocked:
+                raise ValueError(f"{key} does not combine with {what}: set it to 1 or {fix}")
 
     def _check_shared_prefix(self) -> None:
         if self.megatron_cfg.enabled:
