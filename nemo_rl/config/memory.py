@@ -228,6 +228,15 @@ def activation_bytes(
     return int(tokens * (layers + per_token["outside"]))
 
 
+def context_parallel_kv_bytes(
+    arch: ModelArch, tokens: int, num_layers: int, dtype_bytes: int, tp: int
+) -> int:
+    """What DTensor context parallelism adds to the activations: each layer all-gathers the keys and values of
+    its rows' every token (``2 kv d`` per token of the full rows) and keeps them for the attention's backward
+    pass (``nemo_rl/models/policy/context_parallel.py``)."""
+    return int(tokens * num_layers * 2 * arch.num_kv_heads * arch.head_dim / tp * dtype_bytes)
+
+
 def megatron_attention_scores_bytes(
     arch: ModelArch, rows: int, seq_len: int, tp: int, dtype_bytes: int
 ) -> int:

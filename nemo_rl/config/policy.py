@@ -460,27 +460,35 @@ class PolicyConfig(ConfigModel):
     def _check_context_parallel(self) -> None:
         """CP's sequence multiple (NeMo RL's meaning of ``make_sequence_length_divisible_by``) and what CP does
         not combine with (see ``nemo_rl/models/policy/context_parallel.py``)."""
-        dtensor = self.dtensor_cfg
-        cp = dtensor.context_parallel_size
+        cp = self.dtensor_cfg.context_parallel_size
         key = f"policy.dtensor_cfg.context_parallel_size={cp}"
-        multiple = 2 * cp * (dtensor.tensor_parallel_size if dtensor.sequence_parallel else 1)
-        if self.make_sequence_length_divisible_by % multiple != 0:
+        if self.make_sequence_length_divisible_by % (2 * cp) != 0:
             raise ValueError(
-                f"{key} splits each sequence into 2 x CP{' x TP' if dtensor.sequence_parallel else ''} = "
-                f"{multiple} equal chunks, but policy.make_sequence_length_divisible_by="
-                f"{self.make_sequence_length_divisible_by} is not a multiple of {multiple}: set it to one"
+                f"{key} splits each sequence into 2 x CP = {2 * cp} equal chunks, but "
+                f"policy.make_sequence_length_divisible_by={self.make_sequence_length_divisible_by} is not a "
+                f"multiple of {2 * cp}: set it to one"
             )
         refused = [
+            (
+                self.dtensor_cfg.tensor_parallel_size > 1,
+                "tensor parallelism (TP x CP is not built)",
+                "policy.dtensor_cfg.tensor_parallel_size=1",
+            ),
+            (
+                self.dtensor_cfg.lora_cfg.enabled,
+                "LoRA (not built)",
+                "policy.dtensor_cfg.lora_cfg.enabled=false",
+            ),
             (self.shared_prefix.enabled, "the shared-prompt forward", "policy.shared_prefix.enabled=false"),
             (
-                self.reward_model_cfg.enabled and self.reward_model_cfg.reward_model_type == "bradley_terry",
-                "a Bradley-Terry reward model (its head reads one token per row)",
-                "train the reward model without CP",
+                self.reward_model_cfg.enabled,
+                "a reward or value model (its scalar head is not built for split rows)",
+                "policy.reward_model_cfg.enabled=false",
             ),
             (
                 local_model_type(self.model_name) in MOE_MODEL_TYPES,
                 "a mixture-of-experts model (its load-balancing loss and routing replay read every token)",
-                "use the Megatron backend for long MoE sequences",
+                "use the Megatron backend",
             ),
         ]
         for blocked, what, fix in refused:

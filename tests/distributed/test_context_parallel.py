@@ -62,7 +62,7 @@ def _batch(seed: int, num_rows: int) -> BatchedDataDict[Any]:
     ids = torch.randint(2, VOCAB, (num_rows, SEQ_LEN), generator=g) * (positions < lengths[:, None])
     token_mask = ((positions >= 3) & (positions < lengths[:, None])).float()
     sample_mask = torch.ones(num_rows)
-    sample_mask[2::GLOBAL_BATCH * 2] = 0.0
+    sample_mask[2 :: GLOBAL_BATCH * 2] = 0.0
     return BatchedDataDict(
         {"input_ids": ids, "input_lengths": lengths, "token_mask": token_mask, "sample_mask": sample_mask}
     )
@@ -123,7 +123,12 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model_dir = tmp_path_factory.mktemp("cp_model")
     _build_model(model_dir)
     out_dir = tmp_path_factory.mktemp("cp_out")
-    run_groups([("cp1", 1, partial(_scenarios, 1)), ("cp2", 2, partial(_scenarios, 2))], model_dir, out_dir, timeout_s=TIMEOUT_S)
+    run_groups(
+        [("cp1", 1, partial(_scenarios, 1)), ("cp2", 2, partial(_scenarios, 2))],
+        model_dir,
+        out_dir,
+        timeout_s=TIMEOUT_S,
+    )
     return out_dir
 
 

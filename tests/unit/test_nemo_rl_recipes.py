@@ -52,13 +52,12 @@ def test_every_vendored_recipe_is_covered() -> None:
     assert {p.name for p in FILES} == set(ALGORITHM_OF_FILE)
 
 
-# NeMo RL's distillation recipe needs what is not built here yet: context parallelism (context_parallel_size: 2),
-# its DeepScaleR / AIME 2024 dataset loaders, and vllm_cfg.distributed_executor_backend. Strict: when they land,
-# this fails and the mark goes.
+# NeMo RL's distillation recipe needs what is not built here yet: its DeepScaleR / AIME 2024 dataset loaders and
+# vllm_cfg.distributed_executor_backend. Strict: when they land, this fails and the mark goes.
 _NOT_YET = pytest.mark.xfail(
     strict=True,
     raises=ConfigError,
-    reason="context parallelism, DeepScaleR/AIME2024 datasets, vllm_cfg.distributed_executor_backend",
+    reason="DeepScaleR/AIME2024 datasets, vllm_cfg.distributed_executor_backend",
 )
 
 

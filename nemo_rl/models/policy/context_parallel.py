@@ -17,7 +17,7 @@ Forward. :func:`apply_context_parallel` installs three things on the model:
    the owner's keys and values) and attends each local chunk to the keys before it, masked by global positions
    and, in a packed row, by document (a new document starts wherever the position ids do not go on by one), so
    documents never attend across a pack boundary;
-3. a forward hook on the output head (the LM head, or a value model's scalar head) that all-gathers its output
+3. a forward hook on the LM head that all-gathers its output
    back to full rows in token order. Every CP rank then computes the same loss on the same full rows, so its
    gradient is the same on every rank and the gather's backward keeps each rank's own slice of it, with no
    communication: log-probs, entropies, losses and gradients are those of the unsplit forward, and the loss
@@ -27,9 +27,15 @@ Parameters are sharded by FSDP2 over ``dp x cp`` (:func:`fsdp_mesh`), as in NeMo
 ranks of a data-parallel group see the same rows, so their gradients (each from its own tokens) sum to the
 unsplit gradient in FSDP's reduce-scatter.
 
-Not combined with: the shared-prompt forward, a Bradley-Terry reward model (its head reads one token per row)
-and mixture-of-experts models (the load-balancing loss and routing replay read every token's routing on one
-rank); the config refuses them (``PolicyConfig._check_context_parallel``).
+Memory. The decoder layers' activations shrink by the CP size; each layer also keeps the gathered keys and
+values of the full rows (small with grouped-query attention), and the head's output is gathered back to full
+rows, so the ``[T, V]`` logits are not split (``nemo_rl.config.memory_plan`` counts all three).
+
+Not combined with (the config refuses each in one line, ``PolicyConfig._check_context_parallel``): tensor
+parallelism (TP x CP is not built), LoRA, the shared-prompt forward, reward and value models, and
+mixture-of-experts models (the load-balancing loss and routing replay read every token's routing on one rank).
+Megatron's ``context_parallel_size`` is refused too: megatron-core's context-parallel attention runs only in
+Transformer Engine, which has no CPU build.
 
 Tensor legend: B = rows, T = tokens of a full row, S = tokens this rank holds (``T / N``), C = chunk length
 (``T / 2N``), K = keys a chunk attends, H = heads, D = head dim.
@@ -37,6 +43,7 @@ Tensor legend: B = rows, T = tokens of a full row, S = tokens this rank holds (`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,13 +58,9 @@ ATTENTION = "nemo_rl_context_parallel"
 
 def sequence_multiple(make_divisible_by: int, tp_size: int, sequence_parallel: bool, cp_size: int) -> int:
     """What a worker pads sequence lengths to: ``make_divisible_by``, with sequence parallelism a multiple of
-    the TP size, and with CP a multiple of ``2 x CP`` (x TP with sequence parallelism, which splits each rank's
-    ``T / CP`` tokens again)."""
-    import math
-
+    the TP size, and with CP a multiple of ``2 x CP`` (the config refuses TP x CP)."""
     sp_multiple = tp_size if sequence_parallel else 1
-    cp_multiple = 2 * cp_size * sp_multiple if cp_size > 1 else sp_multiple
-    return math.lcm(make_divisible_by, cp_multiple)
+    return math.lcm(make_divisible_by, sp_multiple, 2 * cp_size if cp_size > 1 else 1)
 
 
 def chunk_indices(
@@ -288,11 +291,7 @@ class ContextParallel:
 
 
 def _output_head(model: nn.Module) -> nn.Module:
-    """The module whose per-token output the losses read: a value model's scalar ``score`` head, else the LM
-    head."""
-    score = getattr(model, "score", None)
-    if isinstance(score, nn.Module):
-        return score
+    """The LM head, whose per-token output the losses read."""
     head = model.get_output_embeddings()  # type: ignore[operator]
     if not isinstance(head, nn.Module):
         raise ValueError(f"{type(model).__name__} has no output head for context parallelism to gather")
