@@ -44,7 +44,7 @@ Tensor legend: B = rows, T = tokens of a full row, S = tokens this rank holds (`
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -125,6 +125,9 @@ class ContextParallelLayout:
     """:func:`gathered_order`: gathered slots back to row order."""
     document_BT: torch.Tensor | None
     """Documents of a packed row (:func:`document_ids`); None for ordinary rows (one sequence each)."""
+    masks: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict, compare=False)
+    """Additive masks by (chunk, dtype), built by the first layer and shared by the others: a boolean mask would
+    be turned into a new float one by every layer's attention, each kept for its backward pass."""
 
     @property
     def chunk_len(self) -> int:
@@ -135,14 +138,48 @@ class ContextParallelLayout:
         """The global chunk numbers this rank holds, in order."""
         return self.cp_rank, 2 * self.cp_size - 1 - self.cp_rank
 
+    def additive_mask(self, chunk: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``[B or 1, 1, C, K]``: 0 where :func:`allowed_keys` allows, ``-inf`` elsewhere (built once per forward)."""
+        key = (chunk, dtype)
+        if key not in self.masks:
+            allowed = allowed_keys(chunk, self.chunk_len, self.document_BT, device)
+            zeros = torch.zeros(allowed.shape, dtype=dtype, device=device)
+            self.masks[key] = zeros.masked_fill(~allowed, float("-inf"))
+        return self.masks[key]
+
+
+class _GatherSumGradient(torch.autograd.Function):
+    """All-gather along the sequence dim whose backward sums every rank's gradient of the gathered tensor and
+    keeps this rank's slice: for keys and values, which every rank's queries read."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, layout: ContextParallelLayout, dim: int) -> torch.Tensor:
+        ctx.layout, ctx.dim = layout, dim
+        return _all_gather_rows(x, layout, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        layout: ContextParallelLayout = ctx.layout
+        # An all-reduce rather than a reduce-scatter: gloo has no reduce-scatter.
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=layout.group)
+        return grad.index_select(ctx.dim, layout.local_index_S.to(grad.device)), None, None
+
+
+def _all_gather_rows(x: torch.Tensor, layout: ContextParallelLayout, dim: int) -> torch.Tensor:
+    """Every rank's ``x`` (its tokens along ``dim``) gathered into full rows in row order."""
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(layout.cp_size)]
+    dist.all_gather(parts, x, group=layout.group)
+    return torch.cat(parts, dim=dim).index_select(dim, layout.order_T.to(x.device))
+
 
 def gather_sequence(x: torch.Tensor, layout: ContextParallelLayout, dim: int) -> torch.Tensor:
     """Every rank's ``x`` (its tokens along ``dim``) gathered into full rows in row order, with autograd: the
     backward sums each rank's gradient of the gathered tensor into the owner's ``x`` (keys and values)."""
-    from torch.distributed.nn.functional import all_gather
-
-    parts = all_gather(x.contiguous(), group=layout.group)
-    return torch.cat(parts, dim=dim).index_select(dim, layout.order_T.to(x.device))
+    out = _GatherSumGradient.apply(x, layout, dim)
+    assert isinstance(out, torch.Tensor)
+    return out
 
 
 class _GatherSameGradient(torch.autograd.Function):
@@ -152,10 +189,7 @@ class _GatherSameGradient(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, layout: ContextParallelLayout, dim: int) -> torch.Tensor:
         ctx.layout, ctx.dim = layout, dim
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(layout.cp_size)]
-        dist.all_gather(parts, x, group=layout.group)
-        return torch.cat(parts, dim=dim).index_select(dim, layout.order_T.to(x.device))
+        return _all_gather_rows(x, layout, dim)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
@@ -209,7 +243,7 @@ def context_parallel_attention(
                 query,
                 kv_2BHTD[0, :, :, :keys],
                 kv_2BHTD[1, :, :, :keys],
-                attn_mask=allowed_keys(chunk, chunk_len, layout.document_BT, query.device),
+                attn_mask=layout.additive_mask(chunk, query.dtype, query.device),
                 dropout_p=dropout if module.training else 0.0,
                 scale=scaling,
                 enable_gqa=query.shape[1] != key_BHSD.shape[1],
