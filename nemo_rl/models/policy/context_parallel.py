@@ -44,7 +44,6 @@ Tensor legend: B = rows, T = tokens of a full row, S = tokens this rank holds (`
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -110,24 +109,35 @@ def allowed_keys(
     return (allowed_CK[None] & same_BCK)[:, None]
 
 
-@dataclass(frozen=True)
 class ContextParallelLayout:
-    """One forward's split: what every attention layer and the head gather need (built by the root's hook)."""
+    """One forward's split: what every attention layer and the head gather need (built by the root's hook).
 
-    group: dist.ProcessGroup
-    cp_size: int
-    cp_rank: int
-    seq_len: int
-    """T: the full row length."""
-    local_index_S: torch.Tensor
-    """The row positions this rank holds (:func:`chunk_indices`)."""
-    order_T: torch.Tensor
-    """:func:`gathered_order`: gathered slots back to row order."""
-    document_BT: torch.Tensor | None
-    """Documents of a packed row (:func:`document_ids`); None for ordinary rows (one sequence each)."""
-    masks: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict, compare=False)
-    """Additive masks by (chunk, dtype), built by the first layer and shared by the others: a boolean mask would
-    be turned into a new float one by every layer's attention, each kept for its backward pass."""
+    A plain class, not a dataclass: FSDP2 rebuilds the dataclasses and dicts among a unit's forward inputs
+    (to cast their tensors), which would give every decoder layer its own copy and its own masks.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        cp_rank: int,
+        local_index_S: torch.Tensor,
+        order_T: torch.Tensor,
+        document_BT: torch.Tensor | None,
+    ) -> None:
+        self.group = group
+        self.cp_rank = cp_rank
+        self.cp_size = dist.get_world_size(group)
+        self.seq_len = order_T.numel()
+        """T: the full row length."""
+        self.local_index_S = local_index_S
+        """The row positions this rank holds (:func:`chunk_indices`)."""
+        self.order_T = order_T
+        """:func:`gathered_order`: gathered slots back to row order."""
+        self.document_BT = document_BT
+        """Documents of a packed row (:func:`document_ids`); None for ordinary rows (one sequence each)."""
+        self._masks: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        """Additive masks by (chunk, dtype), built by the first layer and shared by the others: a boolean mask
+        would be turned into a new float one by every layer's attention, each kept for its backward pass."""
 
     @property
     def chunk_len(self) -> int:
@@ -141,11 +151,11 @@ class ContextParallelLayout:
     def additive_mask(self, chunk: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """``[B or 1, 1, C, K]``: 0 where :func:`allowed_keys` allows, ``-inf`` elsewhere (built once per forward)."""
         key = (chunk, dtype)
-        if key not in self.masks:
+        if key not in self._masks:
             allowed = allowed_keys(chunk, self.chunk_len, self.document_BT, device)
             zeros = torch.zeros(allowed.shape, dtype=dtype, device=device)
-            self.masks[key] = zeros.masked_fill(~allowed, float("-inf"))
-        return self.masks[key]
+            self._masks[key] = zeros.masked_fill(~allowed, float("-inf"))
+        return self._masks[key]
 
 
 class _GatherSumGradient(torch.autograd.Function):
@@ -301,13 +311,11 @@ class ContextParallel:
             document_BT = document_ids(position_ids_BT)
         local_index_S = chunk_indices(seq_len, self.cp_size, self.cp_rank, device)
         self.layout = ContextParallelLayout(
-            group=self.group,
-            cp_size=self.cp_size,
-            cp_rank=self.cp_rank,
-            seq_len=seq_len,
-            local_index_S=local_index_S,
-            order_T=gathered_order(seq_len, self.cp_size, device),
-            document_BT=document_BT,
+            self.group,
+            self.cp_rank,
+            local_index_S,
+            gathered_order(seq_len, self.cp_size, device),
+            document_BT,
         )
         return args, {
             **kwargs,
