@@ -2,12 +2,12 @@
 
 Two groups of gloo ranks run at once from one start (``rank_groups.run_groups``): one rank with CP=1 (the
 reference) and two ranks with CP=2 (one data-parallel group whose two ranks each hold half of every row). Each
-trains the same three global batches, with padded rows and with sequence packing, then scores the same rows;
-losses, gradient norms and log-probs must agree to float32 rounding. The CP=2 group also saves a checkpoint
+trains the same three global batches (padded rows, sequence packing, and dynamic batching with activation
+checkpointing), then scores the same rows; losses, gradient norms and log-probs must agree to float32 rounding. The CP=2 group also saves a checkpoint
 after two steps, resumes it in a new worker and must take the third step bit for bit as the worker that went
 on; both groups export Hugging Face weights after three steps, which must agree.
 
-Not run here: CP=2 x DP=2 and CP=2 x TP=2 need four slots (this machine's tests use two).
+Not run here: CP=2 x DP=2 needs four slots (this machine's tests use two); TP x CP is refused by the config.
 """
 
 from __future__ import annotations
@@ -68,7 +68,12 @@ def _batch(seed: int, num_rows: int) -> BatchedDataDict[Any]:
     )
 
 
-def _cfg(model_dir: Path, cp: int, packing: bool) -> PolicyConfig:
+VARIANTS = ("padded", "packed", "dynamic")
+"""Padded rows; sequence packing; dynamic batching with activation checkpointing (the layers recompute their
+forward, CP collectives included, in the backward pass)."""
+
+
+def _cfg(model_dir: Path, cp: int, variant: str = "padded") -> PolicyConfig:
     return PolicyConfig.model_validate(
         {
             "model_name": str(model_dir),
@@ -79,8 +84,18 @@ def _cfg(model_dir: Path, cp: int, packing: bool) -> PolicyConfig:
             "make_sequence_length_divisible_by": 4,
             "max_grad_norm": 0.5,
             "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2, "weight_decay": 0.01}},
-            "dtensor_cfg": {"context_parallel_size": cp},
-            "sequence_packing": {"enabled": packing, "train_mb_tokens": 40, "logprob_mb_tokens": 36},
+            "dtensor_cfg": {"context_parallel_size": cp, "activation_checkpointing": variant == "dynamic"},
+            "sequence_packing": {
+                "enabled": variant == "packed",
+                "train_mb_tokens": 40,
+                "logprob_mb_tokens": 36,
+            },
+            "dynamic_batching": {
+                "enabled": variant == "dynamic",
+                "train_mb_tokens": 40,
+                "logprob_mb_tokens": 36,
+                "sequence_length_round": 4,
+            },
         }
     )
 
@@ -91,26 +106,25 @@ def _scenarios(cp: int, save: SaveFn, model_dir: Path, out_dir: Path) -> None:
 
     data, score = _batch(1, GLOBAL_BATCH * NUM_STEPS), _batch(2, 5)
     loss_fn = NLLLoss()
-    for packing in (False, True):
-        worker = DTensorPolicyWorker(_cfg(model_dir, cp, packing))
-        tag = "packed" if packing else "padded"
+    for tag in VARIANTS:
+        worker = DTensorPolicyWorker(_cfg(model_dir, cp, tag))
         save(f"{tag}_train", worker.train(data, loss_fn))
         save(f"{tag}_logprobs", worker.get_logprobs(score)["logprobs"])
-        if not packing:
+        if tag == "padded":
             worker.export_hf(str(out_dir / f"hf_cp{cp}"))
         worker.shutdown()
     if cp == 1:
         return
     # Resume: two steps, save, a third step; a new worker from the checkpoint takes the same third step.
     first, last = data.slice(0, 2 * GLOBAL_BATCH), data.slice(2 * GLOBAL_BATCH, 3 * GLOBAL_BATCH)
-    worker = DTensorPolicyWorker(_cfg(model_dir, cp, False))
+    worker = DTensorPolicyWorker(_cfg(model_dir, cp))
     worker.train(first, loss_fn)
     ckpt = out_dir / "ckpt"
     worker.save_checkpoint(str(ckpt / "weights"), str(ckpt / "optimizer"))
     save("went_on", (worker.train(last, loss_fn), worker.get_logprobs(score)["logprobs"]))
     worker.shutdown()
     resumed = DTensorPolicyWorker(
-        _cfg(model_dir, cp, False),
+        _cfg(model_dir, cp),
         weights_path=str(ckpt / "weights"),
         optimizer_path=str(ckpt / "optimizer"),
     )
@@ -136,7 +150,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("tag", ["padded", "packed"])
+@pytest.mark.parametrize("tag", VARIANTS)
 def test_cp2_trains_as_cp1(results: Path, tag: str) -> None:
     reference = load(results, f"cp1.{tag}_train")
     for rank in (0, 1):
@@ -148,10 +162,12 @@ def test_cp2_trains_as_cp1(results: Path, tag: str) -> None:
         _close(load(results, f"cp2.{tag}_logprobs", rank), load(results, f"cp1.{tag}_logprobs"))
 
 
-def test_packed_equals_padded_under_cp2(results: Path) -> None:
-    """Documents in one packed row never attend each other: packing changes nothing."""
-    _close(load(results, "cp2.packed_train")["loss"], load(results, "cp2.padded_train")["loss"])
-    _close(load(results, "cp2.packed_logprobs"), load(results, "cp2.padded_logprobs"))
+@pytest.mark.parametrize("tag", ["packed", "dynamic"])
+def test_packing_and_dynamic_batching_change_nothing_under_cp2(results: Path, tag: str) -> None:
+    """Documents in one packed row never attend each other; micro-batches cut to their longest row and
+    recomputed layers give the same numbers."""
+    _close(load(results, f"cp2.{tag}_train")["loss"], load(results, "cp2.padded_train")["loss"])
+    _close(load(results, f"cp2.{tag}_logprobs"), load(results, "cp2.padded_logprobs"))
 
 
 def test_cp2_resumes_bit_for_bit(results: Path) -> None:
