@@ -12,6 +12,7 @@ from pydantic import Field, model_validator
 
 from nemo_rl.config.base import ConfigModel
 from nemo_rl.config.compat import SequencePackingConfig
+from nemo_rl.config.context_parallel import check_context_parallel
 from nemo_rl.config.dtensor import DTensorConfig
 from nemo_rl.config.generation import (
     VLLM_TEMPERATURE_RANGE,
@@ -375,8 +376,7 @@ class PolicyConfig(ConfigModel):
         if self.shared_prefix.enabled:
             self._check_shared_prefix()
         check_router_replay(self)
-        if self.dtensor_cfg.enabled and self.dtensor_cfg.context_parallel_size > 1:
-            self._check_context_parallel()
+        check_context_parallel(self)
         self._check_batching()
         self._check_scheduler()
         return self
@@ -456,44 +456,6 @@ class PolicyConfig(ConfigModel):
                 f"policy.dtensor_cfg.tensor_parallel_size={dtensor.tensor_parallel_size}: the built-in TP plan does "
                 f"not cover the experts of this {model_type} model; set tensor_parallel_size=1 (FSDP2 shards them)"
             )
-
-    def _check_context_parallel(self) -> None:
-        """CP's sequence multiple (NeMo RL's meaning of ``make_sequence_length_divisible_by``) and what CP does
-        not combine with (see ``nemo_rl/models/policy/context_parallel.py``)."""
-        cp = self.dtensor_cfg.context_parallel_size
-        key = f"policy.dtensor_cfg.context_parallel_size={cp}"
-        if self.make_sequence_length_divisible_by % (2 * cp) != 0:
-            raise ValueError(
-                f"{key} splits each sequence into 2 x CP = {2 * cp} equal chunks, but "
-                f"policy.make_sequence_length_divisible_by={self.make_sequence_length_divisible_by} is not a "
-                f"multiple of {2 * cp}: set it to one"
-            )
-        refused = [
-            (
-                self.dtensor_cfg.tensor_parallel_size > 1,
-                "tensor parallelism (TP x CP is not built)",
-                "policy.dtensor_cfg.tensor_parallel_size=1",
-            ),
-            (
-                self.dtensor_cfg.lora_cfg.enabled,
-                "LoRA (not built)",
-                "policy.dtensor_cfg.lora_cfg.enabled=false",
-            ),
-            (self.shared_prefix.enabled, "the shared-prompt forward", "policy.shared_prefix.enabled=false"),
-            (
-                self.reward_model_cfg.enabled,
-                "a reward or value model (its scalar head is not built for split rows)",
-                "policy.reward_model_cfg.enabled=false",
-            ),
-            (
-                local_model_type(self.model_name) in MOE_MODEL_TYPES,
-                "a mixture-of-experts model (its load-balancing loss and routing replay read every token)",
-                "use the Megatron backend",
-            ),
-        ]
-        for blocked, what, fix in refused:
-            if blocked:
-                raise ValueError(f"{key} does not combine with {what}: set it to 1 or {fix}")
 
     def _check_shared_prefix(self) -> None:
         if self.megatron_cfg.enabled:

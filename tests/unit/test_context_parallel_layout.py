@@ -11,6 +11,7 @@ import pytest
 import torch
 from test_memory_plan_dry_run import dry_run
 
+from nemo_rl.config.dtensor import DTensorConfig
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.megatron import MegatronConfig
 from nemo_rl.config.policy import PolicyConfig
@@ -62,10 +63,13 @@ def test_allowed_keys_is_the_causal_mask_within_documents() -> None:
 
 
 def test_sequence_multiple_follows_nemo_rl() -> None:
-    assert sequence_multiple(1, 1, False, 1) == 1
-    assert sequence_multiple(1, 1, False, 2) == 4
-    assert sequence_multiple(6, 1, False, 2) == 12
-    assert sequence_multiple(1, 2, True, 1) == 2
+    def multiple(divisible_by: int, **dtensor: Any) -> int:
+        return sequence_multiple(divisible_by, DTensorConfig.model_validate(dtensor))
+
+    assert multiple(1) == 1
+    assert multiple(1, context_parallel_size=2) == 4
+    assert multiple(6, context_parallel_size=2) == 12
+    assert multiple(1, tensor_parallel_size=2, sequence_parallel=True) == 2
 
 
 def _policy(tmp_path: Path, model_type: str = "qwen2", **extra: Any) -> dict[str, Any]:

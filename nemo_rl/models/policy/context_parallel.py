@@ -31,7 +31,7 @@ Memory. The decoder layers' activations shrink by the CP size; each layer also k
 values of the full rows (small with grouped-query attention), and the head's output is gathered back to full
 rows, so the ``[T, V]`` logits are not split (``nemo_rl.config.memory_plan`` counts all three).
 
-Not combined with (the config refuses each in one line, ``PolicyConfig._check_context_parallel``): tensor
+Not combined with (the config refuses each in one line, ``nemo_rl.config.context_parallel``): tensor
 parallelism (TP x CP is not built), LoRA, the shared-prompt forward, reward and value models, and
 mixture-of-experts models (the load-balancing loss and routing replay read every token's routing on one rank).
 Megatron's ``context_parallel_size`` is refused too: megatron-core's context-parallel attention runs only in
@@ -51,14 +51,32 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from nemo_rl.config.dtensor import DTensorConfig
+
 ATTENTION = "nemo_rl_context_parallel"
 """The Hugging Face attention implementation name of :func:`context_parallel_attention`."""
 
 
-def sequence_multiple(make_divisible_by: int, tp_size: int, sequence_parallel: bool, cp_size: int) -> int:
+def worker_mesh(device_type: str, world_size: int, dtensor_cfg: DTensorConfig) -> DeviceMesh:
+    """A DTensor worker's ``(dp, cp, tp)`` mesh over ``world_size`` ranks, row-major: the ``CP x TP``
+    consecutive ranks of a data-parallel group hold the same rows."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    tp_size, cp_size = dtensor_cfg.tensor_parallel_size, dtensor_cfg.context_parallel_size
+    if world_size % (tp_size * cp_size) != 0:
+        raise ValueError(
+            f"the policy has {world_size} workers, not a multiple of policy.dtensor_cfg."
+            f"tensor_parallel_size={tp_size} x context_parallel_size={cp_size}"
+        )
+    shape = (world_size // (tp_size * cp_size), cp_size, tp_size)
+    return init_device_mesh(device_type, shape, mesh_dim_names=("dp", "cp", "tp"))
+
+
+def sequence_multiple(make_divisible_by: int, dtensor_cfg: DTensorConfig) -> int:
     """What a worker pads sequence lengths to: ``make_divisible_by``, with sequence parallelism a multiple of
     the TP size, and with CP a multiple of ``2 x CP`` (the config refuses TP x CP)."""
-    sp_multiple = tp_size if sequence_parallel else 1
+    tp_size, cp_size = dtensor_cfg.tensor_parallel_size, dtensor_cfg.context_parallel_size
+    sp_multiple = tp_size if dtensor_cfg.sequence_parallel else 1
     return math.lcm(make_divisible_by, sp_multiple, 2 * cp_size if cp_size > 1 else 1)
 
 
@@ -340,10 +358,15 @@ def _output_head(model: nn.Module) -> nn.Module:
     return head
 
 
-def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> ContextParallel | None:
+def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, is_moe: bool) -> ContextParallel | None:
     """Split ``model``'s forwards over ``cp_mesh`` (a 1-D mesh); None (nothing installed) for one rank."""
     if cp_mesh.size() == 1:
         return None
+    if is_moe:  # the config refuses local MoE checkpoints; this catches hub names
+        raise ValueError(
+            "policy.dtensor_cfg.context_parallel_size > 1 does not combine with a mixture-of-experts model (the "
+            "load-balancing loss and routing replay read every token's routing): set it to 1"
+        )
     return ContextParallel(model, cp_mesh)
 
 
