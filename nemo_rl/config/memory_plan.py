@@ -165,8 +165,9 @@ def _dtensor_policy(arch: ModelArch, policy: PolicyConfig, slots: int) -> list[T
     label = f"activations ({tokens} tokens{split}{', checkpointed' if cfg.activation_checkpointing else ''})"
     terms.append(Term(label, activations, _CUT_ACTIVATIONS))
     if cp > 1:
-        kv = m.context_parallel_kv_bytes(arch, tokens, arch.num_layers, d, cfg.tensor_parallel_size)
-        terms.append(Term("keys/values gathered over CP", kv, _CUT_ACTIVATIONS))
+        seq_len = policy.max_total_sequence_length
+        added = m.context_parallel_bytes(arch, tokens, seq_len, cp, d, cfg.tensor_parallel_size)
+        terms.append(Term("CP keys/values and masks", added, _CUT_ACTIVATIONS))
     terms.append(Term("logits spike", m.logits_bytes(tokens, arch.vocab_size, d, training=True), _CUT_LOGITS))
     return terms
 

@@ -136,7 +136,7 @@ def test_dry_run_plans_cp2_with_half_the_activations(
 
     assert term(cp2, "activations") == pytest.approx(term(cp1, "activations") / 2, rel=0.02)
     assert term(cp2, "logits spike") == term(cp1, "logits spike")
-    assert term(cp2, "keys/values gathered over CP") > 0
+    assert term(cp2, "CP keys/values and masks") > 0
 
 
 def test_cp_that_does_not_divide_the_workers_is_a_user_error(tmp_path: Path) -> None:
