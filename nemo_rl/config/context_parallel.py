@@ -40,8 +40,8 @@ def check_context_parallel(policy: PolicyConfig) -> None:
         ),
         (policy.shared_prefix.enabled, "the shared-prompt forward", "policy.shared_prefix.enabled=false"),
         (
-            policy.reward_model_cfg.enabled,
-            "a reward or value model (its scalar head is not built for split rows)",
+            policy.reward_model_cfg.enabled and policy.reward_model_cfg.reward_model_type == "bradley_terry",
+            "a Bradley-Terry reward model (it reads its head at one token per row)",
             "policy.reward_model_cfg.enabled=false",
         ),
         (

@@ -2,8 +2,8 @@
 
 Two groups of gloo ranks run at once from one start (``rank_groups.run_groups``): one rank with CP=1 (the
 reference) and two ranks with CP=2 (one data-parallel group whose two ranks each hold half of every row). Each
-trains the same three global batches (padded rows, sequence packing, and dynamic batching with activation
-checkpointing), then scores the same rows; losses, gradient norms and log-probs must agree to float32 rounding. The CP=2 group also saves a checkpoint
+trains the same three global batches (padded rows, sequence packing, dynamic batching with activation
+checkpointing, and a value model on packed rows), then scores the same rows; losses, gradient norms and log-probs must agree to float32 rounding. The CP=2 group also saves a checkpoint
 after two steps, resumes it in a new worker and must take the third step bit for bit as the worker that went
 on; both groups export Hugging Face weights after three steps, which must agree.
 
@@ -22,7 +22,8 @@ from rank_groups import SaveFn, load, run_groups
 from safetensors.torch import load_file
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from nemo_rl.algorithms.loss_functions import NLLLoss
+from nemo_rl.algorithms.loss_functions import NLLLoss, ValueLossFn
+from nemo_rl.config.loss import ValueLossConfig
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
@@ -63,14 +64,24 @@ def _batch(seed: int, num_rows: int) -> BatchedDataDict[Any]:
     token_mask = ((positions >= 3) & (positions < lengths[:, None])).float()
     sample_mask = torch.ones(num_rows)
     sample_mask[2 :: GLOBAL_BATCH * 2] = 0.0
+    # A value model's targets (PPO's critic), aligned with the tokens.
+    returns, old_values = torch.randn(2, num_rows, SEQ_LEN, generator=g)
     return BatchedDataDict(
-        {"input_ids": ids, "input_lengths": lengths, "token_mask": token_mask, "sample_mask": sample_mask}
+        {
+            "input_ids": ids,
+            "input_lengths": lengths,
+            "token_mask": token_mask,
+            "sample_mask": sample_mask,
+            "returns": returns,
+            "old_values": old_values,
+        }
     )
 
 
-VARIANTS = ("padded", "packed", "dynamic")
+VARIANTS = ("padded", "packed", "dynamic", "value")
 """Padded rows; sequence packing; dynamic batching with activation checkpointing (the layers recompute their
-forward, CP collectives included, in the backward pass)."""
+forward, CP collectives included, in the backward pass); a value model (PPO's critic: the scalar head read at
+every token, trained with the clipped value loss) on packed rows."""
 
 
 def _cfg(model_dir: Path, cp: int, variant: str = "padded") -> PolicyConfig:
@@ -85,8 +96,9 @@ def _cfg(model_dir: Path, cp: int, variant: str = "padded") -> PolicyConfig:
             "max_grad_norm": 0.5,
             "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2, "weight_decay": 0.01}},
             "dtensor_cfg": {"context_parallel_size": cp, "activation_checkpointing": variant == "dynamic"},
+            "reward_model_cfg": {"enabled": variant == "value", "reward_model_type": "regression"},
             "sequence_packing": {
-                "enabled": variant == "packed",
+                "enabled": variant in ("packed", "value"),
                 "train_mb_tokens": 40,
                 "logprob_mb_tokens": 36,
             },
@@ -108,8 +120,12 @@ def _scenarios(cp: int, save: SaveFn, model_dir: Path, out_dir: Path) -> None:
     loss_fn = NLLLoss()
     for tag in VARIANTS:
         worker = DTensorPolicyWorker(_cfg(model_dir, cp, tag))
-        save(f"{tag}_train", worker.train(data, loss_fn))
-        save(f"{tag}_logprobs", worker.get_logprobs(score)["logprobs"])
+        if tag == "value":
+            save(f"{tag}_train", worker.train(data, ValueLossFn(ValueLossConfig(scale=1.0, cliprange=0.2))))
+            save(f"{tag}_logprobs", worker.get_values(score)["values"])
+        else:
+            save(f"{tag}_train", worker.train(data, loss_fn))
+            save(f"{tag}_logprobs", worker.get_logprobs(score)["logprobs"])
         if tag == "padded":
             worker.export_hf(str(out_dir / f"hf_cp{cp}"))
         worker.shutdown()
@@ -159,6 +175,7 @@ def test_cp2_trains_as_cp1(results: Path, tag: str) -> None:
         _close(got["loss"], reference["loss"])
         _close(got["grad_norm"], reference["grad_norm"])
         assert got["global_valid_toks"].tolist() == reference["global_valid_toks"].tolist()
+        # Log-probs, or a value model's values.
         _close(load(results, f"cp2.{tag}_logprobs", rank), load(results, f"cp1.{tag}_logprobs"))
 
 

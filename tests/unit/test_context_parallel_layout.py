@@ -100,7 +100,7 @@ def test_cp2_validates(tmp_path: Path) -> None:
         ({"dtensor_cfg": {"tensor_parallel_size": 2}}, "qwen2", "tensor parallelism"),
         ({"dtensor_cfg": {"lora_cfg": {"enabled": True}}}, "qwen2", "LoRA"),
         ({"shared_prefix": {"enabled": True}}, "qwen2", "shared-prompt forward"),
-        ({"reward_model_cfg": {"enabled": True, "reward_model_type": "regression"}}, "qwen2", "value model"),
+        ({"reward_model_cfg": {"enabled": True}}, "qwen2", "Bradley-Terry"),
         ({}, "qwen3_moe", "mixture-of-experts"),
         ({"dtensor_cfg": {"data_parallel_mode": "replicate"}}, "qwen2", "context_parallel_size=1"),
     ],

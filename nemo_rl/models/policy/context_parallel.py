@@ -17,7 +17,7 @@ Forward. :func:`apply_context_parallel` installs three things on the model:
    the owner's keys and values) and attends each local chunk to the keys before it, masked by global positions
    and, in a packed row, by document (a new document starts wherever the position ids do not go on by one), so
    documents never attend across a pack boundary;
-3. a forward hook on the LM head that all-gathers its output
+3. a forward hook on the output head (the LM head, or a value model's scalar head) that all-gathers its output
    back to full rows in token order. Every CP rank then computes the same loss on the same full rows, so its
    gradient is the same on every rank and the gather's backward keeps each rank's own slice of it, with no
    communication: log-probs, entropies, losses and gradients are those of the unsplit forward, and the loss
@@ -32,7 +32,7 @@ values of the full rows (small with grouped-query attention), and the head's out
 rows, so the ``[T, V]`` logits are not split (``nemo_rl.config.memory_plan`` counts all three).
 
 Not combined with (the config refuses each in one line, ``nemo_rl.config.context_parallel``): tensor
-parallelism (TP x CP is not built), LoRA, the shared-prompt forward, reward and value models, and
+parallelism (TP x CP is not built), LoRA, the shared-prompt forward, Bradley-Terry reward models, and
 mixture-of-experts models (the load-balancing loss and routing replay read every token's routing on one rank).
 Megatron's ``context_parallel_size`` is refused too: megatron-core's context-parallel attention runs only in
 Transformer Engine, which has no CPU build.
@@ -351,8 +351,10 @@ class ContextParallel:
 
 
 def _output_head(model: nn.Module) -> nn.Module:
-    """The LM head, whose per-token output the losses read."""
-    head = model.get_output_embeddings()  # type: ignore[operator]
+    """The module whose per-token output the losses read: a value model's scalar ``score`` head (read at every
+    token, ``DTensorPolicyWorker._values``), else the LM head."""
+    score = getattr(model, "score", None)
+    head = score if isinstance(score, nn.Module) else model.get_output_embeddings()  # type: ignore[operator]
     if not isinstance(head, nn.Module):
         raise ValueError(f"{type(model).__name__} has no output head for context parallelism to gather")
     return head
