@@ -33,11 +33,6 @@ def check_context_parallel(policy: PolicyConfig) -> None:
             "tensor parallelism (TP x CP is not built)",
             "policy.dtensor_cfg.tensor_parallel_size=1",
         ),
-        (
-            policy.dtensor_cfg.lora_cfg.enabled,
-            "LoRA (not built)",
-            "policy.dtensor_cfg.lora_cfg.enabled=false",
-        ),
         (policy.shared_prefix.enabled, "the shared-prompt forward", "policy.shared_prefix.enabled=false"),
         (
             policy.reward_model_cfg.enabled and policy.reward_model_cfg.reward_model_type == "bradley_terry",

@@ -3,7 +3,7 @@
 Two groups of gloo ranks run at once from one start (``rank_groups.run_groups``): one rank with CP=1 (the
 reference) and two ranks with CP=2 (one data-parallel group whose two ranks each hold half of every row). Each
 trains the same three global batches (padded rows, sequence packing, dynamic batching with activation
-checkpointing, and a value model on packed rows), then scores the same rows; losses, gradient norms and log-probs must agree to float32 rounding. The CP=2 group also saves a checkpoint
+checkpointing, a value model on packed rows, and LoRA), then scores the same rows; losses, gradient norms and log-probs must agree to float32 rounding. The CP=2 group also saves a checkpoint
 after two steps, resumes it in a new worker and must take the third step bit for bit as the worker that went
 on; both groups export Hugging Face weights after three steps, which must agree.
 
@@ -78,10 +78,10 @@ def _batch(seed: int, num_rows: int) -> BatchedDataDict[Any]:
     )
 
 
-VARIANTS = ("padded", "packed", "dynamic", "value")
+VARIANTS = ("padded", "packed", "dynamic", "value", "lora")
 """Padded rows; sequence packing; dynamic batching with activation checkpointing (the layers recompute their
 forward, CP collectives included, in the backward pass); a value model (PPO's critic: the scalar head read at
-every token, trained with the clipped value loss) on packed rows."""
+every token, trained with the clipped value loss) on packed rows; LoRA adapters on every linear layer."""
 
 
 def _cfg(model_dir: Path, cp: int, variant: str = "padded") -> PolicyConfig:
@@ -95,7 +95,11 @@ def _cfg(model_dir: Path, cp: int, variant: str = "padded") -> PolicyConfig:
             "make_sequence_length_divisible_by": 4,
             "max_grad_norm": 0.5,
             "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2, "weight_decay": 0.01}},
-            "dtensor_cfg": {"context_parallel_size": cp, "activation_checkpointing": variant == "dynamic"},
+            "dtensor_cfg": {
+                "context_parallel_size": cp,
+                "activation_checkpointing": variant == "dynamic",
+                "lora_cfg": {"enabled": variant == "lora", "dim": 4, "alpha": 8},
+            },
             "reward_model_cfg": {"enabled": variant == "value", "reward_model_type": "regression"},
             "sequence_packing": {
                 "enabled": variant in ("packed", "value"),

@@ -98,7 +98,6 @@ def test_cp2_validates(tmp_path: Path) -> None:
     [
         ({"make_sequence_length_divisible_by": 2}, "qwen2", "not a multiple of 4"),
         ({"dtensor_cfg": {"tensor_parallel_size": 2}}, "qwen2", "tensor parallelism"),
-        ({"dtensor_cfg": {"lora_cfg": {"enabled": True}}}, "qwen2", "LoRA"),
         ({"shared_prefix": {"enabled": True}}, "qwen2", "shared-prompt forward"),
         ({"reward_model_cfg": {"enabled": True}}, "qwen2", "Bradley-Terry"),
         ({}, "qwen3_moe", "mixture-of-experts"),

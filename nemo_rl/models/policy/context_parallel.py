@@ -32,7 +32,7 @@ values of the full rows (small with grouped-query attention), and the head's out
 rows, so the ``[T, V]`` logits are not split (``nemo_rl.config.memory_plan`` counts all three).
 
 Not combined with (the config refuses each in one line, ``nemo_rl.config.context_parallel``): tensor
-parallelism (TP x CP is not built), LoRA, the shared-prompt forward, Bradley-Terry reward models, and
+parallelism (TP x CP is not built), the shared-prompt forward, Bradley-Terry reward models, and
 mixture-of-experts models (the load-balancing loss and routing replay read every token's routing on one rank).
 Megatron's ``context_parallel_size`` is refused too: megatron-core's context-parallel attention runs only in
 Transformer Engine, which has no CPU build.
