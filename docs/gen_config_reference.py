@@ -34,6 +34,7 @@ from nemo_rl.config.master import (
     DPOMasterConfig,
     EvalMasterConfig,
     GRPOMasterConfig,
+    PPOMasterConfig,
     RMMasterConfig,
     SFTMasterConfig,
 )
@@ -52,6 +53,7 @@ MASTERS: tuple[tuple[str, type[BaseModel]], ...] = (
     ("examples/run_grpo_sliding_puzzle.py", GRPOMasterConfig),
     ("examples/run_dpo.py", DPOMasterConfig),
     ("examples/run_rm.py", RMMasterConfig),
+    ("examples/run_ppo.py", PPOMasterConfig),
 )
 """Each driver script and the master config it validates its YAML against."""
 

@@ -11,6 +11,7 @@ the embedded engine. A run resumes from the latest checkpoint in ``checkpointing
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from nemo_rl.config.cli import parse_args_and_load
 from nemo_rl.config.master import DistillationMasterConfig
@@ -30,37 +31,15 @@ def main() -> None:
     # A model folder that does not exist is known from the path: say so before Ray starts.
     check_policy_sources(config.policy)
     check_model_source(config.teacher.model_name, "teacher.model_name")
-    from nemo_rl.distributed.ray_start import ray_starting_in_background
-    from nemo_rl.models.generation.backends import ray_may_start_in_background
+    from nemo_rl.algorithms.rl_script import run_rl_script
 
-    # Ray's processes come up while this process imports torch and loads the data (setup waits for them);
-    # not for vLLM: a machine without a GPU must refuse it, below, without starting Ray.
-    with ray_starting_in_background(config.cluster, start=ray_may_start_in_background(config.policy)):
-        # Heavy imports only after the config is known to be valid, so config mistakes fail within seconds.
+    def load() -> tuple[Any, Any]:
+        # Imported while Ray starts: torch and transformers only after the config is known to be valid.
         from nemo_rl.algorithms.distillation import distillation_train, setup
-        from nemo_rl.data.datasets import setup_rl_data
-        from nemo_rl.distributed.device import cuda_available
-        from nemo_rl.models.generation.factory import check_backend_available
-        from nemo_rl.models.tokenizer import get_policy_tokenizer
 
-        # Fail before starting any worker when the backend cannot run here (vLLM without a GPU).
-        check_backend_available(
-            config.policy,
-            cluster_has_gpus=cuda_available(),
-            cpu_config="examples/configs/distillation_tiny_math.yaml",
-        )
-        tokenizer = get_policy_tokenizer(config.policy)
-        train_dataset, val_dataset = setup_rl_data(
-            config.data,
-            tokenizer,
-            max_total_sequence_length=config.policy.max_total_sequence_length,
-        )
-        components = setup(config, tokenizer, train_dataset, val_dataset)
-    try:
-        distillation_train(components)
-        print(f"Distillation finished at step {components.state.step}", flush=True)
-    finally:
-        components.shutdown()
+        return setup, distillation_train
+
+    run_rl_script(config, "Distillation", load, cpu_config="examples/configs/distillation_tiny_math.yaml")
 
 
 if __name__ == "__main__":

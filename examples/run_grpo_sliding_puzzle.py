@@ -5,9 +5,10 @@
 
 The script reads like NeMo RL's ``examples/run_grpo_sliding_puzzle.py``: it loads its recipe with
 ``load_config`` / ``parse_hydra_overrides``, builds the puzzle prompts and the environment actor itself, and
-hands both to ``grpo.setup`` (``task_to_env``). ``examples/configs/grpo_sliding_puzzle.yaml`` is NeMo RL's
-recipe (Qwen2.5-1.5B-Instruct on a GPU); ``grpo_sliding_puzzle_tiny.yaml`` runs on a CPU with the committed
-tiny checkpoint ``examples/assets/tiny_sliding_puzzle_sft`` (see docs/porting.md for its reward curve).
+hands both to ``grpo.setup`` (``task_to_env``), or to ``ppo.setup`` for a recipe with a ``ppo`` section
+(``ppo_sliding_puzzle_tiny.yaml``). ``examples/configs/grpo_sliding_puzzle.yaml`` is NeMo RL's recipe
+(Qwen2.5-1.5B-Instruct on a GPU); ``grpo_sliding_puzzle_tiny.yaml`` runs on a CPU with the committed tiny
+checkpoint ``examples/assets/tiny_sliding_puzzle_sft`` (see docs/porting.md for its reward curve).
 
 ``--write-warmup-data OUT.jsonl`` writes puzzles of the config as chat data (``openai_format``) answered with
 a random legal move in the action format, for a supervised warm start of a model that has never seen the
@@ -28,6 +29,7 @@ import ray
 from omegaconf import OmegaConf
 from transformers import PreTrainedTokenizerBase
 
+from nemo_rl.algorithms import ppo
 from nemo_rl.algorithms.grpo import MasterConfig, grpo_train, setup
 from nemo_rl.config.loader import format_config
 from nemo_rl.config.no_effect import format_no_effect, no_effect_settings
@@ -170,44 +172,47 @@ def write_warmup_data(path: str, num_samples: int, env_cfg: Mapping[str, Any], s
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, float]:
-    """Load the recipe, then set up and run GRPO; returns the last step's metrics."""
+    """Load the recipe, then set up and run GRPO (or PPO, for a recipe with a ``ppo`` section, such as
+    ``ppo_sliding_puzzle_tiny.yaml``); returns the last step's metrics."""
     args, overrides = parse_args(argv)
     config = load_config(args.config)
     if overrides:
         config = parse_hydra_overrides(config, overrides)
-    master: MasterConfig = validate_dict(
-        OmegaConf.to_container(config, resolve=True), MasterConfig, args.config
+    algorithm = "ppo" if "ppo" in config else "grpo"
+    resolved = OmegaConf.to_container(config, resolve=True)
+    master: MasterConfig | ppo.MasterConfig = (
+        validate_dict(resolved, ppo.MasterConfig, args.config)
+        if algorithm == "ppo"
+        else validate_dict(resolved, MasterConfig, args.config)
     )
+    loop = master[algorithm]
     if args.dry_run:
         print(format_config(master), end="")  # every key, defaults included
         print(format_no_effect(no_effect_settings(master)), flush=True)
         sys.exit(0)
     if args.write_warmup_data:
-        write_warmup_data(
-            args.write_warmup_data, args.num_warmup_samples, master["env"], master["grpo"]["seed"]
-        )
+        write_warmup_data(args.write_warmup_data, args.num_warmup_samples, master["env"], loop["seed"])
         return {}
 
     # Ray first: the environment actor starts before setup (which would start Ray itself otherwise).
     init_ray(master.cluster)
     tokenizer = get_policy_tokenizer(master.policy)
-    length = (
-        master["grpo"]["num_prompts_per_step"]
-        * master["grpo"]["num_generations_per_prompt"]
-        * master["grpo"]["max_num_steps"]
-    )
+    length = loop["num_prompts_per_step"] * loop["num_generations_per_prompt"] * loop["max_num_steps"]
     dataset, val_dataset, task_to_env, val_task_to_env = setup_puzzle_data(
         tokenizer,
         master["env"],
         length,
-        master["grpo"]["max_val_samples"],
-        master["grpo"]["seed"],
+        loop["max_val_samples"],
+        loop["seed"],
         master["data"]["add_system_prompt"],
     )
-    components = setup(master, tokenizer, dataset, val_dataset, task_to_env, val_task_to_env)
+    # The puzzles are a Sequence of samples, which is what setup reads of a dataset.
+    start: Any = ppo.setup if algorithm == "ppo" else setup
+    train: Any = ppo.ppo_train if algorithm == "ppo" else grpo_train
+    components = start(master, tokenizer, dataset, val_dataset, task_to_env, val_task_to_env)
     try:
-        metrics = grpo_train(components)
-        print(f"GRPO finished at step {components.state.step}", flush=True)
+        metrics = train(components)
+        print(f"{algorithm.upper()} finished at step {components.state.step}", flush=True)
     finally:
         components.shutdown()
         for env in task_to_env.values():

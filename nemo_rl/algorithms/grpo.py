@@ -20,22 +20,25 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
-import torch
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.algorithms.advantages import compute_advantages
-from nemo_rl.algorithms.dynamic_sampling import EndlessBatches, sample_until_full
+from nemo_rl.algorithms.dynamic_sampling import EndlessBatches
 from nemo_rl.algorithms.loop import train_metrics
 from nemo_rl.algorithms.loss_functions import ClippedPGLossFn
-from nemo_rl.algorithms.rewards import first_response_lengths, scale_rewards, shape_rewards
-from nemo_rl.algorithms.run import EnvMetrics, RLState, Run
+from nemo_rl.algorithms.run import EnvMetrics, Run
 from nemo_rl.algorithms.run_build import RunSpec, SamplingSpec, build_run
-from nemo_rl.config.algorithms import GRPOConfig
+from nemo_rl.algorithms.scored_rollouts import (
+    PromptsState,
+    draw,
+    sample_step,
+    with_transformed_rewards,
+)
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.master import GRPOMasterConfig
 from nemo_rl.data.datasets import ProcessedDataset
@@ -53,13 +56,9 @@ MasterConfig = GRPOMasterConfig
 
 
 @dataclasses.dataclass
-class GRPOState(RLState):
+class GRPOState(PromptsState):
     """What a checkpoint records about the GRPO loop's progress (steps, tokens trained on, validation
     accuracy, prompts consumed)."""
-
-    consumed_prompts: int = 0
-    """Prompts drawn by the steps taken: trained on, dropped by dynamic sampling or, under asynchronous GRPO,
-    dropped as too old (its loader reads ahead of training, and only what the steps took counts)."""
 
 
 GRPORun = Run[GRPOMasterConfig, GRPOState]
@@ -139,41 +138,6 @@ def prev_logprobs_from_training_forward(config: GRPOMasterConfig, policy: Policy
     return not (policy.trains_with_dropout() if policy is not None else trains_with_dropout(config.policy))
 
 
-def transformed_rewards(rollout: BatchedDataDict[Any], cfg: GRPOConfig) -> torch.Tensor:
-    """The rollout's rewards after ``grpo.reward_scaling`` then ``grpo.reward_shaping`` (the environments'
-    own metrics keep the raw rewards)."""
-    rewards_B = scale_rewards(rollout["total_reward"], cfg.reward_scaling)
-    if not cfg.reward_shaping.enabled:
-        return rewards_B
-    lengths_B = first_response_lengths(rollout["message_log"])
-    return shape_rewards(rewards_B, lengths_B, rollout["truncated"], cfg.reward_shaping)
-
-
-def score(
-    run: GRPORun, batch: BatchedDataDict[Any], timer: Timer
-) -> tuple[BatchedDataDict[Any], dict[str, float], EnvMetrics]:
-    """Sample ``num_generations_per_prompt`` responses per prompt of ``batch`` and score them (see
-    :meth:`Run.sample`): the rollout's ``total_reward`` holds the transformed rewards (see
-    :func:`transformed_rewards`), its metrics ``reward`` (their mean); the function returned last waits for
-    the environments' own metrics."""
-    rollout, metrics, env_metrics = run.sample(batch, run.config.grpo, timer)
-    return (*_with_transformed_rewards(rollout, metrics, run.config.grpo), env_metrics)
-
-
-def _with_transformed_rewards(
-    rollout: BatchedDataDict[Any], metrics: dict[str, float], cfg: GRPOConfig
-) -> tuple[BatchedDataDict[Any], dict[str, float]]:
-    rollout["total_reward"] = transformed_rewards(rollout, cfg)
-    return rollout, {**metrics, "reward": float(rollout["total_reward"].mean())}
-
-
-def _score_and_wait(
-    run: GRPORun, batch: BatchedDataDict[Any], timer: Timer
-) -> tuple[BatchedDataDict[Any], dict[str, float]]:
-    rollout, metrics, env_metrics = score(run, batch, timer)
-    return rollout, {**metrics, **env_metrics()}
-
-
 def grpo_step(
     run: GRPORun,
     batch: BatchedDataDict[Any],
@@ -183,25 +147,7 @@ def grpo_step(
 ) -> dict[str, float]:
     """One GRPO step on a batch of prompts; returns its ``train/`` metrics. Under dynamic sampling,
     ``next_batch`` gives the further prompt batches the step draws."""
-    cfg = run.config.grpo
-    run.state.consumed_prompts += len(batch["message_log"])
-    run.refit_if_stale(timer)
-    env_metrics: EnvMetrics = dict
-    if cfg.use_dynamic_sampling:
-        if next_batch is None:
-            raise ValueError("grpo.use_dynamic_sampling needs grpo_step(..., next_batch=...) to draw batches")
-        with timer.time("dynamic_sampling"):
-            rollout, rollout_metrics = sample_until_full(
-                batch,
-                next_batch,
-                lambda b: _score_and_wait(run, b, timer),
-                num_samples=cfg.samples_per_step,
-                group_size=cfg.num_generations_per_prompt,
-                max_gen_batches=cfg.dynamic_sampling_max_gen_batches,
-            )
-    else:
-        rollout, rollout_metrics, env_metrics = score(run, batch, timer)
-    run.rl.generation.finish_generation()
+    rollout, rollout_metrics, env_metrics = sample_step(run, batch, run.config.grpo, timer, next_batch)
     return train_on_rollout(run, loss_fn, rollout, rollout_metrics, timer, env_metrics)
 
 
@@ -291,7 +237,7 @@ def async_grpo_step(
         batch, async_metrics, dropped = rollouts.take(step)
     run.state.consumed_prompts += batch.num_prompts + sum(d.num_prompts for d in dropped)
     _record_trajectories(run, step, batch, dropped)
-    rollout, rollout_metrics = _with_transformed_rewards(batch.rollout, batch.metrics, run.config.grpo)
+    rollout, rollout_metrics = with_transformed_rewards(batch.rollout, batch.metrics, run.config.grpo)
     metrics = train_on_rollout(run, loss_fn, rollout, rollout_metrics, timer)
     with timer.time("refit"):
         refit_metrics = run.refit(version=step)
@@ -314,13 +260,6 @@ def _record_trajectories(run: GRPORun, step: int, batch: RolloutBatch, dropped: 
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
-
-
-def _draw(run: GRPORun, batches: Iterator[BatchedDataDict[Any]]) -> BatchedDataDict[Any]:
-    """A further prompt batch drawn within a step (dynamic sampling), counted as consumed."""
-    batch = next(batches)
-    run.state.consumed_prompts += len(batch["message_log"])
-    return batch
 
 
 def grpo_train(run: GRPORun) -> dict[str, float]:
@@ -346,7 +285,7 @@ def grpo_train(run: GRPORun) -> dict[str, float]:
     try:
         for batch in loop:
             if rollouts is None:
-                metrics = grpo_step(run, batch, loop.timer, loss_fn, next_batch=partial(_draw, run, batches))
+                metrics = grpo_step(run, batch, loop.timer, loss_fn, next_batch=partial(draw, run, batches))
             else:
                 metrics = async_grpo_step(run, rollouts, loop.timer, loss_fn)
             loop.end_step(metrics, num_tokens=metrics["mean_conversation_tokens"] * cfg.samples_per_step)

@@ -202,6 +202,11 @@ class ValueLossFn(_LossAdapter):
     def compute(self, call: LossCall) -> tuple[torch.Tensor, dict[str, float]]:
         """Needs ``input_ids``, ``token_mask``, ``sample_mask``, ``returns`` and ``old_values``."""
         call.require((*_TOKEN_LOSS_KEYS, "returns", "old_values"), "ValueLossFn")
+        if tuple(call.output.shape) != tuple(call.data["input_ids"].shape):
+            raise ValueError(
+                f"ValueLossFn trains a value head read at every token ([B, T]) but the model gave "
+                f"{tuple(call.output.shape)}: train a critic with policy.reward_model_cfg.reward_model_type=regression"
+            )
         values_BS = at_least_fp32(call.output[:, :-1])
         masks = call.masks(values_BS)
         returns_BS = call.per_token("returns", values_BS)
@@ -249,6 +254,12 @@ class PreferenceLoss(_LossAdapter):
     def compute(self, call: LossCall) -> tuple[torch.Tensor, dict[str, float]]:
         """This micro-batch's share of the pairwise loss; the output is the reward head's [B] or [B, 1]."""
         _check_pairs(call.data)
+        if call.output.dim() > 1 and call.output.shape[1] != 1:
+            raise ValueError(
+                f"PreferenceLoss reads one reward per sequence but the model gave {tuple(call.output.shape)} (a value "
+                "model's head at every token): train reward models with policy.reward_model_cfg.reward_model_type="
+                "bradley_terry"
+            )
         rewards_B = at_least_fp32(call.output).reshape(call.output.shape[0])
         sample_mask_B = call.data["sample_mask"].to(device=rewards_B.device, dtype=rewards_B.dtype)
         terms = losses.preference_terms(rewards_B, sample_mask_B, call.global_valid_seqs, beta=1.0)

@@ -36,10 +36,12 @@ from nemo_rl.algorithms.loop import (
     step_budget,
 )
 from nemo_rl.config.agent import AgentConfig
-from nemo_rl.config.algorithms import DistillationConfig, DPOConfig, GRPOConfig, RMConfig, SFTConfig
+from nemo_rl.config.algorithms import LoopConfig as LoopConfigBase
+from nemo_rl.config.algorithms import RolloutLoopConfig
 from nemo_rl.config.master import (
     DistillationMasterConfig,
     GRPOMasterConfig,
+    PPOMasterConfig,
     PreferenceMasterConfig,
     SFTMasterConfig,
 )
@@ -60,14 +62,16 @@ from nemo_rl.utils.checkpoint import CheckpointManager
 from nemo_rl.utils.logger import Logger
 from nemo_rl.utils.timer import Timer
 
-TrainingConfig = SFTMasterConfig | GRPOMasterConfig | DistillationMasterConfig | PreferenceMasterConfig
+TrainingConfig = (
+    SFTMasterConfig | GRPOMasterConfig | DistillationMasterConfig | PreferenceMasterConfig | PPOMasterConfig
+)
 """The master configs of the training loops (each has ``policy``, ``checkpointing``, ``logger``, ``cluster``)."""
 
-LoopConfig = SFTConfig | GRPOConfig | DistillationConfig | DPOConfig | RMConfig
+LoopConfig = LoopConfigBase
 """A loop's own config section: its step budget (``max_num_steps``, ``max_num_epochs``) and when it
 validates (``val_period``, ``val_at_start``, ``val_at_end``)."""
 
-SamplingLoopConfig = GRPOConfig | DistillationConfig
+SamplingLoopConfig = RolloutLoopConfig
 """The section of a loop that samples: responses per prompt, rollout turns, validation sample counts."""
 
 Loader = StatefulDataLoader[Any, BatchedDataDict[Any]]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Collection, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Generic, TypeVar, cast
 
 from transformers import PreTrainedTokenizerBase
@@ -67,6 +68,9 @@ class ExtraPolicy:
     name: str
     """Its key in ``Run.models`` and its folder in a checkpoint; also names its worker actors."""
     trained: bool = False
+    warm_start: str | None = None
+    """A trained policy's weights (a ``<step>/<name>/weights`` folder of another run) that a fresh run starts
+    from instead of ``cfg.model_name``; a resumed run restores its own checkpoint and ignores this."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -281,6 +285,8 @@ def _start_policies(
     models = []
     for extra in spec.models:
         weights_path, optimizer_path = resume.policy_paths(extra.name) if extra.trained else (None, None)
+        if weights_path is None and extra.warm_start is not None:
+            weights_path = extra.warm_start
         models.append(
             Policy(
                 cluster,
@@ -371,6 +377,11 @@ def check_extra_policy(extra: ExtraPolicy, world_size: int) -> None:
     check_policy_layout(extra.cfg, world_size)
     if extra.trained:
         check_optimizer_config(extra.cfg)
+    if extra.warm_start is not None and not Path(extra.warm_start).is_dir():
+        raise UserError(
+            f"{extra.name}'s warm start {extra.warm_start} is not a folder: give the step_<n> folder of a run "
+            f"that saved a {extra.name}/ checkpoint"
+        )
 
 
 def _start_cluster(config: TrainingConfig, spec: RunSpec[Any]) -> RayVirtualCluster:

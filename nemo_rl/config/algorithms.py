@@ -1,14 +1,16 @@
-"""Schemas of the algorithm sections: ``sft``, ``grpo``, ``dpo``, ``rm`` and ``distillation``.
+"""Schemas of the algorithm sections: ``sft``, ``grpo``, ``dpo``, ``rm`` and ``distillation`` (``ppo`` is in
+:mod:`nemo_rl.config.ppo`).
 
 Every loop's section inherits its step budget, validation schedule and seed from :class:`LoopConfig`; the
 loops over a fixed data set add batch-wise validation (:class:`SupervisedLoopConfig`), the loops that sample
-add prompt counts and sampled validation (:class:`RolloutLoopConfig`). Each key is declared, with its
+add prompt counts and sampled validation (:class:`RolloutLoopConfig`), and the policy-gradient loops (GRPO,
+PPO) their reward transforms and dynamic sampling (:class:`PolicyGradientLoopConfig`). Each key is declared, with its
 default and its docstring, in exactly one of these classes.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Self
+from typing import Any, ClassVar, Literal, Self
 
 from pydantic import Field, field_validator, model_validator
 
@@ -146,7 +148,7 @@ class RewardShapingConfig(ConfigModel):
     def _check(self) -> Self:
         if self.enabled and self.stop_properly_penalty_coef is None and self.max_response_length is None:
             raise ValueError(
-                "grpo.reward_shaping.enabled=true needs grpo.reward_shaping.max_response_length (or "
+                "reward_shaping.enabled=true (grpo or ppo) needs reward_shaping.max_response_length (or "
                 "stop_properly_penalty_coef)"
             )
         return self
@@ -176,9 +178,58 @@ class RewardScalingConfig(ConfigModel):
     def _check(self) -> Self:
         if self.source_max <= self.source_min:
             raise ValueError(
-                f"grpo.reward_scaling.source_max={self.source_max} must exceed source_min={self.source_min}"
+                f"reward_scaling.source_max={self.source_max} must exceed source_min={self.source_min} (grpo or ppo)"
             )
         return self
+
+
+class PolicyGradientLoopConfig(RolloutLoopConfig):
+    """A loop that trains the policy on its scored samples with the clipped policy-gradient loss (GRPO, PPO):
+    reward scaling and shaping, overlong filtering and DAPO's dynamic sampling."""
+
+    _SECTION: ClassVar[str] = "grpo"
+    """The section's name in messages."""
+
+    val_greedy: bool = False
+    """Decode validation responses greedily instead of sampling with ``policy.generation`` settings."""
+
+    overlong_filtering: bool = False
+    """Exclude truncated responses (no end of sequence within the budget) from the loss."""
+
+    use_dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: prompt groups whose responses all earn the same reward (no learning signal)
+    are dropped, and further batches of ``batch_multiplier`` x ``num_prompts_per_step`` prompts are
+    generated until ``num_prompts_per_step`` x ``num_generations_per_prompt`` responses remain (surplus
+    groups are discarded)."""
+
+    dynamic_sampling_max_gen_batches: int = Field(default=10, ge=1)
+    """Most generation batches one step may draw under dynamic sampling; a step that still lacks responses
+    with distinct rewards then fails (raise it, ``batch_multiplier`` or ``num_generations_per_prompt``)."""
+
+    batch_multiplier: float = Field(default=1.0, ge=1.0)
+    """Prompts per generation batch under dynamic sampling, as a multiple of ``num_prompts_per_step``
+    (rounded down); must be 1 without it."""
+
+    reward_shaping: RewardShapingConfig = Field(default_factory=RewardShapingConfig)
+    """DAPO's overlong reward shaping, applied after ``reward_scaling``."""
+
+    reward_scaling: RewardScalingConfig = Field(default_factory=RewardScalingConfig)
+    """Linear reward scaling, applied before ``reward_shaping`` and advantages."""
+
+    @model_validator(mode="after")
+    def _check_batch_multiplier(self) -> Self:
+        if self.batch_multiplier != 1 and not self.use_dynamic_sampling:
+            raise ValueError(
+                f"{self._SECTION}.batch_multiplier={self.batch_multiplier} over-generates prompts for dynamic sampling: set "
+                f"{self._SECTION}.use_dynamic_sampling=true or {self._SECTION}.batch_multiplier=1"
+            )
+        return self
+
+    @property
+    def prompts_per_generation_batch(self) -> int:
+        """Prompts the loader yields per generation batch: ``num_prompts_per_step``, times
+        ``batch_multiplier`` under dynamic sampling."""
+        return int(self.num_prompts_per_step * self.batch_multiplier)
 
 
 class AsyncGRPOConfig(ConfigModel):
@@ -221,7 +272,7 @@ class AsyncGRPOConfig(ConfigModel):
         return self
 
 
-class GRPOConfig(RolloutLoopConfig):
+class GRPOConfig(PolicyGradientLoopConfig):
     """The GRPO loop: sampling, scoring, advantage estimation and policy updates."""
 
     num_generations_per_prompt: int = Field(default=16, ge=2)
@@ -232,32 +283,6 @@ class GRPOConfig(RolloutLoopConfig):
 
     use_leave_one_out_baseline: bool = True
     """Baseline each response with the mean reward of the *other* responses to its prompt."""
-
-    val_greedy: bool = False
-    """Decode validation responses greedily instead of sampling with ``policy.generation`` settings."""
-
-    overlong_filtering: bool = False
-    """Exclude truncated responses (no end of sequence within the budget) from the loss."""
-
-    use_dynamic_sampling: bool = False
-    """DAPO's dynamic sampling: prompt groups whose responses all earn the same reward (no learning signal)
-    are dropped, and further batches of ``batch_multiplier`` x ``num_prompts_per_step`` prompts are
-    generated until ``num_prompts_per_step`` x ``num_generations_per_prompt`` responses remain (surplus
-    groups are discarded)."""
-
-    dynamic_sampling_max_gen_batches: int = Field(default=10, ge=1)
-    """Most generation batches one step may draw under dynamic sampling; a step that still lacks responses
-    with distinct rewards then fails (raise it, ``batch_multiplier`` or ``num_generations_per_prompt``)."""
-
-    batch_multiplier: float = Field(default=1.0, ge=1.0)
-    """Prompts per generation batch under dynamic sampling, as a multiple of ``num_prompts_per_step``
-    (rounded down); must be 1 without it."""
-
-    reward_shaping: RewardShapingConfig = Field(default_factory=RewardShapingConfig)
-    """DAPO's overlong reward shaping, applied after ``reward_scaling``."""
-
-    reward_scaling: RewardScalingConfig = Field(default_factory=RewardScalingConfig)
-    """Linear reward scaling, applied before ``reward_shaping`` and advantages."""
 
     async_grpo: AsyncGRPOConfig = Field(default_factory=AsyncGRPOConfig)
     """Asynchronous GRPO: generation overlapping training, with a bound on the trained trajectories' age."""
@@ -316,21 +341,6 @@ class GRPOConfig(RolloutLoopConfig):
                 "groups come from the trajectory buffer): turn one of them off"
             )
         return self
-
-    @model_validator(mode="after")
-    def _check_batch_multiplier(self) -> Self:
-        if self.batch_multiplier != 1 and not self.use_dynamic_sampling:
-            raise ValueError(
-                f"grpo.batch_multiplier={self.batch_multiplier} over-generates prompts for dynamic sampling: set "
-                "grpo.use_dynamic_sampling=true or grpo.batch_multiplier=1"
-            )
-        return self
-
-    @property
-    def prompts_per_generation_batch(self) -> int:
-        """Prompts the loader yields per generation batch: ``num_prompts_per_step``, times
-        ``batch_multiplier`` under dynamic sampling."""
-        return int(self.num_prompts_per_step * self.batch_multiplier)
 
     @model_validator(mode="after")
     def _check_adv_estimator(self) -> Self:

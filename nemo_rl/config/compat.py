@@ -37,9 +37,10 @@ class SequencePackingConfig(ConfigModel):
 
     Built on the DTensor backend (see ``PolicyConfig.packs_sequences``): each micro-batch's rows run as one
     row whose position ids restart at every sequence, so attention stays within each sequence and no compute
-    goes to padding; the logits are unpacked to ``[B, T, V]`` before the loss, so every loss works unchanged.
-    The Megatron backend, sequence parallelism and reward models pad instead, and report ``enabled`` as
-    having no effect (at start and under ``--dry-run``)."""
+    goes to padding; the logits (a value model's per-token head) are unpacked to ``[B, T, V]`` (``[B, T]``)
+    before the loss, so every loss works unchanged. The Megatron backend, sequence parallelism and
+    Bradley-Terry reward models pad instead, and report ``enabled`` as having no effect (at start and under
+    ``--dry-run``)."""
 
     enabled: bool = False
     """Pack training and log-prob micro-batches (exclusive with ``policy.dynamic_batching``)."""

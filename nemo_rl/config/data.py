@@ -18,6 +18,10 @@ DatasetName = Literal[
     "HelpSteer3",
     "Tulu3Preference",
     "tiny_math_preference",
+    "DAPOMath17K",
+    "DAPOMathAIME2024",
+    "DeepScaler",
+    "AIME2024",
 ]
 """The dataset formats nemo_rl reads.
 
@@ -34,6 +38,12 @@ DatasetName = Literal[
   message (hub allenai/llama-3.1-tulu-3-8b-preference-mixture).
 - ``tiny_math_preference``: the ``tiny_math`` problems as preference pairs (the correct boxed answer chosen,
   a plausible wrong one rejected), generated on the fly.
+- ``DAPOMath17K``: DAPO's math problems in verl's layout: ``prompt`` (a message list; its first message holds
+  the problem with DAPO's ``Answer:`` instruction) and ``reward_model.ground_truth`` (hub
+  BytedTsinghua-SIA/DAPO-Math-17k).
+- ``DAPOMathAIME2024``: AIME 2024 in the same layout (hub BytedTsinghua-SIA/AIME-2024), DAPO's validation set.
+- ``DeepScaler``: ``problem`` and ``answer`` (hub agentica-org/DeepScaleR-Preview-Dataset).
+- ``AIME2024``: ``problem`` and ``answer`` (hub HuggingFaceH4/aime_2024).
 """
 
 PREFERENCE_DATASETS: tuple[str, ...] = (
@@ -46,6 +56,16 @@ PREFERENCE_DATASETS: tuple[str, ...] = (
 
 GENERATED_DATASETS: tuple[str, ...] = ("tiny_math", "tiny_math_preference")
 """The ``dataset_name`` values generated on the fly (they read no files)."""
+
+PATH_ONLY_DATASETS: tuple[str, ...] = ("openai_format", "response", "binary_preference")
+"""The ``dataset_name`` values with no hub default: a file or hub name must be given."""
+
+
+def record_kind(name: DatasetName) -> str:
+    """What the rows of dataset ``name`` become, which decides the processors that can read them:
+    ``"preference pairs"`` (a chosen and a rejected conversation) or ``"conversations"`` (a prompt with a
+    response and/or an expected answer)."""
+    return "preference pairs" if name in PREFERENCE_DATASETS else "conversations"
 
 
 class DatasetEntryConfig(ConfigModel):
@@ -92,6 +112,9 @@ class DatasetEntryConfig(ConfigModel):
     env_name: str | None = None
     """``data.env_name``."""
 
+    repeat: int | None = Field(default=None, ge=1)
+    """Validation entry only: times its rows are repeated (``data.val_repeat``)."""
+
 
 _ENTRY_TO_FLAT = {"data_path": "train_data_path", "split_validation_size": "val_fraction"}
 _NULL_MEANS_DEFAULT = ("output_key", "seed", "input_key")
@@ -111,6 +134,34 @@ def _entry(value: Any, key: str) -> dict[str, Any]:
     return {k: v for k, v in dict(value).items() if v is not None}
 
 
+_VALIDATION_ENTRY_KEYS = ("dataset_name", "data_path", "split", "repeat")
+"""Keys of NeMo RL's ``data.validation`` entry read for the validation data; its other keys must agree
+with the training entry's (one processor, prompt and environment serve both)."""
+
+
+def _validation_entry(val: dict[str, Any], train: dict[str, Any]) -> dict[str, Any]:
+    """The flat keys of NeMo RL's ``data.validation`` entry ``val``, given the merged training entry."""
+    if val.get("split") not in (None, "validation"):
+        raise ValueError(
+            f"data.validation.split={val['split']!r}: only the dataset's usual validation split is read; "
+            "give a file as data.validation.data_path instead"
+        )
+    for key, value in val.items():
+        if key not in _VALIDATION_ENTRY_KEYS and train.get(key) != value:
+            raise ValueError(
+                f"data.validation.{key}={value!r} differs from data.train's {train.get(key)!r}: validation "
+                f"prompts are built like the training ones; set {key} once, in data.default"
+            )
+    flat: dict[str, Any] = {}
+    if val.get("dataset_name", train.get("dataset_name")) != train.get("dataset_name"):
+        flat["val_dataset_name"] = val["dataset_name"]
+    if "data_path" in val:
+        flat["val_data_path"] = val["data_path"]
+    if "repeat" in val:
+        flat["val_repeat"] = val["repeat"]
+    return flat
+
+
 def _flatten_dataset_layout(data: dict[str, Any]) -> dict[str, Any]:
     """NeMo RL's ``train`` / ``validation`` / ``default`` entries read into the flat keys (see
     :class:`DatasetEntryConfig`); a flat key set to a different value than its entry is an error."""
@@ -121,25 +172,18 @@ def _flatten_dataset_layout(data: dict[str, Any]) -> dict[str, Any]:
             raise ValueError("data.validation / data.default need data.train (NeMo RL's dataset layout)")
         return data
     merged = {**_entry(default, "default"), **_entry(train, "train")} if default else _entry(train, "train")
+    if "repeat" in merged:
+        raise ValueError(
+            "data.train.repeat: repeating the training rows is not built here (only data.validation.repeat "
+            "is); remove it"
+        )
     flat: dict[str, Any] = {}
     for key, value in merged.items():
         if key == "split" and value == "train":
             continue  # the dataset's usual training split
         flat[_ENTRY_TO_FLAT.get(key, key)] = value
     if validation is not None:
-        val = _entry(validation, "validation")
-        if val.get("split") not in (None, "validation"):
-            raise ValueError(
-                f"data.validation.split={val['split']!r}: only the dataset's validation split is read; "
-                "give a file as data.validation.data_path instead"
-            )
-        if "dataset_name" in val and val["dataset_name"] != merged.get("dataset_name"):
-            raise ValueError(
-                f"data.validation.dataset_name={val['dataset_name']} differs from data.train's "
-                f"{merged.get('dataset_name')}: validation data must share the training data's schema"
-            )
-        if "data_path" in val:
-            flat["val_data_path"] = val["data_path"]
+        flat.update(_validation_entry(_entry(validation, "validation"), merged))
     for key, value in flat.items():
         if key in data and data[key] != value:
             raise ValueError(
@@ -157,9 +201,10 @@ class DataConfig(ConfigModel):
 
     dataset_name: DatasetName = "tiny_math"
     """Schema of the data: ``tiny_math``, ``OpenMathInstruct-2``, ``squad``, ``openai_format``, ``response``,
-    or the preference sets ``binary_preference``, ``HelpSteer3``, ``Tulu3Preference`` and
-    ``tiny_math_preference``. With no ``train_data_path``, ``OpenMathInstruct-2``, ``squad``, ``HelpSteer3`` and
-    ``Tulu3Preference`` load from the hub; ``tiny_math`` and ``tiny_math_preference`` are generated."""
+    the math sets ``DAPOMath17K``, ``DAPOMathAIME2024``, ``DeepScaler``, ``AIME2024``, or the preference sets
+    ``binary_preference``, ``HelpSteer3``, ``Tulu3Preference`` and ``tiny_math_preference``. With no
+    ``train_data_path``, all but ``openai_format``, ``response`` and ``binary_preference`` load from the hub
+    (``tiny_math`` and ``tiny_math_preference`` are generated)."""
 
     train_data_path: str | None = None
     """Local training file (``.jsonl``, ``.json`` with one object per line or one array, ``.parquet``, or ``.csv``
@@ -167,8 +212,20 @@ class DataConfig(ConfigModel):
     ``openai_format`` / ``response`` / ``binary_preference``, which need a path)."""
 
     val_data_path: str | None = None
-    """Local validation file or hub dataset name in the same schema; ``None`` uses the dataset's validation
-    split, or else carves one out of the training data with ``val_fraction``."""
+    """Local validation file or hub dataset name in the schema of ``val_dataset_name`` (by default the
+    training data's); ``None`` uses the validation dataset's hub default, else the dataset's validation split,
+    else carves one out of the training data with ``val_fraction``."""
+
+    val_dataset_name: DatasetName | None = None
+    """Schema of the validation data when it is another dataset than the training data (NeMo RL's
+    ``data.validation.dataset_name``), e.g. ``DAPOMathAIME2024`` to validate a ``DAPOMath17K`` run; ``None``:
+    the training data's. Both must hold the same kind of rows (preference pairs, or conversations), so one
+    processor and one task serve both. It replaces the training data's own validation (no hold-out is made),
+    and without ``val_data_path`` its hub default is read whole (its usual split)."""
+
+    val_repeat: int = Field(default=1, ge=1)
+    """Times the validation rows are repeated (NeMo RL's ``data.validation.repeat``), so a small set such as
+    AIME is answered several times per validation."""
 
     split: str | None = None
     """Hub split used as training data; ``None`` uses the dataset's usual one (``train_1M`` for
@@ -176,11 +233,12 @@ class DataConfig(ConfigModel):
 
     subset: str | None = None
     """Hub subset (configuration) of ``train_data_path`` / ``val_data_path``; ``None`` uses the dataset's usual
-    one (``preference`` for HelpSteer3, none otherwise). Ignored for local files."""
+    one (``preference`` for HelpSteer3, none otherwise). Ignored for local files, and for the validation data of
+    a ``val_dataset_name`` of its own (which reads its usual subset)."""
 
     val_fraction: float = Field(default=0.05, ge=0.0, lt=1.0)
-    """Share of the training rows held out (seeded) for validation when the source has no validation split;
-    0 means no validation set."""
+    """Share of the training rows held out (seeded) for validation when the source has no validation split
+    and no ``val_data_path`` or ``val_dataset_name`` of its own is given; 0 means no validation set."""
 
     input_key: str = "input"
     """Column holding the prompt for ``dataset_name: response``."""
@@ -279,17 +337,42 @@ class DataConfig(ConfigModel):
     def _nemo_rl_layout(cls, data: Any) -> Any:
         return _flatten_dataset_layout(data) if isinstance(data, dict) else data
 
+    @property
+    def separate_val_dataset(self) -> DatasetName | None:
+        """``val_dataset_name`` when it names another dataset than the training data's, else ``None``."""
+        return self.val_dataset_name if self.val_dataset_name not in (None, self.dataset_name) else None
+
+    @model_validator(mode="after")
+    def _check_validation_dataset(self) -> DataConfig:
+        val = self.separate_val_dataset
+        if val is None:
+            return self
+        if record_kind(val) != record_kind(self.dataset_name):
+            raise ValueError(
+                f"data.val_dataset_name={val} holds {record_kind(val)} but data.dataset_name={self.dataset_name} "
+                f"holds {record_kind(self.dataset_name)}: validate on data of the same kind"
+            )
+        if val in GENERATED_DATASETS:
+            raise ValueError(
+                f"data.val_dataset_name={val} is generated together with its training problems: set "
+                f"data.dataset_name={val} to validate on its held-out problems"
+            )
+        if val in PATH_ONLY_DATASETS and self.val_data_path is None:
+            raise ValueError(
+                f"data.val_dataset_name={val} has no default source: set data.val_data_path to a local file or "
+                "a hub dataset name"
+            )
+        return self
+
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
-        if (
-            self.dataset_name in ("openai_format", "response", "binary_preference")
-            and self.train_data_path is None
-        ):
+        if self.dataset_name in PATH_ONLY_DATASETS and self.train_data_path is None:
             raise ValueError(
                 f"data.dataset_name={self.dataset_name} has no default source: set data.train_data_path to a "
                 "local .jsonl/.parquet file or a hub dataset name"
             )
-        if self.dataset_name in GENERATED_DATASETS and (self.train_data_path or self.val_data_path):
+        reads_val_file = self.val_data_path is not None and self.separate_val_dataset is None
+        if self.dataset_name in GENERATED_DATASETS and (self.train_data_path or reads_val_file):
             other = "OpenMathInstruct-2" if self.dataset_name == "tiny_math" else "binary_preference"
             raise ValueError(
                 f"data.dataset_name={self.dataset_name} is generated on the fly and reads no files: unset "

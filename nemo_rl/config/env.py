@@ -99,7 +99,8 @@ class RuleBasedEnvConfig(ConfigModel):
 
 
 class MathEnvConfig(RuleBasedEnvConfig):
-    """The math environment: the last ``\\boxed{}`` answer checked against the ground truth by math-verify."""
+    """The math environment: the response's final answer checked against the ground truth, by math-verify or
+    DAPO's rule (``math_verify_impl``)."""
 
     num_workers: int = Field(default=8, ge=1)
     """Verifier processes checking answers in parallel."""
@@ -119,8 +120,12 @@ class MathEnvConfig(RuleBasedEnvConfig):
     stop_strings: list[str] | None = None
     """Stop strings for the response (``None``: stop at end of sequence only)."""
 
-    math_verify_impl: Literal["hf_math_verify"] = "hf_math_verify"
-    """Verifier implementation (NeMo RL key); Hugging Face math-verify is the one provided."""
+    math_verify_impl: Literal["hf_math_verify", "dapo_math_verify"] = "hf_math_verify"
+    """How answers are checked (NeMo RL's key). ``hf_math_verify``: the last ``\\boxed{}`` answer, compared
+    mathematically by Hugging Face math-verify in the verifier processes. ``dapo_math_verify``: DAPO's rule
+    (for its ``Answer:``-line prompts, e.g. ``DAPOMath17K``): the last ``Answer:`` line of the response's last
+    300 characters, normalised the Minerva way, must equal the normalised ground truth as text; it runs in
+    the environment, so ``num_workers``, ``verify_timeout_s`` and ``verify_memory_limit_mb`` do not apply."""
 
 
 class CodeEnvConfig(RuleBasedEnvConfig):
@@ -223,7 +228,7 @@ class RewardModelEnvConfig(ConfigModel):
     """Parallelism of the reward-model workers (tensor parallel size...)."""
 
     reward_model_cfg: RewardModelConfig = Field(default_factory=lambda: RewardModelConfig(enabled=True))
-    """Kind of reward model; ``enabled`` must stay true."""
+    """Kind of reward model; ``enabled`` must stay true and ``reward_model_type`` ``bradley_terry``."""
 
     dynamic_batching: DynamicBatchingConfig = Field(default_factory=DynamicBatchingConfig)
     """Token-budget micro-batches for scoring (``logprob_mb_tokens`` bounds a forward pass)."""
@@ -241,6 +246,11 @@ class RewardModelEnvConfig(ConfigModel):
         if not self.reward_model_cfg.enabled:
             raise ValueError(
                 "env.reward_model.reward_model_cfg.enabled must be true: the environment loads a reward model"
+            )
+        if self.reward_model_cfg.reward_model_type != "bradley_terry":
+            raise ValueError(
+                "env.reward_model.reward_model_cfg.reward_model_type=regression is PPO's value model, which scores "
+                "every token rather than a response: set it to bradley_terry (or leave it out)"
             )
         return self
 

@@ -15,9 +15,10 @@ from nemo_rl.config.data import PREFERENCE_DATASETS, DataConfig
 from nemo_rl.config.env import EnvConfig
 from nemo_rl.config.eval import EvalConfig, EvalDataConfig, EvalGenerationConfig
 from nemo_rl.config.logger import LoggerConfig
-from nemo_rl.config.loss import ClippedPGLossConfig, DistillationLossConfig
+from nemo_rl.config.loss import ClippedPGLossConfig, DistillationLossConfig, ValueLossConfig
 from nemo_rl.config.no_effect import refusal
-from nemo_rl.config.policy import PolicyConfig, TokenizerConfig
+from nemo_rl.config.policy import PolicyConfig, RewardModelConfig, TokenizerConfig
+from nemo_rl.config.ppo import PPOConfig
 from nemo_rl.config.router_replay import refuse_router_replay
 
 
@@ -124,12 +125,16 @@ class GRPOMasterConfig(TrainingRunConfig):
                 f"env.{name}.tools would never run: with grpo.agent.enabled external agents roll the samples out "
                 f"and call their own tools; set env.{name}.tools=[] or grpo.agent.enabled=false"
             )
-        if self.data.env_name == "reward_model" and not self.env.reward_model.enabled:
-            raise ValueError(
-                "data.env_name=reward_model scores the prompts with a reward model: set "
-                "env.reward_model.enabled=true and env.reward_model.model_name (e.g. the export of run_rm.py)"
-            )
+        _check_reward_model_env(self.data, self.env)
         return self
+
+
+def _check_reward_model_env(data: DataConfig, env: EnvConfig) -> None:
+    if data.env_name == "reward_model" and not env.reward_model.enabled:
+        raise ValueError(
+            "data.env_name=reward_model scores the prompts with a reward model: set "
+            "env.reward_model.enabled=true and env.reward_model.model_name (e.g. the export of run_rm.py)"
+        )
 
 
 def _check_async_grpo(config: GRPOMasterConfig) -> None:
@@ -164,6 +169,79 @@ def _check_async_grpo(config: GRPOMasterConfig) -> None:
             "could load new weights at different steps on the ranks of one engine: set "
             "in_flight_weight_updates=false or tensor_parallel_size=1"
         )
+
+
+class PPOMasterConfig(TrainingRunConfig):
+    """Everything ``examples/run_ppo.py`` reads: GRPO's sections plus the critic (``value``) and its loss."""
+
+    ppo: PPOConfig = Field(default_factory=PPOConfig)
+    """The PPO loop."""
+
+    loss_fn: ClippedPGLossConfig = Field(default_factory=ClippedPGLossConfig)
+    """The policy's clipped policy-gradient loss."""
+
+    value_loss_fn: ValueLossConfig = Field(default_factory=ValueLossConfig)
+    """The critic's clipped value loss."""
+
+    policy: PolicyConfig
+    """The trained model and its generation settings."""
+
+    value: PolicyConfig
+    """The critic: the policy's architecture with a scalar head per token (Hugging Face
+    ``AutoModelForSequenceClassification``, one output), on its own workers placed on the policy's slots, with
+    its own optimizer, scheduler, layout and checkpoints. ``value.model_name`` is the policy's checkpoint (the
+    head starts fresh) or a value model's. Its ``reward_model_cfg`` is always a regression head."""
+
+    data: DataConfig = Field(default_factory=DataConfig)
+    """Training and validation prompts."""
+
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    """Environments that score responses."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _critic_is_a_value_model(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        value = data.get("value")
+        if not isinstance(value, dict) or not value.get("model_name"):
+            raise ValueError(
+                "PPO needs a critic: add a value section with value.model_name (the policy's checkpoint, "
+                "e.g. value.model_name=${policy.model_name}), as in examples/configs/ppo_math_1B.yaml"
+            )
+        head = value.get("reward_model_cfg") or {}
+        if head.get("reward_model_type", "regression") != "regression":
+            raise ValueError(
+                f"value.reward_model_cfg.reward_model_type={head['reward_model_type']}: the critic is a "
+                "regression head; set it to regression (or leave it out)"
+            )
+        # NeMo RL's Megatron recipe sets enabled=false ("only used for the DTensor value worker"): the critic
+        # has its scalar head on either backend here, so the section is the same on both.
+        value = {**value, "reward_model_cfg": RewardModelConfig(enabled=True, reward_model_type="regression")}
+        return {**data, "value": value}
+
+    @model_validator(mode="after")
+    def _check(self) -> Self:
+        _check_generation_placement(self.policy, self.cluster)
+        refuse_router_replay("PPO", self.value, "value")
+        self.env.check_tool_turns(self.ppo.max_rollout_turns, "ppo.max_rollout_turns")
+        _check_reward_model_env(self.data, self.env)
+        if (
+            self.ppo.skip_reference_policy_logprobs_calculation
+            and self.loss_fn.reference_policy_kl_penalty > 0
+        ):
+            raise ValueError(
+                "ppo.skip_reference_policy_logprobs_calculation=true but loss_fn.reference_policy_kl_penalty="
+                f"{self.loss_fn.reference_policy_kl_penalty} needs them: set one of them off"
+            )
+        samples = self.ppo.samples_per_step
+        for section, cfg in (("policy", self.policy), ("value", self.value)):
+            if samples % cfg.train_global_batch_size != 0:
+                raise ValueError(
+                    f"ppo.num_prompts_per_step x ppo.num_generations_per_prompt = {samples} responses per step "
+                    f"must be a multiple of {section}.train_global_batch_size={cfg.train_global_batch_size}"
+                )
+        return self
 
 
 def _check_generation_placement(policy: PolicyConfig, cluster: ClusterConfig) -> None:

@@ -1,7 +1,7 @@
 """The memory plan ``--dry-run`` prints: what each kind of worker holds on one device at its peak, and whether
 it fits.
 
-:func:`plan_config` lists, for the policy (training), the reference policy, a distillation teacher and the
+:func:`plan_config` lists, for the policy (training), the reference policy, a distillation teacher, PPO's critic and the
 generation engine, the terms of :mod:`nemo_rl.config.memory` at the configured layout and precision. Workers
 that share a device take turns (the policy offloads its weights and optimizer to the host while colocated
 generation runs, a vLLM engine sleeps while the policy trains), so a device's peak is its largest phase,
@@ -352,7 +352,9 @@ def plan_config(config: Any) -> MemoryPlan | str:
     train = policy_train_terms(arch, policy, slots)
     plan.workers.append(WorkerPlan("policy (training)", train))
     plan.phases["policy training"] = train
-    algorithm = next((getattr(config, k) for k in ("grpo", "distillation") if hasattr(config, k)), None)
+    algorithm = next(
+        (getattr(config, k) for k in ("grpo", "ppo", "distillation") if hasattr(config, k)), None
+    )
     kl = getattr(getattr(config, "loss_fn", None), "reference_policy_kl_penalty", 0.0)
     if hasattr(config, "dpo") or kl:
         scoring = scoring_terms(arch, policy, slots, "reference")
@@ -366,14 +368,9 @@ def plan_config(config: Any) -> MemoryPlan | str:
         )
         plan.workers.append(WorkerPlan("reference", scoring, note))
         plan.phases["reference log-prob pass"] = scoring
-    teacher: PolicyConfig | None = getattr(config, "teacher", None)
-    if teacher is not None:
-        teacher_arch, teacher_source = resolve_arch(teacher.model_name, teacher.hf_config_overrides)
-        if teacher_arch is None:
-            return f"no memory plan: the architecture of teacher.model_name is unknown ({teacher_source})"
-        scoring = scoring_terms(teacher_arch, teacher, slots, "teacher")
-        plan.workers.append(WorkerPlan("teacher", scoring, "offloaded to the host outside its scoring pass"))
-        plan.phases["teacher scoring"] = scoring
+    missing = _add_teacher_and_critic(plan, config, slots)
+    if missing:
+        return missing
     if algorithm is not None:
         rows = _generation_rows(policy, algorithm.samples_per_step, gen_slots, slots)
         gen = generation_terms(arch, policy.generation, policy.max_total_sequence_length, rows, device_bytes)
@@ -387,6 +384,30 @@ def plan_config(config: Any) -> MemoryPlan | str:
         else:
             plan.phases["refit (policy devices)"] = _weights_only(train) + refit
     return plan
+
+
+def _add_teacher_and_critic(plan: MemoryPlan, config: Any, slots: int) -> str | None:
+    """Add distillation's teacher and PPO's critic to ``plan``; one line when an architecture is unknown."""
+    teacher: PolicyConfig | None = getattr(config, "teacher", None)
+    if teacher is not None:
+        teacher_arch, teacher_source = resolve_arch(teacher.model_name, teacher.hf_config_overrides)
+        if teacher_arch is None:
+            return f"no memory plan: the architecture of teacher.model_name is unknown ({teacher_source})"
+        scoring = scoring_terms(teacher_arch, teacher, slots, "teacher")
+        plan.workers.append(WorkerPlan("teacher", scoring, "offloaded to the host outside its scoring pass"))
+        plan.phases["teacher scoring"] = scoring
+    value: PolicyConfig | None = getattr(config, "value", None)
+    if value is not None:
+        value_arch, value_source = resolve_arch(value.model_name, value.hf_config_overrides)
+        if value_arch is None:
+            return f"no memory plan: the architecture of value.model_name is unknown ({value_source})"
+        # The critic's head has one output per token: no vocabulary-wide logits.
+        critic = [t for t in policy_train_terms(value_arch, value, slots) if t.name != "logits spike"]
+        plan.workers.append(
+            WorkerPlan("value (critic training)", critic, "offloaded while the policy trains")
+        )
+        plan.phases["critic training"] = critic
+    return None
 
 
 def _generation_weights(arch: ModelArch, gen: GenerationConfig) -> list[Term]:

@@ -292,14 +292,17 @@ class PolicyConfig(ConfigModel):
     @property
     def packs_sequences(self) -> bool:
         """Whether micro-batches are packed: ``sequence_packing.enabled`` on the DTensor backend with a
-        language-model head and no sequence parallelism. Elsewhere sequences are padded, so that NeMo RL's
-        recipes that enable packing for every backend still load, and the key is reported as having no
-        effect (:meth:`settings_without_effect`)."""
+        language-model head or a value model's per-token head, and no sequence parallelism. Elsewhere sequences
+        are padded, so that NeMo RL's recipes that enable packing for every backend still load, and the key is
+        reported as having no effect (:meth:`settings_without_effect`)."""
+        reads_last_token = (
+            self.reward_model_cfg.enabled and self.reward_model_cfg.reward_model_type != "regression"
+        )
         return (
             self.sequence_packing.enabled
             and self.dtensor_cfg.enabled
             and not self.dtensor_cfg.sequence_parallel
-            and not self.reward_model_cfg.enabled
+            and not reads_last_token
         )
 
     def settings_without_effect(self) -> dict[str, str]:
@@ -413,10 +416,16 @@ class PolicyConfig(ConfigModel):
                 "policy.frozen_parameters is implemented by the DTensor backend only: remove it or set "
                 "policy.dtensor_cfg.enabled=true and policy.megatron_cfg.enabled=false"
             )
-        if self.reward_model_cfg.enabled:
+        if self.reward_model_cfg.enabled and self.reward_model_cfg.reward_model_type != "regression":
             raise ValueError(
                 "policy.reward_model_cfg.enabled=true needs the DTensor backend (the Megatron backend builds "
-                "causal LMs only): set policy.dtensor_cfg.enabled=true and policy.megatron_cfg.enabled=false"
+                "causal LMs and value models only): set policy.dtensor_cfg.enabled=true and "
+                "policy.megatron_cfg.enabled=false"
+            )
+        if self.reward_model_cfg.enabled and megatron.peft.enabled:
+            raise ValueError(
+                "policy.megatron_cfg.peft.enabled=true with a value model would leave its new scalar head "
+                "untrained: set it false (train the value model fully)"
             )
 
     def _check_batching(self) -> None:

@@ -1,8 +1,12 @@
-"""The math environment: reward 1 when the last ``\\boxed{}`` answer matches the ground truth, else 0.
+"""The math environment: reward 1 when the response's final answer matches the ground truth, else 0.
 
-Single turn: every response is final (``terminated``). Answers are checked by math-verify in a pool of
-verifier processes (``env.math.num_workers``), each answer within ``env.math.verify_timeout_s``; an answer
-that takes longer scores 0 and cannot stall the step (see :mod:`nemo_rl.environments.verifier_pool`).
+Single turn: every response is final (``terminated``). Two checks (``env.math.math_verify_impl``):
+
+- ``hf_math_verify``: the last ``\\boxed{}`` answer, checked by math-verify in a pool of verifier processes
+  (``env.math.num_workers``), each answer within ``env.math.verify_timeout_s``; an answer that takes longer
+  scores 0 and cannot stall the step (see :mod:`nemo_rl.environments.verifier_pool`).
+- ``dapo_math_verify``: DAPO's rule, the last ``Answer:`` line compared as normalised text
+  (:mod:`nemo_rl.environments.dapo_math_verifier`), decided in the environment itself.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 
 from nemo_rl.config.env import MathEnvConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.environments.dapo_math_verifier import score_dapo_response
 from nemo_rl.environments.interfaces import (
     EnvironmentInterface,
     EnvironmentReturn,
@@ -44,7 +49,8 @@ MathMetadata = dict[str, Any]
 
 @ray.remote
 class MathEnvironment(EnvironmentInterface[MathMetadata]):
-    """Scores math responses with math-verify (a Ray actor: ``MathEnvironment.remote(cfg)`` or ``create_env``).
+    """Scores math responses with math-verify or DAPO's rule (a Ray actor: ``MathEnvironment.remote(cfg)`` or
+    ``create_env``).
 
     Args:
         cfg: The ``env.math`` section (a plain dict in NeMo RL's shape is accepted too).
@@ -56,7 +62,7 @@ class MathEnvironment(EnvironmentInterface[MathMetadata]):
         # this actor decides only certain verdicts and never imports them. The processes start with the first
         # answer a certain verdict does not settle: their start then does not compete with the policy
         # workers' start, and the first such answer waits for it once (benchmarks/README.md, "Time to the
-        # first step").
+        # first step"). Under dapo_math_verify the pool is never used, so its processes never start.
         self._pool = VerifierPool(
             score_math_response,
             num_workers=self.cfg.num_workers,
@@ -77,23 +83,10 @@ class MathEnvironment(EnvironmentInterface[MathMetadata]):
         check_ground_truths(metadata, "math", "the math data processor puts the expected answer there")
         responses = [last_assistant_text(log) for log in message_log_batch]
         ground_truths = [str(m["ground_truth"]) for m in metadata]
-        # Certain verdicts (no answer, the same text, two integers) are decided here, on the same cut of the
-        # response the verifiers see (extraction is linear in it); only the rest pay for a verifier process
-        # and math-verify, which also extracts their answers under its time and memory limits.
-        cap = self.cfg.max_response_chars
-        quick_answers = [extract_last_boxed(r if cap is None else r[-cap:]) for r in responses]
-        quick = [quick_verdict(a, gold_answer(t)) for a, t in zip(quick_answers, ground_truths, strict=True)]
-        undecided = [i for i, verdict in enumerate(quick) if verdict is None]
-        self.num_quick_verdicts += len(quick) - len(undecided)
-        verified = iter(
-            self._pool.verify([responses[i] for i in undecided], [ground_truths[i] for i in undecided])
-            if undecided
-            else []
-        )
-        outcomes = [
-            VerifyOutcome(score=v, answer=a) if v is not None else next(verified)
-            for v, a in zip(quick, quick_answers, strict=True)
-        ]
+        if self.cfg.math_verify_impl == "dapo_math_verify":
+            outcomes = self._dapo_outcomes(responses, ground_truths)
+        else:
+            outcomes = self._math_verify_outcomes(responses, ground_truths)
         answers = [o.answer for o in outcomes]
         rewards = [o.score for o in outcomes]
         return EnvironmentReturn(
@@ -110,6 +103,35 @@ class MathEnvironment(EnvironmentInterface[MathMetadata]):
             terminateds=torch.ones(len(responses), dtype=torch.bool),
             answers=answers,
         )
+
+    def _dapo_outcomes(self, responses: list[str], ground_truths: list[str]) -> list[VerifyOutcome]:
+        """DAPO's string comparison of ``Answer:`` lines: string operations on a few hundred characters
+        each, decided here (no verifier process)."""
+        self.num_quick_verdicts += len(responses)
+        return [
+            VerifyOutcome(score=score, answer=answer)
+            for score, answer in map(score_dapo_response, responses, ground_truths)
+        ]
+
+    def _math_verify_outcomes(self, responses: list[str], ground_truths: list[str]) -> list[VerifyOutcome]:
+        """The last boxed answers checked by math-verify, the certain verdicts decided here."""
+        # Certain verdicts (no answer, the same text, two integers) are decided here, on the same cut of the
+        # response the verifiers see (extraction is linear in it); only the rest pay for a verifier process
+        # and math-verify, which also extracts their answers under its time and memory limits.
+        cap = self.cfg.max_response_chars
+        quick_answers = [extract_last_boxed(r if cap is None else r[-cap:]) for r in responses]
+        quick = [quick_verdict(a, gold_answer(t)) for a, t in zip(quick_answers, ground_truths, strict=True)]
+        undecided = [i for i, verdict in enumerate(quick) if verdict is None]
+        self.num_quick_verdicts += len(quick) - len(undecided)
+        verified = iter(
+            self._pool.verify([responses[i] for i in undecided], [ground_truths[i] for i in undecided])
+            if undecided
+            else []
+        )
+        return [
+            VerifyOutcome(score=v, answer=a) if v is not None else next(verified)
+            for v, a in zip(quick, quick_answers, strict=True)
+        ]
 
     def global_post_process_and_metrics(
         self, batch: BatchedDataDict[Any]

@@ -45,23 +45,28 @@ def train_batch(
 
 
 def build_train_batch(
-    rollout: BatchedDataDict[Any], advantages_B: torch.Tensor, pad_token_id: int, overlong_filtering: bool
+    rollout: BatchedDataDict[Any],
+    advantages_B: torch.Tensor | None,
+    pad_token_id: int,
+    overlong_filtering: bool,
 ) -> BatchedDataDict[Any]:
-    """GRPO's training batch: :func:`train_batch` plus ``advantages`` [B, T] (each sample's advantage on
-    every token), the sampler's ``generation_logprobs`` [B, T] (0 off the sampled tokens) and, with routing
-    replay, its ``routed_experts`` [B, T, L, K] (-1 at padding and where no forward ran a token)."""
+    """The policy-gradient training batch: :func:`train_batch` plus ``advantages`` [B, T] (each sample's
+    advantage on every token; left out when ``advantages_B`` is ``None``, for PPO, whose per-token advantages
+    need the critic's values of this very batch), the sampler's ``generation_logprobs`` [B, T] (0 off the
+    sampled tokens) and, with routing replay, its ``routed_experts`` [B, T, L, K] (-1 at padding and where no
+    forward ran a token)."""
     batch = train_batch(rollout, pad_token_id, overlong_filtering=overlong_filtering)
     valid_BT = _valid_mask(rollout)
     width = valid_BT.shape[1]
-    # Key order as the loss contract lists them.
     result = BatchedDataDict[Any](
         input_ids=batch["input_ids"],
         input_lengths=batch["input_lengths"],
         token_mask=batch["token_mask"],
-        advantages=advantages_B[:, None].expand_as(batch["token_mask"]).contiguous(),
         generation_logprobs=torch.where(valid_BT, rollout["generation_logprobs"][:, :width], 0.0),
         sample_mask=batch["sample_mask"],
     )
+    if advantages_B is not None:
+        result["advantages"] = advantages_B[:, None].expand_as(batch["token_mask"]).contiguous()
     if ROUTED_EXPERTS_KEY in rollout:
         valid_BT11 = valid_BT[:, :, None, None]
         result[ROUTED_EXPERTS_KEY] = torch.where(valid_BT11, rollout[ROUTED_EXPERTS_KEY][:, :width], -1)

@@ -1,6 +1,7 @@
 """A NeMo RL-style user script with its own environment: ``examples/run_grpo_sliding_puzzle.py`` builds the
-sliding-puzzle prompts and environment actor and hands them to ``grpo.setup`` (``task_to_env``). Run in-process
-on the session Ray cluster with the tiny warm-started checkpoint, with dynamic sampling on."""
+sliding-puzzle prompts and environment actor and hands them to ``grpo.setup`` (``task_to_env``), or to
+``ppo.setup`` for a PPO recipe. Run in-process on the session Ray cluster with the tiny warm-started
+checkpoint, with dynamic sampling on."""
 
 from __future__ import annotations
 
@@ -68,4 +69,35 @@ def test_ported_sliding_puzzle_script(tmp_path: Path) -> None:
     assert metrics["advantages/min"] < 0.0 < metrics["advantages/max"]
     assert metrics["mean_turns_per_sample"] == 1.0
     # The policy scores the responses under the same top-k / top-p distribution they were sampled from.
+    assert abs(metrics["gen_kl_error"]) < 1e-4
+
+
+@pytest.mark.usefixtures("ray_cluster")
+def test_the_same_script_runs_ppo_for_a_recipe_with_a_ppo_section(tmp_path: Path) -> None:
+    # The user's script hands its puzzles and environment to ppo.setup: one step trains the critic and the
+    # policy on them (no warm-up), with the critic's values and GAE between.
+    script: dict[str, Any] = runpy.run_path(str(SCRIPT))
+    metrics = script["main"](
+        [
+            "--config",
+            str(ROOT / "examples" / "configs" / "ppo_sliding_puzzle_tiny.yaml"),
+            "ppo.num_prompts_per_step=2",
+            "ppo.num_generations_per_prompt=4",
+            "ppo.max_num_steps=1",
+            "ppo.policy_training_start_step=0",
+            "ppo.val_at_start=false",
+            "ppo.val_period=0",
+            "policy.train_global_batch_size=8",
+            "policy.train_micro_batch_size=8",
+            "policy.logprob_batch_size=8",
+            "value.train_global_batch_size=4",
+            "value.train_micro_batch_size=4",
+            f"logger.log_dir={tmp_path / 'logs'}",
+            "++logger.console_enabled=false",
+            "++logger.progress_bar=false",
+        ]
+    )
+    success = metrics["sliding_puzzle_game/sliding_puzzle_success_rate"]
+    assert metrics["reward"] == pytest.approx(2 * success - 1)  # NeMo RL's PPO scaling: [0, 1] onto [-1, 1]
+    assert metrics["policy_trained"] == 1.0 and "critic/loss" in metrics and "critic/explained_var" in metrics
     assert abs(metrics["gen_kl_error"]) < 1e-4

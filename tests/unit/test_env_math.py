@@ -118,3 +118,20 @@ def test_math_metrics(math_env: Any) -> None:
     assert metrics["correct_response_length_chars"] == pytest.approx(9)
     assert metrics["fraction_of_samples_properly_ended"] == pytest.approx(0.75)
     assert metrics["verify_timeout_fraction"] == pytest.approx(0.25)
+
+
+def test_dapo_math_verify_scores_answer_lines(ray_cluster: dict[str, float]) -> None:
+    # NeMo RL's DAPO recipes: the last "Answer:" line, compared as normalised text, in the environment itself.
+    cfg = EnvConfig(math=MathEnvConfig(math_verify_impl="dapo_math_verify"))
+    env = create_env("math", cfg, in_driver=True)
+    logs = [
+        conversation("1 + 1 is two.\nAnswer: 2"),
+        conversation("1 + 1 = \\boxed{2}"),  # math-verify reads the box; DAPO's rule needs an Answer: line
+        conversation("Answer: 4/2"),  # math-verify would call it 2; DAPO's rule compares text
+    ]
+    ret = ray.get(env.step.remote(logs, [{"ground_truth": "2"}] * 3), timeout=RAY_TIMEOUT_S)
+    assert ret.rewards.tolist() == [1.0, 0.0, 0.0]
+    assert ret.answers == ["2", "[INVALID]", "4/2"]
+    stats = ray.get(env.verifier_stats.remote(), timeout=RAY_TIMEOUT_S)
+    assert stats["num_quick_verdicts"] == 3 and stats["num_restarts"] == 0
+    ray.get(env.shutdown.remote(), timeout=RAY_TIMEOUT_S)

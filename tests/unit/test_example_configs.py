@@ -15,6 +15,7 @@ from nemo_rl.config.master import (
     DPOMasterConfig,
     EvalMasterConfig,
     GRPOMasterConfig,
+    PPOMasterConfig,
     RMMasterConfig,
     SFTMasterConfig,
 )
@@ -30,6 +31,7 @@ Master = (
     | type[RMMasterConfig]
     | type[EvalMasterConfig]
     | type[DistillationMasterConfig]
+    | type[PPOMasterConfig]
 )
 
 
@@ -47,8 +49,10 @@ def _schema_for(path: Path) -> Master:
         return DPOMasterConfig
     if name.startswith("rm"):
         return RMMasterConfig
+    if name.startswith("ppo"):
+        return PPOMasterConfig
     raise AssertionError(
-        f"no schema known for {path}: name it after its algorithm (grpo*, sft*, dpo*, rm*, distillation*)"
+        f"no schema known for {path}: name it after its algorithm (grpo*, ppo*, sft*, dpo*, rm*, distillation*)"
     )
 
 
@@ -140,6 +144,20 @@ def test_grpo_reward_model_recipes() -> None:
         load_and_validate(
             CONFIG_DIR / "grpo_rm_tiny.yaml", GRPOMasterConfig, ["env.reward_model.enabled=false"]
         )
+
+
+def test_reward_models_refuse_a_value_head() -> None:
+    """``regression`` is PPO's value model: RM training and the reward-model environment refuse it."""
+
+    def value_head(section: str) -> list[str]:
+        return [
+            f"{section}.reward_model_cfg.{key}" for key in ("enabled=true", "reward_model_type=regression")
+        ]
+
+    with pytest.raises(ConfigError, match=r"regression is PPO's value model"):
+        load_and_validate(CONFIG_DIR / "rm.yaml", RMMasterConfig, value_head("policy"))
+    with pytest.raises(ConfigError, match=r"is PPO's value model, which scores every token"):
+        load_and_validate(CONFIG_DIR / "grpo_rm_tiny.yaml", GRPOMasterConfig, value_head("env.reward_model"))
 
 
 def test_distillation_recipes() -> None:

@@ -157,6 +157,16 @@ def test_cross_section_mismatches_are_refused(
         megatron_policy({"enabled": True, **megatron}, **policy)
 
 
+def test_value_models_are_built_and_reward_models_refused() -> None:
+    """PPO's critic (regression) runs on Megatron; Bradley-Terry reward models and a LoRA critic do not."""
+    value = {"enabled": True, "reward_model_type": "regression"}
+    assert megatron_policy({"enabled": True}, reward_model_cfg=value).reward_model_cfg.enabled
+    with pytest.raises(ValidationError, match=r"reward_model_cfg\.enabled=true needs the DTensor backend"):
+        megatron_policy({"enabled": True}, reward_model_cfg={"enabled": True})
+    with pytest.raises(ValidationError, match="scalar head untrained"):
+        megatron_policy({"enabled": True, "peft": {"enabled": True}}, reward_model_cfg=value)
+
+
 def test_dtensor_backend_needs_its_optimizer() -> None:
     with pytest.raises(ValidationError, match=r"policy.optimizer is null"):
         PolicyConfig.model_validate({"model_name": "m", "optimizer": None})

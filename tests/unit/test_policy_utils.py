@@ -251,9 +251,11 @@ def test_sequence_packing_applies_where_it_can() -> None:
     with pytest.raises(ValueError, match="pick one"):
         cfg(dynamic_batching={"enabled": True})
     assert cfg().packs_sequences
-    # NeMo RL's recipes enable packing for every backend: sequence parallelism and reward models pad instead.
+    # NeMo RL's recipes enable packing for every backend: sequence parallelism and Bradley-Terry reward models
+    # pad instead; a value model reads every token, so its rows pack.
     assert not cfg(dtensor_cfg={"tensor_parallel_size": 2, "sequence_parallel": True}).packs_sequences
     assert not cfg(reward_model_cfg={"enabled": True}).packs_sequences
+    assert cfg(reward_model_cfg={"enabled": True, "reward_model_type": "regression"}).packs_sequences
     # Packs are token budgets: the global batch need not be a multiple of the micro-batch size.
     assert cfg(train_global_batch_size=10, train_micro_batch_size=4).packs_sequences
 

@@ -51,7 +51,7 @@ def test_response_length_is_the_first_assistant_turn() -> None:
 
 
 def test_grpo_applies_scaling_then_shaping_to_the_rollout() -> None:
-    from nemo_rl.algorithms.grpo import transformed_rewards
+    from nemo_rl.algorithms.scored_rollouts import transformed_rewards
     from nemo_rl.config.algorithms import GRPOConfig
     from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 

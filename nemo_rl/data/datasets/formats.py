@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
-from nemo_rl.config.data import DataConfig
+from nemo_rl.config.data import DataConfig, DatasetName
 from nemo_rl.data.errors import DataError
 from nemo_rl.data.interfaces import ChatMessage, Record
 
@@ -77,6 +77,48 @@ def math_converter(source: str) -> RowConverter:
         if reader.has("expected_answer"):
             record["expected_answer"] = reader.text("expected_answer")
         return record
+
+    return convert
+
+
+def _problem_and_answer(problem: str, answer: str) -> Record:
+    """A math record as NeMo RL's math datasets build it: the problem as the user turn, the answer as the
+    assistant reply (what SFT learns) and as the RL ground truth."""
+    return Record(
+        messages=[ChatMessage(role="user", content=problem), ChatMessage(role="assistant", content=answer)],
+        expected_answer=answer,
+    )
+
+
+def answer_converter(source: str, problem_key: str = "problem", answer_key: str = "answer") -> RowConverter:
+    """Problem/answer columns (DeepScaleR, AIME 2024): ``problem_key`` becomes the user turn and ``answer_key``
+    (a string or a number) the assistant reply and the RL ground truth."""
+    schema = f"{problem_key!r} and {answer_key!r} (strings; the answer may be a number)"
+
+    def convert(row: Mapping[str, Any], index: int) -> Record:
+        reader = _RowReader(row, index, source, schema)
+        return _problem_and_answer(reader.text(problem_key), reader.text(answer_key))
+
+    return convert
+
+
+def verl_math_converter(source: str) -> RowConverter:
+    """verl's math layout (DAPO-Math-17k, DAPO's AIME 2024): ``prompt`` (a message list; the content of its
+    first message, the problem with DAPO's ``Answer:`` instruction, becomes the user turn) and
+    ``reward_model`` (``{"ground_truth": ...}``, the answer). ``data_source``, ``ability`` and ``extra_info``
+    are not read."""
+    schema = "'prompt' (a list of {'role', 'content'} messages) and 'reward_model' ({'ground_truth': ...})"
+
+    def convert(row: Mapping[str, Any], index: int) -> Record:
+        reader = _RowReader(row, index, source, schema)
+        if isinstance(row.get("prompt"), str):
+            reader.fail("has 'prompt' as a string, expected a message list")
+        problem = _messages(reader, "prompt", default_role="user")[0]["content"]
+        reward_model = row.get("reward_model")
+        if not isinstance(reward_model, Mapping):
+            reader.fail(f"has 'reward_model' {reward_model!r}, expected an object with 'ground_truth'")
+        answer = _RowReader(reward_model, index, source, schema).text("ground_truth")
+        return _problem_and_answer(problem, answer)
 
     return convert
 
@@ -251,11 +293,16 @@ def tulu3_preference_converter(source: str) -> RowConverter:
     return convert
 
 
-def converter_for(cfg: DataConfig, source: str) -> RowConverter:
-    """The row converter of ``cfg.dataset_name``; ``source`` names the data in error messages."""
-    match cfg.dataset_name:
+def converter_for(cfg: DataConfig, source: str, dataset_name: DatasetName | None = None) -> RowConverter:
+    """The row converter of ``dataset_name`` (by default ``cfg.dataset_name``), with the column names of
+    ``cfg``; ``source`` names the data in error messages."""
+    match dataset_name or cfg.dataset_name:
         case "tiny_math" | "OpenMathInstruct-2":
             return math_converter(source)
+        case "DAPOMath17K" | "DAPOMathAIME2024":
+            return verl_math_converter(source)
+        case "DeepScaler" | "AIME2024":
+            return answer_converter(source)
         case "squad":
             return squad_converter(source)
         case "openai_format":

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from nemo_rl.config.data import DataConfig
+from nemo_rl.config.data import DataConfig, DatasetName
 from nemo_rl.data.datasets.formats import MalformedRowError, RowConverter, converter_for
 from nemo_rl.data.datasets.lazy import LazySequence
 from nemo_rl.data.errors import DataError, MissingDataFileError
@@ -46,6 +46,10 @@ HUB_DEFAULTS: dict[str, HubSource] = {
     "squad": HubSource("rajpurkar/squad", "train", "validation"),
     "HelpSteer3": HubSource("nvidia/HelpSteer3", "train", "validation", subset="preference"),
     "Tulu3Preference": HubSource("allenai/llama-3.1-tulu-3-8b-preference-mixture", "train", None),
+    "DAPOMath17K": HubSource("BytedTsinghua-SIA/DAPO-Math-17k", "train", None),
+    "DAPOMathAIME2024": HubSource("BytedTsinghua-SIA/AIME-2024", "train", None),
+    "DeepScaler": HubSource("agentica-org/DeepScaleR-Preview-Dataset", "train", None),
+    "AIME2024": HubSource("HuggingFaceH4/aime_2024", "train", None),
 }
 """Hub source of each dataset that has one."""
 
@@ -104,6 +108,10 @@ class RecordDataset(LazySequence[Record]):
         train = [r for p, r in enumerate(self.indices) if p not in val_positions]
         val = [r for p, r in enumerate(self.indices) if p in val_positions]
         return self._with_indices(train), self._with_indices(val)
+
+    def repeated(self, times: int) -> RecordDataset:
+        """The rows ``times`` over, in order (all of them, then all again)."""
+        return self._with_indices(self.indices * times)
 
     def _with_indices(self, indices: Sequence[int]) -> RecordDataset:
         return RecordDataset(self.rows, self.converter, self.source, indices, lines=self.lines)
@@ -247,29 +255,63 @@ def is_local_source(path: str) -> bool:
 
 
 def _load_source(
-    cfg: DataConfig, path_or_name: str, *, key: str, hub_split: str, hub_subset: str | None
+    cfg: DataConfig,
+    path_or_name: str,
+    *,
+    key: str,
+    hub_split: str,
+    hub_subset: str | None,
+    dataset_name: DatasetName | None = None,
 ) -> RecordDataset:
-    """The records of a local file or hub dataset; ``key`` is the config key that names it."""
+    """The records of a local file or hub dataset in the schema of ``dataset_name`` (by default
+    ``cfg.dataset_name``); ``key`` is the config key that names it."""
     if is_local_source(path_or_name):
         local = read_local_file(path_or_name, key=key)
-        dataset = RecordDataset(
-            local.rows, converter_for(cfg, source=path_or_name), path_or_name, lines=local.lines
-        )
+        converter = converter_for(cfg, source=path_or_name, dataset_name=dataset_name)
+        dataset = RecordDataset(local.rows, converter, path_or_name, lines=local.lines)
         # Local files are small enough to check whole: a bad row fails now, not mid-training.
         dataset.validate()
         return dataset
     subset = f" subset {hub_subset}" if hub_subset else ""
     source = f"{path_or_name} (hub{subset} split {hub_split})"
     rows = load_hub_rows(path_or_name, hub_split, hub_subset, key=key)
-    return RecordDataset(rows, converter_for(cfg, source=source), source)
+    return RecordDataset(rows, converter_for(cfg, source=source, dataset_name=dataset_name), source)
+
+
+def _separate_validation(cfg: DataConfig, name: DatasetName) -> RecordDataset:
+    """The records of ``data.val_dataset_name`` (``name``, another dataset than the training data's): its
+    ``val_data_path``, else its hub default's validation split, else its whole usual split."""
+    hub = HUB_DEFAULTS.get(name)
+    split = "validation" if hub is None else hub.val_split or hub.train_split
+    subset = hub.subset if hub is not None else None
+    if cfg.val_data_path is not None:
+        path, key = cfg.val_data_path, "data.val_data_path"
+    else:
+        assert hub is not None  # DataConfig requires val_data_path for datasets without a hub default
+        path, key = hub.name, "data.val_dataset_name"
+    return _load_source(cfg, path, key=key, hub_split=split, hub_subset=subset, dataset_name=name)
 
 
 def load_dataset_splits(cfg: DataConfig) -> DatasetSplits:
     """The training and validation records described by the ``data`` section.
 
-    Validation comes from ``data.val_data_path``, else the dataset's own validation split, else a seeded
-    ``data.val_fraction`` hold-out of the training data (none when the fraction is 0).
+    Validation comes from ``data.val_dataset_name`` when it names a dataset of its own, else
+    ``data.val_data_path``, else the dataset's own validation split, else a seeded ``data.val_fraction``
+    hold-out of the training data (none when the fraction is 0); it is repeated ``data.val_repeat`` times.
     """
+    val_name = cfg.separate_val_dataset
+    # A validation dataset of its own replaces the training data's validation: no hold-out, the whole
+    # training data trains.
+    splits = _training_splits(cfg, with_validation=val_name is None)
+    validation = _separate_validation(cfg, val_name) if val_name else splits.validation
+    if validation is not None and cfg.val_repeat > 1:
+        validation = validation.repeated(cfg.val_repeat)
+    return DatasetSplits(train=splits.train, validation=validation)
+
+
+def _training_splits(cfg: DataConfig, *, with_validation: bool) -> DatasetSplits:
+    """The training records of the ``data`` section and, ``with_validation``, the validation records that
+    come with them."""
     name = cfg.dataset_name
     if name in ("tiny_math", "tiny_math_preference"):
         train_rows, val_rows = tiny_math_splits(
@@ -283,7 +325,9 @@ def load_dataset_splits(cfg: DataConfig) -> DatasetSplits:
         converter = converter_for(cfg, source=name)
         return DatasetSplits(
             train=RecordDataset(train_rows, converter, f"{name} (train)"),
-            validation=RecordDataset(val_rows, converter, f"{name} (validation)") if val_rows else None,
+            validation=RecordDataset(val_rows, converter, f"{name} (validation)")
+            if val_rows and with_validation
+            else None,
         )
 
     hub = HUB_DEFAULTS.get(name)
@@ -302,8 +346,10 @@ def load_dataset_splits(cfg: DataConfig) -> DatasetSplits:
             cfg, hub.name, key="data.dataset_name", hub_split=cfg.split or hub.train_split, hub_subset=subset
         )
 
-    if cfg.val_data_path is not None:
-        validation: RecordDataset | None = _load_source(
+    if not with_validation:
+        validation: RecordDataset | None = None
+    elif cfg.val_data_path is not None:
+        validation = _load_source(
             cfg, cfg.val_data_path, key="data.val_data_path", hub_split="validation", hub_subset=subset
         )
     elif cfg.train_data_path is None and hub is not None and hub.val_split is not None:

@@ -169,10 +169,12 @@ class DecoderFamily:
         te_norms: bool,
         adapted: Mapping[int, Collection[str]] | None = None,
         experts: Sequence[int] = (),
+        value_head: bool = False,
     ) -> list[WeightRule]:
         """Rules of one pipeline stage holding global decoder layers ``layers`` (in local order); ``adapted``
         names each global layer's LoRA-adapted linear layers, ``experts`` the routed experts this rank holds
-        (global indices; MoE families)."""
+        (global indices; MoE families). ``value_head``: the last stage ends in a value model's scalar head
+        (``score.weight``, on every TP rank) instead of the LM head."""
         rules: list[WeightRule] = []
         if first_stage:
             rules.append(
@@ -184,7 +186,9 @@ class DecoderFamily:
             rules.append(
                 WeightRule("decoder.final_layernorm.weight", ("model.norm.weight",), Kind.REPLICATED)
             )
-            if not arch.tie_word_embeddings:
+            if value_head:
+                rules.append(WeightRule("output_layer.weight", ("score.weight",), Kind.REPLICATED))
+            elif not arch.tie_word_embeddings:
                 rules.append(WeightRule("output_layer.weight", ("lm_head.weight",), Kind.VOCAB))
             elif not first_stage:
                 # With pipeline stages the last one keeps its own copy of the tied embedding (Megatron keeps the

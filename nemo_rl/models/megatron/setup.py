@@ -44,6 +44,7 @@ from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.device import cuda_available, get_device
 from nemo_rl.models.dtypes import PRECISION_DTYPES
 from nemo_rl.models.hf_decoder import rope_inv_freq
+from nemo_rl.models.megatron import value_head
 from nemo_rl.models.megatron.convert import pad_vocab
 from nemo_rl.models.megatron.families import DecoderFamily
 from nemo_rl.models.megatron.moe import RecordingRouter
@@ -178,7 +179,9 @@ def transformer_config(arch: ModelArch, family: DecoderFamily, policy: PolicyCon
 
 def build_model(arch: ModelArch, policy: PolicyConfig, config: TransformerConfig) -> GPTModel:
     """This rank's pipeline stage of the model, randomly initialised (load the weights, then
-    :func:`wrap_for_training`)."""
+    :func:`wrap_for_training`); a value model's last stage ends in its scalar head
+    (:mod:`nemo_rl.models.megatron.value_head`), with no embedding tied to it."""
+    value_model = value_head.builds_value_head(policy)
     spec: ModuleSpec | TransformerBlockSubmodules
     if uses_transformer_engine(policy.megatron_cfg, arch):
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_norm)
@@ -191,13 +194,15 @@ def build_model(arch: ModelArch, policy: PolicyConfig, config: TransformerConfig
         max_sequence_length=policy.max_total_sequence_length,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings and not value_model,
         position_embedding_type="rope",
         rotary_base=int(float(arch.rope_parameters["rope_theta"])),
     )
     # Hugging Face's rotary frequencies (with its linear / llama3 scaling) replace Megatron's own.
     inv_freq, _ = rope_inv_freq(arch)
     gpt.rotary_pos_emb.inv_freq = inv_freq.to(gpt.rotary_pos_emb.inv_freq.device)
+    if value_model and gpt.post_process:
+        value_head.attach(gpt, config, parallel_state.get_tensor_model_parallel_group())
     # Plain torch modules (the norms) are created on the host; Megatron's own layers already are on the device.
     return gpt.to(get_device())
 

@@ -51,13 +51,15 @@ class StageWeights:
         adapted: Mapping[int, Collection[str]] | None = None,
         experts: Sequence[int] = (),
         streams_shared: bool = True,
+        value_head: bool = False,
     ) -> None:
         """``adapted``: the LoRA-adapted linear layers by global decoder layer, whose adapters the model
         carries (:meth:`nemo_rl.models.megatron.lora.MegatronLoRA.attach`); ``experts``: the routed experts
         (global indices) this rank holds in each MoE layer; ``streams_shared``: whether this rank's streams
         (refit, export, checkpoint) carry the weights every expert-parallel rank holds alike, or only its
         experts (expert-parallel ranks but the first; they are never tensor-parallel, so skipping the rest
-        leaves no gather unmatched)."""
+        leaves no gather unmatched); ``value_head``: the model ends in a value model's scalar head
+        (:mod:`nemo_rl.models.megatron.value_head`)."""
         self.arch = arch
         self.family = family
         self.tp_group = tp_group
@@ -74,6 +76,7 @@ class StageWeights:
             te_norms=te_norms,
             adapted=adapted,
             experts=experts,
+            value_head=value_head,
         )
         self.stream_rules = [rule for rule in self.rules if streams_shared or rule.expert]
         """Rules of the weights this rank's streams carry (:meth:`iter_hf_tensors`' default)."""
@@ -167,14 +170,17 @@ class StageWeights:
             param.data.copy_(snapshot[name])
 
 
-def hf_weights_manifest(hf_config: Any, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], str]]:
+def hf_weights_manifest(
+    hf_config: Any, dtype: torch.dtype, value_head: bool = False
+) -> dict[str, tuple[tuple[int, ...], str]]:
     """``{hf_name: (full shape, dtype name)}`` of every weight of the model (as a Hugging Face checkpoint
     stores it: a tied LM head once, a MoE layer's experts one by one, persistent buffers), from its config
-    alone."""
-    from transformers import AutoModelForCausalLM
+    alone; with ``value_head`` of its sequence-classification model (``score.weight`` for the LM head)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    auto_class = AutoModelForSequenceClassification if value_head else AutoModelForCausalLM
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(hf_config)
+        skeleton = auto_class.from_config(hf_config)
     manifest = {name: (tuple(p.shape), dtype_name(dtype)) for name, p in skeleton.named_parameters()}
     for name, buffer in skeleton.state_dict().items():
         # Persistent buffers the checkpoint holds too (GLM's float32 e_score_correction_bias).

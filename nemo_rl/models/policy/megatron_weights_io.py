@@ -19,20 +19,21 @@ import torch.distributed as dist
 from nemo_rl.config.policy import PolicyConfig, TokenizerConfig
 from nemo_rl.models.dtypes import PRECISION_DTYPES
 from nemo_rl.models.lora import adapter_state, check_checkpoint_kind, write_lora_metadata
-from nemo_rl.models.megatron import checkpoint, cpu_compat
+from nemo_rl.models.megatron import checkpoint, cpu_compat, value_head
 from nemo_rl.models.megatron.weights import (
     StageWeights,
     hf_weights_manifest,
     write_hf_metadata,
     write_stage_safetensors,
 )
-from nemo_rl.models.policy.hf_io import LORA_ADAPTER_SUBDIR
+from nemo_rl.models.policy.hf_io import LORA_ADAPTER_SUBDIR, load_hf_config
 from nemo_rl.models.policy.interfaces import LoraSummary
 from nemo_rl.weight_sync.interfaces import TransferStats, WeightSender
 from nemo_rl.weight_sync.scope import RefitScope
 
 if TYPE_CHECKING:
     from nemo_rl.config.model_arch import ModelArch
+    from nemo_rl.models.megatron.families import DecoderFamily
     from nemo_rl.models.megatron.lora import MegatronLoRA
 
 
@@ -56,6 +57,8 @@ class MegatronWeightsMixin:
     scheduler: Any
     hf_config: Any
     arch: ModelArch
+    family: DecoderFamily
+    is_value_model: bool
     checkpoint_dir: Path
     rank: int
     dp_rank: int
@@ -82,6 +85,7 @@ class MegatronWeightsMixin:
             "lora_layers": self.lora.hf_targets if self.lora is not None else None,
             # Only when set, so checkpoints of dense layouts written before the key existed still resume.
             **({"expert_model_parallel_size": self.ep_size} if self.ep_size > 1 else {}),
+            **({"value_head": True} if self.is_value_model else {}),
         }
 
     def _checkpoint_parts(self) -> checkpoint.CheckpointParts:
@@ -141,7 +145,7 @@ class MegatronWeightsMixin:
             write_hf_metadata(
                 path,
                 dtype=dtype,
-                hf_config=self.hf_config,
+                hf_config=self._export_hf_config(),
                 checkpoint_dir=Path(self.checkpoint_dir),
                 tokenizer_cfg=TokenizerConfig(
                     name=self.tokenizer_source, chat_template=self.cfg.tokenizer.chat_template
@@ -149,6 +153,13 @@ class MegatronWeightsMixin:
                 trust_remote_code=self.cfg.trust_remote_code,
             )
         dist.barrier()
+
+    def _export_hf_config(self) -> Any:
+        """The Hugging Face config exports carry: the model's, or for a value model its
+        ``*ForSequenceClassification`` config with one label."""
+        if not self.is_value_model:
+            return self.hf_config
+        return value_head.export_config(load_hf_config(self.cfg), self.family.architecture)
 
     # -------------------------------------------------------------------------------- refit (sender)
     def iter_hf_weights(
@@ -180,7 +191,7 @@ class MegatronWeightsMixin:
     ) -> dict[str, tuple[tuple[int, ...], str]]:
         """``{hf_name: (full shape, dtype name)}`` of the whole model's weights (all stages); no communication."""
         _full_only(scope)
-        return hf_weights_manifest(self.hf_config, dtype)
+        return hf_weights_manifest(self._export_hf_config(), dtype, value_head=self.is_value_model)
 
     def refit_send(self, sender: WeightSender, scope: RefitScope = "full") -> TransferStats:
         """Stream this stage's weights through ``sender`` (every rank calls it with its own sender); every

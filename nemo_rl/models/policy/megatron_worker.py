@@ -21,6 +21,9 @@ replica are consecutive, as ``RayWorkerGroup`` deals data shards. Every public m
   gradient norm is not finite is skipped.
 - **Refit / export** stream Hugging Face tensors stage by stage: each parameter is gathered over TP when it
   is reached, and each pipeline stage sends (or writes) its own layers.
+- **Value model** (``reward_model_cfg`` with ``reward_model_type: regression``, PPO's critic): the last stage
+  ends in a scalar head per token instead of the LM output layer (:mod:`nemo_rl.models.megatron.value_head`);
+  losses and ``get_values`` receive its output ``head_BT`` [B, T] and the log-prob methods refuse.
 - **LoRA** (``megatron_cfg.peft``): the adapters of :mod:`nemo_rl.models.megatron.lora` on the frozen model,
   the DTensor backend's adapters under their Hugging Face names; the reference policy switches them off,
   checkpoints hold them alone, refits and exports fold them into the weights.
@@ -54,7 +57,7 @@ from nemo_rl.distributed.device import (
 from nemo_rl.models.hf_config import load_hf_config
 from nemo_rl.models.hf_decoder import SafetensorsReader, decoder_arch, resolve_checkpoint_dir
 from nemo_rl.models.lora import adapters_disabled
-from nemo_rl.models.megatron import checkpoint, cpu_compat, setup
+from nemo_rl.models.megatron import checkpoint, cpu_compat, setup, value_head
 from nemo_rl.models.megatron.families import family_for
 from nemo_rl.models.megatron.lora import MegatronLoRA
 from nemo_rl.models.megatron.moe import (
@@ -190,8 +193,15 @@ class MegatronPolicyWorker(MegatronWeightsMixin, PolicyWorkerBase):
             adapted=self.lora.selected if self.lora is not None else None,
             experts=self._local_experts(),
             streams_shared=self.ep_rank == 0,
+            value_head=self.is_value_model,
         )
-        self.weights.load(SafetensorsReader(self.checkpoint_dir).get, self.weights.base_rules)
+        reader = SafetensorsReader(self.checkpoint_dir)
+        get: Callable[[str], torch.Tensor] = reader.get
+        if self.is_value_model:
+            get = value_head.checkpoint_getter(
+                reader, self.arch.hidden_size, self.hf_config.initializer_range
+            )
+        self.weights.load(get, self.weights.base_rules)
         if self.lora is not None:
             self.weights.load(self._initial_adapters().__getitem__, self.weights.adapter_rules)
 
@@ -214,6 +224,13 @@ class MegatronPolicyWorker(MegatronWeightsMixin, PolicyWorkerBase):
         return adapters
 
     # ----------------------------------------------------------------------------------------- forward
+    def _model_output(self, output: torch.Tensor, mb: BatchedDataDict[Any]) -> torch.Tensor:
+        """What losses and scoring functions receive from the last stage's output: the logits of the sampling
+        distribution [B, T, V], or a value model's head at every position [B, T] (``head_BT``)."""
+        if self.is_value_model:
+            return value_head.head_BT(output, mb["input_lengths"])
+        return self._logits(output, mb)
+
     def _logits(self, output_BTV: torch.Tensor, mb: BatchedDataDict[Any]) -> torch.Tensor:
         """[B, T, V] float32 logits of the sampling distribution from the last stage's output (vocabulary
         padding cut; temperature, top-k, top-p as ``nemo_rl.models.sampling.sampling_logits``)."""
@@ -296,7 +313,7 @@ class MegatronPolicyWorker(MegatronWeightsMixin, PolicyWorkerBase):
         self.model.eval()
 
         def collect(mb: BatchedDataDict[Any], output: torch.Tensor, non_loss_data: bool = True) -> Any:
-            return {key: value.cpu() for key, value in fn(self._logits(output, mb), mb).items()}
+            return {key: value.cpu() for key, value in fn(self._model_output(output, mb), mb).items()}
 
         outputs = self._run_pipeline(
             [mb for _, mb in parts], collect, forward_only=True, collect_outputs=True
@@ -312,10 +329,10 @@ class MegatronPolicyWorker(MegatronWeightsMixin, PolicyWorkerBase):
         return result
 
     def score(self, data: BatchedDataDict[Any], micro_batch_size: int | None = None) -> BatchedDataDict[Any]:
-        """Reward models run on the DTensor backend only (the schema refuses them here)."""
+        """Bradley-Terry reward models run on the DTensor backend only (the schema refuses them here)."""
         raise ValueError(
-            "score() needs a reward model, which the Megatron backend does not build: use the DTensor backend "
-            "with policy.reward_model_cfg.enabled=true"
+            "score() needs a Bradley-Terry reward model, which the Megatron backend does not build (its scalar "
+            "head is a value model's, read with get_values()): use the DTensor backend for reward models"
         )
 
     # ---------------------------------------------------------------------------------------- training
@@ -329,7 +346,7 @@ class MegatronPolicyWorker(MegatronWeightsMixin, PolicyWorkerBase):
             mb: BatchedDataDict[Any], output: torch.Tensor
         ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
             loss, metrics = loss_fn(
-                self._logits(output, mb), mb, step.global_valid_seqs, step.global_valid_toks
+                self._model_output(output, mb), mb, step.global_valid_seqs, step.global_valid_toks
             )
             if self._routing is not None:
                 loss, metrics = self._with_moe_terms(loss, metrics, mb, step)
