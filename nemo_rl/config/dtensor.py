@@ -29,8 +29,11 @@ class DTensorConfig(ConfigModel):
     tensor_parallel_size: int = Field(default=1, ge=1)
     """Tensor-parallel degree; the data-parallel degree is the worker count divided by it."""
 
-    context_parallel_size: int = Field(default=1, ge=1, le=1)
-    """Context-parallel degree (only 1 is supported)."""
+    context_parallel_size: int = Field(default=1, ge=1)
+    """Context-parallel degree: each sequence is split over this many ranks (2 x CP load-balanced chunks), keys
+    and values are exchanged in attention, and FSDP2 shards over data x context parallel ranks; the workers
+    divide into ``DP x CP``. Needs ``policy.make_sequence_length_divisible_by`` a multiple of 2 x CP and
+    ``tensor_parallel_size=1``; see docs/parallelism.md."""
 
     expert_parallel_size: int = Field(default=1, ge=1)
     """Expert-parallel degree of a mixture-of-experts model (NeMo RL's key); not built on this backend: must be
@@ -81,9 +84,12 @@ class DTensorConfig(ConfigModel):
                 "set it to 1 (FSDP2 shards the experts); expert parallelism is the Megatron backend's "
                 "(policy.megatron_cfg.expert_model_parallel_size, docs/algorithms/moe.md)",
             )
-        if self.data_parallel_mode == "replicate" and (self.tensor_parallel_size > 1 or self.cpu_offload):
+        replicate_blockers = (
+            self.tensor_parallel_size > 1 or self.context_parallel_size > 1 or self.cpu_offload
+        )
+        if self.data_parallel_mode == "replicate" and replicate_blockers:
             raise ValueError(
-                "policy.dtensor_cfg.data_parallel_mode=replicate needs tensor_parallel_size=1 and "
-                "cpu_offload=false: set policy.dtensor_cfg.data_parallel_mode=fsdp"
+                "policy.dtensor_cfg.data_parallel_mode=replicate needs tensor_parallel_size=1, "
+                "context_parallel_size=1 and cpu_offload=false: set policy.dtensor_cfg.data_parallel_mode=fsdp"
             )
         return self

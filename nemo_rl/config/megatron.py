@@ -236,7 +236,8 @@ class MegatronConfig(MegatronMoeKeys):
     """Decoder layers on the last pipeline stage; ``None`` splits the layers evenly."""
 
     context_parallel_size: int = Field(default=1, ge=1)
-    """Context-parallel degree; not built here: must be 1."""
+    """Context-parallel degree; must be 1: megatron-core's context-parallel attention runs only in Transformer
+    Engine, which has no CPU build (``policy.dtensor_cfg.context_parallel_size`` is built)."""
 
     sequence_parallel: bool = False
     """Megatron sequence parallelism: activations outside the tensor-parallel regions are split along the
@@ -448,7 +449,12 @@ def _unbuilt_settings(cfg: MegatronConfig) -> list[tuple[str, bool, str]]:
     """``(key, set to a non-neutral value, what to set)`` for every key selecting unbuilt behaviour."""
     ddp = cfg.distributed_data_parallel_config
     return [
-        ("context_parallel_size", cfg.context_parallel_size != 1, "set context_parallel_size=1"),
+        (
+            "context_parallel_size",
+            cfg.context_parallel_size != 1,
+            "set context_parallel_size=1 (megatron-core's context-parallel attention needs Transformer Engine, "
+            "which has no CPU build; policy.dtensor_cfg.context_parallel_size splits long sequences instead)",
+        ),
         *cfg.moe_unbuilt_settings(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size),
         ("fp8_cfg.enabled", cfg.fp8_cfg.enabled, "set fp8_cfg.enabled=false (train in bfloat16 or float32)"),
         ("mtp_num_layers", cfg.mtp_num_layers != 0, "set mtp_num_layers=0"),

@@ -228,6 +228,20 @@ def activation_bytes(
     return int(tokens * (layers + per_token["outside"]))
 
 
+def context_parallel_bytes(
+    arch: ModelArch, tokens: int, seq_len: int, cp: int, dtype_bytes: int, tp: int
+) -> int:
+    """What DTensor context parallelism adds to the activations (``nemo_rl/models/policy/context_parallel.py``):
+    each layer all-gathers the keys and values of its rows' every token (``2 kv d`` per token of the full rows)
+    and keeps them for the attention's backward pass, and one forward builds the additive masks of this rank's
+    two chunks, ``C x K`` each (``C = T / 2CP`` queries against the keys up to the chunk's end), shared by the
+    layers: ``(2 CP + 1) C^2`` elements in all."""
+    kv = tokens * arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim / tp * dtype_bytes
+    chunk = seq_len // (2 * cp)
+    masks = (2 * cp + 1) * chunk * chunk * dtype_bytes
+    return int(kv + masks)
+
+
 def megatron_attention_scores_bytes(
     arch: ModelArch, rows: int, seq_len: int, tp: int, dtype_bytes: int
 ) -> int:

@@ -32,7 +32,8 @@ _CUT_STATE = (
 _CUT_ACTIVATIONS = (
     "activation checkpointing (policy.dtensor_cfg.activation_checkpointing=true / megatron_cfg."
     "activation_checkpointing=true), a smaller micro-batch (policy.train_micro_batch_size or "
-    "dynamic_batching.train_mb_tokens) or more TP with sequence_parallel"
+    "dynamic_batching.train_mb_tokens), more TP with sequence_parallel or context parallelism "
+    "(policy.dtensor_cfg.context_parallel_size)"
 )
 _CUT_LOGITS = (
     "a smaller micro-batch (policy.train_micro_batch_size / logprob_batch_size or the mb_tokens budgets)"
@@ -148,17 +149,25 @@ def _dtensor_policy(arch: ModelArch, policy: PolicyConfig, slots: int) -> list[T
     d = m.PRECISION_BYTES[policy.precision]
     terms, _ = _dtensor_state(arch, policy, slots)
     tokens = train_tokens(policy)
+    cp = cfg.context_parallel_size
+    # Context parallelism: each rank runs 1/CP of every row's tokens through the layers, gathers the keys and
+    # values of the full rows in attention, and gathers the head's output back to full rows for the loss.
     activations = m.activation_bytes(
         arch,
-        tokens,
+        -(-tokens // cp),
         arch.num_layers,
         d,
         cfg.tensor_parallel_size,
         cfg.sequence_parallel,
         cfg.activation_checkpointing,
     )
-    label = f"activations ({tokens} tokens{', checkpointed' if cfg.activation_checkpointing else ''})"
+    split = f" / CP {cp}" if cp > 1 else ""
+    label = f"activations ({tokens} tokens{split}{', checkpointed' if cfg.activation_checkpointing else ''})"
     terms.append(Term(label, activations, _CUT_ACTIVATIONS))
+    if cp > 1:
+        seq_len = policy.max_total_sequence_length
+        added = m.context_parallel_bytes(arch, tokens, seq_len, cp, d, cfg.tensor_parallel_size)
+        terms.append(Term("CP keys/values and masks", added, _CUT_ACTIVATIONS))
     terms.append(Term("logits spike", m.logits_bytes(tokens, arch.vocab_size, d, training=True), _CUT_LOGITS))
     return terms
 
@@ -231,13 +240,16 @@ def scoring_terms(arch: ModelArch, policy: PolicyConfig, slots: int, what: str) 
             t for t in _dtensor_state(arch, policy, slots)[0] if t.name.startswith(("weights", "FSDP"))
         ]
         tp = policy.dtensor_cfg.tensor_parallel_size
+        # One layer at a time on this rank's 1/CP of the tokens; the logits are gathered back to full rows.
+        layer_tokens = -(-tokens // policy.dtensor_cfg.context_parallel_size)
     else:
         weights = megatron_stage_terms(arch, policy, slots, 0)[:1]
         tp = policy.megatron_cfg.tensor_model_parallel_size
-    layer = m.activation_bytes(arch, tokens, 1, d, tp, False, False)
+        layer_tokens = tokens
+    layer = m.activation_bytes(arch, layer_tokens, 1, d, tp, False, False)
     return [
         *weights,
-        Term(f"{what} activations (one layer, {tokens} tokens)", layer, _CUT_LOGITS),
+        Term(f"{what} activations (one layer, {layer_tokens} tokens)", layer, _CUT_LOGITS),
         Term(f"{what} logits", m.logits_bytes(tokens, arch.vocab_size, d, training=False), _CUT_LOGITS),
     ]
 
@@ -310,7 +322,9 @@ def _generation_rows(policy: PolicyConfig, samples: int, gen_slots: int, policy_
         return policy.generation_batch_size
     embedded = policy.generation.embedded_cfg
     if embedded.in_policy_workers:
-        replicas = policy_slots // policy.dtensor_cfg.tensor_parallel_size
+        replicas = policy_slots // (
+            policy.dtensor_cfg.tensor_parallel_size * policy.dtensor_cfg.context_parallel_size
+        )
     else:
         replicas = embedded.data_parallel_size or gen_slots
     return -(-samples // max(replicas, 1))

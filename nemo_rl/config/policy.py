@@ -12,6 +12,7 @@ from pydantic import Field, model_validator
 
 from nemo_rl.config.base import ConfigModel
 from nemo_rl.config.compat import SequencePackingConfig
+from nemo_rl.config.context_parallel import check_context_parallel
 from nemo_rl.config.dtensor import DTensorConfig
 from nemo_rl.config.generation import (
     VLLM_TEMPERATURE_RANGE,
@@ -378,6 +379,7 @@ class PolicyConfig(ConfigModel):
         if self.shared_prefix.enabled:
             self._check_shared_prefix()
         check_router_replay(self)
+        check_context_parallel(self)
         self._check_batching()
         self._check_scheduler()
         return self

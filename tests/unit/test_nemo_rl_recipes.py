@@ -54,15 +54,16 @@ def test_every_vendored_recipe_is_covered() -> None:
     assert {p.name for p in FILES} == set(ALGORITHM_OF_FILE)
 
 
-# NeMo RL's distillation recipe needs what is not built here yet: context parallelism
-# (policy/teacher.dtensor_cfg.context_parallel_size: 2) and vllm_cfg.distributed_executor_backend (its data,
-# DeepScaler with AIME2024 repeated for validation, loads). Strict: when they land, this fails and the mark goes;
-# test_distillation_recipe_fails_only_for_what_is_not_built pins the reason.
+# NeMo RL's distillation recipe needs what is not built here yet: context parallelism combined with tensor
+# parallelism (policy/teacher.dtensor_cfg.context_parallel_size: 2 with TP 2 / 4) and
+# vllm_cfg.distributed_executor_backend (its data, DeepScaler with AIME2024 repeated for validation, loads).
+# Strict: when they land, this fails and the mark goes; test_distillation_recipe_fails_only_for_what_is_not_built
+# pins the reason.
 _NOT_BUILT_KEYS = ("dtensor_cfg.context_parallel_size", "vllm_cfg.distributed_executor_backend")
 _NOT_YET = pytest.mark.xfail(
     strict=True,
     raises=ConfigError,
-    reason="context parallelism (context_parallel_size: 2), vllm_cfg.distributed_executor_backend",
+    reason="TP x CP (context_parallel_size: 2 with TP > 1), vllm_cfg.distributed_executor_backend",
 )
 
 

@@ -164,16 +164,17 @@ class DTensorRefitMixin:
     def init_embedded_generation(self, tokenizer: PreTrainedTokenizerBase) -> None:
         """Hold a replica of the embedded engine (``policy.generation.embedded_cfg.in_policy_workers``).
 
-        Only the first tensor-parallel rank of each data-parallel group holds one and generates; the other
-        ranks take part in the refit's gathers only. Its weights arrive with the first refit.
+        Only the first tensor- and context-parallel rank of each data-parallel group holds one and generates; the
+        other ranks take part in the refit's gathers only. Its weights arrive with the first refit.
         """
         from nemo_rl.models.generation.embedded.replica import EmbeddedReplica
 
-        tp_rank = self.mesh.get_local_rank("tp")
+        # The first rank of the group's tensor- and context-parallel ranks (which hold the same rows).
+        leads = self.mesh.get_local_rank("tp") == 0 and self.mesh.get_local_rank("cp") == 0
         self._hosts_generation = True
         self._generation_replica = (
             EmbeddedReplica.without_weights(self.cfg, tokenizer, dp_rank=self.dp_rank, device=self.device)
-            if tp_rank == 0
+            if leads
             else None
         )
 

@@ -1,6 +1,7 @@
 """The DTensor policy worker: one rank of an FSDP2 (+ tensor/sequence parallel) Hugging Face causal LM.
 
-Each worker is one process of a (dp, tp) device mesh laid out row-major (``rank = dp_rank * tp + tp_rank``),
+Each worker is one process of a (dp, cp, tp) device mesh laid out row-major
+(``rank = (dp_rank * cp + cp_rank) * tp + tp_rank``; context parallelism: ``context_parallel.py``),
 started by ``RayWorkerGroup`` with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set. Every public method is
 a collective: all ranks must call it, with the same data on the ranks of one dp group.
 
@@ -33,7 +34,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.device import (
@@ -45,6 +45,7 @@ from nemo_rl.distributed.device import (
 from nemo_rl.models.lora import (
     lora_modules,
 )
+from nemo_rl.models.policy.context_parallel import apply_context_parallel, sequence_multiple, worker_mesh
 from nemo_rl.models.policy.dtensor_refit import DTensorRefitMixin
 from nemo_rl.models.policy.dtensor_weights_io import DTensorWeightsMixin
 from nemo_rl.models.policy.hf_io import (
@@ -99,22 +100,16 @@ class DTensorPolicyWorker(DTensorWeightsMixin, DTensorRefitMixin, PolicyWorkerBa
         init_process_group_from_env()
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        tp_size = dtensor_cfg.tensor_parallel_size
-        if self.world_size % tp_size != 0:
-            raise ValueError(
-                f"the policy has {self.world_size} workers, not a multiple of "
-                f"policy.dtensor_cfg.tensor_parallel_size={tp_size}"
-            )
-        self.dp_size = self.world_size // tp_size
         self.device = get_device()
-        self.mesh = init_device_mesh(self.device.type, (self.dp_size, tp_size), mesh_dim_names=("dp", "tp"))
+        self.mesh = worker_mesh(self.device.type, self.world_size, dtensor_cfg)
+        self.dp_size = self.mesh["dp"].size()
         self.dp_group = self.mesh.get_group("dp")
         self.dp_rank = self.mesh.get_local_rank("dp")
-        sp_multiple = tp_size if dtensor_cfg.sequence_parallel else 1
-        self.seq_multiple = math.lcm(cfg.make_sequence_length_divisible_by, sp_multiple)
+        self.seq_multiple = sequence_multiple(cfg.make_sequence_length_divisible_by, dtensor_cfg)
 
         self.model = load_sharded_model(cfg, self.mesh, self.device)
         self.moe_routing = RouterRecorder(self.model)
+        apply_context_parallel(self.model, self.mesh["cp"], self.moe_routing.is_moe)
         # Which rows of the last forward's input were real tokens, for the MoE terms (see _loss_with_moe_terms).
         self._fed_valid_N = torch.ones(0, dtype=torch.bool)
         self.optimizer = build_optimizer(freeze_parameters(self.model, cfg.frozen_parameters), cfg.optimizer)

@@ -38,6 +38,7 @@ from nemo_rl.models.lora import (
     peft_target_modules,
     save_peft_adapter,
 )
+from nemo_rl.models.policy.context_parallel import fsdp_mesh
 from nemo_rl.models.policy.optim import frozen_names
 from nemo_rl.models.policy.parallelize import apply_fsdp, apply_tensor_parallel, needs_fsdp
 from nemo_rl.models.tokenizer import get_tokenizer
@@ -178,7 +179,8 @@ def initial_lora_adapters(cfg: PolicyConfig, lora_cfg: LoraConfig) -> dict[str, 
 
 
 def load_sharded_model(cfg: PolicyConfig, mesh: DeviceMesh, device: torch.device) -> nn.Module:
-    """Load ``cfg.model_name`` (local path or hub name), sharded over ``mesh`` (axes ``dp``, ``tp``).
+    """Load ``cfg.model_name`` (local path or hub name), sharded over ``mesh`` (axes ``dp``, ``cp``, ``tp``;
+    FSDP2 over ``dp x cp``).
 
     Master weights are float32 whatever ``cfg.precision`` is; FSDP computes in ``cfg.precision``.
     """
@@ -209,7 +211,7 @@ def load_sharded_model(cfg: PolicyConfig, mesh: DeviceMesh, device: torch.device
     if fsdp:
         apply_fsdp(
             model,
-            mesh["dp"],
+            fsdp_mesh(mesh),
             PRECISION_DTYPES[cfg.precision],
             dtensor_cfg.cpu_offload,
             reshard_after_forward=device.type != "cpu",

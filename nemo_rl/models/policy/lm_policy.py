@@ -62,7 +62,8 @@ def _worker_backend(cfg: PolicyConfig) -> WorkerBackend:
     """The worker backend the config selects."""
     if cfg.dtensor_cfg.enabled:
         dtensor = cfg.dtensor_cfg
-        return WorkerBackend(DTensorPolicyWorker, dtensor.tensor_parallel_size, dtensor.lora_cfg.enabled)
+        model_parallel_size = dtensor.tensor_parallel_size * dtensor.context_parallel_size
+        return WorkerBackend(DTensorPolicyWorker, model_parallel_size, dtensor.lora_cfg.enabled)
     if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
         raise UserError(
             "policy.megatron_cfg.enabled=true but megatron-core is not installed: install the `mcore` extra "
