@@ -12,6 +12,8 @@
 #   4 grpo       2 GRPO steps of examples/configs/grpo_math_tiny.yaml on one GPU, asserting on
 #                metrics.jsonl: the embedded engine inside the policy workers, the embedded engine in its
 #                own worker (a refit before each step), and vLLM in its own worker when vLLM imports
+#   5 ppo        2 PPO steps of examples/configs/ppo_math_tiny.yaml on one GPU (the critic alone in the
+#                first, both models in the second, the critic offloaded while the policy trains)
 #
 # By default the script installs the locked environment first (uv sync --locked --extra vllm) and runs
 # in it. With --no-sync it runs the python3 on PATH as it is, for a GPU machine without network access:
@@ -267,6 +269,40 @@ else
     record 4-grpo-embedded-in-policy SKIP "$NO_GPU_REASON"
     record 4-grpo-embedded-refit SKIP "$NO_GPU_REASON"
     record 4-grpo-vllm SKIP "$NO_GPU_REASON"
+fi
+
+# --- 2 PPO steps on one GPU ----------------------------------------------------------------------------
+ppo_stage() {
+    local dir="$OUT/5-ppo"
+    rm -rf "$dir"
+    "$PY" examples/run_ppo.py --config examples/configs/ppo_math_tiny.yaml \
+        ppo.max_num_steps=2 ppo.policy_training_start_step=1 ppo.val_at_start=false ppo.val_period=0 \
+        ppo.num_prompts_per_step=16 ppo.num_generations_per_prompt=8 policy.train_global_batch_size=128 \
+        value.train_global_batch_size=64 cluster.gpus_per_node=1 checkpointing.enabled=false \
+        "checkpointing.checkpoint_dir=$dir/ckpt" "logger.log_dir=$dir/logs" logger.progress_bar=false \
+        "logger.plot_metrics=[]" || return 1
+    "$PY" - "$dir/logs/metrics.jsonl" <<'EOF'
+import json, sys
+steps = {}
+for line in open(sys.argv[1]):
+    if line.strip():
+        record = json.loads(line)
+        steps.setdefault(record["step"], {}).update(record)
+if [steps.get(s, {}).get("train/policy_trained") for s in (1, 2)] != [0.0, 1.0]:
+    print(f"expected the critic alone at step 1 and both models at step 2, got {steps}")
+    sys.exit(1)
+kl = steps[2]["train/gen_kl_error"]
+if abs(kl) > 1e-3:
+    print(f"train/gen_kl_error {kl:.2e} > 1e-3 at step 2 (the engine and the policy disagree)")
+    sys.exit(1)
+loss = [round(steps[s]["train/critic/loss"], 4) for s in (1, 2)]
+print(f"2 steps, train/gen_kl_error {kl:.1e}, critic loss {loss}")
+EOF
+}
+if (( NUM_GPUS >= 1 || ON_CPU )); then
+    run_stage 5-ppo 180 ppo_stage
+else
+    record 5-ppo SKIP "$NO_GPU_REASON"
 fi
 
 # --- summary -------------------------------------------------------------------------------------------
