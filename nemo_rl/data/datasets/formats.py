@@ -7,7 +7,7 @@ either returns a record or raises :class:`MalformedRowError` saying which row an
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 from nemo_rl.config.data import DataConfig
 from nemo_rl.data.errors import DataError
@@ -251,8 +251,52 @@ def tulu3_preference_converter(source: str) -> RowConverter:
     return convert
 
 
+def _check_parts(content: Any, where: str) -> None:
+    if isinstance(content, str):
+        return
+    if not isinstance(content, list) or not content:
+        raise DataError(
+            f"{where} has content of type {type(content).__name__}: give a string or a list of parts"
+        )
+    for part in content:
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            continue
+        if kind == "image" and part.get("image") is not None:
+            continue
+        raise DataError(
+            f"{where} has a part {part!r}: parts are {{'type': 'text', 'text': ...}} or {{'type': 'image', "
+            "'image': <path, bytes, PIL image or datasets Image>}"
+        )
+
+
+def vlm_converter(source: str, chat_key: str) -> RowConverter:
+    """Multimodal chat rows: a message list under ``chat_key`` whose contents may hold image parts, and an
+    optional ``expected_answer``. A malformed row raises a :class:`DataError` naming it."""
+
+    def convert(row: Mapping[str, Any], index: int) -> Record:
+        messages = row.get(chat_key) if isinstance(row, Mapping) else None
+        if not isinstance(messages, list) or not messages:
+            raise DataError(f"{source}: row {index} has no message list under {chat_key!r}")
+        for i, message in enumerate(messages):
+            if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+                raise DataError(f"{source}: row {index} message {i} needs a string 'role' and a 'content'")
+            _check_parts(message.get("content"), f"{source}: row {index} message {i}")
+        record: dict[str, Any] = {"messages": [dict(m) for m in messages]}
+        if row.get("expected_answer") is not None:
+            record["expected_answer"] = str(row["expected_answer"])
+        # Record types its contents as text; a multimodal record holds parts (VlmRecord) and only the
+        # multimodal processor reads it.
+        return cast(Record, record)
+
+    return convert
+
+
 def converter_for(cfg: DataConfig, source: str) -> RowConverter:
-    """The row converter of ``cfg.dataset_name``; ``source`` names the data in error messages."""
+    """The row converter of ``cfg.dataset_name`` (the multimodal one for ``tiny_clevr`` and for
+    ``data.processor: vlm_hf_data_processor``); ``source`` names the data in error messages."""
+    if cfg.processor == "vlm_hf_data_processor":
+        return vlm_converter(source, cfg.chat_key)
     match cfg.dataset_name:
         case "tiny_math" | "OpenMathInstruct-2":
             return math_converter(source)
@@ -271,3 +315,5 @@ def converter_for(cfg: DataConfig, source: str) -> RowConverter:
             return helpsteer3_converter(source)
         case "Tulu3Preference":
             return tulu3_preference_converter(source)
+        case "tiny_clevr":
+            return vlm_converter(source, "messages")

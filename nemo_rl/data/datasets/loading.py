@@ -19,6 +19,7 @@ from nemo_rl.data.datasets.lazy import LazySequence
 from nemo_rl.data.errors import DataError, MissingDataFileError
 from nemo_rl.data.interfaces import Record
 from nemo_rl.data.tiny import tiny_math_splits
+from nemo_rl.data.tiny_clevr import tiny_clevr_splits
 from nemo_rl.utils.files import existing_file, named, read_utf8
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
@@ -284,6 +285,22 @@ def load_dataset_splits(cfg: DataConfig) -> DatasetSplits:
         return DatasetSplits(
             train=RecordDataset(train_rows, converter, f"{name} (train)"),
             validation=RecordDataset(val_rows, converter, f"{name} (validation)") if val_rows else None,
+        )
+
+    if name == "tiny_clevr":
+        scenes_train, scenes_val = tiny_clevr_splits(
+            cfg.num_train_samples,
+            cfg.num_val_samples,
+            seed=cfg.seed,
+            image_size=cfg.tiny_clevr_image_size,
+            max_objects=cfg.tiny_clevr_max_objects,
+        )
+        converter = converter_for(cfg, source=name)
+        return DatasetSplits(
+            train=RecordDataset(scenes_train, converter, f"{name} (train)"),
+            validation=RecordDataset(scenes_val, converter, f"{name} (validation)")
+            if len(scenes_val)
+            else None,
         )
 
     hub = HUB_DEFAULTS.get(name)
