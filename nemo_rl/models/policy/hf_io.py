@@ -41,6 +41,7 @@ from nemo_rl.models.lora import (
 from nemo_rl.models.policy.optim import frozen_names
 from nemo_rl.models.policy.parallelize import apply_fsdp, apply_tensor_parallel, needs_fsdp
 from nemo_rl.models.tokenizer import get_tokenizer
+from nemo_rl.models.vlm import check_vlm_policy, frozen_submodel_names, is_vision_language, vision_tower
 
 logger = logging.getLogger(__name__)
 
@@ -69,13 +70,21 @@ def _sync_non_persistent_buffers(model: nn.Module, source: nn.Module | None) -> 
         dist.broadcast(buffer, src=0)
 
 
-def model_auto_class(cfg: PolicyConfig) -> Any:
-    """``AutoModelForSequenceClassification`` for a reward model, ``AutoModelForCausalLM`` otherwise."""
+def model_auto_class(cfg: PolicyConfig, hf_config: Any) -> Any:
+    """``AutoModelForSequenceClassification`` for a reward model, ``AutoModelForImageTextToText`` for a
+    vision-language model (transformers' own ``*ForConditionalGeneration`` class), ``AutoModelForCausalLM``
+    otherwise."""
     # transformers' auto model classes (and torch.distributed.checkpoint below) are imported where they are
     # used: importing them costs seconds of CPU, and the driver imports this module without loading models.
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForSequenceClassification,
+    )
 
-    return AutoModelForSequenceClassification if cfg.reward_model_cfg.enabled else AutoModelForCausalLM
+    if cfg.reward_model_cfg.enabled:
+        return AutoModelForSequenceClassification
+    return AutoModelForImageTextToText if is_vision_language(hf_config) else AutoModelForCausalLM
 
 
 def load_hf_config(cfg: PolicyConfig) -> Any:
@@ -94,16 +103,31 @@ def load_hf_config(cfg: PolicyConfig) -> Any:
     return hf_config
 
 
-def check_frozen_parameters(cfg: PolicyConfig) -> None:
-    """Raise :class:`UserError` when ``policy.frozen_parameters`` names no parameter of the model (or all of
-    them), before any worker starts: the model is built on the meta device, so nothing is loaded."""
-    if not cfg.frozen_parameters:
+def check_model_settings(cfg: PolicyConfig) -> None:
+    """Raise :class:`UserError`, before any worker starts, when the settings do not fit the model: a
+    vision-language model with what it cannot run with (:func:`~nemo_rl.models.vlm.check_vlm_policy`), or
+    ``policy.frozen_parameters`` / ``dtensor_cfg.freeze_config`` naming no parameter of the model (or all of
+    them). The model is built on the meta device, so nothing is loaded."""
+    check_vlm_policy(
+        cfg,
+        hf_config_io.load_hf_config(
+            cfg.model_name, trust_remote_code=cfg.trust_remote_code, overrides=cfg.hf_config_overrides
+        ),
+    )
+    if not cfg.frozen_parameters and not any(on for _, on in cfg.dtensor_cfg.freeze_config):
         return
+    hf_config = load_hf_config(cfg)
     with torch.device("meta"):
-        model = model_auto_class(cfg).from_config(
-            load_hf_config(cfg), dtype=torch.float32, trust_remote_code=cfg.trust_remote_code
+        model = model_auto_class(cfg, hf_config).from_config(
+            hf_config, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code
         )
-    frozen_names([name for name, _ in model.named_parameters()], cfg.frozen_parameters)
+    frozen_names([name for name, _ in model.named_parameters()], frozen_patterns(model, cfg))
+
+
+def frozen_patterns(model: nn.Module, cfg: PolicyConfig) -> list[str]:
+    """``policy.frozen_parameters`` and the names of the sub-models ``dtensor_cfg.freeze_config`` freezes."""
+    names = [name for name, _ in model.named_parameters()]
+    return [*cfg.frozen_parameters, *frozen_submodel_names(names, cfg.dtensor_cfg.freeze_config)]
 
 
 def trains_with_dropout(cfg: PolicyConfig) -> bool:
@@ -173,7 +197,8 @@ def initial_lora_adapters(cfg: PolicyConfig, lora_cfg: LoraConfig) -> dict[str, 
     """The adapters ``lora_cfg`` starts ``cfg.model_name`` with (full tensors by Hugging Face name, e.g.
     ``model.layers.0.self_attn.q_proj.lora_A``): the same draws as :func:`load_sharded_model`'s, so every
     backend given the same adapters starts from the same ones. Loads the model on the host (call on one rank)."""
-    model = _load_full_model(cfg, load_hf_config(cfg), model_auto_class(cfg), lora_cfg)
+    hf_config = load_hf_config(cfg)
+    model = _load_full_model(cfg, hf_config, model_auto_class(cfg, hf_config), lora_cfg)
     return adapter_state((name, param.detach()) for name, param in model.named_parameters())
 
 
@@ -184,7 +209,7 @@ def load_sharded_model(cfg: PolicyConfig, mesh: DeviceMesh, device: torch.device
     """
     trust = cfg.trust_remote_code
     hf_config = load_hf_config(cfg)
-    auto_class = model_auto_class(cfg)
+    auto_class = model_auto_class(cfg, hf_config)
     full_model: nn.Module | None = None
     lora_cfg = cfg.dtensor_cfg.lora_cfg
     if dist.get_rank() == 0:
@@ -213,6 +238,7 @@ def load_sharded_model(cfg: PolicyConfig, mesh: DeviceMesh, device: torch.device
             PRECISION_DTYPES[cfg.precision],
             dtensor_cfg.cpu_offload,
             reshard_after_forward=device.type != "cpu",
+            replicated=vision_tower(model),
         )
     # With CPU offload FSDP keeps the sharded parameters on the host; only buffers go to the device.
     model.to_empty(device="cpu" if dtensor_cfg.cpu_offload else device)
@@ -268,6 +294,14 @@ def _hf_weight_names(model: nn.Module) -> set[str]:
     return names
 
 
+def _save_processor(tokenizer_cfg: TokenizerConfig, path: str, trust_remote_code: bool) -> None:
+    """Copy the Hugging Face processor of ``tokenizer_cfg.name`` (a vision-language model's) into ``path``."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(tokenizer_cfg.name, trust_remote_code=trust_remote_code)
+    processor.save_pretrained(path)
+
+
 def export_hf_checkpoint(
     model: nn.Module,
     path: str,
@@ -284,7 +318,7 @@ def export_hf_checkpoint(
 
     The full state dict is gathered to rank 0's CPU, cast to ``dtype`` and saved as (sharded) safetensors
     with the model's config and generation config, and the tokenizer ``tokenizer_cfg`` names (with its chat
-    template override) if given.
+    template override) if given; for a vision-language model with its processor too.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -313,6 +347,10 @@ def export_hf_checkpoint(
         generation_config = getattr(model, "generation_config", None)
         if generation_config is not None:
             generation_config.save_pretrained(path)
+        if tokenizer_cfg is not None and is_vision_language(hf_config):
+            # The image processor (and the processor's own settings) go first; the tokenizer below then
+            # replaces the processor's copy of it with the one the run used (its chat-template override).
+            _save_processor(tokenizer_cfg, path, trust_remote_code)
         if tokenizer_cfg is not None:
             # Through get_tokenizer, not AutoTokenizer: AutoTokenizer swaps in the model family's tokenizer
             # class (e.g. Qwen2Tokenizer for qwen2 checkpoints), which silently mangles custom tokenizers.

@@ -222,8 +222,12 @@ def apply_fsdp(
     param_dtype: torch.dtype,
     cpu_offload: bool,
     reshard_after_forward: bool = True,
+    replicated: nn.Module | None = None,
 ) -> FSDPModule:
     """Wrap every decoder layer, then the root, with FSDP2 over ``dp_mesh``; returns the root.
+
+    ``replicated`` (a vision-language model's vision tower) is left out: its parameters stay plain tensors,
+    whole on every rank, and the worker sums their gradients itself (see ``nemo_rl.models.vlm``).
 
     Parameters stay in float32 (the master copy the optimizer updates); ``param_dtype`` is the dtype they
     are all-gathered in for forward and backward. Gradients are reduced in float32.
@@ -242,9 +246,12 @@ def apply_fsdp(
     kwargs: dict[str, Any] = {"mesh": dp_mesh, "mp_policy": mp_policy}
     if offload_policy is not None:
         kwargs["offload_policy"] = offload_policy
+    left_out = set(replicated.modules()) if replicated is not None else set()
     for layer in decoder_layers(model):
-        fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
-    root = fully_shard(model, **kwargs)
+        if layer not in left_out:
+            fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
+    ignored = {p for m in left_out for p in m.parameters(recurse=False)}
+    root = fully_shard(model, ignored_params=ignored or None, **kwargs)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
