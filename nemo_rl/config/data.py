@@ -297,6 +297,11 @@ class DataConfig(ConfigModel):
 
     CONDITIONAL_NO_EFFECT: ClassVar[dict[str, str]] = {"processor": "processor=vlm_hf_data_processor"}
 
+    @property
+    def multimodal(self) -> bool:
+        """Whether the rows are multimodal chats (``tiny_clevr``, or ``processor: vlm_hf_data_processor``)."""
+        return self.dataset_name == "tiny_clevr" or self.processor == "vlm_hf_data_processor"
+
     def settings_without_effect(self) -> dict[str, str]:
         """``processor`` when it names anything but the multimodal processor (see the field)."""
         if self.processor not in (None, "vlm_hf_data_processor"):

@@ -27,10 +27,12 @@ from collections.abc import Sequence
 from typing import Any, NotRequired, TypedDict, cast
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.config.data import DataConfig
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.policy import PolicyConfig
+from nemo_rl.data.datasets import ProcessedDataset, load_dataset_splits
 from nemo_rl.data.errors import DataError
 from nemo_rl.data.images import load_image
 from nemo_rl.data.interfaces import (
@@ -232,3 +234,35 @@ def image_pixel_limit(cfg: DataConfig, hf_processor: Any) -> int:
 def vlm_sft_processor(cfg: DataConfig, hf_processor: Any, source: str) -> VlmSftProcessor:
     """The SFT processor of the ``data`` section for ``hf_processor``."""
     return VlmSftProcessor(hf_processor, image_pixel_limit(cfg, hf_processor), source)
+
+
+SAMPLES_CHECKED_AT_SETUP = 256
+"""How many samples of each split :func:`setup_vlm_sft_data` processes at setup (length and template checks)."""
+
+
+def setup_vlm_sft_data(
+    cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, hf_processor: Any, *, max_total_sequence_length: int
+) -> tuple[ProcessedDataset, ProcessedDataset | None]:
+    """Multimodal conversations for SFT (task ``"sft"``), each processed by :class:`VlmSftProcessor` when read.
+
+    Before any worker starts, every image of both splits is read and checked (the first bad one raises its
+    one-line :class:`~nemo_rl.data.images.BadImageError`), and the first :data:`SAMPLES_CHECKED_AT_SETUP`
+    samples of each split are processed, so an image the chat template does not render or a conversation
+    longer than the limit fails now rather than mid-run.
+    """
+    splits = load_dataset_splits(cfg)
+    spec = TaskDataSpec.from_config(cfg, task_name="sft")
+    limit = image_pixel_limit(cfg, hf_processor)
+    max_seq_length = cfg.max_input_seq_length or max_total_sequence_length
+    datasets: list[ProcessedDataset | None] = []
+    for records in (splits.train, splits.validation):
+        if records is None:
+            datasets.append(None)
+            continue
+        check_dataset_images(records, source=records.source, max_pixels=limit)
+        processor = VlmSftProcessor(hf_processor, limit, records.source)
+        dataset = ProcessedDataset(records, processor, spec, tokenizer, max_seq_length)
+        for i in range(min(len(dataset), SAMPLES_CHECKED_AT_SETUP)):
+            dataset[i]
+        datasets.append(dataset)
+    return cast(ProcessedDataset, datasets[0]), datasets[1]
