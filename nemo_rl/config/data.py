@@ -19,6 +19,7 @@ DatasetName = Literal[
     "Tulu3Preference",
     "tiny_math_preference",
     "tiny_clevr",
+    "clevr-cogent",
 ]
 """The dataset formats nemo_rl reads.
 
@@ -37,7 +38,16 @@ DatasetName = Literal[
   a plausible wrong one rejected), generated on the fly.
 - ``tiny_clevr``: pictures of coloured shapes to count, drawn on the fly (``nemo_rl.data.tiny_clevr``), for
   vision-language models; its rows are multimodal chats (images in the user turn).
+- ``clevr-cogent``: ``image``, ``problem`` and ``solution`` (its answer between ``<answer>`` tags) of CLEVR-CoGenT
+  (hub MMInstruction/Clevr_CoGenT_TrainA_70K_Complex; validation MMInstruction/Clevr_CoGenT_ValA or _ValB,
+  ``data.val_split``), read as multimodal chats.
 """
+
+MULTIMODAL_DATASETS: tuple[str, ...] = ("tiny_clevr", "clevr-cogent")
+"""The ``dataset_name`` values whose rows hold images (read by ``nemo_rl.data.vlm``)."""
+
+CLEVR_COGENT_VAL_SPLITS: tuple[str, ...] = ("valA", "valB")
+"""NeMo RL's validation split names of ``clevr-cogent`` (each a hub dataset of its own)."""
 
 PREFERENCE_DATASETS: tuple[str, ...] = (
     "binary_preference",
@@ -134,6 +144,8 @@ def _flatten_dataset_layout(data: dict[str, Any]) -> dict[str, Any]:
         flat[_ENTRY_TO_FLAT.get(key, key)] = value
     if validation is not None:
         val = _entry(validation, "validation")
+        if merged.get("dataset_name") == "clevr-cogent" and val.get("split") in CLEVR_COGENT_VAL_SPLITS:
+            flat["val_split"] = val.pop("split")
         if val.get("split") not in (None, "validation"):
             raise ValueError(
                 f"data.validation.split={val['split']!r}: only the dataset's validation split is read; "
@@ -276,6 +288,10 @@ class DataConfig(ConfigModel):
     row and file named. ``None``: the model processor's own ``max_pixels`` (beyond it the processor would
     shrink the image)."""
 
+    val_split: Literal["valA", "valB"] | None = None
+    """``clevr-cogent``'s validation set (NeMo RL's ``data.validation.split``): ``valA`` (the training scenes'
+    colour and shape combinations) or ``valB`` (the held-out combinations); ``None``: ``valA``."""
+
     tiny_clevr_image_size: int = Field(default=84, ge=28)
     """Side in pixels of the square ``tiny_clevr`` pictures."""
 
@@ -299,8 +315,9 @@ class DataConfig(ConfigModel):
 
     @property
     def multimodal(self) -> bool:
-        """Whether the rows are multimodal chats (``tiny_clevr``, or ``processor: vlm_hf_data_processor``)."""
-        return self.dataset_name == "tiny_clevr" or self.processor == "vlm_hf_data_processor"
+        """Whether the rows are multimodal chats (:data:`MULTIMODAL_DATASETS`, or ``processor:
+        vlm_hf_data_processor``)."""
+        return self.dataset_name in MULTIMODAL_DATASETS or self.processor == "vlm_hf_data_processor"
 
     def settings_without_effect(self) -> dict[str, str]:
         """``processor`` when it names anything but the multimodal processor (see the field)."""
@@ -343,11 +360,16 @@ class DataConfig(ConfigModel):
                 )
         if self.processor == "vlm_hf_data_processor" and self.dataset_name not in (
             "openai_format",
-            "tiny_clevr",
+            *MULTIMODAL_DATASETS,
         ):
             raise ValueError(
                 f"data.processor=vlm_hf_data_processor reads multimodal chats: set data.dataset_name=openai_format "
-                f"(or tiny_clevr), not {self.dataset_name}"
+                f"(or one of {', '.join(MULTIMODAL_DATASETS)}), not {self.dataset_name}"
+            )
+        if self.val_split is not None and self.dataset_name != "clevr-cogent":
+            raise ValueError(
+                f"data.val_split={self.val_split} names a clevr-cogent validation set, and this is "
+                f"{self.dataset_name}: remove it"
             )
         if self.tiny_math_rejected_per_problem > 1 and self.dataset_name != "tiny_math_preference":
             raise ValueError(

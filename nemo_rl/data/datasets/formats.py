@@ -6,6 +6,7 @@ either returns a record or raises :class:`MalformedRowError` saying which row an
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from typing import Any, NoReturn, cast
 
@@ -292,10 +293,34 @@ def vlm_converter(source: str, chat_key: str) -> RowConverter:
     return convert
 
 
+def clevr_cogent_converter(source: str) -> RowConverter:
+    """CLEVR-CoGenT's schema: ``image`` (a ``datasets`` Image, a path or bytes), ``problem`` and ``solution``,
+    whose answer is between ``<answer>`` tags (the whole solution when it has none). The image then the
+    problem make the user turn, the answer the assistant reply and ``expected_answer``."""
+    schema = "'image' (an image), 'problem' and 'solution' (strings)"
+
+    def convert(row: Mapping[str, Any], index: int) -> Record:
+        reader = _RowReader(row, index, source, schema)
+        if row.get("image") is None:
+            reader.fail(f"has no 'image' (it has {sorted(row)})")
+        solution = reader.text("solution")
+        tagged = re.search(r"<answer>(.*?)</answer>", solution, flags=re.DOTALL)
+        answer = (tagged.group(1) if tagged else solution).strip()
+        user = [{"type": "image", "image": row["image"]}, {"type": "text", "text": reader.text("problem")}]
+        record = {
+            "messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}],
+            "expected_answer": answer,
+        }
+        return cast(Record, record)
+
+    return convert
+
+
 def converter_for(cfg: DataConfig, source: str) -> RowConverter:
-    """The row converter of ``cfg.dataset_name`` (the multimodal one for ``tiny_clevr`` and for
-    ``data.processor: vlm_hf_data_processor``); ``source`` names the data in error messages."""
-    if cfg.processor == "vlm_hf_data_processor":
+    """The row converter of ``cfg.dataset_name`` (the multimodal chat one for ``tiny_clevr`` and for
+    ``openai_format`` with ``data.processor: vlm_hf_data_processor``); ``source`` names the data in error
+    messages."""
+    if cfg.processor == "vlm_hf_data_processor" and cfg.dataset_name == "openai_format":
         return vlm_converter(source, cfg.chat_key)
     match cfg.dataset_name:
         case "tiny_math" | "OpenMathInstruct-2":
@@ -317,3 +342,5 @@ def converter_for(cfg: DataConfig, source: str) -> RowConverter:
             return tulu3_preference_converter(source)
         case "tiny_clevr":
             return vlm_converter(source, "messages")
+        case "clevr-cogent":
+            return clevr_cogent_converter(source)

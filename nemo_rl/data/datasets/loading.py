@@ -19,7 +19,6 @@ from nemo_rl.data.datasets.lazy import LazySequence
 from nemo_rl.data.errors import DataError, MissingDataFileError
 from nemo_rl.data.interfaces import Record
 from nemo_rl.data.tiny import tiny_math_splits
-from nemo_rl.data.tiny_clevr import tiny_clevr_splits
 from nemo_rl.utils.files import existing_file, named, read_utf8
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
@@ -47,6 +46,7 @@ HUB_DEFAULTS: dict[str, HubSource] = {
     "squad": HubSource("rajpurkar/squad", "train", "validation"),
     "HelpSteer3": HubSource("nvidia/HelpSteer3", "train", "validation", subset="preference"),
     "Tulu3Preference": HubSource("allenai/llama-3.1-tulu-3-8b-preference-mixture", "train", None),
+    "clevr-cogent": HubSource("MMInstruction/Clevr_CoGenT_TrainA_70K_Complex", "train", None),
 }
 """Hub source of each dataset that has one."""
 
@@ -265,13 +265,12 @@ def _load_source(
     return RecordDataset(rows, converter_for(cfg, source=source), source)
 
 
-def load_dataset_splits(cfg: DataConfig) -> DatasetSplits:
-    """The training and validation records described by the ``data`` section.
-
-    Validation comes from ``data.val_data_path``, else the dataset's own validation split, else a seeded
-    ``data.val_fraction`` hold-out of the training data (none when the fraction is 0).
-    """
+def _generated_splits(cfg: DataConfig) -> DatasetSplits | None:
+    """The splits of a dataset generated on the fly (``tiny_math``, ``tiny_math_preference``, ``tiny_clevr``);
+    ``None`` for one read from files or the hub."""
     name = cfg.dataset_name
+    train_rows: Sequence[Mapping[str, Any]]
+    val_rows: Sequence[Mapping[str, Any]]
     if name in ("tiny_math", "tiny_math_preference"):
         train_rows, val_rows = tiny_math_splits(
             cfg.num_train_samples,
@@ -281,28 +280,36 @@ def load_dataset_splits(cfg: DataConfig) -> DatasetSplits:
             preferences=name == "tiny_math_preference",
             rejected_per_problem=cfg.tiny_math_rejected_per_problem,
         )
-        converter = converter_for(cfg, source=name)
-        return DatasetSplits(
-            train=RecordDataset(train_rows, converter, f"{name} (train)"),
-            validation=RecordDataset(val_rows, converter, f"{name} (validation)") if val_rows else None,
-        )
+    elif name == "tiny_clevr":
+        # Imported here: tiny_clevr's rows are a LazySequence of this package, which imports this module.
+        from nemo_rl.data.tiny_clevr import tiny_clevr_splits
 
-    if name == "tiny_clevr":
-        scenes_train, scenes_val = tiny_clevr_splits(
+        train_rows, val_rows = tiny_clevr_splits(
             cfg.num_train_samples,
             cfg.num_val_samples,
             seed=cfg.seed,
             image_size=cfg.tiny_clevr_image_size,
             max_objects=cfg.tiny_clevr_max_objects,
         )
-        converter = converter_for(cfg, source=name)
-        return DatasetSplits(
-            train=RecordDataset(scenes_train, converter, f"{name} (train)"),
-            validation=RecordDataset(scenes_val, converter, f"{name} (validation)")
-            if len(scenes_val)
-            else None,
-        )
+    else:
+        return None
+    converter = converter_for(cfg, source=name)
+    return DatasetSplits(
+        train=RecordDataset(train_rows, converter, f"{name} (train)"),
+        validation=RecordDataset(val_rows, converter, f"{name} (validation)") if len(val_rows) else None,
+    )
 
+
+def load_dataset_splits(cfg: DataConfig) -> DatasetSplits:
+    """The training and validation records described by the ``data`` section.
+
+    Validation comes from ``data.val_data_path``, else the dataset's own validation split, else a seeded
+    ``data.val_fraction`` hold-out of the training data (none when the fraction is 0).
+    """
+    generated = _generated_splits(cfg)
+    if generated is not None:
+        return generated
+    name = cfg.dataset_name
     hub = HUB_DEFAULTS.get(name)
     subset = cfg.subset or (hub.subset if hub is not None else None)
     if cfg.train_data_path is not None:
@@ -319,6 +326,13 @@ def load_dataset_splits(cfg: DataConfig) -> DatasetSplits:
             cfg, hub.name, key="data.dataset_name", hub_split=cfg.split or hub.train_split, hub_subset=subset
         )
 
+    if name == "clevr-cogent" and cfg.val_data_path is None:
+        # Each of CLEVR-CoGenT's validation sets is a hub dataset of its own, held in its "train" split.
+        val_name = f"MMInstruction/Clevr_CoGenT_{(cfg.val_split or 'valA').capitalize()}"
+        return DatasetSplits(
+            train=train,
+            validation=_load_source(cfg, val_name, key="data.val_split", hub_split="train", hub_subset=None),
+        )
     if cfg.val_data_path is not None:
         validation: RecordDataset | None = _load_source(
             cfg, cfg.val_data_path, key="data.val_data_path", hub_split="validation", hub_subset=subset

@@ -42,9 +42,7 @@ from nemo_rl.distributed.device import (
     get_device,
     init_process_group_from_env,
 )
-from nemo_rl.models.lora import (
-    lora_modules,
-)
+from nemo_rl.models.lora import lora_modules
 from nemo_rl.models.policy.dtensor_refit import DTensorRefitMixin
 from nemo_rl.models.policy.dtensor_weights_io import DTensorWeightsMixin
 from nemo_rl.models.policy.hf_io import frozen_patterns, load_sharded_model
@@ -116,9 +114,8 @@ class DTensorPolicyWorker(DTensorWeightsMixin, DTensorRefitMixin, PolicyWorkerBa
         self.moe_routing = RouterRecorder(self.model)
         # Which rows of the last forward's input were real tokens, for the MoE terms (see _loss_with_moe_terms).
         self._fed_valid_N = torch.ones(0, dtype=torch.bool)
-        self.optimizer = build_optimizer(
-            freeze_parameters(self.model, frozen_patterns(self.model, cfg)), cfg.optimizer
-        )
+        trained = freeze_parameters(self.model, frozen_patterns(self.model, cfg))
+        self.optimizer = build_optimizer(trained, cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.scheduler)
         self.lora_targets = [name for name, _ in lora_modules(self.model)]
         self.has_reference = init_reference_model
@@ -265,11 +262,8 @@ class DTensorPolicyWorker(DTensorWeightsMixin, DTensorRefitMixin, PolicyWorkerBa
                 inputs["output_router_logits"] = False
         else:
             # A vision-language model also reads the rows' images (none for a text model's batch).
-            inputs = {
-                "input_ids": mb["input_ids"],
-                "use_cache": False,
-                **image_forward_inputs(mb, self.device),
-            }
+            images = image_forward_inputs(mb, self.device)
+            inputs = {"input_ids": mb["input_ids"], "use_cache": False, **images}
         layout = packed or shared
         # Routing replay: the routers of this forward take the sampler's experts (policy.router_replay).
         with self.moe_routing.replaying(replay_rows(mb, layout) if self.cfg.router_replay.enabled else None):
