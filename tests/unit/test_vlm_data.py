@@ -177,9 +177,9 @@ def test_images_in_memory_and_as_datasets_features_load(tmp_path: pathlib.Path) 
     ):
         loaded = load_image(value, where="row 0", max_pixels=1000)
         assert loaded.mode == "RGB" and loaded.size == (30, 20)
-    with pytest.raises(BadImageError, match="row 0: image 3 bytes of image data|not an image PIL can read"):
+    with pytest.raises(BadImageError, match=r"^row 0: 3 bytes of image data is not an image PIL can read"):
         load_image(b"abc", where="row 0", max_pixels=1000)
-    with pytest.raises(BadImageError, match="downscale it or raise data.max_image_pixels"):
+    with pytest.raises(BadImageError, match=r"downscale it or raise data\.max_image_pixels"):
         load_image(image, where="row 0", max_pixels=100)
 
 
@@ -210,7 +210,7 @@ def test_the_run_script_exits_2_with_one_line_on_a_bad_image(
 
 
 def test_text_setups_refuse_images_and_clevr_cogent_rows_convert() -> None:
-    with pytest.raises(UserError, match="examples/run_vlm_sft.py"):
+    with pytest.raises(UserError, match=r"examples/run_vlm_sft\.py"):
         setup_sft_data(DataConfig(dataset_name="tiny_clevr"), None, max_total_sequence_length=64)  # type: ignore[arg-type]
     image = Image.new("RGB", (8, 8))
     row = {"image": image, "problem": "How many?", "solution": "<think>...</think> <answer> 3 </answer>"}
