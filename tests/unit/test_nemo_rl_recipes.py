@@ -56,7 +56,9 @@ def test_every_vendored_recipe_is_covered() -> None:
 
 @pytest.mark.parametrize("recipe", ["sft_vlm_3B.yaml", "vlm_grpo_3B.yaml"])
 def test_nemo_rl_vlm_recipes_read_clevr_cogent_as_multimodal_data(recipe: str) -> None:
-    schema = master_configs.GRPOMasterConfig if recipe.startswith("vlm_grpo") else master_configs.SFTMasterConfig
+    schema = (
+        master_configs.GRPOMasterConfig if recipe.startswith("vlm_grpo") else master_configs.SFTMasterConfig
+    )
     cfg = load_and_validate(RECIPES / "main" / recipe, schema)
     data = cfg.data  # type: ignore[attr-defined]
     assert (data.dataset_name, data.val_split, data.multimodal) == ("clevr-cogent", "valA", True)
