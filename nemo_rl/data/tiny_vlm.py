@@ -124,13 +124,14 @@ def tiny_vlm_config(tokenizer: PreTrainedTokenizerFast) -> Any:
         "fullatt_block_indexes": [1],
         "window_size": 56,
     }
+    vocab = tokenizer.get_vocab()
     return Qwen2_5_VLConfig(
         text_config=text,
         vision_config=vision,
-        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_PAD_TOKEN),
-        video_token_id=tokenizer.convert_tokens_to_ids(VIDEO_PAD_TOKEN),
-        vision_start_token_id=tokenizer.convert_tokens_to_ids(VISION_START_TOKEN),
-        vision_end_token_id=tokenizer.convert_tokens_to_ids(VISION_END_TOKEN),
+        image_token_id=vocab[IMAGE_PAD_TOKEN],
+        video_token_id=vocab[VIDEO_PAD_TOKEN],
+        vision_start_token_id=vocab[VISION_START_TOKEN],
+        vision_end_token_id=vocab[VISION_END_TOKEN],
         tie_word_embeddings=True,
         dtype="float32",
         **ids,

@@ -208,7 +208,8 @@ class VlmSftProcessor(RecordProcessor):
             message_log, int(self.hf_processor.image_token_id), inputs.tokens_per_image, where
         )
         for message in message_log:
-            message["content"] = given.tokenizer.decode(message["token_ids"], skip_special_tokens=False)
+            # The log's text is what the model reads, placeholders repeated (decode gives one string here).
+            message["content"] = str(given.tokenizer.decode(message["token_ids"], skip_special_tokens=False))
         datum = given.datum(message_log, length=message_log_length(message_log))
         datum["pixel_values"] = inputs.pixel_values_ND
         datum["image_grid_thw"] = inputs.image_grid_thw_I3
