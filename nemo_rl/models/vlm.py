@@ -22,7 +22,7 @@ multimodal positions would have to restart per row), and reward / value heads.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -42,9 +42,15 @@ VISION_PROJECTION = "model.visual.merger."
 """Name prefix of the projection from the vision tower into the language model (the patch merger)."""
 
 
+def _config_value(hf_config: Any, key: str) -> Any:
+    """``key`` of a Hugging Face config given as a ``PretrainedConfig`` or as its ``config.json`` dict."""
+    return hf_config.get(key) if isinstance(hf_config, Mapping) else getattr(hf_config, key, None)
+
+
 def is_vision_language(hf_config: Any) -> bool:
-    """Whether a Hugging Face config describes a vision-language model (it has a ``vision_config``)."""
-    return getattr(hf_config, "vision_config", None) is not None
+    """Whether a Hugging Face config (a ``PretrainedConfig`` or its ``config.json`` dict) describes a
+    vision-language model: it has a ``vision_config``."""
+    return _config_value(hf_config, "vision_config") is not None
 
 
 def _refused(cfg: PolicyConfig, model_type: str) -> str | None:
@@ -93,7 +99,7 @@ def check_vlm_policy(cfg: PolicyConfig, hf_config: Any) -> None:
                 f"{cfg.model_name} is a text model: set it false"
             )
         return
-    reason = _refused(cfg, str(hf_config.model_type))
+    reason = _refused(cfg, str(_config_value(hf_config, "model_type")))
     if reason is not None:
         raise UserError(f"{cfg.model_name} is a vision-language model: {reason}")
 

@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from nemo_rl.config.lora import LoraConfig
+from nemo_rl.config.model_arch import local_hf_config
 from nemo_rl.config.policy import PolicyConfig, TokenizerConfig
 from nemo_rl.models import hf_config as hf_config_io
 from nemo_rl.models.dtypes import PRECISION_DTYPES
@@ -108,9 +109,14 @@ def check_model_settings(cfg: PolicyConfig) -> None:
     vision-language model with what it cannot run with (:func:`~nemo_rl.models.vlm.check_vlm_policy`), or
     ``policy.frozen_parameters`` / ``dtensor_cfg.freeze_config`` naming no parameter of the model (or all of
     them). The model is built on the meta device, so nothing is loaded."""
+    # A local folder's config.json is read as JSON: the driver calls this, and resolving AutoConfig costs it
+    # half a second of CPU (transformers indexes its model folders).
+    local = local_hf_config(cfg.model_name, cfg.hf_config_overrides)
     check_vlm_policy(
         cfg,
-        hf_config_io.load_hf_config(
+        local
+        if local is not None
+        else hf_config_io.load_hf_config(
             cfg.model_name, trust_remote_code=cfg.trust_remote_code, overrides=cfg.hf_config_overrides
         ),
     )
