@@ -160,10 +160,16 @@ def config_has_dropout(hf_config: Any) -> bool:
 def _from_pretrained(auto_class: Any, model_name: str, hf_config: Any, trust_remote_code: bool) -> nn.Module:
     """``auto_class.from_pretrained`` with transformers' multi-line load report (a table per worker, with
     terminal colours) replaced by one line per kind of key: weights the checkpoint lacks start fresh (a reward
-    model's head, layers ``hf_config_overrides`` adds), weights it has that the model does not are dropped."""
-    report_logger = logging.getLogger("transformers.modeling_utils")
-    level = report_logger.level
-    report_logger.setLevel(logging.ERROR)
+    model's head, layers ``hf_config_overrides`` adds), weights it has that the model does not are dropped.
+    transformers' check of its own tensor-parallel plan (models that declare one, e.g. Qwen2.5-VL) is silenced
+    too: that plan is not used here (``parallelize`` shards the model)."""
+    loggers = [
+        logging.getLogger(f"transformers.{name}")
+        for name in ("modeling_utils", "distributed.tensor_parallel")
+    ]
+    levels = [report_logger.level for report_logger in loggers]
+    for report_logger in loggers:
+        report_logger.setLevel(logging.ERROR)
     try:
         model, info = auto_class.from_pretrained(
             model_name,
@@ -173,7 +179,8 @@ def _from_pretrained(auto_class: Any, model_name: str, hf_config: Any, trust_rem
             output_loading_info=True,
         )
     finally:
-        report_logger.setLevel(level)
+        for report_logger, level in zip(loggers, levels, strict=True):
+            report_logger.setLevel(level)
     for key, what in (("missing_keys", "start fresh (seeded)"), ("unexpected_keys", "are not used")):
         if info.get(key):
             logger.warning(
