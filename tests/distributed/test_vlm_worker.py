@@ -2,7 +2,7 @@
 
 Two ranks under FSDP2 (the language model sharded, the vision tower replicated) train on ``tiny_clevr`` rows,
 one of them text-only so that one rank's micro-batch holds no image, against one rank doing the same
-whole: losses and trained weights agree. Log-probs equal transformers' forward with the processor's inputs,
+whole: losses and trained weights agree, with fixed-size and with token-budget (dynamic) micro-batches. Log-probs equal transformers' forward with the processor's inputs,
 ``freeze_config`` keeps the frozen sub-models bit for bit, and the export reloads with transformers' class
 and processor. Every group runs at once (``rank_groups.run_groups``).
 """
@@ -36,7 +36,9 @@ MAX_LEN = 96
 TIMEOUT_S = 300.0
 
 
-def policy_cfg(model_dir: Path, **dtensor: Any) -> PolicyConfig:
+def policy_cfg(
+    model_dir: Path, dynamic_batching: dict[str, Any] | None = None, **dtensor: Any
+) -> PolicyConfig:
     return PolicyConfig.model_validate(
         {
             "model_name": str(model_dir),
@@ -45,6 +47,7 @@ def policy_cfg(model_dir: Path, **dtensor: Any) -> PolicyConfig:
             "max_total_sequence_length": MAX_LEN,
             "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 3e-3}},
             "dtensor_cfg": dtensor,
+            "dynamic_batching": dynamic_batching or {},
         }
     )
 
@@ -86,6 +89,12 @@ def _scenarios(save: SaveFn, model_dir: Path, out_dir: Path) -> None:
     save("trained", _full_state(worker))
     if worker.dp_size > 1:
         worker.export_hf(str(out_dir / "export"))
+    worker.shutdown()
+
+    # Dynamic batching groups whole rows (their images with them) and trims padding: the same step.
+    dynamic = {"enabled": True, "train_mb_tokens": 2 * MAX_LEN, "logprob_mb_tokens": 2 * MAX_LEN}
+    worker = DTensorPolicyWorker(policy_cfg(model_dir, dynamic_batching=dynamic))
+    save("dynamic_train", worker.train(_shard(data, worker), NLLLoss()))
     worker.shutdown()
 
     freeze = {"freeze_vision_model": True, "freeze_vision_projection": True}
@@ -147,6 +156,14 @@ def test_fsdp_training_with_a_replicated_vision_tower_equals_one_rank(results: P
     # Both ranks hold the same replicated vision tower after the step.
     rank1 = load(results, "dp2.trained", rank=1)
     assert all(torch.equal(rank1[n], v) for n, v in trained_dp2.items() if n.startswith("model.visual."))
+
+
+def test_dynamic_batching_of_image_rows_takes_the_same_steps(results: Path) -> None:
+    expected = load(results, "one.train")["loss"]
+    for group in ("dp2", "one"):
+        torch.testing.assert_close(
+            load(results, f"{group}.dynamic_train")["loss"], expected, rtol=1e-5, atol=1e-6
+        )
 
 
 def test_freeze_config_keeps_the_vision_tower_and_projection(results: Path, model_dir: Path) -> None:
