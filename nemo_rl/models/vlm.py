@@ -15,9 +15,10 @@ for a model whose Hugging Face config has a ``vision_config``.
   the order of its image placeholders, and given to the model with its tokens (:func:`image_forward_inputs`).
   The model computes its multimodal RoPE positions from the placeholders itself.
 
-What is refused for these models, each with its reason (:func:`check_vlm_policy`): the Megatron backend,
-tensor parallelism, sequence packing and shared-prompt forwards (both lay several rows end to end, and the
-multimodal positions would have to restart per row), and reward / value heads.
+Tensor parallelism shards the language model with the Qwen2 plan (``parallelize``); the vision tower stays
+whole on every rank. What is refused for these models, each with its reason (:func:`check_vlm_policy`): the
+Megatron backend, sequence parallelism, sequence packing and shared-prompt forwards (both lay several rows end
+to end, and the multimodal positions would have to restart per row), and reward / value heads.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ VLM_MODEL_TYPES = frozenset({"qwen2_5_vl", "qwen2_vl"})
 
 VISION_TOWER = "model.visual."
 """Name prefix of the vision tower's parameters (Qwen2-VL / Qwen2.5-VL)."""
+
+LANGUAGE_MODEL = "model.language_model"
+"""Module path of the language model (a Qwen2 decoder without its head), which tensor parallelism shards."""
 
 VISION_PROJECTION = "model.visual.merger."
 """Name prefix of the projection from the vision tower into the language model (the patch merger)."""
@@ -69,10 +73,10 @@ def _refused(cfg: PolicyConfig, model_type: str) -> str | None:
         return (
             "reward and value heads are built for text models only: set policy.reward_model_cfg.enabled=false"
         )
-    if cfg.dtensor_cfg.tensor_parallel_size > 1:
+    if cfg.dtensor_cfg.sequence_parallel:
         return (
-            "the tensor-parallel plan covers text decoders only (the language model's layers sit under "
-            "model.language_model here): set policy.dtensor_cfg.tensor_parallel_size=1"
+            "sequence parallelism shards the token embeddings along the sequence, where the image features "
+            "are written in: set policy.dtensor_cfg.sequence_parallel=false (tensor parallelism works)"
         )
     if cfg.packs_sequences:
         return (

@@ -224,7 +224,10 @@ def test_text_setups_refuse_images_and_clevr_cogent_rows_convert() -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"dtensor_cfg": {"tensor_parallel_size": 2}}, "set policy.dtensor_cfg.tensor_parallel_size=1"),
+        (
+            {"dtensor_cfg": {"tensor_parallel_size": 2, "sequence_parallel": True}},
+            "set policy.dtensor_cfg.sequence_parallel=false",
+        ),
         ({"sequence_packing": {"enabled": True}}, "set policy.sequence_packing.enabled=false"),
         ({"shared_prefix": {"enabled": True}}, "set policy.shared_prefix.enabled=false"),
         ({"reward_model_cfg": {"enabled": True}}, "set policy.reward_model_cfg.enabled=false"),
