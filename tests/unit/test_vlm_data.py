@@ -265,3 +265,13 @@ def test_freeze_config_names_the_sub_models_and_a_text_model_refuses_it() -> Non
     )
     with pytest.raises(UserError, match="freeze_vision_model=true needs a vision-language model"):
         check_vlm_policy(cfg, load_hf_config(str(text_model), trust_remote_code=False, overrides={}))
+
+
+def test_generation_refuses_a_vision_language_policy_with_one_line() -> None:
+    from nemo_rl.models.generation.factory import check_backend_available
+
+    with pytest.raises(UserError, match=r"neither generation backend samples from one yet") as err:
+        check_backend_available(PolicyConfig(model_name=str(MODEL)), cluster_has_gpus=False)
+    assert "\n" not in str(err.value)
+    text_model = ROOT / "examples" / "assets" / "tiny_qwen2_init"
+    check_backend_available(PolicyConfig(model_name=str(text_model)), cluster_has_gpus=False)
