@@ -155,14 +155,55 @@ def build_tiny_vlm(path: str | pathlib.Path, seed: int) -> Qwen2_5_VLForConditio
     return model
 
 
+def build_tiny_qwen2_vl(path: str | pathlib.Path, seed: int) -> Any:
+    """The same tiny model in the Qwen2-VL family (the second family built here): the language model and
+    tokenizer of :func:`build_tiny_vlm`, Qwen2-VL's vision tower (2 LayerNorm blocks of width 64, no window
+    attention) and ``Qwen2VLProcessor``; saved under ``path`` and returned. Used by the tests."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLProcessor
+
+    qwen25 = build_tiny_vlm_processor()
+    processor = Qwen2VLProcessor(
+        image_processor=qwen25.image_processor,
+        tokenizer=qwen25.tokenizer,
+        video_processor=qwen25.video_processor,
+        chat_template=TINY_VLM_CHAT_TEMPLATE,
+    )
+    reference = tiny_vlm_config(processor.tokenizer)
+    text = {
+        k: v for k, v in reference.text_config.to_dict().items() if k not in ("model_type", "architectures")
+    }
+    vision = {
+        "depth": 2,
+        "embed_dim": 64,
+        "hidden_size": tiny.TINY_HIDDEN_SIZE,
+        "num_heads": 2,
+        "mlp_ratio": 2,
+    }
+    tokens = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    config = Qwen2VLConfig(
+        text_config=text,
+        vision_config=vision,
+        tie_word_embeddings=True,
+        **{name: getattr(reference, name) for name in tokens},
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2VLForConditionalGeneration(config)
+    tiny.save_tiny_model(model, processor.tokenizer, path)
+    processor.save_pretrained(str(path))
+    return model
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """Build the tiny Qwen2.5-VL under ``OUT_DIR``."""
+    """Build the tiny Qwen2.5-VL (or with ``--family qwen2_vl`` the tiny Qwen2-VL) under ``OUT_DIR``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", type=pathlib.Path)
     parser.add_argument("--seed", type=int, default=0, help="seed of the model weights")
+    parser.add_argument("--family", choices=("qwen2_5_vl", "qwen2_vl"), default="qwen2_5_vl")
     args = parser.parse_args(argv)
-    model = build_tiny_vlm(args.out_dir, seed=args.seed)
-    print(f"tiny Qwen2.5-VL ({model.num_parameters()} parameters): {args.out_dir}")
+    build = build_tiny_vlm if args.family == "qwen2_5_vl" else build_tiny_qwen2_vl
+    model = build(args.out_dir, seed=args.seed)
+    print(f"tiny {args.family} ({model.num_parameters()} parameters): {args.out_dir}")
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ for a model whose Hugging Face config has a ``vision_config``.
   model by parameter name (:func:`frozen_submodel_names`), as ``policy.frozen_parameters`` freezes by pattern.
 - Forward: each row carries its own ``pixel_values`` / ``image_grid_thw`` (a list entry per row, ``None``
   for a row without images; :mod:`nemo_rl.data.vlm`); a micro-batch's entries are concatenated in row order,
-  the order of its image placeholders, and given to the model with its tokens (:func:`image_forward_inputs`).
-  The model computes its multimodal RoPE positions from the placeholders itself.
+  the order of its image placeholders, and given to the model with its tokens and the placeholders' token
+  types (:func:`image_forward_inputs`), from which the model computes its multimodal RoPE positions.
 
 Tensor parallelism shards the language model with the Qwen2 plan (``parallelize``); the vision tower stays
 whole on every rank. What is refused for these models, each with its reason (:func:`check_vlm_policy`): the
@@ -145,14 +145,20 @@ def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
     return model.get_submodule(VISION_TOWER.rstrip("."))
 
 
-def image_forward_inputs(mb: BatchedDataDict[Any], device: torch.device) -> dict[str, torch.Tensor]:
+def image_forward_inputs(
+    mb: BatchedDataDict[Any], device: torch.device, image_token_id: int | None
+) -> dict[str, torch.Tensor]:
     """The model's image keywords for a micro-batch: its rows' ``pixel_values`` [N, D] and ``image_grid_thw``
-    [I, 3] concatenated in row order (empty when no row holds an image)."""
+    [I, 3] concatenated in row order, and ``mm_token_type_ids`` [B, T] (1 at the image placeholders, as the
+    processor returns it: without it transformers gives the tokens plain 1-D positions instead of the
+    multimodal RoPE ones). Empty when no row holds an image."""
     pixels = [p for p in mb.get("pixel_values") or () if p is not None]
     if not pixels:
         return {}
+    assert image_token_id is not None, "a batch with images needs the model's image_token_id"
     grids = [g for g in mb["image_grid_thw"] if g is not None]
     return {
         "pixel_values": torch.cat(pixels).to(device),
         "image_grid_thw": torch.cat(grids).to(device),
+        "mm_token_type_ids": (mb["input_ids"] == image_token_id).int().to(device),
     }

@@ -5,7 +5,8 @@ one of them text-only so that one rank's micro-batch holds no image, against one
 whole: losses and trained weights agree, with fixed-size and with token-budget (dynamic) micro-batches, and
 with the language model split over two tensor-parallel ranks. Log-probs equal transformers' forward with the processor's inputs,
 ``freeze_config`` keeps the frozen sub-models bit for bit, and the export reloads with transformers' class
-and processor. Every group runs at once (``rank_groups.run_groups``).
+and processor. The second family, Qwen2-VL, scores, trains, freezes and exports the same way. Every group runs at
+once (``rank_groups.run_groups``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from rank_groups import SaveFn, load, run_groups
-from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 
 from nemo_rl.algorithms.loss_functions import NLLLoss
 from nemo_rl.config.data import DataConfig
@@ -25,7 +26,7 @@ from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.data.collate_fn import make_sft_collate_fn
 from nemo_rl.data.datasets import ProcessedDataset, load_dataset_splits
 from nemo_rl.data.interfaces import TaskDataSpec
-from nemo_rl.data.tiny_vlm import build_tiny_vlm
+from nemo_rl.data.tiny_vlm import build_tiny_qwen2_vl, build_tiny_vlm
 from nemo_rl.data.vlm import load_hf_processor, vlm_sft_processor
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.models.tokenizer import get_policy_tokenizer
@@ -118,17 +119,40 @@ def _tp_scenarios(save: SaveFn, model_dir: Path, out_dir: Path) -> None:
     worker.shutdown()
 
 
+def _qwen2_vl_scenarios(save: SaveFn, model_dir: Path, out_dir: Path) -> None:
+    """The second family, Qwen2-VL, under FSDP2: log-probs, one step, an export."""
+    from nemo_rl.models.policy.dtensor_worker import DTensorPolicyWorker
+
+    qwen2_vl = model_dir / QWEN2_VL
+    data = vlm_batch(qwen2_vl)
+    worker = DTensorPolicyWorker(policy_cfg(qwen2_vl, freeze_config={"freeze_vision_model": True}))
+    save("logprobs", worker.get_logprobs(data)["logprobs"])
+    save("train", worker.train(_shard(data, worker), NLLLoss()))
+    worker.export_hf(str(out_dir / "qwen2_vl_export"))
+    worker.shutdown()
+
+
+QWEN2_VL = "qwen2_vl"
+"""Where, inside the tiny Qwen2.5-VL's folder, the tiny Qwen2-VL is built."""
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tiny_qwen25vl")
     build_tiny_vlm(path, seed=0)
+    build_tiny_qwen2_vl(path / QWEN2_VL, seed=0)
     return path
 
 
 @pytest.fixture(scope="module")
 def results(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out_dir = tmp_path_factory.mktemp("vlm_results")
-    groups = [("dp2", 2, _scenarios), ("one", 1, _scenarios), ("tp2", 2, _tp_scenarios)]
+    groups = [
+        ("dp2", 2, _scenarios),
+        ("one", 1, _scenarios),
+        ("tp2", 2, _tp_scenarios),
+        ("qwen2vl", 2, _qwen2_vl_scenarios),
+    ]
     run_groups(groups, model_dir, out_dir, timeout_s=TIMEOUT_S)
     return out_dir
 
@@ -217,3 +241,18 @@ def test_export_loads_with_transformers_class_and_processor(results: Path, model
     processor = AutoProcessor.from_pretrained(export_dir)
     assert type(processor).__name__ == "Qwen2_5_VLProcessor"
     assert processor.image_processor.size == AutoProcessor.from_pretrained(model_dir).image_processor.size
+
+
+def test_the_second_family_qwen2_vl_scores_trains_freezes_and_exports(results: Path, model_dir: Path) -> None:
+    initial = Qwen2VLForConditionalGeneration.from_pretrained(model_dir / QWEN2_VL)
+    expected = hf_logprobs(initial, vlm_batch(model_dir / QWEN2_VL))
+    torch.testing.assert_close(load(results, "qwen2vl.logprobs"), expected, rtol=1e-5, atol=1e-5)
+    losses = load(results, "qwen2vl.train")["loss"]
+    assert float(losses[1]) < float(losses[0])
+    exported = Qwen2VLForConditionalGeneration.from_pretrained(results / "qwen2_vl_export").state_dict()
+    start = initial.state_dict()
+    tower = [n for n in start if n.startswith("model.visual.") and not n.startswith("model.visual.merger.")]
+    assert tower and all(torch.equal(exported[n], start[n]) for n in tower)
+    assert not torch.equal(
+        exported["model.visual.merger.mlp.0.weight"], start["model.visual.merger.mlp.0.weight"]
+    )

@@ -104,6 +104,12 @@ def test_samples_hold_exactly_the_processors_tokens_and_patches(
     assert ids.tolist() == expected["input_ids"][0].tolist()
     assert torch.equal(sample["pixel_values"], expected["pixel_values"])
     assert torch.equal(sample["image_grid_thw"], expected["image_grid_thw"])
+    # The worker's forward gives the model the processor's token types (multimodal RoPE needs them).
+    batch = BatchedDataDict(
+        input_ids=ids[None], pixel_values=[sample["pixel_values"]], image_grid_thw=[sample["image_grid_thw"]]
+    )
+    inputs = image_forward_inputs(batch, torch.device("cpu"), hf_processor.image_token_id)
+    assert torch.equal(inputs["mm_token_type_ids"], expected["mm_token_type_ids"].int())
 
 
 def test_batches_keep_each_rows_images_and_a_text_row_has_none(
@@ -124,7 +130,7 @@ def test_batches_keep_each_rows_images_and_a_text_row_has_none(
     batch = make_sft_collate_fn(tokenizer, 96)([train[i] for i in range(3)])
     assert batch["pixel_values"][2] is None and batch["image_grid_thw"][2] is None
     swapped = BatchedDataDict(batch).select_indices([1, 0])
-    inputs = image_forward_inputs(swapped, torch.device("cpu"))
+    inputs = image_forward_inputs(swapped, torch.device("cpu"), hf_processor.image_token_id)
     assert torch.equal(
         inputs["pixel_values"], torch.cat([batch["pixel_values"][1], batch["pixel_values"][0]])
     )
@@ -132,7 +138,8 @@ def test_batches_keep_each_rows_images_and_a_text_row_has_none(
         *batch["image_grid_thw"][1].tolist(),
         *batch["image_grid_thw"][0].tolist(),
     ]
-    assert image_forward_inputs(BatchedDataDict(batch).select_indices([2]), torch.device("cpu")) == {}
+    text_only = BatchedDataDict(batch).select_indices([2])
+    assert image_forward_inputs(text_only, torch.device("cpu"), hf_processor.image_token_id) == {}
 
 
 def _bad_images(tmp_path: pathlib.Path) -> list[tuple[str, Any, str]]:

@@ -262,7 +262,7 @@ class DTensorPolicyWorker(DTensorWeightsMixin, DTensorRefitMixin, PolicyWorkerBa
                 inputs["output_router_logits"] = False
         else:
             # A vision-language model also reads the rows' images (none for a text model's batch).
-            images = image_forward_inputs(mb, self.device)
+            images = image_forward_inputs(mb, self.device, getattr(self.model.config, "image_token_id", None))
             inputs = {"input_ids": mb["input_ids"], "use_cache": False, **images}
         layout = packed or shared
         # Routing replay: the routers of this forward take the sampler's experts (policy.router_replay).
