@@ -157,7 +157,7 @@ def results(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out_dir
 
 
-def hf_logprobs(model: Qwen2_5_VLForConditionalGeneration, data: BatchedDataDict[Any]) -> torch.Tensor:
+def hf_logprobs(model: Any, data: BatchedDataDict[Any]) -> torch.Tensor:
     """Token log-probs of each row alone through transformers' forward (0 at position 0 and padding)."""
     out = torch.zeros(data["input_ids"].shape)
     for row in range(data.size):
@@ -165,9 +165,11 @@ def hf_logprobs(model: Qwen2_5_VLForConditionalGeneration, data: BatchedDataDict
         ids = data["input_ids"][row : row + 1, :length]
         images = {}
         if data["pixel_values"][row] is not None:
+            # The processor's token types (tests/unit/test_vlm_data.py checks the worker's equal them).
             images = {
                 "pixel_values": data["pixel_values"][row],
                 "image_grid_thw": data["image_grid_thw"][row],
+                "mm_token_type_ids": (ids == model.config.image_token_id).int(),
             }
         with torch.no_grad():
             logits = model(input_ids=ids, **images).logits.float()
