@@ -11,9 +11,9 @@ and ``Qwen2_5_VLProcessor``, so the checkpoint loads, trains and exports like a 
 - The vision tower has 2 blocks of width 64 (patch 14, temporal patch 2, spatial merge 2); its merger (the
   projection) maps into the 128-wide, 2-layer language model, whose embeddings are tied to its head.
 
-:func:`build_tiny_qwen2_vl` builds the same model in the Qwen2-VL family (``--family qwen2_vl``), for the tests
-of the second family. Build it with ``python -m nemo_rl.data.tiny_vlm OUT_DIR`` (``examples/assets/tiny_qwen25vl_init`` is that
-folder for seed 0).
+Build it with ``python -m nemo_rl.data.tiny_vlm OUT_DIR`` (``examples/assets/tiny_qwen25vl_init`` is that
+folder for seed 0). :func:`build_tiny_qwen2_vl` (``--family qwen2_vl``) builds the same model in the Qwen2-VL
+family, for the tests of the second family.
 """
 
 from __future__ import annotations
