@@ -110,16 +110,11 @@ def check_model_settings(cfg: PolicyConfig) -> None:
     ``policy.frozen_parameters`` / ``dtensor_cfg.freeze_config`` naming no parameter of the model (or all of
     them). The model is built on the meta device, so nothing is loaded."""
     # A local folder's config.json is read as JSON: the driver calls this, and resolving AutoConfig costs it
-    # half a second of CPU (transformers indexes its model folders).
+    # half a second of CPU (transformers indexes its model folders). A hub model is checked by the workers
+    # when they load it (load_sharded_model), so the driver makes no hub call.
     local = local_hf_config(cfg.model_name, cfg.hf_config_overrides)
-    check_vlm_policy(
-        cfg,
-        local
-        if local is not None
-        else hf_config_io.load_hf_config(
-            cfg.model_name, trust_remote_code=cfg.trust_remote_code, overrides=cfg.hf_config_overrides
-        ),
-    )
+    if local is not None:
+        check_vlm_policy(cfg, local)
     if not cfg.frozen_parameters and not any(on for _, on in cfg.dtensor_cfg.freeze_config):
         return
     hf_config = load_hf_config(cfg)
@@ -222,6 +217,7 @@ def load_sharded_model(cfg: PolicyConfig, mesh: DeviceMesh, device: torch.device
     """
     trust = cfg.trust_remote_code
     hf_config = load_hf_config(cfg)
+    check_vlm_policy(cfg, hf_config)
     auto_class = model_auto_class(cfg, hf_config)
     full_model: nn.Module | None = None
     lora_cfg = cfg.dtensor_cfg.lora_cfg
