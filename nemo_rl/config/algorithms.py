@@ -278,6 +278,13 @@ class GRPOConfig(PolicyGradientLoopConfig):
     num_generations_per_prompt: int = Field(default=16, ge=2)
     """Responses sampled per prompt (at least 2: advantages compare responses within a prompt's group)."""
 
+    deduplicate_multimodal_data: bool = False
+    """Accepted, no effect here: sharing one copy of a prompt's images among its group's rows in Ray payloads
+    is a transfer-size knob of NeMo RL's VLM GRPO."""
+
+    debug_payload_metrics: bool = False
+    """Accepted, no effect here: debug telemetry of NeMo RL's Ray payload sizes."""
+
     normalize_rewards: bool = True
     """Divide advantages by the reward standard deviation of the prompt's group."""
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
@@ -22,6 +22,8 @@ DatasetName = Literal[
     "DAPOMathAIME2024",
     "DeepScaler",
     "AIME2024",
+    "tiny_clevr",
+    "clevr-cogent",
 ]
 """The dataset formats nemo_rl reads.
 
@@ -44,7 +46,18 @@ DatasetName = Literal[
 - ``DAPOMathAIME2024``: AIME 2024 in the same layout (hub BytedTsinghua-SIA/AIME-2024), DAPO's validation set.
 - ``DeepScaler``: ``problem`` and ``answer`` (hub agentica-org/DeepScaleR-Preview-Dataset).
 - ``AIME2024``: ``problem`` and ``answer`` (hub HuggingFaceH4/aime_2024).
+- ``tiny_clevr``: pictures of coloured shapes to count, drawn on the fly (``nemo_rl.data.tiny_clevr``), for
+  vision-language models; its rows are multimodal chats (images in the user turn).
+- ``clevr-cogent``: ``image``, ``problem`` and ``solution`` (its answer between ``<answer>`` tags) of CLEVR-CoGenT
+  (hub MMInstruction/Clevr_CoGenT_TrainA_70K_Complex; validation MMInstruction/Clevr_CoGenT_ValA or _ValB,
+  ``data.val_split``), read as multimodal chats.
 """
+
+MULTIMODAL_DATASETS: tuple[str, ...] = ("tiny_clevr", "clevr-cogent")
+"""The ``dataset_name`` values whose rows hold images (read by ``nemo_rl.data.vlm``)."""
+
+CLEVR_COGENT_VAL_SPLITS: tuple[str, ...] = ("valA", "valB")
+"""NeMo RL's validation split names of ``clevr-cogent`` (each a hub dataset of its own)."""
 
 PREFERENCE_DATASETS: tuple[str, ...] = (
     "binary_preference",
@@ -54,7 +67,7 @@ PREFERENCE_DATASETS: tuple[str, ...] = (
 )
 """The ``dataset_name`` values holding preference pairs (DPO and reward-model training)."""
 
-GENERATED_DATASETS: tuple[str, ...] = ("tiny_math", "tiny_math_preference")
+GENERATED_DATASETS: tuple[str, ...] = ("tiny_math", "tiny_math_preference", "tiny_clevr")
 """The ``dataset_name`` values generated on the fly (they read no files)."""
 
 PATH_ONLY_DATASETS: tuple[str, ...] = ("openai_format", "response", "binary_preference")
@@ -108,6 +121,9 @@ class DatasetEntryConfig(ConfigModel):
 
     processor: str | None = None
     """``data.processor``."""
+
+    max_image_pixels: int | None = None
+    """``data.max_image_pixels``."""
 
     env_name: str | None = None
     """``data.env_name``."""
@@ -183,7 +199,11 @@ def _flatten_dataset_layout(data: dict[str, Any]) -> dict[str, Any]:
             continue  # the dataset's usual training split
         flat[_ENTRY_TO_FLAT.get(key, key)] = value
     if validation is not None:
-        flat.update(_validation_entry(_entry(validation, "validation"), merged))
+        val = _entry(validation, "validation")
+        # CLEVR-CoGenT's validation sets are splits of their own (NeMo RL's split names).
+        if merged.get("dataset_name") == "clevr-cogent" and val.get("split") in CLEVR_COGENT_VAL_SPLITS:
+            flat["val_split"] = val.pop("split")
+        flat.update(_validation_entry(val, merged))
     for key, value in flat.items():
         if key in data and data[key] != value:
             raise ValueError(
@@ -299,10 +319,11 @@ class DataConfig(ConfigModel):
     user turn, so no loss is put on it. RL prompts always end with the generation prompt."""
 
     num_train_samples: int = Field(default=1024, ge=1)
-    """Training problems generated for ``dataset_name: tiny_math`` / ``tiny_math_preference``."""
+    """Training problems generated for ``dataset_name: tiny_math`` / ``tiny_math_preference`` (scenes for
+    ``tiny_clevr``)."""
 
     num_val_samples: int = Field(default=64, ge=0)
-    """Validation problems generated for ``dataset_name: tiny_math`` / ``tiny_math_preference`` (disjoint from
+    """Validation problems generated for ``dataset_name: tiny_math`` / ``tiny_math_preference`` / ``tiny_clevr`` (disjoint from
     the training problems; the same problems for a given ``seed`` whatever ``num_train_samples`` is)."""
 
     tiny_math_max_operand: int = Field(default=50, ge=1)
@@ -317,7 +338,25 @@ class DataConfig(ConfigModel):
     """Accepted, no effect here: rows are turned into batches in the driver process (a speed knob)."""
 
     processor: str | None = None
-    """Accepted, no effect here: each ``dataset_name`` has its processor here (the algorithm picks it)."""
+    """NeMo RL's processor name. ``vlm_hf_data_processor`` reads ``openai_format`` rows whose messages hold
+    images (``{"type": "image", "image": ...}`` parts) through the model's own Hugging Face processor
+    (``nemo_rl.data.vlm``; ``tiny_clevr`` always does). Any other name has no effect: each ``dataset_name`` has
+    its processor here (the algorithm picks it)."""
+
+    max_image_pixels: int | None = Field(default=None, ge=1)
+    """Largest image (width x height) a multimodal row may hold; a larger one stops the run at setup with the
+    row and file named. ``None``: the model processor's own ``max_pixels`` (beyond it the processor would
+    shrink the image)."""
+
+    val_split: Literal["valA", "valB"] | None = None
+    """``clevr-cogent``'s validation set (NeMo RL's ``data.validation.split``): ``valA`` (the training scenes'
+    colour and shape combinations) or ``valB`` (the held-out combinations); ``None``: ``valA``."""
+
+    tiny_clevr_image_size: int = Field(default=84, ge=28)
+    """Side in pixels of the square ``tiny_clevr`` pictures."""
+
+    tiny_clevr_max_objects: int = Field(default=5, ge=1, le=9)
+    """Most shapes in a ``tiny_clevr`` picture (each has 1 to this many)."""
 
     use_multiple_dataloader: Literal[False] = False
     """One dataloader per training dataset; not built here: must be false."""
@@ -331,6 +370,22 @@ class DataConfig(ConfigModel):
 
     default: DatasetEntryConfig | None = None
     """NeMo RL's layout: values for keys the ``train`` entry leaves null."""
+
+    CONDITIONAL_NO_EFFECT: ClassVar[dict[str, str]] = {"processor": "processor=vlm_hf_data_processor"}
+
+    @property
+    def multimodal(self) -> bool:
+        """Whether the rows are multimodal chats (:data:`MULTIMODAL_DATASETS`, or ``processor:
+        vlm_hf_data_processor``)."""
+        return self.dataset_name in MULTIMODAL_DATASETS or self.processor == "vlm_hf_data_processor"
+
+    def settings_without_effect(self) -> dict[str, str]:
+        """``processor`` when it names anything but the multimodal processor (see the field)."""
+        if self.processor not in (None, "vlm_hf_data_processor"):
+            return {
+                "processor": "each dataset_name has its processor here; only vlm_hf_data_processor is read"
+            }
+        return {}
 
     @model_validator(mode="before")
     @classmethod
@@ -379,7 +434,7 @@ class DataConfig(ConfigModel):
                 f"data.train_data_path/data.val_data_path, or set data.dataset_name={other} to read files in "
                 "the same schema"
             )
-        if self.dataset_name in GENERATED_DATASETS:
+        if self.dataset_name in ("tiny_math", "tiny_math_preference"):
             num_problems = 2 * (self.tiny_math_max_operand + 1) ** 2
             if self.num_train_samples + self.num_val_samples > num_problems:
                 raise ValueError(
@@ -388,6 +443,19 @@ class DataConfig(ConfigModel):
                     f"tiny_math problems with data.tiny_math_max_operand={self.tiny_math_max_operand}: "
                     "ask for fewer samples or raise the operand range"
                 )
+        if self.processor == "vlm_hf_data_processor" and self.dataset_name not in (
+            "openai_format",
+            *MULTIMODAL_DATASETS,
+        ):
+            raise ValueError(
+                f"data.processor=vlm_hf_data_processor reads multimodal chats: set data.dataset_name=openai_format "
+                f"(or one of {', '.join(MULTIMODAL_DATASETS)}), not {self.dataset_name}"
+            )
+        if self.val_split is not None and self.dataset_name != "clevr-cogent":
+            raise ValueError(
+                f"data.val_split={self.val_split} names a clevr-cogent validation set, and this is "
+                f"{self.dataset_name}: remove it"
+            )
         if self.tiny_math_rejected_per_problem > 1 and self.dataset_name != "tiny_math_preference":
             raise ValueError(
                 f"data.tiny_math_rejected_per_problem={self.tiny_math_rejected_per_problem} applies to "

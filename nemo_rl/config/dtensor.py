@@ -11,6 +11,20 @@ from nemo_rl.config.lora import LoraConfig
 from nemo_rl.config.no_effect import refusal
 
 
+class VisionFreezeConfig(ConfigModel):
+    """Which sub-models of a vision-language model stay frozen (the keys of NeMo RL's Megatron
+    ``freeze_config``); each must be false for a text model."""
+
+    freeze_vision_model: bool = False
+    """Freeze the vision tower (patch embedding and blocks, not the projection)."""
+
+    freeze_vision_projection: bool = False
+    """Freeze the projection from the vision tower into the language model (Qwen's patch merger)."""
+
+    freeze_language_model: bool = False
+    """Freeze the language model (embeddings, decoder layers, final norm and head)."""
+
+
 class DTensorConfig(ConfigModel):
     """The DTensor (FSDP2 + tensor parallel) policy backend."""
 
@@ -64,6 +78,10 @@ class DTensorConfig(ConfigModel):
 
     lora_cfg: LoraConfig = Field(default_factory=LoraConfig)
     """LoRA adapters on the linear layers (``nemo_rl.config.lora``); off by default (full fine-tuning)."""
+
+    freeze_config: VisionFreezeConfig = Field(default_factory=VisionFreezeConfig)
+    """Frozen sub-models of a vision-language model (``nemo_rl.models.vlm``): no gradient, no optimizer state,
+    exported unchanged."""
 
     @model_validator(mode="before")
     @classmethod

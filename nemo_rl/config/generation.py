@@ -43,6 +43,10 @@ class VllmConfig(ConfigModel):
     precision: Precision = "bfloat16"
     """Dtype vLLM holds the weights in."""
 
+    skip_tokenizer_init: Literal[False] = False
+    """Start vLLM without its tokenizer; not built here: must be false (stop strings need vLLM's detokenizer,
+    and a vision-language model its processor)."""
+
     tensor_parallel_size: int = Field(default=1, ge=1)
     """vLLM tensor-parallel degree."""
 
@@ -114,7 +118,8 @@ class VllmConfig(ConfigModel):
     """Accepted, no effect here: refit does not go through a ZeroMQ relay."""
 
     reset_encoder_cache_after_weight_update: bool = False
-    """Accepted, no effect here: the supported model families have no multimodal encoder."""
+    """Accepted, no effect here: vLLM does not sample from image prompts here (vision-language models train
+    with SFT only), so its encoder cache holds nothing."""
 
 
 class EmbeddedEngineConfig(ConfigModel):

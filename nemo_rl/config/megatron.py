@@ -192,10 +192,12 @@ class MegatronFreezeConfig(ConfigModel):
     """Freeze the language model; not built here: must be false."""
 
     freeze_vision_model: bool = False
-    """Accepted, no effect here: the supported model families have no vision tower."""
+    """Accepted, no effect here: the Megatron backend builds text models only (vision-language models run on
+    the DTensor backend, whose ``dtensor_cfg.freeze_config`` freezes their vision tower)."""
 
     freeze_vision_projection: bool = False
-    """Accepted, no effect here: the supported model families have no vision projection."""
+    """Accepted, no effect here: the Megatron backend builds text models only (vision-language models run on
+    the DTensor backend, whose ``dtensor_cfg.freeze_config`` freezes their projection)."""
 
 
 class MegatronConfig(MegatronMoeKeys):
@@ -370,13 +372,15 @@ class MegatronConfig(MegatronMoeKeys):
     """Accepted, no effect here (multi-token prediction is off)."""
 
     radio_force_cpe_eval_mode: bool | None = None
-    """Accepted, no effect here: the supported model families have no vision tower."""
+    """Accepted, no effect here: the Megatron backend builds text models only (no RADIO vision encoder)."""
 
     freeze_vision_model: bool | None = None
-    """Accepted, no effect here: the supported model families have no vision tower."""
+    """Accepted, no effect here: the Megatron backend builds text models only (vision-language models run on
+    the DTensor backend, whose ``dtensor_cfg.freeze_config`` freezes their vision tower)."""
 
     freeze_vision_projection: bool | None = None
-    """Accepted, no effect here: the supported model families have no vision projection."""
+    """Accepted, no effect here: the Megatron backend builds text models only (vision-language models run on
+    the DTensor backend, whose ``dtensor_cfg.freeze_config`` freezes their projection)."""
 
     freeze_sound_encoder: bool | None = None
     """Accepted, no effect here: the supported model families have no audio encoder."""

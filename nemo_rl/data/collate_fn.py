@@ -50,7 +50,8 @@ def sft_collate_fn(
 
     Keys: ``input_ids`` [B, T] long (right-padded with ``pad_token_id``), ``input_lengths`` [B] long,
     ``token_mask`` [B, T] float (1 on assistant tokens), ``sample_mask`` [B] float (the sample's
-    ``loss_multiplier``, or 0 when truncation left it no assistant token), ``idx`` [B] long.
+    ``loss_multiplier``, or 0 when truncation left it no assistant token), ``idx`` [B] long; for multimodal
+    samples ``pixel_values`` and ``image_grid_thw`` (lists, see :func:`add_image_inputs`).
     """
     if not batch:
         raise ValueError("cannot collate an empty batch")
@@ -61,7 +62,22 @@ def sft_collate_fn(
         torch.tensor([d["loss_multiplier"] for d in batch], dtype=torch.float32) * has_target_B
     )
     data["idx"] = torch.tensor([d["idx"] for d in batch], dtype=torch.long)
+    add_image_inputs(data, batch)
     return data
+
+
+IMAGE_KEYS = ("pixel_values", "image_grid_thw")
+"""Per-sample image tensors of multimodal samples, kept per row in batches (see ``nemo_rl.data.vlm``)."""
+
+
+def add_image_inputs(data: BatchedDataDict[Any], batch: Sequence[DatumSpec]) -> None:
+    """Carry the samples' image tensors as lists with one entry per row (``None`` for a row without images),
+    when any sample has images: rows of different image sizes cannot be stacked, and a list keeps each row's
+    images with it through sharding and micro-batching."""
+    if not any("pixel_values" in d for d in batch):
+        return
+    for key in IMAGE_KEYS:
+        data[key] = [d.get(key) for d in batch]
 
 
 def _bound(

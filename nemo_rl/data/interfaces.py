@@ -91,6 +91,13 @@ class DatumSpec(TypedDict):
     """Preference data only: the conversation with the dispreferred response (``message_log`` holds the
     preferred one)."""
 
+    pixel_values: NotRequired[torch.Tensor]
+    """Multimodal samples only: the processor's patches of the sample's images, [patches, values per patch]
+    float32 (``nemo_rl.data.vlm``)."""
+
+    image_grid_thw: NotRequired[torch.Tensor]
+    """Multimodal samples only: each image's (temporal, height, width) patch grid, [images, 3] long."""
+
 
 @dataclasses.dataclass(frozen=True)
 class TaskDataSpec:

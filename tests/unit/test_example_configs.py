@@ -41,9 +41,9 @@ def _schema_for(path: Path) -> Master:
         return EvalMasterConfig
     if name.startswith("distillation"):
         return DistillationMasterConfig
-    if name.startswith("grpo"):
+    if name.startswith(("grpo", "vlm_grpo")):
         return GRPOMasterConfig
-    if name.startswith("sft"):
+    if name.startswith(("sft", "vlm_sft")):
         return SFTMasterConfig
     if name.startswith("dpo"):
         return DPOMasterConfig

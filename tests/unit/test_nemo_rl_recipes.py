@@ -26,6 +26,8 @@ ALGORITHM_OF_FILE = {
     "distillation_math.yaml": "DistillationMasterConfig",
     "ppo_math_1B.yaml": "PPOMasterConfig",
     "ppo_math_1B_megatron.yaml": "PPOMasterConfig",
+    "sft_vlm_3B.yaml": "SFTMasterConfig",
+    "vlm_grpo_3B.yaml": "GRPOMasterConfig",
 }
 FILES = sorted(RECIPES.glob("*/*.yaml"))
 
@@ -52,6 +54,16 @@ def _leaf_keys(node: object, prefix: str = "") -> set[str]:
 def test_every_vendored_recipe_is_covered() -> None:
     assert {p.parent.name for p in FILES} == {"v0.4.0", "v0.5.0", "main"}
     assert {p.name for p in FILES} == set(ALGORITHM_OF_FILE)
+
+
+@pytest.mark.parametrize("recipe", ["sft_vlm_3B.yaml", "vlm_grpo_3B.yaml"])
+def test_nemo_rl_vlm_recipes_read_clevr_cogent_as_multimodal_data(recipe: str) -> None:
+    schema = (
+        master_configs.GRPOMasterConfig if recipe.startswith("vlm_grpo") else master_configs.SFTMasterConfig
+    )
+    cfg = load_and_validate(RECIPES / "main" / recipe, schema)
+    data = cfg.data  # type: ignore[attr-defined]
+    assert (data.dataset_name, data.val_split, data.multimodal) == ("clevr-cogent", "valA", True)
 
 
 # NeMo RL's distillation recipe needs what is not built here yet: context parallelism combined with tensor

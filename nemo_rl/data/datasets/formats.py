@@ -6,8 +6,9 @@ either returns a record or raises :class:`MalformedRowError` saying which row an
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 from nemo_rl.config.data import DataConfig, DatasetName
 from nemo_rl.data.errors import DataError
@@ -293,10 +294,78 @@ def tulu3_preference_converter(source: str) -> RowConverter:
     return convert
 
 
+def _check_parts(content: Any, where: str) -> None:
+    if isinstance(content, str):
+        return
+    if not isinstance(content, list) or not content:
+        raise DataError(
+            f"{where} has content of type {type(content).__name__}: give a string or a list of parts"
+        )
+    for part in content:
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            continue
+        if kind == "image" and part.get("image") is not None:
+            continue
+        raise DataError(
+            f"{where} has a part {part!r}: parts are {{'type': 'text', 'text': ...}} or {{'type': 'image', "
+            "'image': <path, bytes, PIL image or datasets Image>}"
+        )
+
+
+def vlm_converter(source: str, chat_key: str) -> RowConverter:
+    """Multimodal chat rows: a message list under ``chat_key`` whose contents may hold image parts, and an
+    optional ``expected_answer``. A malformed row raises a :class:`DataError` naming it."""
+
+    def convert(row: Mapping[str, Any], index: int) -> Record:
+        messages = row.get(chat_key) if isinstance(row, Mapping) else None
+        if not isinstance(messages, list) or not messages:
+            raise DataError(f"{source}: row {index} has no message list under {chat_key!r}")
+        for i, message in enumerate(messages):
+            if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+                raise DataError(f"{source}: row {index} message {i} needs a string 'role' and a 'content'")
+            _check_parts(message.get("content"), f"{source}: row {index} message {i}")
+        record: dict[str, Any] = {"messages": [dict(m) for m in messages]}
+        if row.get("expected_answer") is not None:
+            record["expected_answer"] = str(row["expected_answer"])
+        # Record types its contents as text; a multimodal record holds parts (VlmRecord) and only the
+        # multimodal processor reads it.
+        return cast(Record, record)
+
+    return convert
+
+
+def clevr_cogent_converter(source: str) -> RowConverter:
+    """CLEVR-CoGenT's schema: ``image`` (a ``datasets`` Image, a path or bytes), ``problem`` and ``solution``,
+    whose answer is between ``<answer>`` tags (the whole solution when it has none). The image then the
+    problem make the user turn, the answer the assistant reply and ``expected_answer``."""
+    schema = "'image' (an image), 'problem' and 'solution' (strings)"
+
+    def convert(row: Mapping[str, Any], index: int) -> Record:
+        reader = _RowReader(row, index, source, schema)
+        if row.get("image") is None:
+            reader.fail(f"has no 'image' (it has {sorted(row)})")
+        solution = reader.text("solution")
+        tagged = re.search(r"<answer>(.*?)</answer>", solution, flags=re.DOTALL)
+        answer = (tagged.group(1) if tagged else solution).strip()
+        user = [{"type": "image", "image": row["image"]}, {"type": "text", "text": reader.text("problem")}]
+        record = {
+            "messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}],
+            "expected_answer": answer,
+        }
+        return cast(Record, record)
+
+    return convert
+
+
 def converter_for(cfg: DataConfig, source: str, dataset_name: DatasetName | None = None) -> RowConverter:
     """The row converter of ``dataset_name`` (by default ``cfg.dataset_name``), with the column names of
-    ``cfg``; ``source`` names the data in error messages."""
-    match dataset_name or cfg.dataset_name:
+    ``cfg`` (the multimodal chat one for ``openai_format`` with ``data.processor: vlm_hf_data_processor``);
+    ``source`` names the data in error messages."""
+    name = dataset_name or cfg.dataset_name
+    if cfg.processor == "vlm_hf_data_processor" and name == "openai_format":
+        return vlm_converter(source, cfg.chat_key)
+    match name:
         case "tiny_math" | "OpenMathInstruct-2":
             return math_converter(source)
         case "DAPOMath17K" | "DAPOMathAIME2024":
@@ -318,3 +387,7 @@ def converter_for(cfg: DataConfig, source: str, dataset_name: DatasetName | None
             return helpsteer3_converter(source)
         case "Tulu3Preference":
             return tulu3_preference_converter(source)
+        case "tiny_clevr":
+            return vlm_converter(source, "messages")
+        case "clevr-cogent":
+            return clevr_cogent_converter(source)

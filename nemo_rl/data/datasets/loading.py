@@ -50,6 +50,7 @@ HUB_DEFAULTS: dict[str, HubSource] = {
     "DAPOMathAIME2024": HubSource("BytedTsinghua-SIA/AIME-2024", "train", None),
     "DeepScaler": HubSource("agentica-org/DeepScaleR-Preview-Dataset", "train", None),
     "AIME2024": HubSource("HuggingFaceH4/aime_2024", "train", None),
+    "clevr-cogent": HubSource("MMInstruction/Clevr_CoGenT_TrainA_70K_Complex", "train", None),
 }
 """Hub source of each dataset that has one."""
 
@@ -309,10 +310,12 @@ def load_dataset_splits(cfg: DataConfig) -> DatasetSplits:
     return DatasetSplits(train=splits.train, validation=validation)
 
 
-def _training_splits(cfg: DataConfig, *, with_validation: bool) -> DatasetSplits:
-    """The training records of the ``data`` section and, ``with_validation``, the validation records that
-    come with them."""
+def _generated_splits(cfg: DataConfig, *, with_validation: bool) -> DatasetSplits | None:
+    """The splits of a dataset generated on the fly (``tiny_math``, ``tiny_math_preference``, ``tiny_clevr``);
+    ``None`` for one read from files or the hub."""
     name = cfg.dataset_name
+    train_rows: Sequence[Mapping[str, Any]]
+    val_rows: Sequence[Mapping[str, Any]]
     if name in ("tiny_math", "tiny_math_preference"):
         train_rows, val_rows = tiny_math_splits(
             cfg.num_train_samples,
@@ -322,14 +325,35 @@ def _training_splits(cfg: DataConfig, *, with_validation: bool) -> DatasetSplits
             preferences=name == "tiny_math_preference",
             rejected_per_problem=cfg.tiny_math_rejected_per_problem,
         )
-        converter = converter_for(cfg, source=name)
-        return DatasetSplits(
-            train=RecordDataset(train_rows, converter, f"{name} (train)"),
-            validation=RecordDataset(val_rows, converter, f"{name} (validation)")
-            if val_rows and with_validation
-            else None,
-        )
+    elif name == "tiny_clevr":
+        # Imported here: tiny_clevr's rows are a LazySequence of this package, which imports this module.
+        from nemo_rl.data.tiny_clevr import tiny_clevr_splits
 
+        train_rows, val_rows = tiny_clevr_splits(
+            cfg.num_train_samples,
+            cfg.num_val_samples,
+            seed=cfg.seed,
+            image_size=cfg.tiny_clevr_image_size,
+            max_objects=cfg.tiny_clevr_max_objects,
+        )
+    else:
+        return None
+    converter = converter_for(cfg, source=name)
+    return DatasetSplits(
+        train=RecordDataset(train_rows, converter, f"{name} (train)"),
+        validation=RecordDataset(val_rows, converter, f"{name} (validation)")
+        if len(val_rows) and with_validation
+        else None,
+    )
+
+
+def _training_splits(cfg: DataConfig, *, with_validation: bool) -> DatasetSplits:
+    """The training records of the ``data`` section and, ``with_validation``, the validation records that
+    come with them."""
+    generated = _generated_splits(cfg, with_validation=with_validation)
+    if generated is not None:
+        return generated
+    name = cfg.dataset_name
     hub = HUB_DEFAULTS.get(name)
     subset = cfg.subset or (hub.subset if hub is not None else None)
     if cfg.train_data_path is not None:
@@ -348,6 +372,10 @@ def _training_splits(cfg: DataConfig, *, with_validation: bool) -> DatasetSplits
 
     if not with_validation:
         validation: RecordDataset | None = None
+    elif name == "clevr-cogent" and cfg.val_data_path is None:
+        # Each of CLEVR-CoGenT's validation sets is a hub dataset of its own, held in its "train" split.
+        val_name = f"MMInstruction/Clevr_CoGenT_{(cfg.val_split or 'valA').capitalize()}"
+        validation = _load_source(cfg, val_name, key="data.val_split", hub_split="train", hub_subset=None)
     elif cfg.val_data_path is not None:
         validation = _load_source(
             cfg, cfg.val_data_path, key="data.val_data_path", hub_split="validation", hub_subset=subset

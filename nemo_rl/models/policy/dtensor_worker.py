@@ -42,15 +42,11 @@ from nemo_rl.distributed.device import (
     get_device,
     init_process_group_from_env,
 )
-from nemo_rl.models.lora import (
-    lora_modules,
-)
+from nemo_rl.models.lora import lora_modules
 from nemo_rl.models.policy.context_parallel import apply_context_parallel, sequence_multiple, worker_mesh
 from nemo_rl.models.policy.dtensor_refit import DTensorRefitMixin
 from nemo_rl.models.policy.dtensor_weights_io import DTensorWeightsMixin
-from nemo_rl.models.policy.hf_io import (
-    load_sharded_model,
-)
+from nemo_rl.models.policy.hf_io import frozen_patterns, load_sharded_model
 from nemo_rl.models.policy.loss_interface import LossFunction
 from nemo_rl.models.policy.moe import RouterRecorder, moe_step_terms, replay_rows
 from nemo_rl.models.policy.optim import build_optimizer, build_scheduler, clip_grad_norm_, freeze_parameters
@@ -72,6 +68,7 @@ from nemo_rl.models.policy.utils import (
 from nemo_rl.models.policy.worker_base import PolicyWorkerBase, ScoreFn
 from nemo_rl.models.policy.worker_batches import StepBatch, TrainLog, merge_rows
 from nemo_rl.models.sampling import sampling_logits
+from nemo_rl.models.vlm import image_forward_inputs
 
 if TYPE_CHECKING:
     from nemo_rl.models.generation.embedded.replica import EmbeddedReplica
@@ -112,7 +109,8 @@ class DTensorPolicyWorker(DTensorWeightsMixin, DTensorRefitMixin, PolicyWorkerBa
         apply_context_parallel(self.model, self.mesh["cp"], self.moe_routing.is_moe)
         # Which rows of the last forward's input were real tokens, for the MoE terms (see _loss_with_moe_terms).
         self._fed_valid_N = torch.ones(0, dtype=torch.bool)
-        self.optimizer = build_optimizer(freeze_parameters(self.model, cfg.frozen_parameters), cfg.optimizer)
+        trained = freeze_parameters(self.model, frozen_patterns(self.model, cfg))
+        self.optimizer = build_optimizer(trained, cfg.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.scheduler)
         self.lora_targets = [name for name, _ in lora_modules(self.model)]
         self.has_reference = init_reference_model
@@ -258,7 +256,9 @@ class DTensorPolicyWorker(DTensorWeightsMixin, DTensorRefitMixin, PolicyWorkerBa
                 # the worker computes that loss itself from the recorded routing (moe_step_terms).
                 inputs["output_router_logits"] = False
         else:
-            inputs = {"input_ids": mb["input_ids"], "use_cache": False}
+            # A vision-language model also reads the rows' images (none for a text model's batch).
+            images = image_forward_inputs(mb, self.device, getattr(self.model.config, "image_token_id", None))
+            inputs = {"input_ids": mb["input_ids"], "use_cache": False, **images}
         layout = packed or shared
         # Routing replay: the routers of this forward take the sampler's experts (policy.router_replay).
         with self.moe_routing.replaying(replay_rows(mb, layout) if self.cfg.router_replay.enabled else None):
@@ -396,17 +396,21 @@ class DTensorPolicyWorker(DTensorWeightsMixin, DTensorRefitMixin, PolicyWorkerBa
         reshard_all(self.model)
 
     def _all_reduce_replicated_grads(self) -> None:
-        """With ``data_parallel_mode=replicate`` at DP>1, sum every gradient over the dp ranks with one
-        all-reduce of one flat buffer (losses are globally normalised, so the step's gradient is the sum).
+        """At DP>1, sum the gradients of the parameters every dp rank holds whole (all of them with
+        ``data_parallel_mode=replicate``; under FSDP a vision-language model's vision tower) over the dp ranks
+        with one all-reduce of one flat buffer (losses are globally normalised, so the step's gradient is the
+        sum).
 
         Only trained parameters take part (``policy.frozen_parameters`` have no gradient and add no traffic).
         One that got no gradient on this rank (its forward did not reach it) adds zeros, so every rank's buffer
         has the same layout; the buffer ends with one "had a gradient" flag per parameter, and a parameter no
         rank reached keeps no gradient, so the optimizer skips it as it would in one process.
         """
-        if self.cfg.dtensor_cfg.data_parallel_mode != "replicate" or self.dp_size == 1:
+        if self.dp_size == 1:
             return
-        trained = [p for p in self.model.parameters() if p.requires_grad]
+        from torch.distributed.tensor import DTensor
+
+        trained = [p for p in self.model.parameters() if p.requires_grad and not isinstance(p, DTensor)]
         if not trained:
             return
         reached = [p.grad is not None for p in trained]

@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from nemo_rl.config.lora import LoraConfig
+from nemo_rl.config.model_arch import local_hf_config
 from nemo_rl.config.policy import PolicyConfig, TokenizerConfig
 from nemo_rl.models import hf_config as hf_config_io
 from nemo_rl.models.dtypes import PRECISION_DTYPES
@@ -42,6 +43,7 @@ from nemo_rl.models.policy.context_parallel import fsdp_mesh
 from nemo_rl.models.policy.optim import frozen_names
 from nemo_rl.models.policy.parallelize import apply_fsdp, apply_tensor_parallel, needs_fsdp
 from nemo_rl.models.tokenizer import get_tokenizer
+from nemo_rl.models.vlm import check_vlm_policy, frozen_submodel_names, is_vision_language, vision_tower
 
 logger = logging.getLogger(__name__)
 
@@ -70,13 +72,21 @@ def _sync_non_persistent_buffers(model: nn.Module, source: nn.Module | None) -> 
         dist.broadcast(buffer, src=0)
 
 
-def model_auto_class(cfg: PolicyConfig) -> Any:
-    """``AutoModelForSequenceClassification`` for a reward model, ``AutoModelForCausalLM`` otherwise."""
+def model_auto_class(cfg: PolicyConfig, hf_config: Any) -> Any:
+    """``AutoModelForSequenceClassification`` for a reward model, ``AutoModelForImageTextToText`` for a
+    vision-language model (transformers' own ``*ForConditionalGeneration`` class), ``AutoModelForCausalLM``
+    otherwise."""
     # transformers' auto model classes (and torch.distributed.checkpoint below) are imported where they are
     # used: importing them costs seconds of CPU, and the driver imports this module without loading models.
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForSequenceClassification,
+    )
 
-    return AutoModelForSequenceClassification if cfg.reward_model_cfg.enabled else AutoModelForCausalLM
+    if cfg.reward_model_cfg.enabled:
+        return AutoModelForSequenceClassification
+    return AutoModelForImageTextToText if is_vision_language(hf_config) else AutoModelForCausalLM
 
 
 def load_hf_config(cfg: PolicyConfig) -> Any:
@@ -95,16 +105,31 @@ def load_hf_config(cfg: PolicyConfig) -> Any:
     return hf_config
 
 
-def check_frozen_parameters(cfg: PolicyConfig) -> None:
-    """Raise :class:`UserError` when ``policy.frozen_parameters`` names no parameter of the model (or all of
-    them), before any worker starts: the model is built on the meta device, so nothing is loaded."""
-    if not cfg.frozen_parameters:
+def check_model_settings(cfg: PolicyConfig) -> None:
+    """Raise :class:`UserError`, before any worker starts, when the settings do not fit the model: a
+    vision-language model with what it cannot run with (:func:`~nemo_rl.models.vlm.check_vlm_policy`), or
+    ``policy.frozen_parameters`` / ``dtensor_cfg.freeze_config`` naming no parameter of the model (or all of
+    them). The model is built on the meta device, so nothing is loaded."""
+    # A local folder's config.json is read as JSON: the driver calls this, and resolving AutoConfig costs it
+    # half a second of CPU (transformers indexes its model folders). A hub model is checked by the workers
+    # when they load it (load_sharded_model), so the driver makes no hub call.
+    local = local_hf_config(cfg.model_name, cfg.hf_config_overrides)
+    if local is not None:
+        check_vlm_policy(cfg, local)
+    if not cfg.frozen_parameters and not any(on for _, on in cfg.dtensor_cfg.freeze_config):
         return
+    hf_config = load_hf_config(cfg)
     with torch.device("meta"):
-        model = model_auto_class(cfg).from_config(
-            load_hf_config(cfg), dtype=torch.float32, trust_remote_code=cfg.trust_remote_code
+        model = model_auto_class(cfg, hf_config).from_config(
+            hf_config, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code
         )
-    frozen_names([name for name, _ in model.named_parameters()], cfg.frozen_parameters)
+    frozen_names([name for name, _ in model.named_parameters()], frozen_patterns(model, cfg))
+
+
+def frozen_patterns(model: nn.Module, cfg: PolicyConfig) -> list[str]:
+    """``policy.frozen_parameters`` and the names of the sub-models ``dtensor_cfg.freeze_config`` freezes."""
+    names = [name for name, _ in model.named_parameters()]
+    return [*cfg.frozen_parameters, *frozen_submodel_names(names, cfg.dtensor_cfg.freeze_config)]
 
 
 def trains_with_dropout(cfg: PolicyConfig) -> bool:
@@ -131,10 +156,16 @@ def config_has_dropout(hf_config: Any) -> bool:
 def _from_pretrained(auto_class: Any, model_name: str, hf_config: Any, trust_remote_code: bool) -> nn.Module:
     """``auto_class.from_pretrained`` with transformers' multi-line load report (a table per worker, with
     terminal colours) replaced by one line per kind of key: weights the checkpoint lacks start fresh (a reward
-    model's head, layers ``hf_config_overrides`` adds), weights it has that the model does not are dropped."""
-    report_logger = logging.getLogger("transformers.modeling_utils")
-    level = report_logger.level
-    report_logger.setLevel(logging.ERROR)
+    model's head, layers ``hf_config_overrides`` adds), weights it has that the model does not are dropped.
+    transformers' check of its own tensor-parallel plan (models that declare one, e.g. Qwen2.5-VL) is silenced
+    too: that plan is not used here (``parallelize`` shards the model)."""
+    loggers = [
+        logging.getLogger(f"transformers.{name}")
+        for name in ("modeling_utils", "distributed.tensor_parallel")
+    ]
+    levels = [report_logger.level for report_logger in loggers]
+    for report_logger in loggers:
+        report_logger.setLevel(logging.ERROR)
     try:
         model, info = auto_class.from_pretrained(
             model_name,
@@ -144,7 +175,8 @@ def _from_pretrained(auto_class: Any, model_name: str, hf_config: Any, trust_rem
             output_loading_info=True,
         )
     finally:
-        report_logger.setLevel(level)
+        for report_logger, level in zip(loggers, levels, strict=True):
+            report_logger.setLevel(level)
     for key, what in (("missing_keys", "start fresh (seeded)"), ("unexpected_keys", "are not used")):
         if info.get(key):
             logger.warning(
@@ -174,7 +206,8 @@ def initial_lora_adapters(cfg: PolicyConfig, lora_cfg: LoraConfig) -> dict[str, 
     """The adapters ``lora_cfg`` starts ``cfg.model_name`` with (full tensors by Hugging Face name, e.g.
     ``model.layers.0.self_attn.q_proj.lora_A``): the same draws as :func:`load_sharded_model`'s, so every
     backend given the same adapters starts from the same ones. Loads the model on the host (call on one rank)."""
-    model = _load_full_model(cfg, load_hf_config(cfg), model_auto_class(cfg), lora_cfg)
+    hf_config = load_hf_config(cfg)
+    model = _load_full_model(cfg, hf_config, model_auto_class(cfg, hf_config), lora_cfg)
     return adapter_state((name, param.detach()) for name, param in model.named_parameters())
 
 
@@ -186,7 +219,8 @@ def load_sharded_model(cfg: PolicyConfig, mesh: DeviceMesh, device: torch.device
     """
     trust = cfg.trust_remote_code
     hf_config = load_hf_config(cfg)
-    auto_class = model_auto_class(cfg)
+    check_vlm_policy(cfg, hf_config)
+    auto_class = model_auto_class(cfg, hf_config)
     full_model: nn.Module | None = None
     lora_cfg = cfg.dtensor_cfg.lora_cfg
     if dist.get_rank() == 0:
@@ -215,6 +249,7 @@ def load_sharded_model(cfg: PolicyConfig, mesh: DeviceMesh, device: torch.device
             PRECISION_DTYPES[cfg.precision],
             dtensor_cfg.cpu_offload,
             reshard_after_forward=device.type != "cpu",
+            replicated=vision_tower(model),
         )
     # With CPU offload FSDP keeps the sharded parameters on the host; only buffers go to the device.
     model.to_empty(device="cpu" if dtensor_cfg.cpu_offload else device)
@@ -270,6 +305,14 @@ def _hf_weight_names(model: nn.Module) -> set[str]:
     return names
 
 
+def _save_processor(tokenizer_cfg: TokenizerConfig, path: str, trust_remote_code: bool) -> None:
+    """Copy the Hugging Face processor of ``tokenizer_cfg.name`` (a vision-language model's) into ``path``."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(tokenizer_cfg.name, trust_remote_code=trust_remote_code)
+    processor.save_pretrained(path)
+
+
 def export_hf_checkpoint(
     model: nn.Module,
     path: str,
@@ -286,7 +329,7 @@ def export_hf_checkpoint(
 
     The full state dict is gathered to rank 0's CPU, cast to ``dtype`` and saved as (sharded) safetensors
     with the model's config and generation config, and the tokenizer ``tokenizer_cfg`` names (with its chat
-    template override) if given.
+    template override) if given; for a vision-language model with its processor too.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -315,6 +358,10 @@ def export_hf_checkpoint(
         generation_config = getattr(model, "generation_config", None)
         if generation_config is not None:
             generation_config.save_pretrained(path)
+        if tokenizer_cfg is not None and is_vision_language(hf_config):
+            # The image processor (and the processor's own settings) go first; the tokenizer below then
+            # replaces the processor's copy of it with the one the run used (its chat-template override).
+            _save_processor(tokenizer_cfg, path, trust_remote_code)
         if tokenizer_cfg is not None:
             # Through get_tokenizer, not AutoTokenizer: AutoTokenizer swaps in the model family's tokenizer
             # class (e.g. Qwen2Tokenizer for qwen2 checkpoints), which silently mangles custom tokenizers.

@@ -23,7 +23,7 @@ from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.distributed.worker_group_facade import WorkerGroupFacade
 from nemo_rl.distributed.worker_groups import RayWorkerGroup
 from nemo_rl.models.policy.dtensor_worker import DTensorPolicyWorker
-from nemo_rl.models.policy.hf_io import check_frozen_parameters
+from nemo_rl.models.policy.hf_io import check_model_settings
 from nemo_rl.models.policy.interfaces import LoraSummary, TrainResult, nonfinite_step_flags
 from nemo_rl.models.policy.loss_interface import LossFunction
 from nemo_rl.models.policy.worker_base import PolicyWorkerBase
@@ -81,11 +81,12 @@ def _worker_backend(cfg: PolicyConfig) -> WorkerBackend:
 def check_policy_layout(cfg: PolicyConfig, world_size: int) -> int:
     """The policy's data-parallel size on ``world_size`` workers; raises :class:`UserError` when the workers
     do not divide into its model-parallel groups, ``policy.train_global_batch_size`` or the expert-parallel
-    size does not divide over the data-parallel ranks, or ``policy.frozen_parameters`` names no parameter. Ray-free, so setups call it
-    before starting anything."""
+    size does not divide over the data-parallel ranks, or the settings do not fit the model
+    (:func:`~nemo_rl.models.policy.hf_io.check_model_settings`). Ray-free, so setups call it before starting
+    anything."""
     backend = _worker_backend(cfg)
     model_parallel_size = backend.model_parallel_size
-    check_frozen_parameters(cfg)
+    check_model_settings(cfg)
     if world_size % model_parallel_size != 0:
         raise UserError(
             f"the policy runs on {world_size} workers, which is not a multiple of its model-parallel size "

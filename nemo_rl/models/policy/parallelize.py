@@ -26,6 +26,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from nemo_rl.models.vlm import LANGUAGE_MODEL, is_vision_language
+
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor.parallel import ParallelStyle
@@ -68,8 +70,11 @@ def _head_plan(model: nn.Module, sequence_parallel: bool) -> dict[str, ParallelS
     }
 
 
-def _llama_like_plan(model_type: str, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """The TP (and optionally SP) plan of a Llama-like model's body, keyed by module path pattern."""
+def _llama_like_plan(
+    model_type: str, sequence_parallel: bool, body: str = "model"
+) -> dict[str, ParallelStyle]:
+    """The TP (and optionally SP) plan of a Llama-like model's body (the module at ``body``: ``model``, or a
+    vision-language model's ``model.language_model``), keyed by module path pattern."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -78,7 +83,7 @@ def _llama_like_plan(model_type: str, sequence_parallel: bool) -> dict[str, Para
         SequenceParallel,
     )
 
-    layer = "model.layers.*"
+    layer = f"{body}.layers.*"
     plan: dict[str, ParallelStyle] = {
         f"{layer}.self_attn.q_proj": ColwiseParallel(),
         f"{layer}.self_attn.k_proj": ColwiseParallel(),
@@ -95,7 +100,7 @@ def _llama_like_plan(model_type: str, sequence_parallel: bool) -> dict[str, Para
     if not sequence_parallel:
         plan.update(
             {
-                "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+                f"{body}.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
                 f"{layer}.self_attn.o_proj": RowwiseParallel(),
                 f"{layer}.mlp.down_proj": RowwiseParallel(),
             }
@@ -106,7 +111,7 @@ def _llama_like_plan(model_type: str, sequence_parallel: bool) -> dict[str, Para
     # layout. Attention and MLP inputs are all-gathered to full sequences, their outputs reduce-scattered.
     plan.update(
         {
-            "model.embed_tokens": RowwiseParallel(
+            f"{body}.embed_tokens": RowwiseParallel(
                 input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
             ),
             f"{layer}.input_layernorm": SequenceParallel(),
@@ -121,7 +126,7 @@ def _llama_like_plan(model_type: str, sequence_parallel: bool) -> dict[str, Para
             ),
             f"{layer}.self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
             f"{layer}.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-            "model.norm": SequenceParallel(),
+            f"{body}.norm": SequenceParallel(),
         }
     )
     return plan
@@ -166,13 +171,17 @@ def apply_tensor_parallel(
             )
         return
     config: Any = model.config
-    _check_divisible(config, tp_mesh.size())
     tied = bool(getattr(config, "tie_word_embeddings", False))
+    # A vision-language model's language model is a Qwen2 decoder under model.language_model; its vision
+    # tower is left whole (replicated, see nemo_rl.models.vlm).
+    vlm = is_vision_language(config)
+    config = config.text_config if vlm else config
+    _check_divisible(config, tp_mesh.size())
     if custom_parallel_plan is not None:
         plan_fn: CustomPlanFn = import_by_path(custom_parallel_plan)
         plan_fn(model, tp_mesh, sequence_parallel)
     else:
-        model_type = config.model_type
+        model_type = "qwen2" if vlm else config.model_type
         if model_type not in LLAMA_LIKE_MODEL_TYPES:
             raise ValueError(
                 f"no built-in tensor-parallel plan for model type {model_type!r} (known: "
@@ -181,7 +190,8 @@ def apply_tensor_parallel(
             )
         from torch.distributed.tensor.parallel import parallelize_module
 
-        plan = _llama_like_plan(model_type, sequence_parallel) | _head_plan(model, sequence_parallel)
+        body = LANGUAGE_MODEL if vlm else "model"
+        plan = _llama_like_plan(model_type, sequence_parallel, body) | _head_plan(model, sequence_parallel)
         parallelize_module(model, tp_mesh, plan)
     output_embeddings = model.get_output_embeddings()  # type: ignore[operator]
     if tied and output_embeddings is not None:
@@ -222,8 +232,12 @@ def apply_fsdp(
     param_dtype: torch.dtype,
     cpu_offload: bool,
     reshard_after_forward: bool = True,
+    replicated: nn.Module | None = None,
 ) -> FSDPModule:
     """Wrap every decoder layer, then the root, with FSDP2 over ``dp_mesh``; returns the root.
+
+    ``replicated`` (a vision-language model's vision tower) is left out: its parameters stay plain tensors,
+    whole on every rank, and the worker sums their gradients itself (see ``nemo_rl.models.vlm``).
 
     Parameters stay in float32 (the master copy the optimizer updates); ``param_dtype`` is the dtype they
     are all-gathered in for forward and backward. Gradients are reduced in float32.
@@ -242,9 +256,12 @@ def apply_fsdp(
     kwargs: dict[str, Any] = {"mesh": dp_mesh, "mp_policy": mp_policy}
     if offload_policy is not None:
         kwargs["offload_policy"] = offload_policy
+    left_out = set(replicated.modules()) if replicated is not None else set()
     for layer in decoder_layers(model):
-        fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
-    root = fully_shard(model, **kwargs)
+        if layer not in left_out:
+            fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
+    ignored = {p for m in left_out for p in m.parameters(recurse=False)}
+    root = fully_shard(model, ignored_params=ignored or None, **kwargs)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
