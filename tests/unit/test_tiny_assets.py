@@ -183,7 +183,8 @@ def test_checked_in_tiny_checkpoints_load_losslessly(checkpoint: pathlib.Path) -
     )
     assert prompt == "<|bos|><|user|>What is 1+2?<|assistant|>"
     config = json.loads((checkpoint / "config.json").read_text())
-    assert config["vocab_size"] == len(tokenizer)
+    # A vision-language model keeps its language model's settings under text_config.
+    assert config.get("text_config", config)["vocab_size"] == len(tokenizer)
 
 
 def test_validation_split_does_not_depend_on_training_size() -> None:

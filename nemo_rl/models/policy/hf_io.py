@@ -211,6 +211,13 @@ def initial_lora_adapters(cfg: PolicyConfig, lora_cfg: LoraConfig) -> dict[str, 
     return adapter_state((name, param.detach()) for name, param in model.named_parameters())
 
 
+def _buffers_to(model: nn.Module, device: torch.device) -> None:
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = buffer.to(device)
+
+
 def load_sharded_model(cfg: PolicyConfig, mesh: DeviceMesh, device: torch.device) -> nn.Module:
     """Load ``cfg.model_name`` (local path or hub name), sharded over ``mesh`` (axes ``dp``, ``cp``, ``tp``;
     FSDP2 over ``dp x cp``).
@@ -257,10 +264,7 @@ def load_sharded_model(cfg: PolicyConfig, mesh: DeviceMesh, device: torch.device
         # to_empty gives each module its own tensor; FSDP keeps a tied parameter one, a plain module re-ties.
         model.tie_weights()
     if dtensor_cfg.cpu_offload:
-        for module in model.modules():
-            for name, buffer in module._buffers.items():
-                if buffer is not None:
-                    module._buffers[name] = buffer.to(device)
+        _buffers_to(model, device)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     full_state = full_model.state_dict() if full_model is not None else {}
