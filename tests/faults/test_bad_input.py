@@ -101,8 +101,14 @@ def test_grpo_needs_a_group_of_responses() -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"dtensor_cfg": {"tensor_parallel_size": 2}}, r"replicate needs tensor_parallel_size=1 and cpu_off"),
-        ({"dtensor_cfg": {"cpu_offload": True}}, r"replicate needs tensor_parallel_size=1 and cpu_offload"),
+        (
+            {"dtensor_cfg": {"tensor_parallel_size": 2}},
+            r"replicate needs tensor_parallel_size=1, context_parallel_size=1 and cpu_off",
+        ),
+        (
+            {"dtensor_cfg": {"cpu_offload": True}},
+            r"replicate needs tensor_parallel_size=1, context_parallel_size=1 and cpu_offload",
+        ),
         ({"precision": "bfloat16"}, r"replicate trains in float32, not policy.precision=bfloat16"),
     ],
 )
