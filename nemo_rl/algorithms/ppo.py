@@ -79,14 +79,16 @@ class PPOLosses:
 
 
 def check_critic(config: PPOMasterConfig, tokenizer: PreTrainedTokenizerBase) -> None:
-    """The critic reads the policy's token ids, so both need one vocabulary; and it must value sequences as
-    long as the policy samples."""
-    critic_tokenizer = get_policy_tokenizer(config.value)
-    if tokenizer.get_vocab() != critic_tokenizer.get_vocab():
+    """The critic reads the policy's token ids, so both need one vocabulary (a critic with the policy's
+    tokenizer source is not loaded again)."""
+    source = config.value.tokenizer.name or config.value.model_name
+    if source == (config.policy.tokenizer.name or config.policy.model_name):
+        return
+    if tokenizer.get_vocab() != get_policy_tokenizer(config.value).get_vocab():
         raise UserError(
-            f"the critic's tokenizer ({config.value.tokenizer.name or config.value.model_name}) maps tokens to "
-            f"ids differently from the policy's ({config.policy.tokenizer.name or config.policy.model_name}): "
-            "PPO's critic values the policy's token ids; give value.model_name a model with the same tokenizer"
+            f"the critic's tokenizer ({source}) maps tokens to ids differently from the policy's "
+            f"({config.policy.tokenizer.name or config.policy.model_name}): PPO's critic values the policy's "
+            "token ids; give value.model_name a model with the same tokenizer"
         )
 
 
@@ -161,24 +163,31 @@ def prev_logprobs_from_training_forward(config: PPOMasterConfig, policy: Policy 
     return not (policy.trains_with_dropout() if policy is not None else trains_with_dropout(config.policy))
 
 
+def _trained_tokens(data: BatchedDataDict[Any]) -> torch.Tensor:
+    """[B, T]: 1 on the assistant tokens of the samples that count, 0 elsewhere."""
+    return data["token_mask"] * data["sample_mask"][:, None]
+
+
+def _masked_mean(x_BT: torch.Tensor, mask_BT: torch.Tensor) -> float:
+    return float((x_BT * mask_BT).sum() / mask_BT.sum().clamp(min=1))
+
+
 def advantages_and_returns(
-    rewards_B: torch.Tensor, values_BT: torch.Tensor, data: BatchedDataDict[Any], run: PPORun
+    rewards_B: torch.Tensor, values_BT: torch.Tensor, mask_BT: torch.Tensor, run: PPORun
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE over the batch's assistant tokens of the samples that count: each response's (transformed) reward on
-    its last assistant token, the critic's ``values_BT`` (aligned with the tokens)."""
-    mask_BT = data["token_mask"] * data["sample_mask"][:, None]
+    """GAE over ``mask_BT``'s tokens (:func:`_trained_tokens`): each response's (transformed) reward on its last
+    assistant token, the critic's ``values_BT`` (aligned with the tokens)."""
     token_rewards_BT = terminal_token_rewards(rewards_B.to(values_BT.dtype), mask_BT)
     return gae_advantages_and_returns(token_rewards_BT, values_BT, mask_BT, run.config.ppo.adv_estimator)
 
 
 def _critic_metrics(
-    result: TrainResult, values_BT: torch.Tensor, data: BatchedDataDict[Any]
+    result: TrainResult, values_BT: torch.Tensor, returns_BT: torch.Tensor, mask_BT: torch.Tensor
 ) -> dict[str, float]:
-    """``critic/*``: the critic's training metrics and, over the batch, how well its values before this step's
-    updates explained the returns."""
+    """``critic/*``: the critic's training metrics and, over ``mask_BT``'s tokens, how well its values before
+    this step's updates explained the returns."""
     metrics = {f"critic/{name}": value for name, value in train_metrics(result).items()}
-    mask_BT = (data["token_mask"] * data["sample_mask"][:, None]) != 0
-    returns, values = data["returns"][mask_BT], values_BT[mask_BT]
+    returns, values = returns_BT[mask_BT != 0], values_BT[mask_BT != 0]
     if returns.numel():
         metrics["critic/explained_var"] = explained_variance(
             float(returns.mean()),
@@ -204,7 +213,8 @@ def train_on_rollout(
     with timer.time("value_inference"):
         critic.prepare_for_lp_inference()
         values_BT = critic.get_values(data)["values"]
-    advantages_BT, returns_BT = advantages_and_returns(rollout["total_reward"], values_BT, data, run)
+    mask_BT = _trained_tokens(data)
+    advantages_BT, returns_BT = advantages_and_returns(rollout["total_reward"], values_BT, mask_BT, run)
     data["advantages"], data["returns"], data["old_values"] = advantages_BT, returns_BT, values_BT
     trains_policy = run.state.step >= cfg.ppo.policy_training_start_step
     if trains_policy:
@@ -223,11 +233,10 @@ def train_on_rollout(
                 run.policy.prepare_for_training()
                 policy_result = run.policy.train(data, loss.policy)
     assert critic_result is not None  # critic_epochs >= 1
-    metrics = _critic_metrics(critic_result, values_BT, data)
-    mask_BT = data["token_mask"] * data["sample_mask"][:, None]
+    metrics = _critic_metrics(critic_result, values_BT, returns_BT, mask_BT)
     extra = {
-        "advantages/mean": float((advantages_BT * mask_BT).sum() / mask_BT.sum().clamp(min=1)),
-        "returns/mean": float((returns_BT * mask_BT).sum() / mask_BT.sum().clamp(min=1)),
+        "advantages/mean": _masked_mean(advantages_BT, mask_BT),
+        "returns/mean": _masked_mean(returns_BT, mask_BT),
         "policy_trained": float(trains_policy),
         **rollout_metrics,
         **metrics,

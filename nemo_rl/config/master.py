@@ -234,6 +234,12 @@ class PPOMasterConfig(TrainingRunConfig):
                 "ppo.skip_reference_policy_logprobs_calculation=true but loss_fn.reference_policy_kl_penalty="
                 f"{self.loss_fn.reference_policy_kl_penalty} needs them: set one of them off"
             )
+        if self.value.max_total_sequence_length < self.policy.max_total_sequence_length:
+            raise ValueError(
+                f"value.max_total_sequence_length={self.value.max_total_sequence_length} is shorter than the "
+                f"policy's {self.policy.max_total_sequence_length}: the critic values every sampled sequence; "
+                "set value.max_total_sequence_length=${policy.max_total_sequence_length}"
+            )
         samples = self.ppo.samples_per_step
         for section, cfg in (("policy", self.policy), ("value", self.value)):
             if samples % cfg.train_global_batch_size != 0:

@@ -67,6 +67,10 @@ def test_a_run_without_a_critic_says_how_to_add_one() -> None:
             ],
             "set one of them off",
         ),
+        (
+            ["value.max_total_sequence_length=32"],
+            "value.max_total_sequence_length=32 is shorter than the policy's 64",
+        ),
         (["value.train_global_batch_size=384"], "must be a multiple of value.train_global_batch_size=384"),
         (["policy.train_global_batch_size=96"], "must be a multiple of policy.train_global_batch_size=96"),
         (["ppo.max_num_steps=5", "ppo.policy_training_start_step=5"], "the policy would never train"),

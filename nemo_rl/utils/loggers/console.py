@@ -30,11 +30,14 @@ from typing import Literal
 ConsoleMode = Literal["compact", "full"]
 
 # A step line's figures, in order: (metric under train/, label). A loop shows those it logs, so GRPO and
-# distillation lead with the reward, DPO and reward models with pairwise accuracy, SFT with the loss.
+# distillation lead with the reward, DPO and reward models with pairwise accuracy, SFT with the loss; PPO adds
+# its critic's loss and how much of the returns' variance the critic explains.
 TRAIN_FIGURES: tuple[tuple[str, str], ...] = (
     ("reward", "reward"),
     ("accuracy", "acc"),
     ("loss", "loss"),
+    ("critic/loss", "critic loss"),
+    ("critic/explained_var", "critic ev"),
     ("mean_gen_tokens_per_sample", "len"),
 )
 # A validation's headline candidates, first present first: the line shows its start and best values.
