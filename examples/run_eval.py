@@ -4,7 +4,9 @@
 
 The default config, ``examples/configs/evals/eval.yaml``, is NeMo RL's (Qwen2.5-Math-1.5B-Instruct on
 AIME 2024, greedy, vLLM on a GPU). ``examples/configs/evals/tiny_math_eval.yaml`` evaluates the committed tiny
-checkpoint on the held-out arithmetic problems on any CPU. ``generation.model_name`` may be a Hugging Face
+checkpoint on the held-out arithmetic problems on any CPU, and ``examples/configs/evals/tiny_clevr_eval.yaml`` a
+tiny vision-language checkpoint on the held-out counting pictures (``data.blank_images=true``: the same pictures
+blanked). ``generation.model_name`` may be a Hugging Face
 folder or hub name, or a training checkpoint (``<checkpoint_dir>/step_<N>``), read directly.
 """
 
@@ -47,11 +49,23 @@ def main() -> None:
         cpu_config="examples/configs/evals/tiny_math_eval.yaml",
     )
     tokenizer = load_eval_tokenizer(config, model)
-    dataset = setup_eval_data(
-        config.data,
-        tokenizer,
-        max_total_sequence_length=config.generation.max_total_sequence_length,
-    )
+    if config.data.multimodal:
+        # Pictures go through the model's own processor (images blanked with data.blank_images).
+        from nemo_rl.data.vlm import load_hf_processor
+        from nemo_rl.data.vlm_prompts import setup_vlm_eval_data
+
+        dataset = setup_vlm_eval_data(
+            config.data,
+            tokenizer,
+            load_hf_processor(generation_policy_config(config, model)),
+            max_total_sequence_length=config.generation.max_total_sequence_length,
+        )
+    else:
+        dataset = setup_eval_data(
+            config.data,
+            tokenizer,
+            max_total_sequence_length=config.generation.max_total_sequence_length,
+        )
     components = setup(config, tokenizer, dataset, model)
     try:
         run_env_eval(components)

@@ -1,5 +1,5 @@
 """The body of the example scripts whose loop samples from a dataset (``run_grpo_math.py``, ``run_ppo.py``,
-``run_distillation_math.py``): start Ray in the background, import the algorithm, check the generation backend,
+``run_distillation_math.py``, ``run_vlm_grpo.py``): start Ray in the background, import the algorithm, check the generation backend,
 load the tokenizer and the data, set up, train, shut down.
 
 Nothing heavy is imported at this module's top: a script imports it right after validating its config, and
@@ -13,6 +13,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from nemo_rl.algorithms.run import Run, TrainingConfig
+
+
+class DataSetup(Protocol):
+    """Builds a script's training and validation datasets from its config and the policy's tokenizer."""
+
+    def __call__(self, config: Any, tokenizer: Any, /) -> tuple[Any, Any]:
+        """The ``(train, validation)`` datasets (validation may be ``None``)."""
+        ...
 
 
 class Setup(Protocol):
@@ -29,12 +37,14 @@ def run_rl_script(
     load: Callable[[], tuple[Setup, Callable[[Any], object]]],
     *,
     cpu_config: str,
+    setup_data: DataSetup | None = None,
 ) -> None:
     """Run the algorithm ``load()`` imports (its ``setup`` and its train function) on ``config``'s data.
 
     A mistake found before setup (bad data, a task with no environment, a check that needs the tokenizer)
     ends the process with its one line at once, stopping what Ray's start began. ``cpu_config`` is the recipe
-    the error for a GPU-only backend on a machine without a GPU points to.
+    the error for a GPU-only backend on a machine without a GPU points to. ``setup_data`` builds the datasets
+    (default: the text prompts of :func:`nemo_rl.data.datasets.setup_rl_data`); it runs while Ray starts.
     """
     from nemo_rl.distributed.ray_start import ray_starting_in_background
     from nemo_rl.models.generation.backends import ray_may_start_in_background
@@ -52,11 +62,14 @@ def run_rl_script(
         # Fail before starting any worker when the backend cannot run here (vLLM without a GPU).
         check_backend_available(config.policy, cluster_has_gpus=cuda_available(), cpu_config=cpu_config)
         tokenizer = get_policy_tokenizer(config.policy)
-        train_dataset, val_dataset = setup_rl_data(
-            config.data,
-            tokenizer,
-            max_total_sequence_length=config.policy.max_total_sequence_length,
-        )
+        if setup_data is not None:
+            train_dataset, val_dataset = setup_data(config, tokenizer)
+        else:
+            train_dataset, val_dataset = setup_rl_data(
+                config.data,
+                tokenizer,
+                max_total_sequence_length=config.policy.max_total_sequence_length,
+            )
         run = setup(config, tokenizer, train_dataset, val_dataset)
     try:
         train(run)

@@ -45,6 +45,7 @@ from nemo_rl.config.master import (
     PreferenceMasterConfig,
     SFTMasterConfig,
 )
+from nemo_rl.data.collate_fn import repeat_prompts
 from nemo_rl.data.dataloader import StatefulDataLoader
 from nemo_rl.data.datasets import ProcessedDataset
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
@@ -254,7 +255,7 @@ class Run(Generic[C, S]):
         agents of ``grpo.agent``; returns the rollout (raw rewards), its metrics, and the wait for the
         environments' own metrics (requested here, computed while the caller goes on)."""
         rl = self.rl
-        samples = batch.repeat_interleave(loop_cfg.num_generations_per_prompt)
+        samples = repeat_prompts(batch, loop_cfg.num_generations_per_prompt)
         if rl.agent_endpoint is not None and rl.agent is not None:
             rollout, metrics = run_agent_rollout(
                 rl.agent_endpoint, samples, self.tokenizer, rl.agent, timer=timer

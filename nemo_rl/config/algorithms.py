@@ -279,8 +279,8 @@ class GRPOConfig(PolicyGradientLoopConfig):
     """Responses sampled per prompt (at least 2: advantages compare responses within a prompt's group)."""
 
     deduplicate_multimodal_data: bool = False
-    """Accepted, no effect here: sharing one copy of a prompt's images among its group's rows in Ray payloads
-    is a transfer-size knob of NeMo RL's VLM GRPO."""
+    """Accepted, no effect here: a prompt's group always shares one copy of its images (the rows hold the same
+    tensors, which Ray's pickling sends once per call); NeMo RL makes that sharing a transfer-size knob."""
 
     debug_payload_metrics: bool = False
     """Accepted, no effect here: debug telemetry of NeMo RL's Ray payload sizes."""

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from typing import Any, Literal, Self
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, ValidationError, model_validator
 
 from nemo_rl.config.base import ConfigModel
 from nemo_rl.config.cluster import ClusterConfig
+from nemo_rl.config.vlm_env import VLM_ENV_NAMES, vlm_env_config
 from nemo_rl.config.policy import (
     DTensorConfig,
     DynamicBatchingConfig,
@@ -305,12 +306,17 @@ class EnvConfig(ConfigModel):
                 raise ValueError(
                     f"env.{name} must be a mapping of the environment's constructor arguments, got {value!r}"
                 )
+            if name in VLM_ENV_NAMES:
+                _check_vlm_section(name, value)
         return self
 
     def section(self, name: str) -> Any:
-        """The config of environment ``name``: its schema section, its user section (a dict), or ``{}``."""
+        """The config of environment ``name``: its schema section, a vision-language environment's
+        :class:`~nemo_rl.config.vlm_env.VlmEnvConfig`, its user section (a dict), or ``{}``."""
         if name in type(self).model_fields:
             return getattr(self, name)
+        if name in VLM_ENV_NAMES:
+            return vlm_env_config(name, (self.model_extra or {}).get(name))
         return dict((self.model_extra or {}).get(name, {}))
 
     def tool_sections(self) -> dict[str, RuleBasedEnvConfig]:
@@ -336,3 +342,13 @@ class EnvConfig(ConfigModel):
     def user_sections(self) -> list[str]:
         """Names of the sections the schema does not declare (user-registered environments)."""
         return sorted(self.model_extra or {})
+
+
+def _check_vlm_section(name: str, value: dict[str, Any]) -> None:
+    """Validate a vision-language environment's section now, so a bad key fails the config load."""
+    try:
+        vlm_env_config(name, value)
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise ValueError(f"env.{name}.{where}: {first['msg']}") from None

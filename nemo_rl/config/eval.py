@@ -18,7 +18,7 @@ EvalMetric = Literal["pass@k", "cons@k"]
 """The headline metric: ``pass@k`` (some of k samples is correct, unbiased estimator) or ``cons@k`` (the
 majority answer of k samples is correct)."""
 
-KNOWN_EVAL_DATASETS = ("tiny_math", "aime2024", "aime2025", "math500", "gsm8k")
+KNOWN_EVAL_DATASETS = ("tiny_math", "tiny_clevr", "aime2024", "aime2025", "math500", "gsm8k")
 """Benchmarks with a built-in schema (matched case-insensitively, so NeMo RL's ``AIME2024`` works too)."""
 
 
@@ -114,7 +114,8 @@ class EvalDataConfig(ConfigModel):
     problems and answers."""
 
     dataset_name: str = "aime2024"
-    """``tiny_math`` (the held-out arithmetic problems of the tiny recipes), ``aime2024``
+    """``tiny_math`` (the held-out arithmetic problems of the tiny recipes), ``tiny_clevr`` (the held-out
+    counting pictures of the tiny vision-language recipes; score them with ``env_name: tiny_clevr``), ``aime2024``
     (HuggingFaceH4/aime_2024), ``aime2025`` (opencompass/AIME2025, parts I and II), ``math500``
     (HuggingFaceH4/MATH-500) or ``gsm8k`` (openai/gsm8k, answer after ``####``), case-insensitive; any other
     value is a local file (``.jsonl``, ``.json``, ``.parquet``, ``.csv``) or a hub dataset read with
@@ -165,11 +166,26 @@ class EvalDataConfig(ConfigModel):
     tiny_math_max_operand: int = Field(default=50, ge=1)
     """Largest operand of a ``tiny_math`` problem (as in the recipe that trained the model)."""
 
+    tiny_clevr_image_size: int = Field(default=84, ge=28)
+    """Side in pixels of the ``tiny_clevr`` pictures (as in the recipe that trained the model)."""
+
+    tiny_clevr_max_objects: int = Field(default=5, ge=1, le=9)
+    """Most shapes in a ``tiny_clevr`` picture (as in the recipe that trained the model)."""
+
+    blank_images: bool = False
+    """Replace every image of a multimodal benchmark by a blank one of the same size (the same image
+    tokens): the same checkpoint's score without the pictures, which shows how much it reads them."""
+
     @property
     def builtin_name(self) -> str | None:
         """The built-in dataset ``dataset_name`` names (lower case), or ``None`` for a file or hub name."""
         name = self.dataset_name.lower()
         return name if name in KNOWN_EVAL_DATASETS else None
+
+    @property
+    def multimodal(self) -> bool:
+        """Whether the benchmark's prompts hold images (``tiny_clevr``)."""
+        return self.builtin_name == "tiny_clevr"
 
     @model_validator(mode="after")
     def _check_source(self) -> Self:
@@ -178,8 +194,13 @@ class EvalDataConfig(ConfigModel):
                 f"data.data_path is for built-in datasets {list(KNOWN_EVAL_DATASETS)}; with "
                 f"data.dataset_name={self.dataset_name!r} put the file or hub name in data.dataset_name itself"
             )
-        if self.builtin_name == "tiny_math" and self.data_path is not None:
+        if self.builtin_name in ("tiny_math", "tiny_clevr") and self.data_path is not None:
             raise ValueError(
-                "data.dataset_name=tiny_math is generated and reads no file: unset data.data_path"
+                f"data.dataset_name={self.builtin_name} is generated and reads no file: unset data.data_path"
+            )
+        if self.blank_images and not self.multimodal:
+            raise ValueError(
+                f"data.blank_images=true blanks the images of a multimodal benchmark, and {self.dataset_name} has "
+                "none: set data.dataset_name=tiny_clevr or remove it"
             )
         return self

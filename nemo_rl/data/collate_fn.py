@@ -26,7 +26,8 @@ def rl_collate_fn(batch: Sequence[DatumSpec]) -> BatchedDataDict[Any]:
 
     Keys: ``message_log``, ``extra_env_info``, ``task_name`` (lists), ``idx`` [B] long, ``length`` [B] long,
     ``loss_multiplier`` [B] float; ``stop_strings`` (a list, ``None`` where a sample has none) when any
-    sample carries them.
+    sample carries them; for multimodal prompts ``pixel_values`` and ``image_grid_thw`` (lists, see
+    :func:`add_image_inputs`), which the rollout hands to generation and the training batch to the policy.
     """
     if not batch:
         raise ValueError("cannot collate an empty batch")
@@ -40,6 +41,7 @@ def rl_collate_fn(batch: Sequence[DatumSpec]) -> BatchedDataDict[Any]:
     )
     if any(d.get("stop_strings") for d in batch):
         collated["stop_strings"] = [d.get("stop_strings") for d in batch]
+    add_image_inputs(collated, batch)
     return collated
 
 
@@ -78,6 +80,17 @@ def add_image_inputs(data: BatchedDataDict[Any], batch: Sequence[DatumSpec]) -> 
         return
     for key in IMAGE_KEYS:
         data[key] = [d.get(key) for d in batch]
+
+
+def repeat_prompts(batch: BatchedDataDict[Any], num_repeats: int) -> BatchedDataDict[Any]:
+    """Every prompt of ``batch`` repeated ``num_repeats`` times in a row (a GRPO group, an evaluation's samples):
+    message logs copied, so each repeat is extended on its own, but a prompt's image tensors shared by its
+    repeats, which only read them (and Ray's pickling then sends them once per call, not once per repeat)."""
+    repeated = batch.repeat_interleave(num_repeats)
+    for key in IMAGE_KEYS:
+        if key in batch:
+            repeated[key] = [value for value in batch[key] for _ in range(num_repeats)]
+    return repeated
 
 
 def _bound(

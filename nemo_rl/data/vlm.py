@@ -123,7 +123,7 @@ def image_inputs(hf_processor: Any, images: list[Any]) -> ImageInputs:
     return ImageInputs(out["pixel_values"].float(), grid_I3, tokens)
 
 
-def _expand_placeholders(message_log: MessageLog, token_id: int, tokens: list[int], where: str) -> None:
+def expand_placeholders(message_log: MessageLog, token_id: int, tokens: list[int], where: str) -> None:
     """Repeat the ``k``-th placeholder of the log ``tokens[k]`` times (in place), as the processor does."""
     found = sum(int((m["token_ids"] == token_id).sum()) for m in message_log)
     if found != len(tokens):
@@ -140,7 +140,7 @@ def _expand_placeholders(message_log: MessageLog, token_id: int, tokens: list[in
         message["token_ids"] = ids.repeat_interleave(repeats)
 
 
-def _apply_spec(messages: list[VlmMessage], spec: TaskDataSpec) -> list[VlmMessage]:
+def apply_spec(messages: list[VlmMessage], spec: TaskDataSpec) -> list[VlmMessage]:
     """The spec's prompt template applied to the text of user turns, and its system prompt put first."""
 
     def user_content(content: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
@@ -183,7 +183,7 @@ class VlmSftProcessor(RecordProcessor):
         ]
         spec = given.spec
         message_log = format_message_log(
-            cast(list[ChatMessage], _apply_spec(messages, spec)),
+            cast(list[ChatMessage], apply_spec(messages, spec)),
             given.tokenizer,
             add_bos=spec.add_bos,
             add_eos=spec.add_eos,
@@ -201,19 +201,32 @@ class VlmSftProcessor(RecordProcessor):
     def _with_images(
         self, message_log: MessageLog, images: list[Any], given: ProcessorInput, where: str
     ) -> DatumSpec:
-        if not images:
-            return given.datum(message_log, length=message_log_length(message_log))
-        inputs = image_inputs(self.hf_processor, images)
-        _expand_placeholders(
-            message_log, int(self.hf_processor.image_token_id), inputs.tokens_per_image, where
-        )
-        for message in message_log:
-            # The log's text is what the model reads, placeholders repeated (decode gives one string here).
-            message["content"] = str(given.tokenizer.decode(message["token_ids"], skip_special_tokens=False))
+        inputs = attach_images(message_log, images, self.hf_processor, given.tokenizer, where)
         datum = given.datum(message_log, length=message_log_length(message_log))
+        add_image_tensors(datum, inputs)
+        return datum
+
+
+def attach_images(
+    message_log: MessageLog, images: list[Any], hf_processor: Any, tokenizer: PreTrainedTokenizerBase, where: str
+) -> ImageInputs | None:
+    """The processor's patches of ``images``, with the log's placeholders repeated to match (in place, each
+    message's text rewritten as the model reads it); ``None`` for a log without images."""
+    if not images:
+        return None
+    inputs = image_inputs(hf_processor, images)
+    expand_placeholders(message_log, int(hf_processor.image_token_id), inputs.tokens_per_image, where)
+    for message in message_log:
+        # The log's text is what the model reads, placeholders repeated (decode gives one string here).
+        message["content"] = str(tokenizer.decode(message["token_ids"], skip_special_tokens=False))
+    return inputs
+
+
+def add_image_tensors(datum: DatumSpec, inputs: ImageInputs | None) -> None:
+    """Put a sample's ``pixel_values`` and ``image_grid_thw`` on it (nothing for a sample without images)."""
+    if inputs is not None:
         datum["pixel_values"] = inputs.pixel_values_ND
         datum["image_grid_thw"] = inputs.image_grid_thw_I3
-        return datum
 
 
 def check_dataset_images(records: Sequence[Record], *, source: str, max_pixels: int) -> int:

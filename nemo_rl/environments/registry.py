@@ -4,7 +4,9 @@ Built in: ``math`` (:class:`~nemo_rl.environments.math_environment.MathEnvironme
 (:class:`~nemo_rl.environments.code_environment.CodeEnvironment`), ``number_guessing``
 (:class:`~nemo_rl.environments.games.number_guessing.NumberGuessingEnvironment`), ``reward_model``
 (:class:`~nemo_rl.environments.reward_model_environment.RewardModelEnvironment`) and ``sliding_puzzle_game``
-(:class:`~nemo_rl.environments.games.sliding_puzzle.SlidingPuzzleEnv`). Add your own with
+(:class:`~nemo_rl.environments.games.sliding_puzzle.SlidingPuzzleEnv`), and the vision-language environment
+(:class:`~nemo_rl.environments.vlm_environment.VlmEnvironment`) under NeMo RL's names ``clevr-cogent``,
+``geometry3k``, ``refcoco`` and ``vlm``, and ``tiny_clevr``. Add your own with
 :func:`register_env`::
 
     class MyEnv(EnvironmentInterface[dict]):
@@ -36,6 +38,7 @@ from ray.exceptions import RayActorError
 
 from nemo_rl.config.env import EnvConfig
 from nemo_rl.config.errors import UserError
+from nemo_rl.config.vlm_env import VLM_ENV_NAMES
 from nemo_rl.environments.interfaces import EnvironmentInterface
 from nemo_rl.environments.sandbox import check_sandbox
 
@@ -92,6 +95,8 @@ _BUILTIN_ENVS: dict[str, str] = {
     "number_guessing": "nemo_rl.environments.games.number_guessing:NumberGuessingEnvironment",
     "reward_model": "nemo_rl.environments.reward_model_environment:RewardModelEnvironment",
     "sliding_puzzle_game": "nemo_rl.environments.games.sliding_puzzle:SlidingPuzzleEnv",
+    # NeMo RL's vision-language task names, each with a section of its own (nemo_rl.config.vlm_env).
+    **{name: "nemo_rl.environments.vlm_environment:VlmEnvironment" for name in VLM_ENV_NAMES},
 }
 _REGISTRY: dict[str, EnvClass | str] = dict(_BUILTIN_ENVS)
 

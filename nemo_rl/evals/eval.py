@@ -43,7 +43,7 @@ from nemo_rl.config.errors import UserError
 from nemo_rl.config.loader import save_config
 from nemo_rl.config.master import EvalMasterConfig
 from nemo_rl.config.policy import GenerationConfig, PolicyConfig, TokenizerConfig
-from nemo_rl.data.collate_fn import rl_collate_fn
+from nemo_rl.data.collate_fn import IMAGE_KEYS, repeat_prompts, rl_collate_fn
 from nemo_rl.data.datasets import ProcessedDataset
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.ray_start import init_ray
@@ -332,11 +332,12 @@ def _environment_metrics(s: EvalSetup, rollouts: list[BatchedDataDict[Any]]) -> 
     """The environment's own metrics over every sampled response, as ``<env_name>/<metric>``."""
     env_name = s.config.data.env_name
     metrics: dict[str, float]
+    # The environment reads the conversations; a multimodal benchmark's images stay here.
+    scored = BatchedDataDict.from_batches(
+        [BatchedDataDict({k: v for k, v in r.items() if k not in IMAGE_KEYS}) for r in rollouts]
+    )
     _, metrics = ray.get(
-        s.task_to_env[env_name].global_post_process_and_metrics.remote(
-            BatchedDataDict.from_batches(rollouts)
-        ),
-        timeout=ENV_TIMEOUT_S,
+        s.task_to_env[env_name].global_post_process_and_metrics.remote(scored), timeout=ENV_TIMEOUT_S
     )
     return {f"{env_name}/{name}": float(value) for name, value in metrics.items()}
 
@@ -352,7 +353,7 @@ def run_env_eval(s: EvalSetup) -> EvalResult:
     rollouts: list[BatchedDataDict[Any]] = []
     s.generation.prepare_for_generation()
     for batch in _problem_batches(s):
-        rollout = _rollout(s, batch.repeat_interleave(n), greedy=greedy_only)
+        rollout = _rollout(s, repeat_prompts(batch, n), greedy=greedy_only)
         greedy = _rollout(s, batch, greedy=True) if cfg.eval.greedy_accuracy and not greedy_only else None
         problems += _problem_results(batch, rollout, greedy, n, ks, first_index=len(problems))
         rollouts.append(rollout)

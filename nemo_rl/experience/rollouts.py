@@ -4,7 +4,8 @@ A rollout works on a batch of message logs (one per sample; GRPO repeats each pr
 ``num_generations_per_prompt`` times before calling it) and keeps every conversation as a row of token tensors
 beside its log (:class:`~nemo_rl.experience.rollout_tokens.RolloutTokens`). Each turn:
 
-1. the still-active rows are sampled by the generation backend, as right-padded prompts;
+1. the still-active rows are sampled by the generation backend, as right-padded prompts (with their images,
+   ``pixel_values`` and ``image_grid_thw`` per row, for a vision-language model's prompts);
 2. each response is cut to the sample's remaining token budget (``max_seq_len``) and copied from the engine's
    output into the rows with the sampler's log-probs (and routing), then decoded into an assistant message;
 3. responses of a task with tools (``task_to_tools``) that call tools get the results appended as a tool
@@ -30,6 +31,7 @@ import ray
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from nemo_rl.data.collate_fn import IMAGE_KEYS
 from nemo_rl.data.interfaces import LLMMessage, MessageLog
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.environments.interfaces import EnvironmentReturn
@@ -78,6 +80,9 @@ class _Rollout:
     tokens: RolloutTokens
     task_names: list[str]
     env_info: list[Any]
+    images: dict[str, list[Any]]
+    """Each row's image tensors under :data:`~nemo_rl.data.collate_fn.IMAGE_KEYS` (multimodal prompts only):
+    every generation call of the row reads them with its tokens."""
 
     @classmethod
     def start(cls, input_batch: BatchedDataDict[Any], tokenizer: PreTrainedTokenizerBase) -> _Rollout:
@@ -95,6 +100,7 @@ class _Rollout:
             tokens=RolloutTokens.from_prompts(logs, pad_token_id),
             task_names=list(input_batch["task_name"]),
             env_info=list(input_batch["extra_env_info"]),
+            images={key: list(input_batch[key]) for key in IMAGE_KEYS if key in input_batch},
         )
 
     def active(self) -> list[int]:
@@ -102,8 +108,11 @@ class _Rollout:
         return [i for i, s in enumerate(self.states) if not s.done]
 
     def generation_input(self, active: list[int]) -> BatchedDataDict[Any]:
-        """The prompts of the next generation call: the active conversations so far and their stop strings."""
+        """The prompts of the next generation call: the active conversations so far, their images and their
+        stop strings."""
         gen_input = self.tokens.generation_input(active)
+        for key, values in self.images.items():
+            gen_input[key] = [values[i] for i in active]
         if any(self.states[i].stop_strings for i in active):
             gen_input["stop_strings"] = [self.states[i].stop_strings for i in active]
         return gen_input

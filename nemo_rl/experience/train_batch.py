@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from nemo_rl.data.collate_fn import IMAGE_KEYS
 from nemo_rl.data.routed_experts import ROUTED_EXPERTS_KEY
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
@@ -30,18 +31,28 @@ def train_batch(
     """The batch every RL loop trains on: ``input_ids`` [B, T] (right-padded with ``pad_token_id``),
     ``input_lengths`` [B], ``token_mask`` [B, T] (1.0 on the sampled tokens) and ``sample_mask`` [B] (the
     prompt's ``loss_multiplier``: 0 for prompts cut to fit; with ``overlong_filtering`` also 0 for truncated
-    responses)."""
+    responses); for multimodal prompts each row's ``pixel_values`` and ``image_grid_thw`` (lists)."""
     valid_BT = _valid_mask(rollout)
     width = valid_BT.shape[1]
     sample_mask_B = rollout["loss_multiplier"].float().clone()
     if overlong_filtering:
         sample_mask_B *= (~rollout["truncated"]).float()
-    return BatchedDataDict(
+    batch = BatchedDataDict[Any](
         input_ids=torch.where(valid_BT, rollout["input_ids"][:, :width], pad_token_id),
         input_lengths=rollout["input_lengths"].clone(),
         token_mask=torch.where(valid_BT, rollout["token_mask"][:, :width], 0.0),
         sample_mask=sample_mask_B,
     )
+    _carry_images(rollout, batch)
+    return batch
+
+
+def _carry_images(rollout: BatchedDataDict[Any], batch: BatchedDataDict[Any]) -> None:
+    """A multimodal rollout's per-row images, which the policy's forward reads with the rows' tokens (the
+    response follows the prompt's image placeholders, so the prompt's images are the whole row's)."""
+    for key in IMAGE_KEYS:
+        if key in rollout:
+            batch[key] = list(rollout[key])
 
 
 def build_train_batch(
@@ -65,6 +76,7 @@ def build_train_batch(
         generation_logprobs=torch.where(valid_BT, rollout["generation_logprobs"][:, :width], 0.0),
         sample_mask=batch["sample_mask"],
     )
+    _carry_images(rollout, result)
     if advantages_B is not None:
         result["advantages"] = advantages_B[:, None].expand_as(batch["token_mask"]).contiguous()
     if ROUTED_EXPERTS_KEY in rollout:

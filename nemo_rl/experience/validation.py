@@ -15,7 +15,7 @@ import ray
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from nemo_rl.data.collate_fn import rl_collate_fn
+from nemo_rl.data.collate_fn import IMAGE_KEYS, rl_collate_fn
 from nemo_rl.data.datasets import ProcessedDataset
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.environments.tools import TaskTools
@@ -35,8 +35,8 @@ def request_environment_metrics(
     trains meanwhile)."""
     task_names = list(rollout["task_name"])
     # Environments read the conversations as messages: the token tensors (the largest part with routing
-    # replay) stay here.
-    scored = BatchedDataDict[Any]({k: v for k, v in rollout.items() if k not in TOKEN_KEYS})
+    # replay) and the images stay here.
+    scored = BatchedDataDict[Any]({k: v for k, v in rollout.items() if k not in (*TOKEN_KEYS, *IMAGE_KEYS)})
     requests = []
     for task, env in task_to_env.items():
         indices = [i for i, name in enumerate(task_names) if name == task]

@@ -129,12 +129,14 @@ def setup_data(
     tools: Sequence[dict[str, Any]] = (),
 ) -> tuple[ProcessedDataset, ProcessedDataset | None]:
     """Training and validation datasets of the ``data`` section, processed by ``processor``, their
-    conversations declaring ``tools`` (JSON schemas). Multimodal data is refused: its processor is
-    ``nemo_rl.data.vlm``'s (``examples/run_vlm_sft.py``)."""
+    conversations declaring ``tools`` (JSON schemas). Multimodal data is refused: its processors are
+    ``nemo_rl.data.vlm``'s and ``nemo_rl.data.vlm_prompts``' (``examples/run_vlm_sft.py``,
+    ``examples/run_vlm_grpo.py``)."""
     if cfg.multimodal:
         raise UserError(
             f"data.dataset_name={cfg.dataset_name} (processor {cfg.processor}) holds images, which only "
-            "examples/run_vlm_sft.py reads (VLM SFT; other algorithms on images are not built yet): run that"
+            "examples/run_vlm_sft.py (SFT) and examples/run_vlm_grpo.py (GRPO) read (DPO, reward models, PPO "
+            "and distillation on images are not built): run one of those"
         )
     splits = load_dataset_splits(cfg)
     spec = TaskDataSpec.from_config(cfg, task_name=task_name, tools=tools)

@@ -151,6 +151,12 @@ def _source_dataset(
 def load_eval_records(cfg: EvalDataConfig) -> RecordDataset:
     """The benchmark's records (every row checked), cut to ``data.max_num_problems``."""
     name = cfg.builtin_name
+    if cfg.multimodal:
+        # Its prompts hold images, which only the model's own processor reads.
+        raise DataError(
+            f"data.dataset_name={cfg.dataset_name} holds images: read it with "
+            "nemo_rl.data.vlm_prompts.setup_vlm_eval_data (examples/run_eval.py does)"
+        )
     if name == "tiny_math":
         _, rows = tiny_math_splits(
             0, cfg.num_val_samples, seed=cfg.seed, max_operand=cfg.tiny_math_max_operand
