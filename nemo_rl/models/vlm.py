@@ -145,20 +145,69 @@ def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
     return model.get_submodule(VISION_TOWER.rstrip("."))
 
 
+def vlm_token_ids(hf_config: Any) -> dict[str, Any]:
+    """What :func:`image_forward_inputs` needs of a model's config: ``image_token_id`` (``None`` for a text
+    model), ``pad_token_id`` and the vision tower's ``merge_size``."""
+    vision = _config_value(hf_config, "vision_config")
+    if vision is None:
+        return {"image_token_id": None}
+    pad = _config_value(hf_config, "pad_token_id")
+    if pad is None:  # transformers 5 keeps it in the language model's config
+        pad = _config_value(_config_value(hf_config, "text_config") or {}, "pad_token_id")
+    return {
+        "image_token_id": _config_value(hf_config, "image_token_id"),
+        # A model without a pad token: any text token serves, it only stands in for a stray placeholder.
+        "pad_token_id": 0 if pad is None else int(pad),
+        "merge_size": int(_config_value(vision, "spatial_merge_size")),
+    }
+
+
 def image_forward_inputs(
-    mb: BatchedDataDict[Any], device: torch.device, image_token_id: int | None
+    mb: BatchedDataDict[Any],
+    device: torch.device,
+    image_token_id: int | None,
+    *,
+    pad_token_id: int | None = None,
+    merge_size: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """The model's image keywords for a micro-batch: its rows' ``pixel_values`` [N, D] and ``image_grid_thw``
     [I, 3] concatenated in row order, and ``mm_token_type_ids`` [B, T] (1 at the image placeholders, as the
     processor returns it: without it transformers gives the tokens plain 1-D positions instead of the
-    multimodal RoPE ones). Empty when no row holds an image."""
+    multimodal RoPE ones). Empty when no row holds an image.
+
+    With ``pad_token_id`` and ``merge_size`` (the vision config's ``spatial_merge_size``), a sampled response
+    (``token_mask`` > 0) that holds the image placeholder token itself, in a row whose prompt already has all
+    its images' placeholders, is fed with those tokens as ``pad_token_id`` (``input_ids`` is returned then):
+    transformers would otherwise count more placeholders than image features and fail. They are still scored
+    where they were sampled; only the later tokens of that rare row read another embedding than the sampler
+    did."""
     pixels = [p for p in mb.get("pixel_values") or () if p is not None]
     if not pixels:
         return {}
     assert image_token_id is not None, "a batch with images needs the model's image_token_id"
     grids = [g for g in mb["image_grid_thw"] if g is not None]
+    ids_BT = mb["input_ids"]
+    placeholders_BT = ids_BT == image_token_id
+    inputs: dict[str, torch.Tensor] = {}
+    if pad_token_id is not None and merge_size is not None and "token_mask" in mb:
+        stray_BT = _stray_placeholders(mb, placeholders_BT, merge_size)
+        if bool(stray_BT.any()):
+            placeholders_BT = placeholders_BT & ~stray_BT
+            inputs["input_ids"] = ids_BT.masked_fill(stray_BT, pad_token_id).to(device)
     return {
+        **inputs,
         "pixel_values": torch.cat(pixels).to(device),
         "image_grid_thw": torch.cat(grids).to(device),
-        "mm_token_type_ids": (mb["input_ids"] == image_token_id).int().to(device),
+        "mm_token_type_ids": placeholders_BT.int().to(device),
     }
+
+
+def _stray_placeholders(mb: BatchedDataDict[Any], placeholders_BT: torch.Tensor, merge_size: int) -> torch.Tensor:
+    """[B, T] bool: sampled image placeholders of rows whose other placeholders already match their images."""
+    sampled_BT = mb["token_mask"][:, : placeholders_BT.shape[1]].to(placeholders_BT.device) > 0
+    expected_B = torch.tensor(
+        [0 if g is None else int(g.prod(dim=-1).sum()) // merge_size**2 for g in mb["image_grid_thw"]],
+        device=placeholders_BT.device,
+    )
+    given_B = (placeholders_BT & ~sampled_BT).sum(dim=1)
+    return placeholders_BT & sampled_BT & (given_B == expected_B)[:, None]

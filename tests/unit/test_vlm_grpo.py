@@ -204,3 +204,26 @@ def test_nemo_rl_vlm_grpo_recipe_passes_dry_run(
     assert _run_script(monkeypatch, ["--config", str(NEMO_RL_RECIPE), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "Qwen/Qwen2.5-VL-3B-Instruct" in out and "clevr-cogent" in out
+
+
+def test_a_sampled_image_placeholder_is_fed_as_padding(hf_processor: Any) -> None:
+    from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+    from nemo_rl.models.vlm import image_forward_inputs
+
+    image_id = int(hf_processor.image_token_id)
+    grid = torch.tensor([[1, 4, 4]])  # 16 patches, merged 2x2: four placeholders
+    ids = torch.tensor([[5, *[image_id] * 4, 6, image_id, 2], [5, *[image_id] * 4, 6, 3, 2]])
+    token_mask = torch.tensor([[0.0] * 6 + [1.0] * 2] * 2)
+    batch = BatchedDataDict(
+        input_ids=ids,
+        token_mask=token_mask,
+        pixel_values=[torch.zeros(16, 8)] * 2,
+        image_grid_thw=[grid, grid],
+    )
+    inputs = image_forward_inputs(batch, torch.device("cpu"), image_id, pad_token_id=0, merge_size=2)
+    assert inputs["input_ids"][0].tolist() == [5, *[image_id] * 4, 6, 0, 2]
+    assert torch.equal(inputs["input_ids"][1], ids[1])
+    assert inputs["mm_token_type_ids"].sum(dim=1).tolist() == [4, 4]
+    # Without the sampled token, the batch goes in as it is.
+    clean = BatchedDataDict({**batch, "input_ids": ids[[1, 1]]})
+    assert "input_ids" not in image_forward_inputs(clean, torch.device("cpu"), image_id, pad_token_id=0, merge_size=2)

@@ -68,7 +68,7 @@ from nemo_rl.models.policy.utils import (
 from nemo_rl.models.policy.worker_base import PolicyWorkerBase, ScoreFn
 from nemo_rl.models.policy.worker_batches import StepBatch, TrainLog, merge_rows
 from nemo_rl.models.sampling import sampling_logits
-from nemo_rl.models.vlm import image_forward_inputs
+from nemo_rl.models.vlm import image_forward_inputs, vlm_token_ids
 
 if TYPE_CHECKING:
     from nemo_rl.models.generation.embedded.replica import EmbeddedReplica
@@ -257,7 +257,7 @@ class DTensorPolicyWorker(DTensorWeightsMixin, DTensorRefitMixin, PolicyWorkerBa
                 inputs["output_router_logits"] = False
         else:
             # A vision-language model also reads the rows' images (none for a text model's batch).
-            images = image_forward_inputs(mb, self.device, getattr(self.model.config, "image_token_id", None))
+            images = image_forward_inputs(mb, self.device, **vlm_token_ids(self.model.config))
             inputs = {"input_ids": mb["input_ids"], "use_cache": False, **images}
         layout = packed or shared
         # Routing replay: the routers of this forward take the sampler's experts (policy.router_replay).
