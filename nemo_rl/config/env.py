@@ -15,7 +15,6 @@ from pydantic import ConfigDict, Field, ValidationError, model_validator
 
 from nemo_rl.config.base import ConfigModel
 from nemo_rl.config.cluster import ClusterConfig
-from nemo_rl.config.vlm_env import VLM_ENV_NAMES, vlm_env_config
 from nemo_rl.config.policy import (
     DTensorConfig,
     DynamicBatchingConfig,
@@ -24,6 +23,7 @@ from nemo_rl.config.policy import (
     RewardModelConfig,
     TokenizerConfig,
 )
+from nemo_rl.config.vlm_env import VLM_ENV_NAMES, vlm_env_config
 
 
 class SandboxConfig(ConfigModel):

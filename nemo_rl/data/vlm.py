@@ -208,7 +208,11 @@ class VlmSftProcessor(RecordProcessor):
 
 
 def attach_images(
-    message_log: MessageLog, images: list[Any], hf_processor: Any, tokenizer: PreTrainedTokenizerBase, where: str
+    message_log: MessageLog,
+    images: list[Any],
+    hf_processor: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    where: str,
 ) -> ImageInputs | None:
     """The processor's patches of ``images``, with the log's placeholders repeated to match (in place, each
     message's text rewritten as the model reads it); ``None`` for a log without images."""

@@ -27,7 +27,14 @@ from nemo_rl.data.datasets.formats import vlm_converter
 from nemo_rl.data.datasets.loading import RecordDataset
 from nemo_rl.data.errors import DataError
 from nemo_rl.data.images import load_image
-from nemo_rl.data.interfaces import ChatMessage, DatumSpec, ProcessorInput, Record, RecordProcessor, TaskDataSpec
+from nemo_rl.data.interfaces import (
+    ChatMessage,
+    DatumSpec,
+    ProcessorInput,
+    Record,
+    RecordProcessor,
+    TaskDataSpec,
+)
 from nemo_rl.data.llm_message_utils import format_message_log, message_log_length
 from nemo_rl.data.processors import last_user_turn
 from nemo_rl.data.tiny_clevr import BACKGROUND, tiny_clevr_splits
@@ -89,7 +96,9 @@ class VlmPromptProcessor(RecordProcessor):
             raise DataError(f"{where} has no user message to use as the prompt")
         ground_truth = _ground_truth(vlm_record, last_user, where)
         prompt: list[VlmMessage] = vlm_record["messages"][: last_user + 1]
-        images = [load_image(v, where=where, max_pixels=self.max_image_pixels) for v in message_images(prompt)]
+        images = [
+            load_image(v, where=where, max_pixels=self.max_image_pixels) for v in message_images(prompt)
+        ]
         if self.blank_images:
             images = [blank_like(image) for image in images]
         spec = given.spec
@@ -159,7 +168,11 @@ def setup_vlm_rl_data(
 
 
 def setup_vlm_eval_data(
-    cfg: EvalDataConfig, tokenizer: PreTrainedTokenizerBase, hf_processor: Any, *, max_total_sequence_length: int
+    cfg: EvalDataConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    hf_processor: Any,
+    *,
+    max_total_sequence_length: int,
 ) -> ProcessedDataset:
     """The held-out ``tiny_clevr`` scenes as prompts for ``data.env_name`` (the first ``data.num_val_samples``
     of ``data.seed``, never trained on by a recipe with the same seed), their images blanked with

@@ -47,7 +47,9 @@ class VlmEnvironment(EnvironmentInterface[VlmMetadata]):
     ) -> EnvironmentReturn[VlmMetadata]:
         """Score the last assistant message of each conversation against its ``ground_truth``."""
         check_step_batch(message_log_batch, metadata)
-        check_ground_truths(metadata, "vision-language", "the VLM data processor puts the expected answer there")
+        check_ground_truths(
+            metadata, "vision-language", "the VLM data processor puts the expected answer there"
+        )
         terms = [
             self.reward(str(m["ground_truth"]), last_assistant_text(log))
             for log, m in zip(message_log_batch, metadata, strict=True)

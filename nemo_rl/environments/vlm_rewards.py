@@ -39,10 +39,14 @@ def _tagged(response: str, tag: str) -> str | None:
     return match.group(1) if match else None
 
 
-def format_reward(ground_truth: str, response: str, think_tag: str = "think", answer_tag: str = "answer") -> RewardTerm:
+def format_reward(
+    ground_truth: str, response: str, think_tag: str = "think", answer_tag: str = "answer"
+) -> RewardTerm:
     """0.25 for a ``<think>`` span plus 0.75 for an ``<answer>`` span; says nothing about correctness."""
     del ground_truth
-    score = 0.25 * (_tagged(response, think_tag) is not None) + 0.75 * (_tagged(response, answer_tag) is not None)
+    score = 0.25 * (_tagged(response, think_tag) is not None) + 0.75 * (
+        _tagged(response, answer_tag) is not None
+    )
     return RewardTerm(score, None)
 
 
@@ -86,9 +90,21 @@ def _area(box: Box) -> float:
 def iou_and_giou(truth: Box, guess: Box) -> tuple[float, float]:
     """The IoU of two boxes, and their generalised IoU: the IoU minus the share of their enclosing box that
     neither covers (in [-1, 1], so it still ranks boxes that do not overlap)."""
-    inter = _area((max(truth[0], guess[0]), max(truth[1], guess[1]), min(truth[2], guess[2]), min(truth[3], guess[3])))
+    inter = _area(
+        (max(truth[0], guess[0]), max(truth[1], guess[1]), min(truth[2], guess[2]), min(truth[3], guess[3]))
+    )
     union = max(1e-3, _area(truth) + _area(guess) - inter)
-    hull = max(1e-3, _area((min(truth[0], guess[0]), min(truth[1], guess[1]), max(truth[2], guess[2]), max(truth[3], guess[3]))))
+    hull = max(
+        1e-3,
+        _area(
+            (
+                min(truth[0], guess[0]),
+                min(truth[1], guess[1]),
+                max(truth[2], guess[2]),
+                max(truth[3], guess[3]),
+            )
+        ),
+    )
     return inter / union, inter / union - (hull - union) / hull
 
 

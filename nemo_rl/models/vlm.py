@@ -202,7 +202,9 @@ def image_forward_inputs(
     }
 
 
-def _stray_placeholders(mb: BatchedDataDict[Any], placeholders_BT: torch.Tensor, merge_size: int) -> torch.Tensor:
+def _stray_placeholders(
+    mb: BatchedDataDict[Any], placeholders_BT: torch.Tensor, merge_size: int
+) -> torch.Tensor:
     """[B, T] bool: sampled image placeholders of rows whose other placeholders already match their images."""
     sampled_BT = mb["token_mask"][:, : placeholders_BT.shape[1]].to(placeholders_BT.device) > 0
     expected_B = torch.tensor(

@@ -77,7 +77,9 @@ def grpo_batch(ray_cluster: Any) -> tuple[BatchedDataDict[Any], Any]:
     policy = PolicyConfig(model_name=str(MODEL))
     tokenizer = get_policy_tokenizer(policy)
     data_cfg = DataConfig(dataset_name="tiny_clevr", num_train_samples=NUM_PROMPTS, num_val_samples=0)
-    train, _ = setup_vlm_rl_data(data_cfg, tokenizer, load_hf_processor(policy), max_total_sequence_length=MAX_LEN)
+    train, _ = setup_vlm_rl_data(
+        data_cfg, tokenizer, load_hf_processor(policy), max_total_sequence_length=MAX_LEN
+    )
     prompts = rl_collate_fn([train[i] for i in range(NUM_PROMPTS)])
     counts = {
         id(p): int(info["ground_truth"])
@@ -108,7 +110,9 @@ def test_rollout_hands_each_row_its_images_and_scores_the_counts(grpo_batch: tup
     # The response follows the prompt's image placeholders; only its tokens are trained on.
     image_token_id = json.loads((MODEL / "config.json").read_text())["image_token_id"]
     placeholders_BT = batch["input_ids"] == image_token_id
-    assert bool(placeholders_BT.any(dim=1).all()) and not bool((placeholders_BT & (batch["token_mask"] > 0)).any())
+    assert bool(placeholders_BT.any(dim=1).all()) and not bool(
+        (placeholders_BT & (batch["token_mask"] > 0)).any()
+    )
     assert float(batch["token_mask"].sum()) == float(rollout["generated_tokens"].sum())
 
 
@@ -138,11 +142,15 @@ def results(grpo_batch: tuple[Any, Any], tmp_path_factory: pytest.TempPathFactor
     out_dir = tmp_path_factory.mktemp("vlm_grpo_results")
     batch_path = out_dir / "batch.pt"
     torch.save(grpo_batch[0], batch_path)
-    run_groups([("dp2", 2, _score_and_train), ("one", 1, _score_and_train)], batch_path, out_dir, timeout_s=TIMEOUT_S)
+    run_groups(
+        [("dp2", 2, _score_and_train), ("one", 1, _score_and_train)], batch_path, out_dir, timeout_s=TIMEOUT_S
+    )
     return out_dir
 
 
-def test_logprobs_of_prompt_and_response_rows_equal_transformers(results: Path, grpo_batch: tuple[Any, Any]) -> None:
+def test_logprobs_of_prompt_and_response_rows_equal_transformers(
+    results: Path, grpo_batch: tuple[Any, Any]
+) -> None:
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(MODEL)
     expected = hf_logprobs(model, grpo_batch[0])
     for group in ("dp2", "one"):

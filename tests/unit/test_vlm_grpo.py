@@ -62,7 +62,9 @@ def test_prompts_hold_the_processors_tokens_up_to_the_generation_prompt(
     train, val = setup_vlm_rl_data(_tiny_clevr(), tokenizer, hf_processor, max_total_sequence_length=96)
     assert val is not None and len(train) == 4 and train.task_names == {"tiny_clevr"}
     record = train.records[1]
-    prompt = hf_processor.apply_chat_template(record["messages"][:1], tokenize=False, add_generation_prompt=True)
+    prompt = hf_processor.apply_chat_template(
+        record["messages"][:1], tokenize=False, add_generation_prompt=True
+    )
     image = record["messages"][0]["content"][0]["image"]
     expected = hf_processor(text=[prompt], images=[image], return_tensors="pt")
     sample = train[1]
@@ -77,17 +79,25 @@ def test_batches_and_groups_carry_each_rows_images(policy: PolicyConfig, hf_proc
     tokenizer = get_policy_tokenizer(policy)
     train, _ = setup_vlm_rl_data(_tiny_clevr(), tokenizer, hf_processor, max_total_sequence_length=96)
     batch = rl_collate_fn([train[i] for i in range(3)])
-    assert [torch.equal(p, train[i]["pixel_values"]) for i, p in enumerate(batch["pixel_values"])] == [True] * 3
+    assert [torch.equal(p, train[i]["pixel_values"]) for i, p in enumerate(batch["pixel_values"])] == [
+        True
+    ] * 3
     group = repeat_prompts(batch, 4)
     # A prompt's repeats share its image tensors (sent once) but not its message log (each is extended).
-    assert all(group["pixel_values"][4 * i + j] is batch["pixel_values"][i] for i in range(3) for j in range(4))
+    assert all(
+        group["pixel_values"][4 * i + j] is batch["pixel_values"][i] for i in range(3) for j in range(4)
+    )
     assert group["message_log"][0] is not group["message_log"][1]
     assert group.select_indices([5])["image_grid_thw"][0] is batch["image_grid_thw"][1]
 
 
-def test_a_prompt_too_long_for_a_response_is_refused_with_its_row(policy: PolicyConfig, hf_processor: Any) -> None:
+def test_a_prompt_too_long_for_a_response_is_refused_with_its_row(
+    policy: PolicyConfig, hf_processor: Any
+) -> None:
     tokenizer = get_policy_tokenizer(policy)
-    with pytest.raises(ValueError, match=r"^tiny_clevr: row 0 has a prompt of \d+ tokens \(its images included\)"):
+    with pytest.raises(
+        ValueError, match=r"^tiny_clevr \(train\): row 0 has a prompt of \d+ tokens \(its images included\)"
+    ):
         setup_vlm_rl_data(_tiny_clevr(), tokenizer, hf_processor, max_total_sequence_length=20)
 
 
@@ -180,6 +190,7 @@ def test_the_grpo_script_exits_2_with_one_line_on_a_bad_image(
             f"+data.train_data_path={path}",
             "data.val_fraction=0",
             "data.env_name=tiny_clevr",
+            f"policy.model_name={MODEL}",
             f"logger.log_dir={tmp_path / 'logs'}",
             f"checkpointing.checkpoint_dir={tmp_path / 'ckpt'}",
         ],
@@ -194,7 +205,7 @@ def test_text_data_and_agents_are_refused_by_the_grpo_script(
 ) -> None:
     assert _run_script(monkeypatch, ["data.dataset_name=tiny_math", "data.processor=null"]) == 2
     assert "is text: set data.processor=vlm_hf_data_processor" in capsys.readouterr().err
-    assert _run_script(monkeypatch, ["grpo.agent.enabled=true"]) == 2
+    assert _run_script(monkeypatch, ["grpo.agent.enabled=true", "grpo.agent.function=agents:solve"]) == 2
     assert "cannot carry the prompts' images" in capsys.readouterr().err
 
 
@@ -226,4 +237,6 @@ def test_a_sampled_image_placeholder_is_fed_as_padding(hf_processor: Any) -> Non
     assert inputs["mm_token_type_ids"].sum(dim=1).tolist() == [4, 4]
     # Without the sampled token, the batch goes in as it is.
     clean = BatchedDataDict({**batch, "input_ids": ids[[1, 1]]})
-    assert "input_ids" not in image_forward_inputs(clean, torch.device("cpu"), image_id, pad_token_id=0, merge_size=2)
+    assert "input_ids" not in image_forward_inputs(
+        clean, torch.device("cpu"), image_id, pad_token_id=0, merge_size=2
+    )

@@ -66,7 +66,9 @@ def sampled_accuracy(model: Any, processor: Any, num: int, seed: int, blank: boo
         ids = torch.cat([inputs["input_ids"], torch.tensor([[eos]])], dim=1)
         inputs["input_ids"] = ids
         inputs["attention_mask"] = torch.ones_like(ids)
-        inputs["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"], torch.zeros(1, 1).long()], dim=1)
+        inputs["mm_token_type_ids"] = torch.cat(
+            [inputs["mm_token_type_ids"], torch.zeros(1, 1).long()], dim=1
+        )
         num_answer = len(processor.tokenizer.encode(answer, add_special_tokens=False)) + 1
         with torch.no_grad():
             logits = model(**inputs).logits[0, -num_answer - 1 : -1].float()
@@ -93,7 +95,9 @@ def main() -> None:
         what = "pictures blanked" if blank else "with the pictures"
         if args.sampled:
             mean, error = sampled_accuracy(model, processor, args.num, args.seed, blank)
-            print(f"{args.model_dir} {what}: sampled accuracy {100 * mean:.1f}% ± {100 * error:.1f} (n={args.num})")
+            print(
+                f"{args.model_dir} {what}: sampled accuracy {100 * mean:.1f}% ± {100 * error:.1f} (n={args.num})"
+            )
             continue
         accuracy = greedy_accuracy(model, processor, args.num, args.seed, blank)
         error = math.sqrt(accuracy * (1 - accuracy) / args.num)
