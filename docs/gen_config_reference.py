@@ -54,6 +54,8 @@ MASTERS: tuple[tuple[str, type[BaseModel]], ...] = (
     ("examples/run_dpo.py", DPOMasterConfig),
     ("examples/run_rm.py", RMMasterConfig),
     ("examples/run_ppo.py", PPOMasterConfig),
+    ("examples/run_vlm_sft.py", SFTMasterConfig),
+    ("examples/run_vlm_grpo.py", GRPOMasterConfig),
 )
 """Each driver script and the master config it validates its YAML against."""
 
