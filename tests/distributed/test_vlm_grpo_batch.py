@@ -133,7 +133,7 @@ def _score_and_train(save: SaveFn, batch_path: Path, out_dir: Path) -> None:
     worker = DTensorPolicyWorker(cfg)
     save("logprobs", worker.get_logprobs(data)["logprobs"])
     shard = data.shard_by_batch_size(worker.dp_size, batch_size=NUM_PROMPTS * GROUP)[worker.dp_rank]
-    save("train", worker.train(shard, ClippedPGLossFn(ClippedPGLossConfig())))
+    save("train", worker.train(shard, ClippedPGLossFn(ClippedPGLossConfig(reference_policy_kl_penalty=0.0))))
     worker.shutdown()
 
 
