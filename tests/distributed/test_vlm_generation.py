@@ -96,8 +96,8 @@ def test_refit_carries_the_vision_tower_and_greedy_equals_transformers(stack: di
     expected_weights = dict(hf.named_parameters())
     tower = [name for name in after if name.startswith("model.visual.")]
     assert any(name.startswith("model.visual.merger.") for name in tower) and len(tower) > 20
-    for name in tower:
-        assert not torch.equal(before[name], after[name]), name
+    for name in tower:  # the norms are 1 in both checkpoints (see vlm_prompts.build_vlm)
+        assert "norm" in name or "ln_q" in name or not torch.equal(before[name], after[name]), name
     for name, tensor in after.items():
         assert torch.equal(tensor, expected_weights[name].detach()), name
 
