@@ -22,15 +22,16 @@ from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 QUESTION = "How many shapes are in the picture?"
 
 
-def build_vlm(path: Path, seed: int = 0, scale: float = 0.2) -> Any:
-    """The tiny Qwen2.5-VL with weights drawn from N(0, scale) (norm weights kept at 1), saved with its
-    processor under ``path``; returns the transformers model (fp32, eval)."""
-    from transformers import Qwen2_5_VLForConditionalGeneration
+def build_vlm(path: Path, seed: int = 0, scale: float = 0.2, family: str = "qwen2_5_vl") -> Any:
+    """The tiny Qwen2.5-VL (or with ``family="qwen2_vl"`` the tiny Qwen2-VL) with weights drawn from
+    N(0, scale) (norm weights kept at 1), saved with its processor under ``path``; returns the transformers
+    model (fp32, eval)."""
+    from transformers import AutoModelForImageTextToText
 
-    from nemo_rl.data.tiny_vlm import build_tiny_vlm
+    from nemo_rl.data.tiny_vlm import build_tiny_qwen2_vl, build_tiny_vlm
 
-    build_tiny_vlm(path, seed=seed)
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path).eval()
+    (build_tiny_vlm if family == "qwen2_5_vl" else build_tiny_qwen2_vl)(path, seed=seed)
+    model = AutoModelForImageTextToText.from_pretrained(path).eval()
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -7,7 +7,8 @@
 - loading new vision-tower weights (what a refit does) changes the output to transformers' with the same
   weights;
 - the generation input's image fields are checked, and a text model refuses images;
-- the pictures rebuilt for vLLM from a batch's patches give the processor exactly those patches again.
+- the pictures rebuilt for vLLM from a batch's patches give the processor exactly those patches again;
+- the second family, Qwen2-VL, generates as transformers does.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def _generate(engine: EmbeddedEngine, batch: BatchedDataDict[Any], **kwargs: Any
         images=PromptImages.of_batch(batch["pixel_values"], batch["image_grid_thw"]),
         **kwargs,
     )
-    return BatchedDataDict(vars(out))
+    return BatchedDataDict({key: value for key, value in vars(out).items() if value is not None})
 
 
 def test_greedy_equals_transformers_generate_with_the_tower_run_once_per_picture(
@@ -168,3 +169,54 @@ def test_pictures_rebuilt_for_vllm_give_the_processor_the_same_patches(vlm: dict
         assert collapsed.count(layout.image_token_id) == 1 and len(collapsed) == len(ids) - num_tokens + 1
     with pytest.raises(ValueError, match="placeholders do not match"):
         collapse_placeholders(with_images[0]["input_ids"].tolist(), with_images[1]["image_grid_thw"], layout)
+
+
+def test_the_second_family_qwen2_vl_generates_as_transformers(tmp_path: Path) -> None:
+    hf = build_vlm(tmp_path, family="qwen2_vl")
+    prompts = image_prompts(AutoProcessor.from_pretrained(tmp_path), pictures())
+    out = _generate(_engine(tmp_path), generation_batch([*prompts, prompts[0]], PAD), greedy=True)
+    expected = [hf_greedy(hf, prompt, MAX_NEW_TOKENS) for prompt in prompts]
+    assert [generated(out, row) for row in range(out.size)] == [*expected, expected[0]]
+
+
+def test_in_flight_tower_update_with_the_cache_recomputed_rescores_the_images(vlm: dict[str, Any]) -> None:
+    """New vision-tower weights staged while the engine decodes (asynchronous GRPO's in-flight updates):
+    with the KV cache recomputed, every token after the update is the new model's on the whole sequence,
+    images encoded again by the new tower."""
+    perturbed, tower = copy.deepcopy(vlm["hf"]), {}
+    generator = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for name, param in perturbed.named_parameters():
+            if name.startswith("model.visual."):
+                param.add_(torch.randn(param.shape, generator=generator) * 0.2)
+                tower[name] = param.detach().clone()
+    engine = _engine(vlm["path"])
+    engine.recompute_kv_cache = True
+    decode, calls = engine.model.decode, [0]
+
+    def decode_and_refit_at_step_2(*args: Any) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == 3:  # the refit's thread would call this while the engine decodes
+            engine.load_weights(tower.items())
+        return decode(*args)
+
+    engine.model.decode = decode_and_refit_at_step_2  # type: ignore[method-assign]
+    rows = vlm["prompts"][:2]
+    out = _generate(
+        engine, generation_batch(rows, PAD), greedy=True, params=_params(stop_token_ids=frozenset())
+    )
+    assert engine.in_flight.updates_between_steps == 1
+    for row, prompt in enumerate(rows):
+        tokens = generated(out, row)
+        assert len(tokens) == MAX_NEW_TOKENS
+        start = int(out["unpadded_sequence_lengths"][row]) - len(tokens)
+        # Decode call 3 (step 2) ran on the old weights and gave token 3's logits; tokens 4.. come after.
+        torch.testing.assert_close(
+            out["logprobs"][row, start + 4 : start + len(tokens)],
+            hf_token_logprobs(perturbed, prompt, tokens)[4:],
+            rtol=1e-4,
+            atol=1e-4,
+        )
+        torch.testing.assert_close(
+            out["logprobs"][row, start : start + 4], hf_token_logprobs(vlm["hf"], prompt, tokens)[:4]
+        )
