@@ -165,8 +165,10 @@ class LocalCluster:
     def __init__(self, cfg: ClusterConfig, name: str = "nemo_rl") -> None:
         self.cfg = cfg
         self.name = name
-        self.use_gpus = False
-        """CUDA is not used in one process yet: ``auto`` picks it on machines without CUDA only."""
+        from nemo_rl.distributed.device import cuda_available
+
+        self.use_gpus = cuda_available()
+        """Whether the worker computes on the GPU (``auto`` picks one process only without CUDA; ``true`` may)."""
         self.lost_calls = LostCalls()
         """Failed calls nobody waited for (none here: every call runs before it returns), for the same API."""
 
