@@ -53,7 +53,12 @@ def stack(ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             "generation": {
                 "backend": "vllm",
                 "max_new_tokens": MAX_NEW_TOKENS,
-                "vllm_cfg": {"precision": "float32", "cpu_kv_cache_gib": 0.25, "enforce_eager": True},
+                "vllm_cfg": {
+                    "precision": "float32",
+                    "gpu_memory_utilization": 0.25,
+                    "cpu_kv_cache_gib": 0.25,
+                    "enforce_eager": True,
+                },
             },
         }
     )
