@@ -568,6 +568,23 @@ def print_round_summary(reports: list[dict[str, Any]]) -> None:
         )
 
 
+def check_trl_bytecode(trl_python: str) -> None:
+    """Stop unless TRL's venv has its bytecode compiled: where ``PYTHONDONTWRITEBYTECODE`` is set (as on this
+    machine) an uncompiled venv recompiles torch, transformers and TRL at every start, which slows TRL's start by
+    seconds and would flatter this project's (whose environment ``uv`` compiles, see the README)."""
+    probe = (
+        "import importlib.util, os; spec = importlib.util.find_spec('trl'); "
+        "print(os.path.exists(importlib.util.cache_from_source(spec.origin)))"
+    )
+    cached = subprocess.run([trl_python, "-c", probe], capture_output=True, text=True, check=True).stdout
+    if cached.strip() != "True":
+        raise SystemExit(
+            f"TRL's venv ({trl_python}) has no compiled bytecode: compile it first "
+            f"({trl_python} -m compileall -q -j 0 <its site-packages>), else TRL's start is measured with "
+            "compilation in it"
+        )
+
+
 def main() -> None:
     """Parse the arguments and run every shape x thread count."""
     parser = argparse.ArgumentParser(
@@ -606,6 +623,7 @@ def main() -> None:
         return
     if not Path(args.trl_python).exists():
         raise SystemExit(f"--trl-python {args.trl_python} does not exist; create the TRL venv (see --help)")
+    check_trl_bytecode(args.trl_python)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench_grpo_vs_trl_"))
     print(f"logs of both sides under {work}")
     if args.rounds < 1:

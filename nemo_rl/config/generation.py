@@ -118,8 +118,9 @@ class VllmConfig(ConfigModel):
     """Accepted, no effect here: refit does not go through a ZeroMQ relay."""
 
     reset_encoder_cache_after_weight_update: bool = False
-    """Accepted, no effect here: vLLM does not sample from image prompts here (vision-language models train
-    with SFT only), so its encoder cache holds nothing."""
+    """Accepted, no effect here: after every weight update of a vision-language model the engine drops vLLM's
+    encoder cache before its next generation call anyway (image features of the old vision tower would
+    otherwise be reused)."""
 
 
 class EmbeddedEngineConfig(ConfigModel):

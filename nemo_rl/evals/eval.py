@@ -35,7 +35,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import ray
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -47,6 +46,7 @@ from nemo_rl.data.collate_fn import IMAGE_KEYS, repeat_prompts, rl_collate_fn
 from nemo_rl.data.datasets import ProcessedDataset
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.ray_start import init_ray
+from nemo_rl.distributed.single_process import resolve
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.environments.registry import EnvHandle, check_task_envs, create_env, registered_envs, stop_envs
 from nemo_rl.environments.tools import TaskTools, wire_task_tools
@@ -336,8 +336,8 @@ def _environment_metrics(s: EvalSetup, rollouts: list[BatchedDataDict[Any]]) -> 
     scored = BatchedDataDict.from_batches(
         [BatchedDataDict({k: v for k, v in r.items() if k not in IMAGE_KEYS}) for r in rollouts]
     )
-    _, metrics = ray.get(
-        s.task_to_env[env_name].global_post_process_and_metrics.remote(scored), timeout=ENV_TIMEOUT_S
+    _, metrics = resolve(
+        s.task_to_env[env_name].global_post_process_and_metrics.remote(scored), ENV_TIMEOUT_S
     )
     return {f"{env_name}/{name}": float(value) for name, value in metrics.items()}
 
