@@ -126,11 +126,16 @@ def check_generation_input(data: BatchedDataDict[Any]) -> None:
 class GenerationInterface(Protocol):
     """A generation backend: samples responses and receives refitted weights."""
 
-    def generate(self, data: BatchedDataDict[Any], greedy: bool = False) -> BatchedDataDict[Any]:
+    def generate(
+        self, data: BatchedDataDict[Any], greedy: bool = False, seed: int | None = None
+    ) -> BatchedDataDict[Any]:
         """Sample one response per row of ``data`` (:class:`GenerationDatumSpec`).
 
         Returns a batch of :class:`GenerationOutputSpec`, rows in the input order. ``greedy`` takes the most
-        likely token at every step (deterministic, for evaluation).
+        likely token at every step (deterministic, for evaluation). ``seed`` seeds this call's sampling: the
+        same call with the same seed on the same replicas samples the same tokens, whatever calls came before
+        (asynchronous GRPO derives it from the batch's prompts and policy version); by default the backend
+        takes the next of its per-call seeds, whose position :meth:`state_dict` saves.
         """
         ...
 

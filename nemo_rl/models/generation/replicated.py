@@ -65,12 +65,15 @@ class SeededReplicas(abc.ABC):
         data: BatchedDataDict[Any],
         greedy: bool,
         timeout_s: float,
+        seed: int | None = None,
     ) -> BatchedDataDict[Any]:
         """Deal ``data``'s rows to ``worker_group``'s dp groups by prompt length, call ``method(shard, greedy,
-        call_seed)`` on every worker, and gather the dp leaders' outputs in input order."""
+        call_seed)`` on every worker, and gather the dp leaders' outputs in input order. The call seed is
+        ``seed`` when given (the per-call count is then left alone), else the next of the per-call seeds."""
         check_generation_input(data)
-        seed = self._seed * 1_000_003 + self.num_generate_calls
-        self.num_generate_calls += 1
+        if seed is None:
+            seed = self._seed * 1_000_003 + self.num_generate_calls
+            self.num_generate_calls += 1
         indices = data.shard_indices(
             worker_group.dp_size, allow_uneven_shards=True, balance_by_length_key=LENGTH_KEY
         )
@@ -183,9 +186,11 @@ class ReplicatedGeneration(SeededReplicas, WorkerGroupFacade):
         """Ray node id of each worker, in rank order."""
         return list(self._node_ids)
 
-    def generate(self, data: BatchedDataDict[Any], greedy: bool = False) -> BatchedDataDict[Any]:
+    def generate(
+        self, data: BatchedDataDict[Any], greedy: bool = False, seed: int | None = None
+    ) -> BatchedDataDict[Any]:
         """Sample a response per row; see :class:`~nemo_rl.models.generation.interfaces.GenerationInterface`."""
-        return self._generate_on(self.worker_group, "generate", data, greedy, self.call_timeout_s)
+        return self._generate_on(self.worker_group, "generate", data, greedy, self.call_timeout_s, seed)
 
     def prepare_for_generation(self) -> None:
         """Weights (and whatever cache memory the backend freed) back onto the devices."""

@@ -76,10 +76,12 @@ class InPolicyEmbeddedGeneration(SeededReplicas):
         """Number of replicas: the policy's data-parallel size."""
         return self.policy.dp_size
 
-    def generate(self, data: BatchedDataDict[Any], greedy: bool = False) -> BatchedDataDict[Any]:
+    def generate(
+        self, data: BatchedDataDict[Any], greedy: bool = False, seed: int | None = None
+    ) -> BatchedDataDict[Any]:
         """Sample a response per row; see :class:`~nemo_rl.models.generation.interfaces.GenerationInterface`."""
         return self._generate_on(
-            self.policy.worker_group, "generate", data, greedy, self.policy.call_timeout_s
+            self.policy.worker_group, "generate", data, greedy, self.policy.call_timeout_s, seed
         )
 
     def prepare_for_generation(self) -> None:
