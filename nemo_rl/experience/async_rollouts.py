@@ -326,6 +326,7 @@ class AsyncRollouts:
         if self._thread is not None:
             raise RuntimeError("the buffered batches are restored before the generation thread starts")
         self.buffer.restore([RolloutBatch.from_plain(batch) for batch in state["batches"]])
+        self._consumed_state = dict(state["consumed_loader_state"])
 
     def saved_loader_state(self) -> dict[str, Any]:
         """The prompt loader's state right after the last buffered batch of the snapshot (after the last

@@ -17,7 +17,13 @@ import torch
 from nemo_rl.algorithms.generation_weights import GenerationWeights
 from nemo_rl.config.master import GRPOMasterConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.experience.async_rollouts import AsyncRollouts, RolloutBatch, TrajectoryBuffer, sampling_seed
+from nemo_rl.experience.async_rollouts import (
+    AheadBatchesOnResume,
+    AsyncRollouts,
+    RolloutBatch,
+    TrajectoryBuffer,
+    sampling_seed,
+)
 
 TIMEOUT_S = 60.0
 PROMPTS = 2
@@ -339,6 +345,29 @@ def test_a_checkpoint_saves_the_buffered_batches_and_a_resumed_run_continues_as_
     finally:
         resumed.rollouts.close()
     assert resumed.drawn == 6 and len(resumed.generation.seeds) == 6 - (2 + saved)
+
+
+def test_a_synchronous_run_resumed_from_an_async_checkpoint_samples_the_batches_ahead_again() -> None:
+    from nemo_rl.data.dataloader import StatefulDataLoader
+
+    def loader() -> StatefulDataLoader[int, list[int]]:
+        return StatefulDataLoader(
+            range(8), batch_size=2, shuffle=False, seed=0, drop_last=True, collate_fn=list
+        )
+
+    # The asynchronous run trained on batch 0 and had sampled batches 1 and 2 ahead: its checkpoint's loader
+    # position is after batch 2, the consumed one after batch 0.
+    async_loader = loader()
+    batches = iter(async_loader)
+    next(batches)
+    consumed = async_loader.state_dict()
+    next(batches), next(batches)
+    sync_loader = loader()
+    sync_loader.load_state_dict(async_loader.state_dict())
+    saved = {"batches": [rollout_batch(0).to_plain()] * 2, "consumed_loader_state": consumed}
+    AheadBatchesOnResume(sync_loader).load_state_dict(saved)
+    assert next(iter(sync_loader)) == [2, 3]
+    assert AheadBatchesOnResume(sync_loader).state_dict()["batches"] == []
 
 
 def test_a_rollout_that_cannot_be_loaded_back_safely_is_refused_when_saved() -> None:
