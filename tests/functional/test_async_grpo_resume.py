@@ -1,23 +1,25 @@
 """Asynchronous GRPO end to end (examples/configs/grpo_math_tiny_async.yaml, the embedded engine on a worker
-slot of its own): without in-flight weight updates two runs with one seed are equal, and a run killed at a
-random moment resumes bit for bit; with them, a killed and rerun run trains every prompt exactly once.
+slot of its own) without in-flight weight updates: two runs with one seed are equal, and a run killed at a
+random moment resumes bit for bit. (With in-flight updates, tests/functional/test_grpo_tiny.py checks that a
+killed and rerun run trains every prompt exactly once; tests/unit/test_async_rollouts.py the same for a
+checkpoint taken at any point of the schedule.)
 
 Three steps of four prompts, a checkpoint after every step, a validation at step 2: a checkpoint always holds
-a batch sampled ahead (one-step-off), which the resumed run trains on without sampling it again.
+a batch sampled ahead (one-step-off), which the resumed run trains on without sampling it again. A run takes
+about a minute here, nearly all of it starting Ray and the workers, so the test makes do with three.
 """
 
 from __future__ import annotations
 
 import json
-import random
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from kill_resume import kill_and_resume, kill_driver, run_script, step_metrics
-from run_logs import read_records, wait_until_exists
+from kill_resume import kill_and_resume, run_script, step_metrics
+from run_logs import read_records
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,6 +47,7 @@ def _command(run_dir: Path, *extra: str) -> list[str]:
         "policy.train_micro_batch_size=8",
         "policy.logprob_batch_size=8",
         "checkpointing.save_period=1",
+        "checkpointing.keep_top_k=null",
         f"checkpointing.checkpoint_dir={run_dir / 'ckpt'}",
         f"logger.log_dir={run_dir / 'logs'}",
         "logger.progress_bar=false",
@@ -75,29 +78,19 @@ def _weights(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _expected_prompt_order(num_prompts: int) -> list[int]:
-    # The recipe's loader: the 4946 training problems shuffled with seed 42 (StatefulDataLoader's epoch 0).
-    from nemo_rl.data.dataloader import StatefulDataLoader
-
-    loader = StatefulDataLoader(
-        range(4946), batch_size=1, shuffle=True, seed=42, drop_last=True, collate_fn=list
-    )
-    return loader.epoch_order(0)[:num_prompts]
-
-
 @pytest.mark.slow
 def test_async_grpo_is_seeded_and_a_killed_run_resumes_bit_for_bit(baseline: Path, tmp_path: Path) -> None:
-    # A second run with the baseline's seed, SIGKILLed at a random moment after step 2 logged (validating,
-    # saving, refitting or in step 3, its generation thread sampling ahead), its step-2 checkpoint then lost
-    # as a kill while writing it would lose it: the rerun resumes from step 1's, whose buffer holds the batch
-    # step 2 trains on, sampled by the initial weights.
+    # A second run with the baseline's seed, SIGKILLed at a random moment after step 2 logged (saving,
+    # refitting or in step 3, its generation thread sampling ahead; what is left of the run takes a second), its
+    # later checkpoints then lost as a kill while writing them would lose them: the rerun resumes from step
+    # 1's, whose buffer holds the batch step 2 trains on, sampled by the initial weights.
     cmd = _command(tmp_path, "checkpointing.save_consolidated=true")
     resumed = kill_and_resume(
         cmd,
         log_dir=tmp_path / "logs",
         ckpt_dir=tmp_path / "ckpt",
         checkpoint_step=1,
-        max_delay_s=3.0,
+        max_delay_s=0.8,
         timeout_s=TIMEOUT_S,
     )
     expected = read_records(baseline / "logs")
@@ -115,37 +108,3 @@ def test_async_grpo_is_seeded_and_a_killed_run_resumes_bit_for_bit(baseline: Pat
     final = _weights(tmp_path / "ckpt" / f"step_{NUM_STEPS}" / "consolidated")
     for name, tensor in _weights(baseline / "ckpt" / f"step_{NUM_STEPS}" / "consolidated").items():
         assert torch.equal(final[name], tensor), name
-
-
-@pytest.mark.slow
-def test_async_grpo_with_in_flight_updates_trains_every_prompt_once_across_a_kill(tmp_path: Path) -> None:
-    # In-flight refits land wherever generation is, so the samples depend on timing; what holds is the
-    # prompts. The driver is SIGKILLed at a random moment once step 1's checkpoint exists (whatever step,
-    # save or refit is under way), and the rerun resumes from its latest checkpoint.
-    cmd = _command(
-        tmp_path,
-        "grpo.async_grpo.in_flight_weight_updates=true",
-        "grpo.async_grpo.recompute_kv_cache_after_weight_updates=true",
-    )
-    delay_s = random.uniform(0.0, 4.0)
-    print(f"SIGKILL {delay_s:.2f} s after the step-1 checkpoint")
-    kill_driver(
-        cmd,
-        lambda proc: wait_until_exists(proc, tmp_path / "ckpt" / "step_1" / "training_info.json", TIMEOUT_S),
-        delay_s=delay_s,
-    )
-    rerun = run_script(cmd, timeout_s=TIMEOUT_S)
-    assert "Resuming GRPO from" in rerun.stdout, rerun.stdout[-3000:]
-    lines = (tmp_path / "logs" / "async_trajectories.jsonl").read_text().splitlines()
-    records = [json.loads(line) for line in lines]
-    by_step: dict[int, list[int]] = {}
-    for record in records:
-        assert not record["dropped"], record
-        assert record["age"] <= 1, record
-        # A step trained again after the resume takes the prompts the killed run took.
-        assert by_step.setdefault(record["step"], record["prompt_idx"]) == record["prompt_idx"], record
-    assert sorted(by_step) == list(range(1, NUM_STEPS + 1))
-    trained = [i for step in sorted(by_step) for i in by_step[step]]
-    assert trained == _expected_prompt_order(NUM_STEPS * PROMPTS_PER_STEP), "a prompt was lost or repeated"
-    info = json.loads((tmp_path / "ckpt" / f"step_{NUM_STEPS}" / "training_info.json").read_text())
-    assert info["consumed_prompts"] == NUM_STEPS * PROMPTS_PER_STEP

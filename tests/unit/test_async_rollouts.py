@@ -347,6 +347,41 @@ def test_a_checkpoint_saves_the_buffered_batches_and_a_resumed_run_continues_as_
     assert resumed.drawn == 6 and len(resumed.generation.seeds) == 6 - (2 + saved)
 
 
+@pytest.mark.parametrize("checkpoint_step", [1, 2, 3])
+def test_with_in_flight_updates_a_checkpoint_anywhere_then_a_resume_trains_every_prompt_once(
+    checkpoint_step: int,
+) -> None:
+    # In flight, the trainer does not wait for generation: what the buffer holds at the checkpoint depends on
+    # timing (jittered here). Whatever it holds, the resumed run trains on the loader's prompts in order.
+    max_age = 2
+    first = Harness(max_age=max_age, in_flight=True, jitter_s=0.01)
+    first.rollouts.start()
+    try:
+        trained = train(first, range(1, checkpoint_step + 1), jitter_s=0.01)
+        with first.rollouts.snapshot() as position:
+            state = first.rollouts.state_dict()
+            loader = position.state_dict()
+    finally:
+        first.rollouts.close()
+    resumed = Harness(
+        max_age=max_age,
+        in_flight=True,
+        start_version=checkpoint_step,
+        num_batches=6 - checkpoint_step,
+        drawn=loader["batch_index"],
+    )
+    resumed.rollouts.load_state_dict(state)
+    resumed.rollouts.start()
+    try:
+        trained += train(resumed, range(checkpoint_step + 1, 7))
+    finally:
+        resumed.rollouts.close()
+    prompts = [i for idx, _ in trained for i in idx]
+    assert prompts == list(range(6 * PROMPTS))
+    # Never older than the bound, however far generation had got.
+    assert all(step - 1 - version <= max_age for step, (_, version) in enumerate(trained, start=1))
+
+
 def test_a_synchronous_run_resumed_from_an_async_checkpoint_samples_the_batches_ahead_again() -> None:
     from nemo_rl.data.dataloader import StatefulDataLoader
 
