@@ -253,6 +253,8 @@ def test_failed_batches_are_sampled_again_up_to_max_generation_failures() -> Non
         batch, metrics, _ = h.rollouts.take(1)
         assert batch.rollout["idx"].tolist() == [0, 1]  # the same prompts, not lost
         assert metrics["async/generation_failures"] == 1
+        # The retry samples with the failed attempt's seed: what it gives does not depend on the failure.
+        assert h.generation.seeds[0] == h.generation.seeds[1] == sampling_seed(SEED, [0, 1], 0, 0)
     finally:
         h.rollouts.close()
 
