@@ -39,7 +39,13 @@ def main() -> None:
 
         return setup, distillation_train
 
-    run_rl_script(config, "Distillation", load, cpu_config="examples/configs/distillation_tiny_math.yaml")
+    run_rl_script(
+        config,
+        "Distillation",
+        load,
+        cpu_config="examples/configs/distillation_tiny_math.yaml",
+        extra_models=("teacher",),
+    )
 
 
 if __name__ == "__main__":

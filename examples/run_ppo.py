@@ -39,7 +39,9 @@ def main() -> None:
 
         return setup, ppo_train
 
-    run_rl_script(config, "PPO", load, cpu_config="examples/configs/ppo_math_tiny.yaml")
+    run_rl_script(
+        config, "PPO", load, cpu_config="examples/configs/ppo_math_tiny.yaml", extra_models=("critic",)
+    )
 
 
 if __name__ == "__main__":

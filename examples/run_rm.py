@@ -31,10 +31,13 @@ def main() -> None:
     # A model folder that does not exist is known from the path: say so before Ray starts.
     check_policy_sources(config.policy)
     from nemo_rl.distributed.ray_start import ray_starting_in_background
+    from nemo_rl.distributed.single_process import starts_in_one_process
 
     # Ray's processes come up while this process imports torch and loads the data (setup waits for them);
     # a mistake found before setup exits 2 at once, stopping them.
-    with ray_starting_in_background(config.cluster):
+    # A run that fits one process (nemo_rl.distributed.single_process) starts no Ray.
+    one_process = starts_in_one_process(config.cluster, config.policy, samples=False)
+    with ray_starting_in_background(config.cluster, start=not one_process):
         # Heavy imports only after the config is known to be valid, so config mistakes fail within seconds.
         from nemo_rl.algorithms.rm import rm_train, setup
         from nemo_rl.data.datasets import setup_preference_data

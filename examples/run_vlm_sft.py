@@ -34,8 +34,11 @@ def main() -> None:
         )
     check_policy_sources(config.policy)
     from nemo_rl.distributed.ray_start import ray_starting_in_background
+    from nemo_rl.distributed.single_process import starts_in_one_process
 
-    with ray_starting_in_background(config.cluster):
+    # A run that fits one process (nemo_rl.distributed.single_process) starts no Ray.
+    one_process = starts_in_one_process(config.cluster, config.policy, samples=False)
+    with ray_starting_in_background(config.cluster, start=not one_process):
         from nemo_rl.algorithms.sft import setup, sft_train
         from nemo_rl.data.vlm import load_hf_processor, setup_vlm_sft_data
         from nemo_rl.models.tokenizer import get_policy_tokenizer

@@ -11,7 +11,8 @@
 #                back from NCCL (it refuses two ranks on one GPU) to gloo
 #   4 grpo       2 GRPO steps of examples/configs/grpo_math_tiny.yaml on one GPU, asserting on
 #                metrics.jsonl: the embedded engine inside the policy workers, the embedded engine in its
-#                own worker (a refit before each step), and vLLM in its own worker when vLLM imports
+#                own worker (a refit before each step), the whole run in the driver's process
+#                (cluster.single_process=true), and vLLM in its own worker when vLLM imports
 #   5 ppo        2 PPO steps of examples/configs/ppo_math_tiny.yaml on one GPU (the critic alone in the
 #                first, both models in the second, the critic offloaded while the policy trains)
 #
@@ -258,6 +259,10 @@ if (( NUM_GPUS >= 1 || ON_CPU )); then
         policy.generation.backend=embedded policy.generation.embedded_cfg.in_policy_workers=true
     run_stage 4-grpo-embedded-refit 150 grpo_stage 4-grpo-embedded-refit \
         policy.generation.backend=embedded policy.generation.embedded_cfg.in_policy_workers=false
+    # The whole run in the driver's process (no Ray); `auto` picks it only without CUDA, so insist here.
+    run_stage 4-grpo-one-process 150 grpo_stage 4-grpo-one-process \
+        policy.generation.backend=embedded policy.generation.embedded_cfg.in_policy_workers=true \
+        cluster.single_process=true
     if (( HAS_VLLM )); then
         run_stage 4-grpo-vllm 240 grpo_stage 4-grpo-vllm \
             policy.generation.backend=vllm policy.generation.embedded_cfg.in_policy_workers=false \
@@ -268,6 +273,7 @@ if (( NUM_GPUS >= 1 || ON_CPU )); then
 else
     record 4-grpo-embedded-in-policy SKIP "$NO_GPU_REASON"
     record 4-grpo-embedded-refit SKIP "$NO_GPU_REASON"
+    record 4-grpo-one-process SKIP "$NO_GPU_REASON"
     record 4-grpo-vllm SKIP "$NO_GPU_REASON"
 fi
 

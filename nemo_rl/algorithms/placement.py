@@ -4,17 +4,24 @@ By default everything shares every slot and takes turns on it: the policy, its g
 and the extra policies (a critic, a teacher). Non-colocated generation takes the last
 ``policy.generation.colocated.resources.gpus_per_node`` slots of each node; an extra policy with slots of its
 own (PPO's critic with ``ppo.value_colocated.enabled: false``) takes its count on each node just before them.
-The policy keeps the first slots of every node.
+The policy keeps the first slots of every node. A run whose work fits one slot may instead run in the driver's
+process (:func:`single_process_refusal_of` says why not).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from nemo_rl.config.cluster import ClusterConfig
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.policy import PolicyConfig
+from nemo_rl.distributed.single_process import single_process_refusal
+from nemo_rl.environments.registry import InDriverEnvironment
+
+if TYPE_CHECKING:
+    from nemo_rl.algorithms.run_build import SamplingSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,3 +79,29 @@ def placement(
     if samples and not gen_per_node:
         result.generation.extend(result.policy)
     return result
+
+
+def single_process_refusal_of(
+    cluster: ClusterConfig,
+    policy: PolicyConfig,
+    *,
+    sampling: SamplingSpec | None,
+    extra_models: Sequence[str],
+) -> str | None:
+    """Why a run needs Ray (:func:`~nemo_rl.distributed.single_process.single_process_refusal`, plus what only the
+    run's spec knows: environments or agents its caller brings); ``None`` when it fits the driver's process."""
+    refusal = single_process_refusal(
+        cluster,
+        policy,
+        samples=sampling is not None,
+        extra_models=extra_models,
+        reward_model_env=sampling is not None and sampling.env.reward_model.enabled,
+    )
+    if refusal is not None or sampling is None:
+        return refusal
+    given = [*(sampling.task_to_env or {}).values(), *(sampling.val_task_to_env or {}).values()]
+    if any(not isinstance(env, InDriverEnvironment) for env in given):
+        return "the caller passed environment actors"
+    if sampling.agent is not None:
+        return "external agents reach the generation workers through an endpoint"
+    return None

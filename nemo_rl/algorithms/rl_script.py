@@ -8,11 +8,14 @@ torch, transformers and the algorithm come in while Ray's processes start (``loa
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from nemo_rl.algorithms.run import Run, TrainingConfig
+    from nemo_rl.algorithms.run import Run
+    from nemo_rl.config.master import DistillationMasterConfig, GRPOMasterConfig, PPOMasterConfig
+
+    SamplingConfig = GRPOMasterConfig | DistillationMasterConfig | PPOMasterConfig
 
 
 class Setup(Protocol):
@@ -24,25 +27,37 @@ class Setup(Protocol):
 
 
 def run_rl_script(
-    config: TrainingConfig,
+    config: SamplingConfig,
     name: str,
     load: Callable[[], tuple[Setup, Callable[[Any], object]]],
     *,
     cpu_config: str,
+    extra_models: Sequence[str] = (),
 ) -> None:
     """Run the algorithm ``load()`` imports (its ``setup`` and its train function) on ``config``'s data.
 
     A mistake found before setup (bad data, a task with no environment, a check that needs the tokenizer)
     ends the process with its one line at once, stopping what Ray's start began. ``cpu_config`` is the recipe
-    the error for a GPU-only backend on a machine without a GPU points to.
+    the error for a GPU-only backend on a machine without a GPU points to; ``extra_models`` names the policies the
+    algorithm runs beside the trained one (a critic, a teacher). A run that fits one process
+    (:mod:`nemo_rl.distributed.single_process`) starts no Ray.
     """
     from nemo_rl.distributed.ray_start import ray_starting_in_background
+    from nemo_rl.distributed.single_process import starts_in_one_process
     from nemo_rl.models.generation.backends import ray_may_start_in_background
 
     # Ray's processes come up while this process imports torch and loads the data (setup waits for them).
     # Not for vLLM, whose start takes far longer anyway: a machine without a GPU must refuse it (below) as
     # quickly as possible, without starting Ray.
-    with ray_starting_in_background(config.cluster, start=ray_may_start_in_background(config.policy)):
+    one_process = starts_in_one_process(
+        config.cluster,
+        config.policy,
+        samples=True,
+        extra_models=extra_models,
+        reward_model_env=config.env.reward_model.enabled,
+    )
+    start_ray = ray_may_start_in_background(config.policy) and not one_process
+    with ray_starting_in_background(config.cluster, start=start_ray):
         setup, train = load()
         from nemo_rl.data.datasets import setup_rl_data
         from nemo_rl.distributed.device import cuda_available

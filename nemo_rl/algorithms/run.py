@@ -48,6 +48,7 @@ from nemo_rl.config.master import (
 from nemo_rl.data.dataloader import StatefulDataLoader
 from nemo_rl.data.datasets import ProcessedDataset
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.distributed.single_process import LocalCluster
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.environments.registry import stop_envs
 from nemo_rl.environments.tools import TaskTools
@@ -153,7 +154,7 @@ class Run(Generic[C, S]):
 
     config: C
     tokenizer: PreTrainedTokenizerBase
-    cluster: RayVirtualCluster
+    cluster: RayVirtualCluster | LocalCluster
     policy: Policy
     """The trained policy."""
     models: dict[str, Policy]

@@ -27,7 +27,7 @@ from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.algorithms.generation_weights import GenerationWeights, InFlightUpdatable
 from nemo_rl.algorithms.loop import Resume, check_run_setup, find_resume
-from nemo_rl.algorithms.placement import Placement, placement
+from nemo_rl.algorithms.placement import Placement, placement, single_process_refusal_of
 from nemo_rl.algorithms.run import Loader, Run, RunState, Sampling, TrainingConfig
 from nemo_rl.config.agent import AgentConfig
 from nemo_rl.config.env import EnvConfig
@@ -38,7 +38,9 @@ from nemo_rl.data.collate_fn import rl_collate_fn
 from nemo_rl.data.dataloader import StatefulDataLoader
 from nemo_rl.data.datasets import ProcessedDataset, dataset_task_names
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.distributed.device import cuda_available
 from nemo_rl.distributed.ray_start import init_ray
+from nemo_rl.distributed.single_process import LocalCluster, runs_in_one_process
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.environments.registry import check_task_envs, create_task_envs, stop_envs, wait_envs_started
 from nemo_rl.environments.tools import TaskTools, wire_task_tools
@@ -242,7 +244,7 @@ class _Workers:
 
 
 def _start_policies(
-    cluster: RayVirtualCluster,
+    cluster: RayVirtualCluster | LocalCluster,
     config: TrainingConfig,
     spec: RunSpec[Any],
     resume: Resume,
@@ -279,7 +281,7 @@ def _start_policies(
 
 
 def _start_sampling_workers(
-    cluster: RayVirtualCluster,
+    cluster: RayVirtualCluster | LocalCluster,
     config: TrainingConfig,
     tokenizer: PreTrainedTokenizerBase,
     spec: RunSpec[Any],
@@ -291,7 +293,9 @@ def _start_sampling_workers(
     slots = _placement(config, spec, samples=True)
     started: dict[str, Any] = {}
     try:
-        started = create_task_envs(envs_to_start, sampling.env)
+        # In one process there is no actor to start: every environment is built here.
+        in_driver = True if isinstance(cluster, LocalCluster) else None
+        started = create_task_envs(envs_to_start, sampling.env, in_driver=in_driver)
         policy, models, generation = start_policy_and_generation(
             cluster,
             config.policy,
@@ -312,7 +316,7 @@ def _start_sampling_workers(
 
 
 def _start_workers(
-    cluster: RayVirtualCluster,
+    cluster: RayVirtualCluster | LocalCluster,
     config: TrainingConfig,
     tokenizer: PreTrainedTokenizerBase,
     spec: RunSpec[Any],
@@ -366,8 +370,14 @@ def check_extra_policy(extra: ExtraPolicy, world_size: int) -> None:
         )
 
 
-def _start_cluster(config: TrainingConfig, spec: RunSpec[Any]) -> RayVirtualCluster:
-    """Start (or attach to) Ray and reserve the run's slots."""
+def _start_cluster(config: TrainingConfig, spec: RunSpec[Any]) -> RayVirtualCluster | LocalCluster:
+    """Reserve the run's slots: the driver's own process (:mod:`nemo_rl.distributed.single_process`), or Ray's
+    (started, or attached to)."""
+    refusal = single_process_refusal_of(
+        config.cluster, config.policy, sampling=spec.sampling, extra_models=[m.name for m in spec.models]
+    )
+    if runs_in_one_process(config.cluster, refusal, cuda=cuda_available()):
+        return LocalCluster(config.cluster, name=spec.name.lower())
     init_ray(config.cluster)
     name = spec.name.lower()
     if spec.sampling is None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from nemo_rl.config.base import ConfigModel
@@ -33,6 +35,13 @@ class ClusterConfig(ConfigModel):
 
     master_port_range_high: int | None = None
     """Accepted, no effect here (see ``master_port_range_low``)."""
+
+    single_process: Literal["auto"] | bool = "auto"
+    """Run the whole job in the driver's process, without Ray, when its work fits one worker slot (one slot, the
+    policy's worker hosting its generation engine, environments in the driver, no second model): the start then
+    pays for no Ray daemons and no worker process. ``auto`` does so on a machine without CUDA where the run
+    fits; ``true`` insists (a run that does not fit stops with the reason); ``false`` always starts Ray (to
+    attach to a cluster, set ``RAY_ADDRESS``, which also rules it out). See docs/design.md."""
 
     @property
     def world_size(self) -> int:

@@ -201,6 +201,9 @@ class RayWorkerGroup:
             raise
         return workers, actor_ranks
 
+    in_process = False
+    """The workers are Ray actors (arguments too large to copy per call go through the object store)."""
+
     @property
     def workers(self) -> list[ActorHandle]:
         """The actor handles, in rank order."""

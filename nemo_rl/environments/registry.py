@@ -36,6 +36,7 @@ from ray.exceptions import RayActorError
 
 from nemo_rl.config.env import EnvConfig
 from nemo_rl.config.errors import UserError
+from nemo_rl.distributed.single_process import LocalRef
 from nemo_rl.environments.interfaces import EnvironmentInterface
 from nemo_rl.environments.sandbox import check_sandbox
 
@@ -49,17 +50,19 @@ class _InDriverMethod:
     def __init__(self, method: Callable[..., Any]) -> None:
         self._method = method
 
-    def remote(self, *args: Any, **kwargs: Any) -> ray.ObjectRef[Any]:
-        """Call the method now, on this thread, and return a Ray object ref of its result."""
-        return ray.put(self._method(*args, **kwargs))
+    def remote(self, *args: Any, **kwargs: Any) -> LocalRef:
+        """Call the method now, on this thread, and return its result as a ref that
+        :func:`~nemo_rl.distributed.single_process.resolve` reads (no object store: Ray may not be running)."""
+        return LocalRef(self._method(*args, **kwargs))
 
 
 class InDriverEnvironment:
     """An environment object in the driver process, behind the part of a Ray actor handle that algorithms use.
 
-    ``env.<method>.remote(*args)`` calls the method at once, on the caller's thread, and returns a Ray object
-    ref of its result, so ``ray.get`` and ``ray.wait`` read it as an actor's result; an exception is raised
-    by the ``remote`` call itself. :func:`wait_envs_started` and :func:`stop_envs` take it beside actor
+    ``env.<method>.remote(*args)`` calls the method at once, on the caller's thread, and returns a
+    :class:`~nemo_rl.distributed.single_process.LocalRef` of its result, which
+    :func:`~nemo_rl.distributed.single_process.resolve` reads as it reads an actor's result; an exception is
+    raised by the ``remote`` call itself. :func:`wait_envs_started` and :func:`stop_envs` take it beside actor
     handles. It cannot be sent to another process (a Ray task or actor): start an actor for that.
     """
 
@@ -183,17 +186,20 @@ def check_task_envs(task_names: Iterable[str], env_cfg: EnvConfig) -> None:
             check_sandbox(env_cfg.code.sandbox)
 
 
-def create_task_envs(task_names: Iterable[str], env_cfg: EnvConfig) -> dict[str, EnvHandle]:
+def create_task_envs(
+    task_names: Iterable[str], env_cfg: EnvConfig, *, in_driver: bool | None = None
+) -> dict[str, EnvHandle]:
     """One environment per task, each the environment registered under the task's name and configured by
     ``env.<task>`` (``{}`` for a user environment without a section): an actor, or in the driver where the
-    section says ``in_driver: true``.
+    section says ``in_driver: true``. ``in_driver`` overrides the sections (``True``: every one in the driver, as a
+    run in one process needs).
 
     Raises:
         UserError: an ``env`` section or a task names no registered environment.
     """
     tasks = sorted(set(task_names))
     check_task_envs(tasks, env_cfg)
-    return {task: create_env(task, env_cfg) for task in tasks}
+    return {task: create_env(task, env_cfg, in_driver=in_driver) for task in tasks}
 
 
 def create_env(

@@ -35,7 +35,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import ray
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -47,6 +46,7 @@ from nemo_rl.data.collate_fn import rl_collate_fn
 from nemo_rl.data.datasets import ProcessedDataset
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.ray_start import init_ray
+from nemo_rl.distributed.single_process import resolve
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.environments.registry import EnvHandle, check_task_envs, create_env, registered_envs, stop_envs
 from nemo_rl.environments.tools import TaskTools, wire_task_tools
@@ -332,11 +332,11 @@ def _environment_metrics(s: EvalSetup, rollouts: list[BatchedDataDict[Any]]) -> 
     """The environment's own metrics over every sampled response, as ``<env_name>/<metric>``."""
     env_name = s.config.data.env_name
     metrics: dict[str, float]
-    _, metrics = ray.get(
+    _, metrics = resolve(
         s.task_to_env[env_name].global_post_process_and_metrics.remote(
             BatchedDataDict.from_batches(rollouts)
         ),
-        timeout=ENV_TIMEOUT_S,
+        ENV_TIMEOUT_S,
     )
     return {f"{env_name}/{name}": float(value) for name, value in metrics.items()}
 

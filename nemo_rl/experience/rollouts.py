@@ -26,12 +26,12 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any
 
-import ray
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.data.interfaces import LLMMessage, MessageLog
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.distributed.single_process import resolve
 from nemo_rl.environments.interfaces import EnvironmentReturn
 from nemo_rl.environments.tools import TaskTools
 from nemo_rl.experience.rollout_tokens import RolloutTokens
@@ -139,7 +139,7 @@ def _env_step(
     }
     results: dict[int, _StepResult] = {}
     for task, ref in futures.items():
-        ret: EnvironmentReturn = ray.get(ref, timeout=timeout_s)
+        ret: EnvironmentReturn = resolve(ref, timeout_s)
         for j, i in enumerate(by_task[task]):
             observation = ret.observations[j]
             results[i] = (

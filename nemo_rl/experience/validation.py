@@ -11,13 +11,13 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import ray
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.data.collate_fn import rl_collate_fn
 from nemo_rl.data.datasets import ProcessedDataset
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.distributed.single_process import resolve
 from nemo_rl.environments.tools import TaskTools
 from nemo_rl.experience.rollout_tokens import TOKEN_KEYS
 from nemo_rl.experience.rollouts import run_multi_turn_rollout
@@ -47,7 +47,7 @@ def request_environment_metrics(
     def wait() -> dict[str, float]:
         metrics: dict[str, float] = {}
         for task, ref in requests:
-            _, task_metrics = ray.get(ref, timeout=ENV_TIMEOUT_S)
+            _, task_metrics = resolve(ref, ENV_TIMEOUT_S)
             metrics.update({f"{task}/{name}": value for name, value in task_metrics.items()})
         return metrics
 

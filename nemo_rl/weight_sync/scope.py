@@ -37,8 +37,12 @@ def check_scope(scope: str) -> RefitScope:
 
 
 def worker_identities(workers: Sequence[Any]) -> list[str]:
-    """Stable identities of Ray actor handles (their actor ids): a restarted or replaced worker gets a new one."""
-    return [worker._actor_id.hex() for worker in workers]
+    """Stable identities of Ray actor handles (their actor ids): a restarted or replaced worker gets a new one.
+    A worker in the driver's process (:mod:`nemo_rl.distributed.single_process`) is the object itself."""
+    return [
+        worker._actor_id.hex() if hasattr(worker, "_actor_id") else f"in-process-{id(worker):x}"
+        for worker in workers
+    ]
 
 
 class RefitScopePlanner:

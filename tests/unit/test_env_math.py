@@ -120,7 +120,7 @@ def test_math_metrics(math_env: Any) -> None:
     assert metrics["verify_timeout_fraction"] == pytest.approx(0.25)
 
 
-def test_dapo_math_verify_scores_answer_lines(ray_cluster: dict[str, float]) -> None:
+def test_dapo_math_verify_scores_answer_lines() -> None:
     # NeMo RL's DAPO recipes: the last "Answer:" line, compared as normalised text, in the environment itself.
     cfg = EnvConfig(math=MathEnvConfig(math_verify_impl="dapo_math_verify"))
     env = create_env("math", cfg, in_driver=True)
@@ -129,9 +129,9 @@ def test_dapo_math_verify_scores_answer_lines(ray_cluster: dict[str, float]) -> 
         conversation("1 + 1 = \\boxed{2}"),  # math-verify reads the box; DAPO's rule needs an Answer: line
         conversation("Answer: 4/2"),  # math-verify would call it 2; DAPO's rule compares text
     ]
-    ret = ray.get(env.step.remote(logs, [{"ground_truth": "2"}] * 3), timeout=RAY_TIMEOUT_S)
+    ret = env.step.remote(logs, [{"ground_truth": "2"}] * 3).result()
     assert ret.rewards.tolist() == [1.0, 0.0, 0.0]
     assert ret.answers == ["2", "[INVALID]", "4/2"]
-    stats = ray.get(env.verifier_stats.remote(), timeout=RAY_TIMEOUT_S)
+    stats = env.verifier_stats.remote().result()
     assert stats["num_quick_verdicts"] == 3 and stats["num_restarts"] == 0
-    ray.get(env.shutdown.remote(), timeout=RAY_TIMEOUT_S)
+    env.shutdown.remote().result()

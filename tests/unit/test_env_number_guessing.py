@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from nemo_rl.config.env import EnvConfig, NumberGuessingEnvConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.distributed.single_process import resolve
 from nemo_rl.environments import registry
 from nemo_rl.environments.games.number_guessing import (
     game_prompt,
@@ -37,7 +38,7 @@ RAY_TIMEOUT_S = 120
 
 
 def get(ref: Any) -> Any:
-    return ray.get(ref, timeout=RAY_TIMEOUT_S)
+    return resolve(ref, RAY_TIMEOUT_S)
 
 
 CFG = NumberGuessingEnvConfig(low=1, high=10, max_guesses=3)
@@ -202,7 +203,7 @@ def test_in_driver_environments(ray_cluster: dict[str, float]) -> None:
     ret: EnvironmentReturn[Any] = get(env.step.remote([chat("4"), chat("5")], [new_game(4), new_game(8)]))
     assert [o["content"] for o in ret.observations] == ["correct", "higher"]
     assert ret.rewards.tolist() == [1.0, 0.0] and ret.terminateds.tolist() == [True, False]
-    # An error is raised by the call itself (there is no actor to hold it until ray.get).
+    # An error is raised by the call itself (there is no actor to hold it until it is read).
     with pytest.raises(ValueError):
         env.step.remote([chat("4")], [new_game(4), new_game(8)])
     with pytest.raises(TypeError, match="cannot leave the driver process"):

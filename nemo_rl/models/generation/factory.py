@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.config.policy import PolicyConfig
+from nemo_rl.distributed.single_process import LocalCluster
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.distributed.worker_group_facade import start_together
 from nemo_rl.models.generation.backends import ray_may_start_in_background
@@ -71,7 +72,7 @@ def check_backend_available(
 
 
 def create_generation(
-    cluster: RayVirtualCluster,
+    cluster: RayVirtualCluster | LocalCluster,
     cfg: PolicyConfig,
     tokenizer: PreTrainedTokenizerBase,
     *,
@@ -85,6 +86,11 @@ def create_generation(
     ``seed`` seeds the sampling; ``model_path`` loads a local checkpoint folder instead of ``cfg.model_name``;
     ``concurrent_refit`` lets the workers take a refit while they generate (in-flight weight updates).
     """
+    if isinstance(cluster, LocalCluster):
+        raise ValueError(
+            "generation workers of their own need Ray: a run in one process samples in its policy's worker "
+            "(policy.generation.embedded_cfg.in_policy_workers=true)"
+        )
     check_backend_available(cfg, cluster.use_gpus)
     # Both backends take ReplicatedGeneration's constructor; each is imported only when chosen (vLLM is heavy).
     backend_cls: type[ReplicatedGeneration]
@@ -108,7 +114,7 @@ def create_generation(
 
 
 def start_policy_and_generation(
-    cluster: RayVirtualCluster,
+    cluster: RayVirtualCluster | LocalCluster,
     cfg: PolicyConfig,
     tokenizer: PreTrainedTokenizerBase,
     start_policies: StartPolicies,

@@ -22,7 +22,7 @@ from transformers import PreTrainedTokenizerBase
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
-from nemo_rl.distributed.worker_group_facade import WorkerGroupFacade
+from nemo_rl.distributed.worker_group_facade import WorkerGroup, WorkerGroupFacade
 from nemo_rl.distributed.worker_groups import RayWorkerGroup
 from nemo_rl.models.generation.interfaces import WeightManifestDict, check_generation_input
 from nemo_rl.models.tokenizer import require_pad_token_id
@@ -60,7 +60,7 @@ class SeededReplicas(abc.ABC):
 
     def _generate_on(
         self,
-        worker_group: RayWorkerGroup,
+        worker_group: WorkerGroup,
         method: str,
         data: BatchedDataDict[Any],
         greedy: bool,

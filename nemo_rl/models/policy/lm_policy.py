@@ -19,9 +19,9 @@ import torch
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.distributed.single_process import LocalCluster
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
-from nemo_rl.distributed.worker_group_facade import WorkerGroupFacade
-from nemo_rl.distributed.worker_groups import RayWorkerGroup
+from nemo_rl.distributed.worker_group_facade import WorkerGroupFacade, start_worker_group
 from nemo_rl.models.policy.dtensor_worker import DTensorPolicyWorker
 from nemo_rl.models.policy.hf_io import check_model_settings
 from nemo_rl.models.policy.interfaces import LoraSummary, TrainResult, nonfinite_step_flags
@@ -113,7 +113,7 @@ class Policy(WorkerGroupFacade):
 
     def __init__(
         self,
-        cluster: RayVirtualCluster,
+        cluster: RayVirtualCluster | LocalCluster,
         cfg: PolicyConfig,
         tokenizer_path: str | None = None,
         name_prefix: str = "policy",
@@ -136,7 +136,7 @@ class Policy(WorkerGroupFacade):
         """Optimizer steps of this run skipped for a non-finite loss or gradient norm."""
         self.nonfinite_steps_in_a_row = 0
         """Of those, how many came last in a row (see ``policy.max_nonfinite_steps``)."""
-        workers = RayWorkerGroup(
+        workers = start_worker_group(
             cluster,
             backend.worker_cls,
             name=name_prefix,

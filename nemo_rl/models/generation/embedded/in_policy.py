@@ -141,7 +141,9 @@ class InPolicyEmbeddedGeneration(SeededReplicas):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full weights held by the driver into every replica (each weight exactly once)."""
         tensors = [(name, tensor.detach().cpu()) for name, tensor in named_tensors]
-        self._on_all("load_embedded_generation_weights", ray.put(tensors))
+        # Stored once for every Ray worker; a worker in this process takes the list itself.
+        group = self.policy.worker_group
+        self._on_all("load_embedded_generation_weights", tensors if group.in_process else ray.put(tensors))
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         """Host copies of the first replica's weights under their Hugging Face names (for checks)."""
