@@ -4,17 +4,20 @@
   the same size (the same tokens), a text prompt and repeats of a prompt (GRPO's group); the vision tower
   runs once per distinct picture;
 - sampled tokens' log-probs equal transformers' forward of prompt + response;
-- loading new vision-tower weights (what a refit does) changes the output to transformers' with the same
+- loading new vision-tower weights (what a refit does), also while the engine decodes (the KV cache
+  recomputed), changes the output to transformers' with the same
   weights;
 - the generation input's image fields are checked, and a text model refuses images;
 - the pictures rebuilt for vLLM from a batch's patches give the processor exactly those patches again;
-- the second family, Qwen2-VL, generates as transformers does.
+- the second family, Qwen2-VL, generates as transformers does; vLLM refuses in-flight updates of a
+  vision-language model with one line.
 """
 
 from __future__ import annotations
 
 import copy
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -220,3 +223,13 @@ def test_in_flight_tower_update_with_the_cache_recomputed_rescores_the_images(vl
         torch.testing.assert_close(
             out["logprobs"][row, start : start + 4], hf_token_logprobs(vlm["hf"], prompt, tokens)[:4]
         )
+
+
+def test_vllm_refuses_in_flight_weight_updates_of_a_vision_language_model(vlm: dict[str, Any]) -> None:
+    from nemo_rl.models.generation.vllm.worker import VllmGenerationWorker
+
+    processor = AutoProcessor.from_pretrained(vlm["path"])
+    worker = SimpleNamespace(_patch_layout=PatchLayout.of_processor(processor.image_processor, 9))
+    with pytest.raises(ValueError, match="in_flight_weight_updates=false") as err:
+        VllmGenerationWorker.enable_in_flight_weight_updates(worker, recompute_kv_cache=False)  # type: ignore[arg-type]
+    assert "\n" not in str(err.value)

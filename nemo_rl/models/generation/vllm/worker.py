@@ -128,7 +128,7 @@ class VllmGenerationWorker:
         )
         self._manifest = hf_weights_manifest(hf_config, self._dtype, trust_remote_code=cfg.trust_remote_code)
         self._adapters = self._lora_adapters(cfg)
-        # Whether vLLM's encoder cache may hold image features of an older vision tower (after a weight update).
+        # Whether vLLM's encoder cache record must be reset before the next call (after a weight update, see _load).
         self._encoder_cache_stale = False
         # Pools (vLLM sleep-mode tags) currently released; the engine starts awake.
         self._asleep: set[str] = set()
@@ -275,6 +275,12 @@ class VllmGenerationWorker:
                 "grpo.async_grpo.recompute_kv_cache_after_weight_updates is built for the embedded engine: with "
                 "vLLM set it false"
             )
+        if self._patch_layout is not None:
+            # vLLM's reload empties its encoder cache under requests the scheduler still counts on it for.
+            raise ValueError(
+                "in-flight weight updates of a vision-language model are built for the embedded engine: with vLLM "
+                "set grpo.async_grpo.in_flight_weight_updates=false"
+            )
         self._in_flight = InFlightWeights(self._load)
 
     def in_flight_updates(self) -> int:
@@ -329,8 +335,10 @@ class VllmGenerationWorker:
         if adapters and self._adapters is not None:
             self._adapters.install(self.llm, adapters)
             num_bytes += sum(t.numel() * t.element_size() for t in adapters.values())
-        # Cached prefixes hold keys and values computed with the old weights, and cached image features
-        # the old vision tower's (dropped before the next call: not while requests run, see generate).
+        # Cached prefixes hold keys and values computed with the old weights. vLLM's reload also empties the
+        # model runner's cache of image features but not the scheduler's record of it, so the next request
+        # with a picture seen before would fail ("Encoder cache miss"): the record is dropped before the next
+        # call (not now: a reload between two engine steps has requests running).
         self.llm.reset_prefix_cache()
         self._encoder_cache_stale = self._patch_layout is not None
         return int(num_bytes)
