@@ -5,8 +5,7 @@
   runs once per distinct picture;
 - sampled tokens' log-probs equal transformers' forward of prompt + response;
 - loading new vision-tower weights (what a refit does), also while the engine decodes (the KV cache
-  recomputed), changes the output to transformers' with the same
-  weights;
+  recomputed), changes the output to transformers' with the same weights;
 - the generation input's image fields are checked, and a text model refuses images;
 - the pictures rebuilt for vLLM from a batch's patches give the processor exactly those patches again;
 - the second family, Qwen2-VL, generates as transformers does; vLLM refuses in-flight updates of a
