@@ -2,7 +2,7 @@
 
 - greedy outputs equal transformers' ``generate`` for pictures of three sizes, two different pictures of
   the same size (the same tokens), a text prompt and repeats of a prompt (GRPO's group); the vision tower
-  runs once per distinct picture;
+  runs once per distinct picture; prompts with two pictures (in either order) too;
 - sampled tokens' log-probs equal transformers' forward of prompt + response;
 - loading new vision-tower weights (what a refit does), also while the engine decodes (the KV cache
   recomputed), changes the output to transformers' with the same weights;
@@ -98,6 +98,15 @@ def test_greedy_equals_transformers_generate_with_the_tower_run_once_per_picture
     # The tower saw each distinct picture once, in one call; different pictures answer differently.
     assert encoded == [sum(p["pixel_values"].shape[0] for p in prompts if p["pixel_values"] is not None)]
     assert expected[0] != expected[3]
+
+
+def test_a_prompt_with_two_pictures_generates_as_transformers(vlm: dict[str, Any]) -> None:
+    first, second, *_ = pictures()
+    prompts = image_prompts(AutoProcessor.from_pretrained(vlm["path"]), [[first, second], [second, first]])
+    out = _generate(_engine(vlm["path"]), generation_batch(prompts, PAD), greedy=True)
+    expected = [hf_greedy(vlm["hf"], prompt, MAX_NEW_TOKENS) for prompt in prompts]
+    assert [generated(out, row) for row in range(out.size)] == expected
+    assert expected[0] != expected[1]
 
 
 def test_sampled_logprobs_equal_transformers_forward(vlm: dict[str, Any]) -> None:
