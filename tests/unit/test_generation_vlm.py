@@ -9,7 +9,8 @@
 - the generation input's image fields are checked, and a text model refuses images;
 - the pictures rebuilt for vLLM from a batch's patches give the processor exactly those patches again;
 - the second family, Qwen2-VL, generates as transformers does; vLLM refuses in-flight updates of a
-  vision-language model with one line.
+  vision-language model with one line;
+- both backends' refit manifests list the weights transformers' model has (tower and projection included).
 """
 
 from __future__ import annotations
@@ -241,3 +242,18 @@ def test_vllm_refuses_in_flight_weight_updates_of_a_vision_language_model(vlm: d
     with pytest.raises(ValueError, match="in_flight_weight_updates=false") as err:
         VllmGenerationWorker.enable_in_flight_weight_updates(worker, recompute_kv_cache=False)  # type: ignore[arg-type]
     assert "\n" not in str(err.value)
+
+
+def test_both_backends_expect_the_weights_transformers_model_has(vlm: dict[str, Any]) -> None:
+    """The refit manifests: the embedded engine's and vLLM's (from transformers' image-text class on the
+    meta device) list the language model, the vision tower and its projection under transformers' names."""
+    from nemo_rl.models.generation.vllm.convert import hf_weights_manifest
+    from nemo_rl.models.hf_config import load_hf_config
+
+    expected = {name: tuple(p.shape) for name, p in vlm["hf"].named_parameters()}
+    assert any(name.startswith("model.visual.merger.") for name in expected)
+    embedded = load_decoder(vlm["path"], dtype=torch.float32).weights_manifest()
+    assert {name: shape for name, (shape, _) in embedded.items()} == expected
+    config = load_hf_config(str(vlm["path"]), trust_remote_code=False, overrides={})
+    vllm = hf_weights_manifest(config, torch.float32, trust_remote_code=False)
+    assert {name: shape for name, (shape, _) in vllm.items()} == expected
