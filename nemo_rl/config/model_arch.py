@@ -23,6 +23,10 @@ from typing import Any, Literal
 DECODER_MOE_MODEL_TYPES = ("qwen3_moe", "glm4_moe")
 """Hugging Face ``model_type`` of the mixture-of-experts families nemo_rl's own decoder runs."""
 
+QWEN2_LAYOUT_MODEL_TYPES = ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
+"""``model_type`` of decoders with Qwen2's layout (q/k/v biases, no output bias): Qwen2, and the language
+models of Qwen2-VL and Qwen2.5-VL (their ``text_config``)."""
+
 RouterKind = Literal["softmax", "sigmoid"]
 
 _REQUIRED = object()
@@ -182,8 +186,8 @@ class ModelArch:
             rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
             # Qwen2 always has q/k/v biases and no o_proj bias; GLM-4-MoE uses `attention_bias` for q/k/v only;
             # Llama and Qwen3 (dense or MoE) use it for all four.
-            qkv_bias=True if model_type == "qwen2" else attention_bias,
-            o_bias=False if model_type in ("qwen2", "glm4_moe") else attention_bias,
+            qkv_bias=True if model_type in QWEN2_LAYOUT_MODEL_TYPES else attention_bias,
+            o_bias=False if model_type in (*QWEN2_LAYOUT_MODEL_TYPES, "glm4_moe") else attention_bias,
             mlp_bias=bool(get("mlp_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe") or bool(get("use_qk_norm", False)),
             tie_word_embeddings=bool(get("tie_word_embeddings", False)),

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from nemo_rl.config.model_arch import DECODER_MOE_MODEL_TYPES, ModelArch
+from nemo_rl.config.model_arch import DECODER_MOE_MODEL_TYPES, QWEN2_LAYOUT_MODEL_TYPES, ModelArch
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", *DECODER_MOE_MODEL_TYPES)
+SUPPORTED_MODEL_TYPES = ("llama", *QWEN2_LAYOUT_MODEL_TYPES, "qwen3", *DECODER_MOE_MODEL_TYPES)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 

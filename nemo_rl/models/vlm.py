@@ -30,7 +30,6 @@ import torch
 
 from nemo_rl.config.dtensor import VisionFreezeConfig
 from nemo_rl.config.errors import UserError
-from nemo_rl.config.model_arch import local_hf_config
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
@@ -107,18 +106,6 @@ def check_vlm_policy(cfg: PolicyConfig, hf_config: Any) -> None:
     reason = _refused(cfg, str(_config_value(hf_config, "model_type")))
     if reason is not None:
         raise UserError(f"{cfg.model_name} is a vision-language model: {reason}")
-
-
-def check_no_vlm_generation(cfg: PolicyConfig) -> None:
-    """Raise :class:`UserError` when ``policy.model_name`` is a local vision-language model: neither generation
-    backend samples from one yet (a hub name is not looked up here; its engine fails to load it)."""
-    local = local_hf_config(cfg.model_name, cfg.hf_config_overrides)
-    if local is not None and is_vision_language(local):
-        raise UserError(
-            f"policy.model_name={cfg.model_name} is a vision-language model, and neither generation backend "
-            "samples from one yet (GRPO, distillation and evaluation need it; docs/algorithms/vlm.md): train "
-            "it with examples/run_vlm_sft.py"
-        )
 
 
 def frozen_submodel_names(names: Sequence[str], freeze: VisionFreezeConfig) -> list[str]:

@@ -26,6 +26,7 @@ from nemo_rl.data.tiny_clevr import tiny_clevr_splits
 from nemo_rl.data.tiny_vlm import TINY_VLM_MAX_PIXELS
 from nemo_rl.data.vlm import load_hf_processor, setup_vlm_sft_data
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.models.generation.vllm.engine_setup import installed_vllm_build
 from nemo_rl.models.tokenizer import get_policy_tokenizer
 from nemo_rl.models.vlm import check_vlm_policy, frozen_submodel_names, image_forward_inputs
 
@@ -274,11 +275,10 @@ def test_freeze_config_names_the_sub_models_and_a_text_model_refuses_it() -> Non
         check_vlm_policy(cfg, load_hf_config(str(text_model), trust_remote_code=False, overrides={}))
 
 
-def test_generation_refuses_a_vision_language_policy_with_one_line() -> None:
+def test_both_generation_backends_accept_a_vision_language_policy() -> None:
     from nemo_rl.models.generation.factory import check_backend_available
 
-    with pytest.raises(UserError, match=r"neither generation backend samples from one yet") as err:
-        check_backend_available(PolicyConfig(model_name=str(MODEL)), cluster_has_gpus=False)
-    assert "\n" not in str(err.value)
-    text_model = ROOT / "examples" / "assets" / "tiny_qwen2_init"
-    check_backend_available(PolicyConfig(model_name=str(text_model)), cluster_has_gpus=False)
+    check_backend_available(PolicyConfig(model_name=str(MODEL)), cluster_has_gpus=False)
+    vllm = PolicyConfig.model_validate({"model_name": str(MODEL), "generation": {"backend": "vllm"}})
+    if installed_vllm_build() == "cpu":
+        check_backend_available(vllm, cluster_has_gpus=False)

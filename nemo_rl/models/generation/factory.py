@@ -30,7 +30,6 @@ from nemo_rl.distributed.worker_group_facade import start_together
 from nemo_rl.models.generation.backends import ray_may_start_in_background
 from nemo_rl.models.generation.interfaces import GenerationInterface
 from nemo_rl.models.generation.replicated import ReplicatedGeneration
-from nemo_rl.models.vlm import check_no_vlm_generation
 
 if TYPE_CHECKING:
     from nemo_rl.models.policy.lm_policy import Policy
@@ -57,10 +56,8 @@ def check_backend_available(
     """Raise a :class:`UserError` naming the fix when the configured backend cannot run on this cluster.
 
     ``key_prefix`` is where the script's config holds the generation section and ``cpu_config`` the recipe
-    that runs on a CPU, both named in the message. A vision-language policy is refused: neither backend
-    samples from one yet.
+    that runs on a CPU, both named in the message.
     """
-    check_no_vlm_generation(cfg)
     if cfg.generation.backend != "vllm":
         return
     # The vLLM package's checks import no vLLM: the build is read from package metadata.

@@ -2,7 +2,11 @@
 
 Data in (:class:`GenerationDatumSpec`): ``input_ids`` ``[B, T]`` right-padded prompts, ``input_lengths``
 ``[B]``, and optionally ``stop_strings``, a length-``B`` list of per-sample stop strings (or ``None``) added to
-the configured ``policy.generation.stop_strings``.
+the configured ``policy.generation.stop_strings``. Prompts of a vision-language model may carry images:
+``pixel_values`` and ``image_grid_thw``, length-``B`` lists holding each row's ``[patches, values per patch]``
+and ``[images, 3]`` tensors (``None`` for a row without images), exactly as :mod:`nemo_rl.data.vlm` builds
+them for the policy, the row's image placeholders already repeated once per merged patch. A batch without
+them (or with every entry ``None``) is a text batch.
 
 Data out (:class:`GenerationOutputSpec`), one row per input row, in the input order:
 
@@ -65,6 +69,10 @@ class GenerationDatumSpec(TypedDict):
     """``[B]`` long, prompt lengths (>= 1)."""
     stop_strings: NotRequired[list[list[str] | None]]
     """Per-sample stop strings (or ``None``), added to ``policy.generation.stop_strings``."""
+    pixel_values: NotRequired[list[torch.Tensor | None]]
+    """Per-sample image patches ``[N, D]`` (the model's processor's), ``None`` for a sample without images."""
+    image_grid_thw: NotRequired[list[torch.Tensor | None]]
+    """Per-sample image patch grids ``[I, 3]``, ``None`` exactly where ``pixel_values`` is."""
 
 
 class GenerationOutputSpec(TypedDict):
@@ -120,6 +128,32 @@ def check_generation_input(data: BatchedDataDict[Any]) -> None:
         raise ValueError(
             "generation stop_strings must be a list with one entry (list of strings or None) per sample"
         )
+    _check_image_inputs(data.get("pixel_values"), data.get("image_grid_thw"), input_ids.shape[0])
+
+
+def _check_image_inputs(pixel_values: Any, image_grid_thw: Any, num_rows: int) -> None:
+    """Raise a ``ValueError`` when the per-row image fields do not pair up (see :class:`GenerationDatumSpec`)."""
+    if pixel_values is None and image_grid_thw is None:
+        return
+    if not isinstance(pixel_values, list) or not isinstance(image_grid_thw, list):
+        raise ValueError(
+            "generation pixel_values and image_grid_thw come together, each a list with one entry per sample"
+        )
+    if len(pixel_values) != num_rows or len(image_grid_thw) != num_rows:
+        raise ValueError(
+            f"generation pixel_values and image_grid_thw need one entry per sample ({num_rows}), got "
+            f"{len(pixel_values)} and {len(image_grid_thw)}"
+        )
+    for row, (pixels, grid) in enumerate(zip(pixel_values, image_grid_thw, strict=True)):
+        if (pixels is None) != (grid is None):
+            raise ValueError(f"generation row {row} has pixel_values or image_grid_thw but not both")
+        if grid is not None and (
+            grid.dim() != 2 or grid.shape[1] != 3 or int(grid.prod(-1).sum()) != pixels.shape[0]
+        ):
+            raise ValueError(
+                f"generation row {row}: image_grid_thw {tuple(grid.shape)} does not describe its "
+                f"{pixels.shape[0]} patches (it must be [images, 3] with t * h * w patches per image)"
+            )
 
 
 @runtime_checkable

@@ -13,6 +13,10 @@ into a per-row buffer by plain column copies, a row's results are copied out onc
 checks for finished rows run only when they can fire (stop tokens or strings configured, or a step where some
 row's budget runs out).
 
+Prompts may carry images (a vision-language model, :mod:`.vision`): the vision tower then encodes each distinct
+prompt's images once, in the prefill, and decoding rotates each row at its prompt's multimodal offset
+(:mod:`.mrope`). A text batch runs exactly the text path.
+
 Sampling and the log-probabilities it returns are :mod:`.sampler`'s.
 
 Tensor legend: B = sequences (or cache rows), T = tokens, V = vocabulary.
@@ -25,9 +29,13 @@ from dataclasses import dataclass
 
 import torch
 
+from nemo_rl.models.generation.embedded.images import PromptImages
 from nemo_rl.models.generation.embedded.model import DecoderLM, KVCache
+from nemo_rl.models.generation.embedded.mrope import ImagePrefill
 from nemo_rl.models.generation.embedded.routing import RoutingLog
+from nemo_rl.models.generation.embedded.rows import Generated, Rows
 from nemo_rl.models.generation.embedded.sampler import SamplingParams, sample_tokens
+from nemo_rl.models.generation.embedded.vision import VisionLanguageLM
 from nemo_rl.models.generation.in_flight import InFlightWeights
 
 __all__ = ["EmbeddedEngine", "EngineOutput", "SamplingParams", "sample_tokens"]
@@ -60,73 +68,6 @@ class EngineOutput:
     routed_experts: torch.Tensor | None = None
     """``[B, T_in + max generation length, MoE layers, top_k]`` int16, the experts each token was routed to,
     -1 where no forward ran it (see :mod:`.routing`); only when the engine records routing."""
-
-
-@dataclass
-class _Generated:
-    """What the decode loop produces, indexed by sequence (the row of the input)."""
-
-    tokens_BT: torch.Tensor
-    """``[B, max budget]`` long, generated tokens; pad past each length."""
-    logprobs_BT: torch.Tensor
-    """``[B, max budget]`` float32, their log-probs."""
-    lengths_B: torch.Tensor
-    """``[B]`` long, tokens generated."""
-    truncated_B: torch.Tensor
-    """``[B]`` bool, ran out of budget without a stop."""
-
-
-@dataclass
-class _Rows:
-    """Step state of the rows in the batch, one entry per cache row; compaction selects them together."""
-
-    orig_B: torch.Tensor
-    """Sequence each cache row holds."""
-    positions_B: torch.Tensor
-    """Position of the token the next decode step feeds (the one sampled at this step)."""
-    budget_B: torch.Tensor
-    """Most tokens each row may generate."""
-    alive_B: torch.Tensor
-    """Rows still generating (finished rows stay until the next compaction)."""
-    tokens_BT: torch.Tensor
-    """``[B, max budget]`` tokens sampled so far, by step."""
-    logprobs_BT: torch.Tensor
-    """``[B, max budget]`` their log-probs."""
-    stops: list[tuple[str, ...]]
-    """Stop strings of each row."""
-
-    def select(self, keep_B: torch.Tensor) -> _Rows:
-        """The rows ``keep_B`` (ascending), in that order."""
-        keep = keep_B.tolist()
-        return _Rows(
-            orig_B=self.orig_B[keep_B],
-            positions_B=self.positions_B[keep_B],
-            budget_B=self.budget_B[keep_B],
-            alive_B=self.alive_B[keep_B],
-            tokens_BT=self.tokens_BT[keep_B],
-            logprobs_BT=self.logprobs_BT[keep_B],
-            stops=[self.stops[i] for i in keep],
-        )
-
-    @classmethod
-    def start(
-        cls,
-        lengths_B: torch.Tensor,
-        budget_B: torch.Tensor,
-        max_budget: int,
-        row_stops: list[tuple[str, ...]],
-    ) -> _Rows:
-        """Every sequence in its own row, about to sample the token after its prompt."""
-        num_seqs, device = lengths_B.shape[0], lengths_B.device
-        return cls(
-            orig_B=torch.arange(num_seqs, device=device),
-            positions_B=lengths_B.clone(),
-            budget_B=budget_B,
-            alive_B=budget_B > 0,
-            tokens_BT=torch.empty((num_seqs, max_budget), dtype=torch.long, device=device),
-            logprobs_BT=torch.empty((num_seqs, max_budget), dtype=torch.float32, device=device),
-            stops=list(row_stops),
-        )
 
 
 def _seeded_generator(seed: int, device: torch.device) -> torch.Generator:
@@ -174,6 +115,8 @@ class EmbeddedEngine:
         self.record_routing = False
         """Return each token's experts per MoE layer (``EngineOutput.routed_experts``; routing replay)."""
         self._routing: RoutingLog | None = None
+        self._images: PromptImages | None = None
+        """The images of the running call's prompts (None for text)."""
 
     def release_cache(self) -> None:
         """Drop the preallocated KV cache (it is reallocated by the next call)."""
@@ -222,6 +165,7 @@ class EmbeddedEngine:
         greedy: bool,
         seed: int,
         stop_strings: Sequence[Sequence[str] | None] | None = None,
+        images: PromptImages | None = None,
     ) -> EngineOutput:
         """Sample a response for every right-padded prompt.
 
@@ -232,8 +176,13 @@ class EmbeddedEngine:
             greedy: take the most likely token at every step (deterministic; ``seed`` unused).
             seed: seeds this call's random generator, so equal inputs and seeds give equal samples.
             stop_strings: optional per-sequence stop strings, added to ``params.stop_strings``.
+            images: the prompts' images (a vision-language model only; ``None`` for text prompts).
         """
         self._check_inputs(input_ids_BT, input_lengths_B)
+        if images is not None and not isinstance(self.model, VisionLanguageLM):
+            raise ValueError(
+                f"the prompts carry images, but the engine's {self.model.arch.model_type} model is a text model"
+            )
         device = self.model.device
         num_seqs = input_ids_BT.shape[0]
         lengths_B = input_lengths_B.to(device=device, dtype=torch.long)
@@ -241,10 +190,14 @@ class EmbeddedEngine:
         row_stops = self._row_stop_strings(params, stop_strings, num_seqs)
 
         max_budget = int(budget_B.max()) if num_seqs else 0
-        with self.in_flight.generating():
-            return self._generate(
-                input_ids_BT, lengths_B, budget_B, max_budget, params, greedy, seed, row_stops
-            )
+        self._images = images
+        try:
+            with self.in_flight.generating():
+                return self._generate(
+                    input_ids_BT, lengths_B, budget_B, max_budget, params, greedy, seed, row_stops
+                )
+        finally:
+            self._images = None
 
     def _generate(
         self,
@@ -259,7 +212,7 @@ class EmbeddedEngine:
     ) -> EngineOutput:
         device, pad = self.model.device, self.pad_token_id
         num_seqs = input_ids_BT.shape[0]
-        generated = _Generated(
+        generated = Generated(
             tokens_BT=torch.full((num_seqs, max_budget), pad, dtype=torch.long, device=device),
             logprobs_BT=torch.zeros((num_seqs, max_budget), dtype=torch.float32, device=device),
             lengths_B=torch.zeros(num_seqs, dtype=torch.long, device=device),
@@ -308,7 +261,7 @@ class EmbeddedEngine:
         greedy: bool,
         seed: int,
         row_stops: list[tuple[str, ...]],
-        generated: _Generated,
+        generated: Generated,
     ) -> None:
         """Prefill, then sample step by step into ``generated`` (indexed by sequence) until every row stops."""
         model, device = self.model, self.model.device
@@ -324,10 +277,9 @@ class EmbeddedEngine:
         max_stop_chars = max((len(s) for row in row_stops for s in row), default=0)
         # Steps after which some row has used its whole budget: the only steps that need a budget check.
         budget_ends = set(budget_B.tolist())
-        rows = _Rows.start(lengths_B, budget_B, max_budget, row_stops)
+        logits_BV, rope_offset_B = self._prefill_distinct(input_ids_BT[:, :max_prompt], lengths_B, cache)
+        rows = Rows.start(lengths_B, budget_B, max_budget, row_stops, rope_offset_B)
         num_alive = int(rows.alive_B.sum())
-
-        logits_BV = self._prefill_distinct(input_ids_BT[:, :max_prompt], lengths_B, cache)
         for step in range(max_budget):
             tokens_B, logprobs_B = sample_tokens(logits_BV, params, greedy=greedy, generator=generator)
             # Every row writes its column; those of finished rows are never copied out.
@@ -357,63 +309,94 @@ class EmbeddedEngine:
             rows.positions_B += 1
 
     def _recompute_cache(
-        self, prompts_BT: torch.Tensor, lengths_B: torch.Tensor, rows: _Rows, step: int, cache: KVCache
+        self, prompts_BT: torch.Tensor, lengths_B: torch.Tensor, rows: Rows, step: int, cache: KVCache
     ) -> None:
         """Rebuild the keys and values of ``rows`` (prompt, then the tokens sampled before ``step``) with the
-        current weights, in the slots the decode loop put them in."""
+        current weights (the vision tower's too), in the slots the decode loop put them in."""
         model = self.model
         max_prompt = prompts_BT.shape[1]
-        model.prefill(prompts_BT[rows.orig_B], lengths_B[rows.orig_B], cache)
+        prompts_RT, lengths_R = prompts_BT[rows.orig_B], lengths_B[rows.orig_B]
+        images = None
+        if self._images is not None:
+            images, _ = self._image_prefill(prompts_RT, lengths_R, self._images.select(rows.orig_B.tolist()))
+        model.prefill(prompts_RT, lengths_R, cache, images)
+        rope_positions_B = rows.rope_positions()
         for j in range(step):
-            model.decode(rows.tokens_BT[:, j], rows.positions_B - (step - j), cache, max_prompt + j + 1)
+            model.decode(rows.tokens_BT[:, j], rope_positions_B - (step - j), cache, max_prompt + j + 1)
 
     def _prefill_distinct(
         self, input_ids_BT: torch.Tensor, lengths_B: torch.Tensor, cache: KVCache
-    ) -> torch.Tensor:
-        """:meth:`DecoderLM.prefill` of each distinct prompt once, its cache row then copied to its repeats.
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`DecoderLM.prefill` of each distinct prompt once, its cache row then copied to its repeats;
+        returns the last logits ``[B, V]`` and, for image prompts, each row's rotary offset ``[B]``.
 
         GRPO asks for several samples of every prompt, so a batch often holds each prompt 8 or 16 times; the
-        prefill is most of a short generation's compute, and a row's keys, values and last logits depend on
-        its own tokens only.
+        prefill (and the vision tower) is most of a short generation's compute, and a row's keys, values and
+        last logits depend on its own tokens (and images) only.
         """
         num_rows, width = input_ids_BT.shape
         keys_BT = torch.cat((input_ids_BT, lengths_B[:, None]), dim=1)
+        if self._images is not None:
+            keys_BT = torch.cat((keys_BT, self._images.identity_B().to(keys_BT.device)[:, None]), dim=1)
         distinct_UT, inverse_B = torch.unique(keys_BT, dim=0, return_inverse=True)
         num_distinct = distinct_UT.shape[0]
         if num_distinct == num_rows:
-            return self._prefill(
-                input_ids_BT, lengths_B, cache, torch.arange(num_rows, device=lengths_B.device)
-            )
-        logits_UV = self._prefill(distinct_UT[:, :width], distinct_UT[:, width], cache, inverse_B)
+            every_B = torch.arange(num_rows, device=lengths_B.device)
+            return self._prefill(input_ids_BT, lengths_B, cache, every_B, self._images)
+        images_U = None
+        if self._images is not None:
+            first_U = torch.full((num_distinct,), num_rows, dtype=torch.long, device=inverse_B.device)
+            first_U.scatter_reduce_(0, inverse_B, torch.arange(num_rows, device=inverse_B.device), "amin")
+            images_U = self._images.select(first_U.tolist())
+        logits_UV, offset_U = self._prefill(
+            distinct_UT[:, :width], distinct_UT[:, width], cache, inverse_B, images_U
+        )
         cache.select_rows(inverse_B, width)
-        return logits_UV[inverse_B]
+        return logits_UV[inverse_B], None if offset_U is None else offset_U[inverse_B]
 
     def _prefill(
-        self, input_ids_UT: torch.Tensor, lengths_U: torch.Tensor, cache: KVCache, inverse_B: torch.Tensor
-    ) -> torch.Tensor:
-        """:meth:`DecoderLM.prefill`, its routing recorded for the sequences ``inverse_B`` maps to prompts."""
+        self,
+        input_ids_UT: torch.Tensor,
+        lengths_U: torch.Tensor,
+        cache: KVCache,
+        inverse_B: torch.Tensor,
+        images_U: PromptImages | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`DecoderLM.prefill` (with the prompts' images), its routing recorded for the sequences
+        ``inverse_B`` maps to prompts; returns the last logits and the image prompts' rotary offsets."""
+        images, offset_U = None, None
+        if images_U is not None:
+            images, offset_U = self._image_prefill(input_ids_UT, lengths_U, images_U)
         if self._routing is None:
-            return self.model.prefill(input_ids_UT, lengths_U, cache)
+            return self.model.prefill(input_ids_UT, lengths_U, cache, images), offset_U
         with self._routing.capture() as sink:
-            logits_UV = self.model.prefill(input_ids_UT, lengths_U, cache)
+            logits_UV = self.model.prefill(input_ids_UT, lengths_U, cache, images)
         self._routing.record_prefill(sink, lengths_U, input_ids_UT.shape[1], inverse_B)
-        return logits_UV
+        return logits_UV, offset_U
+
+    def _image_prefill(
+        self, input_ids_UT: torch.Tensor, lengths_U: torch.Tensor, images_U: PromptImages
+    ) -> tuple[ImagePrefill, torch.Tensor]:
+        """The vision tower's features and the multimodal positions of prompts ``U``, and their rotary offsets."""
+        assert isinstance(self.model, VisionLanguageLM), "generate() refuses images for a text model"
+        pixel_values_ND, grid_thw_I3 = images_U.concatenated()
+        return self.model.image_prefill(input_ids_UT, lengths_U, pixel_values_ND, grid_thw_I3)
 
     def _decode_step(
-        self, tokens_B: torch.Tensor, rows: _Rows, cache: KVCache, num_slots: int
+        self, tokens_B: torch.Tensor, rows: Rows, cache: KVCache, num_slots: int
     ) -> torch.Tensor:
         """:meth:`DecoderLM.decode` of the rows' newest tokens, its routing recorded by sequence and position."""
         if self._routing is None:
-            return self.model.decode(tokens_B, rows.positions_B, cache, num_slots)
+            return self.model.decode(tokens_B, rows.rope_positions(), cache, num_slots)
         with self._routing.capture() as sink:
-            logits_BV = self.model.decode(tokens_B, rows.positions_B, cache, num_slots)
+            logits_BV = self.model.decode(tokens_B, rows.rope_positions(), cache, num_slots)
         self._routing.record_step(sink, rows.orig_B, rows.positions_B)
         return logits_BV
 
     @staticmethod
     def _finish_rows(
-        rows: _Rows,
-        generated: _Generated,
+        rows: Rows,
+        generated: Generated,
         step: int,
         stopped_B: torch.Tensor | None,
         exhausted_B: torch.Tensor | None,
@@ -440,7 +423,7 @@ class EmbeddedEngine:
         rows.alive_B[idx] = False
         return idx.numel()
 
-    def _stop_string_hits(self, rows: _Rows, step: int, max_stop_chars: int) -> torch.Tensor:
+    def _stop_string_hits(self, rows: Rows, step: int, max_stop_chars: int) -> torch.Tensor:
         """Rows whose generated text now contains one of their stop strings (ending in the newest token)."""
         assert self.decode_fn is not None
         hits = torch.zeros_like(rows.alive_B)
@@ -457,7 +440,7 @@ class EmbeddedEngine:
         return hits
 
     def _assemble(
-        self, input_ids_BT: torch.Tensor, lengths_B: torch.Tensor, generated: _Generated
+        self, input_ids_BT: torch.Tensor, lengths_B: torch.Tensor, generated: Generated
     ) -> EngineOutput:
         """Lay prompt and response side by side per row (response right after the prompt's last token)."""
         num_seqs, input_width = input_ids_BT.shape

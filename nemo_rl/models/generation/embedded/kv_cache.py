@@ -66,3 +66,15 @@ class KVCache:
         self.data[:, :, :n, :, :num_slots] = self.data[:, :, rows_N, :, :num_slots]
         self.start_B[:n] = self.start_B[rows_N]
         self.mask_BK1S[:n] = self.mask_BK1S[rows_N]
+
+
+def prefill_attention_mask(start_B: torch.Tensor, width: int) -> torch.Tensor:
+    """``[B, 1, T, T]`` bool: which key slots each query slot of a prefill over left-aligned rows sees.
+
+    Query slot ``i`` sees key slots ``start..i``; a pad query (``i < start``) sees only itself, to stay finite.
+    """
+    slots_T = torch.arange(width, device=start_B.device)
+    causal_TT = slots_T[None, :] <= slots_T[:, None]
+    after_start_B1T = slots_T[None, None, :] >= start_B[:, None, None]
+    diagonal_TT = slots_T[None, :] == slots_T[:, None]
+    return ((causal_TT & after_start_B1T) | diagonal_TT)[:, None]

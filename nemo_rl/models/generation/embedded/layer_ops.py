@@ -1,6 +1,7 @@
 """The embedded decoder's numerical building blocks, each written to match Hugging Face bit for bit on CPU:
 RMSNorm, a projection over token rows with a pre-transposed weight, the residual projection and rotary
-embedding. :mod:`.model` composes them into a decoder layer.
+embedding, and the per-layer weights they read (:class:`LayerWeights`). :mod:`.model` composes them into a
+decoder layer.
 
 Tensor legend: M = token rows, H = hidden size, I = a projection's input width, O = its output width,
 N = attention heads, K = key/value heads, D = head dim.
@@ -9,9 +10,12 @@ N = attention heads, K = key/value heads, D = head dim.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from nemo_rl.models.generation.embedded.moe import MoeWeights
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -49,3 +53,29 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     Equal, bit for bit, to Hugging Face's ``x * cos + rotate_half(x) * sin`` (negation is exact), in four ops.
     """
     return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer's weights as the forward passes read them: views into the fused storage (so a refit
+    writing the Hugging Face-named views is seen here), projections transposed to ``[in, out]``."""
+
+    ln1: torch.Tensor
+    ln2: torch.Tensor
+    qkv_t: torch.Tensor
+    qkv_b: torch.Tensor | None
+    o_t: torch.Tensor
+    o_b: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    gate_up_t: torch.Tensor | None
+    gate_up_b: torch.Tensor | None
+    down_t: torch.Tensor | None
+    down_b: torch.Tensor | None
+    moe: MoeWeights | None
+    """The MoE block's weights (then the dense MLP's are None)."""
+
+
+def transposed(weight: torch.Tensor | None) -> torch.Tensor | None:
+    """``weight.t()``, or None."""
+    return weight.t() if weight is not None else None

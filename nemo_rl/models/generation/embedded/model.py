@@ -1,5 +1,6 @@
-"""A pure-torch decoder-only transformer for inference, for the Llama, Qwen2 and Qwen3 families and the
-Qwen3-MoE and GLM-4-MoE mixture-of-experts families (their MoE block in :mod:`.moe`).
+"""A pure-torch decoder-only transformer for inference, for the Llama, Qwen2 and Qwen3 families, the
+Qwen3-MoE and GLM-4-MoE mixture-of-experts families (their MoE block in :mod:`.moe`) and the language models
+of Qwen2-VL and Qwen2.5-VL (:mod:`.vision` adds their vision tower).
 
 The model is built from a Hugging Face config and holds its weights under their exact Hugging Face names
 (``model.layers.3.self_attn.q_proj.weight``...), so checkpoints and refit streams load by name with no
@@ -31,9 +32,18 @@ import torch
 import torch.nn.functional as F
 
 from nemo_rl.config.model_arch import ModelArch
-from nemo_rl.models.generation.embedded.kv_cache import KVCache
-from nemo_rl.models.generation.embedded.layer_ops import Attend, linear, residual_linear, rms_norm, rotate
-from nemo_rl.models.generation.embedded.moe import MoeWeights, bind_moe_weights, moe_mlp, plan_moe_storage
+from nemo_rl.models.generation.embedded.kv_cache import KVCache, prefill_attention_mask
+from nemo_rl.models.generation.embedded.layer_ops import (
+    Attend,
+    LayerWeights,
+    linear,
+    residual_linear,
+    rms_norm,
+    rotate,
+    transposed,
+)
+from nemo_rl.models.generation.embedded.moe import bind_moe_weights, moe_mlp, plan_moe_storage
+from nemo_rl.models.generation.embedded.mrope import ImagePrefill
 from nemo_rl.models.hf_decoder import decoder_arch, iter_safetensors, rope_inv_freq
 from nemo_rl.models.hf_moe import expert_weight_names, per_expert_manifest
 
@@ -55,31 +65,6 @@ class _Slot:
     end: int
 
 
-@dataclass(frozen=True)
-class _LayerWeights:
-    """One decoder layer's weights as the forward passes read them: views into the fused storage (so a refit
-    writing the Hugging Face-named views is seen here), projections transposed to ``[in, out]``."""
-
-    ln1: torch.Tensor
-    ln2: torch.Tensor
-    qkv_t: torch.Tensor
-    qkv_b: torch.Tensor | None
-    o_t: torch.Tensor
-    o_b: torch.Tensor | None
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    gate_up_t: torch.Tensor | None
-    gate_up_b: torch.Tensor | None
-    down_t: torch.Tensor | None
-    down_b: torch.Tensor | None
-    moe: MoeWeights | None
-    """The MoE block's weights (then the dense MLP's are None)."""
-
-
-def _transposed(weight: torch.Tensor | None) -> torch.Tensor | None:
-    return weight.t() if weight is not None else None
-
-
 class DecoderLM:
     """A Llama/Qwen2/Qwen3 causal LM for inference whose weights carry Hugging Face names.
 
@@ -87,8 +72,18 @@ class DecoderLM:
     :meth:`load_weights` (any stream of ``(name, tensor)``). Weights are uninitialised until loaded.
     """
 
-    def __init__(self, arch: ModelArch, *, dtype: torch.dtype, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        arch: ModelArch,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        prefix: str = "model.",
+    ):
         self.arch = arch
+        self.prefix = prefix
+        """Name prefix of the decoder's weights: ``model.``, or ``model.language_model.`` inside a
+        vision-language model (:mod:`.vision`)."""
         self.dtype = dtype
         self.device = torch.device(device)
         self._layout: dict[str, tuple[int, ...]] = {}  # storage buffer -> shape
@@ -139,9 +134,9 @@ class DecoderLM:
     def _plan_storage(self) -> None:
         a = self.arch
         h, q, kv, i = a.hidden_size, a.q_size, a.kv_size, a.intermediate_size
-        self._add("model.embed_tokens.weight", (a.vocab_size, h))
+        self._add(self.prefix + "embed_tokens.weight", (a.vocab_size, h))
         for layer in range(a.num_layers):
-            p = f"model.layers.{layer}."
+            p = f"{self.prefix}layers.{layer}."
             attn, mlp = p + "self_attn.", p + "mlp."
             self._add(p + "input_layernorm.weight", (h,))
             self._add(p + "post_attention_layernorm.weight", (h,))
@@ -180,7 +175,7 @@ class DecoderLM:
                     [(mlp + "gate_proj.bias", i), (mlp + "up_proj.bias", i)],
                 )
                 self._add(mlp + "down_proj.bias", (h,))
-        self._add("model.norm.weight", (h,))
+        self._add(self.prefix + "norm.weight", (h,))
         if not a.tie_word_embeddings:
             self._add("lm_head.weight", (a.vocab_size, h))
 
@@ -191,31 +186,30 @@ class DecoderLM:
         }
         b = self._buffers
         a = self.arch
-        self._layers: list[_LayerWeights] = []
+        self._layers: list[LayerWeights] = []
         for layer in range(a.num_layers):
-            attn, mlp = f"model.layers.{layer}.self_attn.", f"model.layers.{layer}.mlp."
+            p = f"{self.prefix}layers.{layer}."
+            attn, mlp = p + "self_attn.", p + "mlp."
             self._layers.append(
-                _LayerWeights(
-                    ln1=b[f"model.layers.{layer}.input_layernorm.weight"],
-                    ln2=b[f"model.layers.{layer}.post_attention_layernorm.weight"],
+                LayerWeights(
+                    ln1=b[p + "input_layernorm.weight"],
+                    ln2=b[p + "post_attention_layernorm.weight"],
                     qkv_t=b[attn + "qkv_proj.weight"].t(),
                     qkv_b=b.get(attn + "qkv_proj.bias"),
                     o_t=b[attn + "o_proj.weight"].t(),
                     o_b=b.get(attn + "o_proj.bias"),
                     q_norm=b.get(attn + "q_norm.weight"),
                     k_norm=b.get(attn + "k_norm.weight"),
-                    gate_up_t=_transposed(b.get(mlp + "gate_up_proj.weight")),
+                    gate_up_t=transposed(b.get(mlp + "gate_up_proj.weight")),
                     gate_up_b=b.get(mlp + "gate_up_proj.bias"),
-                    down_t=_transposed(b.get(mlp + "down_proj.weight")),
+                    down_t=transposed(b.get(mlp + "down_proj.weight")),
                     down_b=b.get(mlp + "down_proj.bias"),
                     moe=bind_moe_weights(b, mlp) if mlp + "experts.down_proj" in b else None,
                 )
             )
-        self._embed = b["model.embed_tokens.weight"]
-        self._final_norm = b["model.norm.weight"]
-        self._lm_head_t = (
-            b["model.embed_tokens.weight"] if a.tie_word_embeddings else b["lm_head.weight"]
-        ).t()
+        self._embed = b[self.prefix + "embed_tokens.weight"]
+        self._final_norm = b[self.prefix + "norm.weight"]
+        self._lm_head_t = (self._embed if a.tie_word_embeddings else b["lm_head.weight"]).t()
 
     def to(self, device: torch.device | str) -> DecoderLM:
         """Move the weights to ``device`` in place (e.g. offload to host between colocated generations)."""
@@ -313,6 +307,11 @@ class DecoderLM:
         return loaded
 
     @classmethod
+    def from_config(cls, config: Any, *, dtype: torch.dtype, device: torch.device | str = "cpu") -> DecoderLM:
+        """The model of a ``transformers`` config, its weights uninitialised until loaded."""
+        return cls(decoder_arch(config), dtype=dtype, device=device)
+
+    @classmethod
     def from_pretrained(
         cls,
         path: str | os.PathLike[str],
@@ -327,7 +326,7 @@ class DecoderLM:
 
         folder = Path(path)
         config = load_hf_config(folder, overrides=config_overrides)
-        model = cls(decoder_arch(config), dtype=dtype, device=device)
+        model = cls.from_config(config, dtype=dtype, device=device)
         loaded = model.load_weights(iter_safetensors(folder))
         missing = sorted(set(model.weights_manifest()) - loaded)
         if missing:
@@ -405,9 +404,16 @@ class DecoderLM:
         return self._logits(x).view(num_rows, num_tokens, -1)
 
     def prefill(
-        self, input_ids_BT: torch.Tensor, input_lengths_B: torch.Tensor, cache: KVCache
+        self,
+        input_ids_BT: torch.Tensor,
+        input_lengths_B: torch.Tensor,
+        cache: KVCache,
+        images: ImagePrefill | None = None,
     ) -> torch.Tensor:
         """Run right-padded prompts, store their keys/values in cache rows ``0..B-1``, return last logits ``[B, V]``.
+
+        ``images`` (prompts of a vision-language model) replaces the image placeholders' embeddings with the
+        image features and the 1-D rotary positions with the multimodal ones (:mod:`.mrope`).
 
         The rows are left-aligned in the cache so that every prompt's last token sits in slot ``T - 1``
         (``T`` = the input width, at most the cache's slots); the next :meth:`decode` writes slot ``T``.
@@ -425,12 +431,7 @@ class DecoderLM:
             .unbind(1)
         )
         slots_M = start_B[rows_M] + positions_M
-        slots_T = torch.arange(width, device=input_ids_BT.device)
-        # Query slot i sees key slots start..i; a pad query (i < start) sees only itself, to stay finite.
-        causal_TT = slots_T[None, :] <= slots_T[:, None]
-        after_start_B1T = slots_T[None, None, :] >= start_B[:, None, None]
-        diagonal_TT = slots_T[None, :] == slots_T[:, None]
-        allowed_B1TT = ((causal_TT & after_start_B1T) | diagonal_TT)[:, None]
+        allowed_B1TT = prefill_attention_mask(start_B, width)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             keys, values = cache.keys[layer], cache.values[layer]
@@ -448,8 +449,13 @@ class DecoderLM:
             )
             return attn.transpose(1, 2)[rows_M, slots_M].reshape(-1, a.q_size)
 
-        x = F.embedding(input_ids_BT[rows_M, positions_M], self._embed)
-        cos, sin = self._rope_cos[positions_M], self._rope_sin[positions_M]
+        ids_M = input_ids_BT[rows_M, positions_M]
+        x = F.embedding(ids_M, self._embed)
+        if images is None:
+            cos, sin = self._rope_cos[positions_M], self._rope_sin[positions_M]
+        else:
+            x = images.write_features(x, ids_M)
+            cos, sin = images.rope_tables(self._rope_cos, self._rope_sin, rows_M, positions_M)
         for layer in range(a.num_layers):
             x = self._layer(layer, x, cos, sin, attend)
         last_B = torch.cumsum(input_lengths_B, 0) - 1

@@ -20,15 +20,17 @@ from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.device import cuda_available
 from nemo_rl.models.generation.embedded.engine import EmbeddedEngine, SamplingParams
+from nemo_rl.models.generation.embedded.images import PromptImages
 from nemo_rl.models.generation.embedded.model import DecoderLM
 from nemo_rl.models.generation.embedded.routing import ROUTED_EXPERTS_DTYPE
+from nemo_rl.models.generation.embedded.vision import decoder_class
 from nemo_rl.models.generation.interfaces import (
     WeightManifestDict,
     check_generation_input,
     empty_generation_output,
 )
 from nemo_rl.models.generation.lora import AdapterLayout, MergedAdapters, base_manifest_for
-from nemo_rl.models.hf_decoder import decoder_arch, resolve_checkpoint_dir
+from nemo_rl.models.hf_decoder import resolve_checkpoint_dir
 from nemo_rl.models.hf_moe import per_expert_weights
 from nemo_rl.models.tokenizer import eos_token_ids, require_pad_token_id
 from nemo_rl.weight_sync.manifest import WeightManifest, dtype_from_name
@@ -89,10 +91,8 @@ class EmbeddedReplica:
 
         checkpoint_dir = resolve_checkpoint_dir(cfg.model_name)
         config = load_hf_config(checkpoint_dir, overrides=cfg.hf_config_overrides)
-        model = DecoderLM(
-            decoder_arch(config),
-            dtype=dtype_from_name(cfg.generation.embedded_cfg.precision),
-            device=device,
+        model = decoder_class(config).from_config(
+            config, dtype=dtype_from_name(cfg.generation.embedded_cfg.precision), device=device
         )
         return cls(cfg, tokenizer, model, checkpoint_dir=checkpoint_dir, dp_rank=dp_rank, device=device)
 
@@ -117,6 +117,7 @@ class EmbeddedReplica:
                 greedy=greedy,
                 seed=chunk_seed,
                 stop_strings=chunk.get("stop_strings"),
+                images=PromptImages.of_batch(chunk.get("pixel_values"), chunk.get("image_grid_thw")),
             )
             outputs.append(BatchedDataDict({k: v for k, v in vars(result).items() if v is not None}))
         if len(outputs) == 1:

@@ -16,8 +16,8 @@ from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.device import configure_worker_threads, get_device
-from nemo_rl.models.generation.embedded.model import DecoderLM
 from nemo_rl.models.generation.embedded.replica import EmbeddedReplica
+from nemo_rl.models.generation.embedded.vision import load_decoder
 from nemo_rl.models.hf_decoder import resolve_checkpoint_dir
 from nemo_rl.models.tokenizer import require_pad_token_id
 from nemo_rl.weight_sync.interfaces import TransferStats, WeightReceiver
@@ -43,7 +43,7 @@ class EmbeddedGenerationWorker(EmbeddedReplica):
         device = get_device()
         dtype = dtype_from_name(cfg.generation.embedded_cfg.precision)
         checkpoint_dir = resolve_checkpoint_dir(model_path or cfg.model_name)
-        model = DecoderLM.from_pretrained(
+        model = load_decoder(
             checkpoint_dir, dtype=dtype, device=device, config_overrides=cfg.hf_config_overrides
         )
         super().__init__(

@@ -14,12 +14,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PretrainedConfig
 
 from nemo_rl.config.policy import GenerationConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.models.generation.interfaces import WeightManifestDict
 from nemo_rl.models.hf_moe import per_expert_manifest
+from nemo_rl.models.vlm import is_vision_language
 from nemo_rl.weight_sync.manifest import dtype_name
 
 RELOAD_WEIGHTS_RPC = "nemo_rl_reload_hf_weights"
@@ -228,8 +229,10 @@ def hf_weights_manifest(
     embedding appears once, under the input embedding's name) and persistent buffers, exactly what a
     policy's Hugging Face state streams. Floating-point weights travel in ``dtype`` (the generation dtype).
     """
+    # A vision-language model is transformers' image-text class, the policy's (tower and projection included).
+    auto_cls = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        model = auto_cls.from_config(config, trust_remote_code=trust_remote_code)
     manifest: WeightManifestDict = {
         name: (tuple(param.shape), dtype_name(dtype)) for name, param in model.named_parameters()
     }

@@ -60,6 +60,7 @@ from nemo_rl.models.generation.vllm.engine_setup import (
     max_sequence_length,
     worker_env,
 )
+from nemo_rl.models.generation.vllm.images import patch_layout, vllm_prompts
 from nemo_rl.models.generation.vllm.lora import VllmAdapters, lora_engine_kwargs, split_adapters
 from nemo_rl.models.generation.vllm.worker_extension import keep_cpu_linear_weights_in_place
 from nemo_rl.models.hf_config import load_hf_config
@@ -121,17 +122,14 @@ class VllmGenerationWorker:
             self.model_source, trust_remote_code=cfg.trust_remote_code, overrides=cfg.hf_config_overrides
         )
         self._dtype = dtype_from_name(cfg.generation.vllm_cfg.precision)
-        self._manifest = hf_weights_manifest(hf_config, self._dtype, trust_remote_code=cfg.trust_remote_code)
-        layout = AdapterLayout.from_policy_config(cfg, self._manifest, cfg.generation.vllm_cfg.precision)
-        self._adapters = (
-            None if layout is None else VllmAdapters(cfg, layout, self._manifest, str(self.model_source))
+        # A vision-language model's prompts carry the processor's patches, turned back into pictures for vLLM.
+        self._patch_layout = patch_layout(
+            hf_config, cfg.tokenizer.name or self.model_source, cfg.trust_remote_code
         )
-        if self._adapters is not None and self.rank == 0:
-            logger.info(
-                "LoRA refits into vLLM use vLLM's own LoRA support (enable_lora, one adapter of rank <= %d "
-                "reloaded in place): after the first refit only the adapters move",
-                lora_engine_kwargs(cfg)["max_lora_rank"],
-            )
+        self._manifest = hf_weights_manifest(hf_config, self._dtype, trust_remote_code=cfg.trust_remote_code)
+        self._adapters = self._lora_adapters(cfg)
+        # Whether vLLM's encoder cache record must be reset before the next call (after a weight update, see _load).
+        self._encoder_cache_stale = False
         # Pools (vLLM sleep-mode tags) currently released; the engine starts awake.
         self._asleep: set[str] = set()
         # Whether finish_generation puts the engine to sleep: colocated, on a platform with sleep mode
@@ -151,6 +149,19 @@ class VllmGenerationWorker:
             cfg.generation.vllm_cfg.precision,
             cfg.generation.vllm_cfg.tensor_parallel_size,
         )
+
+    def _lora_adapters(self, cfg: PolicyConfig) -> VllmAdapters | None:
+        """With LoRA, the adapters refits install as vLLM's own adapter (:mod:`.lora`); else None."""
+        layout = AdapterLayout.from_policy_config(cfg, self._manifest, cfg.generation.vllm_cfg.precision)
+        if layout is None:
+            return None
+        if self.rank == 0:
+            logger.info(
+                "LoRA refits into vLLM use vLLM's own LoRA support (enable_lora, one adapter of rank <= %d "
+                "reloaded in place): after the first refit only the adapters move",
+                lora_engine_kwargs(cfg)["max_lora_rank"],
+            )
+        return VllmAdapters(cfg, layout, self._manifest, str(self.model_source))
 
     def _start_engine(self, seed: int) -> Any:
         """Build the ``vllm.LLM`` (and remember vLLM's ``SamplingParams`` class)."""
@@ -193,6 +204,9 @@ class VllmGenerationWorker:
         # A sleeping vLLM engine keeps its scheduler paused until every pool is back: requests sent to it
         # would wait forever, so a caller that skipped prepare_for_generation gets the engine woken.
         self._wake({WEIGHTS_TAG, KV_CACHE_TAG})
+        if self._encoder_cache_stale:
+            self.llm.llm_engine.reset_encoder_cache()
+            self._encoder_cache_stale = False
         input_ids, input_lengths = data["input_ids"], data["input_lengths"]
         params = sampling_params_for_rows(
             self._sampling_params_cls,
@@ -203,7 +217,12 @@ class VllmGenerationWorker:
             greedy=greedy,
             seeds=request_seeds(seed, self.dp_rank, data.size),
         )
-        prompts = prompt_token_ids(input_ids, input_lengths)
+        requests = vllm_prompts(
+            prompt_token_ids(input_ids, input_lengths),
+            data.get("pixel_values"),
+            data.get("image_grid_thw"),
+            self._patch_layout,
+        )
         # Rows whose prompt already fills the sequence limit get no request (vLLM needs max_tokens >= 1).
         pending = [row for row, row_params in enumerate(params) if row_params is not None]
         completions: list[Any] = [None] * data.size
@@ -218,9 +237,7 @@ class VllmGenerationWorker:
                     attempt,
                     MAX_REQUEST_RETRIES,
                 )
-            outputs = self._run_requests(
-                [{"prompt_token_ids": prompts[row]} for row in pending], [params[row] for row in pending]
-            )
+            outputs = self._run_requests([requests[row] for row in pending], [params[row] for row in pending])
             if len(outputs) != len(pending):
                 raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(pending)} prompts")
             finished = [output.outputs[0] for output in outputs]
@@ -257,6 +274,12 @@ class VllmGenerationWorker:
             raise ValueError(
                 "grpo.async_grpo.recompute_kv_cache_after_weight_updates is built for the embedded engine: with "
                 "vLLM set it false"
+            )
+        if self._patch_layout is not None:
+            # vLLM's reload empties its encoder cache under requests the scheduler still counts on it for.
+            raise ValueError(
+                "in-flight weight updates of a vision-language model are built for the embedded engine: with vLLM "
+                "set grpo.async_grpo.in_flight_weight_updates=false"
             )
         self._in_flight = InFlightWeights(self._load)
 
@@ -312,8 +335,12 @@ class VllmGenerationWorker:
         if adapters and self._adapters is not None:
             self._adapters.install(self.llm, adapters)
             num_bytes += sum(t.numel() * t.element_size() for t in adapters.values())
-        # Cached prefixes hold keys and values computed with the old weights.
+        # Cached prefixes hold keys and values computed with the old weights. vLLM's reload also empties the
+        # model runner's cache of image features but not the scheduler's record of it, so the next request
+        # with a picture seen before would fail ("Encoder cache miss"): the record is dropped before the next
+        # call (not now: a reload between two engine steps has requests running).
         self.llm.reset_prefix_cache()
+        self._encoder_cache_stale = self._patch_layout is not None
         return int(num_bytes)
 
     def load_weights_from_stream(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
