@@ -510,6 +510,34 @@ def test_refit_from_the_policy(
         refit_transport.shutdown()
 
 
+def test_the_refit_guard_names_a_tensor_the_vllm_engine_holds_differently(
+    tiny: dict[str, Any], refit_parts: dict[str, Any]
+) -> None:
+    """vLLM holds q, k and v fused, gate and up fused and the vocabulary padded: a clean refit passes the
+    guard; a k_proj changed in the engine afterwards stops it, naming the fused group; a refit repairs it."""
+    from nemo_rl.weight_sync.guard import RefitDivergenceError
+    from nemo_rl.weight_sync.refitter import Refitter
+
+    generation = refit_parts["engine"](True)
+    policy = refit_parts["policy"]("dtensor")
+    refitter = Refitter.create(_policy_cfg(tiny, "dtensor"), policy, generation)
+    try:
+        assert refitter.refit()["refit/guard_s"] > 0
+        weights = {name: p.detach().clone() for name, p in tiny["hf"]["a"].named_parameters()}
+        weights["model.layers.0.self_attn.k_proj.weight"][0, 0] += 0.5
+        generation.update_weights(weights.items())
+        with pytest.raises(RefitDivergenceError) as err:
+            refitter.verify()
+        assert (
+            "generation engine 0 holds model.layers.0.self_attn.{k_proj, q_proj, v_proj} "
+            "(held as model.layers.0.self_attn.qkv_proj) unlike what the policy sent"
+        ) in str(err.value)
+        refitter.refit()
+    finally:
+        refitter.shutdown()
+        generation.finish_generation()
+
+
 # ------------------------------------------------------------------------------------------------ LoRA
 def test_lora_refits_install_vllms_adapter_and_match_the_policy(
     tiny: dict[str, Any], cluster: RayVirtualCluster

@@ -538,3 +538,49 @@ def test_program_agents_get_the_endpoint_from_their_environment(tokenizer: Any) 
     assert failed_metrics["agent/failed"] == 1.0
     assert failed["loss_multiplier"].tolist() == [1.0, 0.0]
     assert [m["role"] for m in failed["message_log"][1]] == ["user", "assistant"]
+
+
+def raising_agent(task: AgentTask) -> float:
+    """A function agent that raises at once (with a message of two lines)."""
+    raise ValueError("the calculator is missing\nsee the setup notes")
+
+
+AGENT_EXITING_AT_ONCE = "import sys; sys.stderr.write('Traceback ...\\nRuntimeError: no API key\\n'); sys.exit(1)"
+
+
+def test_a_step_of_failed_agents_exits_2_with_one_line_quoting_the_first_failure(
+    tokenizer: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from nemo_rl.config.cli import run_cli
+
+    endpoint, _ = start_endpoint(tokenizer, calculator_reply)
+    batch = prompt_batch(tokenizer, [("What is 2*3?", "6"), ("What is 3*3?", "9")])
+    cases = [
+        (
+            AgentConfig(enabled=True, command=[sys.executable, "-c", AGENT_EXITING_AT_ONCE], timeout_s=60),
+            "exited with status 1: RuntimeError: no API key",
+        ),
+        (
+            AgentConfig(enabled=True, function=f"{__file__}:raising_agent", timeout_s=60),
+            "ValueError: the calculator is missing | see the setup notes",
+        ),
+    ]
+    # Past grpo.agent.max_failed_fraction (one of two agents failing is half of them).
+    half = AgentConfig(
+        enabled=True,
+        command=[sys.executable, "-c", AGENT_FAILING_ON_THE_SECOND_PROMPT.format(agent=str(AGENT_FILE))],
+        timeout_s=60,
+        max_failed_fraction=0.4,
+    )
+    try:
+        for cfg, first_failure in cases:
+            with pytest.raises(SystemExit) as exit_info:
+                run_cli(run_agent_rollout, endpoint, batch, tokenizer, cfg)
+            assert exit_info.value.code == 2
+            stderr = capsys.readouterr().err.strip()
+            assert len(stderr.splitlines()) == 1, stderr
+            assert f"all 2 agents of this step failed (first: {first_failure})" in stderr
+        with pytest.raises(AgentRolloutError, match=r"1 of 2 agents .* \(first: exited with status 3"):
+            run_agent_rollout(endpoint, batch, tokenizer, half)
+    finally:
+        endpoint.stop()

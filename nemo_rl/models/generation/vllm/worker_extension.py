@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nemo_rl.models.hf_moe import per_expert_weights
+from nemo_rl.weight_sync.checksums import Checksum, tensor_checksum
 from nemo_rl.weight_sync.errors import RefitIntegrityError
 from nemo_rl.weight_sync.manifest import format_names
 
@@ -207,3 +208,16 @@ class VllmWorkerExtension:
             # too); the stream was still checked against the Hugging Face manifest.
             logger.debug("quantised vLLM model: the loaded-name check is skipped")
         return num_bytes
+
+    def nemo_rl_weight_checksums(self) -> dict[str, Checksum] | None:
+        """The refit guard's checksums of this worker's parameters (:mod:`nemo_rl.weight_sync.checksums`), in
+        the model's dtype, named as vLLM names them (a LoRA layer's ``base_layer`` as the layer itself; the
+        adapters, kept outside the parameters, are not reported). ``None`` for a quantised model."""
+        if self.vllm_config.model_config.quantization is not None:
+            return None
+        model = self.model_runner.get_model()
+        dtype = self.vllm_config.model_config.dtype
+        return {
+            name.replace(".base_layer.", "."): tensor_checksum(param, dtype)
+            for name, param in model.named_parameters()
+        }
