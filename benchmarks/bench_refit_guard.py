@@ -29,12 +29,12 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_refit import moe_weight_shapes, num_params, weight_shapes  # noqa: E402
+from bench_refit import moe_weight_shapes, num_params, weight_shapes
 
-from nemo_rl.weight_sync import SharedMemoryTransport, TransportSettings, WeightManifest  # noqa: E402
-from nemo_rl.weight_sync.checksums import named_checksums  # noqa: E402
-from nemo_rl.weight_sync.guard import find_divergence  # noqa: E402
-from nemo_rl.weight_sync.manifest import dtype_from_name  # noqa: E402
+from nemo_rl.weight_sync import SharedMemoryTransport, TransportSettings, WeightManifest
+from nemo_rl.weight_sync.checksums import named_checksums
+from nemo_rl.weight_sync.guard import find_divergence
+from nemo_rl.weight_sync.manifest import dtype_from_name
 
 _MIB = 1024 * 1024
 

@@ -22,7 +22,9 @@ def check_lora_targets(policy: PolicyConfig) -> None:
     """Raise :class:`UserError` (one line: the patterns and the model's layer names) when the DTensor policy's
     LoRA ``target_modules`` / ``exclude_modules`` leave no linear layer of a local model to adapt."""
     lora = policy.dtensor_cfg.lora_cfg
-    if not (policy.dtensor_cfg.enabled and lora.enabled) or (lora.match_all_linear and not lora.exclude_modules):
+    if not (policy.dtensor_cfg.enabled and lora.enabled) or (
+        lora.match_all_linear and not lora.exclude_modules
+    ):
         return
     if not (Path(policy.model_name) / "config.json").is_file():
         return

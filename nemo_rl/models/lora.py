@@ -16,7 +16,6 @@ layouts result. FSDP2 shards them like any parameter of the layer.
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import json
 import math
 from collections.abc import Collection, Iterable, Iterator

@@ -29,9 +29,9 @@ import torch
 
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.weight_sync.factory import create_refit_transport, generation_dtype
+from nemo_rl.weight_sync.guard import EngineChecksums, RefitDivergenceError, RefitGuard
 from nemo_rl.weight_sync.interfaces import RefitTransport
 from nemo_rl.weight_sync.manifest import SpecLike, WeightManifest
-from nemo_rl.weight_sync.guard import EngineChecksums, RefitDivergenceError, RefitGuard
 from nemo_rl.weight_sync.refit import refit_with_stats
 from nemo_rl.weight_sync.scope import RefitScope, RefitScopePlanner, worker_identities
 
@@ -270,7 +270,9 @@ class Refitter:
                 "the policy (a kernel, a dtype, sampling settings)"
             )
         else:
-            found = "the engines' weights are not checksummed (engines in the policy, or guard.checksums=false)"
+            found = (
+                "the engines' weights are not checksummed (engines in the policy, or guard.checksums=false)"
+            )
         message = (
             f"refit guard: gen_kl_error {gen_kl_error:.3g} exceeds policy.refit.guard.max_gen_kl_error="
             f"{cfg.max_gen_kl_error:g}: {found}; the last checkpoint is intact"

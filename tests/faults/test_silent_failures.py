@@ -82,7 +82,9 @@ def test_lora_targets_that_match_no_layer_exit_2_before_ray(
         monkeypatch,
         capsys,
     )
-    assert "lora_cfg selects no linear layer of the model (target_modules=['qkv_proj', '*.layers.9.*']" in line
+    assert (
+        "lora_cfg selects no linear layer of the model (target_modules=['qkv_proj', '*.layers.9.*']" in line
+    )
     assert "'q_proj'" in line and line.endswith("name some of them in target_modules")
 
 

@@ -545,7 +545,9 @@ def raising_agent(task: AgentTask) -> float:
     raise ValueError("the calculator is missing\nsee the setup notes")
 
 
-AGENT_EXITING_AT_ONCE = "import sys; sys.stderr.write('Traceback ...\\nRuntimeError: no API key\\n'); sys.exit(1)"
+AGENT_EXITING_AT_ONCE = (
+    "import sys; sys.stderr.write('Traceback ...\\nRuntimeError: no API key\\n'); sys.exit(1)"
+)
 
 
 def test_a_step_of_failed_agents_exits_2_with_one_line_quoting_the_first_failure(

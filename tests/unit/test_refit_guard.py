@@ -81,9 +81,7 @@ def test_divergence_names_the_tensor_or_the_fused_group() -> None:
 
 def test_tensor_parallel_ranks_add_their_shards_and_count_replicas_once() -> None:
     weights = {"w": torch.randn(4, 6, generator=G), "norm": torch.randn(6, generator=G)}
-    ranks = [
-        named_checksums([("w", shard), ("norm", weights["norm"])]) for shard in weights["w"].chunk(2)
-    ]
+    ranks = [named_checksums([("w", shard), ("norm", weights["norm"])]) for shard in weights["w"].chunk(2)]
     assert combine_ranks(ranks) == named_checksums(weights.items())
 
 
@@ -93,8 +91,9 @@ class _Actor:
 
 
 class Policy:
-    workers: Sequence[Any] = [_Actor("p0")]
-    worker_node_ids = ["n0"]
+    def __init__(self) -> None:
+        self.workers: Sequence[Any] = [_Actor("p0")]
+        self.worker_node_ids = ["n0"]
 
     def refit_streams(self) -> list[int]:
         return [0]
@@ -116,10 +115,10 @@ class Engines:
     """Two engine replicas holding vLLM-style weights; ``corrupt`` changes what replica 1 holds."""
 
     hosted_in_policy = False
-    workers: Sequence[Any] = [_Actor("g0"), _Actor("g1")]
-    worker_node_ids = ["n0", "n0"]
 
     def __init__(self) -> None:
+        self.workers: Sequence[Any] = [_Actor("g0"), _Actor("g1")]
+        self.worker_node_ids = ["n0", "n0"]
         self.corrupt: str | None = None
         self.loads = 0
 
@@ -154,7 +153,9 @@ def test_a_corrupted_engine_stops_the_run_naming_the_tensor(monkeypatch: pytest.
         refitter.verify()
     message = str(err.value)
     assert isinstance(err.value, UserError) and "\n" not in message
-    assert "generation engine 1 holds model.layers.0.mlp.down_proj.weight unlike what the policy sent" in message
+    assert (
+        "generation engine 1 holds model.layers.0.mlp.down_proj.weight unlike what the policy sent" in message
+    )
     assert "engine 0" not in message
     assert refitter.stale  # the next refit is due, and full
 
@@ -174,7 +175,9 @@ def test_on_mismatch_refit_sends_again_and_warn_goes_on(
     refitter = refitter_for(engines, monkeypatch, on_mismatch="warn")
     engines.corrupt = "model.embed_tokens.weight"
     assert "refit/guard_s" in refitter.refit()
-    assert "WARNING: refit guard: generation engine 1 holds model.embed_tokens.weight" in capsys.readouterr().out
+    assert (
+        "WARNING: refit guard: generation engine 1 holds model.embed_tokens.weight" in capsys.readouterr().out
+    )
     assert not refitter.stale
 
 
@@ -185,9 +188,11 @@ def test_the_probe_stops_past_max_gen_kl_error_and_says_whether_a_tensor_differs
     refitter = refitter_for(engines, monkeypatch, max_gen_kl_error=1e-3)
     refitter.refit()
     refitter.probe(1e-4)
-    with pytest.raises(RefitDivergenceError, match="0.5 exceeds .*max_gen_kl_error=0.001: every tensor"):
+    with pytest.raises(RefitDivergenceError, match=r"0\.5 exceeds .*max_gen_kl_error=0\.001: every tensor"):
         refitter.probe(0.5)
     refitter.refit()
     engines.corrupt = "model.layers.0.self_attn.v_proj.weight"
-    with pytest.raises(RefitDivergenceError, match=r"nan exceeds .*engine 1 holds .*\{k_proj, q_proj, v_proj\}"):
+    with pytest.raises(
+        RefitDivergenceError, match=r"nan exceeds .*engine 1 holds .*\{k_proj, q_proj, v_proj\}"
+    ):
         refitter.probe(float("nan"))

@@ -42,8 +42,8 @@ from nemo_rl.models.generation.interfaces import (
 from nemo_rl.models.generation.lora import AdapterLayout, base_manifest_for, refuse_after_draining
 from nemo_rl.models.generation.vllm.convert import (
     RELOAD_WEIGHTS_RPC,
-    WEIGHT_CHECKSUMS_RPC,
     RETRIED_FINISH_REASONS,
+    WEIGHT_CHECKSUMS_RPC,
     assemble_outputs,
     generation_budgets,
     hf_weights_manifest,
