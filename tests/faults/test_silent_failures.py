@@ -14,6 +14,7 @@ import pytest
 import nemo_rl.algorithms.run_build as run_build
 import nemo_rl.distributed.ray_start as ray_start
 from nemo_rl.config import load_and_validate
+from nemo_rl.config.errors import UserError
 from nemo_rl.config.master import SFTMasterConfig
 from nemo_rl.utils.checkpoint import CheckpointManager
 
@@ -28,10 +29,14 @@ LORA_ON = [
 
 
 def run_script(
-    script: str, args: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    script: str,
+    args: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    before_ray: bool = True,
 ) -> str:
     """Run an example script in this process, as a user runs it; return its one stderr line after asserting
-    exit status 2 and that Ray was never started."""
+    exit status 2 and that no worker started (nor, ``before_ray``, Ray's background start)."""
     starts: list[object] = []
     monkeypatch.setattr(ray_start, "start_ray_in_background", starts.append)
     # Were the check missed, the run would go on to start Ray: fail at once instead.
@@ -42,7 +47,7 @@ def run_script(
     stderr = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2, stderr
     assert "Traceback" not in stderr and len(stderr.splitlines()) == 1, stderr
-    assert starts == []
+    assert starts == [] or not before_ray
     return stderr
 
 
@@ -114,5 +119,21 @@ def test_resuming_with_other_lora_settings_exits_2_before_any_worker(
     config = load_and_validate(SFT_CONFIG, SFTMasterConfig, [*common, *saved])
     manager = CheckpointManager(config.checkpointing)
     manager.finalize_checkpoint(manager.init_tmp_checkpoint(2, {"val_loss": 1.0}, run_config=config))
-    line = run_script("run_sft.py", ["--config", str(SFT_CONFIG), *common, *resumed], monkeypatch, capsys)
+    # Found while Ray's background start is under way (which the script's exit stops), before any worker.
+    args = ["--config", str(SFT_CONFIG), *common, *resumed]
+    line = run_script("run_sft.py", args, monkeypatch, capsys, before_ray=False)
     assert f"the run resuming from {tmp_path / 'ckpt' / 'step_2'} changes {change}" in line
+
+
+def test_lora_keys_count_only_where_either_side_trains_adapters(tmp_path: Path) -> None:
+    from nemo_rl.algorithms.loop import check_config_change
+
+    def config(enabled: bool, targets: list[str]) -> dict[str, object]:
+        lora = {"enabled": enabled, "target_modules": targets, "alpha": 32}
+        return {"policy": {"dtensor_cfg": {"lora_cfg": lora}}}
+
+    path = tmp_path / "step_1"
+    # LoRA off on both sides: its layer list is a leftover, not a change of what the checkpoint holds.
+    assert check_config_change(config(False, ["q_proj"]), config(False, []), path=path, allow_incompatible=False)
+    with pytest.raises(UserError, match=r"lora_cfg\.target_modules: \['q_proj'\] -> \[\]"):
+        check_config_change(config(True, ["q_proj"]), config(True, []), path=path, allow_incompatible=False)
