@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from nemo_rl.config.errors import UserError
-from nemo_rl.config.policy import RefitGuardConfig
+from nemo_rl.config.refit import RefitGuardConfig
 from nemo_rl.weight_sync.checksums import Checksum, combine_ranks, total
 from nemo_rl.weight_sync.errors import RefitIntegrityError
 from nemo_rl.weight_sync.interfaces import TransferStats
