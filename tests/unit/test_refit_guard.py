@@ -196,3 +196,20 @@ def test_the_probe_stops_past_max_gen_kl_error_and_says_whether_a_tensor_differs
         RefitDivergenceError, match=r"nan exceeds .*engine 1 holds .*\{k_proj, q_proj, v_proj\}"
     ):
         refitter.probe(float("nan"))
+
+
+def test_a_script_stopped_by_the_guard_exits_2_with_its_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from nemo_rl.config.cli import run_cli
+
+    engines = Engines()
+    refitter = refitter_for(engines, monkeypatch)
+    refitter.refit()
+    engines.corrupt = "model.layers.0.input_layernorm.weight"
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(refitter.refit)  # as the scripts run their loop: the next refit finds the engine changed
+    assert exit_info.value.code == 2
+    stderr = capsys.readouterr().err.strip()
+    assert len(stderr.splitlines()) == 1
+    assert "error: refit guard: generation engine 1 holds model.layers.0.input_layernorm.weight" in stderr
