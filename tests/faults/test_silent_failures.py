@@ -134,6 +134,8 @@ def test_lora_keys_count_only_where_either_side_trains_adapters(tmp_path: Path) 
 
     path = tmp_path / "step_1"
     # LoRA off on both sides: its layer list is a leftover, not a change of what the checkpoint holds.
-    assert check_config_change(config(False, ["q_proj"]), config(False, []), path=path, allow_incompatible=False)
+    assert check_config_change(
+        config(False, ["q_proj"]), config(False, []), path=path, allow_incompatible=False
+    )
     with pytest.raises(UserError, match=r"lora_cfg\.target_modules: \['q_proj'\] -> \[\]"):
         check_config_change(config(True, ["q_proj"]), config(True, []), path=path, allow_incompatible=False)
