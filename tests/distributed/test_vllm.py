@@ -373,6 +373,15 @@ def test_tensor_parallel_2_matches_hf_before_and_after_an_update(
         _check_greedy_parity(tiny["hf"]["a"], generation.generate(data, greedy=True), data["input_lengths"])
         generation.update_weights(tiny["hf"]["b"].named_parameters())
         _check_greedy_parity(tiny["hf"]["b"], generation.generate(data, greedy=True), data["input_lengths"])
+        # The refit guard's view of a tensor-parallel engine: its ranks' shards add up to the weights sent
+        # (a parameter both ranks hold alike is replicated and counts once).
+        from nemo_rl.weight_sync.checksums import combine_ranks, named_checksums
+        from nemo_rl.weight_sync.guard import find_divergence
+
+        held = generation.held_weight_checksums()
+        assert len(held) == 1 and held[0] is not None and len(held[0]) == 2
+        sent = named_checksums(tiny["hf"]["b"].named_parameters())
+        assert find_divergence(sent, combine_ranks(held[0])) == []
     finally:
         generation.shutdown()
 
