@@ -138,8 +138,8 @@ class InPolicyEmbeddedGeneration(SeededReplicas):
         return manifest
 
     def held_weight_checksums(self) -> list[EngineChecksums]:
-        """None: the replicas copy the weights in process, without a transport, and the guard checks no copy
-        made inside one process."""
+        """No reports: the replicas copy the weights in process, without a transport, and the refit guard checks
+        no copy made inside one process (its ``gen_kl_error`` probe still applies)."""
         return []
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

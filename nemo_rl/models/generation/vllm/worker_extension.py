@@ -1,7 +1,8 @@
-"""The refit method vLLM adds to its own GPU worker.
+"""The refit methods vLLM adds to its own GPU worker: the reload of a refit's stream and the refit guard's
+checksums of what the worker then holds.
 
 ``vllm.LLM(worker_extension_cls=WORKER_EXTENSION_CLS)`` makes :class:`VllmWorkerExtension` a base class of
-vLLM's worker, so ``LLM.collective_rpc("nemo_rl_reload_hf_weights", args=(stream,))`` runs the method below on
+vLLM's worker, so ``LLM.collective_rpc("nemo_rl_reload_hf_weights", args=(stream,))`` runs that method on
 every vLLM worker of the engine with ``self`` being that worker. nemo_rl's engines run vLLM's worker in the
 actor's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, uni-process or external-launcher executor), so
 the argument is the caller's live iterator, not a pickled copy.
