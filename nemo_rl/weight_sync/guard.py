@@ -17,11 +17,13 @@ as one group. A difference names the deepest prefix that explains it: the tensor
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+
+import torch
 
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.refit import RefitGuardConfig
-from nemo_rl.weight_sync.checksums import Checksum, combine_ranks, total
+from nemo_rl.weight_sync.checksums import Checksum, combine_ranks, tensor_checksum, total
 from nemo_rl.weight_sync.errors import RefitIntegrityError
 from nemo_rl.weight_sync.interfaces import TransferStats
 from nemo_rl.weight_sync.scope import RefitScope
@@ -151,3 +153,41 @@ class RefitGuard:
             "differ): the engine's weight loading or memory is at fault, not the training; the last checkpoint "
             "is intact (policy.refit.guard.on_mismatch chooses stop, refit or warn)"
         )
+
+
+def recording(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], into: dict[str, Checksum], dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``named_tensors`` unchanged, with the checksum of each (as sent: in ``dtype``) put ``into`` a dict: the
+    sending side of a copy made inside one process (an engine hosted in the policy's worker)."""
+    for name, tensor in named_tensors:
+        into[name] = tensor_checksum(tensor, dtype)
+        yield name, tensor
+
+
+def check_in_process(
+    cfg: RefitGuardConfig,
+    sent: Mapping[str, Checksum],
+    held: Mapping[str, Checksum] | None,
+    scope: RefitScope,
+) -> None:
+    """The guard of a copy made inside one process: what :func:`recording` saw against what the engine then
+    holds (``None``: it cannot report). An adapters-only copy is compared on the adapters alone. Raises
+    :class:`RefitDivergenceError` (``on_mismatch`` stop or refit; the copy is not repeated here) or warns."""
+    if held is None or not cfg.checksums:
+        return
+    if scope == "adapters":
+        held = {name: checksum for name, checksum in held.items() if name.endswith(_ADAPTER_SUFFIXES)}
+    names = find_divergence(sent, held)
+    if not names:
+        return
+    shown = "; ".join(names[:_MAX_NAMED]) + (
+        f" and {len(names) - _MAX_NAMED} more" if len(names) > _MAX_NAMED else ""
+    )
+    message = RefitGuard(cfg).message(
+        [f"the engine in this policy worker holds {shown} unlike what it was sent"]
+    )
+    if cfg.on_mismatch == "warn":
+        print(f"WARNING: {message}; going on", flush=True)
+        return
+    raise RefitDivergenceError(message)

@@ -213,3 +213,23 @@ def test_a_script_stopped_by_the_guard_exits_2_with_its_one_line(
     stderr = capsys.readouterr().err.strip()
     assert len(stderr.splitlines()) == 1
     assert "error: refit guard: generation engine 1 holds model.layers.0.input_layernorm.weight" in stderr
+
+
+def test_a_copy_inside_one_process_is_checked_too() -> None:
+    """An engine hosted in the policy's worker: the copy's stream against what the engine then holds."""
+    from nemo_rl.config.refit import RefitGuardConfig
+    from nemo_rl.weight_sync.guard import check_in_process, recording
+
+    cfg = RefitGuardConfig()
+    sent: dict[str, Any] = {}
+    assert [name for name, _ in recording(HF.items(), sent, torch.float32)] == list(HF)
+    check_in_process(cfg, sent, named_checksums(HF.items()), "full")
+    corrupted = {**HF, "model.layers.0.mlp.down_proj.weight": torch.zeros(4, 8)}
+    with pytest.raises(
+        RefitDivergenceError, match=r"this policy worker holds model\.layers\.0\.mlp\.down_proj\.weight"
+    ):
+        check_in_process(cfg, sent, named_checksums(corrupted.items()), "full")
+    # An adapters-only copy is compared on the adapters; the engine's other weights are not part of it.
+    adapters = {"model.layers.0.mlp.down_proj.lora_A": torch.ones(2, 8)}
+    sent = dict(named_checksums(adapters.items()))
+    check_in_process(cfg, sent, named_checksums({**HF, **adapters}.items()), "adapters")

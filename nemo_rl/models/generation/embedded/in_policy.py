@@ -138,8 +138,8 @@ class InPolicyEmbeddedGeneration(SeededReplicas):
         return manifest
 
     def held_weight_checksums(self) -> list[EngineChecksums]:
-        """No reports: the replicas copy the weights in process, without a transport, and the refit guard checks
-        no copy made inside one process (its ``gen_kl_error`` probe still applies)."""
+        """No reports to the driver: each replica copies the weights in its policy worker's process and checks
+        the copy there, right after it (``nemo_rl.weight_sync.guard.check_in_process``)."""
         return []
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
