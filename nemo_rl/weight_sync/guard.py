@@ -13,6 +13,10 @@ prefix (``model.layers.3.self_attn``) has a checksum on both sides, and the comp
 root into the children both sides share. Where the engine fuses tensors (vLLM's ``qkv_proj`` for ``q_proj``,
 ``k_proj``, ``v_proj``; stacked experts) the children differ, and the tensors the engine fuses are compared
 as one group. A difference names the deepest prefix that explains it: the tensor itself, or the fused group.
+
+An engine hosted in the policy's worker is copied inside that process, without a transport: the worker takes
+the checksums of the stream it copies (:func:`recording`) and compares them with the engine's right after
+(:func:`check_in_process`).
 """
 
 from __future__ import annotations
