@@ -151,7 +151,10 @@ def grpo_step(
     """One GRPO step on a batch of prompts; returns its ``train/`` metrics. Under dynamic sampling,
     ``next_batch`` gives the further prompt batches the step draws."""
     rollout, rollout_metrics, env_metrics = sample_step(run, batch, run.config.grpo, timer, next_batch)
-    return train_on_rollout(run, loss_fn, rollout, rollout_metrics, timer, env_metrics)
+    metrics = train_on_rollout(run, loss_fn, rollout, rollout_metrics, timer, env_metrics)
+    if "gen_kl_error" in metrics:  # sampled and scored with the same weights: the refit guard's probe
+        run.rl.weights.probe(metrics["gen_kl_error"])
+    return metrics
 
 
 def train_on_rollout(

@@ -53,6 +53,7 @@ import torch
 from ray.actor import ActorHandle
 
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.weight_sync.guard import EngineChecksums
 from nemo_rl.weight_sync.scope import RefitScope
 
 WeightManifestDict = dict[str, tuple[tuple[int, ...], str]]
@@ -218,6 +219,11 @@ class GenerationInterface(Protocol):
     def refit_in_process(self, scope: RefitScope) -> dict[str, float]:
         """Copy the policy's current weights of ``scope`` into engines hosted in its processes; returns the
         ``refit/*`` metrics. Backends with workers of their own raise: they receive through a transport."""
+        ...
+
+    def held_weight_checksums(self) -> list[EngineChecksums]:
+        """For the refit guard (:mod:`nemo_rl.weight_sync.guard`): per replica, the checksums of the weights
+        each of its ranks holds (``None`` for one that cannot report now); engines in the policy report none."""
         ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

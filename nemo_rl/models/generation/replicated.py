@@ -26,6 +26,7 @@ from nemo_rl.distributed.worker_group_facade import WorkerGroup, WorkerGroupFaca
 from nemo_rl.distributed.worker_groups import RayWorkerGroup
 from nemo_rl.models.generation.interfaces import WeightManifestDict, check_generation_input
 from nemo_rl.models.tokenizer import require_pad_token_id
+from nemo_rl.weight_sync.guard import EngineChecksums
 from nemo_rl.weight_sync.scope import RefitScope
 
 # How long one call on the generation workers may take before the driver names the workers still running
@@ -228,6 +229,13 @@ class ReplicatedGeneration(SeededReplicas, WorkerGroupFacade):
         loads full tensors)."""
         manifest: WeightManifestDict = self._on_rank_0("expected_weights_manifest", scope)
         return manifest
+
+    def held_weight_checksums(self) -> list[EngineChecksums]:
+        """Per replica, its ranks' ``weight_checksums()`` (``None`` when one of them cannot report now)."""
+        reports = self._on_all("weight_checksums")
+        ranks = len(reports) // self.dp_size
+        replicas = [reports[i * ranks : (i + 1) * ranks] for i in range(self.dp_size)]
+        return [None if any(r is None for r in replica) else replica for replica in replicas]
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full weights from the driver into every worker (each weight exactly once)."""

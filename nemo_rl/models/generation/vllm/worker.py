@@ -43,6 +43,7 @@ from nemo_rl.models.generation.lora import AdapterLayout, base_manifest_for, ref
 from nemo_rl.models.generation.vllm.convert import (
     RELOAD_WEIGHTS_RPC,
     RETRIED_FINISH_REASONS,
+    WEIGHT_CHECKSUMS_RPC,
     assemble_outputs,
     generation_budgets,
     hf_weights_manifest,
@@ -66,6 +67,7 @@ from nemo_rl.models.generation.vllm.worker_extension import keep_cpu_linear_weig
 from nemo_rl.models.hf_config import load_hf_config
 from nemo_rl.models.hf_moe import per_expert_weights
 from nemo_rl.models.tokenizer import eos_token_ids, require_pad_token_id
+from nemo_rl.weight_sync.checksums import Checksum
 from nemo_rl.weight_sync.interfaces import TransferStats, WeightReceiver
 from nemo_rl.weight_sync.manifest import WeightManifest, dtype_from_name
 from nemo_rl.weight_sync.scope import RefitScope
@@ -370,6 +372,16 @@ class VllmGenerationWorker:
         if self._adapters is not None and scope == "full":
             self._adapters.holds_base = True
         return stats
+
+    def weight_checksums(self) -> dict[str, Checksum] | None:
+        """The refit guard's checksums of this rank's parameters under vLLM's names (its slice of each
+        tensor-parallel one); ``None`` with in-flight updates on (a refit may still be staged) or for a
+        quantised model (its parameters hold other values than those sent)."""
+        if self._in_flight is not None:
+            return None
+        self._wake({WEIGHTS_TAG})
+        report: dict[str, Checksum] | None = self.llm.collective_rpc(WEIGHT_CHECKSUMS_RPC)[0]
+        return report
 
     def shutdown(self) -> None:
         """Drop the engine, free its GPU memory and remove a CPU engine's shared-memory segments."""
