@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,9 @@ def test_sequence_multiple_follows_nemo_rl() -> None:
     assert multiple(1, context_parallel_size=2) == 4
     assert multiple(6, context_parallel_size=2) == 12
     assert multiple(1, tensor_parallel_size=2, sequence_parallel=True) == 2
+    # Sequence parallelism splits each CP rank's T / CP tokens over the TP ranks.
+    assert multiple(1, context_parallel_size=2, tensor_parallel_size=2) == 4
+    assert multiple(1, context_parallel_size=2, tensor_parallel_size=4, sequence_parallel=True) == 8
 
 
 def _policy(tmp_path: Path, model_type: str = "qwen2", **extra: Any) -> dict[str, Any]:
@@ -94,13 +98,29 @@ def test_cp2_validates(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    ("model_type", "dtensor"),
+    [
+        ("qwen2", {"tensor_parallel_size": 2}),
+        ("qwen2", {"tensor_parallel_size": 2, "sequence_parallel": True}),
+        ("qwen3_moe", {}),
+    ],
+)
+def test_cp2_combines_with_tp_sp_and_moe(tmp_path: Path, model_type: str, dtensor: dict[str, Any]) -> None:
+    cfg = PolicyConfig.model_validate(_policy(tmp_path, model_type, dtensor_cfg=dtensor))
+    assert cfg.dtensor_cfg.context_parallel_size == 2
+
+
+@pytest.mark.parametrize(
     ("overrides", "model_type", "reason"),
     [
         ({"make_sequence_length_divisible_by": 2}, "qwen2", "not a multiple of 4"),
-        ({"dtensor_cfg": {"tensor_parallel_size": 2}}, "qwen2", "tensor parallelism"),
+        (
+            {"dtensor_cfg": {"tensor_parallel_size": 4, "sequence_parallel": True}},
+            "qwen2",
+            "over tensor_parallel_size=4, but policy.make_sequence_length_divisible_by=4 is not a multiple of 8",
+        ),
         ({"shared_prefix": {"enabled": True}}, "qwen2", "shared-prompt forward"),
         ({"reward_model_cfg": {"enabled": True}}, "qwen2", "Bradley-Terry"),
-        ({}, "qwen3_moe", "mixture-of-experts"),
         ({"dtensor_cfg": {"data_parallel_mode": "replicate"}}, "qwen2", "context_parallel_size=1"),
     ],
 )
@@ -112,6 +132,10 @@ def test_unbuilt_combinations_are_refused_in_one_line(
     assert reason in str(info.value)
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("transformer_engine") is not None,
+    reason="Megatron's context parallelism is built where Transformer Engine is installed",
+)
 def test_megatron_cp_is_refused_with_its_reason() -> None:
     with pytest.raises(ValueError, match="Transformer Engine"):
         MegatronConfig.model_validate({"enabled": True, "context_parallel_size": 2})
