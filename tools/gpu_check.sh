@@ -49,7 +49,7 @@ while [[ $# -gt 0 ]]; do
         --pytest-mark=*) PYTEST_MARK="${1#--pytest-mark=}" ;;
         --pytest-args) PYTEST_ARGS="$2"; shift ;;
         --pytest-args=*) PYTEST_ARGS="${1#--pytest-args=}" ;;
-        -h|--help) sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
     esac
     shift

@@ -240,11 +240,8 @@ class MegatronConfig(MegatronMoeKeys):
     """Decoder layers on the last pipeline stage; ``None`` splits the layers evenly."""
 
     context_parallel_size: int = Field(default=1, ge=1)
-    """Context-parallel degree: each sequence is split over this many ranks in ``2 x CP`` load-balanced chunks and
-    megatron-core's context-parallel attention exchanges keys and values. That attention runs only in Transformer
-    Engine (CUDA), so CP > 1 is refused where it is not installed and by a worker that would not use it (LoRA,
-    MoE, ``transformer_impl: local``); on CPU ``policy.dtensor_cfg.context_parallel_size`` splits sequences.
-    The workers divide into ``DP x CP x TP x PP``."""
+    """Context-parallel degree (``2 x CP`` load-balanced chunks a row); its attention is Transformer Engine's
+    (CUDA): refused where that is not installed (``policy.dtensor_cfg.context_parallel_size`` runs on CPU)."""
 
     sequence_parallel: bool = False
     """Megatron sequence parallelism: activations outside the tensor-parallel regions are split along the
@@ -462,8 +459,7 @@ def _unbuilt_settings(cfg: MegatronConfig) -> list[tuple[str, bool, str]]:
             "context_parallel_size",
             cfg.context_parallel_size != 1 and importlib.util.find_spec("transformer_engine") is None,
             "set context_parallel_size=1 (megatron-core's context-parallel attention needs Transformer Engine, "
-            "which is not installed and has no CPU build; policy.dtensor_cfg.context_parallel_size splits long "
-            "sequences instead)",
+            "not installed here; policy.dtensor_cfg.context_parallel_size splits long sequences instead)",
         ),
         *cfg.moe_unbuilt_settings(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size),
         ("fp8_cfg.enabled", cfg.fp8_cfg.enabled, "set fp8_cfg.enabled=false (train in bfloat16 or float32)"),

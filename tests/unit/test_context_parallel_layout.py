@@ -12,8 +12,10 @@ import pytest
 import torch
 from test_memory_plan_dry_run import dry_run
 
+from nemo_rl.config.cli import USER_ERROR_EXIT_CODE, parse_args_and_load, run_cli
 from nemo_rl.config.dtensor import DTensorConfig
 from nemo_rl.config.errors import UserError
+from nemo_rl.config.master import GRPOMasterConfig, SFTMasterConfig
 from nemo_rl.config.megatron import MegatronConfig
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.models.policy.context_parallel import (
@@ -170,3 +172,46 @@ def test_cp_that_does_not_divide_the_workers_is_a_user_error(tmp_path: Path) -> 
         UserError, match=r"3 workers, which is not a multiple of its model-parallel size \(2\)"
     ):
         check_policy_layout(cfg, 3)
+
+
+NEMO_RL_RECIPES = Path(__file__).resolve().parents[1] / "data" / "nemo_rl_recipes" / "main"
+CP_RECIPE = Path(__file__).resolve().parents[2] / "examples" / "configs" / "sft_tiny_long_cp.yaml"
+
+
+def test_dry_run_plans_nemo_rl_grpo_recipe_with_cp2(capsys: pytest.CaptureFixture[str]) -> None:
+    """NeMo RL's own recipe with its DTensor policy split over two CP ranks: planned, not refused."""
+    args = [
+        "--dry-run",
+        "policy.dtensor_cfg.context_parallel_size=2",
+        "policy.make_sequence_length_divisible_by=4",
+        "cluster.device_memory_gb=80",
+    ]
+    with pytest.raises(SystemExit) as info:
+        parse_args_and_load(GRPOMasterConfig, NEMO_RL_RECIPES / "grpo_math_1B.yaml", args)
+    out = capsys.readouterr().out
+    assert info.value.code == 0, out
+    assert "context_parallel_size: 2" in out and "CP keys/values and masks" in out
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("policy.make_sequence_length_divisible_by=6", "is not a multiple of 4: set it to one"),
+        ("cluster.gpus_per_node=3", "3 workers, which is not a multiple of its model-parallel size (2)"),
+    ],
+)
+def test_a_cp_layout_that_does_not_divide_exits_2_with_one_line(
+    override: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What a script does with the CP recipe: the config is validated, then the setup checks the layout on the
+    cluster's slots (before Ray starts); either mistake ends the run with status 2 and one line."""
+
+    def main() -> None:
+        cfg, _ = parse_args_and_load(SFTMasterConfig, CP_RECIPE, [override])
+        check_policy_layout(cfg.policy, cfg.cluster.world_size)
+
+    with pytest.raises(SystemExit) as info:
+        run_cli(main)
+    assert info.value.code == USER_ERROR_EXIT_CODE
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert message in line

@@ -10,6 +10,9 @@ replica are consecutive, as ``RayWorkerGroup`` deals data shards. Every public m
   checkpoint (:mod:`nemo_rl.models.megatron.weights`). Transformer Engine layers on CUDA when installed, the
   local megatron-core layers otherwise. On a machine without CUDA, megatron-core's CUDA-only calls are
   redirected to the host (:mod:`nemo_rl.models.megatron.cpu_compat`) and the groups use gloo.
+- **Context parallelism** (``megatron_cfg.context_parallel_size``, CUDA with Transformer Engine only): each rank
+  runs its load-balanced chunks of every row and the last stage's output is gathered back to full rows
+  (:mod:`nemo_rl.models.megatron.context_parallel`).
 - **Micro-batches** flow through megatron-core's pipeline schedule (1F1B with PP > 1). The loss runs on the
   last stage on the full-vocabulary logits (gathered over TP) of the sampling distribution (temperature,
   top-k, top-p) as in the DTensor worker. The normalisation is the DTensor worker's: the global batch's valid sequence / token
