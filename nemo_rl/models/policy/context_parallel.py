@@ -41,8 +41,9 @@ to full rows (:meth:`ContextParallel.gather_rows`), so the load-balancing loss a
 of the unsplit forward.
 
 Not combined with (the config refuses each in one line, ``nemo_rl.config.context_parallel``): the shared-prompt
-forward and Bradley-Terry reward models. Megatron's ``context_parallel_size`` is refused too: megatron-core's
-context-parallel attention runs only in Transformer Engine, which has no CPU build.
+forward and Bradley-Terry reward models. Megatron's ``context_parallel_size`` uses megatron-core's own attention
+(Transformer Engine's, CUDA only) with this layout and :func:`gather_identical_output`
+(``nemo_rl/models/megatron/context_parallel.py``).
 
 Tensor legend: B = rows, T = tokens of a full row, S = tokens this rank holds (``T / N``), C = chunk length
 (``T / 2N``), K = keys a chunk attends, H = heads, D = head dim.
