@@ -362,7 +362,7 @@ class MegatronConfig(MegatronMoeKeys):
     """Accepted, no effect here (see ``calculate_per_token_loss``)."""
 
     cp_normalize: bool | None = None
-    """Accepted, no effect here (context parallelism is not built)."""
+    """Accepted, no effect here (every CP rank computes the loss on the gathered full rows: nothing to rescale)."""
 
     mtp_loss_scaling_factor: float | None = None
     """Accepted, no effect here (multi-token prediction is off)."""
