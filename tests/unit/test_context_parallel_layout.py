@@ -204,7 +204,8 @@ def test_a_cp_layout_that_does_not_divide_exits_2_with_one_line(
     override: str, message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """What a script does with the CP recipe: the config is validated, then the setup checks the layout on the
-    cluster's slots (before Ray starts); either mistake ends the run with status 2 and one line."""
+    cluster's slots (before Ray starts); either mistake ends the run with status 2 and one line naming it (a
+    config error's line under the line naming the config and its overrides)."""
 
     def main() -> None:
         cfg, _ = parse_args_and_load(SFTMasterConfig, CP_RECIPE, [override])
@@ -213,5 +214,6 @@ def test_a_cp_layout_that_does_not_divide_exits_2_with_one_line(
     with pytest.raises(SystemExit) as info:
         run_cli(main)
     assert info.value.code == USER_ERROR_EXIT_CODE
-    [line] = capsys.readouterr().err.strip().splitlines()
+    *header, line = capsys.readouterr().err.strip().splitlines()
     assert message in line
+    assert len(header) <= 1 and "Traceback" not in "".join(header)
