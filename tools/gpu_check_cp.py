@@ -162,7 +162,9 @@ def check(backend: str, cpu: bool) -> int:
         print("\n".join(problems))
         print(f"FAIL: {backend} CP=2 differs from CP=1 on {where}")
         return 1
-    print(f"{backend}: {NUM_STEPS} steps with CP=2 on {where} match CP=1 (loss, grad norm, log-probs, rtol {RTOL})")
+    print(
+        f"{backend}: {NUM_STEPS} steps with CP=2 on {where} match CP=1 (loss, grad norm, log-probs, rtol {RTOL})"
+    )
     return 0
 
 

@@ -124,7 +124,10 @@ class RouterRecorder:
 
         if isinstance(logits, DTensor):
             logits = logits.full_tensor()
-        logits_NE, experts_NK = logits.reshape(-1, logits.shape[-1]), output[2].reshape(-1, output[2].shape[-1])
+        logits_NE, experts_NK = (
+            logits.reshape(-1, logits.shape[-1]),
+            output[2].reshape(-1, output[2].shape[-1]),
+        )
         if self.sequence_split is not None:
             logits_NE = self.sequence_split.gather_rows(logits_NE)
             experts_NK = self.sequence_split.gather_rows(experts_NK)
