@@ -104,11 +104,8 @@ class MegatronPolicyWorker(MegatronWeightsMixin, PolicyWorkerBase):
         cpu_compat.install()
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        model_parallel = (
-            megatron.tensor_model_parallel_size
-            * megatron.pipeline_model_parallel_size
-            * megatron.context_parallel_size
-        )
+        model_parallel = megatron.tensor_model_parallel_size * megatron.pipeline_model_parallel_size
+        model_parallel *= megatron.context_parallel_size
         if self.world_size % model_parallel != 0:
             raise ValueError(
                 f"the policy has {self.world_size} workers, not a multiple of tensor_model_parallel_size x "
@@ -130,9 +127,8 @@ class MegatronPolicyWorker(MegatronWeightsMixin, PolicyWorkerBase):
         self.checkpoint_dir = resolve_checkpoint_dir(cfg.model_name)
         with cpu_compat.device_redirect():
             setup.init_model_parallel(megatron)
-            self.cp = context_parallel_for(
-                megatron.context_parallel_size, setup.uses_transformer_engine(megatron, self.arch)
-            )
+            uses_te = setup.uses_transformer_engine(megatron, self.arch)
+            self.cp = context_parallel_for(megatron.context_parallel_size, uses_te)
             self.tp_group = parallel_state.get_tensor_model_parallel_group()
             self.pp_group = parallel_state.get_pipeline_model_parallel_group()
             self.dp_group = parallel_state.get_data_parallel_group()
