@@ -217,3 +217,16 @@ def test_a_cp_layout_that_does_not_divide_exits_2_with_one_line(
     *header, line = capsys.readouterr().err.strip().splitlines()
     assert message in line
     assert len(header) <= 1 and "Traceback" not in "".join(header)
+
+
+def test_the_long_documents_are_what_their_script_writes() -> None:
+    """The long-document recipe's data file is the generator's output, every row long and under 8,192 tokens."""
+    examples = Path(__file__).resolve().parents[2] / "examples" / "data"
+    spec = importlib.util.spec_from_file_location("make_tiny_long_docs", examples / "make_tiny_long_docs.py")
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    rows = [json.loads(line) for line in (examples / "tiny_long_docs_sft.jsonl").read_text().splitlines()]
+    assert rows == script.documents(script.NUM_DOCS, script.SEED)
+    lengths = [len(row["messages"][1]["content"]) for row in rows]
+    assert min(lengths) > 6900 and max(lengths) <= script.MAX_CHARS < 8192 - 64
