@@ -401,17 +401,20 @@ def run_pair(
     work: Path,
     layout: str = "dp",
     round_index: int = 0,
+    model: Path = MODEL,
 ) -> dict[str, Any]:
     """Run TRL and this project back to back on one shape and thread count (this project first in odd
-    rounds); print and return the comparison."""
+    rounds) with ``model`` (a checkpoint with the tiny model's tokenizer); print and return the comparison."""
     num_prompts, group, new_tokens = parse_shape(shape)
     num_steps = warmup + steps
     prompts = _our_prompts(num_prompts * num_steps)
-    case_dir = work / f"{shape}_t{threads}" / f"round{round_index}"
+    max_seq_len = max(MAX_SEQ_LEN, MAX_SEQ_LEN - 32 + new_tokens)
+    model_overrides = (f"policy.model_name={model}", f"policy.max_total_sequence_length={max_seq_len}")
+    case_dir = work / f"{model.name}_{shape}_t{threads}" / f"round{round_index}"
     (case_dir / "trl").mkdir(parents=True, exist_ok=True)
     (case_dir / "ours").mkdir(parents=True, exist_ok=True)
     spec = {
-        "model": str(MODEL),
+        "model": str(model),
         "prompts": prompts,
         "num_prompts": num_prompts,
         "group": group,
@@ -451,11 +454,17 @@ def run_pair(
         return result
 
     def run_ours() -> dict[str, Any]:
-        if layout == "threads":
-            return run_our_side(
-                num_prompts, group, new_tokens, 1, num_steps, case_dir / "ours", torch_threads=threads
-            )
-        return run_our_side(num_prompts, group, new_tokens, threads, num_steps, case_dir / "ours")
+        dp, torch_threads = (1, threads) if layout == "threads" else (threads, 1)
+        return run_our_side(
+            num_prompts,
+            group,
+            new_tokens,
+            dp,
+            num_steps,
+            case_dir / "ours",
+            extra_overrides=model_overrides,
+            torch_threads=torch_threads,
+        )
 
     # Odd rounds run this project first: a machine whose speed drifts over a minute (a burst after idle, a
     # neighbour starting) then favours neither side systematically across rounds.
@@ -479,6 +488,7 @@ def run_pair(
         for name, side in (("trl", trl_result), ("ours", ours))
     }
     report = {
+        "model": model.name,
         "shape": shape,
         "threads": threads,
         "round": round_index,

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from nemo_rl.config.agent import check_agent_sources
 from nemo_rl.config.cli import parse_args_and_load
 from nemo_rl.config.master import GRPOMasterConfig
 from nemo_rl.config.sources import check_policy_sources
@@ -29,6 +30,7 @@ def main() -> None:
     config, _ = parse_args_and_load(GRPOMasterConfig, DEFAULT_CONFIG)
     # A model folder that does not exist is known from the path: say so before Ray starts.
     check_policy_sources(config.policy)
+    check_agent_sources(config.grpo.agent)
     from nemo_rl.algorithms.rl_script import run_rl_script
 
     def load() -> tuple[Any, Any]:

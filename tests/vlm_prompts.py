@@ -52,18 +52,20 @@ def pictures() -> list[Image.Image | None]:
     return [scene(1, 56), scene(2, 112), wide, scene(4, 56), None]
 
 
-def image_prompts(processor: Any, images: list[Image.Image | None]) -> list[dict[str, Any]]:
-    """Each picture (or none) with the question, through the processor with the generation prompt:
-    ``input_ids`` ``[T]``, ``pixel_values`` and ``image_grid_thw`` (``None`` for a text prompt)."""
+def image_prompts(
+    processor: Any, images: list[Image.Image | list[Image.Image] | None]
+) -> list[dict[str, Any]]:
+    """Each picture (or list of pictures, or none) with the question, through the processor with the
+    generation prompt: ``input_ids`` ``[T]``, ``pixel_values`` and ``image_grid_thw`` (``None`` for a text
+    prompt)."""
     prompts = []
-    for image in images:
-        content: list[dict[str, Any]] = [{"type": "text", "text": QUESTION}]
-        if image is not None:
-            content.insert(0, {"type": "image", "image": image})
+    for entry in images:
+        pictures = [] if entry is None else entry if isinstance(entry, list) else [entry]
+        content = [{"type": "image", "image": p} for p in pictures] + [{"type": "text", "text": QUESTION}]
         text = processor.apply_chat_template(
             [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
         )
-        inputs = processor(text=[text], images=None if image is None else [image], return_tensors="pt")
+        inputs = processor(text=[text], images=pictures or None, return_tensors="pt")
         prompts.append(
             {
                 "input_ids": inputs["input_ids"][0],

@@ -15,16 +15,20 @@
 #                (cluster.single_process=true), and vLLM in its own worker when vLLM imports
 #   5 ppo        2 PPO steps of examples/configs/ppo_math_tiny.yaml on one GPU (the critic alone in the
 #                first, both models in the second, the critic offloaded while the policy trains)
+#   6 cp         2 GPUs: 3 training steps with context_parallel_size=2 against CP=1 on the same GPUs
+#                (tools/gpu_check_cp.py): the DTensor worker, and the Megatron worker at TP=1 when
+#                Transformer Engine imports (megatron-core's CP attention is Transformer Engine's)
 #
 # By default the script installs the locked environment first (uv sync --locked --extra vllm) and runs
 # in it. With --no-sync it runs the python3 on PATH as it is, for a GPU machine without network access:
 # torch, transformers and the project's other dependencies must then be importable (PYTHONPATH may add
 # them). Per-stage logs go to DIR (--out; default a new temporary directory). The exit status is 1 when a
-# stage failed, 0 otherwise. --cpu runs stages 3 and 4 without a GPU (gloo, CPU worker slots), to try the
-# script itself on any machine. --only runs the stages whose names start with one of the comma-separated
-# STAGES (for example --only 1-env,2-pytest,4-grpo-vllm, when the rest passed on an earlier run and device
-# time is short); --pytest-mark replaces stage 2's marker expression (default "cuda or vllm") and
-# --pytest-args its paths and options (default "tests"; for example "-n 0 tests/distributed/test_vllm.py").
+# stage failed, 0 otherwise. --cpu runs stages 3, 4 and 6's DTensor part without a GPU (gloo, CPU worker
+# slots), to try the script itself on any machine. --only runs the stages whose names start with one of the
+# comma-separated STAGES (for example --only 1-env,2-pytest,4-grpo-vllm, or --only 6-cp for context
+# parallelism alone, when the rest passed on an earlier run and device time is short); --pytest-mark
+# replaces stage 2's marker expression (default "cuda or vllm") and --pytest-args its paths and options
+# (default "tests"; for example "-n 0 tests/distributed/test_vllm.py").
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -46,7 +50,7 @@ while [[ $# -gt 0 ]]; do
         --pytest-mark=*) PYTEST_MARK="${1#--pytest-mark=}" ;;
         --pytest-args) PYTEST_ARGS="$2"; shift ;;
         --pytest-args=*) PYTEST_ARGS="${1#--pytest-args=}" ;;
-        -h|--help) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
     esac
     shift
@@ -309,6 +313,18 @@ if (( NUM_GPUS >= 1 || ON_CPU )); then
     run_stage 5-ppo 180 ppo_stage
 else
     record 5-ppo SKIP "$NO_GPU_REASON"
+fi
+
+# --- context parallelism on 2 GPUs -------------------------------------------------------------------------
+if (( NUM_GPUS >= 2 || ON_CPU )); then
+    run_stage 6-cp-dtensor 150 "$PY" tools/gpu_check_cp.py dtensor $( (( NUM_GPUS >= 2 )) || echo --cpu )
+else
+    record 6-cp-dtensor SKIP "context parallelism over 2 GPUs needs 2, this machine has $NUM_GPUS"
+fi
+if (( NUM_GPUS >= 2 )); then
+    run_stage 6-cp-megatron 150 "$PY" tools/gpu_check_cp.py megatron
+else
+    record 6-cp-megatron SKIP "needs 2 GPUs (this machine has $NUM_GPUS) and Transformer Engine"
 fi
 
 # --- summary -------------------------------------------------------------------------------------------

@@ -36,6 +36,9 @@ class WeightCopy(Protocol):
     def mark_stale(self) -> None:
         """Record that the policy trained."""
 
+    def probe(self, gen_kl_error: float) -> None:
+        """The refit guard's probe on a synchronous step's ``gen_kl_error`` (``policy.refit.guard``)."""
+
     def shutdown(self) -> None:
         """Release what the copies use (transport groups, shared-memory segments)."""
 
@@ -93,6 +96,11 @@ class GenerationWeights:
     def mark_stale(self) -> None:
         """After an optimizer step: the generation workers' weights are behind the policy's."""
         self._copy.mark_stale()
+
+    def probe(self, gen_kl_error: float) -> None:
+        """Hand a synchronous step's ``gen_kl_error`` (engine and policy on the same weights) to the refit
+        guard's probe, which stops the run past ``policy.refit.guard.max_gen_kl_error``."""
+        self._copy.probe(gen_kl_error)
 
     def publish(self, version: int) -> None:
         """Record ``version`` as the policy version the generation workers hold, waking its waiters."""

@@ -44,7 +44,7 @@ from nemo_rl.config.master import GRPOMasterConfig
 from nemo_rl.data.datasets import ProcessedDataset
 from nemo_rl.data.prompt_messages import KeepPromptMessages
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.experience.async_rollouts import AsyncRollouts, RolloutBatch
+from nemo_rl.experience.async_rollouts import AheadBatchesOnResume, AsyncRollouts, RolloutBatch
 from nemo_rl.experience.train_batch import build_train_batch
 from nemo_rl.models.generation.replicated import WORKER_CALL_TIMEOUT_S
 from nemo_rl.models.policy.hf_io import trains_with_dropout
@@ -63,6 +63,9 @@ class GRPOState(PromptsState):
 
 GRPORun = Run[GRPOMasterConfig, GRPOState]
 """A started GRPO run: what ``setup`` returns and ``grpo_train`` runs."""
+
+ASYNC_STATE = "async_rollouts"
+"""The name asynchronous GRPO's batches sampled ahead are checkpointed under (``run_state.pt``)."""
 
 
 def _check_batch_sizes(config: GRPOMasterConfig) -> None:
@@ -148,7 +151,10 @@ def grpo_step(
     """One GRPO step on a batch of prompts; returns its ``train/`` metrics. Under dynamic sampling,
     ``next_batch`` gives the further prompt batches the step draws."""
     rollout, rollout_metrics, env_metrics = sample_step(run, batch, run.config.grpo, timer, next_batch)
-    return train_on_rollout(run, loss_fn, rollout, rollout_metrics, timer, env_metrics)
+    metrics = train_on_rollout(run, loss_fn, rollout, rollout_metrics, timer, env_metrics)
+    if "gen_kl_error" in metrics:  # sampled and scored with the same weights: the refit guard's probe
+        run.rl.weights.probe(metrics["gen_kl_error"])
+    return metrics
 
 
 def train_on_rollout(
@@ -200,9 +206,10 @@ def train_on_rollout(
     )
 
 
-def start_async_rollouts(run: GRPORun, total_steps: int) -> AsyncRollouts:
-    """Refit the generation workers with the current policy, then start generation running ahead of training
-    (``grpo.async_grpo``) for the steps left to ``total_steps``."""
+def build_async_rollouts(run: GRPORun, total_steps: int) -> AsyncRollouts:
+    """Refit the generation workers with the current policy and build generation running ahead of training
+    (``grpo.async_grpo``) for the steps left to ``total_steps``, with the batches a resumed checkpoint had
+    sampled ahead put back; :meth:`AsyncRollouts.start` starts it."""
     cfg = run.config.grpo.async_grpo
     run.refit_if_stale(Timer())
     weights = run.rl.weights
@@ -220,9 +227,18 @@ def start_async_rollouts(run: GRPORun, total_steps: int) -> AsyncRollouts:
         max_age=cfg.max_trajectory_age_steps,
         max_failures=cfg.max_generation_failures,
         take_timeout_s=WORKER_CALL_TIMEOUT_S,
+        seed=run.config.grpo.seed,
+        deterministic=not cfg.in_flight_weight_updates,
     )
-    rollouts.start()
+    run.checkpointer.track(ASYNC_STATE, rollouts, optional=True)
     return rollouts
+
+
+def save_async_checkpoint(run: GRPORun, rollouts: AsyncRollouts) -> Path:
+    """Save a checkpoint of asynchronous GRPO: the run's, with the batches sampled ahead (tracked) and the
+    loader position after them, both as they stand at one moment."""
+    with rollouts.snapshot() as position:
+        return run.save_checkpoint(position)
 
 
 def async_grpo_step(
@@ -239,6 +255,8 @@ def async_grpo_step(
     _record_trajectories(run, step, batch, dropped)
     rollout, rollout_metrics = with_transformed_rewards(batch.rollout, batch.metrics, run.config.grpo)
     metrics = train_on_rollout(run, loss_fn, rollout, rollout_metrics, timer)
+    with timer.time("wait_before_refit"):
+        rollouts.wait_before_refit(step)
     with timer.time("refit"):
         refit_metrics = run.refit(version=step)
     run.logger.log_metrics(refit_metrics, step + 1)
@@ -270,7 +288,9 @@ def grpo_train(run: GRPORun) -> dict[str, float]:
     loss_fn = loss_function(run)
     metrics: dict[str, float] = {}
     total_steps = run.step_budget(cfg)
-    rollouts = start_async_rollouts(run, total_steps) if cfg.async_grpo.enabled else None
+    rollouts = build_async_rollouts(run, total_steps) if cfg.async_grpo.enabled else None
+    if rollouts is None:
+        run.checkpointer.track(ASYNC_STATE, AheadBatchesOnResume(run.train_loader), optional=True)
     # One stream of prompt batches: the loop takes one per step, dynamic sampling may draw more. Under async
     # GRPO the generation thread draws them, and the loop's "batches" only count steps.
     batches = EndlessBatches(run.train_loader)
@@ -278,11 +298,14 @@ def grpo_train(run: GRPORun) -> dict[str, float]:
         "grpo",
         cfg,
         validate=lambda step: run.validate_by_sampling(step, cfg, greedy=cfg.val_greedy),
-        save_checkpoint=None if rollouts is None else partial(run.save_checkpoint, rollouts.position),
+        save_checkpoint=None if rollouts is None else partial(save_async_checkpoint, run, rollouts),
         loader=batches if rollouts is None else cast(Iterable[BatchedDataDict[Any]], itertools.count()),
         total_steps=total_steps,
     )
     try:
+        if rollouts is not None:
+            # Once the loop has restored the driver's RNG: nothing the thread does then races with it.
+            rollouts.start()
         for batch in loop:
             if rollouts is None:
                 metrics = grpo_step(run, batch, loop.timer, loss_fn, next_batch=partial(draw, run, batches))

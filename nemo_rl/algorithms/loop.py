@@ -318,6 +318,12 @@ def find_resume(
 # model they do not fit: refused unless ``checkpointing.allow_incompatible_resume``. The model, its tokenizer,
 # and any policy section's switch (the policy backend, the reward head) or parallel layout.
 _INCOMPATIBLE_KEYS = re.compile(r"^policy\.(model_name|tokenizer\.name|\w+_cfg\.(enabled|\w*parallel_size))$")
+# LoRA adapters switched on or off, or of another rank or on other layers: the checkpoint holds other tensors
+# than the run builds (counted only where either side trains adapters).
+_LORA_KEYS = re.compile(
+    r"^policy\.(dtensor_cfg\.lora_cfg|megatron_cfg\.peft)\."
+    r"(enabled|dim|target_modules|exclude_modules|match_all_linear)$"
+)
 # Bookkeeping that does not change what the resumed steps compute.
 _NEUTRAL_KEYS = re.compile(
     r"^(logger|checkpointing)\.|\.(max_num_steps|max_num_epochs|export_dir|val_period|val_at_start)$"
@@ -332,6 +338,18 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             flat[f"{prefix}{key}"] = value
     return flat
+
+
+def _incompatible(key: str, before: Mapping[str, Any], after: Mapping[str, Any]) -> bool:
+    """Whether a change of ``key`` between the saved (``before``) and the resuming config (``after``, both
+    flattened) makes the checkpoint unloadable."""
+    if _INCOMPATIBLE_KEYS.match(key):
+        return True
+    lora = _LORA_KEYS.match(key)
+    if lora is None:
+        return False
+    switch = f"policy.{lora.group(1)}.enabled"
+    return bool(before.get(switch) or after.get(switch))
 
 
 def check_config_change(
@@ -350,7 +368,7 @@ def check_config_change(
         if before.get(key) != after.get(key) and not _NEUTRAL_KEYS.search(key)
     ]
     diffs = [f"{key}: {before.get(key)!r} -> {after.get(key)!r}" for key in changed]
-    incompatible = [d for key, d in zip(changed, diffs, strict=True) if _INCOMPATIBLE_KEYS.match(key)]
+    incompatible = [d for key, d in zip(changed, diffs, strict=True) if _incompatible(key, before, after)]
     if incompatible and not allow_incompatible:
         raise UserError(
             f"the run resuming from {path} changes {'; '.join(incompatible)}, which its checkpoint cannot be "

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import importlib.util
 import ipaddress
+import os
+import shutil
+from pathlib import Path
 from typing import Self
 
 from pydantic import Field, model_validator
 
 from nemo_rl.config.base import ConfigModel
+from nemo_rl.config.errors import UserError
 
 SERVER_MODULES = ("fastapi", "uvicorn")
 """What the endpoint's server is built on (the vLLM extras bring them)."""
@@ -51,6 +55,11 @@ class AgentConfig(ConfigModel):
     max_batch_size: int = Field(default=64, ge=1)
     """Most requests sampled in one generation call."""
 
+    max_failed_fraction: float = Field(default=0.5, ge=0.0, le=1.0)
+    """Most of a step's agents that may fail (raise, exit non-zero, print no reward, time out) before the run
+    stops with exit status 2 and one line quoting the first failure; the failed ones are not trained on. A step
+    whose every agent failed always stops: it would train on nothing."""
+
     batch_wait_s: float = Field(default=0.2, ge=0.0)
     """Longest the endpoint waits after a request arrives for others to sample with it; it samples at once
     when every running agent has a request waiting (benchmarks/README.md has the measured trade-off)."""
@@ -85,7 +94,41 @@ class AgentConfig(ConfigModel):
             )
         return self
 
+    def too_many_failed(self, num_failed: int, num_agents: int) -> bool:
+        """Whether ``num_failed`` failed agents of a step's ``num_agents`` stop the run (see
+        ``max_failed_fraction``)."""
+        return num_failed == num_agents or num_failed > self.max_failed_fraction * num_agents
+
     @property
     def loopback(self) -> bool:
         """Whether the endpoint listens on a loopback address only."""
         return ipaddress.ip_address(self.host).is_loopback
+
+
+def check_agent_sources(cfg: AgentConfig) -> None:
+    """Raise :class:`UserError` for an agent program or file that does not exist, so the run stops before Ray
+    starts instead of failing every agent of its first step: the program of ``command`` (on ``PATH`` or as a
+    path), the script it runs when its first argument is a ``.py`` file, and the file of a
+    ``path/to/file.py:function`` (paths relative to the directory the run starts in)."""
+    if not cfg.enabled:
+        return
+    command, function = cfg.command, cfg.function
+    if command:
+        program = command[0]
+        found = Path(program).is_file() if os.sep in program else shutil.which(program) is not None
+        if not found:
+            where = "a file" if os.sep in program else "on PATH"
+            raise UserError(
+                f"grpo.agent.command runs {program!r}, which is not {where}: give the agent's interpreter or program"
+            )
+        if len(command) > 1 and command[1].endswith(".py") and not Path(command[1]).is_file():
+            raise UserError(
+                f"grpo.agent.command runs the script {command[1]!r}, which does not exist (paths are relative to "
+                "the directory the run starts in): give the agent script's path"
+            )
+    module = (function or "").rpartition(":")[0]
+    if module.endswith(".py") and not Path(module).is_file():
+        raise UserError(
+            f"grpo.agent.function={function!r} names {module}, which does not exist (paths are relative to the "
+            "directory the run starts in): give the agent file's path"
+        )

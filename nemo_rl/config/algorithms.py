@@ -252,7 +252,8 @@ class AsyncGRPOConfig(ConfigModel):
 
     in_flight_weight_updates: bool = False
     """Apply new weights between decode steps of the requests already running, without draining them (the
-    embedded engine and vLLM); otherwise they are applied at the next generation call."""
+    embedded engine and vLLM); otherwise they are applied at the next generation call, and each batch is
+    sampled by a version fixed by its step, so that a run repeats exactly (in flight, timing decides)."""
 
     recompute_kv_cache_after_weight_updates: bool = False
     """After an in-flight update, recompute the running requests' KV cache with the new weights instead of

@@ -6,9 +6,8 @@ combines with and why the rest is refused.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
-
-from nemo_rl.config.model_arch import MOE_MODEL_TYPES, local_model_type
 
 if TYPE_CHECKING:
     from nemo_rl.config.policy import PolicyConfig
@@ -16,33 +15,31 @@ if TYPE_CHECKING:
 
 def check_context_parallel(policy: PolicyConfig) -> None:
     """CP's sequence multiple (NeMo RL's meaning of ``make_sequence_length_divisible_by``: every padded length
-    is a multiple of it, so with CP one of ``2 x CP``) and what CP does not combine with."""
-    cp = policy.dtensor_cfg.context_parallel_size
-    if not policy.dtensor_cfg.enabled or cp == 1:
+    is a multiple of it, so with CP one of ``2 x CP``, and with sequence parallelism one of ``CP x TP`` too)
+    and what CP does not combine with."""
+    dtensor = policy.dtensor_cfg
+    cp = dtensor.context_parallel_size
+    if not dtensor.enabled or cp == 1:
         return
     key = f"policy.dtensor_cfg.context_parallel_size={cp}"
-    if policy.make_sequence_length_divisible_by % (2 * cp) != 0:
+    multiple, why = 2 * cp, f"splits each sequence into 2 x CP = {2 * cp} equal chunks"
+    tp = dtensor.tensor_parallel_size
+    if dtensor.sequence_parallel and math.lcm(multiple, cp * tp) != multiple:
+        # Each CP rank's T / CP tokens are split over the TP ranks between the tensor-parallel regions.
+        multiple = math.lcm(multiple, cp * tp)
+        why += f" and sequence parallelism splits each CP rank's tokens over tensor_parallel_size={tp}"
+    divisible_by = policy.make_sequence_length_divisible_by
+    if divisible_by % multiple != 0:
         raise ValueError(
-            f"{key} splits each sequence into 2 x CP = {2 * cp} equal chunks, but "
-            f"policy.make_sequence_length_divisible_by={policy.make_sequence_length_divisible_by} is not a "
-            f"multiple of {2 * cp}: set it to one"
+            f"{key} {why}, but policy.make_sequence_length_divisible_by={divisible_by} is not a multiple of "
+            f"{multiple}: set it to one"
         )
     refused = [
-        (
-            policy.dtensor_cfg.tensor_parallel_size > 1,
-            "tensor parallelism (TP x CP is not built)",
-            "policy.dtensor_cfg.tensor_parallel_size=1",
-        ),
         (policy.shared_prefix.enabled, "the shared-prompt forward", "policy.shared_prefix.enabled=false"),
         (
             policy.reward_model_cfg.enabled and policy.reward_model_cfg.reward_model_type == "bradley_terry",
             "a Bradley-Terry reward model (it reads its head at one token per row)",
             "policy.reward_model_cfg.enabled=false",
-        ),
-        (
-            local_model_type(policy.model_name) in MOE_MODEL_TYPES,
-            "a mixture-of-experts model (its load-balancing loss and routing replay read every token)",
-            "use the Megatron backend",
         ),
     ]
     for blocked, what, fix in refused:

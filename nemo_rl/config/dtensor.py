@@ -46,8 +46,8 @@ class DTensorConfig(ConfigModel):
     context_parallel_size: int = Field(default=1, ge=1)
     """Context-parallel degree: each sequence is split over this many ranks (2 x CP load-balanced chunks), keys
     and values are exchanged in attention, and FSDP2 shards over data x context parallel ranks; the workers
-    divide into ``DP x CP``. Needs ``policy.make_sequence_length_divisible_by`` a multiple of 2 x CP and
-    ``tensor_parallel_size=1``; see docs/parallelism.md."""
+    divide into ``DP x CP x TP``. Needs ``policy.make_sequence_length_divisible_by`` a multiple of 2 x CP (with
+    ``sequence_parallel`` also of CP x TP); see docs/parallelism.md."""
 
     expert_parallel_size: int = Field(default=1, ge=1)
     """Expert-parallel degree of a mixture-of-experts model (NeMo RL's key); not built on this backend: must be

@@ -118,9 +118,9 @@ class VllmConfig(ConfigModel):
     """Accepted, no effect here: refit does not go through a ZeroMQ relay."""
 
     reset_encoder_cache_after_weight_update: bool = False
-    """Accepted, no effect here: after every weight update of a vision-language model the engine drops vLLM's
-    encoder cache before its next generation call anyway (image features of the old vision tower would
-    otherwise be reused)."""
+    """Accepted, no effect here: after every weight update of a vision-language model the engine resets vLLM's
+    encoder cache before its next generation call anyway (vLLM's reload empties the cached image features but
+    not the scheduler's record of them)."""
 
 
 class EmbeddedEngineConfig(ConfigModel):

@@ -8,6 +8,7 @@ parameters (``nemo_rl.models.lora`` builds them). ``docs/algorithms/lora.md`` co
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Iterable
 from typing import Literal, Self
 
 from pydantic import Field, model_validator
@@ -64,6 +65,26 @@ class LoraConfig(ConfigModel):
                 "would be adapted: name the layers (e.g. [q_proj, v_proj]) or set match_all_linear=true"
             )
         return self
+
+
+def _matches(module_name: str, patterns: Iterable[str]) -> bool:
+    leaf = module_name.rsplit(".", 1)[-1]
+    return any(pattern == leaf or fnmatch.fnmatchcase(module_name, pattern) for pattern in patterns)
+
+
+def select_lora_targets(linears: list[str], cfg: LoraConfig) -> list[str]:
+    """The names among ``linears`` (a model's adaptable linear layers, in module order) that ``cfg`` adapts;
+    raises ``ValueError`` when there are none. The policy's workers, the generation engines and the check
+    before Ray starts (:mod:`nemo_rl.config.lora_targets`) all call it."""
+    chosen = linears if cfg.match_all_linear else [n for n in linears if _matches(n, cfg.target_modules)]
+    chosen = [name for name in chosen if not _matches(name, cfg.exclude_modules)]
+    if not chosen:
+        leaves = sorted({name.rsplit(".", 1)[-1] for name in linears})
+        raise ValueError(
+            f"policy.dtensor_cfg.lora_cfg selects no linear layer of the model (target_modules="
+            f"{cfg.target_modules}, exclude_modules={cfg.exclude_modules}); its linear layers are named {leaves}"
+        )
+    return chosen
 
 
 MEGATRON_LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")

@@ -6,9 +6,10 @@ Every key NeMo RL's ``megatron_cfg`` has is accepted here, so its recipes load. 
   the ``optimizer``, ``scheduler`` and ``distributed_data_parallel_config`` sections, ``transformer_impl``,
   ``env_vars``, the MoE router keys (:mod:`nemo_rl.config.megatron_moe`)... are honoured by the worker
   (``nemo_rl.models.policy.megatron_worker``).
-- **Rejected when not neutral**: a key that selects behaviour this backend does not build (context
-  parallelism, expert tensor parallelism, FP8, multi-token prediction, custom FSDP...) fails validation with
-  a one-line message naming the key and the value to set (:meth:`MegatronConfig._reject_unbuilt`).
+- **Rejected when not neutral**: a key that selects behaviour this backend does not build (expert tensor
+  parallelism, FP8, multi-token prediction, custom FSDP...; context parallelism where Transformer Engine is not
+  installed) fails validation with a one-line message naming the key and the value to set
+  (:meth:`MegatronConfig._reject_unbuilt`).
 - **Accepted, no effect here**: pure performance and memory knobs (fusions, overlap flags, CUDA graphs,
   async checkpoint saves, MoE kernels...). Each field's
   docstring says so, with the reason (:mod:`nemo_rl.config.no_effect`, shared by every section);
@@ -18,6 +19,7 @@ Every key NeMo RL's ``megatron_cfg`` has is accepted here, so its recipes load. 
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any, Literal, Self
 
 from pydantic import Field, model_validator
@@ -238,8 +240,8 @@ class MegatronConfig(MegatronMoeKeys):
     """Decoder layers on the last pipeline stage; ``None`` splits the layers evenly."""
 
     context_parallel_size: int = Field(default=1, ge=1)
-    """Context-parallel degree; must be 1: megatron-core's context-parallel attention runs only in Transformer
-    Engine, which has no CPU build (``policy.dtensor_cfg.context_parallel_size`` is built)."""
+    """Context-parallel degree (``2 x CP`` load-balanced chunks a row); its attention is Transformer Engine's
+    (CUDA): refused where that is not installed (``policy.dtensor_cfg.context_parallel_size`` runs on CPU)."""
 
     sequence_parallel: bool = False
     """Megatron sequence parallelism: activations outside the tensor-parallel regions are split along the
@@ -360,7 +362,7 @@ class MegatronConfig(MegatronMoeKeys):
     """Accepted, no effect here (see ``calculate_per_token_loss``)."""
 
     cp_normalize: bool | None = None
-    """Accepted, no effect here (context parallelism is not built)."""
+    """Accepted, no effect here (every CP rank computes the loss on the gathered full rows: nothing to rescale)."""
 
     mtp_loss_scaling_factor: float | None = None
     """Accepted, no effect here (multi-token prediction is off)."""
@@ -455,9 +457,9 @@ def _unbuilt_settings(cfg: MegatronConfig) -> list[tuple[str, bool, str]]:
     return [
         (
             "context_parallel_size",
-            cfg.context_parallel_size != 1,
+            cfg.context_parallel_size != 1 and importlib.util.find_spec("transformer_engine") is None,
             "set context_parallel_size=1 (megatron-core's context-parallel attention needs Transformer Engine, "
-            "which has no CPU build; policy.dtensor_cfg.context_parallel_size splits long sequences instead)",
+            "not installed here; policy.dtensor_cfg.context_parallel_size splits long sequences instead)",
         ),
         *cfg.moe_unbuilt_settings(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size),
         ("fp8_cfg.enabled", cfg.fp8_cfg.enabled, "set fp8_cfg.enabled=false (train in bfloat16 or float32)"),

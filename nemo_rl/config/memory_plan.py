@@ -178,8 +178,8 @@ def megatron_stage_terms(arch: ModelArch, policy: PolicyConfig, slots: int, stag
     the distributed optimizer), and the activations of the micro-batches in flight (1F1B keeps up to
     ``PP - stage`` of them)."""
     cfg = policy.megatron_cfg
-    tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
-    dp = max(slots // (tp * pp), 1)
+    tp, pp, cp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.context_parallel_size
+    dp = max(slots // (tp * pp * cp), 1)
     layers = m.pipeline_layers(
         arch.num_layers, pp, cfg.num_layers_in_first_pipeline_stage, cfg.num_layers_in_last_pipeline_stage
     )
@@ -195,8 +195,8 @@ def megatron_stage_terms(arch: ModelArch, policy: PolicyConfig, slots: int, stag
     if not policy.dynamic_batching.enabled:
         rows_per_rank = policy.train_global_batch_size // dp
         in_flight = min(in_flight, max(rows_per_rank // policy.train_micro_batch_size, 1))
-    activations = in_flight * m.activation_bytes(
-        arch, tokens, layers[stage], d, tp, cfg.sequence_parallel, cfg.activation_checkpointing
+    activations = in_flight * m.activation_bytes(  # a CP rank's layers hold 1/CP of each row
+        arch, -(-tokens // cp), layers[stage], d, tp, cfg.sequence_parallel, cfg.activation_checkpointing
     )
     if cfg.transformer_impl == "local" and not cfg.activation_checkpointing:
         rows = tokens / policy.max_total_sequence_length

@@ -27,6 +27,7 @@ from nemo_rl.config.lora import VLLM_MAX_LORA_RANK, LoraConfig
 from nemo_rl.config.megatron import MegatronConfig
 from nemo_rl.config.model_arch import MOE_MODEL_TYPES, local_hf_config, local_model_type
 from nemo_rl.config.no_effect import refusal
+from nemo_rl.config.refit import RefitConfig
 from nemo_rl.config.router_replay import RouterReplayConfig, check_router_replay
 
 __all__ = [
@@ -161,17 +162,6 @@ class SharedPrefixConfig(ConfigModel):
     Pays where whole rows repeat: preference pairs served by prompt (``<algo>.group_pairs_by_prompt``) repeat
     a prompt's chosen response in each of its pairs. Off by default because the smaller batch rounds
     differently, which moves seeded results by float rounding."""
-
-
-class RefitConfig(ConfigModel):
-    """How weights move from the policy workers to the generation workers ("refit")."""
-
-    transport: Literal["auto", "shared_memory", "collective"] = "auto"
-    """``auto`` uses shared memory when generation is colocated with the policy (same nodes) and a
-    collective broadcast otherwise; the other values force a transport."""
-
-    timeout_s: float = Field(default=600.0, gt=0.0)
-    """Seconds a refit may take before it fails, naming the workers it was waiting for."""
 
 
 class PolicyConfig(ConfigModel):

@@ -11,6 +11,7 @@ import os
 import pathlib
 
 from nemo_rl.config.errors import UserError
+from nemo_rl.config.lora_targets import check_lora_targets
 from nemo_rl.config.policy import PolicyConfig
 
 
@@ -38,7 +39,9 @@ def check_model_source(name: str, key: str, *, need_config: bool = True) -> None
 
 
 def check_policy_sources(policy: PolicyConfig) -> None:
-    """:func:`check_model_source` of ``policy.model_name`` and of ``policy.tokenizer.name`` when it is set."""
+    """:func:`check_model_source` of ``policy.model_name`` and of ``policy.tokenizer.name`` when it is set, then
+    the LoRA targets against the model's layers (:func:`~nemo_rl.config.lora_targets.check_lora_targets`)."""
     check_model_source(policy.model_name, "policy.model_name")
     if policy.tokenizer.name is not None:
         check_model_source(policy.tokenizer.name, "policy.tokenizer.name", need_config=False)
+    check_lora_targets(policy)

@@ -245,8 +245,14 @@ def agent_tasks(endpoint: AgentEndpoint, batch: BatchedDataDict[Any]) -> list[Ag
     return tasks
 
 
-class AgentRolloutError(RuntimeError):
-    """Every agent of a step failed, so the step has nothing to train on."""
+class AgentRolloutError(UserError):
+    """Too many agents of a step failed (every one, or more than ``grpo.agent.max_failed_fraction``): one line
+    quoting the first failure, exit status 2 (the agent or its settings need fixing, not the run)."""
+
+
+def one_line(text: str) -> str:
+    """``text`` on one line: a traceback's or stderr's lines joined with `` | ``."""
+    return " | ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
 def run_agent_rollout(
@@ -287,12 +293,14 @@ def run_agent_rollout(
         "agent/generation_calls": float(calls - calls_before),
         "agent/mean_requests_per_call": (rows - rows_before) / max(calls - calls_before, 1),
     }
-    failures = [o.error for o in outcomes if o.error is not None]
-    if failures and len(failures) == len(outcomes):
-        # Every row would have a loss multiplier of 0: a step trained on nothing, and every later one too.
+    failures = [one_line(o.error) for o in outcomes if o.error is not None]
+    if failures and cfg.too_many_failed(len(failures), len(outcomes)):
+        # With every row failed the step would train on nothing (loss multipliers of 0), and every later one too.
+        share = "all" if len(failures) == len(outcomes) else f"{len(failures)} of"
         raise AgentRolloutError(
-            f"all {len(outcomes)} agents of this step failed (first: {failures[0]}); check grpo.agent "
-            "(its command or function, timeout_s) and run one agent by hand against the endpoint"
+            f"{share} {len(outcomes)} agents of this step failed (first: {failures[0]}); check grpo.agent "
+            "(its command or function, timeout_s) and run one agent by hand against the endpoint "
+            f"(grpo.agent.max_failed_fraction={cfg.max_failed_fraction:g} bounds the failures a step tolerates)"
         )
     if failures:
         print(f"[agent] {len(failures)} of {len(outcomes)} agents failed; first: {failures[0]}", flush=True)

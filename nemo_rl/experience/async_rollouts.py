@@ -2,39 +2,65 @@
 
 :class:`AsyncRollouts` owns a thread of the driver that keeps drawing prompt batches, rolling them out on the
 (non-colocated) generation workers, scoring them with the environments, and putting the scored groups into a
-bounded :class:`TrajectoryBuffer`. The training loop takes one batch per step from :meth:`AsyncRollouts.steps`
+bounded :class:`TrajectoryBuffer`. The training loop takes one batch per step with :meth:`AsyncRollouts.take`
 and, after each optimizer step, refits the generation workers through the run, which publishes the new version.
 
 Versions and ages. The policy version is the number of optimizer steps behind a set of weights. A batch
 carries the version of the weights its first generation call ran on (a later turn, or an in-flight update,
 only makes its tokens newer). Step ``t`` updates version ``t - 1``, so a batch of version ``v`` trained at
-step ``t`` has age ``t - 1 - v``. Batch ``b`` of this run (counted from 0; it feeds step ``start + b + 1``)
-is only started once the weights are recent enough for it to be trained at age ``<= max_age``, so generation
-never runs more than ``max_age`` steps ahead; the trainer still checks every batch it takes, and drops and
-counts one that is older (none, while the rule holds).
+step ``t`` has age ``t - 1 - v``. Batch ``g`` of the run (counted from 0 over the whole run; it feeds step
+``g + 1``) is only started once the weights are at least version ``g - max_age``, so generation never runs
+more than ``max_age`` steps ahead; the trainer still checks every batch it takes, and drops and counts one
+that is older (none, while the rule holds).
+
+Determinism. Without in-flight weight updates the schedule does not depend on timing: the trainer refits
+version ``v`` only once batch ``v + max_age - 1`` is sampled (:meth:`AsyncRollouts.wait_before_refit`), so
+batch ``g`` is sampled by version ``max(g - max_age, first)`` exactly, every generation call of it included
+(``first`` is the version the run started or resumed at). Each generation call of the thread is seeded from
+the run's seed, its batch's prompt indices, the policy version and the turn (:func:`sampling_seed`), never
+from how many calls came before (a validation between two calls, a retried batch or a resume changes none).
+Two runs with one seed then train on the same samples, and a resumed run on those of the uninterrupted one.
+With in-flight updates a refit lands between two decode steps wherever generation then is: which tokens
+which weights sampled depends on timing, and only the prompts' order and their being trained once hold.
 
 Weight updates. The run owns the generation workers' weights and their refits (a :class:`PolicyWeights`
 passed in): each generation call of the thread holds them through ``weights.generating()``, which a refit
 without in-flight updates waits for (the "request boundary"); with in-flight updates the refit runs while the
 generation workers decode, and they apply the new weights between two decode steps.
 
-Checkpoints. The prompt loader runs ahead of training, so what a checkpoint saves as the loader's position
-is :meth:`AsyncRollouts.consumed_loader_state`: the position after the last batch trained on or dropped.
-The buffer is not saved; its prompts are drawn and sampled again after a resume.
+Checkpoints. The prompt loader runs ahead of training. A checkpoint saves the batches sampled and not yet
+trained on (:meth:`AsyncRollouts.state_dict`, through ``checkpointer.track``) and, as the loader's position,
+the position right after the last of them, both fixed at one moment by :meth:`AsyncRollouts.snapshot`. A
+resumed run puts the batches back into the buffer before its thread starts, and the thread draws the
+prompts that follow them: a batch being sampled when the checkpoint was taken is drawn and sampled again,
+by the same weights with the same seeds when the schedule is deterministic.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.experience.trajectory_buffer import RolloutBatch, TrajectoryBuffer
 from nemo_rl.models.generation.interfaces import GenerationInterface
+
+__all__ = [
+    "AheadBatchesOnResume",
+    "AsyncRollouts",
+    "PolicyWeights",
+    "RollOut",
+    "RolloutBatch",
+    "SavedLoaderPosition",
+    "TrajectoryBuffer",
+    "sampling_seed",
+]
 
 
 class PolicyWeights(Protocol):
@@ -62,87 +88,11 @@ RollOut = Callable[[Any, BatchedDataDict[Any]], tuple[BatchedDataDict[Any], dict
 """Samples and scores one prompt batch on the given generation backend: (rollout, metrics)."""
 
 
-@dataclasses.dataclass
-class RolloutBatch:
-    """One prompt batch, rolled out and scored: every group of it shares the batch's policy version."""
-
-    rollout: BatchedDataDict[Any]
-    """The scored rollout, each prompt's responses next to each other."""
-    metrics: dict[str, float]
-    """The rollout's metrics (rewards, lengths, the environments' own)."""
-    version: int
-    """Policy version of the weights the batch's first generation call ran on."""
-    loader_state: dict[str, Any]
-    """The prompt loader's state right after this batch was drawn (a checkpoint's position once it is used)."""
-    num_prompts: int
-    """Prompts (groups) in the batch."""
-
-
-class TrajectoryBuffer:
-    """A bounded first-in first-out queue of :class:`RolloutBatch` between the generation thread and the
-    trainer; a failure of the generation thread is raised in the trainer at its next :meth:`take`."""
-
-    def __init__(self, capacity: int) -> None:
-        if capacity < 1:
-            raise ValueError(f"the trajectory buffer needs a capacity >= 1, got {capacity}")
-        self.capacity = capacity
-        self._items: deque[RolloutBatch] = deque()
-        self._cond = threading.Condition()
-        self._error: BaseException | None = None
-        self._closed = False
-
-    def __len__(self) -> int:
-        with self._cond:
-            return len(self._items)
-
-    def put(self, batch: RolloutBatch) -> float:
-        """Append ``batch``, waiting while the buffer is full; returns the seconds waited."""
-        start = time.perf_counter()
-        with self._cond:
-            self._cond.wait_for(lambda: self._closed or len(self._items) < self.capacity)
-            if not self._closed:
-                self._items.append(batch)
-                self._cond.notify_all()
-        return time.perf_counter() - start
-
-    def take(self, min_version: int, timeout_s: float) -> tuple[RolloutBatch, list[RolloutBatch], float]:
-        """The oldest batch of version ``>= min_version``, the older ones dropped on the way, and the seconds
-        waited. Raises the generation thread's error if it failed, ``TimeoutError`` after ``timeout_s``."""
-        dropped: list[RolloutBatch] = []
-        start = time.perf_counter()
-        with self._cond:
-            while True:
-                while self._items and self._items[0].version < min_version:
-                    dropped.append(self._items.popleft())
-                if self._items:
-                    batch = self._items.popleft()
-                    self._cond.notify_all()
-                    return batch, dropped, time.perf_counter() - start
-                if self._error is not None:
-                    raise self._error
-                if self._closed:
-                    raise RuntimeError(
-                        "the trajectory buffer was closed while the trainer waited for a batch"
-                    )
-                remaining = timeout_s - (time.perf_counter() - start)
-                timed_out = remaining <= 0 or not self._cond.wait(timeout=remaining)
-                if timed_out and not self._items and self._error is None:
-                    raise TimeoutError(
-                        f"no rollout batch arrived within {timeout_s:.0f} s: is generation stuck?"
-                    )
-
-    def fail(self, error: BaseException) -> None:
-        """Record the generation thread's error for the trainer."""
-        with self._cond:
-            self._error = error
-            self._cond.notify_all()
-
-    def close(self) -> None:
-        """Wake every waiter; later puts are discarded."""
-        with self._cond:
-            self._closed = True
-            self._items.clear()
-            self._cond.notify_all()
+def sampling_seed(run_seed: int, prompt_idx: list[int], version: int, turn: int) -> int:
+    """The seed of a rollout thread's generation call: a function of the run's seed, the prompt indices of its
+    batch (whose rows are their samples, in order), the policy version sampling it and the rollout turn."""
+    key = repr((run_seed, prompt_idx, version, turn)).encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 
 @dataclasses.dataclass
@@ -155,21 +105,29 @@ class _Counters:
 
 
 class _VersionedGeneration:
-    """The generation backend as the rollout thread sees it: each call holds the run's weights (which a refit
-    also waits for unless it goes in flight) and records the policy version it started on."""
+    """The generation backend as the rollout thread sees it for one batch: each call holds the run's weights
+    (which a refit also waits for unless it goes in flight), records the policy version it started on, and
+    is seeded by :func:`sampling_seed`."""
 
-    def __init__(self, owner: AsyncRollouts, generation: GenerationInterface) -> None:
+    def __init__(self, owner: AsyncRollouts, generation: GenerationInterface, prompt_idx: list[int]) -> None:
         self._owner = owner
         self._generation = generation
+        self._prompt_idx = prompt_idx
+        self._turn = 0
         self.first_version: int | None = None
 
-    def generate(self, data: BatchedDataDict[Any], greedy: bool = False) -> BatchedDataDict[Any]:
+    def generate(
+        self, data: BatchedDataDict[Any], greedy: bool = False, seed: int | None = None
+    ) -> BatchedDataDict[Any]:
         start = time.perf_counter()
         with self._owner.weights.generating() as version:
             self._owner.count(generation_idle_s=time.perf_counter() - start)
             if self.first_version is None:
                 self.first_version = version
-            return self._generation.generate(data, greedy=greedy)
+            if seed is None:
+                seed = sampling_seed(self._owner.seed, self._prompt_idx, version, self._turn)
+            self._turn += 1
+            return self._generation.generate(data, greedy=greedy, seed=seed)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._generation, name)
@@ -185,10 +143,13 @@ class AsyncRollouts:
         roll_out: samples and scores one prompt batch (see :data:`RollOut`).
         batches: the prompt batches, one per step, in loader order.
         loader_state: the prompt loader's state now (called right after each draw).
-        num_batches: batches to draw at most (the steps left to run).
+        num_batches: batches the remaining steps train on (restored ones included).
         max_age: ``grpo.async_grpo.max_trajectory_age_steps``.
         max_failures: ``grpo.async_grpo.max_generation_failures``.
         take_timeout_s: the longest the trainer waits for a batch.
+        seed: the run's seed, mixed into every generation call's seed (:func:`sampling_seed`).
+        deterministic: make the schedule independent of timing (:meth:`wait_before_refit`); off with
+            in-flight weight updates, where refits do not wait for generation anyway.
     """
 
     def __init__(
@@ -203,6 +164,8 @@ class AsyncRollouts:
         max_age: int,
         max_failures: int,
         take_timeout_s: float,
+        seed: int,
+        deterministic: bool,
     ) -> None:
         # At most max_age batches ahead of the one the trainer takes next.
         self.buffer = TrajectoryBuffer(capacity=max_age + 1)
@@ -212,13 +175,18 @@ class AsyncRollouts:
         self._batches = batches
         self._loader_state = loader_state
         self.start_version = weights.version
-        self._num_batches = num_batches
+        # Batches of the run are counted from 0 (batch g feeds step g + 1); those before start_version are
+        # trained already.
+        self._end_batch = self.start_version + num_batches
         self.max_age = max_age
         self._max_failures = max_failures
         self._take_timeout_s = take_timeout_s
+        self.seed = seed
+        self.deterministic = deterministic
         self._counters = _Counters()
         self._counters_lock = threading.Lock()
         self._consumed_state = loader_state()
+        self._saved: tuple[list[RolloutBatch], dict[str, Any]] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_take_s = time.perf_counter()
@@ -235,9 +203,9 @@ class AsyncRollouts:
 
     def _run(self) -> None:
         try:
-            for index in range(self._num_batches):
-                # Batch `index` feeds step start + index + 1: started on weights no older than the age bound.
-                min_version = self.start_version + index - self.max_age
+            for index in range(self.start_version + self.buffer.num_put, self._end_batch):
+                # Batch `index` feeds step index + 1: started on weights no older than the age bound.
+                min_version = max(self.start_version, index - self.max_age)
                 waited_from = time.perf_counter()
                 self.weights.wait_for_version(min_version, self._stop.is_set)
                 self.count(generation_idle_s=time.perf_counter() - waited_from)
@@ -254,8 +222,10 @@ class AsyncRollouts:
     def _roll_out_with_retries(
         self, batch: BatchedDataDict[Any], loader_state: dict[str, Any]
     ) -> RolloutBatch | None:
+        prompt_idx = [int(i) for i in batch["idx"]]
         while not self._stop.is_set():
-            generation = _VersionedGeneration(self, self._generation)
+            # A retry replays the same seeds: its prompts, version and turns are the failed attempt's.
+            generation = _VersionedGeneration(self, self._generation, prompt_idx)
             start = time.perf_counter()
             try:
                 rollout, metrics = self._roll_out(generation, batch)
@@ -316,13 +286,55 @@ class AsyncRollouts:
         }
         return batch, metrics, dropped
 
-    @property
-    def position(self) -> ConsumedLoaderPosition:
-        """The consumed position as a checkpoint saves it in place of the loader's state."""
-        return ConsumedLoaderPosition(self)
+    def wait_before_refit(self, version: int) -> float:
+        """Before the refit that publishes ``version``: with a deterministic schedule, wait until every batch
+        the older weights sample (those up to batch ``version + max_age - 1``) is sampled, so that no batch's
+        weights depend on timing; returns the seconds waited (0 with in-flight updates)."""
+        if not self.deterministic:
+            return 0.0
+        needed = min(version + self.max_age, self._end_batch) - self.start_version
+        return self.buffer.wait_for_puts(needed, self._take_timeout_s)
+
+    # ------------------------------------------------------------------------------------ checkpoints
+    @contextlib.contextmanager
+    def snapshot(self) -> Iterator[SavedLoaderPosition]:
+        """Fix, while a checkpoint is written, what it saves: the batches sampled and not yet taken
+        (:meth:`state_dict`) and the loader position right after the last of them (the position yielded), as
+        they stand at one moment (the generation thread keeps going meanwhile)."""
+        self._saved = self._snapshot()
+        try:
+            yield SavedLoaderPosition(self)
+        finally:
+            self._saved = None
+
+    def _snapshot(self) -> tuple[list[RolloutBatch], dict[str, Any]]:
+        if self._saved is not None:
+            return self._saved
+        batches = self.buffer.items()
+        return batches, batches[-1].loader_state if batches else self._consumed_state
+
+    def state_dict(self) -> dict[str, Any]:
+        """The buffered batches of the last :meth:`snapshot`, as plain data, and the loader state after the
+        last batch consumed (where a synchronous run resumed from it continues: :class:`AheadBatchesOnResume`)."""
+        return {
+            "batches": [batch.to_plain() for batch in self._snapshot()[0]],
+            "consumed_loader_state": self.consumed_loader_state(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Put a checkpoint's buffered batches back, before :meth:`start` (the loader stands after them)."""
+        if self._thread is not None:
+            raise RuntimeError("the buffered batches are restored before the generation thread starts")
+        self.buffer.restore([RolloutBatch.from_plain(batch) for batch in state["batches"]])
+        self._consumed_state = dict(state["consumed_loader_state"])
+
+    def saved_loader_state(self) -> dict[str, Any]:
+        """The prompt loader's state right after the last buffered batch of the snapshot (after the last
+        batch consumed when none is buffered)."""
+        return dict(self._snapshot()[1])
 
     def consumed_loader_state(self) -> dict[str, Any]:
-        """The prompt loader's state after the last batch trained on or dropped (what a checkpoint saves)."""
+        """The prompt loader's state after the last batch trained on or dropped."""
         return dict(self._consumed_state)
 
     def close(self, timeout_s: float = 600.0) -> None:
@@ -334,13 +346,42 @@ class AsyncRollouts:
             self._thread.join(timeout=timeout_s)
 
 
-class ConsumedLoaderPosition:
+class SavedLoaderPosition:
     """What a checkpoint saves as the prompt loader's state in asynchronous GRPO: the position after the
-    last batch consumed, not where the generation thread has read to."""
+    batches the checkpoint holds (:meth:`AsyncRollouts.snapshot`), not where the generation thread has read to."""
 
     def __init__(self, rollouts: AsyncRollouts) -> None:
         self._rollouts = rollouts
 
     def state_dict(self) -> dict[str, Any]:
         """The loader state a resumed run continues from."""
-        return self._rollouts.consumed_loader_state()
+        return self._rollouts.saved_loader_state()
+
+
+class _Loader(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class AheadBatchesOnResume:
+    """Synchronous GRPO's stand-in for :class:`AsyncRollouts` in checkpoints (tracked under the same name):
+    resumed from an asynchronous run's checkpoint, it puts the loader back after the last batch that run
+    trained on, so the prompts it had sampled ahead are sampled again rather than skipped. It saves no batch."""
+
+    def __init__(self, loader: _Loader) -> None:
+        self._loader = loader
+
+    def state_dict(self) -> dict[str, Any]:
+        """No batches sampled ahead; the loader where it stands."""
+        return {"batches": [], "consumed_loader_state": self._loader.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Rewind the loader over the batches an asynchronous run had sampled ahead, if any."""
+        if state["batches"]:
+            self._loader.load_state_dict(dict(state["consumed_loader_state"]))
+            print(
+                f"Resuming an asynchronous run's checkpoint synchronously: its {len(state['batches'])} "
+                "batches sampled ahead are sampled again",
+                flush=True,
+            )

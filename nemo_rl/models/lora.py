@@ -16,7 +16,6 @@ layouts result. FSDP2 shards them like any parameter of the layer.
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import json
 import math
 from collections.abc import Collection, Iterable, Iterator
@@ -27,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nemo_rl.config.lora import LoraConfig
+from nemo_rl.config.lora import LoraConfig, select_lora_targets
 
 ADAPTER_SUFFIXES = (".lora_A", ".lora_B")
 """Endings of the adapter parameters' names."""
@@ -69,11 +68,6 @@ def is_adapter_name(name: str) -> bool:
     return name.endswith(ADAPTER_SUFFIXES)
 
 
-def _matches(module_name: str, patterns: Iterable[str]) -> bool:
-    leaf = module_name.rsplit(".", 1)[-1]
-    return any(pattern == leaf or fnmatch.fnmatchcase(module_name, pattern) for pattern in patterns)
-
-
 def lora_targets(model: nn.Module, cfg: LoraConfig) -> list[str]:
     """Names of the linear layers ``cfg`` adapts, in module order; raises ``ValueError`` when there are none.
 
@@ -84,20 +78,6 @@ def lora_targets(model: nn.Module, cfg: LoraConfig) -> list[str]:
         name for name, m in model.named_modules() if isinstance(m, nn.Linear) and id(m) not in heads and name
     ]
     return select_lora_targets(linears, cfg)
-
-
-def select_lora_targets(linears: list[str], cfg: LoraConfig) -> list[str]:
-    """The names among ``linears`` (a model's adaptable linear layers, in module order) that ``cfg`` adapts;
-    raises ``ValueError`` when there are none. Generation engines call it with their own layer names."""
-    chosen = linears if cfg.match_all_linear else [n for n in linears if _matches(n, cfg.target_modules)]
-    chosen = [name for name in chosen if not _matches(name, cfg.exclude_modules)]
-    if not chosen:
-        leaves = sorted({name.rsplit(".", 1)[-1] for name in linears})
-        raise ValueError(
-            f"policy.dtensor_cfg.lora_cfg selects no linear layer of the model (target_modules="
-            f"{cfg.target_modules}, exclude_modules={cfg.exclude_modules}); its linear layers are named {leaves}"
-        )
-    return chosen
 
 
 def _output_embeddings(model: nn.Module) -> nn.Module | None:

@@ -112,12 +112,13 @@ class CheckpointManager:
         self._resume_state: dict[str, Any] | None = None
 
     # ------------------------------------------------------------ run state
-    def track(self, name: str, obj: Checkpointable) -> None:
+    def track(self, name: str, obj: Checkpointable, *, optional: bool = False) -> None:
         """Save ``obj.state_dict()`` under ``name`` in every checkpoint and, when this run resumed
         (:attr:`resume_path` is set), put back the state that checkpoint holds for ``name`` now.
 
         ``name`` must be unique and stable across runs (it is the key in ``run_state.pt``). A checkpoint with
-        no state for ``name`` (saved before the object was tracked) leaves ``obj`` as it is, with a warning.
+        no state for ``name`` (saved before the object was tracked) leaves ``obj`` as it is, with a warning
+        unless ``optional`` (state that only some runs have, such as what asynchronous GRPO sampled ahead).
         """
         if name in self._tracked:
             if self._tracked[name] is not obj:
@@ -131,7 +132,7 @@ class CheckpointManager:
             self._resume_state = torch.load(state_path, weights_only=True) if state_path.is_file() else {}
         if name in self._resume_state:
             obj.load_state_dict(self._resume_state[name])
-        else:
+        elif not optional:
             print(
                 f"WARNING: {self.resume_path} holds no saved state for {name!r}; it starts afresh, so the "
                 "resumed run will not repeat the uninterrupted one exactly",

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nemo_rl.weight_sync.checksums import Checksum, tensor_checksum
 from nemo_rl.weight_sync.errors import RefitError, RefitIntegrityError
 from nemo_rl.weight_sync.interfaces import LoadFn, NamedTensors, ShardFn, TransferStats
 from nemo_rl.weight_sync.manifest import (
@@ -309,9 +310,17 @@ class BucketReader:
     tensors, and :meth:`raise_if_failed` reports every problem at the end.
     """
 
-    def __init__(self, manifest: WeightManifest, shard_fn: ShardFn | None, num_streams: int = 1) -> None:
+    def __init__(
+        self,
+        manifest: WeightManifest,
+        shard_fn: ShardFn | None,
+        num_streams: int = 1,
+        tensor_checksums: bool = False,
+    ) -> None:
         self._check = ManifestCheck(manifest)
         self._shard_fn = shard_fn
+        self.checksums: dict[str, Checksum] | None = {} if tensor_checksums else None
+        """With ``tensor_checksums``: the checksum of every full tensor unpacked so far (the refit guard's)."""
         self._problems: list[str] = []
         self._next_index = [0] * num_streams
         self._buckets_of = [0] * num_streams
@@ -385,6 +394,8 @@ class BucketReader:
         tensors = []
         for entry in header.entries:
             view = payload[entry.offset : entry.offset + entry.nbytes].view(entry.dtype).view(entry.shape)
+            if self.checksums is not None:
+                self.checksums[entry.name] = tensor_checksum(view)
             if self._shard_fn is not None:
                 view = self._shard_fn(entry.name, view)
             tensors.append((entry.name, view))
@@ -438,15 +449,17 @@ def receive_stream(
     stream: Callable[[BucketReader], Iterator[tuple[str, torch.Tensor]]],
     where: str,
     num_streams: int = 1,
+    tensor_checksums: bool = False,
 ) -> TransferStats:
     """A receiver's refit, whatever the transport: check and load what ``stream(reader)`` yields.
 
     ``stream`` takes the transport's messages of all ``num_streams`` streams off the wire, passes each
     through the :class:`BucketReader` and yields the tensors to load; ``where`` names this receiver in the
-    error raised when anything failed.
+    error raised when anything failed. With ``tensor_checksums`` the stats carry the checksum of every tensor
+    that arrived (the refit guard's).
     """
     start_s = time.perf_counter()
-    reader = BucketReader(WeightManifest.coerce(manifest), shard_fn, num_streams)
+    reader = BucketReader(WeightManifest.coerce(manifest), shard_fn, num_streams, tensor_checksums)
     feed_loader(load_fn, stream(reader))
     reader.raise_if_failed(where)
     return TransferStats(
@@ -455,6 +468,7 @@ def receive_stream(
         reader.num_buckets,
         reader.num_tensors,
         time.perf_counter() - start_s,
+        checksums=reader.checksums,
     )
 
 

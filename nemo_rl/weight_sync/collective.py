@@ -256,6 +256,8 @@ class CollectiveReceiver:
     """The refit group of each stream, by stream."""
     index: int
     """This generation worker's index (its group rank is ``1 + index``)."""
+    tensor_checksums: bool = False
+    """Take the checksum of every tensor that arrives (the refit guard's)."""
 
     def receive(
         self, load_fn: LoadFn, manifest: ManifestLike, shard_fn: ShardFn | None = None
@@ -268,6 +270,7 @@ class CollectiveReceiver:
             self._streams,
             f"generation worker {self.index} (collective)",
             num_streams=len(self.groups),
+            tensor_checksums=self.tensor_checksums,
         )
 
     def _streams(self, reader: BucketReader) -> Iterator[tuple[str, torch.Tensor]]:
@@ -377,7 +380,10 @@ class CollectiveTransport:
             for rank, stream in enumerate(self._streams)
         ]
         receivers: list[WeightReceiver] = [
-            CollectiveReceiver(self._settings.bucket_size_bytes, groups, j)
+            # One receiver's checksums suffice: every receiver verified the same buckets.
+            CollectiveReceiver(
+                self._settings.bucket_size_bytes, groups, j, self._settings.tensor_checksums and j == 0
+            )
             for j in range(self._num_generation_workers)
         ]
         return senders, receivers

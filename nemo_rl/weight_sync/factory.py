@@ -58,6 +58,7 @@ def create_refit_transport(
         bucket_size_bytes=policy_cfg.refit_buffer_size_mb * _MIB,
         timeout_s=refit_cfg.timeout_s,
         store_host=refit_store_host(),
+        tensor_checksums=refit_cfg.guard.checksums,
     )
     return build_refit_transport(
         kind,

@@ -39,6 +39,7 @@ from typing import Literal, Protocol
 
 import torch
 
+from nemo_rl.weight_sync.checksums import Checksum
 from nemo_rl.weight_sync.errors import RefitError
 from nemo_rl.weight_sync.manifest import ManifestLike
 
@@ -83,6 +84,10 @@ class TransportSettings:
     store_host: str
     """The address the workers reach the driver's refit store on."""
 
+    tensor_checksums: bool = False
+    """The first receiver takes the checksum of every tensor that arrives, for the refit guard
+    (``policy.refit.guard.checksums``)."""
+
 
 @dataclass(frozen=True)
 class TransferStats:
@@ -106,6 +111,10 @@ class TransferStats:
 
     stream: int = 0
     """The stream a sender belongs to (0 for receivers and single-stream policies)."""
+
+    checksums: dict[str, Checksum] | None = None
+    """A receiver taking them for the refit guard: the checksum of every tensor that arrived, by name
+    (:mod:`nemo_rl.weight_sync.checksums`); ``None`` otherwise."""
 
 
 class WeightSender(Protocol):

@@ -53,6 +53,29 @@ def refit(
     send_method: str = SEND_METHOD,
     receive_method: str = RECEIVE_METHOD,
 ) -> dict[str, float]:
+    """:func:`refit_with_stats`'s ``refit/*`` metrics."""
+    metrics, _ = refit_with_stats(
+        policy_workers,
+        generation_workers,
+        transport,
+        timeout_s=timeout_s,
+        scope=scope,
+        send_method=send_method,
+        receive_method=receive_method,
+    )
+    return metrics
+
+
+def refit_with_stats(
+    policy_workers: Sequence[Any],
+    generation_workers: Sequence[Any],
+    transport: RefitTransport,
+    *,
+    timeout_s: float,
+    scope: RefitScope = "full",
+    send_method: str = SEND_METHOD,
+    receive_method: str = RECEIVE_METHOD,
+) -> tuple[dict[str, float], list[TransferStats]]:
     """Move the policy's weights into the generation workers; returns ``refit/*`` metrics.
 
     ``policy_workers`` / ``generation_workers`` are Ray actor handles in rank order (e.g. a
@@ -61,7 +84,8 @@ def refit(
     (:mod:`nemo_rl.weight_sync.scope`) and is passed to every sender and receiver. Metrics: ``refit/bytes``
     (payload bytes of one copy of the weights, in the generation dtype), ``refit/time_s`` (wall time seen by
     the driver), ``refit/gbps`` (``refit/bytes`` per second, in GB/s of 1e9 bytes), ``refit/num_buckets``
-    and ``refit/bytes_received`` (summed over generation workers).
+    and ``refit/bytes_received`` (summed over generation workers). Also returns the receivers' stats, in rank
+    order (the refit guard reads their checksums).
     """
     if len(policy_workers) != transport.num_senders or len(generation_workers) != transport.num_receivers:
         raise ValueError(
@@ -89,9 +113,10 @@ def refit(
         if failed:
             transport.cleanup(refit_id)
     time_s = time.perf_counter() - start_s
-    return _refit_metrics(
+    metrics = _refit_metrics(
         results, len(senders), len(receivers), time_s, refit_id, send_method, receive_method
     )
+    return metrics, results[len(senders) :]
 
 
 def _refit_metrics(

@@ -11,7 +11,9 @@ Built once at setup (:meth:`Refitter.create`) from the policy (a :class:`RefitSo
 - the scope of each refit (:class:`~nemo_rl.weight_sync.scope.RefitScopePlanner`): ``"adapters"`` after the
   first when the policy says its adapters may travel alone (:meth:`RefitSource.adapter_refits`);
 - the offloads around it (optimizer state to the host before, weights after);
-- the staleness flag: :meth:`mark_stale` after a training step, :meth:`refit_if_stale` before sampling.
+- the staleness flag: :meth:`mark_stale` after a training step, :meth:`refit_if_stale` before sampling;
+- the refit guard (:mod:`~nemo_rl.weight_sync.guard`, ``policy.refit.guard``): after each refit through a
+  transport, :meth:`verify` compares what arrived with what every engine holds.
 
 The policy and the generation backends live a layer above (``nemo_rl.models``); they implement the two
 Protocols below, which are this layer's contract with them.
@@ -19,6 +21,7 @@ Protocols below, which are this layer's contract with them.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -26,9 +29,10 @@ import torch
 
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.weight_sync.factory import create_refit_transport, generation_dtype
+from nemo_rl.weight_sync.guard import EngineChecksums, RefitDivergenceError, RefitGuard
 from nemo_rl.weight_sync.interfaces import RefitTransport
 from nemo_rl.weight_sync.manifest import SpecLike, WeightManifest
-from nemo_rl.weight_sync.refit import refit
+from nemo_rl.weight_sync.refit import refit_with_stats
 from nemo_rl.weight_sync.scope import RefitScope, RefitScopePlanner, worker_identities
 
 
@@ -96,6 +100,12 @@ class RefitTarget(Protocol):
         """What a refit of ``scope`` must deliver: full shapes, in the generation dtype."""
         ...
 
+    def held_weight_checksums(self) -> list[EngineChecksums]:
+        """For the refit guard: per engine replica, the checksums (:mod:`nemo_rl.weight_sync.checksums`) of
+        every weight each of its ranks holds, under the engine's own parameter names, in the dtype refits
+        send; ``None`` for an engine that cannot report now. Engines hosted in the policy report none."""
+        ...
+
 
 def check_refit_manifests(
     source: RefitSource, target: RefitTarget, dtype: torch.dtype, scopes: Sequence[RefitScope]
@@ -120,6 +130,8 @@ class Refitter:
         transport: moves the weights; ``None`` for a target hosted in the policy's processes.
         timeout_s: a refit that has not finished after this many seconds fails.
         adapter_refits: refits after the first may move the LoRA adapters alone.
+        guard: checks after each refit through a transport that the engines hold what was sent
+            (:mod:`nemo_rl.weight_sync.guard`); ``None`` checks nothing.
     """
 
     def __init__(
@@ -130,6 +142,7 @@ class Refitter:
         *,
         timeout_s: float,
         adapter_refits: bool,
+        guard: RefitGuard | None = None,
     ) -> None:
         if transport is None and not target.hosted_in_policy:
             raise ValueError("generation workers in processes of their own need a refit transport")
@@ -138,6 +151,9 @@ class Refitter:
         self.transport = transport
         self.timeout_s = timeout_s
         self._scopes = RefitScopePlanner(adapter_refits)
+        self.guard = guard if guard is not None and guard.enabled and transport is not None else None
+        """The refit guard, when refits are checked (never for engines hosted in the policy)."""
+        self._guard_cfg = None if guard is None else guard.cfg
         self.stale = True
         """Whether the policy trained since the engines last received its weights."""
 
@@ -157,7 +173,14 @@ class Refitter:
                 generation_node_ids=target.worker_node_ids,
                 policy_streams=source.refit_streams(),
             )
-        return cls(source, target, transport, timeout_s=cfg.refit.timeout_s, adapter_refits=adapter_refits)
+        return cls(
+            source,
+            target,
+            transport,
+            timeout_s=cfg.refit.timeout_s,
+            adapter_refits=adapter_refits,
+            guard=RefitGuard(cfg.refit.guard),
+        )
 
     def mark_stale(self) -> None:
         """Record that the policy trained: the next :meth:`refit_if_stale` refits."""
@@ -167,7 +190,14 @@ class Refitter:
         """Copy the policy's current weights into the engines; returns the ``refit/*`` metrics.
 
         The scope is ``"full"`` the first time, after a failed refit and whenever the generation workers
-        changed; with adapter refits ``"adapters"`` otherwise (``refit/adapters_only`` says which)."""
+        changed; with adapter refits ``"adapters"`` otherwise (``refit/adapters_only`` says which). With the
+        guard on, the engines' weights are then checked (:meth:`verify`; ``refit/guard_s`` is its time)."""
+        metrics = self._copy()
+        if self.guard is None:
+            return metrics
+        return {**metrics, **self.verify()}
+
+    def _copy(self) -> dict[str, float]:
         workers = worker_identities(self.target.workers)
         scope = self._scopes.scope_for(workers)
         try:
@@ -175,22 +205,83 @@ class Refitter:
             if self.transport is None:
                 metrics = self.target.refit_in_process(scope)
             else:
-                metrics = refit(
+                metrics, received = refit_with_stats(
                     self.source.workers,
                     self.target.workers,
                     self.transport,
                     timeout_s=self.timeout_s,
                     scope=scope,
                 )
+                if self.guard is not None:
+                    self.guard.record(received, scope)
             self.source.offload_after_refit()
         except BaseException:
             # The engines may be half loaded: the next refit is due, and full.
-            self._scopes.failed()
-            self.stale = True
+            self._engines_in_doubt()
             raise
         self._scopes.succeeded(workers, scope)
         self.stale = False
         return {**metrics, "refit/adapters_only": float(scope == "adapters")}
+
+    def _engines_in_doubt(self) -> None:
+        """What the engines hold is not known to be the policy's weights: the next refit is due, and full."""
+        self._scopes.failed()
+        if self.guard is not None:
+            self.guard.forget()
+        self.stale = True
+
+    def verify(self) -> dict[str, float]:
+        """The refit guard's check of what the engines hold against what the last refits sent; acts as
+        ``policy.refit.guard.on_mismatch`` says on a difference (raising :class:`RefitDivergenceError` for
+        ``stop``). Returns ``refit/guard_s``; nothing without a guard."""
+        if self.guard is None:
+            return {}
+        start_s = time.perf_counter()
+        lines = self.guard.problems(self.target.held_weight_checksums())
+        retried = False
+        if lines and self.guard.cfg.on_mismatch == "refit":
+            print(f"WARNING: {self.guard.message(lines)}; sending every weight again", flush=True)
+            self._scopes.failed()
+            self._copy()
+            lines = self.guard.problems(self.target.held_weight_checksums())
+            retried = True
+        if lines:
+            message = self.guard.message(lines, after_retry=retried)
+            if self.guard.cfg.on_mismatch != "warn":
+                self._engines_in_doubt()
+                raise RefitDivergenceError(message)
+            print(f"WARNING: {message}; going on (the next refit sends every weight)", flush=True)
+            self._scopes.failed()
+        return {"refit/guard_s": time.perf_counter() - start_s}
+
+    def probe(self, gen_kl_error: float) -> None:
+        """The refit guard's probe (``policy.refit.guard.max_gen_kl_error``): a synchronous step's
+        ``gen_kl_error`` past the limit (or NaN) names the tensors whose checksums differ, or says that none
+        does, and acts as ``on_mismatch`` says (``refit`` and ``warn`` go on; the next refit is full)."""
+        cfg = self._guard_cfg
+        if cfg is None or cfg.max_gen_kl_error is None or gen_kl_error <= cfg.max_gen_kl_error:
+            return
+        lines = [] if self.guard is None else self.guard.problems(self.target.held_weight_checksums())
+        if lines:
+            found = "; ".join(lines)
+        elif self.guard is not None:
+            found = (
+                "every tensor the engines hold matches what was sent, so the engines compute differently from "
+                "the policy (a kernel, a dtype, sampling settings)"
+            )
+        else:
+            found = (
+                "the engines' weights are not checksummed (engines in the policy, or guard.checksums=false)"
+            )
+        message = (
+            f"refit guard: gen_kl_error {gen_kl_error:.3g} exceeds policy.refit.guard.max_gen_kl_error="
+            f"{cfg.max_gen_kl_error:g}: {found}; the last checkpoint is intact"
+        )
+        self._scopes.failed()
+        if cfg.on_mismatch == "stop":
+            self._engines_in_doubt()
+            raise RefitDivergenceError(message)
+        print(f"WARNING: {message}; going on (the next refit sends every weight)", flush=True)
 
     def refit_if_stale(self) -> dict[str, float]:
         """:meth:`refit` when the policy trained since the last one; no metrics (an empty dict) otherwise."""

@@ -233,6 +233,8 @@ class ShmReceiver:
     """This generation worker's index."""
     writers: tuple[int, ...]
     """Index of the writer of each stream on this worker's node (by stream)."""
+    tensor_checksums: bool = False
+    """Take the checksum of every tensor that arrives (the refit guard's)."""
 
     def receive(
         self, load_fn: LoadFn, manifest: ManifestLike, shard_fn: ShardFn | None = None
@@ -245,6 +247,7 @@ class ShmReceiver:
             self._stream,
             f"generation worker {self.reader} (shared memory, refit {self.refit_id})",
             num_streams=len(self.writers),
+            tensor_checksums=self.tensor_checksums,
         )
 
     def _stream(self, reader: BucketReader) -> Iterator[tuple[str, torch.Tensor]]:
@@ -437,6 +440,8 @@ class SharedMemoryTransport:
                 prefix,
                 j,
                 tuple(self._writers.index((node, stream)) for stream in range(self._num_streams)),
+                # One receiver's checksums suffice: every receiver verified the same buckets.
+                tensor_checksums=self._settings.tensor_checksums and j == 0,
             )
             for j, node in enumerate(self._generation_node_ids)
         ]

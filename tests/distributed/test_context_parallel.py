@@ -1,13 +1,14 @@
 """Context parallelism on the DTensor worker (``policy.dtensor_cfg.context_parallel_size``) against CP=1.
 
-Two groups of gloo ranks run at once from one start (``rank_groups.run_groups``): one rank with CP=1 (the
-reference) and two ranks with CP=2 (one data-parallel group whose two ranks each hold half of every row). Each
-trains the same three global batches (padded rows, sequence packing, dynamic batching with activation
-checkpointing, a value model on packed rows, and LoRA), then scores the same rows; losses, gradient norms and log-probs must agree to float32 rounding. The CP=2 group also saves a checkpoint
-after two steps, resumes it in a new worker and must take the third step bit for bit as the worker that went
-on; both groups export Hugging Face weights after three steps, which must agree.
-
-Not run here: CP=2 x DP=2 needs four slots (this machine's tests use two); TP x CP is refused by the config.
+Three groups of gloo ranks run at once from one start (``rank_groups.run_groups``): one rank with CP=1 (the
+reference), two ranks with CP=2 (one data-parallel group whose two ranks each hold half of every row), and four
+ranks (oversubscribing the cores) that run CP=2 x TP=2, with sequence parallelism, and CP=2 x DP=2 in turn.
+Each trains the same three global batches (padded rows, sequence packing, dynamic batching with activation
+checkpointing, a value model on packed rows, LoRA, and the tiny mixture-of-experts model with its
+load-balancing loss trained and the routing replayed, padded and packed), then scores the same rows; losses,
+gradient norms, log-probs and the routing metrics must agree to float32 rounding. The CP=2 group also saves a
+checkpoint after two steps, resumes it in a new worker and must take the third step bit for bit as the worker
+that went on; both groups export Hugging Face weights after three steps, which must agree.
 """
 
 from __future__ import annotations
@@ -27,11 +28,13 @@ from nemo_rl.config.loss import ValueLossConfig
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
+MOE_MODEL = Path(__file__).resolve().parents[2] / "examples" / "assets" / "tiny_qwen3_moe_init"
+MOE_LAYERS, MOE_TOP_K, MOE_EXPERTS = 2, 2, 8
 VOCAB = 64
 SEQ_LEN = 22  # not a multiple of 2 x CP: the worker pads it to make_sequence_length_divisible_by
 GLOBAL_BATCH = 4
 NUM_STEPS = 3
-TIMEOUT_S = 150.0
+TIMEOUT_S = 300.0
 
 
 def _build_model(path: Path) -> None:
@@ -78,31 +81,66 @@ def _batch(seed: int, num_rows: int) -> BatchedDataDict[Any]:
     )
 
 
-VARIANTS = ("padded", "packed", "dynamic", "value", "lora")
+def _with_routing(batch: BatchedDataDict[Any], seed: int) -> BatchedDataDict[Any]:
+    """``batch`` with the sampler's routing to replay: distinct random experts per token and MoE layer."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(batch.size, SEQ_LEN, MOE_LAYERS, MOE_EXPERTS, generator=g)
+    return BatchedDataDict({**batch, "routed_experts": scores.argsort(dim=-1)[..., :MOE_TOP_K]})
+
+
+VARIANTS = ("padded", "packed", "dynamic", "value", "lora", "moe", "moe_packed")
 """Padded rows; sequence packing; dynamic batching with activation checkpointing (the layers recompute their
 forward, CP collectives included, in the backward pass); a value model (PPO's critic: the scalar head read at
-every token, trained with the clipped value loss) on packed rows; LoRA adapters on every linear layer."""
+every token, trained with the clipped value loss) on packed rows; LoRA adapters on every linear layer; the tiny
+Qwen3-MoE model with its load-balancing loss trained and the sampler's routing replayed, on padded and on packed
+rows."""
+
+FOUR_RANK_LAYOUTS = {
+    "tp2": {"tensor_parallel_size": 2},
+    "sp2": {"tensor_parallel_size": 2, "sequence_parallel": True},
+    "dp2": {},
+}
+"""What the four ranks split besides CP=2: TP=2, TP=2 with sequence parallelism, or DP=2."""
+
+FOUR_RANK_CASES = (
+    ("tp2", "padded"),
+    ("tp2", "packed"),
+    ("sp2", "padded"),
+    ("dp2", "packed"),
+)
+"""(layout, variant): sequence parallelism pads (packing has no effect with it), so it runs padded rows only;
+DP=2 runs packed rows (each data-parallel group packs its own shard into its own micro-batches)."""
 
 
-def _cfg(model_dir: Path, cp: int, variant: str = "padded") -> PolicyConfig:
+def _cfg(model_dir: Path, cp: int, variant: str = "padded", **dtensor: Any) -> PolicyConfig:
+    moe = variant.startswith("moe")
     return PolicyConfig.model_validate(
         {
-            "model_name": str(model_dir),
+            "model_name": str(MOE_MODEL if moe else model_dir),
             "train_global_batch_size": GLOBAL_BATCH,
             "train_micro_batch_size": 2,
             "logprob_batch_size": 3,
             "max_total_sequence_length": SEQ_LEN,
             "make_sequence_length_divisible_by": 4,
             "max_grad_norm": 0.5,
-            "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2, "weight_decay": 0.01}},
+            # The MoE model's loss jumps at 1e-2, and AdamW then magnifies rounding differences past 1e-5.
+            "optimizer": {
+                "name": "torch.optim.AdamW",
+                "kwargs": {"lr": 1e-3 if moe else 1e-2, "weight_decay": 0.01},
+            },
             "dtensor_cfg": {
                 "context_parallel_size": cp,
                 "activation_checkpointing": variant == "dynamic",
                 "lora_cfg": {"enabled": variant == "lora", "dim": 4, "alpha": 8},
+                **dtensor,
             },
+            "hf_config_overrides": {"output_router_logits": True, "router_aux_loss_coef": 0.05}
+            if moe
+            else {},
+            "router_replay": {"enabled": moe},
             "reward_model_cfg": {"enabled": variant == "value", "reward_model_type": "regression"},
             "sequence_packing": {
-                "enabled": variant in ("packed", "value"),
+                "enabled": variant in ("packed", "value", "moe_packed"),
                 "train_mb_tokens": 40,
                 "logprob_mb_tokens": 36,
             },
@@ -124,7 +162,10 @@ def _scenarios(cp: int, save: SaveFn, model_dir: Path, out_dir: Path) -> None:
     loss_fn = NLLLoss()
     for tag in VARIANTS:
         worker = DTensorPolicyWorker(_cfg(model_dir, cp, tag))
-        if tag == "value":
+        if tag.startswith("moe"):
+            save(f"{tag}_train", worker.train(_with_routing(data, 3), loss_fn))
+            save(f"{tag}_logprobs", worker.get_logprobs(_with_routing(score, 4))["logprobs"])
+        elif tag == "value":
             save(f"{tag}_train", worker.train(data, ValueLossFn(ValueLossConfig(scale=1.0, cliprange=0.2))))
             save(f"{tag}_logprobs", worker.get_values(score)["values"])
         else:
@@ -152,13 +193,30 @@ def _scenarios(cp: int, save: SaveFn, model_dir: Path, out_dir: Path) -> None:
     resumed.shutdown()
 
 
+def _four_rank_scenarios(save: SaveFn, model_dir: Path, _out_dir: Path) -> None:
+    """CP=2 with TP=2 (with and without sequence parallelism) and with DP=2, on the same four ranks in turn."""
+    from nemo_rl.models.policy.dtensor_worker import DTensorPolicyWorker
+
+    data, score = _batch(1, GLOBAL_BATCH * NUM_STEPS), _batch(2, 5)
+    for layout, tag in FOUR_RANK_CASES:
+        worker = DTensorPolicyWorker(_cfg(model_dir, 2, tag, **FOUR_RANK_LAYOUTS[layout]))
+        shard = data.shard_by_batch_size(worker.dp_size, batch_size=GLOBAL_BATCH)[worker.dp_rank]
+        save(f"{layout}_{tag}_train", worker.train(shard, NLLLoss()))
+        save(f"{layout}_{tag}_logprobs", worker.get_logprobs(score)["logprobs"])
+        worker.shutdown()
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model_dir = tmp_path_factory.mktemp("cp_model")
     _build_model(model_dir)
     out_dir = tmp_path_factory.mktemp("cp_out")
     run_groups(
-        [("cp1", 1, partial(_scenarios, 1)), ("cp2", 2, partial(_scenarios, 2))],
+        [
+            ("cp1", 1, partial(_scenarios, 1)),
+            ("cp2", 2, partial(_scenarios, 2)),
+            ("four", 4, _four_rank_scenarios),
+        ],
         model_dir,
         out_dir,
         timeout_s=TIMEOUT_S,
@@ -170,17 +228,39 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> None:
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("tag", VARIANTS)
-def test_cp2_trains_as_cp1(results: Path, tag: str) -> None:
+def _assert_trains_as_cp1(results: Path, tag: str, name: str, ranks: int) -> None:
+    """Every rank of the run saved as ``name`` took the steps CP=1 took on variant ``tag``."""
     reference = load(results, f"cp1.{tag}_train")
-    for rank in (0, 1):
-        got = load(results, f"cp2.{tag}_train", rank)
+    for rank in range(ranks):
+        got = load(results, f"{name}_train", rank)
         assert got["loss"].shape == (NUM_STEPS,)
         _close(got["loss"], reference["loss"])
         _close(got["grad_norm"], reference["grad_norm"])
         assert got["global_valid_toks"].tolist() == reference["global_valid_toks"].tolist()
+        for metric in ("moe_aux_loss", "moe_router_entropy", "moe_expert_load_layer1_max"):
+            if metric in reference["metrics"]:
+                _close(torch.as_tensor(got["metrics"][metric]), torch.as_tensor(reference["metrics"][metric]))
         # Log-probs, or a value model's values.
-        _close(load(results, f"cp2.{tag}_logprobs", rank), load(results, f"cp1.{tag}_logprobs"))
+        _close(load(results, f"{name}_logprobs", rank), load(results, f"cp1.{tag}_logprobs"))
+
+
+@pytest.mark.parametrize("tag", VARIANTS)
+def test_cp2_trains_as_cp1(results: Path, tag: str) -> None:
+    _assert_trains_as_cp1(results, tag, f"cp2.{tag}", ranks=2)
+
+
+def test_moe_load_balancing_loss_is_trained_under_cp2(results: Path) -> None:
+    """The MoE variants above train the load-balancing loss (from the routing gathered over the CP ranks) and
+    replay the batch's routing (CP=1 replays full rows, so CP=2 agrees only if each rank takes its own)."""
+    for tag in ("moe", "moe_packed"):
+        metrics = load(results, f"cp2.{tag}_train")["metrics"]
+        assert torch.as_tensor(metrics["moe_aux_loss"]).min() > 0
+        assert torch.as_tensor(metrics["moe_router_entropy"]).min() > 0
+
+
+@pytest.mark.parametrize(("layout", "tag"), FOUR_RANK_CASES)
+def test_cp2_with_tp2_or_dp2_trains_as_cp1(results: Path, layout: str, tag: str) -> None:
+    _assert_trains_as_cp1(results, tag, f"four.{layout}_{tag}", ranks=4)
 
 
 @pytest.mark.parametrize("tag", ["packed", "dynamic"])

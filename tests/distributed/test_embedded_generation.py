@@ -145,6 +145,21 @@ def test_sampling_logprobs_match_hf_and_calls_draw_fresh_samples(
         assert torch.allclose(first["logprobs"][b, start:end], expected, atol=1e-4)
 
 
+def test_an_explicit_seed_replays_its_samples_whatever_calls_came_before(
+    generation: GenerationInterface, tiny_assets: tuple[Path, PreTrainedTokenizerBase]
+) -> None:
+    # Asynchronous GRPO seeds each call itself; the per-call count (what checkpoints save) is left alone.
+    _, tokenizer = tiny_assets
+    data = prompt_batch(tokenizer, TEXTS * 2)
+    position = dict(generation.state_dict())
+    first = generation.generate(data, greedy=False, seed=1234)
+    generation.generate(data, greedy=False, seed=99)
+    again = generation.generate(data, greedy=False, seed=1234)
+    assert torch.equal(first["output_ids"], again["output_ids"])
+    assert torch.equal(first["logprobs"], again["logprobs"])
+    assert dict(generation.state_dict()) == position
+
+
 def test_finish_and_prepare_keep_generation_working(
     generation: GenerationInterface, tiny_assets: tuple[Path, PreTrainedTokenizerBase]
 ) -> None:

@@ -35,6 +35,7 @@ from nemo_rl.models.policy.lm_policy import Policy
 from nemo_rl.models.tokenizer import get_policy_tokenizer
 from nemo_rl.weight_sync.errors import RefitError
 from nemo_rl.weight_sync.factory import create_refit_transport
+from nemo_rl.weight_sync.guard import RefitDivergenceError
 from nemo_rl.weight_sync.refit import refit
 from nemo_rl.weight_sync.refitter import Refitter
 
@@ -246,6 +247,32 @@ def test_in_policy_engine_refits_in_process_and_samples_as_separate_workers(
 
 
 # ------------------------------------------------------------------------------------------------ LoRA
+def test_the_refit_guard_names_a_tensor_the_engine_holds_differently(
+    stack: tuple[Policy, EmbeddedGeneration, Any, RayVirtualCluster],
+) -> None:
+    """A refit the engine loads as sent passes the guard; one weight changed in the engine afterwards (as a
+    faulty loader or memory would) stops the run with one line naming it; the next refit repairs it."""
+    policy, generation, _, _ = stack
+    refitter = Refitter.create(_policy_cfg(policy.cfg.dtensor_cfg.tensor_parallel_size), policy, generation)
+    name = "model.layers.1.mlp.down_proj.weight"
+    try:
+        assert refitter.refit()["refit/guard_s"] > 0
+        weights = _generation_weights(generation)
+        weights[name][3, 5] += 0.5
+        generation.update_weights(weights.items())
+        with pytest.raises(RefitDivergenceError) as err:
+            refitter.verify()
+        message = str(err.value)
+        assert f"refit guard: generation engine 0 holds {name} unlike what the policy sent" in message
+        assert "\n" not in message and message.count("model.") == 1
+        assert refitter.stale
+        refitter.refit()
+        assert "refit/guard_s" in refitter.verify()
+        assert not torch.equal(_generation_weights(generation)[name], weights[name])
+    finally:
+        refitter.shutdown()
+
+
 @pytest.fixture(scope="module")
 def lora_stack(ray_cluster: Any) -> Iterator[tuple[Any, ...]]:
     """A LoRA policy (FSDP dp=2, engines hosted in its workers too) and one separate generation worker."""
@@ -312,7 +339,8 @@ def test_lora_refits_send_the_adapters_only_after_the_first(
         policy.train(_sft_batch(tokenizer), NLLLoss())
         refitter.mark_stale()
         second = refitter.refit_if_stale()
-        assert second["refit/adapters_only"] == 1.0
+        # The refit guard found the engine holding the base weights and adapters it was sent (merged).
+        assert second["refit/adapters_only"] == 1.0 and second["refit/guard_s"] > 0
         assert second["refit/bytes"] == _adapter_bytes(policy) < full_bytes / 10
         _assert_engine_scores_as_policy(policy, generation, tokenizer)
         if transport_kind != "collective":

@@ -373,6 +373,15 @@ def test_tensor_parallel_2_matches_hf_before_and_after_an_update(
         _check_greedy_parity(tiny["hf"]["a"], generation.generate(data, greedy=True), data["input_lengths"])
         generation.update_weights(tiny["hf"]["b"].named_parameters())
         _check_greedy_parity(tiny["hf"]["b"], generation.generate(data, greedy=True), data["input_lengths"])
+        # The refit guard's view of a tensor-parallel engine: its ranks' shards add up to the weights sent
+        # (a parameter both ranks hold alike is replicated and counts once).
+        from nemo_rl.weight_sync.checksums import combine_ranks, named_checksums
+        from nemo_rl.weight_sync.guard import find_divergence
+
+        held = generation.held_weight_checksums()
+        assert len(held) == 1 and held[0] is not None and len(held[0]) == 2
+        sent = named_checksums(tiny["hf"]["b"].named_parameters())
+        assert find_divergence(sent, combine_ranks(held[0])) == []
     finally:
         generation.shutdown()
 
@@ -508,6 +517,34 @@ def test_refit_from_the_policy(
             assert float(diff) < 1e-3, (row, float(diff))
     finally:
         refit_transport.shutdown()
+
+
+def test_the_refit_guard_names_a_tensor_the_vllm_engine_holds_differently(
+    tiny: dict[str, Any], refit_parts: dict[str, Any]
+) -> None:
+    """vLLM holds q, k and v fused, gate and up fused and the vocabulary padded: a clean refit passes the
+    guard; a k_proj changed in the engine afterwards stops it, naming the fused group; a refit repairs it."""
+    from nemo_rl.weight_sync.guard import RefitDivergenceError
+    from nemo_rl.weight_sync.refitter import Refitter
+
+    generation = refit_parts["engine"](True)
+    policy = refit_parts["policy"]("dtensor")
+    refitter = Refitter.create(_policy_cfg(tiny, "dtensor"), policy, generation)
+    try:
+        assert refitter.refit()["refit/guard_s"] > 0
+        weights = {name: p.detach().clone() for name, p in tiny["hf"]["a"].named_parameters()}
+        weights["model.layers.0.self_attn.k_proj.weight"][0, 0] += 0.5
+        generation.update_weights(weights.items())
+        with pytest.raises(RefitDivergenceError) as err:
+            refitter.verify()
+        assert (
+            "generation engine 0 holds model.layers.0.self_attn.{k_proj, q_proj, v_proj} "
+            "(held as model.layers.0.self_attn.qkv_proj) unlike what the policy sent"
+        ) in str(err.value)
+        refitter.refit()
+    finally:
+        refitter.shutdown()
+        generation.finish_generation()
 
 
 # ------------------------------------------------------------------------------------------------ LoRA

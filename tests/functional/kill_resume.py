@@ -77,9 +77,15 @@ def lose_checkpoints_after(ckpt_dir: Path, step: int) -> None:
             path.rename(path.with_name(f"tmp_{path.name}"))
 
 
+# Measurements of timing, like the durations: how many batches asynchronous GRPO's generation had sampled
+# ahead when the step took its own.
+TIMING_METRICS = frozenset({"train/async/buffered_batches"})
+
+
 def step_metrics(records: Sequence[Mapping[str, Any]], step: int) -> dict[str, Any]:
     """Every ``train/`` and ``validation/`` metric ``records`` hold for ``step`` (the last logged of each), but
-    durations and rates (names ending in ``_s``), which no two runs share."""
+    durations and rates (names ending in ``_s``) and the other measurements of timing (``TIMING_METRICS``),
+    which no two runs share."""
     merged: dict[str, Any] = {}
     for record in records:
         if record["step"] == step:
@@ -87,7 +93,9 @@ def step_metrics(records: Sequence[Mapping[str, Any]], step: int) -> dict[str, A
                 {
                     key: value
                     for key, value in record.items()
-                    if key.startswith(("train/", "validation/")) and not key.endswith("_s")
+                    if key.startswith(("train/", "validation/"))
+                    and not key.endswith("_s")
+                    and key not in TIMING_METRICS
                 }
             )
     return merged

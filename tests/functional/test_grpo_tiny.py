@@ -346,8 +346,9 @@ def test_async_grpo_ends_naming_a_dead_generation_worker_and_resumes_without_los
     # The async recipe (one generation slot, one training slot) with in-flight weight updates and the KV cache
     # recomputed after them. The generation worker is killed (SIGKILL) once the step-2 checkpoint exists, while
     # it samples later prompts the driver has already drawn: the run ends within a minute naming it (no
-    # generation failure is tolerated). The rerun resumes from the checkpoint's consumed position, so the
-    # steps together train on the loader's prompts in order, each exactly once.
+    # generation failure is tolerated). The rerun trains first on the batches the checkpoint holds (sampled
+    # ahead), then draws the prompts after them, so the steps together train on the loader's prompts in
+    # order, each exactly once.
     cmd, run_dir = _async_run(
         tmp_path,
         "async",

@@ -124,6 +124,8 @@ def test_grpo_on_tiny_moe_with_the_embedded_engine(tmp_path: Path, family: str, 
     )
     print(f"GRPO on tiny {family}, 2 steps: {wall_s:.0f} s")
     _check_grpo_steps(metrics, family)
+    if family == "glm4_moe":  # through a transport: the refit guard passed the experts and the float32 bias
+        assert all(metrics[step]["refit/guard_s"] > 0 for step in (1, 2))
     if family == "qwen3_moe":
         for step in (1, 2):
             # Trained with the load-balancing loss: it and the per-layer loads are logged at every step.
@@ -146,6 +148,8 @@ def test_grpo_moe_tiny_recipe_megatron_expert_parallel(tmp_path: Path) -> None:
     )
     print(f"grpo_moe_tiny (Megatron EP=2), 2 steps: {wall_s:.0f} s")
     _check_grpo_steps(metrics, "megatron ep2")
+    # Both expert-parallel ranks' streams, as the engine holds them, passed the refit guard.
+    assert all(metrics[step]["refit/guard_s"] > 0 for step in (1, 2))
     for step in (1, 2):
         # Without replay this run measured 5.6e-6 and 7.9e-6 (routing flips), with it 1.4e-6 and 1.6e-6.
         assert metrics[step]["train/gen_kl_error"] < 3e-6, step

@@ -538,3 +538,55 @@ def test_program_agents_get_the_endpoint_from_their_environment(tokenizer: Any) 
     assert failed_metrics["agent/failed"] == 1.0
     assert failed["loss_multiplier"].tolist() == [1.0, 0.0]
     assert [m["role"] for m in failed["message_log"][1]] == ["user", "assistant"]
+
+
+def raising_agent(task: AgentTask) -> float:
+    """A function agent that raises at once (with a message of two lines)."""
+    raise ValueError("the calculator is missing\nsee the setup notes")
+
+
+def agent_failing_on_3x3(task: AgentTask) -> float:
+    """A function agent that raises on the prompt asking for 3*3 and returns 1 without a request otherwise."""
+    if "3*3" in json.dumps(task.messages):
+        raise RuntimeError("3*3 is too hard")
+    return 1.0
+
+
+def test_a_step_of_failed_agents_exits_2_with_one_line_quoting_the_first_failure(
+    tokenizer: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from nemo_rl.config.cli import run_cli
+
+    endpoint, _ = start_endpoint(tokenizer, calculator_reply)
+    batch = prompt_batch(tokenizer, [("What is 2*3?", "6"), ("What is 3*3?", "9")])
+    exits_at_once = "echo 'Traceback ...' >&2; echo 'RuntimeError: no API key' >&2; exit 1"
+    cases = [
+        (
+            AgentConfig(enabled=True, command=["sh", "-c", exits_at_once], timeout_s=60),
+            "exited with status 1: RuntimeError: no API key",
+        ),
+        (
+            AgentConfig(enabled=True, function=f"{__file__}:raising_agent", timeout_s=60),
+            "ValueError: the calculator is missing | see the setup notes",
+        ),
+    ]
+    one_of_two = f"{__file__}:agent_failing_on_3x3"
+    try:
+        for cfg, first_failure in cases:
+            with pytest.raises(SystemExit) as exit_info:
+                run_cli(run_agent_rollout, endpoint, batch, tokenizer, cfg)
+            assert exit_info.value.code == 2
+            stderr = capsys.readouterr().err.strip()
+            assert len(stderr.splitlines()) == 1, stderr
+            assert f"all 2 agents of this step failed (first: {first_failure})" in stderr
+        # Half of the agents failing is within the default grpo.agent.max_failed_fraction (0.5), not within 0.4.
+        tolerated = AgentConfig(enabled=True, function=one_of_two, timeout_s=60)
+        _, metrics = run_agent_rollout(endpoint, batch, tokenizer, tolerated)
+        assert metrics["agent/failed"] == 1.0
+        bounded = AgentConfig(enabled=True, function=one_of_two, timeout_s=60, max_failed_fraction=0.4)
+        with pytest.raises(
+            AgentRolloutError, match=r"1 of 2 agents .* \(first: RuntimeError: 3\*3 is too hard"
+        ):
+            run_agent_rollout(endpoint, batch, tokenizer, bounded)
+    finally:
+        endpoint.stop()

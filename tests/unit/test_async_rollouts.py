@@ -1,10 +1,13 @@
 """Asynchronous GRPO's rollout side without workers: the trajectory buffer, the age rule that keeps generation
 at most ``max_trajectory_age_steps`` ahead, version tags, refits at request boundaries (the run's
-:class:`GenerationWeights`), failures, and the consumed loader position a checkpoint saves."""
+:class:`GenerationWeights`), failures, the schedule and seeds that do not depend on timing, and what a
+checkpoint saves (the buffered batches and the loader position after them)."""
 
 from __future__ import annotations
 
+import random
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,10 +17,17 @@ import torch
 from nemo_rl.algorithms.generation_weights import GenerationWeights
 from nemo_rl.config.master import GRPOMasterConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.experience.async_rollouts import AsyncRollouts, RolloutBatch, TrajectoryBuffer
+from nemo_rl.experience.async_rollouts import (
+    AheadBatchesOnResume,
+    AsyncRollouts,
+    RolloutBatch,
+    TrajectoryBuffer,
+    sampling_seed,
+)
 
 TIMEOUT_S = 60.0
 PROMPTS = 2
+SEED = 7
 
 
 def rollout_batch(version: int) -> RolloutBatch:
@@ -55,25 +65,31 @@ def test_take_times_out_when_nothing_arrives() -> None:
 class FakeGeneration:
     """Records the call order; a call can be held until released (to check refit boundaries)."""
 
-    def __init__(self) -> None:
+    def __init__(self, jitter_s: float = 0.0) -> None:
         self.calls: list[str] = []
+        self.seeds: list[int | None] = []
         self.in_flight = False
         self.hold: threading.Event | None = None
         self.entered = threading.Event()
+        self.jitter_s = jitter_s
 
     def enable_in_flight_weight_updates(self, recompute_kv_cache: bool) -> None:
         self.in_flight = True
 
-    def generate(self, data: BatchedDataDict[Any], greedy: bool = False) -> BatchedDataDict[Any]:
+    def generate(
+        self, data: BatchedDataDict[Any], greedy: bool = False, seed: int | None = None
+    ) -> BatchedDataDict[Any]:
         self.calls.append("generate")
+        self.seeds.append(seed)
         self.entered.set()
         if self.hold is not None:
             assert self.hold.wait(TIMEOUT_S)
+        if self.jitter_s:
+            time.sleep(random.uniform(0.0, self.jitter_s))
         return data
 
 
-def prompt_batches() -> Iterator[BatchedDataDict[Any]]:
-    index = 0
+def prompt_batches(index: int = 0) -> Iterator[BatchedDataDict[Any]]:
     while True:
         yield BatchedDataDict(
             idx=torch.arange(index * PROMPTS, (index + 1) * PROMPTS), message_log=[[]] * PROMPTS
@@ -107,19 +123,28 @@ class Harness:
     """An :class:`AsyncRollouts` over :class:`FakeGeneration` with a counting loader and the run's weights."""
 
     def __init__(
-        self, *, max_age: int, num_batches: int = 6, start_version: int = 0, failures: int = 0, **kw: Any
+        self,
+        *,
+        max_age: int,
+        num_batches: int = 6,
+        start_version: int = 0,
+        failures: int = 0,
+        jitter_s: float = 0.0,
+        drawn: int = 0,
+        **kw: Any,
     ):
-        self.generation = FakeGeneration()
+        self.generation = FakeGeneration(jitter_s)
         self.generated = 0
         self._generated_cond = threading.Condition()
-        self.drawn = 0
+        self.drawn = drawn
         self.fail_next = failures
         self.sync = FakeCopy(self.generation)
         self.weights = GenerationWeights(self.sync, self.generation)
         self.weights.publish(start_version)
-        if kw.pop("in_flight", False):
+        in_flight = kw.pop("in_flight", False)
+        if in_flight:
             self.weights.enable_in_flight_updates(recompute_kv_cache=False)
-        batches = prompt_batches()
+        batches = prompt_batches(drawn)
 
         def draw() -> BatchedDataDict[Any]:
             self.drawn += 1
@@ -135,6 +160,8 @@ class Harness:
             max_age=max_age,
             max_failures=kw.pop("max_failures", 0),
             take_timeout_s=TIMEOUT_S,
+            seed=SEED,
+            deterministic=not in_flight,
         )
 
     def roll_out(
@@ -226,6 +253,8 @@ def test_failed_batches_are_sampled_again_up_to_max_generation_failures() -> Non
         batch, metrics, _ = h.rollouts.take(1)
         assert batch.rollout["idx"].tolist() == [0, 1]  # the same prompts, not lost
         assert metrics["async/generation_failures"] == 1
+        # The retry samples with the failed attempt's seed: what it gives does not depend on the failure.
+        assert h.generation.seeds[0] == h.generation.seeds[1] == sampling_seed(SEED, [0, 1], 0, 0)
     finally:
         h.rollouts.close()
 
@@ -246,6 +275,145 @@ def test_a_resumed_run_continues_its_versions_and_ages() -> None:
         assert batch.version == 10 and metrics["async/trajectory_age_mean"] == 0
     finally:
         h.rollouts.close()
+
+
+def train(h: Harness, steps: range, *, jitter_s: float = 0.0) -> list[tuple[list[int], int]]:
+    """The trainer's side of a run over ``h``: each step takes its batch, waits as a deterministic schedule
+    asks and refits; returns each step's (prompt indices, version)."""
+    trained = []
+    for step in steps:
+        batch, _, dropped = h.rollouts.take(step)
+        assert not dropped
+        trained.append((batch.rollout["idx"].tolist(), batch.version))
+        time.sleep(random.uniform(0.0, jitter_s))
+        h.rollouts.wait_before_refit(step)
+        h.weights.refit(version=step)
+    return trained
+
+
+@pytest.mark.parametrize("max_age", [1, 2])
+def test_without_in_flight_updates_each_batch_is_sampled_by_a_version_and_seeds_that_timing_never_changes(
+    max_age: int,
+) -> None:
+    # Generation faster than training, then training faster than generation: the same versions and seeds.
+    runs = []
+    for gen_jitter_s, train_jitter_s in ((0.0, 0.02), (0.02, 0.0)):
+        h = Harness(max_age=max_age, jitter_s=gen_jitter_s)
+        h.rollouts.start()
+        try:
+            trained = train(h, range(1, 7), jitter_s=train_jitter_s)
+        finally:
+            h.rollouts.close()
+        # Batch g (step g + 1) is sampled by version max(g - max_age, 0), its seed a function of its prompts,
+        # that version and the turn.
+        assert [version for _, version in trained] == [max(g - max_age, 0) for g in range(6)]
+        assert h.generation.seeds == [sampling_seed(SEED, idx, version, 0) for idx, version in trained]
+        runs.append((trained, h.generation.calls))
+    # The refits fall between the same generation calls too.
+    assert runs[0] == runs[1]
+
+
+def test_a_checkpoint_saves_the_buffered_batches_and_a_resumed_run_continues_as_the_uninterrupted_one() -> (
+    None
+):
+    max_age = 2
+    whole = Harness(max_age=max_age)
+    whole.rollouts.start()
+    try:
+        expected = train(whole, range(1, 7))
+    finally:
+        whole.rollouts.close()
+
+    first = Harness(max_age=max_age)
+    first.rollouts.start()
+    try:
+        assert train(first, range(1, 3)) == expected[:2]
+        # After step 2's refit, batches 2 and 3 (versions 0 and 1) are sampled; batch 4 may be in progress.
+        with first.rollouts.snapshot() as position:
+            state = first.rollouts.state_dict()
+            loader = position.state_dict()
+        assert [b["version"] for b in state["batches"]][:2] == [0, 1]
+        saved = len(state["batches"])
+        assert loader == {"batch_index": 2 + saved}
+    finally:
+        first.rollouts.close()
+
+    # A fresh process: weights of step 2, the loader at the saved position, the buffered batches put back.
+    resumed = Harness(max_age=max_age, start_version=2, num_batches=4, drawn=loader["batch_index"])
+    resumed.rollouts.load_state_dict(state)
+    resumed.rollouts.start()
+    try:
+        assert train(resumed, range(3, 7)) == expected[2:]
+    finally:
+        resumed.rollouts.close()
+    assert resumed.drawn == 6 and len(resumed.generation.seeds) == 6 - (2 + saved)
+
+
+@pytest.mark.parametrize("checkpoint_step", [1, 2, 3])
+def test_with_in_flight_updates_a_checkpoint_anywhere_then_a_resume_trains_every_prompt_once(
+    checkpoint_step: int,
+) -> None:
+    # In flight, the trainer does not wait for generation: what the buffer holds at the checkpoint depends on
+    # timing (jittered here). Whatever it holds, the resumed run trains on the loader's prompts in order.
+    max_age = 2
+    first = Harness(max_age=max_age, in_flight=True, jitter_s=0.01)
+    first.rollouts.start()
+    try:
+        trained = train(first, range(1, checkpoint_step + 1), jitter_s=0.01)
+        with first.rollouts.snapshot() as position:
+            state = first.rollouts.state_dict()
+            loader = position.state_dict()
+    finally:
+        first.rollouts.close()
+    resumed = Harness(
+        max_age=max_age,
+        in_flight=True,
+        start_version=checkpoint_step,
+        num_batches=6 - checkpoint_step,
+        drawn=loader["batch_index"],
+    )
+    resumed.rollouts.load_state_dict(state)
+    resumed.rollouts.start()
+    try:
+        trained += train(resumed, range(checkpoint_step + 1, 7))
+    finally:
+        resumed.rollouts.close()
+    prompts = [i for idx, _ in trained for i in idx]
+    assert prompts == list(range(6 * PROMPTS))
+    # Never older than the bound, however far generation had got.
+    assert all(step - 1 - version <= max_age for step, (_, version) in enumerate(trained, start=1))
+
+
+def test_a_synchronous_run_resumed_from_an_async_checkpoint_samples_the_batches_ahead_again() -> None:
+    from nemo_rl.data.dataloader import StatefulDataLoader
+
+    def loader() -> StatefulDataLoader[int, list[int]]:
+        return StatefulDataLoader(
+            range(8), batch_size=2, shuffle=False, seed=0, drop_last=True, collate_fn=list
+        )
+
+    # The asynchronous run trained on batch 0 and had sampled batches 1 and 2 ahead: its checkpoint's loader
+    # position is after batch 2, the consumed one after batch 0.
+    async_loader = loader()
+    batches = iter(async_loader)
+    next(batches)
+    consumed = async_loader.state_dict()
+    next(batches), next(batches)
+    sync_loader = loader()
+    sync_loader.load_state_dict(async_loader.state_dict())
+    saved = {"batches": [rollout_batch(0).to_plain()] * 2, "consumed_loader_state": consumed}
+    AheadBatchesOnResume(sync_loader).load_state_dict(saved)
+    assert next(iter(sync_loader)) == [2, 3]
+    assert AheadBatchesOnResume(sync_loader).state_dict()["batches"] == []
+
+
+def test_a_rollout_that_cannot_be_loaded_back_safely_is_refused_when_saved() -> None:
+    batch = rollout_batch(0)
+    batch.rollout["extra_env_info"] = [{"image": object()}]
+    with pytest.raises(TypeError, match=r"rollout\['extra_env_info'\]\[0\]\['image'\] is a object"):
+        batch.to_plain()
+    plain = rollout_batch(3).to_plain()
+    assert RolloutBatch.from_plain(plain).version == 3
 
 
 BASE = {

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -11,8 +12,10 @@ import pytest
 import torch
 from test_memory_plan_dry_run import dry_run
 
+from nemo_rl.config.cli import USER_ERROR_EXIT_CODE, parse_args_and_load, run_cli
 from nemo_rl.config.dtensor import DTensorConfig
 from nemo_rl.config.errors import UserError
+from nemo_rl.config.master import GRPOMasterConfig, SFTMasterConfig
 from nemo_rl.config.megatron import MegatronConfig
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.models.policy.context_parallel import (
@@ -70,6 +73,9 @@ def test_sequence_multiple_follows_nemo_rl() -> None:
     assert multiple(1, context_parallel_size=2) == 4
     assert multiple(6, context_parallel_size=2) == 12
     assert multiple(1, tensor_parallel_size=2, sequence_parallel=True) == 2
+    # Sequence parallelism splits each CP rank's T / CP tokens over the TP ranks.
+    assert multiple(1, context_parallel_size=2, tensor_parallel_size=2) == 4
+    assert multiple(1, context_parallel_size=2, tensor_parallel_size=4, sequence_parallel=True) == 8
 
 
 def _policy(tmp_path: Path, model_type: str = "qwen2", **extra: Any) -> dict[str, Any]:
@@ -94,13 +100,29 @@ def test_cp2_validates(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    ("model_type", "dtensor"),
+    [
+        ("qwen2", {"tensor_parallel_size": 2}),
+        ("qwen2", {"tensor_parallel_size": 2, "sequence_parallel": True}),
+        ("qwen3_moe", {}),
+    ],
+)
+def test_cp2_combines_with_tp_sp_and_moe(tmp_path: Path, model_type: str, dtensor: dict[str, Any]) -> None:
+    cfg = PolicyConfig.model_validate(_policy(tmp_path, model_type, dtensor_cfg=dtensor))
+    assert cfg.dtensor_cfg.context_parallel_size == 2
+
+
+@pytest.mark.parametrize(
     ("overrides", "model_type", "reason"),
     [
         ({"make_sequence_length_divisible_by": 2}, "qwen2", "not a multiple of 4"),
-        ({"dtensor_cfg": {"tensor_parallel_size": 2}}, "qwen2", "tensor parallelism"),
+        (
+            {"dtensor_cfg": {"tensor_parallel_size": 4, "sequence_parallel": True}},
+            "qwen2",
+            "over tensor_parallel_size=4, but policy.make_sequence_length_divisible_by=4 is not a multiple of 8",
+        ),
         ({"shared_prefix": {"enabled": True}}, "qwen2", "shared-prompt forward"),
         ({"reward_model_cfg": {"enabled": True}}, "qwen2", "Bradley-Terry"),
-        ({}, "qwen3_moe", "mixture-of-experts"),
         ({"dtensor_cfg": {"data_parallel_mode": "replicate"}}, "qwen2", "context_parallel_size=1"),
     ],
 )
@@ -112,6 +134,10 @@ def test_unbuilt_combinations_are_refused_in_one_line(
     assert reason in str(info.value)
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("transformer_engine") is not None,
+    reason="Megatron's context parallelism is built where Transformer Engine is installed",
+)
 def test_megatron_cp_is_refused_with_its_reason() -> None:
     with pytest.raises(ValueError, match="Transformer Engine"):
         MegatronConfig.model_validate({"enabled": True, "context_parallel_size": 2})
@@ -146,3 +172,61 @@ def test_cp_that_does_not_divide_the_workers_is_a_user_error(tmp_path: Path) -> 
         UserError, match=r"3 workers, which is not a multiple of its model-parallel size \(2\)"
     ):
         check_policy_layout(cfg, 3)
+
+
+NEMO_RL_RECIPES = Path(__file__).resolve().parents[1] / "data" / "nemo_rl_recipes" / "main"
+CP_RECIPE = Path(__file__).resolve().parents[2] / "examples" / "configs" / "sft_tiny_long_cp.yaml"
+
+
+def test_dry_run_plans_nemo_rl_grpo_recipe_with_cp2(capsys: pytest.CaptureFixture[str]) -> None:
+    """NeMo RL's own recipe with its DTensor policy split over two CP ranks: planned, not refused."""
+    args = [
+        "--dry-run",
+        "policy.dtensor_cfg.context_parallel_size=2",
+        "policy.make_sequence_length_divisible_by=4",
+        "cluster.device_memory_gb=80",
+    ]
+    with pytest.raises(SystemExit) as info:
+        parse_args_and_load(GRPOMasterConfig, NEMO_RL_RECIPES / "grpo_math_1B.yaml", args)
+    out = capsys.readouterr().out
+    assert info.value.code == 0, out
+    assert "context_parallel_size: 2" in out and "CP keys/values and masks" in out
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("policy.make_sequence_length_divisible_by=6", "is not a multiple of 4: set it to one"),
+        ("cluster.gpus_per_node=3", "3 workers, which is not a multiple of its model-parallel size (2)"),
+    ],
+)
+def test_a_cp_layout_that_does_not_divide_exits_2_with_one_line(
+    override: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What a script does with the CP recipe: the config is validated, then the setup checks the layout on the
+    cluster's slots (before Ray starts); either mistake ends the run with status 2 and one line naming it (a
+    config error's line under the line naming the config and its overrides)."""
+
+    def main() -> None:
+        cfg, _ = parse_args_and_load(SFTMasterConfig, CP_RECIPE, [override])
+        check_policy_layout(cfg.policy, cfg.cluster.world_size)
+
+    with pytest.raises(SystemExit) as info:
+        run_cli(main)
+    assert info.value.code == USER_ERROR_EXIT_CODE
+    *header, line = capsys.readouterr().err.strip().splitlines()
+    assert message in line
+    assert len(header) <= 1 and "Traceback" not in "".join(header)
+
+
+def test_the_long_documents_are_what_their_script_writes() -> None:
+    """The long-document recipe's data file is the generator's output, every row long and under 8,192 tokens."""
+    examples = Path(__file__).resolve().parents[2] / "examples" / "data"
+    spec = importlib.util.spec_from_file_location("make_tiny_long_docs", examples / "make_tiny_long_docs.py")
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    rows = [json.loads(line) for line in (examples / "tiny_long_docs_sft.jsonl").read_text().splitlines()]
+    assert rows == script.documents(script.NUM_DOCS, script.SEED)
+    lengths = [len(row["messages"][1]["content"]) for row in rows]
+    assert min(lengths) > 6900 and max(lengths) <= script.MAX_CHARS < 8192 - 64

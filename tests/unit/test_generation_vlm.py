@@ -2,19 +2,22 @@
 
 - greedy outputs equal transformers' ``generate`` for pictures of three sizes, two different pictures of
   the same size (the same tokens), a text prompt and repeats of a prompt (GRPO's group); the vision tower
-  runs once per distinct picture;
+  runs once per distinct picture; prompts with two pictures (in either order) too;
 - sampled tokens' log-probs equal transformers' forward of prompt + response;
-- loading new vision-tower weights (what a refit does) changes the output to transformers' with the same
-  weights;
+- loading new vision-tower weights (what a refit does), also while the engine decodes (the KV cache
+  recomputed), changes the output to transformers' with the same weights;
 - the generation input's image fields are checked, and a text model refuses images;
 - the pictures rebuilt for vLLM from a batch's patches give the processor exactly those patches again;
-- the second family, Qwen2-VL, generates as transformers does.
+- the second family, Qwen2-VL, generates as transformers does; vLLM refuses in-flight updates of a
+  vision-language model with one line;
+- both backends' refit manifests list the weights transformers' model has (tower and projection included).
 """
 
 from __future__ import annotations
 
 import copy
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -96,6 +99,15 @@ def test_greedy_equals_transformers_generate_with_the_tower_run_once_per_picture
     # The tower saw each distinct picture once, in one call; different pictures answer differently.
     assert encoded == [sum(p["pixel_values"].shape[0] for p in prompts if p["pixel_values"] is not None)]
     assert expected[0] != expected[3]
+
+
+def test_a_prompt_with_two_pictures_generates_as_transformers(vlm: dict[str, Any]) -> None:
+    first, second, *_ = pictures()
+    prompts = image_prompts(AutoProcessor.from_pretrained(vlm["path"]), [[first, second], [second, first]])
+    out = _generate(_engine(vlm["path"]), generation_batch(prompts, PAD), greedy=True)
+    expected = [hf_greedy(vlm["hf"], prompt, MAX_NEW_TOKENS) for prompt in prompts]
+    assert [generated(out, row) for row in range(out.size)] == expected
+    assert expected[0] != expected[1]
 
 
 def test_sampled_logprobs_equal_transformers_forward(vlm: dict[str, Any]) -> None:
@@ -220,3 +232,28 @@ def test_in_flight_tower_update_with_the_cache_recomputed_rescores_the_images(vl
         torch.testing.assert_close(
             out["logprobs"][row, start : start + 4], hf_token_logprobs(vlm["hf"], prompt, tokens)[:4]
         )
+
+
+def test_vllm_refuses_in_flight_weight_updates_of_a_vision_language_model(vlm: dict[str, Any]) -> None:
+    from nemo_rl.models.generation.vllm.worker import VllmGenerationWorker
+
+    processor = AutoProcessor.from_pretrained(vlm["path"])
+    worker = SimpleNamespace(_patch_layout=PatchLayout.of_processor(processor.image_processor, 9))
+    with pytest.raises(ValueError, match="in_flight_weight_updates=false") as err:
+        VllmGenerationWorker.enable_in_flight_weight_updates(worker, recompute_kv_cache=False)  # type: ignore[arg-type]
+    assert "\n" not in str(err.value)
+
+
+def test_both_backends_expect_the_weights_transformers_model_has(vlm: dict[str, Any]) -> None:
+    """The refit manifests: the embedded engine's and vLLM's (from transformers' image-text class on the
+    meta device) list the language model, the vision tower and its projection under transformers' names."""
+    from nemo_rl.models.generation.vllm.convert import hf_weights_manifest
+    from nemo_rl.models.hf_config import load_hf_config
+
+    expected = {name: tuple(p.shape) for name, p in vlm["hf"].named_parameters()}
+    assert any(name.startswith("model.visual.merger.") for name in expected)
+    embedded = load_decoder(vlm["path"], dtype=torch.float32).weights_manifest()
+    assert {name: shape for name, (shape, _) in embedded.items()} == expected
+    config = load_hf_config(str(vlm["path"]), trust_remote_code=False, overrides={})
+    vllm = hf_weights_manifest(config, torch.float32, trust_remote_code=False)
+    assert {name: shape for name, (shape, _) in vllm.items()} == expected

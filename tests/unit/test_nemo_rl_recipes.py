@@ -66,16 +66,15 @@ def test_nemo_rl_vlm_recipes_read_clevr_cogent_as_multimodal_data(recipe: str) -
     assert (data.dataset_name, data.val_split, data.multimodal) == ("clevr-cogent", "valA", True)
 
 
-# NeMo RL's distillation recipe needs what is not built here yet: context parallelism combined with tensor
-# parallelism (policy/teacher.dtensor_cfg.context_parallel_size: 2 with TP 2 / 4) and
-# vllm_cfg.distributed_executor_backend (its data, DeepScaler with AIME2024 repeated for validation, loads).
-# Strict: when they land, this fails and the mark goes; test_distillation_recipe_fails_only_for_what_is_not_built
-# pins the reason.
-_NOT_BUILT_KEYS = ("dtensor_cfg.context_parallel_size", "vllm_cfg.distributed_executor_backend")
+# NeMo RL's distillation recipe needs what is not built here yet: vllm_cfg.distributed_executor_backend (its
+# data, DeepScaler with AIME2024 repeated for validation, loads; its context parallelism with tensor parallelism,
+# policy/teacher.dtensor_cfg.context_parallel_size: 2 with TP 2 / 4, is built). Strict: when it lands, this
+# fails and the mark goes; test_distillation_recipe_fails_only_for_what_is_not_built pins the reason.
+_NOT_BUILT_KEYS = ("vllm_cfg.distributed_executor_backend",)
 _NOT_YET = pytest.mark.xfail(
     strict=True,
     raises=ConfigError,
-    reason="TP x CP (context_parallel_size: 2 with TP > 1), vllm_cfg.distributed_executor_backend",
+    reason="vllm_cfg.distributed_executor_backend",
 )
 
 

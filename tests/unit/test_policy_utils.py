@@ -232,6 +232,22 @@ def test_clip_grad_norm_matches_torch_and_reports_the_norm_before_clipping() -> 
         torch.testing.assert_close(p.grad, q.grad)
 
 
+def test_grad_norm_sums_over_fsdp_strided_shards_of_tensor_parallel_weights() -> None:
+    """FSDP2 over a TP-sharded weight places it as ``(_StridedShard, Shard)``: both mesh dims split it."""
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from nemo_rl.models.policy.optim import _shard_mesh_dims
+
+    def dims(*placements: Any) -> list[int]:
+        return _shard_mesh_dims(SimpleNamespace(placements=placements))  # type: ignore[arg-type]
+
+    assert dims(_StridedShard(0, split_factor=2), Shard(0)) == [0, 1]
+    assert dims(Shard(0), Replicate()) == [0]
+
+
 class _OneRankMesh:
     def size(self) -> int:
         return 1

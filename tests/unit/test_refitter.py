@@ -70,8 +70,10 @@ class FakeGeneration:
         return FULL if scope == "full" else ADAPTERS
 
 
-def policy_cfg() -> PolicyConfig:
-    return PolicyConfig.model_validate({"model_name": "unused", "refit": {"timeout_s": 7.0}})
+def policy_cfg(guard: bool = True) -> PolicyConfig:
+    return PolicyConfig.model_validate(
+        {"model_name": "unused", "refit": {"timeout_s": 7.0, "guard": {"checksums": guard}}}
+    )
 
 
 def test_in_policy_engines_refit_in_process_between_the_offloads_with_no_transport() -> None:
@@ -103,14 +105,16 @@ def test_separate_workers_get_a_transport_placed_by_their_nodes(monkeypatch: pyt
         calls.append((args, kwargs))
         return transport
 
-    def fake_refit(policy_workers: Any, generation_workers: Any, t: Any, **kwargs: Any) -> dict[str, float]:
+    def fake_refit(
+        policy_workers: Any, generation_workers: Any, t: Any, **kwargs: Any
+    ) -> tuple[dict[str, float], list[Any]]:
         calls.append(("refit", t is transport, kwargs))
-        return {"refit/bytes": 1.0}
+        return {"refit/bytes": 1.0}, []
 
     monkeypatch.setattr(refitter_module, "create_refit_transport", create_transport)
-    monkeypatch.setattr(refitter_module, "refit", fake_refit)
+    monkeypatch.setattr(refitter_module, "refit_with_stats", fake_refit)
     log: list[str] = []
-    cfg = policy_cfg()
+    cfg = policy_cfg(guard=False)  # the guard's own tests are in test_refit_guard.py
     refitter = Refitter.create(
         cfg, FakePolicy(log, adapter_refits=False), FakeGeneration(log, hosted_in_policy=False)
     )

@@ -34,6 +34,7 @@ from nemo_rl.data.tiny import build_tiny_tokenizer
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.models.generation.vllm.convert import (
     RELOAD_WEIGHTS_RPC,
+    WEIGHT_CHECKSUMS_RPC,
     assemble_outputs,
     generation_budgets,
     hf_weights_manifest,
@@ -580,7 +581,7 @@ def test_worker_extension_reloads_copies_and_checks_the_loaded_names(cpu_moe_rep
 def test_worker_extension_adds_only_prefixed_attributes() -> None:
     # vLLM refuses an extension whose attributes clash with its worker's (e.g. `model_runner`, `load_model`).
     own = [name for name in vars(VllmWorkerExtension) if not name.startswith("__")]
-    assert own == [RELOAD_WEIGHTS_RPC]
+    assert own == [RELOAD_WEIGHTS_RPC, WEIGHT_CHECKSUMS_RPC]
 
 
 # ------------------------------------------------------------------------------------ worker logic

@@ -53,6 +53,7 @@ import torch
 from ray.actor import ActorHandle
 
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+from nemo_rl.weight_sync.guard import EngineChecksums
 from nemo_rl.weight_sync.scope import RefitScope
 
 WeightManifestDict = dict[str, tuple[tuple[int, ...], str]]
@@ -160,11 +161,16 @@ def _check_image_inputs(pixel_values: Any, image_grid_thw: Any, num_rows: int) -
 class GenerationInterface(Protocol):
     """A generation backend: samples responses and receives refitted weights."""
 
-    def generate(self, data: BatchedDataDict[Any], greedy: bool = False) -> BatchedDataDict[Any]:
+    def generate(
+        self, data: BatchedDataDict[Any], greedy: bool = False, seed: int | None = None
+    ) -> BatchedDataDict[Any]:
         """Sample one response per row of ``data`` (:class:`GenerationDatumSpec`).
 
         Returns a batch of :class:`GenerationOutputSpec`, rows in the input order. ``greedy`` takes the most
-        likely token at every step (deterministic, for evaluation).
+        likely token at every step (deterministic, for evaluation). ``seed`` seeds this call's sampling: the
+        same call with the same seed on the same replicas samples the same tokens, whatever calls came before
+        (asynchronous GRPO derives it from the batch's prompts and policy version); by default the backend
+        takes the next of its per-call seeds, whose position :meth:`state_dict` saves.
         """
         ...
 
@@ -213,6 +219,11 @@ class GenerationInterface(Protocol):
     def refit_in_process(self, scope: RefitScope) -> dict[str, float]:
         """Copy the policy's current weights of ``scope`` into engines hosted in its processes; returns the
         ``refit/*`` metrics. Backends with workers of their own raise: they receive through a transport."""
+        ...
+
+    def held_weight_checksums(self) -> list[EngineChecksums]:
+        """For the refit guard (:mod:`nemo_rl.weight_sync.guard`): per replica, the checksums of the weights
+        each of its ranks holds (``None`` for one that cannot report now); engines in the policy report none."""
         ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

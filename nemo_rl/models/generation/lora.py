@@ -24,6 +24,7 @@ import torch
 from nemo_rl.config.lora import LoraConfig
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.models.lora import merge_lora, select_lora_targets
+from nemo_rl.weight_sync.checksums import Checksum, tensor_checksum
 from nemo_rl.weight_sync.errors import RefitIntegrityError
 from nemo_rl.weight_sync.manifest import format_names
 from nemo_rl.weight_sync.scope import RefitScope, check_scope
@@ -139,6 +140,8 @@ class MergedAdapters:
     def __init__(self, layout: AdapterLayout) -> None:
         self.layout = layout
         self._base: dict[str, torch.Tensor] = {}
+        # The adapters last merged into each layer (small): the refit guard re-derives the merge from them.
+        self._adapters: dict[str, dict[str, torch.Tensor]] = {}
 
     @property
     def holds_base(self) -> bool:
@@ -149,6 +152,7 @@ class MergedAdapters:
         """Drop the base copies (the engine's weights were replaced by other means): only a full refit may
         follow."""
         self._base.clear()
+        self._adapters.clear()
 
     def merge(
         self, named: Iterable[tuple[str, torch.Tensor]], scope: RefitScope
@@ -160,6 +164,7 @@ class MergedAdapters:
             refuse_after_draining(named, "a generation engine")
         if scope == "full":
             self._base.clear()
+            self._adapters.clear()
         parts: dict[str, dict[str, torch.Tensor]] = {}
         for name, tensor in named:
             module, _, leaf = name.rpartition(".")
@@ -173,7 +178,7 @@ class MergedAdapters:
                 parts.setdefault(module, {})[leaf] = tensor.detach().clone()
             held = parts.get(module, {})
             if module in self._base and len(held) == 2:
-                del parts[module]
+                self._adapters[module] = parts.pop(module)
                 weight = merge_lora(self._base[module], held["lora_A"], held["lora_B"], self.layout.scale)
                 yield f"{module}.weight", weight
         incomplete = sorted(parts) + (
@@ -184,3 +189,20 @@ class MergedAdapters:
             raise RefitIntegrityError(
                 f"adapted layers whose weight or adapters did not arrive: {format_names(incomplete)}"
             )
+
+    def as_sent(
+        self, held: Mapping[str, Checksum], weights: Mapping[str, torch.Tensor], dtype: torch.dtype
+    ) -> dict[str, Checksum]:
+        """The refit guard's checksums ``held`` of the engine's ``weights`` as a refit sent them: an adapted
+        layer that holds exactly the merge of its kept base and adapters reports those (as sent); one that does
+        not keeps its merged weight's checksum, which matches nothing sent, so the guard names the layer."""
+        as_sent = dict(held)
+        for module, adapters in self._adapters.items():
+            base = self._base[module]
+            merged = merge_lora(base, adapters["lora_A"], adapters["lora_B"], self.layout.scale)
+            weight = weights[f"{module}.weight"]
+            if torch.equal(merged.to(device=weight.device, dtype=weight.dtype), weight):
+                as_sent[f"{module}.weight"] = tensor_checksum(base, dtype)
+            for leaf, tensor in adapters.items():
+                as_sent[f"{module}.{leaf}"] = tensor_checksum(tensor, dtype)
+        return as_sent

@@ -26,6 +26,7 @@ from nemo_rl.distributed.worker_group_facade import WorkerGroup, WorkerGroupFaca
 from nemo_rl.distributed.worker_groups import RayWorkerGroup
 from nemo_rl.models.generation.interfaces import WeightManifestDict, check_generation_input
 from nemo_rl.models.tokenizer import require_pad_token_id
+from nemo_rl.weight_sync.guard import EngineChecksums
 from nemo_rl.weight_sync.scope import RefitScope
 
 # How long one call on the generation workers may take before the driver names the workers still running
@@ -65,12 +66,15 @@ class SeededReplicas(abc.ABC):
         data: BatchedDataDict[Any],
         greedy: bool,
         timeout_s: float,
+        seed: int | None = None,
     ) -> BatchedDataDict[Any]:
         """Deal ``data``'s rows to ``worker_group``'s dp groups by prompt length, call ``method(shard, greedy,
-        call_seed)`` on every worker, and gather the dp leaders' outputs in input order."""
+        call_seed)`` on every worker, and gather the dp leaders' outputs in input order. The call seed is
+        ``seed`` when given (the per-call count is then left alone), else the next of the per-call seeds."""
         check_generation_input(data)
-        seed = self._seed * 1_000_003 + self.num_generate_calls
-        self.num_generate_calls += 1
+        if seed is None:
+            seed = self._seed * 1_000_003 + self.num_generate_calls
+            self.num_generate_calls += 1
         indices = data.shard_indices(
             worker_group.dp_size, allow_uneven_shards=True, balance_by_length_key=LENGTH_KEY
         )
@@ -183,9 +187,11 @@ class ReplicatedGeneration(SeededReplicas, WorkerGroupFacade):
         """Ray node id of each worker, in rank order."""
         return list(self._node_ids)
 
-    def generate(self, data: BatchedDataDict[Any], greedy: bool = False) -> BatchedDataDict[Any]:
+    def generate(
+        self, data: BatchedDataDict[Any], greedy: bool = False, seed: int | None = None
+    ) -> BatchedDataDict[Any]:
         """Sample a response per row; see :class:`~nemo_rl.models.generation.interfaces.GenerationInterface`."""
-        return self._generate_on(self.worker_group, "generate", data, greedy, self.call_timeout_s)
+        return self._generate_on(self.worker_group, "generate", data, greedy, self.call_timeout_s, seed)
 
     def prepare_for_generation(self) -> None:
         """Weights (and whatever cache memory the backend freed) back onto the devices."""
@@ -223,6 +229,13 @@ class ReplicatedGeneration(SeededReplicas, WorkerGroupFacade):
         loads full tensors)."""
         manifest: WeightManifestDict = self._on_rank_0("expected_weights_manifest", scope)
         return manifest
+
+    def held_weight_checksums(self) -> list[EngineChecksums]:
+        """Per replica, its ranks' ``weight_checksums()`` (``None`` when one of them cannot report now)."""
+        reports = self._on_all("weight_checksums")
+        ranks = len(reports) // self.dp_size
+        replicas = [reports[i * ranks : (i + 1) * ranks] for i in range(self.dp_size)]
+        return [None if any(r is None for r in replica) else replica for replica in replicas]
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full weights from the driver into every worker (each weight exactly once)."""

@@ -57,13 +57,15 @@ SEED = 1234
 
 
 def init_model_parallel(cfg: MegatronConfig) -> None:
-    """Create Megatron's tensor / pipeline / data / expert-parallel groups over the default process group.
+    """Create Megatron's tensor / pipeline / context / data / expert-parallel groups over the default process
+    group.
 
     The expert tensor-parallel size is Megatron's default, the TP size: MoE models run with TP = 1 (checked at
     config load), so experts are whole, and a dense model keeps its data-parallel groups."""
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=cfg.tensor_model_parallel_size,
         pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+        context_parallel_size=cfg.context_parallel_size,
         expert_model_parallel_size=cfg.expert_model_parallel_size,
         order=RANK_ORDER,
     )
@@ -115,6 +117,7 @@ def uses_transformer_engine(cfg: MegatronConfig, arch: ModelArch) -> bool:
 _SAME_NAMED_KEYS = (
     "tensor_model_parallel_size",
     "pipeline_model_parallel_size",
+    "context_parallel_size",
     "num_layers_in_first_pipeline_stage",
     "num_layers_in_last_pipeline_stage",
     "sequence_parallel",

@@ -31,11 +31,19 @@ Memory. The decoder layers' activations shrink by the CP size; each layer also k
 values of the full rows (small with grouped-query attention), and the head's output is gathered back to full
 rows, so the ``[T, V]`` logits are not split (``nemo_rl.config.memory_plan`` counts all three).
 
-Not combined with (the config refuses each in one line, ``nemo_rl.config.context_parallel``): tensor
-parallelism (TP x CP is not built), the shared-prompt forward, Bradley-Terry reward models, and
-mixture-of-experts models (the load-balancing loss and routing replay read every token's routing on one rank).
-Megatron's ``context_parallel_size`` is refused too: megatron-core's context-parallel attention runs only in
-Transformer Engine, which has no CPU build.
+Tensor parallelism composes: the ``(dp, cp, tp)`` mesh gives every CP rank its own TP group, TP splits the
+heads of the CP rank's tokens (so each TP rank gathers the keys and values of its own heads over its CP group),
+and sequence parallelism splits the CP rank's tokens once more between the TP regions (every padded length is
+then a multiple of ``CP x TP`` as well as of ``2 x CP``, :func:`sequence_multiple`). Mixture-of-experts models
+compose through their routers' hooks (``nemo_rl.models.policy.moe``): routing replay takes this rank's rows of
+the recorded routing (:meth:`ContextParallel.local_rows`), and the routing a forward recorded is gathered back
+to full rows (:meth:`ContextParallel.gather_rows`), so the load-balancing loss and the routing metrics are those
+of the unsplit forward.
+
+Not combined with (the config refuses each in one line, ``nemo_rl.config.context_parallel``): the shared-prompt
+forward and Bradley-Terry reward models. Megatron's ``context_parallel_size`` uses megatron-core's own attention
+(Transformer Engine's, CUDA only) with this layout and :func:`gather_identical_output`
+(``nemo_rl/models/megatron/context_parallel.py``).
 
 Tensor legend: B = rows, T = tokens of a full row, S = tokens this rank holds (``T / N``), C = chunk length
 (``T / 2N``), K = keys a chunk attends, H = heads, D = head dim.
@@ -52,6 +60,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from nemo_rl.config.dtensor import DTensorConfig
+from nemo_rl.models.policy.moe import RouterRecorder
 
 ATTENTION = "nemo_rl_context_parallel"
 """The Hugging Face attention implementation name of :func:`context_parallel_attention`."""
@@ -73,10 +82,11 @@ def worker_mesh(device_type: str, world_size: int, dtensor_cfg: DTensorConfig) -
 
 
 def sequence_multiple(make_divisible_by: int, dtensor_cfg: DTensorConfig) -> int:
-    """What a worker pads sequence lengths to: ``make_divisible_by``, with sequence parallelism a multiple of
-    the TP size, and with CP a multiple of ``2 x CP`` (the config refuses TP x CP)."""
+    """What a worker pads sequence lengths to: ``make_divisible_by``, with CP a multiple of ``2 x CP`` (the
+    load-balanced chunks), and with sequence parallelism a multiple of ``CP x TP`` (each CP rank's ``T / CP``
+    tokens are split over the TP ranks)."""
     tp_size, cp_size = dtensor_cfg.tensor_parallel_size, dtensor_cfg.context_parallel_size
-    sp_multiple = tp_size if dtensor_cfg.sequence_parallel else 1
+    sp_multiple = cp_size * tp_size if dtensor_cfg.sequence_parallel else 1
     return math.lcm(make_divisible_by, sp_multiple, 2 * cp_size if cp_size > 1 else 1)
 
 
@@ -289,6 +299,9 @@ class ContextParallel:
         self.cp_rank = cp_mesh.get_local_rank()
         self.layout: ContextParallelLayout | None = None
         """The layout of the forward running now (set by the root's pre-forward hook)."""
+        # transformers' own load-balancing loss would read the placeholder mask as [B, T]; the worker computes
+        # that loss itself from the gathered routing (moe_step_terms).
+        self._router_logits_off = bool(getattr(model.config, "output_router_logits", False))
         self._use_attention(model)
         model.register_forward_pre_hook(self._split_inputs, with_kwargs=True)
         head = _output_head(model)
@@ -343,11 +356,31 @@ class ContextParallel:
             # chunk from the layout.
             "attention_mask": torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device),
             "cp_layout": self.layout,
+            **({"output_router_logits": False} if self._router_logits_off else {}),
         }
 
     def _gather_head_output(self, _module: nn.Module, _args: Any, output: torch.Tensor) -> torch.Tensor:
-        assert self.layout is not None, "the head ran outside a context-parallel forward"
-        return gather_identical_output(output, self.layout)
+        return gather_identical_output(output, self._running_layout())
+
+    def _running_layout(self) -> ContextParallelLayout:
+        assert self.layout is not None, "a hooked module ran outside a context-parallel forward"
+        return self.layout
+
+    def local_rows(self, rows_N: torch.Tensor) -> torch.Tensor:
+        """``[B * T, ...]`` per-token rows of the full rows (a MoE router's replayed experts) -> this rank's
+        ``[B * S, ...]``, in the order its routers see its tokens."""
+        layout = self._running_layout()
+        rows_BT = rows_N.reshape(-1, layout.seq_len, *rows_N.shape[1:])
+        local_BS = rows_BT.index_select(1, layout.local_index_S.to(rows_N.device))
+        return local_BS.reshape(-1, *rows_N.shape[1:])
+
+    def gather_rows(self, rows_N: torch.Tensor) -> torch.Tensor:
+        """This rank's ``[B * S, ...]`` per-token rows (a router's logits or experts) -> every rank's, as full
+        rows ``[B * T, ...]``. Every CP rank then computes the same load-balancing loss from them, so the
+        gather's backward keeps this rank's slice of the gradient (:func:`gather_identical_output`)."""
+        layout = self._running_layout()
+        rows_BS = rows_N.reshape(-1, layout.local_index_S.numel(), *rows_N.shape[1:])
+        return gather_identical_output(rows_BS, layout).reshape(-1, *rows_N.shape[1:])
 
 
 def _output_head(model: nn.Module) -> nn.Module:
@@ -360,16 +393,16 @@ def _output_head(model: nn.Module) -> nn.Module:
     return head
 
 
-def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, is_moe: bool) -> ContextParallel | None:
-    """Split ``model``'s forwards over ``cp_mesh`` (a 1-D mesh); None (nothing installed) for one rank."""
+def apply_context_parallel(
+    model: nn.Module, cp_mesh: DeviceMesh, routing: RouterRecorder
+) -> ContextParallel | None:
+    """Split ``model``'s forwards over ``cp_mesh`` (a 1-D mesh) and hand the split to ``routing`` (the model's
+    MoE routers, if any); None (nothing installed) for one rank."""
     if cp_mesh.size() == 1:
         return None
-    if is_moe:  # the config refuses local MoE checkpoints; this catches hub names
-        raise ValueError(
-            "policy.dtensor_cfg.context_parallel_size > 1 does not combine with a mixture-of-experts model (the "
-            "load-balancing loss and routing replay read every token's routing): set it to 1"
-        )
-    return ContextParallel(model, cp_mesh)
+    split = ContextParallel(model, cp_mesh)
+    routing.sequence_split = split
+    return split
 
 
 def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:

@@ -23,6 +23,8 @@ from nemo_rl.models.policy.parallelize import (
     local_tensor,
     reshard_all,
 )
+from nemo_rl.weight_sync.checksums import Checksum
+from nemo_rl.weight_sync.guard import check_in_process, recording
 from nemo_rl.weight_sync.interfaces import TransferStats, WeightSender
 from nemo_rl.weight_sync.manifest import dtype_from_name, dtype_name
 from nemo_rl.weight_sync.scope import RefitScope
@@ -232,7 +234,14 @@ class DTensorRefitMixin:
             for _ in weights:  # the gathers are collectives: this rank takes part and drops the weights
                 pass
             return 0
-        return replica.load_refit(weights, scope)
+        # The refit guard (policy.refit.guard): what the engine holds after the copy against what it was given.
+        sent: dict[str, Checksum] = {}
+        dtype = dtype_from_name(self.cfg.generation.embedded_cfg.precision)
+        guarded = self.cfg.refit.guard.checksums
+        num_bytes = replica.load_refit(recording(weights, sent, dtype) if guarded else weights, scope)
+        if guarded:
+            check_in_process(self.cfg.refit.guard, sent, replica.weight_checksums(), scope)
+        return num_bytes
 
     def _iter_full_weights_for_engine(
         self, dtype: torch.dtype, scope: RefitScope

@@ -106,7 +106,7 @@ class DTensorPolicyWorker(DTensorWeightsMixin, DTensorRefitMixin, PolicyWorkerBa
 
         self.model = load_sharded_model(cfg, self.mesh, self.device)
         self.moe_routing = RouterRecorder(self.model)
-        apply_context_parallel(self.model, self.mesh["cp"], self.moe_routing.is_moe)
+        apply_context_parallel(self.model, self.mesh["cp"], self.moe_routing)
         # Which rows of the last forward's input were real tokens, for the MoE terms (see _loss_with_moe_terms).
         self._fed_valid_N = torch.ones(0, dtype=torch.bool)
         trained = freeze_parameters(self.model, frozen_patterns(self.model, cfg))

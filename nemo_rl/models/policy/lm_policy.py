@@ -72,7 +72,11 @@ def _worker_backend(cfg: PolicyConfig) -> WorkerBackend:
         )
     worker_cls: type[PolicyWorkerBase] = importlib.import_module(MEGATRON_WORKER_MODULE).MegatronPolicyWorker
     megatron = cfg.megatron_cfg
-    model_parallel_size = megatron.tensor_model_parallel_size * megatron.pipeline_model_parallel_size
+    model_parallel_size = (
+        megatron.tensor_model_parallel_size
+        * megatron.pipeline_model_parallel_size
+        * megatron.context_parallel_size
+    )
     return WorkerBackend(
         worker_cls, model_parallel_size, megatron.peft.enabled, megatron.expert_model_parallel_size
     )

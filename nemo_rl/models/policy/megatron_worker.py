@@ -10,6 +10,9 @@ replica are consecutive, as ``RayWorkerGroup`` deals data shards. Every public m
   checkpoint (:mod:`nemo_rl.models.megatron.weights`). Transformer Engine layers on CUDA when installed, the
   local megatron-core layers otherwise. On a machine without CUDA, megatron-core's CUDA-only calls are
   redirected to the host (:mod:`nemo_rl.models.megatron.cpu_compat`) and the groups use gloo.
+- **Context parallelism** (``megatron_cfg.context_parallel_size``, CUDA with Transformer Engine only): each rank
+  runs its load-balanced chunks of every row and the last stage's output is gathered back to full rows
+  (:mod:`nemo_rl.models.megatron.context_parallel`).
 - **Micro-batches** flow through megatron-core's pipeline schedule (1F1B with PP > 1). The loss runs on the
   last stage on the full-vocabulary logits (gathered over TP) of the sampling distribution (temperature,
   top-k, top-p) as in the DTensor worker. The normalisation is the DTensor worker's: the global batch's valid sequence / token
@@ -58,6 +61,7 @@ from nemo_rl.models.hf_config import load_hf_config
 from nemo_rl.models.hf_decoder import SafetensorsReader, decoder_arch, resolve_checkpoint_dir
 from nemo_rl.models.lora import adapters_disabled
 from nemo_rl.models.megatron import checkpoint, cpu_compat, setup, value_head
+from nemo_rl.models.megatron.context_parallel import context_parallel_for
 from nemo_rl.models.megatron.families import family_for
 from nemo_rl.models.megatron.lora import MegatronLoRA
 from nemo_rl.models.megatron.moe import (
@@ -101,10 +105,11 @@ class MegatronPolicyWorker(MegatronWeightsMixin, PolicyWorkerBase):
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         model_parallel = megatron.tensor_model_parallel_size * megatron.pipeline_model_parallel_size
+        model_parallel *= megatron.context_parallel_size
         if self.world_size % model_parallel != 0:
             raise ValueError(
                 f"the policy has {self.world_size} workers, not a multiple of tensor_model_parallel_size x "
-                f"pipeline_model_parallel_size = {model_parallel}"
+                f"pipeline_model_parallel_size x context_parallel_size = {model_parallel}"
             )
         self.device = get_device()
         self.hf_config = load_hf_config(
@@ -122,6 +127,8 @@ class MegatronPolicyWorker(MegatronWeightsMixin, PolicyWorkerBase):
         self.checkpoint_dir = resolve_checkpoint_dir(cfg.model_name)
         with cpu_compat.device_redirect():
             setup.init_model_parallel(megatron)
+            uses_te = setup.uses_transformer_engine(megatron, self.arch)
+            self.cp = context_parallel_for(megatron.context_parallel_size, uses_te)
             self.tp_group = parallel_state.get_tensor_model_parallel_group()
             self.pp_group = parallel_state.get_pipeline_model_parallel_group()
             self.dp_group = parallel_state.get_data_parallel_group()
@@ -138,7 +145,8 @@ class MegatronPolicyWorker(MegatronWeightsMixin, PolicyWorkerBase):
             self.optimizer = setup.build_optimizer(cfg, self.model)
             self.scheduler = setup.build_scheduler(cfg, self.optimizer)
         sp_multiple = megatron.tensor_model_parallel_size if megatron.sequence_parallel else 1
-        self.seq_multiple = math.lcm(cfg.make_sequence_length_divisible_by, sp_multiple)
+        cp_multiple = 2 * megatron.context_parallel_size if self.cp is not None else 1
+        self.seq_multiple = math.lcm(cfg.make_sequence_length_divisible_by, sp_multiple, cp_multiple)
         # The reference policy is a host copy of this rank's initial shards, swapped in only while scoring;
         # with LoRA it is the frozen base model itself (the adapters switched off), so no copy is kept.
         self.has_reference = init_reference_model
@@ -268,8 +276,12 @@ class MegatronPolicyWorker(MegatronWeightsMixin, PolicyWorkerBase):
             rows_NLK = (
                 megatron_rows(mb["routed_experts"], mb["input_lengths"]) if "routed_experts" in mb else None
             )
+            if self.cp is not None:  # this rank's chunks of each row (megatron_cfg.context_parallel_size)
+                input_ids_BT, positions_BT = self.cp.split(input_ids_BT, positions_BT)
             with recording(self.routing_log) as routing, replaying(self.replays, rows_NLK):
                 output = model(input_ids_BT, positions_BT, None, runtime_gather_output=True)
+            if self.cp is not None and self.is_last_stage:
+                output = self.cp.gather(output)
             # Megatron runs the loss of a micro-batch right after its forward (one stage for MoE models).
             self._routing = routing
             return output, partial(loss_func, mb)

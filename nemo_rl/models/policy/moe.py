@@ -66,6 +66,19 @@ class RouterScores(Protocol):
         ...
 
 
+class SequenceSplit(Protocol):
+    """How context parallelism splits a forward's token rows (``ContextParallel``): the routers of a CP rank
+    see its own tokens only."""
+
+    def local_rows(self, rows_N: torch.Tensor) -> torch.Tensor:
+        """Full rows' per-token rows ``[B * T, ...]`` -> this rank's ``[B * S, ...]``."""
+        ...
+
+    def gather_rows(self, rows_N: torch.Tensor) -> torch.Tensor:
+        """This rank's per-token rows ``[B * S, ...]`` -> the full rows' ``[B * T, ...]`` (with autograd)."""
+        ...
+
+
 class RouterRecorder:
     """Forward hooks on a model's MoE routers; :meth:`record` yields what one forward routed."""
 
@@ -80,6 +93,10 @@ class RouterRecorder:
         self._record: RoutingRecord | None = None
         self._layer_of = {id(router): layer for layer, router in enumerate(self.routers)}
         self._replay_NLK: torch.Tensor | None = None
+        self.sequence_split: SequenceSplit | None = None
+        """Context parallelism's split of the rows (set by ``apply_context_parallel``): replay then routes this
+        rank's rows, and a record holds every rank's routing gathered to full rows, so the load-balancing loss
+        and the metrics are those of the unsplit forward."""
         for router in self.routers:
             router.register_forward_hook(self._hook)
 
@@ -92,7 +109,10 @@ class RouterRecorder:
         if not isinstance(output, tuple) or len(output) < 3:
             return None
         if self._replay_NLK is not None:
-            output = replayed_routing(module, output, self._replay_NLK[:, self._layer_of[id(module)]])
+            replay_NK = self._replay_NLK[:, self._layer_of[id(module)]]
+            if self.sequence_split is not None:
+                replay_NK = self.sequence_split.local_rows(replay_NK)
+            output = replayed_routing(module, output, replay_NK)
         if self._record is not None:
             self._append(output)
         return output
@@ -104,9 +124,15 @@ class RouterRecorder:
 
         if isinstance(logits, DTensor):
             logits = logits.full_tensor()
-        experts = output[2]
-        self._record.logits_NE.append(logits.reshape(-1, logits.shape[-1]))
-        self._record.experts_NK.append(experts.reshape(-1, experts.shape[-1]))
+        logits_NE, experts_NK = (
+            logits.reshape(-1, logits.shape[-1]),
+            output[2].reshape(-1, output[2].shape[-1]),
+        )
+        if self.sequence_split is not None:
+            logits_NE = self.sequence_split.gather_rows(logits_NE)
+            experts_NK = self.sequence_split.gather_rows(experts_NK)
+        self._record.logits_NE.append(logits_NE)
+        self._record.experts_NK.append(experts_NK)
 
     @contextmanager
     def record(self) -> Iterator[RoutingRecord]:

@@ -134,10 +134,13 @@ def _without_dynamo_guard() -> Iterator[None]:
 
 
 def _shard_mesh_dims(tensor: DTensor) -> list[int]:
-    """Mesh dims along which ``tensor`` is split (its local pieces must be summed over them)."""
+    """Mesh dims along which ``tensor`` is split (its local pieces must be summed over them). FSDP2 over a
+    tensor-parallel weight shards the dim TP already split as a ``_StridedShard``, which is not a ``Shard``
+    (nor ``is_shard()``), and splits the tensor just the same."""
     from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
-    return [i for i, p in enumerate(tensor.placements) if isinstance(p, Shard)]
+    return [i for i, p in enumerate(tensor.placements) if isinstance(p, Shard | _StridedShard)]
 
 
 def total_grad_norm(params: Iterable[torch.nn.Parameter]) -> float:

@@ -32,6 +32,7 @@ from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.models.generation.interfaces import WeightManifestDict
 from nemo_rl.models.generation.replicated import SeededReplicas
 from nemo_rl.models.tokenizer import require_pad_token_id
+from nemo_rl.weight_sync.guard import EngineChecksums
 from nemo_rl.weight_sync.scope import RefitScope
 
 if TYPE_CHECKING:
@@ -76,10 +77,12 @@ class InPolicyEmbeddedGeneration(SeededReplicas):
         """Number of replicas: the policy's data-parallel size."""
         return self.policy.dp_size
 
-    def generate(self, data: BatchedDataDict[Any], greedy: bool = False) -> BatchedDataDict[Any]:
+    def generate(
+        self, data: BatchedDataDict[Any], greedy: bool = False, seed: int | None = None
+    ) -> BatchedDataDict[Any]:
         """Sample a response per row; see :class:`~nemo_rl.models.generation.interfaces.GenerationInterface`."""
         return self._generate_on(
-            self.policy.worker_group, "generate", data, greedy, self.policy.call_timeout_s
+            self.policy.worker_group, "generate", data, greedy, self.policy.call_timeout_s, seed
         )
 
     def prepare_for_generation(self) -> None:
@@ -135,6 +138,11 @@ class InPolicyEmbeddedGeneration(SeededReplicas):
         ref = group.run_single_worker("embedded_weights_manifest", 0, scope)
         manifest: WeightManifestDict = group.get_all_worker_results([ref], self.policy.call_timeout_s)[0]
         return manifest
+
+    def held_weight_checksums(self) -> list[EngineChecksums]:
+        """No reports to the driver: each replica copies the weights in its policy worker's process and checks
+        the copy there, right after it (``nemo_rl.weight_sync.guard.check_in_process``)."""
+        return []
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full weights held by the driver into every replica (each weight exactly once)."""

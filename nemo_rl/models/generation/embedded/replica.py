@@ -33,6 +33,7 @@ from nemo_rl.models.generation.lora import AdapterLayout, MergedAdapters, base_m
 from nemo_rl.models.hf_decoder import resolve_checkpoint_dir
 from nemo_rl.models.hf_moe import per_expert_weights
 from nemo_rl.models.tokenizer import eos_token_ids, require_pad_token_id
+from nemo_rl.weight_sync.checksums import Checksum, named_checksums
 from nemo_rl.weight_sync.manifest import WeightManifest, dtype_from_name
 from nemo_rl.weight_sync.scope import RefitScope
 
@@ -162,6 +163,14 @@ class EmbeddedReplica:
     def named_weights(self) -> dict[str, torch.Tensor]:
         """Host copies of the held weights under their Hugging Face names (for checks and debugging)."""
         return {name: tensor.detach().to("cpu", copy=True) for name, tensor in self.model.named_weights()}
+
+    def weight_checksums(self) -> dict[str, Checksum] | None:
+        """The refit guard's checksums of the held weights under their Hugging Face names, as a refit sends
+        them; with LoRA each adapted layer reports its kept base weight and adapters while it holds their merge
+        (:meth:`~nemo_rl.models.generation.lora.MergedAdapters.as_sent`)."""
+        weights = dict(self.model.named_weights())
+        held = named_checksums(weights.items(), self.model.dtype)
+        return held if self.adapters is None else self.adapters.as_sent(held, weights, self.model.dtype)
 
     def merged_stream(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], scope: RefitScope

@@ -20,6 +20,7 @@ from nemo_rl.models.generation.embedded.replica import EmbeddedReplica
 from nemo_rl.models.generation.embedded.vision import load_decoder
 from nemo_rl.models.hf_decoder import resolve_checkpoint_dir
 from nemo_rl.models.tokenizer import require_pad_token_id
+from nemo_rl.weight_sync.checksums import Checksum
 from nemo_rl.weight_sync.interfaces import TransferStats, WeightReceiver
 from nemo_rl.weight_sync.manifest import dtype_from_name
 from nemo_rl.weight_sync.scope import RefitScope
@@ -78,6 +79,11 @@ class EmbeddedGenerationWorker(EmbeddedReplica):
                 self.load_hf_weights(named_tensors, scope)
 
         return receiver.receive(load, self.expected_weights_manifest(scope))
+
+    def weight_checksums(self) -> dict[str, Checksum] | None:
+        """The refit guard's checksums (:meth:`EmbeddedReplica.weight_checksums`); ``None`` with in-flight
+        updates on, where a refit's weights may still be staged for the next decode step."""
+        return None if self._in_flight else super().weight_checksums()
 
     def enable_in_flight_weight_updates(self, recompute_kv_cache: bool) -> None:
         """Let refits (run in a second thread of this actor) reach the engine while it decodes: they are

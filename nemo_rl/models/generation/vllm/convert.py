@@ -26,6 +26,10 @@ from nemo_rl.weight_sync.manifest import dtype_name
 RELOAD_WEIGHTS_RPC = "nemo_rl_reload_hf_weights"
 """The :class:`~nemo_rl.models.generation.vllm.worker_extension.VllmWorkerExtension` method refit calls."""
 
+WEIGHT_CHECKSUMS_RPC = "nemo_rl_weight_checksums"
+"""The :class:`~nemo_rl.models.generation.vllm.worker_extension.VllmWorkerExtension` method the refit guard
+calls."""
+
 FINISH_STOP = "stop"
 """A stop token or stop string ended the response."""
 FINISH_LENGTH = "length"

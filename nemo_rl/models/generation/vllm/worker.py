@@ -43,6 +43,7 @@ from nemo_rl.models.generation.lora import AdapterLayout, base_manifest_for, ref
 from nemo_rl.models.generation.vllm.convert import (
     RELOAD_WEIGHTS_RPC,
     RETRIED_FINISH_REASONS,
+    WEIGHT_CHECKSUMS_RPC,
     assemble_outputs,
     generation_budgets,
     hf_weights_manifest,
@@ -66,6 +67,7 @@ from nemo_rl.models.generation.vllm.worker_extension import keep_cpu_linear_weig
 from nemo_rl.models.hf_config import load_hf_config
 from nemo_rl.models.hf_moe import per_expert_weights
 from nemo_rl.models.tokenizer import eos_token_ids, require_pad_token_id
+from nemo_rl.weight_sync.checksums import Checksum
 from nemo_rl.weight_sync.interfaces import TransferStats, WeightReceiver
 from nemo_rl.weight_sync.manifest import WeightManifest, dtype_from_name
 from nemo_rl.weight_sync.scope import RefitScope
@@ -128,7 +130,7 @@ class VllmGenerationWorker:
         )
         self._manifest = hf_weights_manifest(hf_config, self._dtype, trust_remote_code=cfg.trust_remote_code)
         self._adapters = self._lora_adapters(cfg)
-        # Whether vLLM's encoder cache may hold image features of an older vision tower (after a weight update).
+        # Whether vLLM's encoder cache record must be reset before the next call (after a weight update, see _load).
         self._encoder_cache_stale = False
         # Pools (vLLM sleep-mode tags) currently released; the engine starts awake.
         self._asleep: set[str] = set()
@@ -275,6 +277,12 @@ class VllmGenerationWorker:
                 "grpo.async_grpo.recompute_kv_cache_after_weight_updates is built for the embedded engine: with "
                 "vLLM set it false"
             )
+        if self._patch_layout is not None:
+            # vLLM's reload empties its encoder cache under requests the scheduler still counts on it for.
+            raise ValueError(
+                "in-flight weight updates of a vision-language model are built for the embedded engine: with vLLM "
+                "set grpo.async_grpo.in_flight_weight_updates=false"
+            )
         self._in_flight = InFlightWeights(self._load)
 
     def in_flight_updates(self) -> int:
@@ -329,8 +337,10 @@ class VllmGenerationWorker:
         if adapters and self._adapters is not None:
             self._adapters.install(self.llm, adapters)
             num_bytes += sum(t.numel() * t.element_size() for t in adapters.values())
-        # Cached prefixes hold keys and values computed with the old weights, and cached image features
-        # the old vision tower's (dropped before the next call: not while requests run, see generate).
+        # Cached prefixes hold keys and values computed with the old weights. vLLM's reload also empties the
+        # model runner's cache of image features but not the scheduler's record of it, so the next request
+        # with a picture seen before would fail ("Encoder cache miss"): the record is dropped before the next
+        # call (not now: a reload between two engine steps has requests running).
         self.llm.reset_prefix_cache()
         self._encoder_cache_stale = self._patch_layout is not None
         return int(num_bytes)
@@ -362,6 +372,16 @@ class VllmGenerationWorker:
         if self._adapters is not None and scope == "full":
             self._adapters.holds_base = True
         return stats
+
+    def weight_checksums(self) -> dict[str, Checksum] | None:
+        """The refit guard's checksums of this rank's parameters under vLLM's names (its slice of each
+        tensor-parallel one); ``None`` with in-flight updates on (a refit may still be staged) or for a
+        quantised model (its parameters hold other values than those sent)."""
+        if self._in_flight is not None:
+            return None
+        self._wake({WEIGHTS_TAG})
+        report: dict[str, Checksum] | None = self.llm.collective_rpc(WEIGHT_CHECKSUMS_RPC)[0]
+        return report
 
     def shutdown(self) -> None:
         """Drop the engine, free its GPU memory and remove a CPU engine's shared-memory segments."""

@@ -1,7 +1,8 @@
-"""The refit method vLLM adds to its own GPU worker.
+"""The refit methods vLLM adds to its own GPU worker: the reload of a refit's stream and the refit guard's
+checksums of what the worker then holds.
 
 ``vllm.LLM(worker_extension_cls=WORKER_EXTENSION_CLS)`` makes :class:`VllmWorkerExtension` a base class of
-vLLM's worker, so ``LLM.collective_rpc("nemo_rl_reload_hf_weights", args=(stream,))`` runs the method below on
+vLLM's worker, so ``LLM.collective_rpc("nemo_rl_reload_hf_weights", args=(stream,))`` runs that method on
 every vLLM worker of the engine with ``self`` being that worker. nemo_rl's engines run vLLM's worker in the
 actor's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, uni-process or external-launcher executor), so
 the argument is the caller's live iterator, not a pickled copy.
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nemo_rl.models.hf_moe import per_expert_weights
+from nemo_rl.weight_sync.checksums import Checksum, tensor_checksum
 from nemo_rl.weight_sync.errors import RefitIntegrityError
 from nemo_rl.weight_sync.manifest import format_names
 
@@ -207,3 +209,16 @@ class VllmWorkerExtension:
             # too); the stream was still checked against the Hugging Face manifest.
             logger.debug("quantised vLLM model: the loaded-name check is skipped")
         return num_bytes
+
+    def nemo_rl_weight_checksums(self) -> dict[str, Checksum] | None:
+        """The refit guard's checksums of this worker's parameters (:mod:`nemo_rl.weight_sync.checksums`), in
+        the model's dtype, named as vLLM names them (a LoRA layer's ``base_layer`` as the layer itself; the
+        adapters, kept outside the parameters, are not reported). ``None`` for a quantised model."""
+        if self.vllm_config.model_config.quantization is not None:
+            return None
+        model = self.model_runner.get_model()
+        dtype = self.vllm_config.model_config.dtype
+        return {
+            name.replace(".base_layer.", "."): tensor_checksum(param, dtype)
+            for name, param in model.named_parameters()
+        }
