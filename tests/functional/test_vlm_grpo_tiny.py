@@ -38,6 +38,8 @@ def _command(tmp: Path) -> list[str]:
         "policy.train_micro_batch_size=8",
         "policy.logprob_batch_size=8",
         "checkpointing.save_period=1",
+        # Every checkpoint kept: the recipe's keep_top_k would drop step 1 once step 3 is saved before the kill.
+        "checkpointing.keep_top_k=null",
         f"checkpointing.checkpoint_dir={tmp / 'ckpt'}",
         f"logger.log_dir={tmp / 'logs'}",
         "logger.progress_bar=false",
