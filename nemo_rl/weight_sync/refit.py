@@ -150,6 +150,10 @@ def _refit_metrics(
     }
 
 
+_PEER_DEATH_WAIT_S = 5.0
+"""Seconds a refit that failed on one worker waits for the others' outcome, to name a dead one."""
+
+
 def _wait_all(labels: dict[ray.ObjectRef, str], refit_id: str, deadline: float) -> list[Any]:
     """Results of every ref in order; raises :class:`RefitError` naming the first worker that failed."""
     pending = list(labels)
@@ -168,8 +172,23 @@ def _wait_all(labels: dict[ray.ObjectRef, str], refit_id: str, deadline: float) 
             except GetTimeoutError as err:
                 raise RefitError(f"refit {refit_id} timed out waiting for {labels[ref]}") from err
             except Exception as err:
+                # A collective fails on every surviving rank when one peer dies: name the dead one if it is.
+                _raise_if_a_peer_died([r for r in labels if r not in results and r != ref], labels, refit_id)
                 raise RefitError(f"{labels[ref]} failed during refit {refit_id}: {err}") from err
     return [results[ref] for ref in labels]
+
+
+def _raise_if_a_peer_died(refs: list[ray.ObjectRef], labels: dict[ray.ObjectRef, str], refit_id: str) -> None:
+    """Raise :class:`RefitError` naming a worker of ``refs`` that died (waiting up to a few seconds for Ray to
+    see the death), so the error names the cause rather than a survivor's broken connection."""
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=_PEER_DEATH_WAIT_S) if refs else ([], [])
+    for ref in ready:
+        try:
+            ray.get(ref, timeout=_PEER_DEATH_WAIT_S)
+        except RayActorError as err:
+            raise RefitError(f"{labels[ref]} died during refit {refit_id}: {err}") from err
+        except Exception:  # another survivor's consequence of the same failure
+            continue
 
 
 def _wait_quietly(refs: list[ray.ObjectRef], timeout_s: float) -> None:
