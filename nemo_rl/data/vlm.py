@@ -23,7 +23,7 @@ Tensor legend: N = patches of a sample's images, D = values per patch, I = image
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NotRequired, TypedDict, cast
 
 import torch
@@ -268,8 +268,29 @@ def setup_vlm_sft_data(
     samples of each split are processed, so an image the chat template does not render or a conversation
     longer than the limit fails now rather than mid-run.
     """
+    return checked_vlm_splits(
+        cfg,
+        tokenizer,
+        hf_processor,
+        VlmSftProcessor,
+        task_name="sft",
+        max_total_sequence_length=max_total_sequence_length,
+    )
+
+
+def checked_vlm_splits(
+    cfg: DataConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    hf_processor: Any,
+    processor_cls: Callable[[Any, int, str], RecordProcessor],
+    *,
+    task_name: str,
+    max_total_sequence_length: int,
+) -> tuple[ProcessedDataset, ProcessedDataset | None]:
+    """Both splits of ``cfg``'s data read through ``processor_cls(hf_processor, pixel limit, source)``: every image
+    checked and the first :data:`SAMPLES_CHECKED_AT_SETUP` samples processed before any worker starts."""
     splits = load_dataset_splits(cfg)
-    spec = TaskDataSpec.from_config(cfg, task_name="sft")
+    spec = TaskDataSpec.from_config(cfg, task_name=task_name)
     limit = image_pixel_limit(cfg, hf_processor)
     max_seq_length = cfg.max_input_seq_length or max_total_sequence_length
     datasets: list[ProcessedDataset | None] = []
@@ -278,8 +299,9 @@ def setup_vlm_sft_data(
             datasets.append(None)
             continue
         check_dataset_images(records, source=records.source, max_pixels=limit)
-        processor = VlmSftProcessor(hf_processor, limit, records.source)
-        dataset = ProcessedDataset(records, processor, spec, tokenizer, max_seq_length)
+        dataset = ProcessedDataset(
+            records, processor_cls(hf_processor, limit, records.source), spec, tokenizer, max_seq_length
+        )
         for i in range(min(len(dataset), SAMPLES_CHECKED_AT_SETUP)):
             dataset[i]
         datasets.append(dataset)

@@ -22,7 +22,7 @@ from transformers import PreTrainedTokenizerBase
 
 from nemo_rl.config.data import DataConfig
 from nemo_rl.config.eval import EvalDataConfig
-from nemo_rl.data.datasets import ProcessedDataset, check_prompt_lengths, load_dataset_splits
+from nemo_rl.data.datasets import ProcessedDataset, check_prompt_lengths
 from nemo_rl.data.datasets.formats import vlm_converter
 from nemo_rl.data.datasets.loading import RecordDataset
 from nemo_rl.data.errors import DataError
@@ -46,7 +46,7 @@ from nemo_rl.data.vlm import (
     apply_spec,
     attach_images,
     check_dataset_images,
-    image_pixel_limit,
+    checked_vlm_splits,
     message_images,
     processor_max_pixels,
 )
@@ -145,26 +145,21 @@ def setup_vlm_rl_data(
     Before any worker starts, every image of both splits is read and checked (the first bad one raises its
     one-line :class:`~nemo_rl.data.images.BadImageError`) and the first samples of each split are processed.
     """
-    splits = load_dataset_splits(cfg)
-    spec = TaskDataSpec.from_config(cfg, task_name=vlm_task_name(cfg))
-    limit = image_pixel_limit(cfg, hf_processor)
-    max_seq_length = cfg.max_input_seq_length or max_total_sequence_length
-    datasets: list[ProcessedDataset | None] = []
-    for records in (splits.train, splits.validation):
-        if records is None:
-            datasets.append(None)
-            continue
-        check_dataset_images(records, source=records.source, max_pixels=limit)
-        processor = VlmPromptProcessor(hf_processor, limit, records.source)
-        datasets.append(_checked(ProcessedDataset(records, processor, spec, tokenizer, max_seq_length)))
-    train = cast(ProcessedDataset, datasets[0])
+    train, validation = checked_vlm_splits(
+        cfg,
+        tokenizer,
+        hf_processor,
+        VlmPromptProcessor,
+        task_name=vlm_task_name(cfg),
+        max_total_sequence_length=max_total_sequence_length,
+    )
     limit_key = (
         f"data.max_input_seq_length={cfg.max_input_seq_length}"
         if cfg.max_input_seq_length
         else f"policy.max_total_sequence_length={max_total_sequence_length}"
     )
     check_prompt_lengths(train, max_total_sequence_length, limit_key)
-    return train, datasets[1]
+    return train, validation
 
 
 def setup_vlm_eval_data(
