@@ -261,6 +261,7 @@ class Run(Generic[C, S]):
             rollout, metrics = run_agent_rollout(
                 rl.agent_endpoint, samples, self.tokenizer, rl.agent, timer=timer
             )
+            metrics = {**metrics, **rl.generation.take_metrics()}
             return rollout, metrics, dict  # the agents' rewards score the samples: no environment step
         rollout, metrics = run_multi_turn_rollout(
             rl.generation if generation is None else generation,
@@ -272,6 +273,8 @@ class Run(Generic[C, S]):
             timer=timer,
             task_to_tools=rl.task_to_tools,
         )
+        # Generation workers replaced since the last step (during its refit or this rollout).
+        metrics = {**metrics, **rl.generation.take_metrics()}
         return rollout, metrics, request_environment_metrics(rl.task_to_env, rollout)
 
     def sampler(self, loop_cfg: SamplingLoopConfig, timer: Timer) -> RollOut:

@@ -141,8 +141,31 @@ class EmbeddedEngineConfig(ConfigModel):
     must then be unset (the replicas follow the policy's data-parallel size)."""
 
 
+class HealingConfig(ConfigModel):
+    """What a run does when one of its generation workers (in processes of their own) dies or hangs: the worker
+    is replaced on its slot, gets a full refit, and its lost requests are sampled again (docs/reliability.md,
+    "A generation pool that heals itself")."""
+
+    max_replacements: int = Field(default=3, ge=0)
+    """Generation workers a run replaces at most; one more lost worker stops the run with one line naming it
+    (0: the first lost worker stops the run). A replica whose worker cannot start again counts too."""
+
+    hang_timeout_s: float = Field(default=300.0, gt=0.0)
+    """A generation worker that answers no ping for this long while it runs a call is treated as dead
+    (killed and replaced). Pings are answered by a thread of their own, so a long generation call is not a
+    hang; a process frozen (SIGSTOP), deadlocked holding the interpreter, or on a lost node is."""
+
+    start_timeout_s: float = Field(default=900.0, gt=0.0)
+    """How long a replacement may take to start (load the model, build the engine); one that has not started
+    by then is given up and the pool goes on with one replica fewer (the run stops when none is left)."""
+
+
 class GenerationConfig(ConfigModel):
     """Sampling settings and the generation backend."""
+
+    healing: HealingConfig = Field(default_factory=HealingConfig)
+    """Replacing generation workers that die or hang (generation workers in processes of their own; a policy
+    worker's death, or that of the policy workers hosting the embedded engine, still ends the run)."""
 
     backend: Literal["embedded", "vllm"] = "embedded"
     """Which generation backend to run: the embedded torch engine or vLLM."""

@@ -21,8 +21,9 @@ Protocols below, which are this layer's contract with them.
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -106,6 +107,15 @@ class RefitTarget(Protocol):
         send; ``None`` for an engine that cannot report now. Engines hosted in the policy report none."""
         ...
 
+    def set_refill(self, refill: Callable[[Sequence[int]], None] | None) -> None:
+        """Take the function that loads the policy's weights into the workers of the given ranks, called by
+        the target after it replaced them (:meth:`Refitter.refill`)."""
+        ...
+
+    def replace_lost_workers(self) -> bool:
+        """Replace the workers that died or hang; whether any was (a failed refit is then made again)."""
+        ...
+
 
 def check_refit_manifests(
     source: RefitSource, target: RefitTarget, dtype: torch.dtype, scopes: Sequence[RefitScope]
@@ -132,6 +142,11 @@ class Refitter:
         adapter_refits: refits after the first may move the LoRA adapters alone.
         guard: checks after each refit through a transport that the engines hold what was sent
             (:mod:`nemo_rl.weight_sync.guard`); ``None`` checks nothing.
+        transport_factory: builds a transport to the generation workers on the given nodes: for the workers
+            that replace lost ones (:meth:`refill`), and again whenever the generation workers changed.
+            ``None``: ``transport`` serves every refit.
+
+    Thread-safe: asynchronous GRPO's rollout thread refills replaced workers while the trainer refits.
     """
 
     def __init__(
@@ -143,6 +158,7 @@ class Refitter:
         timeout_s: float,
         adapter_refits: bool,
         guard: RefitGuard | None = None,
+        transport_factory: Callable[[list[str]], RefitTransport] | None = None,
     ) -> None:
         if transport is None and not target.hosted_in_policy:
             raise ValueError("generation workers in processes of their own need a refit transport")
@@ -156,6 +172,11 @@ class Refitter:
         self._guard_cfg = None if guard is None else guard.cfg
         self.stale = True
         """Whether the policy trained since the engines last received its weights."""
+        self._transport_factory = transport_factory
+        self._transport_workers = worker_identities(target.workers)
+        self._lock = threading.RLock()
+        if transport is not None:
+            target.set_refill(self.refill)
 
     @classmethod
     def create(cls, cfg: PolicyConfig, source: RefitSource, target: RefitTarget) -> Refitter:
@@ -164,22 +185,33 @@ class Refitter:
         adapter_refits = source.adapter_refits()
         scopes: list[RefitScope] = ["full", "adapters"] if adapter_refits else ["full"]
         check_refit_manifests(source, target, generation_dtype(cfg), scopes)
-        transport = None
-        if not target.hosted_in_policy:
-            transport = create_refit_transport(
+        if target.hosted_in_policy:
+            return cls(
+                source,
+                target,
+                None,
+                timeout_s=cfg.refit.timeout_s,
+                adapter_refits=adapter_refits,
+                guard=RefitGuard(cfg.refit.guard),
+            )
+
+        def transport_to(generation_node_ids: list[str]) -> RefitTransport:
+            return create_refit_transport(
                 cfg,
                 cfg.refit,
                 policy_node_ids=source.worker_node_ids,
-                generation_node_ids=target.worker_node_ids,
+                generation_node_ids=generation_node_ids,
                 policy_streams=source.refit_streams(),
             )
+
         return cls(
             source,
             target,
-            transport,
+            transport_to(target.worker_node_ids),
             timeout_s=cfg.refit.timeout_s,
             adapter_refits=adapter_refits,
             guard=RefitGuard(cfg.refit.guard),
+            transport_factory=transport_to,
         )
 
     def mark_stale(self) -> None:
@@ -198,7 +230,28 @@ class Refitter:
         return {**metrics, **self.verify()}
 
     def _copy(self) -> dict[str, float]:
+        """:meth:`_copy_once`; when it fails because generation workers were lost (the target replaces them, or
+        another thread did meanwhile), once more to the pool as it is then."""
         workers = worker_identities(self.target.workers)
+        try:
+            with self._lock:
+                return self._copy_once()
+        except Exception:
+            # Outside the lock: replacing workers refills them, which takes it.
+            replaced = self.target.replace_lost_workers()
+            if not replaced and worker_identities(self.target.workers) == workers:
+                raise
+        with self._lock:
+            return self._copy_once()
+
+    def _copy_once(self) -> dict[str, float]:
+        workers = worker_identities(self.target.workers)
+        if workers != self._transport_workers and self._transport_factory is not None:
+            # Other generation workers (replaced, or fewer): the transport's groups and receivers change.
+            if self.transport is not None:
+                self.transport.shutdown()
+            self.transport = self._transport_factory(self.target.worker_node_ids)
+            self._transport_workers = workers
         scope = self._scopes.scope_for(workers)
         try:
             self.source.offload_before_refit()
@@ -222,6 +275,26 @@ class Refitter:
         self._scopes.succeeded(workers, scope)
         self.stale = False
         return {**metrics, "refit/adapters_only": float(scope == "adapters")}
+
+    def refill(self, ranks: Sequence[int]) -> None:
+        """Send the policy's current weights (every one) to the generation workers of ``ranks`` alone, just
+        started in place of lost ones, over a transport of their own; the others keep what they hold. The next
+        refit is full (the guard checks every engine again after it)."""
+        if self._transport_factory is None:
+            raise RuntimeError("Refitter.refill needs a transport_factory (Refitter.create makes one)")
+        workers = [self.target.workers[r] for r in ranks]
+        nodes = self.target.worker_node_ids
+        with self._lock:
+            transport = self._transport_factory([nodes[r] for r in ranks])
+            try:
+                refit_with_stats(
+                    self.source.workers, workers, transport, timeout_s=self.timeout_s, scope="full"
+                )
+            finally:
+                transport.shutdown()
+            self._scopes.failed()
+            if self.guard is not None:
+                self.guard.forget()
 
     def _engines_in_doubt(self) -> None:
         """What the engines hold is not known to be the policy's weights: the next refit is due, and full."""
@@ -289,6 +362,7 @@ class Refitter:
 
     def shutdown(self) -> None:
         """Release the transport (its store, groups and segments)."""
-        if self.transport is not None:
-            self.transport.shutdown()
-            self.transport = None
+        with self._lock:
+            if self.transport is not None:
+                self.transport.shutdown()
+                self.transport = None

@@ -46,7 +46,7 @@ instead (:meth:`GenerationInterface.refit_in_process`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NotRequired, Protocol, TypedDict, runtime_checkable
 
 import torch
@@ -224,6 +224,21 @@ class GenerationInterface(Protocol):
     def held_weight_checksums(self) -> list[EngineChecksums]:
         """For the refit guard (:mod:`nemo_rl.weight_sync.guard`): per replica, the checksums of the weights
         each of its ranks holds (``None`` for one that cannot report now); engines in the policy report none."""
+        ...
+
+    # --- healing (docs/reliability.md, "A generation pool that heals itself") ------------------------------
+    def set_refill(self, refill: Callable[[Sequence[int]], None] | None) -> None:
+        """Give the run's function that loads its current weights into the workers of the given ranks after
+        they were replaced (backends whose engines live in the policy's processes never replace one)."""
+        ...
+
+    def replace_lost_workers(self) -> bool:
+        """Replace the workers that died or hang (after a call that failed without naming its worker, such as
+        a refit); whether any was. False for engines that live in the policy's processes."""
+        ...
+
+    def take_metrics(self) -> dict[str, float]:
+        """What the backend measured since the last call, for the step's metrics (``generation/*``)."""
         ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

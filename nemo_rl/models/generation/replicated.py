@@ -24,6 +24,7 @@ from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.distributed.worker_group_facade import WorkerGroup, WorkerGroupFacade
 from nemo_rl.distributed.worker_groups import RayWorkerGroup
+from nemo_rl.models.generation.healing import PoolHealer, Refill
 from nemo_rl.models.generation.interfaces import WeightManifestDict, check_generation_input
 from nemo_rl.models.tokenizer import require_pad_token_id
 from nemo_rl.weight_sync.guard import EngineChecksums
@@ -72,16 +73,22 @@ class SeededReplicas(abc.ABC):
         call_seed)`` on every worker, and gather the dp leaders' outputs in input order. The call seed is
         ``seed`` when given (the per-call count is then left alone), else the next of the per-call seeds."""
         check_generation_input(data)
-        if seed is None:
-            seed = self._seed * 1_000_003 + self.num_generate_calls
-            self.num_generate_calls += 1
-        indices = data.shard_indices(
-            worker_group.dp_size, allow_uneven_shards=True, balance_by_length_key=LENGTH_KEY
-        )
-        shards = [data.select_indices(rows) for rows in indices]
+        seed = self._call_seed(seed)
+        indices, shards = _deal(data, worker_group.dp_size)
         # Every rank of a replica gets its shard: model-parallel ranks run the same requests in lockstep.
         refs = worker_group.run_all_workers_sharded_data(method, shards, greedy, seed)
         results = worker_group.get_dp_leader_results(refs, timeout_s)
+        return self._gathered(results, indices)
+
+    def _call_seed(self, seed: int | None) -> int:
+        """``seed``, or (``None``) the next of the per-call seeds."""
+        if seed is not None:
+            return seed
+        self.num_generate_calls += 1
+        return self._seed * 1_000_003 + self.num_generate_calls - 1
+
+    def _gathered(self, results: list[Any], indices: list[list[int]]) -> BatchedDataDict[Any]:
+        """The replicas' outputs back in input order (``indices``: each replica's rows)."""
         pads = {"output_ids": self.pad_token_id, "routed_experts": -1}
         return BatchedDataDict.from_shards(results, indices, pad_value_dict=pads)
 
@@ -96,6 +103,12 @@ class SeededReplicas(abc.ABC):
     @abc.abstractmethod
     def expected_weights_manifest(self, scope: RefitScope = "full") -> WeightManifestDict:
         """``{hf_name: (full shape, dtype name)}`` the replicas expect from a refit of ``scope``."""
+
+
+def _deal(data: BatchedDataDict[Any], dp_size: int) -> tuple[list[list[int]], list[BatchedDataDict[Any]]]:
+    """``data``'s rows dealt to ``dp_size`` replicas by prompt length: each replica's row indices and shard."""
+    indices = data.shard_indices(dp_size, allow_uneven_shards=True, balance_by_length_key=LENGTH_KEY)
+    return indices, [data.select_indices(rows) for rows in indices]
 
 
 @dataclass(frozen=True)
@@ -158,7 +171,7 @@ class ReplicatedGeneration(SeededReplicas, WorkerGroupFacade):
         bundles = list(range(cluster.world_size)) if bundle_indices is None else list(bundle_indices)
         layout = self._layout(cluster, bundles, seed)
         SeededReplicas.__init__(self, pad_token_id=require_pad_token_id(tokenizer), seed=seed)
-        self._node_ids = [cluster.bundle_locations()[b].node_id for b in layout.bundles]
+        self._cluster = cluster
         workers = RayWorkerGroup(
             cluster,
             self.worker_cls,
@@ -173,7 +186,10 @@ class ReplicatedGeneration(SeededReplicas, WorkerGroupFacade):
             dp_size=layout.dp_size,
             env_vars=layout.env_vars,
             max_concurrency=2 if concurrent_refit else 1,
+            health_checks=True,
         )
+        self.healer = PoolHealer(workers, cfg.generation.healing, self.backend_name)
+        """Replaces the workers lost during a call (:mod:`~nemo_rl.models.generation.healing`)."""
         WorkerGroupFacade.__init__(self, workers, call_timeout_s=WORKER_CALL_TIMEOUT_S)
         self.concurrent_refit = concurrent_refit
 
@@ -185,13 +201,29 @@ class ReplicatedGeneration(SeededReplicas, WorkerGroupFacade):
     @property
     def worker_node_ids(self) -> list[str]:
         """Ray node id of each worker, in rank order."""
-        return list(self._node_ids)
+        locations = self._cluster.bundle_locations()
+        return [locations[b].node_id for b in self.worker_group.bundle_indices]
 
     def generate(
         self, data: BatchedDataDict[Any], greedy: bool = False, seed: int | None = None
     ) -> BatchedDataDict[Any]:
-        """Sample a response per row; see :class:`~nemo_rl.models.generation.interfaces.GenerationInterface`."""
-        return self._generate_on(self.worker_group, "generate", data, greedy, self.call_timeout_s, seed)
+        """Sample a response per row; see :class:`~nemo_rl.models.generation.interfaces.GenerationInterface`.
+
+        A worker lost during the call is replaced and its rows sampled again, with the same seeds
+        (:mod:`~nemo_rl.models.generation.healing`)."""
+        check_generation_input(data)
+        seed = self._call_seed(seed)
+        while True:
+            indices, shards = _deal(data, self.worker_group.dp_size)
+            results = self.healer.run_sharded("generate", shards, greedy, seed, timeout_s=self.call_timeout_s)
+            if results is not None:
+                return self._gathered(results, indices)
+
+    def _on_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """``method(*args)`` on every worker, replacing the workers lost meanwhile."""
+        if kwargs:
+            raise TypeError("generation worker calls take positional arguments only")
+        return self.healer.run_all(method, *args, timeout_s=self.call_timeout_s)
 
     def prepare_for_generation(self) -> None:
         """Weights (and whatever cache memory the backend freed) back onto the devices."""
@@ -200,6 +232,19 @@ class ReplicatedGeneration(SeededReplicas, WorkerGroupFacade):
     def finish_generation(self) -> None:
         """Free the devices for colocated training (KV caches dropped, weights offloaded as the backend does)."""
         self._on_all("finish_generation")
+
+    # ------------------------------------------------------------------------------- healing
+    def set_refill(self, refill: Refill | None) -> None:
+        """The run's function that loads its current weights into replaced workers (a refit of them)."""
+        self.healer.set_refill(refill)
+
+    def replace_lost_workers(self) -> bool:
+        """Replace the workers that died or hang (found by pinging each); whether any was."""
+        return self.healer.replace_lost_workers()
+
+    def take_metrics(self) -> dict[str, float]:
+        """``generation/replaced_workers`` since the last call, when any was."""
+        return self.healer.take_metrics()
 
     def enable_in_flight_weight_updates(self, recompute_kv_cache: bool) -> None:
         """From now on a refit that arrives while the workers generate is applied between two decode steps of
@@ -210,6 +255,7 @@ class ReplicatedGeneration(SeededReplicas, WorkerGroupFacade):
                 "refit cannot reach them while they generate"
             )
         self._on_all("enable_in_flight_weight_updates", recompute_kv_cache)
+        self.healer.remember("enable_in_flight_weight_updates", recompute_kv_cache)
 
     # ------------------------------------------------------------------------------- refit receiver
     @property

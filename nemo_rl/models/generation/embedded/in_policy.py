@@ -20,7 +20,7 @@ The policy owns the processes: a dead policy worker ends both roles, and errors 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -143,6 +143,17 @@ class InPolicyEmbeddedGeneration(SeededReplicas):
         """No reports to the driver: each replica copies the weights in its policy worker's process and checks
         the copy there, right after it (``nemo_rl.weight_sync.guard.check_in_process``)."""
         return []
+
+    def set_refill(self, refill: Callable[[Sequence[int]], None] | None) -> None:
+        """Nothing to refill: the replicas live in the policy's workers, whose death ends the run."""
+
+    def replace_lost_workers(self) -> bool:
+        """False: the replicas live in the policy's workers, whose death ends the run."""
+        return False
+
+    def take_metrics(self) -> dict[str, float]:
+        """Nothing measured here."""
+        return {}
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full weights held by the driver into every replica (each weight exactly once)."""

@@ -1,0 +1,130 @@
+"""Waiting for worker calls while watching the workers: a worker that dies or stops answering is reported, not
+waited on.
+
+:func:`gather_watching` is the wait of a pool that replaces its lost workers (the generation workers, see
+:mod:`nemo_rl.models.generation.healing`): instead of raising at the first dead worker, it collects every
+call's result and every failed worker, telling a hung worker (alive, but silent past ``hang_timeout_s``) from a
+busy one by pinging it on a thread of its own (:meth:`RayWorkerGroup.ping`). A call that raises in a living
+worker is a bug, not a lost worker, and is raised as it is.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError
+
+from nemo_rl.distributed.worker_groups import RayWorkerGroup, WorkerDiedError
+
+
+@dataclass(frozen=True)
+class WorkerFailure:
+    """A worker lost during a call: dead (its process is gone) or hung (alive but silent)."""
+
+    rank: int
+    """The worker's rank in its group."""
+
+    hung: bool
+    """True: it answered no ping for the hang timeout; False: it died."""
+
+    cause: str
+    """What Ray reported (a death), or how long it was silent (a hang); one line."""
+
+    @property
+    def verb(self) -> str:
+        """``"died"`` or ``"hung"``."""
+        return "hung" if self.hung else "died"
+
+
+def _first_line(text: str) -> str:
+    return (text.strip().splitlines() or [""])[0][:300]
+
+
+def gather_watching(
+    group: RayWorkerGroup,
+    refs: Mapping[int, ray.ObjectRef],
+    *,
+    timeout_s: float,
+    hang_timeout_s: float,
+) -> tuple[dict[int, Any], dict[int, WorkerFailure]]:
+    """Wait for ``refs`` (one call per rank, ``{rank: ref}``) until each has a result or its worker is lost.
+
+    A worker is lost when it dies or when it answers no ping for ``hang_timeout_s`` (pings need
+    ``group.health_checks``). Once a rank is lost, its tensor-parallel peers' calls are not waited for either
+    (they may be stuck in a collective with it): the caller replaces whole data-parallel groups.
+
+    Returns ``(results, failures)``: the results by rank of the calls that finished, and the lost workers by
+    rank. Raises ``TimeoutError`` naming the calls still running after ``timeout_s``, and a call's own
+    exception (from a living worker) as :meth:`RayWorkerGroup.get_all_worker_results` does.
+    """
+    start = time.monotonic()
+    deadline = start + timeout_s
+    check_s = max(hang_timeout_s / 4, 0.05)
+    pending: dict[ray.ObjectRef, int] = {ref: rank for rank, ref in refs.items()}
+    pings: dict[ray.ObjectRef, int] = {}
+    pinged_at = dict.fromkeys(refs, start)
+    seen_at = dict.fromkeys(refs, start)
+    results: dict[int, Any] = {}
+    failures: dict[int, WorkerFailure] = {}
+
+    def lose(failure: WorkerFailure) -> None:
+        failures[failure.rank] = failure
+        peers = {r for r in refs if group.dp_rank(r) == group.dp_rank(failure.rank)}
+        for ref, rank in list(pending.items()):
+            if rank in peers:
+                del pending[ref]
+
+    while pending:
+        now = time.monotonic()
+        if now >= deadline:
+            raise TimeoutError(
+                f"worker group {group.name!r}: {group._describe(list(pending))} did not finish within {timeout_s:g} s"
+            )
+        waiting = [*pending, *pings]
+        ready, _ = ray.wait(waiting, num_returns=1, timeout=min(deadline - now, check_s))
+        for ref in ready:
+            if ref in pings:
+                rank = pings.pop(ref)
+                try:
+                    ray.get(ref)
+                    seen_at[rank] = time.monotonic()
+                except RayActorError as error:
+                    if rank not in failures:
+                        lose(WorkerFailure(rank, False, _first_line(str(error))))
+            elif ref in pending:
+                rank = pending.pop(ref)
+                try:
+                    results[rank] = group._fetch(ref)
+                except WorkerDiedError as error:
+                    lose(WorkerFailure(rank, False, _first_line(error.cause)))
+        if group.health_checks:
+            _watch(group, pending, pings, pinged_at, seen_at, check_s, hang_timeout_s, lose)
+    return results, failures
+
+
+def _watch(
+    group: RayWorkerGroup,
+    pending: dict[ray.ObjectRef, int],
+    pings: dict[ray.ObjectRef, int],
+    pinged_at: dict[int, float],
+    seen_at: dict[int, float],
+    check_s: float,
+    hang_timeout_s: float,
+    lose: Callable[[WorkerFailure], None],
+) -> None:
+    """Ping the ranks still running a call (one ping at a time each) and lose those silent too long."""
+    now = time.monotonic()
+    outstanding = set(pings.values())
+    for rank in sorted(set(pending.values())):
+        if rank not in pending.values():  # a peer of a rank lost in this pass
+            continue
+        silent_s = now - seen_at[rank]
+        if silent_s > hang_timeout_s:
+            lose(WorkerFailure(rank, True, f"answered no ping for {silent_s:.0f} s"))
+        elif rank not in outstanding and now - pinged_at[rank] >= check_s:
+            pinged_at[rank] = now
+            pings.update({ref: r for r, ref in group.ping([rank]).items()})
