@@ -59,15 +59,6 @@ _RESERVED_ENV_VARS = frozenset(
 )
 
 
-HEALTH_GROUP = "health"
-"""The actors' concurrency group that answers pings (``health_checks=True``)."""
-
-
-def _answer(_worker: Any) -> bool:
-    """What a ping runs inside the worker: nothing, so any answer means the process is alive and scheduling."""
-    return True
-
-
 def _put_once(value: Any) -> Any:
     """``value`` in the object store (refs are passed as they are: Ray resolves top-level refs in the actor)."""
     return value if isinstance(value, ray.ObjectRef) else ray.put(value)
@@ -93,9 +84,8 @@ class RayWorkerGroup:
     worker each, ranks in that order; default: all of them), so disjoint lists give non-colocated groups.
     ``dp_size`` (default: ``world_size``, i.e. no tensor parallelism) sets the (dp, tp) mesh.
     ``max_concurrency`` above 1 makes threaded actors that run that many calls at once (a generation worker
-    taking a refit while it decodes). ``health_checks`` gives every actor a thread that answers :meth:`ping`
-    while it runs another call, so a hung worker can be told from a busy one; :meth:`replace_workers` and
-    :meth:`drop_dp_groups` let a group go on after losing workers.
+    taking a refit while it decodes. (:class:`~nemo_rl.distributed.worker_watch.WatchedWorkerGroup` adds pings
+    and replacing lost workers.)
 
     Construction does not wait for the actors; :meth:`wait_until_ready` does, and any method call surfaces a
     failed ``__init__`` as :class:`WorkerDiedError`.
@@ -113,7 +103,6 @@ class RayWorkerGroup:
         dp_size: int | None = None,
         env_vars: Mapping[str, str] | None = None,
         max_concurrency: int = 1,
-        health_checks: bool = False,
     ) -> None:
         if isinstance(worker_cls, ActorClass):
             raise TypeError(
@@ -144,8 +133,6 @@ class RayWorkerGroup:
         self.bundle_indices = bundles
         self._worker_cls = worker_cls
         self._max_concurrency = max_concurrency
-        self.health_checks = health_checks
-        """Whether the workers answer :meth:`ping` while they run another call (a thread of their own)."""
         self._world_size = world_size
         self._dp_size = dp
         self._tp_size = world_size // dp
@@ -174,11 +161,7 @@ class RayWorkerGroup:
         self._init_kwargs = {key: _put_once(value) for key, value in init_kwargs.items()}
         self._env_vars = env_vars
         self._master = self.cluster.get_master_address_and_port(self.bundle_indices[0])
-        self._actor_cls: Any = (
-            ray.remote(concurrency_groups={HEALTH_GROUP: 1})(self._worker_cls)  # type: ignore[call-overload]  # ray's stubs lack the key
-            if self.health_checks
-            else ray.remote(self._worker_cls)
-        )
+        self._actor_cls = self._remote_class()
         workers: list[ActorHandle] = []
         actor_ranks: dict[str, int] = {}
         try:
@@ -191,6 +174,10 @@ class RayWorkerGroup:
                 ray.kill(started, no_restart=True)
             raise
         return workers, actor_ranks
+
+    def _remote_class(self) -> Any:
+        """The worker class as a Ray actor class."""
+        return ray.remote(self._worker_cls)
 
     def _start_worker(self, rank: int) -> ActorHandle:
         """Start the actor of ``rank`` on its bundle, with the rank's environment (see the module docstring)."""
@@ -226,56 +213,6 @@ class RayWorkerGroup:
             runtime_env={"env_vars": rank_env},
         ).remote(*self._init_args, **self._init_kwargs)
         return worker
-
-    # ------------------------------------------------------------------------------ replacing workers
-    def ping(self, ranks: Sequence[int]) -> dict[int, ray.ObjectRef]:
-        """One health ping per rank of ``ranks``: a ref that resolves as soon as the worker's process answers,
-        even while it runs another call (the ping has a thread of its own). Needs ``health_checks=True``."""
-        if not self.health_checks:
-            raise RuntimeError(f"worker group {self.name!r} was started without health_checks=True")
-        return {
-            rank: self._workers[rank].__ray_call__.options(concurrency_group=HEALTH_GROUP).remote(_answer)
-            for rank in ranks
-        }
-
-    def replace_workers(self, ranks: Sequence[int], timeout_s: float) -> None:
-        """Kill the workers of ``ranks`` (dead, hung or alive) and start new ones in their places: the same
-        bundles, rank environments and constructor arguments; wait until they are ready.
-
-        Raises ``TimeoutError`` when a replacement has not started within ``timeout_s`` (its bundle's node is
-        gone, say) and :class:`WorkerDiedError` when one fails in ``__init__``; the failed ones are killed.
-        """
-        for rank in ranks:
-            old = self._workers[rank]
-            ray.kill(old, no_restart=True)
-            self._actor_ranks.pop(old._actor_id.hex(), None)
-            self._workers[rank] = self._start_worker(rank)
-            self._actor_ranks[self._workers[rank]._actor_id.hex()] = rank
-        refs: list[ray.ObjectRef] = [self._workers[rank].__ray_ready__.remote() for rank in ranks]
-        for rank, ref in zip(ranks, refs, strict=True):
-            self._remember(ref, rank, "__init__")
-        try:
-            self.get_all_worker_results(refs, timeout_s)
-        except BaseException:
-            for rank in ranks:
-                ray.kill(self._workers[rank], no_restart=True)
-            raise
-
-    def drop_dp_groups(self, dp_ranks: Sequence[int]) -> None:
-        """Kill the workers of the data-parallel groups ``dp_ranks`` and go on without them: the group then has
-        fewer dp groups, the later ones renumbered (their processes keep the environment they started with)."""
-        dropped = {rank for rank in range(self._world_size) if self.dp_rank(rank) in set(dp_ranks)}
-        if len(dropped) == self._world_size:
-            raise ValueError(f"worker group {self.name!r}: dropping every dp group leaves no worker")
-        for rank in sorted(dropped):
-            ray.kill(self._workers[rank], no_restart=True)
-        self.cluster.release_bundles([self.bundle_indices[r] for r in sorted(dropped)], self.name)
-        kept = [rank for rank in range(self._world_size) if rank not in dropped]
-        self._workers = [self._workers[rank] for rank in kept]
-        self.bundle_indices = [self.bundle_indices[rank] for rank in kept]
-        self._actor_ranks = {worker._actor_id.hex(): rank for rank, worker in enumerate(self._workers)}
-        self._world_size = len(kept)
-        self._dp_size = self._world_size // self._tp_size
 
     in_process = False
     """The workers are Ray actors (arguments too large to copy per call go through the object store)."""

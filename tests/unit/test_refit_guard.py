@@ -131,6 +131,12 @@ class Engines:
             held[self.corrupt] = held[self.corrupt] + 1
         return [[named_checksums(HF.items())], [named_checksums(vllm_style(held).items())]]
 
+    def set_refill(self, refill: Any) -> None:
+        self.refill = refill
+
+    def replace_lost_workers(self) -> bool:
+        return False  # these engines never die
+
 
 def refitter_for(engines: Engines, monkeypatch: pytest.MonkeyPatch, **guard: Any) -> Refitter:
     def fake_refit(*args: Any, **kwargs: Any) -> tuple[dict[str, float], list[TransferStats]]:

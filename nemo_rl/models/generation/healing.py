@@ -30,8 +30,8 @@ import ray
 
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.generation import HealingConfig
-from nemo_rl.distributed.worker_groups import RayWorkerGroup, WorkerDiedError
-from nemo_rl.distributed.worker_watch import WorkerFailure, gather_watching
+from nemo_rl.distributed.worker_groups import WorkerDiedError
+from nemo_rl.distributed.worker_watch import WatchedWorkerGroup, WorkerFailure, gather_watching
 
 Refill = Callable[[Sequence[int]], None]
 """Loads the run's current weights into the workers of the given ranks (just replaced)."""
@@ -46,12 +46,12 @@ class PoolHealer:
     """Runs calls on a generation worker group, replacing the workers lost during them (module docstring).
 
     Args:
-        group: the generation workers (started with ``health_checks=True``).
+        group: the generation workers.
         cfg: ``policy.generation.healing``.
         backend_name: the backend as messages name it.
     """
 
-    def __init__(self, group: RayWorkerGroup, cfg: HealingConfig, backend_name: str) -> None:
+    def __init__(self, group: WatchedWorkerGroup, cfg: HealingConfig, backend_name: str) -> None:
         self.group = group
         self.cfg = cfg
         self.backend_name = backend_name
@@ -212,7 +212,7 @@ class PoolHealer:
         return True
 
 
-def _actor_ids(group: RayWorkerGroup, refs: dict[int, Any]) -> dict[int, str]:
+def _actor_ids(group: WatchedWorkerGroup, refs: dict[int, Any]) -> dict[int, str]:
     """The actor id of each rank of ``refs`` now (to tell later whether it was replaced meanwhile)."""
     return {rank: group.workers[rank]._actor_id.hex() for rank in refs}
 

@@ -23,7 +23,7 @@ from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.distributed.worker_group_facade import WorkerGroup, WorkerGroupFacade
-from nemo_rl.distributed.worker_groups import RayWorkerGroup
+from nemo_rl.distributed.worker_watch import WatchedWorkerGroup
 from nemo_rl.models.generation.healing import PoolHealer, Refill
 from nemo_rl.models.generation.interfaces import WeightManifestDict, check_generation_input
 from nemo_rl.models.tokenizer import require_pad_token_id
@@ -172,7 +172,7 @@ class ReplicatedGeneration(SeededReplicas, WorkerGroupFacade):
         layout = self._layout(cluster, bundles, seed)
         SeededReplicas.__init__(self, pad_token_id=require_pad_token_id(tokenizer), seed=seed)
         self._cluster = cluster
-        workers = RayWorkerGroup(
+        workers = WatchedWorkerGroup(
             cluster,
             self.worker_cls,
             name=self.default_name if name is None else name,
@@ -186,7 +186,6 @@ class ReplicatedGeneration(SeededReplicas, WorkerGroupFacade):
             dp_size=layout.dp_size,
             env_vars=layout.env_vars,
             max_concurrency=2 if concurrent_refit else 1,
-            health_checks=True,
         )
         self.healer = PoolHealer(workers, cfg.generation.healing, self.backend_name)
         """Replaces the workers lost during a call (:mod:`~nemo_rl.models.generation.healing`)."""
