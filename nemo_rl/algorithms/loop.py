@@ -161,6 +161,10 @@ class TrainLoop(Generic[B]):
     """Also validate after the last step when ``val_period`` does not fall on it (before the final
     checkpoint, which then records the validation metric)."""
 
+    step_events: Callable[[], Mapping[str, float]] | None = None
+    """What happened to the run's workers since the last step (e.g. ``generation/replaced_workers``), added
+    to each step's ``train/*`` metrics."""
+
     timer: Timer = dataclasses.field(init=False, default_factory=Timer)
     """Times the current step; labels it records are logged as ``timing/train/<label>``."""
 
@@ -218,8 +222,9 @@ class TrainLoop(Generic[B]):
         if self.validate is not None and (periodic or (self.val_at_end and step == self.total_steps)):
             with self.timer.time("validation"):
                 self.validate(step)
+        events = {} if self.step_events is None else self.step_events()
         # Logged before the checkpoint, so a run killed after saving step N has step N's metrics.
-        self.logger.log_metrics(dict(metrics), step, prefix="train")
+        self.logger.log_metrics({**metrics, **events}, step, prefix="train")
         self._deadline.mark_iteration()
         self.out_of_time = self._deadline.check_save()
         if self.checkpointer.cfg.enabled and (

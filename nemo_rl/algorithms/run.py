@@ -210,6 +210,8 @@ class Run(Generic[C, S]):
             val_period=loop_cfg.val_period,
             val_at_start=loop_cfg.val_at_start,
             val_at_end=loop_cfg.val_at_end,
+            # Generation workers replaced during the step (its rollout, refit or validation).
+            step_events=None if self.sampling is None else self.sampling.generation.take_metrics,
         )
 
     def save_checkpoint(self, loader_position: SupportsStateDict | None = None) -> Path:
@@ -261,7 +263,6 @@ class Run(Generic[C, S]):
             rollout, metrics = run_agent_rollout(
                 rl.agent_endpoint, samples, self.tokenizer, rl.agent, timer=timer
             )
-            metrics = {**metrics, **rl.generation.take_metrics()}
             return rollout, metrics, dict  # the agents' rewards score the samples: no environment step
         rollout, metrics = run_multi_turn_rollout(
             rl.generation if generation is None else generation,
@@ -273,8 +274,6 @@ class Run(Generic[C, S]):
             timer=timer,
             task_to_tools=rl.task_to_tools,
         )
-        # Generation workers replaced since the last step (during its refit or this rollout).
-        metrics = {**metrics, **rl.generation.take_metrics()}
         return rollout, metrics, request_environment_metrics(rl.task_to_env, rollout)
 
     def sampler(self, loop_cfg: SamplingLoopConfig, timer: Timer) -> RollOut:

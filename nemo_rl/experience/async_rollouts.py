@@ -49,6 +49,7 @@ from typing import Any, Protocol
 
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.experience.trajectory_buffer import RolloutBatch, TrajectoryBuffer
+from nemo_rl.models.generation.healing import GenerationPoolError
 from nemo_rl.models.generation.interfaces import GenerationInterface
 
 __all__ = [
@@ -229,6 +230,8 @@ class AsyncRollouts:
             start = time.perf_counter()
             try:
                 rollout, metrics = self._roll_out(generation, batch)
+            except GenerationPoolError:
+                raise  # the pool retried what it could already: its one line ends the run as it is
             except Exception as err:
                 with self._counters_lock:
                     self._counters.failures += 1

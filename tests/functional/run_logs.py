@@ -1,5 +1,6 @@
-"""Reading what a script under test logged: its ``metrics.jsonl``, possibly while the run still writes it; and
-the overrides that put a GRPO script's sampler on vLLM's CPU build."""
+"""Reading what a script under test logged: its ``metrics.jsonl``, possibly while the run still writes it, and
+the prompts each asynchronous GRPO step trained on; the worker processes of its Ray session; and the overrides
+that put a GRPO script's sampler on vLLM's CPU build."""
 
 from __future__ import annotations
 
@@ -62,3 +63,36 @@ def wait_until_exists(proc: subprocess.Popen[bytes], path: Path, timeout_s: floa
             pytest.fail(f"run ended before it wrote {path}:\n{output[-6000:]}")
         assert time.monotonic() < deadline, f"no {path} within {timeout_s:.0f} s"
         time.sleep(0.1)
+
+
+def trained_prompts(log_dir: Path) -> dict[int, list[int]]:
+    """Prompt indices each step trained on (a step the killed run trained after its checkpoint is trained
+    again by the rerun, on the same prompts)."""
+    steps: dict[int, list[int]] = {}
+    for line in (log_dir / "async_trajectories.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        assert not record["dropped"], record
+        assert steps.setdefault(record["step"], record["prompt_idx"]) == record["prompt_idx"], record
+    return steps
+
+
+def expected_prompt_order(num_prompts: int) -> list[int]:
+    # The recipe's loader: the 4946 training problems shuffled with seed 42 (StatefulDataLoader's epoch 0).
+    from nemo_rl.data.dataloader import StatefulDataLoader
+
+    loader = StatefulDataLoader(
+        range(4946), batch_size=1, shuffle=True, seed=42, drop_last=True, collate_fn=list
+    )
+    return loader.epoch_order(0)[:num_prompts]
+
+
+def ray_worker_pids(ray_dir: Path) -> dict[int, str]:
+    """The live worker processes of the Ray session in ``ray_dir``, by pid, with their process titles."""
+    pids: dict[int, str] = {}
+    for log in (ray_dir / "session_latest" / "logs").glob("python-core-worker-*_*.log"):
+        pid = int(log.stem.rpartition("_")[2])
+        try:
+            pids[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+        except FileNotFoundError:
+            continue
+    return pids

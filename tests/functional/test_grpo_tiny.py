@@ -22,7 +22,14 @@ from typing import Any
 
 import pytest
 from kill_resume import kill_and_resume, run_script, script_env, step_metrics
-from run_logs import VLLM_CPU_OWN_SLOT, wait_until_exists, wait_until_step_logged
+from run_logs import (
+    VLLM_CPU_OWN_SLOT,
+    expected_prompt_order,
+    ray_worker_pids,
+    trained_prompts,
+    wait_until_exists,
+    wait_until_step_logged,
+)
 
 from nemo_rl.models.generation.vllm import engine_setup as vllm_setup
 from nemo_rl.weight_sync.shm_segments import SEGMENT_NAME_PREFIX, SHM_DIR
@@ -108,7 +115,7 @@ def test_colocated_dp2_lora_run_ends_naming_a_dead_policy_worker_and_leaves_noth
         wait_until_step_logged(proc, log_dir, 3, TIMEOUT_S)
         # Within 0.1 s: a whole step of this size takes about that long, and step 4 ends the run.
         time.sleep(random.uniform(0.0, 0.1))
-        run_pids = _ray_worker_pids(ray_dir)
+        run_pids = ray_worker_pids(ray_dir)
         policy_pids = [pid for pid, title in run_pids.items() if title.startswith("ray::DTensorPolicyWorker")]
         assert len(policy_pids) == 2, run_pids
         os.kill(random.choice(policy_pids), signal.SIGKILL)
@@ -177,18 +184,6 @@ def _model_bytes(model_dir: Path) -> int:
 
     with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
         return sum(f.get_tensor(name).nbytes for name in f.keys())  # noqa: SIM118 (safe_open is not a dict)
-
-
-def _ray_worker_pids(ray_dir: Path) -> dict[int, str]:
-    """The live worker processes of the Ray session in ``ray_dir``, by pid, with their process titles."""
-    pids: dict[int, str] = {}
-    for log in (ray_dir / "session_latest" / "logs").glob("python-core-worker-*_*.log"):
-        pid = int(log.stem.rpartition("_")[2])
-        try:
-            pids[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
-        except FileNotFoundError:
-            continue
-    return pids
 
 
 def _alive(pid: int) -> bool:
@@ -298,8 +293,8 @@ def test_vllm_samples_for_async_grpo_and_takes_the_refits_in_flight(tmp_path: Pa
         assert metrics[step]["train/async/trajectory_age_max"] <= 1, step
         assert metrics[step]["train/async/dropped_stale_groups"] == 0, step
     assert "validation/accuracy" in metrics[2]
-    trained = _trained_prompts(log_dir)
-    assert [i for step in (1, 2, 3) for i in trained[step]] == _expected_prompt_order(12)
+    trained = trained_prompts(log_dir)
+    assert [i for step in (1, 2, 3) for i in trained[step]] == expected_prompt_order(12)
     info = json.loads((tmp_path / "vllm" / "ckpt" / "step_2" / "training_info.json").read_text())
     assert info["consumed_prompts"] == 8
 
@@ -318,27 +313,6 @@ def _async_run(tmp_path: Path, name: str, *extra: str) -> tuple[list[str], Path]
     return cmd, tmp_path / name
 
 
-def _trained_prompts(log_dir: Path) -> dict[int, list[int]]:
-    """Prompt indices each step trained on (a step the killed run trained after its checkpoint is trained
-    again by the rerun, on the same prompts)."""
-    steps: dict[int, list[int]] = {}
-    for line in (log_dir / "async_trajectories.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        assert not record["dropped"], record
-        assert steps.setdefault(record["step"], record["prompt_idx"]) == record["prompt_idx"], record
-    return steps
-
-
-def _expected_prompt_order(num_prompts: int) -> list[int]:
-    # The recipe's loader: the 4946 training problems shuffled with seed 42 (StatefulDataLoader's epoch 0).
-    from nemo_rl.data.dataloader import StatefulDataLoader
-
-    loader = StatefulDataLoader(
-        range(4946), batch_size=1, shuffle=True, seed=42, drop_last=True, collate_fn=list
-    )
-    return loader.epoch_order(0)[:num_prompts]
-
-
 @pytest.mark.slow
 def test_async_grpo_ends_naming_a_dead_generation_worker_and_resumes_without_losing_a_prompt(
     tmp_path: Path,
@@ -346,7 +320,7 @@ def test_async_grpo_ends_naming_a_dead_generation_worker_and_resumes_without_los
     # The async recipe (one generation slot, one training slot) with in-flight weight updates and the KV cache
     # recomputed after them. The generation worker is killed (SIGKILL) once the step-2 checkpoint exists, while
     # it samples later prompts the driver has already drawn: the run ends within a minute naming it (no
-    # generation failure is tolerated). The rerun trains first on the batches the checkpoint holds (sampled
+    # replacement is allowed). The rerun trains first on the batches the checkpoint holds (sampled
     # ahead), then draws the prompts after them, so the steps together train on the loader's prompts in
     # order, each exactly once.
     cmd, run_dir = _async_run(
@@ -354,6 +328,8 @@ def test_async_grpo_ends_naming_a_dead_generation_worker_and_resumes_without_los
         "async",
         "grpo.async_grpo.in_flight_weight_updates=true",
         "grpo.async_grpo.recompute_kv_cache_after_weight_updates=true",
+        # No replacement (tests/functional/test_generation_healing_run.py heals one): the run ends.
+        "policy.generation.healing.max_replacements=0",
     )
     ckpt = run_dir / "ckpt" / "step_2" / "training_info.json"
     ray_dir = Path(f"/tmp/ray_t{uuid.uuid4().hex[:8]}")
@@ -366,7 +342,7 @@ def test_async_grpo_ends_naming_a_dead_generation_worker_and_resumes_without_los
             env=script_env(NEMO_RL_RAY_TEMP_DIR=str(ray_dir)),
         )
         wait_until_exists(proc, ckpt, TIMEOUT_S)
-        run_pids = _ray_worker_pids(ray_dir)
+        run_pids = ray_worker_pids(ray_dir)
         generation_pids = [
             p for p, title in run_pids.items() if title.startswith("ray::EmbeddedGenerationWorker")
         ]
@@ -377,7 +353,7 @@ def test_async_grpo_ends_naming_a_dead_generation_worker_and_resumes_without_los
         ended_s = time.monotonic() - killed_at
         text = stdout.decode()[-4000:]
         assert proc.returncode != 0 and ended_s < 60, (proc.returncode, ended_s, text)
-        assert re.search(r"(worker group 'embedded_generation'|generation worker \d) died", text), text
+        assert re.search(r"generation worker 0 \(replica 0\) died during .*max_replacements=0", text), text
     finally:
         shutil.rmtree(ray_dir, ignore_errors=True)
     assert json.loads(ckpt.read_text())["consumed_prompts"] == 8
@@ -397,10 +373,10 @@ def test_async_grpo_ends_naming_a_dead_generation_worker_and_resumes_without_los
     # Generation ran ahead: later steps train on samples of the weights one update older.
     assert any(metrics[step]["train/async/trajectory_age_max"] == 1 for step in (2, 3, 4))
     assert "validation/accuracy" in metrics[3]
-    trained = _trained_prompts(run_dir / "logs")
+    trained = trained_prompts(run_dir / "logs")
     assert sorted(trained) == [1, 2, 3, 4]
     flat = [i for step in sorted(trained) for i in trained[step]]
-    assert flat == _expected_prompt_order(16), "a prompt was lost or repeated across the failure"
+    assert flat == expected_prompt_order(16), "a prompt was lost or repeated across the failure"
     assert (
         json.loads((run_dir / "ckpt" / "step_4" / "training_info.json").read_text())["consumed_prompts"] == 16
     )
