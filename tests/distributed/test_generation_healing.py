@@ -25,6 +25,7 @@ from nemo_rl.config.cluster import ClusterConfig
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
+from nemo_rl.experience.agent_batching import GenerationBatcher, SampleRequest
 from nemo_rl.models.generation.embedded.generation import EmbeddedGeneration
 from nemo_rl.models.generation.healing import GenerationPoolError
 
@@ -121,6 +122,25 @@ def test_a_killed_and_a_frozen_replica_are_replaced_and_sample_the_same_rows_aga
         match=r"generation worker 1 \(replica 1\) died during generate.*max_replacements=2",
     ):
         pool.generate(data, seed=SEED)
+
+
+def test_the_agent_endpoints_requests_are_answered_across_a_lost_worker(
+    pool: EmbeddedGeneration, tiny_assets: tuple[Path, PreTrainedTokenizerBase]
+) -> None:
+    # The agent endpoint batches its requests into the pool's generate calls, so a lost worker is replaced
+    # under them and every request is answered.
+    _, tokenizer = tiny_assets
+    batcher = GenerationBatcher(pool, pad_token_id=tokenizer.pad_token_id, max_batch_size=8, wait_s=0.05)
+    batcher.start()
+    try:
+        batcher.resume()
+        os.kill(_pid(pool, 0), signal.SIGKILL)
+        futures = [batcher.submit(SampleRequest(tokenizer(f"add {i} and 2:")["input_ids"])) for i in range(4)]
+        results = [future.result(timeout=TIMEOUT_S) for future in futures]
+    finally:
+        batcher.stop(TIMEOUT_S)
+    assert all(len(result.sampled_ids) > 0 for result in results)
+    assert pool.take_metrics() == {"generation/replaced_workers": 1.0}
 
 
 @pytest.mark.parametrize("pool", [{"start_timeout_s": 0.01}], indirect=True)
