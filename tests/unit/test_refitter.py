@@ -69,6 +69,12 @@ class FakeGeneration:
     def expected_weights_manifest(self, scope: RefitScope = "full") -> Mapping[str, SpecLike]:
         return FULL if scope == "full" else ADAPTERS
 
+    def set_refill(self, refill: Any) -> None:
+        self.log.append("generation.set_refill")
+
+    def replace_lost_workers(self) -> bool:
+        return False  # never loses a worker (tests/unit/test_refitter_healing.py does)
+
 
 def policy_cfg(guard: bool = True) -> PolicyConfig:
     return PolicyConfig.model_validate(
