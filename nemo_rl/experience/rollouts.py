@@ -83,6 +83,8 @@ class _Rollout:
     images: dict[str, list[Any]]
     """Each row's image tensors under :data:`~nemo_rl.data.collate_fn.IMAGE_KEYS` (multimodal prompts only):
     every generation call of the row reads them with its tokens."""
+    env_actor_replacements: int = 0
+    """Environment actors replaced during the rollout's steps (they died or hung)."""
 
     @classmethod
     def start(cls, input_batch: BatchedDataDict[Any], tokenizer: PreTrainedTokenizerBase) -> _Rollout:
@@ -130,11 +132,9 @@ def _timed(timer: Timer | None, name: str) -> contextlib.AbstractContextManager[
     return timer.time(name) if timer else contextlib.nullcontext()
 
 
-def _env_step(
-    task_to_env: Mapping[str, Any], rollout: _Rollout, active: list[int]
-) -> tuple[dict[int, _StepResult], int]:
+def _env_step(task_to_env: Mapping[str, Any], rollout: _Rollout, active: list[int]) -> dict[int, _StepResult]:
     """Step every environment on its active samples; returns per-sample (reward, terminated, obs, stops, info,
-    answer), and how many environment actors were replaced (having died or hung) meanwhile."""
+    answer). Environment actors replaced meanwhile (having died or hung) are counted in ``rollout``."""
     by_task: dict[str, list[int]] = defaultdict(list)
     for i in active:
         by_task[rollout.task_names[i]].append(i)
@@ -161,7 +161,8 @@ def _env_step(
                 ret.metadata[j],
                 ret.answers[j] if ret.answers is not None else None,
             )
-    return results, sum(call.replacements for call in calls.values())
+    rollout.env_actor_replacements += sum(call.replacements for call in calls.values())
+    return results
 
 
 def run_multi_turn_rollout(
@@ -183,9 +184,8 @@ def run_multi_turn_rollout(
         input_batch: ``message_log``, ``extra_env_info`` and ``task_name`` per sample (logs are copied, not
             changed); optionally ``stop_strings`` of each sample's first response.
         tokenizer: The policy's tokenizer (pad id, decoding, rendering observations).
-        task_to_env: Environment per task name (:func:`~nemo_rl.environments.registry.create_env`'s, or an
-            actor the caller started); an actor that dies or hangs during a step is replaced and the step
-            sent again (:mod:`nemo_rl.environments.healing`).
+        task_to_env: Environment per task name; one that dies or hangs during a step is replaced
+            (:mod:`nemo_rl.environments.healing`).
         max_seq_len: Token budget of a whole conversation (prompt, responses and observations).
         max_rollout_turns: Most generate / environment turns per sample.
         greedy: Decode greedily (validation) instead of sampling.
@@ -205,7 +205,7 @@ def run_multi_turn_rollout(
         ``malformed_tool_call_rate`` and ``tool_error_rate`` (the last two per call).
     """
     rollout = _Rollout.start(input_batch, tokenizer)
-    turn_metrics: dict[str, float] = {"env_actor_replacements": 0.0}
+    turn_metrics: dict[str, float] = {}
     for turn in range(max_rollout_turns):
         active = rollout.active()
         if not active:
@@ -220,8 +220,7 @@ def run_multi_turn_rollout(
                 calling_tools = _tool_turns(rollout, active, task_to_tools, tokenizer, max_seq_len)
         scored = [i for i in active if i not in calling_tools]
         with _timed(timer, "reward"):
-            results, replaced = _env_step(task_to_env, rollout, scored)
-        turn_metrics["env_actor_replacements"] += replaced
+            results = _env_step(task_to_env, rollout, scored)
         _apply_env_results(rollout, scored, results, tokenizer, max_seq_len, out_of_turns)
         turn_metrics[f"turn_{turn + 1}/active_samples"] = float(len(active))
         turn_metrics[f"turn_{turn + 1}/mean_gen_tokens"] = turn_tokens / len(active)
@@ -336,6 +335,7 @@ def _finished_batch(
         "mean_turns_per_sample": sum(s.turns for s in states) / batch_size,
         "mean_total_reward": float(result["total_reward"].mean()),
         "mean_conversation_tokens": int(rollout.tokens.lengths_B.sum()) / batch_size,
+        "env_actor_replacements": float(rollout.env_actor_replacements),
         **turn_metrics,
         **(_tool_metrics(states) if with_tools else {}),
     }

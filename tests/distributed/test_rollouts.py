@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import ray
 import torch
 
 from nemo_rl.config.env import EnvConfig, MathEnvConfig, NumberGuessingEnvConfig
@@ -20,6 +21,7 @@ from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.data.llm_message_utils import format_message_log, message_log_token_ids
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.environments.games.number_guessing import game_prompt, new_game
+from nemo_rl.environments.healing import HealingEnvironment
 from nemo_rl.environments.registry import create_env, stop_envs
 from nemo_rl.experience.rollouts import run_multi_turn_rollout
 from nemo_rl.models.tokenizer import get_policy_tokenizer
@@ -136,6 +138,33 @@ def test_multi_turn_number_guessing(ray_cluster: Any, tokenizer: Any) -> None:
         assert int(mask.sum()) == assistant_tokens
         assert bool((batch["generation_logprobs"][b][mask] == SAMPLER_LOGPROB).all())
         assert bool((batch["generation_logprobs"][b][~mask] == 0).all())
+    stop_envs([env], timeout_s=60)
+
+
+def test_environment_actor_killed_mid_game_is_replaced(ray_cluster: Any, tokenizer: Any) -> None:
+    # The game's state travels in the metadata, so the replacement of an actor killed between two turns plays
+    # on: every game still ends correct, and the rollout counts the replacement.
+    env = create_env("number_guessing", EnvConfig(number_guessing=GAME))
+    assert isinstance(env, HealingEnvironment)
+    first_actor = env.actor
+
+    def kill_on_second_turn(conversation: str) -> str:
+        if conversation.count("<|assistant|>") == 2 and env.actor is first_actor:
+            ray.kill(first_actor)
+            with pytest.raises(ray.exceptions.RayActorError):  # dead before the turn's step is sent
+                ray.get(first_actor.__ray_ready__.remote(), timeout=60)
+        return binary_search_agent(conversation)
+
+    batch, metrics = run_multi_turn_rollout(
+        ScriptedGeneration(tokenizer, kill_on_second_turn),  # type: ignore[arg-type]
+        _game_batch(tokenizer, [1, 13]),
+        tokenizer,
+        {"number_guessing": env},
+        max_seq_len=1024,
+        max_rollout_turns=GAME.max_guesses,
+    )
+    assert batch["total_reward"].tolist() == [1.0, 1.0] and min(batch["num_turns"].tolist()) > 2
+    assert metrics["env_actor_replacements"] == 1.0 and env.actor is not first_actor
     stop_envs([env], timeout_s=60)
 
 

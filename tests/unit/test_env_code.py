@@ -330,7 +330,7 @@ def test_code_environment_step(code_env: Any) -> None:
         "timed_out": False,
     }
     assert ret.next_stop_strings == [None] * 4
-    assert "network: " in ray.get(code_env.isolation.remote(), timeout=RAY_TIMEOUT_S)
+    assert "network: " in code_env.call("isolation").result()
 
 
 def test_missing_tests_are_a_clear_error(code_env: Any) -> None:
