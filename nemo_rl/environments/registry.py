@@ -274,10 +274,8 @@ def as_env_handle(env: EnvHandle | ActorHandle[Any], name: str) -> EnvHandle:
     ``env.actor_call_timeout_s``'s default."""
     if isinstance(env, HealingEnvironment | InDriverEnvironment):
         return env
-    defaults = EnvConfig()
-    return HealingEnvironment(
-        name, env, None, call_timeout_s=defaults.actor_call_timeout_s, budget=ReplacementBudget(0)
-    )
+    call_timeout_s = EnvConfig.model_fields["actor_call_timeout_s"].default
+    return HealingEnvironment(name, env, None, call_timeout_s=call_timeout_s, budget=ReplacementBudget(0))
 
 
 def wait_envs_started(envs: Iterable[EnvHandle], timeout_s: float) -> None:
