@@ -25,7 +25,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import ray
 from ray.actor import ActorClass, ActorHandle
@@ -96,7 +96,7 @@ class ActorRecipe:
 
     def start(self) -> ActorHandle[Any]:
         """A new actor (its constructor runs in the background; wait on ``__ray_ready__``)."""
-        return self.actor_cls.options(**dict(self.options)).remote(self.config)
+        return cast(ActorHandle[Any], self.actor_cls.options(**dict(self.options)).remote(self.config))
 
 
 class HealingEnvironment:
