@@ -306,8 +306,9 @@ class EnvConfig(ConfigModel):
     Environments that run in the driver (``in_driver``) or that the caller passed in are never replaced."""
 
     actor_call_timeout_s: float = Field(default=600.0, gt=0.0)
-    """Longest an environment actor may take to answer one call (a step, or the metrics of a batch) before it
-    counts as hung and is replaced like a dead one (or, past ``max_actor_replacements``, ends the run)."""
+    """Longest an environment actor may take to answer one call (a step, or the metrics of a batch), counted
+    from when the call is sent, before it counts as hung and is replaced like a dead one (or, past
+    ``max_actor_replacements``, ends the run)."""
 
     @model_validator(mode="after")
     def _check_user_sections(self) -> Self:

@@ -29,7 +29,7 @@ from typing import Any, Protocol, cast
 
 import ray
 from ray.actor import ActorClass, ActorHandle
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from nemo_rl.config.errors import UserError
 
@@ -37,7 +37,7 @@ REPLACEMENT_START_TIMEOUT_S = 600.0
 """Longest wait for a replacement actor's constructor (the run's environments get as long to start)."""
 
 
-class EnvironmentActorError(UserError):
+class EnvironmentActorError(RuntimeError, UserError):
     """An environment actor died or hung and could not be replaced (the run's replacements are used up, or
     the caller started the actor); the message names the environment and what happened."""
 
@@ -123,6 +123,7 @@ class HealingEnvironment:
         """The replacements the run has left (shared by its environments)."""
         self._actor = actor
         self._recipe = recipe
+        self._stopped = False
         self._lock = threading.Lock()
 
     @classmethod
@@ -159,12 +160,14 @@ class HealingEnvironment:
                     f"environment {self.name!r} actor {what}; the caller started it, so the run cannot start "
                     "it again: pass environments that stay up, or let the run start them from env.<task>"
                 )
+            if self._stopped:  # the run is ending: a call still waiting must not start an actor
+                raise EnvironmentActorError(f"environment {self.name!r} actor {what}; it was stopped")
             if not self.budget.take():
                 raise EnvironmentActorError(
-                    f"environment {self.name!r} actor {what}, and the run has replaced "
-                    f"{self.budget.used} environment actors already (env.max_actor_replacements="
-                    f"{self.budget.limit}): find why it fails in its log (Ray's session logs), then rerun to "
-                    "resume from the last checkpoint, or raise env.max_actor_replacements"
+                    f"environment {self.name!r} actor {what}, and the run has no environment actor replacement "
+                    f"left (env.max_actor_replacements={self.budget.limit}, all used): find why it fails in "
+                    "its log (Ray's session logs), then rerun to resume from the last checkpoint, or raise "
+                    "env.max_actor_replacements"
                 )
             ray.kill(failed)  # a hung actor holds its slot and may wake up; a dead one is unaffected
             self._actor = self._started_replacement(what)
@@ -192,7 +195,10 @@ class HealingEnvironment:
 
     def stop(self, timeout_s: float) -> None:
         """Call the actor's ``shutdown`` (waiting at most ``timeout_s``), then kill it. A dead actor is only
-        killed: the error that ended the run named it, and the others still get stopped."""
+        killed: the error that ended the run named it, and the others still get stopped. A call still waiting
+        on it then fails instead of starting a replacement."""
+        with self._lock:
+            self._stopped = True
         with contextlib.suppress(RayActorError, GetTimeoutError):
             ray.get(self._actor.shutdown.remote(), timeout=timeout_s)
         ray.kill(self._actor)
@@ -222,7 +228,10 @@ class _HealingCall:
             try:
                 return ray.get(self._ref, timeout=max(self._deadline - time.monotonic(), 0.0))
             except RayActorError as err:
-                what = f"died during {self._method} ({_first_line(err)})"
+                # An actor the environment itself calls (the reward model's workers) died: starting the
+                # environment again starts those again.
+                how = "lost an actor it calls" if isinstance(err, RayTaskError) else "died"
+                what = f"{how} during {self._method} ({_first_line(err)})"
             except GetTimeoutError:
                 what = f"did not answer {self._method} within {self._env.call_timeout_s:g} s (hung)"
             actor, replaced = self._env.replace(self._actor, what)

@@ -200,9 +200,9 @@ def run_multi_turn_rollout(
         :mod:`nemo_rl.experience.train_batch`), ``total_reward`` [B], ``truncated`` [B] bool, ``num_turns``
         [B], ``generated_tokens`` [B] (summed over turns), ``num_tool_calls`` [B], ``extra_env_info`` (as
         updated by the environments), ``answers`` (the answer the environment extracted from each sample's
-        last response, ``None`` where it gave none); and metrics, ``env_actor_replacements`` among them
-        (environment actors replaced during the rollout) and with tools ``mean_tool_calls_per_sample``,
-        ``malformed_tool_call_rate`` and ``tool_error_rate`` (the last two per call).
+        last response, ``None`` where it gave none); and metrics (``env/replaced_actors``: environment actors
+        replaced during the rollout, when any; with tools: ``mean_tool_calls_per_sample``,
+        ``malformed_tool_call_rate`` and ``tool_error_rate``, the last two per call).
     """
     rollout = _Rollout.start(input_batch, tokenizer)
     turn_metrics: dict[str, float] = {}
@@ -335,8 +335,12 @@ def _finished_batch(
         "mean_turns_per_sample": sum(s.turns for s in states) / batch_size,
         "mean_total_reward": float(result["total_reward"].mean()),
         "mean_conversation_tokens": int(rollout.tokens.lengths_B.sum()) / batch_size,
-        "env_actor_replacements": float(rollout.env_actor_replacements),
         **turn_metrics,
+        **(
+            {"env/replaced_actors": float(rollout.env_actor_replacements)}
+            if rollout.env_actor_replacements
+            else {}
+        ),
         **(_tool_metrics(states) if with_tools else {}),
     }
     return result, metrics

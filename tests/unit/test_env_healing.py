@@ -155,8 +155,12 @@ def test_past_the_limit_the_call_ends_with_one_line(
     message = str(raised.value)
     assert isinstance(raised.value, UserError) and "\n" not in message  # one line, exit 2 under run_cli
     assert message.startswith(f"environment '{NAME}' actor died during step (ActorDiedError")
-    assert "replaced 1 environment actors already (env.max_actor_replacements=1)" in message
+    assert "no environment actor replacement left (env.max_actor_replacements=1, all used)" in message
     assert env.budget.used == 1
+    # Once stopped (the run ending), a call that finds its actor dead does not start another.
+    stop_envs([env], timeout_s=RAY_TIMEOUT_S)
+    with pytest.raises(EnvironmentActorError, match="it was stopped"):
+        step(env)
 
 
 def test_an_actor_the_caller_started_is_not_replaced(ray_cluster: dict[str, float], tmp_path: Path) -> None:
