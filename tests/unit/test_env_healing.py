@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from nemo_rl.config.env import EnvConfig
 from nemo_rl.config.errors import UserError
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.environments.healing import EnvironmentActorError, HealingEnvironment
+from nemo_rl.environments.healing import EnvironmentActorError, HealingEnvironment, ReplacementBudget
 from nemo_rl.environments.interfaces import EnvironmentInterface, EnvironmentReturn, Message
 from nemo_rl.environments.registry import (
     as_env_handle,
@@ -92,7 +92,7 @@ def envs() -> Iterator[list[HealingEnvironment]]:
     stop_envs(started, timeout_s=RAY_TIMEOUT_S)
 
 
-def test_healing_keys_are_not_environment_sections() -> None:
+def test_healing_keys_and_the_budget() -> None:
     cfg = EnvConfig.model_validate({"max_actor_replacements": 0, "actor_call_timeout_s": 5, "my_env": {}})
     assert cfg.user_sections() == ["my_env"] and cfg.max_actor_replacements == 0
     assert "max_actor_replacements" not in EnvConfig.schema_sections()
@@ -100,6 +100,8 @@ def test_healing_keys_are_not_environment_sections() -> None:
         check_env_sections(cfg)
     with pytest.raises(ValidationError):
         EnvConfig.model_validate({"max_actor_replacements": -1})
+    budget = ReplacementBudget(2)
+    assert [budget.take() for _ in range(3)] == [True, True, False] and budget.used == 2
 
 
 def test_actor_killed_during_a_call_is_replaced_and_the_call_answered(
@@ -148,15 +150,15 @@ def test_frozen_actor_is_detected_within_the_timeout_and_replaced(
 def test_past_the_limit_the_call_ends_with_one_line(
     ray_cluster: dict[str, float], tmp_path: Path, envs: list[HealingEnvironment]
 ) -> None:
-    env = fragile_env(tmp_path, "always", max_actor_replacements=1)
+    env = fragile_env(tmp_path, "always", max_actor_replacements=0)
     envs.append(env)
     with pytest.raises(EnvironmentActorError) as raised:
         step(env)
     message = str(raised.value)
     assert isinstance(raised.value, UserError) and "\n" not in message  # one line, exit 2 under run_cli
     assert message.startswith(f"environment '{NAME}' actor died during step (ActorDiedError")
-    assert "no environment actor replacement left (env.max_actor_replacements=1, all used)" in message
-    assert env.budget.used == 1
+    assert "no environment actor replacement left (env.max_actor_replacements=0, all used)" in message
+    assert env.budget.used == 0
     # Once stopped (the run ending), a call that finds its actor dead does not start another.
     stop_envs([env], timeout_s=RAY_TIMEOUT_S)
     with pytest.raises(EnvironmentActorError, match="it was stopped"):
