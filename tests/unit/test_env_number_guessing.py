@@ -203,6 +203,8 @@ def test_in_driver_environments(ray_cluster: dict[str, float]) -> None:
     ret: EnvironmentReturn[Any] = get(env.step.remote([chat("4"), chat("5")], [new_game(4), new_game(8)]))
     assert [o["content"] for o in ret.observations] == ["correct", "higher"]
     assert ret.rewards.tolist() == [1.0, 0.0] and ret.terminateds.tolist() == [True, False]
+    # The call surface of an actor's handle answers the same (one call path for both).
+    assert env.call("step", [chat("4")], [new_game(4)]).result().rewards.tolist() == [1.0]
     # An error is raised by the call itself (there is no actor to hold it until it is read).
     with pytest.raises(ValueError):
         env.step.remote([chat("4")], [new_game(4), new_game(8)])
