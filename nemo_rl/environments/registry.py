@@ -263,7 +263,7 @@ def create_env(
         name,
         ActorRecipe(actor_cls, section, dict(actor_options or {})),
         call_timeout_s=healing.actor_call_timeout_s,
-        budget=budget or ReplacementBudget(healing.max_actor_replacements),
+        budget=budget if budget is not None else ReplacementBudget(healing.max_actor_replacements),
     )
 
 
