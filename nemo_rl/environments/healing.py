@@ -203,6 +203,12 @@ class HealingEnvironment:
             ray.get(self._actor.shutdown.remote(), timeout=timeout_s)
         ray.kill(self._actor)
 
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            f"environment {self.name!r} replaces its actor from the driver and cannot leave it; pass env.actor "
+            "to a Ray task or actor (that handle is not replaced when the actor dies)"
+        )
+
     def __repr__(self) -> str:
         return f"HealingEnvironment({self.name!r})"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import signal
 import time
 from collections.abc import Iterator, Sequence
@@ -122,6 +123,8 @@ def test_actor_killed_during_a_call_is_replaced_and_the_call_answered(
         f"{NAME}/pid": float(reward)
     }
     assert env.budget.used == 1
+    with pytest.raises(TypeError, match=r"pass env\.actor"):  # its replacements happen in the driver
+        pickle.dumps(env)
 
 
 def test_frozen_actor_is_detected_within_the_timeout_and_replaced(
