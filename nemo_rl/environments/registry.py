@@ -62,13 +62,15 @@ class _InDriverMethod:
 
 
 class InDriverEnvironment:
-    """An environment object in the driver process, behind the part of a Ray actor handle that algorithms use.
+    """An environment object in the driver process, behind the call surface of an environment actor.
 
-    ``env.<method>.remote(*args)`` calls the method at once, on the caller's thread, and returns a
-    :class:`~nemo_rl.distributed.single_process.LocalRef` of its result, which
-    :func:`~nemo_rl.distributed.single_process.resolve` reads as it reads an actor's result; an exception is
-    raised by the ``remote`` call itself. :func:`wait_envs_started` and :func:`stop_envs` take it beside actor
-    handles. It cannot be sent to another process (a Ray task or actor): start an actor for that.
+    ``env.call(method, *args)`` (as :class:`HealingEnvironment` has it, what the algorithms call) calls the
+    method at once, on the caller's thread; an exception is raised by that call itself.
+    ``env.<method>.remote(*args)`` does the same and returns a
+    :class:`~nemo_rl.distributed.single_process.LocalRef` of the result, which
+    :func:`~nemo_rl.distributed.single_process.resolve` reads as it reads a Ray ref. :func:`wait_envs_started`
+    and :func:`stop_envs` take it beside actors. It cannot be sent to another process (a Ray task or actor):
+    start an actor for that.
     """
 
     def __init__(self, env: EnvironmentInterface[Any]) -> None:
