@@ -88,7 +88,7 @@ class ReplacementBudget:
 
 @dataclasses.dataclass(frozen=True)
 class ActorRecipe:
-    """What starts an environment actor: its class, its constructor argument and its ``ray.remote`` options."""
+    """What starts an environment actor: its class, constructor argument and ``ray.remote`` options."""
 
     actor_cls: ActorClass[Any]
     config: Any
@@ -164,10 +164,10 @@ class HealingEnvironment:
                 raise EnvironmentActorError(f"environment {self.name!r} actor {what}; it was stopped")
             if not self.budget.take():
                 raise EnvironmentActorError(
-                    f"environment {self.name!r} actor {what}, and the run has no environment actor replacement "
-                    f"left (env.max_actor_replacements={self.budget.limit}, all used): find why it fails in "
-                    "its log (Ray's session logs), then rerun to resume from the last checkpoint, or raise "
-                    "env.max_actor_replacements"
+                    f"environment {self.name!r} actor {what}, and the run has no environment actor "
+                    f"replacement left (env.max_actor_replacements={self.budget.limit}, all used): find why "
+                    "it fails in its log (Ray's session logs), then rerun to resume from the last checkpoint, or "
+                    "raise env.max_actor_replacements"
                 )
             ray.kill(failed)  # a hung actor holds its slot and may wake up; a dead one is unaffected
             self._actor = self._started_replacement(what)
@@ -179,8 +179,8 @@ class HealingEnvironment:
             return self._actor, True
 
     def _started_replacement(self, what: str) -> ActorHandle[Any]:
-        """A new actor of the recipe whose constructor has finished (so that the call sent again gets the whole
-        call timeout to answer)."""
+        """A new actor of the recipe whose constructor has finished (so that the call sent again gets the
+        whole call timeout to answer)."""
         assert self._recipe is not None
         actor = self._recipe.start()
         try:
@@ -205,8 +205,8 @@ class HealingEnvironment:
 
     def __reduce__(self) -> Any:
         raise TypeError(
-            f"environment {self.name!r} replaces its actor from the driver and cannot leave it; pass env.actor "
-            "to a Ray task or actor (that handle is not replaced when the actor dies)"
+            f"environment {self.name!r} replaces its actor from the driver and cannot leave it; pass "
+            "env.actor to a Ray task or actor (that handle is not replaced when the actor dies)"
         )
 
     def __repr__(self) -> str:
