@@ -166,7 +166,7 @@ class HealingEnvironment:
                 raise EnvironmentActorError(
                     f"environment {self.name!r} actor {what}, and the run has no environment actor "
                     f"replacement left (env.max_actor_replacements={self.budget.limit}, all used): find why "
-                    "it fails in its log (Ray's session logs), then rerun to resume from the last checkpoint, or "
+                    "it fails in its log (Ray's session logs), then rerun to resume from the last checkpoint or "
                     "raise env.max_actor_replacements"
                 )
             ray.kill(failed)  # a hung actor holds its slot and may wake up; a dead one is unaffected
