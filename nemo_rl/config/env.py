@@ -299,6 +299,17 @@ class EnvConfig(ConfigModel):
     sliding_puzzle_game: SlidingPuzzleEnvConfig = Field(default_factory=SlidingPuzzleEnvConfig)
     """The sliding-puzzle game (multi-turn; ``examples/run_grpo_sliding_puzzle.py``)."""
 
+    max_actor_replacements: int = Field(default=3, ge=0)
+    """Environment actors the run may replace in all: an actor that dies or hangs during a call is killed,
+    started again with the same arguments and the call is made again on the new actor (docs/reliability.md).
+    Past this many the run stops with one line naming the environment; ``0``: the first death stops it.
+    Environments that run in the driver (``in_driver``) or that the caller passed in are never replaced."""
+
+    actor_call_timeout_s: float = Field(default=600.0, gt=0.0)
+    """Longest an environment actor may take to answer one call (a step, or the metrics of a batch), counted
+    from when the call is sent, before it counts as hung and is replaced like a dead one (or, past
+    ``max_actor_replacements``, ends the run)."""
+
     @model_validator(mode="after")
     def _check_user_sections(self) -> Self:
         for name, value in (self.model_extra or {}).items():
@@ -313,15 +324,25 @@ class EnvConfig(ConfigModel):
     def section(self, name: str) -> Any:
         """The config of environment ``name``: its schema section, a vision-language environment's
         :class:`~nemo_rl.config.vlm_env.VlmEnvConfig`, its user section (a dict), or ``{}``."""
-        if name in type(self).model_fields:
+        if name in self.schema_sections():
             return getattr(self, name)
         if name in VLM_ENV_NAMES:
             return vlm_env_config(name, (self.model_extra or {}).get(name))
         return dict((self.model_extra or {}).get(name, {}))
 
+    @classmethod
+    def schema_sections(cls) -> list[str]:
+        """Names of the environments the schema declares a section for (not the keys that apply to every
+        environment, such as ``max_actor_replacements``)."""
+        return [
+            name
+            for name, field in cls.model_fields.items()
+            if isinstance(field.annotation, type) and issubclass(field.annotation, ConfigModel)
+        ]
+
     def tool_sections(self) -> dict[str, RuleBasedEnvConfig]:
         """The environments whose ``tools`` list is not empty, by name."""
-        sections = {name: getattr(self, name) for name in type(self).model_fields}
+        sections = {name: getattr(self, name) for name in self.schema_sections()}
         return {
             name: section
             for name, section in sections.items()

@@ -1,12 +1,15 @@
 """The contract between rollouts and environments.
 
 An environment scores a batch of conversations and, for multi-turn tasks, answers them. Rollouts call it
-through a Ray actor handle (``env.step.remote(message_logs, metadata)``), so an implementation is a plain
-class deriving :class:`EnvironmentInterface` that :func:`nemo_rl.environments.registry.create_env` starts as
-an actor (or a class already wrapped with ``ray.remote``).
+as a Ray actor (``env.call("step", message_logs, metadata)``, see :mod:`nemo_rl.environments.healing`), so
+an implementation is a plain class deriving :class:`EnvironmentInterface` that
+:func:`nemo_rl.environments.registry.create_env` starts as an actor (or a class already wrapped with
+``ray.remote``).
 
 All state of an episode lives in its ``metadata`` (what the dataset put in ``extra_env_info``, updated by
-each step), so one environment actor serves any number of episodes and can be restarted freely.
+each step), so one environment actor serves any number of episodes and can be restarted freely: an actor
+that dies or hangs is replaced and its call sent again. State an environment keeps in its actor between
+calls (a random generator, a cache) starts afresh in the replacement.
 """
 
 from __future__ import annotations

@@ -21,25 +21,27 @@ Algorithms build one environment per task of their data with :func:`create_task_
 ``env.<task>`` section (a plain mapping for a user environment: ``env.my_task: {threshold: 0.5}``). A
 rule-based built-in environment with ``env.<task>.in_driver: true`` (or any environment created with
 ``create_env(..., in_driver=True)``) runs in the driver process behind the same handle surface
-(:class:`InDriverEnvironment`).
+(:class:`InDriverEnvironment`). An actor is held by a
+:class:`~nemo_rl.environments.healing.HealingEnvironment`, which replaces it when it dies or hangs during a
+call. Both are called the same way: ``env.call("step", message_logs, metadata).result()``
+(:func:`as_env_handle` gives actors the caller started the same surface).
 """
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import importlib
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, cast
+from typing import Any
 
 import ray
 from ray.actor import ActorClass, ActorHandle
-from ray.exceptions import RayActorError
 
 from nemo_rl.config.env import EnvConfig
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.vlm_env import VLM_ENV_NAMES
 from nemo_rl.distributed.single_process import LocalRef
+from nemo_rl.environments.healing import ActorRecipe, DoneCall, EnvCall, HealingEnvironment, ReplacementBudget
 from nemo_rl.environments.interfaces import EnvironmentInterface
 from nemo_rl.environments.sandbox import check_sandbox
 
@@ -60,18 +62,25 @@ class _InDriverMethod:
 
 
 class InDriverEnvironment:
-    """An environment object in the driver process, behind the part of a Ray actor handle that algorithms use.
+    """An environment object in the driver process, behind the call surface of an environment actor.
 
-    ``env.<method>.remote(*args)`` calls the method at once, on the caller's thread, and returns a
-    :class:`~nemo_rl.distributed.single_process.LocalRef` of its result, which
-    :func:`~nemo_rl.distributed.single_process.resolve` reads as it reads an actor's result; an exception is
-    raised by the ``remote`` call itself. :func:`wait_envs_started` and :func:`stop_envs` take it beside actor
-    handles. It cannot be sent to another process (a Ray task or actor): start an actor for that.
+    ``env.call(method, *args)`` (as :class:`HealingEnvironment` has it, what the algorithms call) calls the
+    method at once, on the caller's thread; an exception is raised by that call itself.
+    ``env.<method>.remote(*args)`` does the same and returns a
+    :class:`~nemo_rl.distributed.single_process.LocalRef` of the result, which
+    :func:`~nemo_rl.distributed.single_process.resolve` reads as it reads a Ray ref. :func:`wait_envs_started`
+    and :func:`stop_envs` take it beside actors. It cannot be sent to another process (a Ray task or actor):
+    start an actor for that.
     """
 
     def __init__(self, env: EnvironmentInterface[Any]) -> None:
         self.env = env
         """The environment object itself."""
+
+    def call(self, method: str, *args: Any) -> EnvCall:
+        """Call ``method(*args)`` now, on this thread (an error is raised here); ``result()`` returns its
+        value. The same surface as :meth:`HealingEnvironment.call`."""
+        return DoneCall(getattr(self.env, method)(*args))
 
     def __getattr__(self, name: str) -> _InDriverMethod:
         if name.startswith("__"):  # copy/pickle probes, not environment methods
@@ -88,8 +97,9 @@ class InDriverEnvironment:
         return f"InDriverEnvironment({type(self.env).__name__})"
 
 
-EnvHandle = ActorHandle[Any] | InDriverEnvironment
-"""What :func:`create_env` returns: a Ray actor handle, or an :class:`InDriverEnvironment`."""
+EnvHandle = HealingEnvironment | InDriverEnvironment
+"""What :func:`create_env` returns: an actor that is replaced when it dies or hangs, or an environment in the
+driver; call either with ``env.call(method, *args).result()``."""
 
 # Built-ins are import paths so that importing the registry stays cheap (math-verify pulls in sympy).
 _BUILTIN_ENVS: dict[str, str] = {
@@ -197,14 +207,15 @@ def create_task_envs(
     """One environment per task, each the environment registered under the task's name and configured by
     ``env.<task>`` (``{}`` for a user environment without a section): an actor, or in the driver where the
     section says ``in_driver: true``. ``in_driver`` overrides the sections (``True``: every one in the driver, as a
-    run in one process needs).
+    run in one process needs). The actors share one budget of ``env.max_actor_replacements``.
 
     Raises:
         UserError: an ``env`` section or a task names no registered environment.
     """
     tasks = sorted(set(task_names))
     check_task_envs(tasks, env_cfg)
-    return {task: create_env(task, env_cfg, in_driver=in_driver) for task in tasks}
+    budget = ReplacementBudget(env_cfg.max_actor_replacements)
+    return {task: create_env(task, env_cfg, in_driver=in_driver, budget=budget) for task in tasks}
 
 
 def create_env(
@@ -213,18 +224,23 @@ def create_env(
     *,
     actor_options: Mapping[str, Any] | None = None,
     in_driver: bool | None = None,
+    budget: ReplacementBudget | None = None,
 ) -> EnvHandle:
-    """Start the environment registered as ``name`` as a Ray actor and return its handle, or construct it in
-    this process behind an :class:`InDriverEnvironment`.
+    """Start the environment registered as ``name`` as a Ray actor and return its handle (one that replaces the
+    actor when it dies or hangs, see :mod:`nemo_rl.environments.healing`), or construct it in this process
+    behind an :class:`InDriverEnvironment`.
 
     Args:
         name: A registered name (see :func:`registered_envs`).
-        cfg: The whole ``env`` section (its ``name`` subsection is passed on, see :meth:`EnvConfig.section`),
-            or the environment's own config, handed to its constructor as is.
+        cfg: The whole ``env`` section (its ``name`` subsection is passed on, see :meth:`EnvConfig.section`;
+            its ``actor_call_timeout_s`` and ``max_actor_replacements`` apply), or the environment's own
+            config, handed to its constructor as is (those two keys then take their defaults).
         actor_options: Extra ``ray.remote`` options for the actor (``num_cpus``, ``runtime_env``...).
         in_driver: Construct the environment in this process instead of as an actor; ``None`` reads the
             config's ``in_driver`` (rule-based built-ins, see
             :class:`~nemo_rl.config.env.RuleBasedEnvConfig`; false for a config without it).
+        budget: The replacements this actor may draw on, shared with others (``None``: a budget of its own,
+            ``max_actor_replacements``).
     """
     env_cls = get_env_class(name)
     section = _section(name, cfg)
@@ -244,8 +260,24 @@ def create_env(
         )
         return InDriverEnvironment(plain_cls(section))
     actor_cls = env_cls if isinstance(env_cls, ActorClass) else ray.remote(env_cls)
-    handle = actor_cls.options(**dict(actor_options or {})).remote(section)
-    return cast(ActorHandle[Any], handle)
+    healing = cfg if isinstance(cfg, EnvConfig) else EnvConfig()
+    return HealingEnvironment.start(
+        name,
+        ActorRecipe(actor_cls, section, dict(actor_options or {})),
+        call_timeout_s=healing.actor_call_timeout_s,
+        budget=budget if budget is not None else ReplacementBudget(healing.max_actor_replacements),
+    )
+
+
+def as_env_handle(env: EnvHandle | ActorHandle[Any], name: str) -> EnvHandle:
+    """``env`` with the surface callers use (``env.call(method, *args).result()``): as it is when
+    :func:`create_env` made it; an actor handle the caller started, held as one that is not replaced (its
+    death or hang during a call ends the run naming environment ``name``) and waited for
+    ``env.actor_call_timeout_s``'s default."""
+    if isinstance(env, HealingEnvironment | InDriverEnvironment):
+        return env
+    call_timeout_s = EnvConfig.model_fields["actor_call_timeout_s"].default
+    return HealingEnvironment(name, env, None, call_timeout_s=call_timeout_s, budget=ReplacementBudget(0))
 
 
 def wait_envs_started(envs: Iterable[EnvHandle], timeout_s: float) -> None:
@@ -255,7 +287,7 @@ def wait_envs_started(envs: Iterable[EnvHandle], timeout_s: float) -> None:
     that raised re-raises here (as Ray's ``ActorDiedError`` naming the environment's error). In-driver
     environments were constructed by :func:`create_env` already.
     """
-    refs = [env.__ray_ready__.remote() for env in envs if not isinstance(env, InDriverEnvironment)]
+    refs = [env.actor.__ray_ready__.remote() for env in envs if isinstance(env, HealingEnvironment)]
     if refs:
         ray.get(refs, timeout=timeout_s)
 
@@ -267,7 +299,5 @@ def stop_envs(envs: Iterable[EnvHandle], timeout_s: float) -> None:
     for env in envs:
         if isinstance(env, InDriverEnvironment):
             env.env.shutdown()
-            continue
-        with contextlib.suppress(RayActorError):
-            ray.get(env.shutdown.remote(), timeout=timeout_s)
-        ray.kill(env)
+        else:
+            env.stop(timeout_s)

@@ -46,7 +46,6 @@ from nemo_rl.data.collate_fn import IMAGE_KEYS, repeat_prompts, rl_collate_fn
 from nemo_rl.data.datasets import ProcessedDataset
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.ray_start import init_ray
-from nemo_rl.distributed.single_process import resolve
 from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
 from nemo_rl.environments.registry import EnvHandle, check_task_envs, create_env, registered_envs, stop_envs
 from nemo_rl.environments.tools import TaskTools, wire_task_tools
@@ -280,7 +279,6 @@ def _rollout(s: EvalSetup, batch: BatchedDataDict[Any], greedy: bool) -> Batched
         max_seq_len=s.config.generation.max_total_sequence_length,
         max_rollout_turns=s.config.eval.max_rollout_turns,
         greedy=greedy,
-        env_timeout_s=ENV_TIMEOUT_S,
         task_to_tools=s.task_to_tools,
     )
     return rollout
@@ -336,9 +334,7 @@ def _environment_metrics(s: EvalSetup, rollouts: list[BatchedDataDict[Any]]) -> 
     scored = BatchedDataDict.from_batches(
         [BatchedDataDict({k: v for k, v in r.items() if k not in IMAGE_KEYS}) for r in rollouts]
     )
-    _, metrics = resolve(
-        s.task_to_env[env_name].global_post_process_and_metrics.remote(scored), ENV_TIMEOUT_S
-    )
+    _, metrics = s.task_to_env[env_name].call("global_post_process_and_metrics", scored).result()
     return {f"{env_name}/{name}": float(value) for name, value in metrics.items()}
 
 

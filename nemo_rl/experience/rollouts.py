@@ -33,8 +33,8 @@ from transformers import PreTrainedTokenizerBase
 from nemo_rl.data.collate_fn import IMAGE_KEYS
 from nemo_rl.data.interfaces import LLMMessage, MessageLog
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.distributed.single_process import resolve
 from nemo_rl.environments.interfaces import EnvironmentReturn
+from nemo_rl.environments.registry import as_env_handle
 from nemo_rl.environments.tools import TaskTools
 from nemo_rl.experience.rollout_tokens import RolloutTokens
 from nemo_rl.experience.tool_turns import rendered_continuation, run_tool_turns
@@ -83,6 +83,8 @@ class _Rollout:
     images: dict[str, list[Any]]
     """Each row's image tensors under :data:`~nemo_rl.data.collate_fn.IMAGE_KEYS` (multimodal prompts only):
     every generation call of the row reads them with its tokens."""
+    env_actor_replacements: int = 0
+    """Environment actors replaced during the rollout's steps (they died or hung)."""
 
     @classmethod
     def start(cls, input_batch: BatchedDataDict[Any], tokenizer: PreTrainedTokenizerBase) -> _Rollout:
@@ -130,11 +132,9 @@ def _timed(timer: Timer | None, name: str) -> contextlib.AbstractContextManager[
     return timer.time(name) if timer else contextlib.nullcontext()
 
 
-def _env_step(
-    task_to_env: Mapping[str, Any], rollout: _Rollout, active: list[int], timeout_s: float
-) -> dict[int, _StepResult]:
+def _env_step(task_to_env: Mapping[str, Any], rollout: _Rollout, active: list[int]) -> dict[int, _StepResult]:
     """Step every environment on its active samples; returns per-sample (reward, terminated, obs, stops, info,
-    answer)."""
+    answer). Environment actors replaced meanwhile (having died or hung) are counted in ``rollout``."""
     by_task: dict[str, list[int]] = defaultdict(list)
     for i in active:
         by_task[rollout.task_names[i]].append(i)
@@ -142,13 +142,15 @@ def _env_step(
     if missing:
         raise KeyError(f"no environment registered for task(s) {missing}; known tasks: {sorted(task_to_env)}")
     states, env_info = rollout.states, rollout.env_info
-    futures = {
-        task: task_to_env[task].step.remote([states[i].log for i in idx], [env_info[i] for i in idx])
+    calls = {
+        task: as_env_handle(task_to_env[task], task).call(
+            "step", [states[i].log for i in idx], [env_info[i] for i in idx]
+        )
         for task, idx in by_task.items()
     }
     results: dict[int, _StepResult] = {}
-    for task, ref in futures.items():
-        ret: EnvironmentReturn = resolve(ref, timeout_s)
+    for task, call in calls.items():
+        ret: EnvironmentReturn = call.result()
         for j, i in enumerate(by_task[task]):
             observation = ret.observations[j]
             results[i] = (
@@ -159,6 +161,7 @@ def _env_step(
                 ret.metadata[j],
                 ret.answers[j] if ret.answers is not None else None,
             )
+    rollout.env_actor_replacements += sum(call.replacements for call in calls.values())
     return results
 
 
@@ -171,7 +174,6 @@ def run_multi_turn_rollout(
     max_seq_len: int,
     max_rollout_turns: int,
     greedy: bool = False,
-    env_timeout_s: float = 600.0,
     timer: Timer | None = None,
     task_to_tools: Mapping[str, TaskTools] | None = None,
 ) -> tuple[BatchedDataDict[Any], dict[str, float]]:
@@ -182,11 +184,11 @@ def run_multi_turn_rollout(
         input_batch: ``message_log``, ``extra_env_info`` and ``task_name`` per sample (logs are copied, not
             changed); optionally ``stop_strings`` of each sample's first response.
         tokenizer: The policy's tokenizer (pad id, decoding, rendering observations).
-        task_to_env: Environment actor per task name.
+        task_to_env: Environment per task name; one that dies or hangs during a step is replaced
+            (:mod:`nemo_rl.environments.healing`).
         max_seq_len: Token budget of a whole conversation (prompt, responses and observations).
         max_rollout_turns: Most generate / environment turns per sample.
         greedy: Decode greedily (validation) instead of sampling.
-        env_timeout_s: Longest wait for one environment step.
         timer: Accumulates the time spent sampling (``generation``), running tools (``tool_calls``) and
             scoring (``reward``).
         task_to_tools: The tools of the tasks that have some (``build_task_tools``); only their responses
@@ -198,7 +200,8 @@ def run_multi_turn_rollout(
         :mod:`nemo_rl.experience.train_batch`), ``total_reward`` [B], ``truncated`` [B] bool, ``num_turns``
         [B], ``generated_tokens`` [B] (summed over turns), ``num_tool_calls`` [B], ``extra_env_info`` (as
         updated by the environments), ``answers`` (the answer the environment extracted from each sample's
-        last response, ``None`` where it gave none); and metrics (with tools: ``mean_tool_calls_per_sample``,
+        last response, ``None`` where it gave none); and metrics (``env/replaced_actors``: environment actors
+        replaced during the rollout, when any; with tools: ``mean_tool_calls_per_sample``,
         ``malformed_tool_call_rate`` and ``tool_error_rate``, the last two per call).
     """
     rollout = _Rollout.start(input_batch, tokenizer)
@@ -217,7 +220,7 @@ def run_multi_turn_rollout(
                 calling_tools = _tool_turns(rollout, active, task_to_tools, tokenizer, max_seq_len)
         scored = [i for i in active if i not in calling_tools]
         with _timed(timer, "reward"):
-            results = _env_step(task_to_env, rollout, scored, env_timeout_s)
+            results = _env_step(task_to_env, rollout, scored)
         _apply_env_results(rollout, scored, results, tokenizer, max_seq_len, out_of_turns)
         turn_metrics[f"turn_{turn + 1}/active_samples"] = float(len(active))
         turn_metrics[f"turn_{turn + 1}/mean_gen_tokens"] = turn_tokens / len(active)
@@ -333,6 +336,11 @@ def _finished_batch(
         "mean_total_reward": float(result["total_reward"].mean()),
         "mean_conversation_tokens": int(rollout.tokens.lengths_B.sum()) / batch_size,
         **turn_metrics,
+        **(
+            {"env/replaced_actors": float(rollout.env_actor_replacements)}
+            if rollout.env_actor_replacements
+            else {}
+        ),
         **(_tool_metrics(states) if with_tools else {}),
     }
     return result, metrics

@@ -17,14 +17,15 @@ from transformers import PreTrainedTokenizerBase
 from nemo_rl.data.collate_fn import IMAGE_KEYS, rl_collate_fn
 from nemo_rl.data.datasets import ProcessedDataset
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-from nemo_rl.distributed.single_process import resolve
+from nemo_rl.environments.registry import as_env_handle
 from nemo_rl.environments.tools import TaskTools
 from nemo_rl.experience.rollout_tokens import TOKEN_KEYS
 from nemo_rl.experience.rollouts import run_multi_turn_rollout
 from nemo_rl.models.generation.interfaces import GenerationInterface
 
 ENV_TIMEOUT_S = 600.0
-"""Longest wait for an environment actor's metrics, start or shutdown."""
+"""Longest wait for the environment actors' start or shutdown (their calls wait
+``env.actor_call_timeout_s``)."""
 
 
 def request_environment_metrics(
@@ -41,13 +42,15 @@ def request_environment_metrics(
     for task, env in task_to_env.items():
         indices = [i for i, name in enumerate(task_names) if name == task]
         if indices:
-            ref = env.global_post_process_and_metrics.remote(scored.select_indices(indices))
-            requests.append((task, ref))
+            call = as_env_handle(env, task).call(
+                "global_post_process_and_metrics", scored.select_indices(indices)
+            )
+            requests.append((task, call))
 
     def wait() -> dict[str, float]:
         metrics: dict[str, float] = {}
-        for task, ref in requests:
-            _, task_metrics = resolve(ref, ENV_TIMEOUT_S)
+        for task, call in requests:
+            _, task_metrics = call.result()
             metrics.update({f"{task}/{name}": value for name, value in task_metrics.items()})
         return metrics
 

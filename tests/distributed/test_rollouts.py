@@ -21,7 +21,8 @@ from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.data.llm_message_utils import format_message_log, message_log_token_ids
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.environments.games.number_guessing import game_prompt, new_game
-from nemo_rl.environments.registry import create_env
+from nemo_rl.environments.healing import HealingEnvironment
+from nemo_rl.environments.registry import create_env, stop_envs
 from nemo_rl.experience.rollouts import run_multi_turn_rollout
 from nemo_rl.models.tokenizer import get_policy_tokenizer
 
@@ -108,13 +109,13 @@ def test_multi_turn_number_guessing(ray_cluster: Any, tokenizer: Any) -> None:
         {"number_guessing": env},
         max_seq_len=1024,
         max_rollout_turns=GAME.max_guesses,
-        env_timeout_s=60,
     )
     assert batch["total_reward"].tolist() == [1.0, 1.0, 1.0, 1.0]
     turns = batch["num_turns"].tolist()
     assert turns[0] == 1 and all(t > 1 for t in turns[1:]), turns
     assert generation.calls == max(turns)
     assert metrics["mean_turns_per_sample"] == pytest.approx(sum(turns) / len(turns))
+    assert "env/replaced_actors" not in metrics  # no environment actor was lost
     assert not batch["truncated"].any()
 
     for log, target, num_turns in zip(batch["message_log"], targets, turns, strict=True):
@@ -138,7 +139,34 @@ def test_multi_turn_number_guessing(ray_cluster: Any, tokenizer: Any) -> None:
         assert int(mask.sum()) == assistant_tokens
         assert bool((batch["generation_logprobs"][b][mask] == SAMPLER_LOGPROB).all())
         assert bool((batch["generation_logprobs"][b][~mask] == 0).all())
-    ray.kill(env)
+    stop_envs([env], timeout_s=60)
+
+
+def test_environment_actor_killed_mid_game_is_replaced(ray_cluster: Any, tokenizer: Any) -> None:
+    # The game's state travels in the metadata, so the replacement of an actor killed between two turns plays
+    # on: every game still ends correct, and the rollout counts the replacement.
+    env = create_env("number_guessing", EnvConfig(number_guessing=GAME))
+    assert isinstance(env, HealingEnvironment)
+    first_actor = env.actor
+
+    def kill_on_second_turn(conversation: str) -> str:
+        if conversation.count("<|assistant|>") == 2 and env.actor is first_actor:
+            ray.kill(first_actor)
+            with pytest.raises(ray.exceptions.RayActorError):  # dead before the turn's step is sent
+                ray.get(first_actor.__ray_ready__.remote(), timeout=60)
+        return binary_search_agent(conversation)
+
+    batch, metrics = run_multi_turn_rollout(
+        ScriptedGeneration(tokenizer, kill_on_second_turn),  # type: ignore[arg-type]
+        _game_batch(tokenizer, [1, 13]),
+        tokenizer,
+        {"number_guessing": env},
+        max_seq_len=1024,
+        max_rollout_turns=GAME.max_guesses,
+    )
+    assert batch["total_reward"].tolist() == [1.0, 1.0] and min(batch["num_turns"].tolist()) > 2
+    assert metrics["env/replaced_actors"] == 1.0 and env.actor is not first_actor
+    stop_envs([env], timeout_s=60)
 
 
 def test_token_budget_truncates_and_stops(ray_cluster: Any, tokenizer: Any) -> None:
@@ -152,14 +180,13 @@ def test_token_budget_truncates_and_stops(ray_cluster: Any, tokenizer: Any) -> N
         {"number_guessing": env},
         max_seq_len=prompt_len + 4,
         max_rollout_turns=GAME.max_guesses,
-        env_timeout_s=60,
     )
     log = batch["message_log"][0]
     assert batch["truncated"].tolist() == [True]
     assert batch["num_turns"].tolist() == [1]
     assert log[-1]["token_ids"].numel() == 4  # cut to the budget
     assert metrics["truncation_rate"] == 1.0
-    ray.kill(env)
+    stop_envs([env], timeout_s=60)
 
 
 def test_single_turn_math_rewards(ray_cluster: Any, tokenizer: Any) -> None:
@@ -188,13 +215,11 @@ def test_single_turn_math_rewards(ray_cluster: Any, tokenizer: Any) -> None:
         {"math": env},
         max_seq_len=128,
         max_rollout_turns=1,
-        env_timeout_s=60,
     )
     assert batch["total_reward"].tolist() == [1.0, 1.0, 0.0]
     assert batch["num_turns"].tolist() == [1, 1, 1]
     assert metrics["mean_total_reward"] == pytest.approx(2 / 3)
-    ray.get(env.shutdown.remote(), timeout=60)
-    ray.kill(env)
+    stop_envs([env], timeout_s=120)
 
 
 def test_reward_model_environment_scores_like_transformers(
@@ -242,7 +267,6 @@ def test_reward_model_environment_scores_like_transformers(
         {"reward_model": env},
         max_seq_len=128,
         max_rollout_turns=1,
-        env_timeout_s=120,
     )
     # The reward is the HF model's score of the rendered conversation (prompt, reply and its EOS).
     expected = []
@@ -251,8 +275,7 @@ def test_reward_model_environment_scores_like_transformers(
             ids = message_log_token_ids(log)[None, :]
             expected.append(float(reward_model(input_ids=ids).logits))
     torch.testing.assert_close(batch["total_reward"], torch.tensor(expected), rtol=1e-5, atol=1e-5)
-    _, metrics = ray.get(env.global_post_process_and_metrics.remote(batch), timeout=60)
+    _, metrics = env.call("global_post_process_and_metrics", batch).result()
     assert metrics["mean_reward"] == pytest.approx(sum(expected) / len(expected), rel=1e-5)
     assert metrics["max_reward"] == pytest.approx(max(expected), rel=1e-5)
-    ray.get(env.shutdown.remote(), timeout=120)
-    ray.kill(env)
+    stop_envs([env], timeout_s=120)

@@ -137,7 +137,6 @@ def roll_out(
         {"math": env},
         max_seq_len=max_seq_len,
         max_rollout_turns=max_rollout_turns,
-        env_timeout_s=60,
         task_to_tools=task_to_tools,
     )
 
@@ -312,7 +311,6 @@ def test_train_batch_from_tensors_equals_the_one_from_message_logs(
         {"math": math_env},
         max_seq_len=256,
         max_rollout_turns=3,
-        env_timeout_s=60,
         task_to_tools=task_to_tools,
     )
     assert batch["truncated"].tolist() == [False, False, True, False]

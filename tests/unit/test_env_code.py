@@ -314,7 +314,7 @@ def test_code_environment_step(code_env: Any) -> None:
         ],
     ]
     metadata = [{"ground_truth": ADD_TESTS}] * 4
-    ret: EnvironmentReturn[Any] = ray.get(code_env.step.remote(logs, metadata), timeout=RAY_TIMEOUT_S)
+    ret: EnvironmentReturn[Any] = code_env.call("step", logs, metadata).result()
     assert ret.rewards.tolist() == pytest.approx([1.0, 1 / 3, 0.0, 1.0])
     assert ret.rewards.dtype == torch.float32
     assert ret.terminateds.tolist() == [True] * 4
@@ -330,15 +330,12 @@ def test_code_environment_step(code_env: Any) -> None:
         "timed_out": False,
     }
     assert ret.next_stop_strings == [None] * 4
-    assert "network: " in ray.get(code_env.isolation.remote(), timeout=RAY_TIMEOUT_S)
+    assert "network: " in code_env.call("isolation").result()
 
 
 def test_missing_tests_are_a_clear_error(code_env: Any) -> None:
     with pytest.raises(ray.exceptions.RayTaskError, match="ground_truth"):
-        ray.get(
-            code_env.step.remote([conversation("x")], [{"answer": "2"}]),
-            timeout=RAY_TIMEOUT_S,
-        )
+        code_env.call("step", [conversation("x")], [{"answer": "2"}]).result()
 
 
 def test_code_metrics(code_env: Any) -> None:
@@ -354,7 +351,7 @@ def test_code_metrics(code_env: Any) -> None:
             ],
         }
     )
-    _, metrics = ray.get(code_env.global_post_process_and_metrics.remote(batch), timeout=RAY_TIMEOUT_S)
+    _, metrics = code_env.call("global_post_process_and_metrics", batch).result()
     assert metrics["accuracy"] == pytest.approx(0.25)
     assert metrics["test_pass_rate"] == pytest.approx(0.375)
     assert metrics["pass@samples_per_prompt"] == pytest.approx(0.5)

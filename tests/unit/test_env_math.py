@@ -13,8 +13,9 @@ import torch
 from nemo_rl.config.env import EnvConfig, MathEnvConfig
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 from nemo_rl.distributed.gc_tuning import GC_THRESHOLDS
+from nemo_rl.environments.healing import HealingEnvironment
 from nemo_rl.environments.interfaces import EnvironmentReturn
-from nemo_rl.environments.registry import create_env
+from nemo_rl.environments.registry import create_env, stop_envs
 
 # sympy tries to evaluate this tower exactly and never returns: a real answer that hangs math-verify.
 HANGING_ANSWER = "The answer is \\boxed{9^{9^{9^{9^{9}}}}}"
@@ -29,9 +30,9 @@ def conversation(response: str) -> list[dict[str, str]]:
 @pytest.fixture(scope="module")
 def math_env(ray_cluster: dict[str, float]) -> Any:
     env = create_env("math", EnvConfig(math=MathEnvConfig(num_workers=2, verify_timeout_s=2.0)))
-    yield env
-    ray.get(env.shutdown.remote(), timeout=RAY_TIMEOUT_S)
-    ray.kill(env)
+    assert isinstance(env, HealingEnvironment)
+    yield env.actor  # the tests call the actor itself (its verifier statistics too)
+    stop_envs([env], timeout_s=RAY_TIMEOUT_S)
 
 
 def test_math_environment_step(math_env: Any) -> None:

@@ -110,10 +110,10 @@ def test_number_guessing_actor_multi_turn(ray_cluster: dict[str, float]) -> None
     env = create_env("number_guessing", EnvConfig(number_guessing=CFG))
     try:
         states: list[dict[str, Any]] = [new_game(4), new_game(8)]
-        ret: EnvironmentReturn[Any] = get(env.step.remote([chat("4"), chat("5")], states))
+        ret: EnvironmentReturn[Any] = env.call("step", [chat("4"), chat("5")], states).result()
         assert [o["content"] for o in ret.observations] == ["correct", "higher"]
         assert ret.rewards.tolist() == [1.0, 0.0] and ret.terminateds.tolist() == [True, False]
-        ret = get(env.step.remote([chat("5", "8")], [ret.metadata[1]]))
+        ret = env.call("step", [chat("5", "8")], [ret.metadata[1]]).result()
         assert ret.rewards.tolist() == [1.0] and ret.metadata[0]["guesses"] == 2
 
         batch = BatchedDataDict(
@@ -122,10 +122,10 @@ def test_number_guessing_actor_multi_turn(ray_cluster: dict[str, float]) -> None
                 "extra_env_info": [{"target": 1, "guesses": g} for g in (1, 2, 3, 3)],
             }
         )
-        _, metrics = get(env.global_post_process_and_metrics.remote(batch))
+        _, metrics = env.call("global_post_process_and_metrics", batch).result()
         assert metrics == {"success_rate": 0.5, "mean_guesses": 2.25}
     finally:
-        ray.kill(env)
+        stop_envs([env], timeout_s=RAY_TIMEOUT_S)
 
 
 class EchoEnv(EnvironmentInterface[dict[str, Any]]):
@@ -167,10 +167,10 @@ def test_registry(ray_cluster: dict[str, float]) -> None:
     assert registry._section("echo_test", 0.5) == 0.5
     env = create_env("echo_test", EnvConfig.model_validate({"echo_test": {"scale": 0.5}}))
     try:
-        ret = get(env.step.remote([[{"role": "assistant", "content": "abcd"}]], [{}]))
+        ret = env.call("step", [[{"role": "assistant", "content": "abcd"}]], [{}]).result()
         assert ret.rewards.tolist() == [2.0]
     finally:
-        ray.kill(env)
+        stop_envs([env], timeout_s=RAY_TIMEOUT_S)
 
     register_env("guessing_by_path", "nemo_rl.environments.games.number_guessing:NumberGuessingEnvironment")
     assert get_env_class("guessing_by_path") is get_env_class("number_guessing")
@@ -203,6 +203,8 @@ def test_in_driver_environments(ray_cluster: dict[str, float]) -> None:
     ret: EnvironmentReturn[Any] = get(env.step.remote([chat("4"), chat("5")], [new_game(4), new_game(8)]))
     assert [o["content"] for o in ret.observations] == ["correct", "higher"]
     assert ret.rewards.tolist() == [1.0, 0.0] and ret.terminateds.tolist() == [True, False]
+    # The call surface of an actor's handle answers the same (one call path for both).
+    assert env.call("step", [chat("4")], [new_game(4)]).result().rewards.tolist() == [1.0]
     # An error is raised by the call itself (there is no actor to hold it until it is read).
     with pytest.raises(ValueError):
         env.step.remote([chat("4")], [new_game(4), new_game(8)])
