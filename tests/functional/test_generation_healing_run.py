@@ -3,7 +3,8 @@ refits it and samples its lost requests again, finishes with exit 0, and trains 
 
 Synchronous and asynchronous GRPO on the embedded engine; the same two on vLLM's CPU build (the extras lane).
 The synchronous run on the embedded engine must also equal an unhurt run bit for bit: the replacement has the
-lost worker's rank (so its seeds) and the policy's weights, which are the ones the lost worker held.
+lost worker's rank (so its seeds) and the policy's weights, which are the ones the lost worker held. So must a
+synchronous run whose math environment actor is killed (its replacement scores the same).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ EMBEDDED_OWN_SLOT = (
     "policy.generation.colocated.enabled=false",
     "policy.generation.colocated.resources.gpus_per_node=1",
     "policy.generation.embedded_cfg.in_policy_workers=false",
+    # The math environment as an actor (the tiny recipe scores in the driver), so that it can be killed.
+    "env.math.in_driver=false",
 )
 
 
@@ -76,9 +79,9 @@ def _metrics(run_dir: Path) -> dict[int, dict[str, Any]]:
     return by_step
 
 
-def _run_killing_generation(cmd: list[str], run_dir: Path, worker_title: str) -> str:
-    """Run ``cmd``; once step 1 is logged, SIGKILL its generation worker at a random moment of the next 0.2 s;
-    the run must still end with exit 0. Returns its output."""
+def _run_killing(cmd: list[str], run_dir: Path, worker_title: str) -> str:
+    """Run ``cmd``; once step 1 is logged, SIGKILL its worker whose process title starts with ``worker_title``
+    at a random moment of the next 0.2 s; the run must still end with exit 0. Returns its output."""
     ray_dir = Path(f"/tmp/ray_h{uuid.uuid4().hex[:8]}")
     try:
         proc = subprocess.Popen(
@@ -103,6 +106,12 @@ def _run_killing_generation(cmd: list[str], run_dir: Path, worker_title: str) ->
         assert proc.returncode == 0, text[-6000:]
     finally:
         shutil.rmtree(ray_dir, ignore_errors=True)
+    return text
+
+
+def _run_killing_generation(cmd: list[str], run_dir: Path, worker_title: str) -> str:
+    """:func:`_run_killing` on the generation worker, which the run must have replaced."""
+    text = _run_killing(cmd, run_dir, worker_title)
     assert "generation worker 0 (replica 0) died during" in text, text[-4000:]
     assert "replaced on its slot and refitted" in text, text[-4000:]
     return text
@@ -112,19 +121,46 @@ def _replaced(metrics: dict[int, dict[str, Any]]) -> float:
     return sum(m.get("train/generation/replaced_workers", 0.0) for m in metrics.values())
 
 
-@pytest.mark.slow
-def test_sync_grpo_heals_a_killed_generation_worker_and_equals_an_unhurt_run(tmp_path: Path) -> None:
-    unhurt = _command(tmp_path / "unhurt", CONFIG, *EMBEDDED_OWN_SLOT)
-    run_script(unhurt)
-    hurt = _command(tmp_path / "hurt", CONFIG, *EMBEDDED_OWN_SLOT)
-    _run_killing_generation(hurt, tmp_path / "hurt", "ray::EmbeddedGenerationWorker")
-    expected, healed = _metrics(tmp_path / "unhurt"), _metrics(tmp_path / "hurt")
+@pytest.fixture(scope="module")
+def unhurt(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
+    """The metrics of the synchronous run on the embedded engine, nothing killed."""
+    run_dir = tmp_path_factory.mktemp("unhurt")
+    run_script(_command(run_dir, CONFIG, *EMBEDDED_OWN_SLOT))
+    return _metrics(run_dir)
+
+
+def _assert_equal_steps(expected: dict[int, dict[str, Any]], healed: dict[int, dict[str, Any]]) -> None:
     assert [s for s in sorted(healed) if "train/loss" in healed[s]] == list(range(1, STEPS + 1))
-    assert _replaced(healed) == 1
     for step in range(1, STEPS + 1):
         for key, value in expected[step].items():
             if key.startswith("train/") and not key.endswith("_s") and "per_s" not in key:
                 assert healed[step][key] == value, (step, key, healed[step][key], value)
+
+
+@pytest.mark.slow
+def test_sync_grpo_heals_a_killed_generation_worker_and_equals_an_unhurt_run(
+    tmp_path: Path, unhurt: dict[int, dict[str, Any]]
+) -> None:
+    hurt = _command(tmp_path / "hurt", CONFIG, *EMBEDDED_OWN_SLOT)
+    text = _run_killing(hurt, tmp_path / "hurt", "ray::EmbeddedGenerationWorker")
+    assert "generation worker 0 (replica 0) died during" in text, text[-4000:]
+    assert "replaced on its slot and refitted" in text, text[-4000:]
+    healed = _metrics(tmp_path / "hurt")
+    assert _replaced(healed) == 1
+    _assert_equal_steps(unhurt, healed)
+
+
+@pytest.mark.slow
+def test_sync_grpo_heals_a_killed_environment_actor_and_equals_an_unhurt_run(
+    tmp_path: Path, unhurt: dict[int, dict[str, Any]]
+) -> None:
+    # The math environment's steps are functions of their arguments: the replacement scores the same.
+    hurt = _command(tmp_path / "hurt", CONFIG, *EMBEDDED_OWN_SLOT)
+    text = _run_killing(hurt, tmp_path / "hurt", "ray::MathEnvironment")
+    assert "environment 'math' actor died during" in text, text[-4000:]
+    healed = _metrics(tmp_path / "hurt")
+    assert sum(m.get("train/env/replaced_actors", 0.0) for m in healed.values()) == 1
+    _assert_equal_steps(unhurt, healed)
 
 
 def _check_async_run(run_dir: Path, text: str) -> None:
