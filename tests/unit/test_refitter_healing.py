@@ -9,41 +9,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-import torch
+from test_refit_guard import HF, Policy, _Actor
 
 from nemo_rl.config.policy import PolicyConfig
 from nemo_rl.weight_sync import refitter as refitter_module
 from nemo_rl.weight_sync.errors import RefitError
 from nemo_rl.weight_sync.interfaces import TransferStats
 from nemo_rl.weight_sync.refitter import Refitter
-
-WEIGHTS = {"w": torch.ones(2, 2)}
-
-
-class _Actor:
-    def __init__(self, name: str) -> None:
-        self._actor_id = bytes(name, "ascii")
-
-
-class Policy:
-    def __init__(self) -> None:
-        self.workers: Sequence[Any] = [_Actor("p0")]
-        self.worker_node_ids = ["n0"]
-
-    def refit_streams(self) -> list[int]:
-        return [0]
-
-    def adapter_refits(self) -> bool:
-        return False
-
-    def weights_manifest(self, dtype: torch.dtype, scope: str = "full") -> dict[str, Any]:
-        return {name: (tuple(t.shape), "float32") for name, t in WEIGHTS.items()}
-
-    def offload_before_refit(self) -> None:
-        pass
-
-    def offload_after_refit(self) -> None:
-        pass
 
 
 class Pool:
@@ -58,7 +30,7 @@ class Pool:
         self.refill: Any = None
 
     def expected_weights_manifest(self, scope: str = "full") -> dict[str, Any]:
-        return {name: (tuple(t.shape), "float32") for name, t in WEIGHTS.items()}
+        return {name: (tuple(t.shape), "float32") for name, t in HF.items()}
 
     def held_weight_checksums(self) -> list[Any]:
         return []

@@ -85,51 +85,45 @@ class PoolHealer:
         """``method(shards[dp], *args)`` on every worker; the dp leaders' results in dp order, or ``None`` when
         the pool shrank meanwhile (deal the data again over :attr:`group`'s replicas and call again)."""
         group = self.group
-        refs = group.run_all_workers_sharded_data(method, shards, *args)
-        pending = dict(enumerate(refs))
+        # Stored once per replica: its model-parallel ranks, and a replacement, read the same copy.
+        shard_refs = [ray.put(shard) for shard in shards]
+        results = self._run(method, lambda rank: (shard_refs[group.dp_rank(rank)], *args), timeout_s)
+        return None if results is None else [results[rank] for rank in group.dp_leader_ranks]
+
+    def run_all(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
+        """``method(*args)`` on every worker; the results in rank order. A lost worker's replica is replaced and
+        the call made again on it (calls made this way must be safe to repeat on a new worker); when the pool
+        shrank instead, the call is made again on every worker left."""
+        while True:
+            results = self._run(method, lambda rank: args, timeout_s)
+            if results is not None:
+                return [results[rank] for rank in range(self.group.world_size)]
+
+    def _run(
+        self, method: str, args_of: Callable[[int], tuple[Any, ...]], timeout_s: float
+    ) -> dict[int, Any] | None:
+        """``method(*args_of(rank))`` on every worker, made again on the replacements of lost replicas; the
+        results by rank, or ``None`` when the pool dropped a replica instead."""
+        group = self.group
+        pending = {
+            rank: group.run_single_worker(method, rank, *args_of(rank)) for rank in range(group.world_size)
+        }
         actors = _actor_ids(group, pending)
         results: dict[int, Any] = {}
-        while True:
+        while pending:
             done, failures = gather_watching(
                 group, pending, timeout_s=timeout_s, hang_timeout_s=self.cfg.hang_timeout_s
             )
             results.update(done)
             if not failures:
-                return [results[rank] for rank in group.dp_leader_ranks]
+                break
             if not self.heal(failures, actors, during=method):
                 return None
-            lost = sorted({group.dp_rank(rank) for rank in failures})
+            lost = {group.dp_rank(rank) for rank in failures}
             ranks = [r for r in range(group.world_size) if group.dp_rank(r) in lost]
-            shard_refs = {dp: ray.put(shards[dp]) for dp in lost}
-            pending = {
-                r: group.run_single_worker(method, r, shard_refs[group.dp_rank(r)], *args) for r in ranks
-            }
+            pending = {r: group.run_single_worker(method, r, *args_of(r)) for r in ranks}
             actors.update(_actor_ids(group, pending))
-
-    def run_all(self, method: str, *args: Any, timeout_s: float) -> list[Any]:
-        """``method(*args)`` on every worker; the results in rank order. A lost worker's replica is replaced and
-        the call made again on it (calls made this way must be safe to repeat on a new worker)."""
-        while True:
-            group = self.group
-            pending = dict(enumerate(group.run_all_workers_single_data(method, *args)))
-            actors = _actor_ids(group, pending)
-            results: dict[int, Any] = {}
-            while pending:
-                done, failures = gather_watching(
-                    group, pending, timeout_s=timeout_s, hang_timeout_s=self.cfg.hang_timeout_s
-                )
-                results.update(done)
-                if not failures:
-                    break
-                if not self.heal(failures, actors, during=method):
-                    results = {}
-                    break
-                lost = {group.dp_rank(rank) for rank in failures}
-                ranks = [r for r in range(group.world_size) if group.dp_rank(r) in lost]
-                pending = {r: group.run_single_worker(method, r, *args) for r in ranks}
-                actors.update(_actor_ids(group, pending))
-            if len(results) == group.world_size:
-                return [results[rank] for rank in range(group.world_size)]
+        return results
 
     def replace_lost_workers(self) -> bool:
         """Ping every worker and replace those dead or silent for the hang timeout (after a call that failed
