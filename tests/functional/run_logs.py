@@ -26,6 +26,14 @@ VLLM_CPU_OWN_SLOT = (
 small KV cache (the tiny models need little)."""
 
 
+def metrics_by_step(log_dir: Path) -> dict[int, dict[str, Any]]:
+    """Every metric ``log_dir/metrics.jsonl`` holds, merged per step."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for record in read_records(log_dir):
+        by_step.setdefault(record["step"], {}).update(record)
+    return by_step
+
+
 def read_records(log_dir: Path, *, while_written: bool = False) -> list[dict[str, Any]]:
     """Every line of ``log_dir/metrics.jsonl``; ``while_written`` skips a last line still being written."""
     lines = [line for line in (log_dir / "metrics.jsonl").read_text().splitlines() if line]

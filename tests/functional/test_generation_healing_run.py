@@ -9,7 +9,6 @@ synchronous run whose math environment actor is killed (its replacement scores t
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
@@ -26,6 +25,7 @@ from kill_resume import run_script, script_env
 from run_logs import (
     VLLM_CPU_OWN_SLOT,
     expected_prompt_order,
+    metrics_by_step,
     ray_worker_pids,
     trained_prompts,
     wait_until_step_logged,
@@ -69,14 +69,6 @@ def _command(run_dir: Path, config: Path, *extra: str) -> list[str]:
         "logger.console_enabled=false",
         *extra,
     ]
-
-
-def _metrics(run_dir: Path) -> dict[int, dict[str, Any]]:
-    by_step: dict[int, dict[str, Any]] = {}
-    for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        by_step.setdefault(record["step"], {}).update(record)
-    return by_step
 
 
 def _run_killing(cmd: list[str], run_dir: Path, worker_title: str) -> str:
@@ -126,7 +118,7 @@ def unhurt(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]
     """The metrics of the synchronous run on the embedded engine, nothing killed."""
     run_dir = tmp_path_factory.mktemp("unhurt")
     run_script(_command(run_dir, CONFIG, *EMBEDDED_OWN_SLOT))
-    return _metrics(run_dir)
+    return metrics_by_step(run_dir / "logs")
 
 
 def _assert_equal_steps(expected: dict[int, dict[str, Any]], healed: dict[int, dict[str, Any]]) -> None:
@@ -145,7 +137,7 @@ def test_sync_grpo_heals_a_killed_generation_worker_and_equals_an_unhurt_run(
     text = _run_killing(hurt, tmp_path / "hurt", "ray::EmbeddedGenerationWorker")
     assert "generation worker 0 (replica 0) died during" in text, text[-4000:]
     assert "replaced on its slot and refitted" in text, text[-4000:]
-    healed = _metrics(tmp_path / "hurt")
+    healed = metrics_by_step(tmp_path / "hurt" / "logs")
     assert _replaced(healed) == 1
     _assert_equal_steps(unhurt, healed)
 
@@ -158,13 +150,13 @@ def test_sync_grpo_heals_a_killed_environment_actor_and_equals_an_unhurt_run(
     hurt = _command(tmp_path / "hurt", CONFIG, *EMBEDDED_OWN_SLOT)
     text = _run_killing(hurt, tmp_path / "hurt", "ray::MathEnvironment")
     assert "environment 'math' actor died during" in text, text[-4000:]
-    healed = _metrics(tmp_path / "hurt")
+    healed = metrics_by_step(tmp_path / "hurt" / "logs")
     assert sum(m.get("train/env/replaced_actors", 0.0) for m in healed.values()) == 1
     _assert_equal_steps(unhurt, healed)
 
 
 def _check_async_run(run_dir: Path, text: str) -> None:
-    metrics = _metrics(run_dir)
+    metrics = metrics_by_step(run_dir / "logs")
     assert [s for s in sorted(metrics) if "train/loss" in metrics[s]] == list(range(1, STEPS + 1)), text[
         -3000:
     ]
@@ -199,4 +191,4 @@ def test_vllm_grpo_heals_a_killed_generation_worker(tmp_path: Path, asynchronous
     if asynchronous:
         _check_async_run(run_dir, text)
     else:
-        assert _replaced(_metrics(run_dir)) == 1
+        assert _replaced(metrics_by_step(run_dir / "logs")) == 1

@@ -18,13 +18,13 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 import pytest
 from kill_resume import kill_and_resume, run_script, script_env, step_metrics
 from run_logs import (
     VLLM_CPU_OWN_SLOT,
     expected_prompt_order,
+    metrics_by_step,
     ray_worker_pids,
     trained_prompts,
     wait_until_exists,
@@ -90,15 +90,6 @@ def _command(tmp: Path, name: str, *extra: str, config: Path = CONFIG) -> list[s
     ]
 
 
-def _metrics(log_dir: Path) -> dict[int, dict[str, Any]]:
-    """All metrics logged at each step, merged."""
-    by_step: dict[int, dict[str, Any]] = {}
-    for line in (log_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        by_step.setdefault(record["step"], {}).update(record)
-    return by_step
-
-
 @pytest.mark.slow
 def test_colocated_dp2_lora_run_ends_naming_a_dead_policy_worker_and_leaves_nothing(tmp_path: Path) -> None:
     # The LoRA recipe (the README's main job with rank-4 adapters on every linear layer) at DP=2, the engine
@@ -147,7 +138,7 @@ def test_colocated_dp2_lora_run_ends_naming_a_dead_policy_worker_and_leaves_noth
             p.name for p in SHM_DIR.glob(f"{SEGMENT_NAME_PREFIX}*") if any(w in p.name for w in writers)
         ]
 
-        first = _metrics(log_dir)
+        first = metrics_by_step(log_dir)
         # A step's train metrics are logged before its checkpoint, so the kill cannot lose them.
         for step in (1, 2):
             assert "train/loss" in first[step] and "train/reward" in first[step], sorted(first[step])
@@ -229,7 +220,7 @@ def test_megatron_pipeline_grpo_resumes_after_kill_9_bit_exact(tmp_path: Path) -
         cmd, log_dir=run_dir / "logs", ckpt_dir=run_dir / "ckpt", checkpoint_step=2, max_delay_s=3.0
     )
     assert len(step_metrics(resumed.killed, 3)) > 30
-    metrics = _metrics(run_dir / "logs")
+    metrics = metrics_by_step(run_dir / "logs")
     for step in (1, 2, 3, 4):
         # The engine samples from exactly the weights the pipeline scores with.
         assert metrics[step]["train/gen_kl_error"] == pytest.approx(0.0, abs=1e-4), step
@@ -281,7 +272,7 @@ def test_vllm_samples_for_async_grpo_and_takes_the_refits_in_flight(tmp_path: Pa
     )
     run_script(cmd)
     log_dir = tmp_path / "vllm" / "logs"
-    metrics = _metrics(log_dir)
+    metrics = metrics_by_step(log_dir)
     # Step 1 trains on what the engine sampled with its start-up weights, the policy's own: vLLM's log-probs
     # are the policy's (float32 on both sides).
     assert metrics[1]["train/async/trajectory_age_max"] == 0
@@ -359,7 +350,7 @@ def test_async_grpo_ends_naming_a_dead_generation_worker_and_resumes_without_los
     assert json.loads(ckpt.read_text())["consumed_prompts"] == 8
     resumed = run_script(cmd)
     assert "Resuming GRPO from" in resumed.stdout and "(step 2)" in resumed.stdout, resumed.stdout[-3000:]
-    metrics = _metrics(run_dir / "logs")
+    metrics = metrics_by_step(run_dir / "logs")
     for step in range(1, 5):
         m = metrics[step]
         # Nothing older than max_trajectory_age_steps=1 was trained on, and nothing was dropped.

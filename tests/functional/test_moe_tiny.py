@@ -8,7 +8,6 @@ tests/distributed/test_megatron_moe.py.)"""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from run_logs import VLLM_CPU_OWN_SLOT
+from run_logs import VLLM_CPU_OWN_SLOT, metrics_by_step
 
 from nemo_rl.models.generation.vllm.engine_setup import installed_vllm_build
 
@@ -35,14 +34,6 @@ def _run(cmd: list[str]) -> float:
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert result.returncode == 0, f"{cmd} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     return time.monotonic() - start
-
-
-def _metrics(log_dir: Path) -> dict[int, dict[str, Any]]:
-    by_step: dict[int, dict[str, Any]] = {}
-    for line in (log_dir / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        by_step.setdefault(record["step"], {}).update(record)
-    return by_step
 
 
 def _check_moe_metrics(step: dict[str, Any]) -> None:
@@ -79,7 +70,7 @@ def _run_grpo(tmp_path: Path, config: str, *overrides: str) -> tuple[float, dict
             *overrides,
         ]
     )
-    return wall_s, _metrics(log_dir)
+    return wall_s, metrics_by_step(log_dir)
 
 
 def _check_grpo_steps(metrics: dict[int, dict[str, Any]], what: str) -> None:
