@@ -18,6 +18,9 @@
 #   6 cp         2 GPUs: 3 training steps with context_parallel_size=2 against CP=1 on the same GPUs
 #                (tools/gpu_check_cp.py): the DTensor worker, and the Megatron worker at TP=1 when
 #                Transformer Engine imports (megatron-core's CP attention is Transformer Engine's)
+#   7 heal       a GRPO run on one GPU whose generation worker is SIGKILLed after step 1 replaces it on the
+#                GPU, refits it and finishes (tools/gpu_check_heal.py): the embedded engine in its own
+#                worker, and vLLM when it imports
 #
 # By default the script installs the locked environment first (uv sync --locked --extra vllm) and runs
 # in it. With --no-sync it runs the python3 on PATH as it is, for a GPU machine without network access:
@@ -325,6 +328,19 @@ if (( NUM_GPUS >= 2 )); then
     run_stage 6-cp-megatron 150 "$PY" tools/gpu_check_cp.py megatron
 else
     record 6-cp-megatron SKIP "needs 2 GPUs (this machine has $NUM_GPUS) and Transformer Engine"
+fi
+
+# --- a generation worker lost and replaced on one GPU ------------------------------------------------------
+if (( NUM_GPUS >= 1 || ON_CPU )); then
+    run_stage 7-heal-embedded 240 "$PY" tools/gpu_check_heal.py embedded $( (( NUM_GPUS >= 1 )) || echo --cpu )
+    if (( HAS_VLLM && NUM_GPUS >= 1 )); then
+        run_stage 7-heal-vllm 300 "$PY" tools/gpu_check_heal.py vllm
+    else
+        record 7-heal-vllm SKIP "needs a GPU and vLLM importable in $PY"
+    fi
+else
+    record 7-heal-embedded SKIP "$NO_GPU_REASON"
+    record 7-heal-vllm SKIP "$NO_GPU_REASON"
 fi
 
 # --- summary -------------------------------------------------------------------------------------------
