@@ -8,7 +8,8 @@ call does not end the run:
 1. its replica (every rank of its data-parallel group: tensor-parallel peers may be stuck in a collective with
    it) is killed and started again on the same bundles, with the same rank environment, so it samples with the
    same seeds as the replica it replaces;
-2. the calls that set the workers' state since they started (in-flight weight updates) are made again on it;
+2. the calls that set the workers' state since they started (in-flight weight updates) are made again on it,
+   and it is put in the pool's phase (asleep after ``finish_generation``, as a refit finds the others);
 3. the run's refill (:meth:`set_refill`; the :class:`~nemo_rl.weight_sync.refitter.Refitter` sends the policy's
    current weights) loads it with a full refit; a pool without one (an evaluation) keeps the weights the new
    worker loaded from the model's checkpoint;
@@ -60,6 +61,7 @@ class PoolHealer:
         self._unreported = 0
         self._refill: Refill | None = None
         self._state_calls: list[tuple[str, tuple[Any, ...]]] = []
+        self._phase: str | None = None
         # Serialises replacements: the rollout thread and a refit may find the same lost worker at once.
         self._lock = threading.RLock()
 
@@ -71,6 +73,11 @@ class PoolHealer:
     def remember(self, method: str, *args: Any) -> None:
         """Record a call that changes the workers' state for good, to make it again on every replacement."""
         self._state_calls.append((method, args))
+
+    def set_phase(self, method: str | None) -> None:
+        """The call that put the workers in their present phase (``finish_generation``: asleep, devices handed
+        to the policy), made on a replacement after the remembered calls; ``None``: a new worker's phase."""
+        self._phase = method
 
     def take_metrics(self) -> dict[str, float]:
         """``generation/replaced_workers``: replicas replaced or dropped since the last call (empty when none)."""
@@ -192,7 +199,8 @@ class PoolHealer:
                 flush=True,
             )
             return False
-        for method, args in self._state_calls:
+        calls = [*self._state_calls, *([(self._phase, ())] if self._phase else [])]
+        for method, args in calls:
             group.get_all_worker_results(
                 [group.run_single_worker(method, r, *args) for r in ranks], self.cfg.start_timeout_s
             )

@@ -226,11 +226,13 @@ class ReplicatedGeneration(SeededReplicas, WorkerGroupFacade):
 
     def prepare_for_generation(self) -> None:
         """Weights (and whatever cache memory the backend freed) back onto the devices."""
+        self.healer.set_phase(None)
         self._on_all("prepare_for_generation")
 
     def finish_generation(self) -> None:
         """Free the devices for colocated training (KV caches dropped, weights offloaded as the backend does)."""
         self._on_all("finish_generation")
+        self.healer.set_phase("finish_generation")  # a replacement sleeps too, until the next prepare
 
     # ------------------------------------------------------------------------------- healing
     def set_refill(self, refill: Refill | None) -> None:
