@@ -24,6 +24,11 @@ HEALTH_GROUP = "health"
 """The actors' concurrency group that answers pings."""
 
 
+def _node_id(_worker: Any) -> str:
+    """Run inside a worker: the Ray node it runs on."""
+    return str(ray.get_runtime_context().get_node_id())
+
+
 def _answer(_worker: Any) -> bool:
     """What a ping runs inside the worker: nothing, so any answer means the process is alive and scheduling."""
     return True
@@ -35,8 +40,19 @@ class WatchedWorkerGroup(RayWorkerGroup):
     :meth:`replace_workers` / :meth:`drop_dp_groups` let the group go on after losing workers. Same arguments.
     """
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._moved_nodes: dict[int, str] = {}
+        super().__init__(*args, **kwargs)
+
     def _remote_class(self) -> Any:
         return ray.remote(concurrency_groups={HEALTH_GROUP: 1})(self._worker_cls)  # type: ignore[call-overload]  # ray's stubs lack the key
+
+    @property
+    def node_ids(self) -> list[str]:
+        """Ray node id of each worker, in rank order: its bundle's at the start, then where each replacement
+        runs (Ray moves a placement group's bundle off a lost node, and the replacement goes with it)."""
+        locations = self.cluster.bundle_locations()
+        return [self._moved_nodes.get(b, locations[b].node_id) for b in self.bundle_indices]
 
     def ping(self, ranks: Sequence[int]) -> dict[int, ray.ObjectRef]:
         """One health ping per rank of ``ranks``: a ref that resolves as soon as the worker's process answers,
@@ -64,10 +80,18 @@ class WatchedWorkerGroup(RayWorkerGroup):
             self._remember(ref, rank, "__init__")
         try:
             self.get_all_worker_results(refs, timeout_s)
+            nodes: list[str] = ray.get(
+                [
+                    self._workers[rank].__ray_call__.options(concurrency_group=HEALTH_GROUP).remote(_node_id)
+                    for rank in ranks
+                ],
+                timeout=timeout_s,
+            )
         except BaseException:
             for rank in ranks:
                 ray.kill(self._workers[rank], no_restart=True)
             raise
+        self._moved_nodes.update({self.bundle_indices[r]: node for r, node in zip(ranks, nodes, strict=True)})
 
     def drop_dp_groups(self, dp_ranks: Sequence[int]) -> None:
         """Kill the workers of the data-parallel groups ``dp_ranks`` and go on without them: the group then has

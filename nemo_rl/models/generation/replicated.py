@@ -171,7 +171,6 @@ class ReplicatedGeneration(SeededReplicas, WorkerGroupFacade):
         bundles = list(range(cluster.world_size)) if bundle_indices is None else list(bundle_indices)
         layout = self._layout(cluster, bundles, seed)
         SeededReplicas.__init__(self, pad_token_id=require_pad_token_id(tokenizer), seed=seed)
-        self._cluster = cluster
         workers = WatchedWorkerGroup(
             cluster,
             self.worker_cls,
@@ -200,8 +199,12 @@ class ReplicatedGeneration(SeededReplicas, WorkerGroupFacade):
     @property
     def worker_node_ids(self) -> list[str]:
         """Ray node id of each worker, in rank order."""
-        locations = self._cluster.bundle_locations()
-        return [locations[b].node_id for b in self.worker_group.bundle_indices]
+        return self.watched_group.node_ids
+
+    @property
+    def watched_group(self) -> WatchedWorkerGroup:
+        """The workers (the healer's group)."""
+        return self.healer.group
 
     def generate(
         self, data: BatchedDataDict[Any], greedy: bool = False, seed: int | None = None
