@@ -112,9 +112,8 @@ class PoolHealer:
         """``method(*args_of(rank))`` on every worker, made again on the replacements of lost replicas; the
         results by rank, or ``None`` when the pool dropped a replica instead."""
         group = self.group
-        pending = {
-            rank: group.run_single_worker(method, rank, *args_of(rank)) for rank in range(group.world_size)
-        }
+        world_size = group.world_size
+        pending = {rank: group.run_single_worker(method, rank, *args_of(rank)) for rank in range(world_size)}
         actors = _actor_ids(group, pending)
         results: dict[int, Any] = {}
         while pending:
@@ -124,7 +123,8 @@ class PoolHealer:
             results.update(done)
             if not failures:
                 break
-            if not self.heal(failures, actors, during=method):
+            # The pool dropped a replica (here, or in another thread's call meanwhile): deal the call again.
+            if not self.heal(failures, actors, during=method) or group.world_size != world_size:
                 return None
             lost = {group.dp_rank(rank) for rank in failures}
             ranks = [r for r in range(group.world_size) if group.dp_rank(r) in lost]
