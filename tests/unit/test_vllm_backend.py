@@ -14,6 +14,8 @@ import ast
 import dataclasses
 import importlib.util
 import os
+import subprocess
+import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -836,3 +838,18 @@ def test_cpu_tensor_parallel_segments_are_removed_at_shutdown_and_when_stale(
     segments.remove()
     segments.remove()  # every rank removes the engine's segments; the second finds none
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([names["vllm_default"], names["refit"]])
+
+
+def test_a_dead_workers_temporary_folder_is_swept_and_a_living_ones_kept(tmp_path: Path) -> None:
+    # vLLM leaves its sockets and file store behind when its worker is killed: the next worker removes them.
+    from nemo_rl.models.generation.vllm.tmp_dir import PREFIX, sweep_dead_workers_tmp_dirs
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    gone = tmp_path / f"{PREFIX}{dead.pid}_abc"
+    kept = tmp_path / f"{PREFIX}{os.getpid()}_def"
+    for folder in (gone, kept):
+        folder.mkdir()
+        (folder / "vllm_dist_0").write_text("")
+    assert sweep_dead_workers_tmp_dirs(tmp_path) == [gone]
+    assert not gone.exists() and kept.exists()

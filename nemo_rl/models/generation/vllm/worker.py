@@ -17,7 +17,6 @@ import itertools
 import logging
 import os
 import shutil
-import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -63,6 +62,7 @@ from nemo_rl.models.generation.vllm.engine_setup import (
 )
 from nemo_rl.models.generation.vllm.images import patch_layout, vllm_prompts
 from nemo_rl.models.generation.vllm.lora import VllmAdapters, lora_engine_kwargs, split_adapters
+from nemo_rl.models.generation.vllm.tmp_dir import temporary_files_in, worker_tmp_dir
 from nemo_rl.models.generation.vllm.worker_extension import keep_cpu_linear_weights_in_place
 from nemo_rl.models.hf_config import load_hf_config
 from nemo_rl.models.hf_moe import per_expert_weights
@@ -169,9 +169,9 @@ class VllmGenerationWorker:
         """Build the ``vllm.LLM`` (and remember vLLM's ``SamplingParams`` class)."""
         # Before vLLM is imported: it reads some of these once.
         os.environ.update(worker_env(self.cfg, self.vllm_port))
-        # The engine's ZeroMQ sockets go in a folder of this worker's, removed at shutdown: vLLM puts them in
-        # /tmp under random names and leaves them there when its engine process is ended.
-        self._rpc_dir: str | None = tempfile.mkdtemp(prefix="nemo_rl_vllm_rpc_")
+        # The engine's ZeroMQ sockets and file store go in a folder of this worker's (see tmp_dir): vLLM leaves
+        # them in /tmp under random names when its engine process is ended.
+        self._rpc_dir: str | None = worker_tmp_dir()
         os.environ["VLLM_RPC_BASE_PATH"] = self._rpc_dir
         tp_size = self.cfg.generation.vllm_cfg.tensor_parallel_size
         if tp_size > 1:
@@ -192,9 +192,12 @@ class VllmGenerationWorker:
         if cpu and tp_size > 1:
             self._cpu_shm = prepare_cpu_shm()
         tokenizer_source = self.cfg.tokenizer.name or self.model_source
-        return vllm.LLM(
-            **engine_kwargs(self.cfg, model=self.model_source, tokenizer=tokenizer_source, seed=seed, cpu=cpu)
-        )
+        with temporary_files_in(self._rpc_dir):
+            return vllm.LLM(
+                **engine_kwargs(
+                    self.cfg, model=self.model_source, tokenizer=tokenizer_source, seed=seed, cpu=cpu
+                )
+            )
 
     # ---------------------------------------------------------------------------------------- generate
     def generate(self, data: BatchedDataDict[Any], greedy: bool, seed: int) -> BatchedDataDict[Any]:
