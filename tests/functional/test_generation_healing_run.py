@@ -158,13 +158,11 @@ def _check_async_run(run_dir: Path, text: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("in_flight", [False, True], ids=["request_boundary", "in_flight"])
-def test_async_grpo_heals_a_killed_generation_worker_and_trains_every_prompt_once(
-    tmp_path: Path, in_flight: bool
-) -> None:
+def test_async_grpo_heals_a_killed_generation_worker_and_trains_every_prompt_once(tmp_path: Path) -> None:
     # With in-flight weight updates the trainer's refits run while the rollout thread generates: either may
-    # find the lost worker first, and the other then sees it replaced.
-    cmd = _command(tmp_path / "async", ASYNC_CONFIG, f"grpo.async_grpo.in_flight_weight_updates={in_flight}")
+    # find the lost worker first, and the other then sees it replaced. (Refits at the request boundary, the
+    # async recipe's default, are healed in the vLLM test below.)
+    cmd = _command(tmp_path / "async", ASYNC_CONFIG, "grpo.async_grpo.in_flight_weight_updates=true")
     text = _run_killing_generation(cmd, tmp_path / "async", "ray::EmbeddedGenerationWorker")
     _check_async_run(tmp_path / "async", text)
 
