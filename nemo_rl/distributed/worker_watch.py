@@ -129,7 +129,8 @@ class WorkerFailure:
         return "hung" if self.hung else "died"
 
 
-def _first_line(text: str) -> str:
+def first_line(text: str) -> str:
+    """The first line of an error's text (Ray's reports run to many lines), at most 300 characters."""
     return (text.strip().splitlines() or [""])[0][:300]
 
 
@@ -142,8 +143,9 @@ def gather_watching(
 ) -> tuple[dict[int, Any], dict[int, WorkerFailure]]:
     """Wait for ``refs`` (one call per rank, ``{rank: ref}``) until each has a result or its worker is lost.
 
-    A worker is lost when it dies or when it answers no ping for ``hang_timeout_s``. Once a rank is lost, its tensor-parallel peers' calls are not waited for either
-    (they may be stuck in a collective with it): the caller replaces whole data-parallel groups.
+    A worker is lost when it dies or when it answers no ping for ``hang_timeout_s``. Once a rank is lost, its
+    tensor-parallel peers' calls are not waited for either (they may be stuck in a collective with it): the
+    caller replaces whole data-parallel groups.
 
     Returns ``(results, failures)``: the results by rank of the calls that finished, and the lost workers by
     rank. Raises ``TimeoutError`` naming the calls still running after ``timeout_s``, and a call's own
@@ -182,13 +184,13 @@ def gather_watching(
                     seen_at[rank] = time.monotonic()
                 except RayActorError as error:
                     if rank not in failures:
-                        lose(WorkerFailure(rank, False, _first_line(str(error))))
+                        lose(WorkerFailure(rank, False, first_line(str(error))))
             elif ref in pending:
                 rank = pending.pop(ref)
                 try:
                     results[rank] = group._fetch(ref)
                 except WorkerDiedError as error:
-                    lose(WorkerFailure(rank, False, _first_line(error.cause)))
+                    lose(WorkerFailure(rank, False, first_line(error.cause)))
         _watch(group, pending, pings, pinged_at, seen_at, check_s, hang_timeout_s, lose)
     return results, failures
 

@@ -175,7 +175,8 @@ class Refitter:
         self._transport_factory = transport_factory
         self._transport_workers = worker_identities(target.workers)
         self._lock = threading.RLock()
-        if transport is not None:
+        if transport_factory is not None:
+            # Replaced generation workers get the policy's weights over a transport of their own.
             target.set_refill(self.refill)
 
     @classmethod
@@ -280,7 +281,7 @@ class Refitter:
         """Send the policy's current weights (every one) to the generation workers of ``ranks`` alone, just
         started in place of lost ones, over a transport of their own; the others keep what they hold. The next
         refit is full (the guard checks every engine again after it)."""
-        if self._transport_factory is None:
+        if self._transport_factory is None:  # registered only with one (see __init__)
             raise RuntimeError("Refitter.refill needs a transport_factory (Refitter.create makes one)")
         workers = [self.target.workers[r] for r in ranks]
         nodes = self.target.worker_node_ids

@@ -32,7 +32,7 @@ import ray
 from nemo_rl.config.errors import UserError
 from nemo_rl.config.generation import HealingConfig
 from nemo_rl.distributed.worker_groups import WorkerDiedError
-from nemo_rl.distributed.worker_watch import WatchedWorkerGroup, WorkerFailure, gather_watching
+from nemo_rl.distributed.worker_watch import WatchedWorkerGroup, WorkerFailure, first_line, gather_watching
 
 Refill = Callable[[Sequence[int]], None]
 """Loads the run's current weights into the workers of the given ranks (just replaced)."""
@@ -186,15 +186,16 @@ class PoolHealer:
         try:
             group.replace_workers(ranks, self.cfg.start_timeout_s)
         except (TimeoutError, WorkerDiedError) as error:
+            why = first_line(str(error)) or type(error).__name__
             if group.dp_size == 1:
                 raise GenerationPoolError(
-                    f"{what}, and its replacement did not start ({_first_line(error)}); no generation worker "
+                    f"{what}, and its replacement did not start ({why}); no generation worker "
                     "is left: check the cluster's free slots, or raise "
                     "policy.generation.healing.start_timeout_s; the last checkpoint is intact"
                 ) from error
             group.drop_dp_groups([dp])
             print(
-                f"WARNING: {what}; its replacement did not start ({_first_line(error)}), so generation goes on "
+                f"WARNING: {what}; its replacement did not start ({why}), so generation goes on "
                 f"with {group.dp_size} replicas ({self.replacements} of {limit} replacements used)",
                 flush=True,
             )
@@ -207,8 +208,8 @@ class PoolHealer:
         if self._refill is not None:
             self._refill(ranks)
         print(
-            f"WARNING: {what}; replaced on its slot{' and refitted' if self._refill else ''}, its requests are "
-            f"sampled again ({self.replacements} of {limit} replacements used)",
+            f"WARNING: {what}; replaced on its slot{' and refitted' if self._refill else ''}, and its {during} call "
+            f"is made again ({self.replacements} of {limit} replacements used)",
             flush=True,
         )
         return True
@@ -217,7 +218,3 @@ class PoolHealer:
 def _actor_ids(group: WatchedWorkerGroup, refs: dict[int, Any]) -> dict[int, str]:
     """The actor id of each rank of ``refs`` now (to tell later whether it was replaced meanwhile)."""
     return {rank: group.workers[rank]._actor_id.hex() for rank in refs}
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0][:300]

@@ -16,17 +16,9 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-PREFIX = "nemo_rl_vllm_"
+import psutil
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return True
+from nemo_rl.models.generation.vllm.cpu_shm import IDENT_PREFIX as PREFIX
 
 
 def sweep_dead_workers_tmp_dirs(root: Path | None = None) -> list[Path]:
@@ -35,7 +27,12 @@ def sweep_dead_workers_tmp_dirs(root: Path | None = None) -> list[Path]:
     removed = []
     for path in Path(root or tempfile.gettempdir()).glob(f"{PREFIX}*_*"):
         pid = path.name[len(PREFIX) :].split("_", 1)[0]
-        if pid.isdigit() and path.is_dir() and path.stat().st_uid == os.getuid() and not _alive(int(pid)):
+        if (
+            pid.isdigit()
+            and path.is_dir()
+            and path.stat().st_uid == os.getuid()
+            and not psutil.pid_exists(int(pid))
+        ):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
